@@ -1,0 +1,1 @@
+"""timeslice client library (placeholder exports are completed below)."""

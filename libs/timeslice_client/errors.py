@@ -1,0 +1,151 @@
+"""The exception tree of ``timeslice_client``.
+
+::
+
+    TimeSliceError
+    ├── InvalidId            an id that can never be put into a subject or key
+    ├── InvalidRequest       a request the orchestrator refused as malformed
+    ├── Unavailable          the bus (or the orchestrator behind it) did not answer in time
+    ├── AcquireTimeout       the group was not granted before the acquire's timeout
+    ├── AcquireCancelled     the wait was cancelled, or the orchestrator dropped the waiter
+    ├── JobFaulted           the job is faulted in its group; clear the fault first
+    └── LockLost             the caller does not hold the group (any more)
+        ├── NotHolder        another job (or nobody) holds the group
+        ├── StaleEpoch       the caller's grant is older than the group's current epoch
+        └── LeaseExpired     the lease lapsed (not renewed in time) and the group moved on
+
+Every error carries the values that explain it as attributes and says in its message what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AcquireCancelled",
+    "AcquireTimeout",
+    "InvalidId",
+    "InvalidRequest",
+    "JobFaulted",
+    "LeaseExpired",
+    "LockLost",
+    "NotHolder",
+    "StaleEpoch",
+    "TimeSliceError",
+    "Unavailable",
+]
+
+
+class TimeSliceError(Exception):
+    """Root of every error raised by ``timeslice_client``."""
+
+
+class InvalidId(TimeSliceError, ValueError):
+    def __init__(self, kind: str, value: object, rule: str) -> None:
+        self.kind = kind
+        self.value = value
+        self.rule = rule
+        super().__init__(f"invalid {kind} id {value!r}: {rule}")
+
+
+class InvalidRequest(TimeSliceError, ValueError):
+    def __init__(self, message: str, *, group_id: str | None = None, job_id: str | None = None) -> None:
+        self.group_id = group_id
+        self.job_id = job_id
+        super().__init__(message)
+
+
+class Unavailable(TimeSliceError):
+    def __init__(self, what: str, *, nats_url: str | None = None, after_s: float | None = None) -> None:
+        self.what = what
+        self.nats_url = nats_url
+        self.after_s = after_s
+        where = f" at {nats_url}" if nats_url else ""
+        when = f" after {after_s:.3g} s" if after_s is not None else ""
+        super().__init__(
+            f"{what}: no answer from the bus{where}{when}; check that NATS and the orchestrator are running "
+            "(`timeslice up` starts both) and that TIMESLICE_NATS_URL points at them"
+        )
+
+
+class AcquireTimeout(TimeSliceError, TimeoutError):
+    def __init__(self, group_id: str, job_id: str, timeout_s: float, holder: str | None = None) -> None:
+        self.group_id = group_id
+        self.job_id = job_id
+        self.timeout_s = timeout_s
+        self.holder = holder
+        held = f" (held by {holder!r})" if holder else ""
+        super().__init__(
+            f"job {job_id!r} was not granted group {group_id!r} within {timeout_s:.3g} s{held}; "
+            "the wait was cancelled. Retry with a longer timeout, or see `timeslice status` for who holds it"
+        )
+
+
+class AcquireCancelled(TimeSliceError):
+    def __init__(self, group_id: str, job_id: str, reason: str) -> None:
+        self.group_id = group_id
+        self.job_id = job_id
+        self.reason = reason
+        super().__init__(f"the wait of job {job_id!r} for group {group_id!r} ended without a grant: {reason}")
+
+
+class JobFaulted(TimeSliceError):
+    def __init__(self, group_id: str, job_id: str, reason: str) -> None:
+        self.group_id = group_id
+        self.job_id = job_id
+        self.reason = reason
+        super().__init__(
+            f"job {job_id!r} is faulted in group {group_id!r}: {reason}; fix the cause, then clear it with "
+            f"`timeslice clear-fault --group {group_id} --job {job_id}`"
+        )
+
+
+class LockLost(TimeSliceError):
+    def __init__(
+        self, message: str, *, group_id: str, job_id: str, holder: str | None, epoch: int, your_epoch: int | None
+    ) -> None:
+        self.group_id = group_id
+        self.job_id = job_id
+        self.holder = holder
+        self.epoch = epoch
+        self.your_epoch = your_epoch
+        super().__init__(message)
+
+
+class NotHolder(LockLost):
+    def __init__(
+        self, group_id: str, job_id: str, holder: str | None, epoch: int, your_epoch: int | None = None
+    ) -> None:
+        who = f"job {holder!r} holds it at epoch {epoch}" if holder else f"nobody holds it (epoch {epoch})"
+        super().__init__(
+            f"job {job_id!r} does not hold group {group_id!r}: {who}; acquire it first",
+            group_id=group_id,
+            job_id=job_id,
+            holder=holder,
+            epoch=epoch,
+            your_epoch=your_epoch,
+        )
+
+
+class StaleEpoch(LockLost):
+    def __init__(self, group_id: str, job_id: str, holder: str | None, epoch: int, your_epoch: int | None) -> None:
+        super().__init__(
+            f"job {job_id!r} used epoch {your_epoch} of group {group_id!r}, but the group is at epoch {epoch} "
+            f"(holder {holder!r}); that grant is over, acquire again",
+            group_id=group_id,
+            job_id=job_id,
+            holder=holder,
+            epoch=epoch,
+            your_epoch=your_epoch,
+        )
+
+
+class LeaseExpired(LockLost):
+    def __init__(self, group_id: str, job_id: str, epoch: int, reason: str) -> None:
+        super().__init__(
+            f"job {job_id!r} lost group {group_id!r} at epoch {epoch}: {reason}; its lease was not renewed in "
+            "time (a stalled event loop or a lost bus connection). Acquire again",
+            group_id=group_id,
+            job_id=job_id,
+            holder=None,
+            epoch=epoch,
+            your_epoch=epoch,
+        )

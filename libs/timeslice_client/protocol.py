@@ -1,0 +1,456 @@
+"""The wire protocol: ids, subjects, bus messages and KV records.
+
+Every message is a frozen :class:`msgspec.Struct` encoded as JSON, tagged by a ``type`` field so
+that one decoder per subject family dispatches without a ``"type"``-string ``if`` chain. Decoding
+is strict: unknown fields are rejected.
+
+Subjects (all versioned under ``ts.v1``; the ``TIMESLICE`` stream captures ``ts.v1.>``):
+
+==================================  ==========================================================
+``ts.v1.job.<group>.<job>.<verb>``  job → orchestrator: acquire, release, renew, cancel, phase
+``ts.v1.ctl.<group>.<verb>``        orchestrator / operator → orchestrator: tick, clear_fault,
+                                    agent_lost
+``ts.v1.agent.<node>.evt.<group>``  agent → orchestrator: job registered, operation outcome
+``ts.v1.notice.<group>.<job>``      orchestrator → job: granted, released, refused, revoked,
+                                    dequeued
+``ts.v1.agent.<node>.cmd``          orchestrator → agent: snapshot / restore commands
+``ts.v1.group.<group>.state``       orchestrator: group state transitions (for people and replay)
+==================================  ==========================================================
+
+Request/reply subjects live under ``ts.rpc.>``, outside every stream (a stream would answer them
+with its PubAck).
+
+Schema evolution: add fields only with defaults; never change a field's type or meaning; a new
+message is a new tag. Consumers of an older version reject unknown tags loudly.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Final, Literal
+
+import msgspec
+
+from .errors import InvalidId
+
+__all__ = [
+    "AGENTS_BUCKET",
+    "GROUPS_BUCKET",
+    "JOBS_BUCKET",
+    "STREAM",
+    "STREAM_SUBJECTS",
+    "Acquire",
+    "AgentCommand",
+    "AgentInfo",
+    "AgentLost",
+    "Cancel",
+    "ClearFault",
+    "ControlEvent",
+    "Dequeued",
+    "DeviceInfo",
+    "ErrorCode",
+    "GroupRecord",
+    "GroupState",
+    "Granted",
+    "HolderRecord",
+    "InputEvent",
+    "JobEvent",
+    "JobRegistered",
+    "JobUnregistered",
+    "Notice",
+    "OpKind",
+    "OpRecord",
+    "OpResult",
+    "Phase",
+    "Refused",
+    "Release",
+    "Released",
+    "Renew",
+    "Restore",
+    "Revoked",
+    "Snapshot",
+    "StateChanged",
+    "SwitchRecord",
+    "Tick",
+    "WaiterRecord",
+    "decode_input",
+    "decode_notice",
+    "decode_record",
+    "encode",
+    "subjects",
+    "validate_id",
+]
+
+STREAM: Final = "TIMESLICE"
+STREAM_SUBJECTS: Final = ("ts.v1.>",)
+GROUPS_BUCKET: Final = "groups"
+AGENTS_BUCKET: Final = "agents"
+JOBS_BUCKET: Final = "jobs"
+
+_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+_ID_RULE: Final = "1 to 64 characters of A-Z a-z 0-9 _ -, starting with a letter or digit"
+
+
+def validate_id(kind: str, value: object) -> str:
+    """Return ``value`` if it is a safe group/job/node id, else raise :class:`InvalidId`."""
+    if not isinstance(value, str) or _ID_RE.fullmatch(value) is None:
+        raise InvalidId(kind, value, _ID_RULE)
+    return value
+
+
+class _Subjects:
+    """Subject builders. Every id is validated before it reaches a subject."""
+
+    prefix: Final = "ts.v1"
+
+    def job(self, group: str, job: str, verb: str) -> str:
+        return f"ts.v1.job.{validate_id('group', group)}.{validate_id('job', job)}.{verb}"
+
+    def ctl(self, group: str, verb: str) -> str:
+        return f"ts.v1.ctl.{validate_id('group', group)}.{verb}"
+
+    def agent_event(self, node: str, group: str) -> str:
+        return f"ts.v1.agent.{validate_id('node', node)}.evt.{validate_id('group', group)}"
+
+    def notice(self, group: str, job: str) -> str:
+        return f"ts.v1.notice.{validate_id('group', group)}.{validate_id('job', job)}"
+
+    def agent_cmd(self, node: str) -> str:
+        return f"ts.v1.agent.{validate_id('node', node)}.cmd"
+
+    def group_state(self, group: str) -> str:
+        return f"ts.v1.group.{validate_id('group', group)}.state"
+
+    # Filters the orchestrator consumes (its inputs).
+    inputs: Final = ("ts.v1.job.>", "ts.v1.ctl.>", "ts.v1.agent.*.evt.>")
+    all_events: Final = "ts.v1.>"
+
+    def group_filter(self, group: str) -> tuple[str, ...]:
+        g = validate_id("group", group)
+        return (f"ts.v1.job.{g}.>", f"ts.v1.ctl.{g}.>", f"ts.v1.agent.*.evt.{g}",
+                f"ts.v1.notice.{g}.>", f"ts.v1.group.{g}.>")
+
+
+subjects: Final = _Subjects()
+
+
+class GroupState(enum.StrEnum):
+    IDLE = "IDLE"
+    IDLE_YIELDED = "IDLE_YIELDED"
+    LOCKED = "LOCKED"
+    SWITCHING = "SWITCHING"
+
+
+class ErrorCode(enum.StrEnum):
+    """Stable refusal codes, shared by orchestrator and clients."""
+
+    NOT_HOLDER = "NOT_HOLDER"
+    STALE_EPOCH = "STALE_EPOCH"
+    JOB_FAULTED = "JOB_FAULTED"
+    INVALID = "INVALID"
+
+
+class OpKind(enum.StrEnum):
+    SNAPSHOT = "snapshot"
+    RESTORE = "restore"
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
+    pass
+
+
+# --------------------------------------------------------------------------- job → orchestrator
+
+
+class Acquire(_Msg, tag="acquire"):
+    group: str
+    job: str
+    request_id: str
+    lease_ms: int = 30_000
+    timeout_ms: int = 300_000
+    waiter_ttl_ms: int = 5_000
+    confirm_ms: int = 3_000
+
+
+class Release(_Msg, tag="release"):
+    group: str
+    job: str
+    request_id: str
+    epoch: int
+
+
+class Renew(_Msg, tag="renew"):
+    """Keeps a holder's lease (``epoch`` set) or a waiter's place (``epoch`` None) alive."""
+
+    group: str
+    job: str
+    request_id: str
+    epoch: int | None = None
+
+
+class Cancel(_Msg, tag="cancel"):
+    group: str
+    job: str
+    request_id: str
+    reason: str = "cancelled"
+
+
+class Phase(_Msg, tag="phase"):
+    group: str
+    job: str
+    name: str
+    edge: Literal["start", "end"]
+    epoch: int | None = None
+    error: str | None = None
+
+
+JobEvent = Acquire | Release | Renew | Cancel | Phase
+
+
+# --------------------------------------------------------------------------- control
+
+
+class Tick(_Msg, tag="tick"):
+    group: str
+
+
+class ClearFault(_Msg, tag="clear_fault"):
+    group: str
+    job: str
+
+
+class AgentLost(_Msg, tag="agent_lost"):
+    group: str
+    node: str
+
+
+ControlEvent = Tick | ClearFault | AgentLost
+
+
+# --------------------------------------------------------------------------- agent → orchestrator
+
+
+class JobRegistered(_Msg, tag="job_registered"):
+    group: str
+    job: str
+    node: str
+    backend: str = "noop"
+    op_timeout_ms: int = 120_000
+
+
+class JobUnregistered(_Msg, tag="job_unregistered"):
+    group: str
+    job: str
+    node: str
+
+
+class OpResult(_Msg, tag="op_result"):
+    group: str
+    op_id: str
+    node: str
+    job: str
+    kind: OpKind
+    epoch: int
+    ok: bool
+    error: str | None = None
+    backend: str = "noop"
+    bytes_moved: int = 0
+    device_bytes_freed: int = 0
+    elapsed_ms: float = 0.0
+
+
+InputEvent = (
+    Acquire | Release | Renew | Cancel | Phase | Tick | ClearFault | AgentLost | JobRegistered | JobUnregistered
+    | OpResult
+)
+
+
+# --------------------------------------------------------------------------- orchestrator → job
+
+
+class Granted(_Msg, tag="granted"):
+    group: str
+    job: str
+    request_id: str
+    epoch: int
+    waited_ms: int
+    context_restored: bool
+    lease_deadline_ms: int
+
+
+class Released(_Msg, tag="released"):
+    group: str
+    job: str
+    request_id: str
+    epoch: int
+    pending_waiters: int
+    snapshot_deferred: bool
+
+
+class Refused(_Msg, tag="refused"):
+    group: str
+    job: str
+    request_id: str
+    code: ErrorCode
+    message: str
+    holder: str | None = None
+    epoch: int = 0
+
+
+class Revoked(_Msg, tag="revoked"):
+    group: str
+    job: str
+    epoch: int
+    reason: str
+
+
+class Dequeued(_Msg, tag="dequeued"):
+    group: str
+    job: str
+    request_id: str
+    reason: str
+
+
+Notice = Granted | Released | Refused | Revoked | Dequeued
+
+
+# --------------------------------------------------------------------------- orchestrator → agent
+
+
+class Snapshot(_Msg, tag="snapshot"):
+    op_id: str
+    group: str
+    job: str
+    node: str
+    epoch: int
+    deadline_ms: int
+
+
+class Restore(_Msg, tag="restore"):
+    op_id: str
+    group: str
+    job: str
+    node: str
+    epoch: int
+    deadline_ms: int
+
+
+AgentCommand = Snapshot | Restore
+
+
+class StateChanged(_Msg, tag="state_changed"):
+    group: str
+    state: GroupState
+    previous: GroupState
+    epoch: int
+    holder: str | None
+    active_job: str | None
+    reason: str
+
+
+# --------------------------------------------------------------------------- KV records
+
+
+class _Rec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class HolderRecord(_Rec):
+    job: str
+    request_id: str
+    epoch: int
+    granted_at_ms: int
+    lease_ms: int
+    lease_deadline_ms: int
+    confirmed: bool = False
+
+
+class WaiterRecord(_Rec):
+    job: str
+    request_id: str
+    enqueued_at_ms: int
+    deadline_ms: int
+    alive_until_ms: int
+    lease_ms: int
+    waiter_ttl_ms: int
+    confirm_ms: int
+
+
+class OpRecord(_Rec):
+    op_id: str
+    node: str
+    job: str
+    kind: OpKind
+    deadline_ms: int
+
+
+class SwitchRecord(_Rec):
+    to: WaiterRecord | None
+    epoch: int
+    phase: OpKind
+    started_at_ms: int
+    ops: tuple[OpRecord, ...] = ()
+    restored: bool = False
+
+
+class GroupRecord(_Rec):
+    """The authoritative lock record of one group (KV ``groups``, key = group id)."""
+
+    group: str
+    epoch: int = 0
+    state: GroupState = GroupState.IDLE
+    since_ms: int = 0
+    holder: HolderRecord | None = None
+    active_job: str | None = None
+    loaded: dict[str, str] = {}
+    placements: dict[str, tuple[str, ...]] = {}
+    op_timeouts: dict[str, int] = {}
+    queue: tuple[WaiterRecord, ...] = ()
+    switch: SwitchRecord | None = None
+    faulted: dict[str, str] = {}
+    last_seq: int = 0
+
+
+class DeviceInfo(_Rec):
+    index: int
+    uuid: str
+    name: str = ""
+    memory_used_bytes: int = 0
+    memory_total_bytes: int = 0
+
+
+class AgentInfo(_Rec):
+    """An agent's liveness record (KV ``agents``, key = node id, with a TTL)."""
+
+    node: str
+    pid: int
+    started_at_ms: int
+    backends: tuple[str, ...] = ()
+    devices: tuple[DeviceInfo, ...] = ()
+    host_memory_total_bytes: int = 0
+    host_memory_available_bytes: int = 0
+
+
+# --------------------------------------------------------------------------- codecs
+
+_encoder: Final = msgspec.json.Encoder()
+_input_decoder: Final = msgspec.json.Decoder(InputEvent)
+_notice_decoder: Final = msgspec.json.Decoder(Notice)
+_record_decoder: Final = msgspec.json.Decoder(GroupRecord)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_input(data: bytes) -> InputEvent:
+    return _input_decoder.decode(data)
+
+
+def decode_notice(data: bytes) -> Notice:
+    return _notice_decoder.decode(data)
+
+
+def decode_record(data: bytes) -> GroupRecord:
+    return _record_decoder.decode(data)
