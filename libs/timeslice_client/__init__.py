@@ -1,1 +1,54 @@
-"""timeslice client library (placeholder exports are completed below)."""
+"""timeslice client library: acquire and yield a group of accelerators at your phase boundaries.
+
+Quick start::
+
+    from timeslice_client import TimeSliceClient
+
+    client = TimeSliceClient(job_id="job-a", group_id="gpus-0")
+
+    @client.on_accelerators()          # acquire on entry, release on exit
+    def train_step(batch):
+        ...
+
+The asyncio API (:class:`AsyncTimeSliceClient`) is the core; :class:`TimeSliceClient` runs it on a
+loop thread of its own.
+"""
+
+from ._async_client import AsyncTimeSliceClient, Grant, ReleaseResult
+from ._sync_client import TimeSliceClient
+from .errors import (
+    AcquireCancelled,
+    AcquireTimeout,
+    InvalidId,
+    InvalidRequest,
+    JobFaulted,
+    LeaseExpired,
+    LockLost,
+    NotHolder,
+    StaleEpoch,
+    TimeSliceError,
+    Unavailable,
+)
+from .protocol import GroupRecord, GroupState
+
+__all__ = [
+    "AcquireCancelled",
+    "AcquireTimeout",
+    "AsyncTimeSliceClient",
+    "Grant",
+    "GroupRecord",
+    "GroupState",
+    "InvalidId",
+    "InvalidRequest",
+    "JobFaulted",
+    "LeaseExpired",
+    "LockLost",
+    "NotHolder",
+    "ReleaseResult",
+    "StaleEpoch",
+    "TimeSliceClient",
+    "TimeSliceError",
+    "Unavailable",
+]
+
+__version__ = "0.1.0"

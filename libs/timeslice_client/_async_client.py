@@ -1,0 +1,453 @@
+"""``AsyncTimeSliceClient``: the asyncio core of the client library."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import NoKeysError
+from nats.js.kv import KeyValue
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
+
+from .bus import connect, default_nats_url
+from .errors import (
+    AcquireCancelled,
+    AcquireTimeout,
+    InvalidRequest,
+    JobFaulted,
+    LeaseExpired,
+    NotHolder,
+    StaleEpoch,
+    TimeSliceError,
+    Unavailable,
+)
+from .protocol import (
+    GROUPS_BUCKET,
+    Acquire,
+    Cancel,
+    Dequeued,
+    ErrorCode,
+    Granted,
+    GroupRecord,
+    Phase,
+    Refused,
+    Release,
+    Released,
+    Renew,
+    Revoked,
+    decode_notice,
+    decode_record,
+    encode,
+    subjects,
+    validate_id,
+)
+
+__all__ = ["AsyncTimeSliceClient", "Grant", "ReleaseResult"]
+
+log = logging.getLogger("timeslice.client")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """The group is yours until you release it (or your lease lapses)."""
+
+    group_id: str
+    job_id: str
+    epoch: int
+    waited_ms: int
+    context_restored: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseResult:
+    group_id: str
+    job_id: str
+    epoch: int
+    pending_waiters: int
+    snapshot_deferred: bool
+
+
+@dataclass(slots=True)
+class _Hold:
+    epoch: int
+    request_id: str
+    lease_ms: int
+    next_renew: float  # monotonic seconds
+    lost: str | None = None
+
+
+class AsyncTimeSliceClient:
+    """One job's handle on one group.
+
+    ``acquire()`` waits (without polling: the grant arrives by subscription) until the orchestrator
+    grants the group; while waiting and while holding, a background keeper renews the waiter's place
+    and the holder's lease, so a process that dies loses its place or the group within seconds.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        group_id: str,
+        nats_url: str | None = None,
+        lease_seconds: float = 30.0,
+        *,
+        acquire_timeout: float = 600.0,
+        request_timeout: float = 5.0,
+        waiter_ttl_seconds: float = 5.0,
+        confirm_seconds: float = 3.0,
+        connect_timeout: float = 5.0,
+        nc: NATS | None = None,
+    ) -> None:
+        self.job_id = validate_id("job", job_id)
+        self.group_id = validate_id("group", group_id)
+        self.nats_url = nats_url or default_nats_url()
+        if lease_seconds < 1:
+            raise InvalidRequest(f"lease_seconds must be at least 1, not {lease_seconds}")
+        self.lease_ms = int(lease_seconds * 1000)
+        self.acquire_timeout = acquire_timeout
+        self.request_timeout = request_timeout
+        self.waiter_ttl_ms = int(waiter_ttl_seconds * 1000)
+        self.confirm_ms = int(confirm_seconds * 1000)
+        self.connect_timeout = connect_timeout
+        self._nc = nc
+        self._own_nc = nc is None
+        self._js: JetStreamContext | None = None
+        self._kv: KeyValue | None = None
+        self._sub: Any = None
+        self._pending: dict[str, asyncio.Future[Any]] = {}
+        self._waiting: dict[str, float] = {}  # request id -> next renewal (monotonic s)
+        self._hold: _Hold | None = None
+        self._keeper: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._connect_lock = asyncio.Lock()
+        self._closed = False
+        self._notice_subject = subjects.notice(self.group_id, self.job_id)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def connect(self) -> AsyncTimeSliceClient:
+        async with self._connect_lock:
+            if self._closed:
+                raise TimeSliceError("this client is closed; make a new one")
+            if self._sub is not None:
+                return self
+            if self._nc is None:
+                self._nc = await connect(self.nats_url, name=f"timeslice-job-{self.job_id}",
+                                         connect_timeout=self.connect_timeout)
+            self._js = self._nc.jetstream(timeout=self.request_timeout)
+            self._sub = await self._nc.subscribe(self._notice_subject, cb=self._on_notice)
+            await asyncio.sleep(0)  # NATS_NOTES trap 2
+            await self._nc.flush(timeout=self.request_timeout)
+            self._keeper = asyncio.get_running_loop().create_task(self._keep(), name=f"timeslice-keeper-{self.job_id}")
+            return self
+
+    async def close(self) -> None:
+        """Cancel waits, release a held group (best effort), stop the keeper, disconnect. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._hold is not None and self._hold.lost is None and self._nc is not None and self._nc.is_connected:
+            with contextlib.suppress(Exception):
+                await self._send_release(self._hold)
+        for rid in list(self._waiting):
+            with contextlib.suppress(Exception):
+                await self._publish(Cancel(group=self.group_id, job=self.job_id, request_id=rid, reason="closed"))
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(AcquireCancelled(self.group_id, self.job_id, "the client was closed"))
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        if self._nc is not None and self._own_nc:
+            with contextlib.suppress(Exception):
+                await self._nc.drain()
+
+    async def __aenter__(self) -> AsyncTimeSliceClient:
+        return await self.connect()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    @property
+    def holding(self) -> bool:
+        return self._hold is not None and self._hold.lost is None
+
+    @property
+    def epoch(self) -> int | None:
+        return self._hold.epoch if self._hold else None
+
+    # ------------------------------------------------------------------ the lock
+
+    async def acquire(self, timeout: float | None = None) -> Grant:
+        """Wait for the group. Raises AcquireTimeout (the wait is withdrawn), JobFaulted, Unavailable."""
+        await self.connect()
+        timeout = self.acquire_timeout if timeout is None else timeout
+        rid = uuid.uuid4().hex
+        fut: asyncio.Future[Granted] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        self._waiting[rid] = time.monotonic() + self.waiter_ttl_ms / 3000
+        self._wake.set()
+        granted = False
+        try:
+            await self._publish(
+                Acquire(group=self.group_id, job=self.job_id, request_id=rid, lease_ms=self.lease_ms,
+                        timeout_ms=int(timeout * 1000), waiter_ttl_ms=self.waiter_ttl_ms, confirm_ms=self.confirm_ms),
+                msg_id=rid,
+            )
+            try:
+                async with asyncio.timeout(timeout):
+                    g = await fut
+            except TimeoutError:
+                holder = await self._holder_or_none()
+                raise AcquireTimeout(self.group_id, self.job_id, timeout, holder) from None
+            granted = True
+        finally:
+            self._pending.pop(rid, None)
+            self._waiting.pop(rid, None)
+            if not granted and not self._closed:
+                # Withdraw the wait; if the grant crossed it, the orchestrator releases that grant.
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._publish(
+                        Cancel(group=self.group_id, job=self.job_id, request_id=rid, reason="timeout or cancel")))
+        first = min(self.confirm_ms, self.lease_ms) / 3000
+        self._hold = _Hold(epoch=g.epoch, request_id=rid, lease_ms=self.lease_ms, next_renew=time.monotonic() + first)
+        self._wake.set()
+        return Grant(self.group_id, self.job_id, g.epoch, g.waited_ms, g.context_restored)
+
+    async def release(self) -> ReleaseResult:
+        """Give the group back. Raises NotHolder, StaleEpoch or LeaseExpired when you no longer hold it."""
+        hold = self._hold
+        if hold is None:
+            raise NotHolder(self.group_id, self.job_id, holder=await self._holder_or_none(), epoch=0)
+        self._hold = None
+        if hold.lost is not None:
+            raise LeaseExpired(self.group_id, self.job_id, hold.epoch, hold.lost)
+        r = await self._send_release(hold)
+        return ReleaseResult(self.group_id, self.job_id, r.epoch, r.pending_waiters, r.snapshot_deferred)
+
+    async def _send_release(self, hold: _Hold) -> Released:
+        rid = uuid.uuid4().hex
+        fut: asyncio.Future[Released] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            await self._publish(
+                Release(group=self.group_id, job=self.job_id, request_id=rid, epoch=hold.epoch), msg_id=rid)
+            try:
+                async with asyncio.timeout(self.request_timeout):
+                    return await fut
+            except TimeoutError:
+                raise Unavailable("release was not answered (is the orchestrator running?)",
+                                  nats_url=self.nats_url, after_s=self.request_timeout) from None
+        finally:
+            self._pending.pop(rid, None)
+
+    def on_accelerators(self, timeout: float | None = None) -> _AsyncHold:
+        """``async with client.on_accelerators():`` or ``@client.on_accelerators()`` on an async function."""
+        return _AsyncHold(self, timeout)
+
+    @contextlib.asynccontextmanager
+    async def phase(self, name: str) -> AsyncIterator[None]:
+        """Publish phase start/end events around a block (for ``timeslice replay``)."""
+        await self.connect()
+        await self._publish_fast(Phase(group=self.group_id, job=self.job_id, name=name, edge="start", epoch=self.epoch))
+        error: str | None = None
+        try:
+            yield
+        except BaseException as exc:
+            error = f"{exc.__class__.__name__}: {exc}"[:500]
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                await self._publish_fast(Phase(group=self.group_id, job=self.job_id, name=name, edge="end",
+                                               epoch=self.epoch, error=error))
+
+    # ------------------------------------------------------------------ status
+
+    async def status(self, group_id: str | None = None) -> GroupRecord:
+        """The group's lock record (a fresh group reads as IDLE at epoch 0)."""
+        group = validate_id("group", group_id or self.group_id)
+        kv = await self._groups_kv()
+        try:
+            entry = await kv.get(group)
+        except Exception as exc:
+            if exc.__class__.__name__ in ("KeyNotFoundError", "KeyDeletedError"):
+                return GroupRecord(group=group)
+            raise Unavailable(f"reading group {group!r} failed ({exc!r})", nats_url=self.nats_url) from exc
+        return decode_record(entry.value) if entry.value else GroupRecord(group=group)
+
+    async def list_groups(self) -> list[str]:
+        kv = await self._groups_kv()
+        try:
+            return sorted(await kv.keys())
+        except NoKeysError:
+            return []
+
+    async def _groups_kv(self) -> KeyValue:
+        await self.connect()
+        if self._kv is None:
+            assert self._js is not None
+            try:
+                self._kv = await self._js.key_value(GROUPS_BUCKET)
+            except Exception as exc:
+                raise Unavailable("the `groups` bucket is missing (start the orchestrator first)",
+                                  nats_url=self.nats_url) from exc
+        return self._kv
+
+    async def _holder_or_none(self) -> str | None:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1):
+                rec = await self.status()
+                return rec.holder.job if rec.holder else None
+        return None
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _publish(self, msg: msgspec.Struct, msg_id: str | None = None) -> None:
+        """Publish into the stream and wait for its PubAck, retrying with the same message id
+        (the stream drops duplicates within its window)."""
+        assert self._js is not None
+        subject = subjects.job(self.group_id, self.job_id, msg.__struct_config__.tag)  # type: ignore[arg-type]
+        data = encode(msg)
+        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_delay(self.request_timeout * 3),
+                wait=wait_exponential(multiplier=0.05, max=1.0),
+                retry=retry_if_exception(_transient),
+                reraise=True,
+            ):
+                with attempt:
+                    await self._js.publish(subject, data, timeout=self.request_timeout, headers=headers)
+        except TimeSliceError:
+            raise
+        except Exception as exc:
+            raise Unavailable(f"publishing {subject} failed ({exc.__class__.__name__})", nats_url=self.nats_url,
+                              after_s=self.request_timeout * 3) from exc
+
+    async def _publish_fast(self, msg: msgspec.Struct) -> None:
+        """Publish without waiting for the stream's answer (phase facts: losing one loses no decision)."""
+        assert self._nc is not None
+        subject = subjects.job(self.group_id, self.job_id, msg.__struct_config__.tag)  # type: ignore[arg-type]
+        await self._nc.publish(subject, encode(msg))
+
+    async def _on_notice(self, msg: Msg) -> None:
+        try:
+            n = decode_notice(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.warning("undecodable notice on %s", msg.subject)
+            return
+        if isinstance(n, Revoked):
+            if self._hold is not None and self._hold.epoch == n.epoch:
+                self._hold.lost = n.reason
+                log.warning("lost group %s at epoch %d: %s", self.group_id, n.epoch, n.reason,
+                            extra={"group": self.group_id, "job": self.job_id, "epoch": n.epoch})
+            return
+        fut = self._pending.get(n.request_id)
+        if fut is None or fut.done():
+            if isinstance(n, Refused) and self._hold is not None and n.code in (ErrorCode.NOT_HOLDER,
+                                                                                ErrorCode.STALE_EPOCH):
+                self._hold.lost = n.message  # a renewal was refused: the lease is gone
+            return  # a duplicate (re-issued after an orchestrator restart) or a late answer
+        if isinstance(n, Granted | Released):
+            fut.set_result(n)
+        elif isinstance(n, Refused):
+            fut.set_exception(self._refusal_error(n))
+        elif isinstance(n, Dequeued):
+            if n.reason != "not waiting":
+                fut.set_exception(AcquireCancelled(self.group_id, self.job_id, n.reason))
+
+    def _refusal_error(self, n: Refused) -> TimeSliceError:
+        your = self._hold.epoch if self._hold else None
+        if n.code is ErrorCode.NOT_HOLDER:
+            return NotHolder(n.group, n.job, n.holder, n.epoch, your)
+        if n.code is ErrorCode.STALE_EPOCH:
+            return StaleEpoch(n.group, n.job, n.holder, n.epoch, your)
+        if n.code is ErrorCode.JOB_FAULTED:
+            return JobFaulted(n.group, n.job, n.message)
+        return InvalidRequest(n.message, group_id=n.group, job_id=n.job)
+
+    async def _keep(self) -> None:
+        """Renew waiters' places and the holder's lease, each a third of its window ahead."""
+        while True:
+            now = time.monotonic()
+            nxt = now + 3600
+            for rid, due in list(self._waiting.items()):
+                if due <= now:
+                    self._waiting[rid] = due = now + self.waiter_ttl_ms / 3000
+                    await self._renew(Renew(group=self.group_id, job=self.job_id, request_id=rid))
+                nxt = min(nxt, due)
+            hold = self._hold
+            if hold is not None and hold.lost is None:
+                if hold.next_renew <= now:
+                    hold.next_renew = now + hold.lease_ms / 3000
+                    await self._renew(Renew(group=self.group_id, job=self.job_id, request_id=uuid.uuid4().hex,
+                                            epoch=hold.epoch))
+                nxt = min(nxt, hold.next_renew)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, nxt - time.monotonic())):
+                    await self._wake.wait()
+
+    async def _renew(self, msg: Renew) -> None:
+        try:
+            await self._publish(msg)
+        except Unavailable as exc:
+            log.warning("renewal not delivered: %s", exc, extra={"group": self.group_id, "job": self.job_id})
+
+
+def _transient(exc: BaseException) -> bool:
+    """Errors worth retrying with the same message id: timeouts and connection trouble."""
+    return isinstance(exc, TimeoutError | OSError | ConnectionError) or exc.__class__.__name__ in (
+        "NoRespondersError", "ConnectionClosedError", "ConnectionReconnectingError", "OutboundBufferLimitError")
+
+
+class _AsyncHold:
+    """Acquire on entry, release on exit (also on exceptions, never masking the body's exception)."""
+
+    def __init__(self, client: AsyncTimeSliceClient, timeout: float | None) -> None:
+        self._client = client
+        self._timeout = timeout
+        self.grant: Grant | None = None
+
+    async def __aenter__(self) -> Grant:
+        self.grant = await self._client.acquire(self._timeout)
+        return self.grant
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            await self._client.release()
+        except TimeSliceError:
+            if exc is None:
+                raise
+            log.warning("release after a failed block did not succeed", exc_info=True)
+
+    def __call__(self, fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+        @functools.wraps(fn)
+        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            async with _AsyncHold(self._client, self._timeout):
+                return await fn(*args, **kwargs)
+
+        return wrapper

@@ -1,0 +1,158 @@
+"""``TimeSliceClient``: a blocking facade over ``AsyncTimeSliceClient`` with its own loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
+
+from ._async_client import AsyncTimeSliceClient, Grant, ReleaseResult
+from .errors import TimeSliceError, Unavailable
+from .protocol import GroupRecord
+
+__all__ = ["TimeSliceClient"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+class TimeSliceClient:
+    """The same API as :class:`AsyncTimeSliceClient`, for ordinary (non-async) training loops::
+
+        client = TimeSliceClient(job_id="job-a", group_id="gpus-0")
+
+        @client.on_accelerators()
+        def train_step(batch): ...
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        group_id: str,
+        nats_url: str | None = None,
+        lease_seconds: float = 30.0,
+        **kwargs: Any,
+    ) -> None:
+        self._client = AsyncTimeSliceClient(job_id, group_id, nats_url, lease_seconds, **kwargs)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"timeslice-{job_id}", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    @property
+    def job_id(self) -> str:
+        return self._client.job_id
+
+    @property
+    def group_id(self) -> str:
+        return self._client.group_id
+
+    @property
+    def holding(self) -> bool:
+        return self._client.holding
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        if self._closed:
+            coro.close()
+            raise TimeSliceError("this client is closed; make a new one")
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise Unavailable("the client's event loop did not answer", after_s=timeout) from None
+        except BaseException:
+            if not fut.done():
+                fut.cancel()
+            raise
+
+    def _margin(self, t: float) -> float:
+        return t + 3 * self._client.request_timeout + 5
+
+    def connect(self) -> TimeSliceClient:
+        self._run(self._client.connect(), self._margin(self._client.connect_timeout))
+        return self
+
+    def acquire(self, timeout: float | None = None) -> Grant:
+        t = self._client.acquire_timeout if timeout is None else timeout
+        return self._run(self._client.acquire(timeout), self._margin(t))
+
+    def release(self) -> ReleaseResult:
+        return self._run(self._client.release(), self._margin(self._client.request_timeout))
+
+    def status(self, group_id: str | None = None) -> GroupRecord:
+        return self._run(self._client.status(group_id), self._margin(self._client.request_timeout))
+
+    def list_groups(self) -> list[str]:
+        return self._run(self._client.list_groups(), self._margin(self._client.request_timeout))
+
+    def on_accelerators(self, timeout: float | None = None) -> _SyncHold:
+        """``with client.on_accelerators():`` or ``@client.on_accelerators()``."""
+        return _SyncHold(self, timeout)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        cm = self._client.phase(name)
+        self._run(cm.__aenter__(), self._margin(self._client.request_timeout))
+        try:
+            yield
+        except BaseException as exc:
+            self._run(cm.__aexit__(type(exc), exc, exc.__traceback__), self._margin(self._client.request_timeout))
+            raise
+        else:
+            self._run(cm.__aexit__(None, None, None), self._margin(self._client.request_timeout))
+
+    def close(self) -> None:
+        """Release a held group, withdraw waits, stop the loop thread. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._run(self._client.close(), self._margin(self._client.request_timeout))
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            if not self._loop.is_running():
+                self._loop.close()
+
+    def __enter__(self) -> TimeSliceClient:
+        return self.connect()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class _SyncHold:
+    def __init__(self, client: TimeSliceClient, timeout: float | None) -> None:
+        self._client = client
+        self._timeout = timeout
+        self.grant: Grant | None = None
+
+    def __enter__(self) -> Grant:
+        self.grant = self._client.acquire(self._timeout)
+        return self.grant
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            self._client.release()
+        except TimeSliceError:
+            if exc is None:
+                raise
+
+    def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(fn)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            with _SyncHold(self._client, self._timeout):
+                return fn(*args, **kwargs)
+
+        return wrapper

@@ -1,0 +1,136 @@
+"""Connecting to NATS and laying out the JetStream resources timeslice uses.
+
+``ensure_bus`` is idempotent: it creates the ``TIMESLICE`` stream and the ``groups``, ``agents`` and
+``jobs`` key-value buckets when they are missing, and leaves existing ones as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType, StreamConfig
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
+from pydantic import BaseModel, Field
+
+from .errors import Unavailable
+from .protocol import AGENTS_BUCKET, GROUPS_BUCKET, JOBS_BUCKET, STREAM, STREAM_SUBJECTS
+
+__all__ = ["BusConfig", "Buckets", "connect", "default_nats_url", "ensure_bus", "url_file"]
+
+log = logging.getLogger("timeslice.bus")
+
+_URL_FILE_ENV = "TIMESLICE_URL_FILE"
+_DEFAULT_URL = "nats://127.0.0.1:4222"
+
+
+def url_file() -> Path:
+    """Where ``timeslice up`` advertises its NATS URL for clients on this host."""
+    env = os.environ.get(_URL_FILE_ENV)
+    return Path(env) if env else Path.home() / ".timeslice" / "nats.url"
+
+
+def default_nats_url() -> str:
+    """``$TIMESLICE_NATS_URL``, else the URL ``timeslice up`` advertised, else ``nats://127.0.0.1:4222``."""
+    env = os.environ.get("TIMESLICE_NATS_URL")
+    if env:
+        return env
+    try:
+        text = url_file().read_text().strip()
+    except OSError:
+        return _DEFAULT_URL
+    return text or _DEFAULT_URL
+
+
+class BusConfig(BaseModel):
+    """Retention and replication of the JetStream resources."""
+
+    stream_max_age_s: float = Field(default=7 * 24 * 3600, gt=0)
+    stream_max_bytes: int = Field(default=8 * 1024**3, gt=0)
+    replicas: int = Field(default=1, ge=1, le=5)
+    file_storage: bool = True
+    duplicate_window_s: float = Field(default=120, gt=0)
+    agent_ttl_s: float = Field(default=6, ge=1)
+
+
+async def _quiet_error_cb(exc: Exception) -> None:
+    log.debug("nats connection error: %r", exc)
+
+
+async def connect(
+    url: str | None = None, *, name: str = "timeslice", connect_timeout: float = 5.0, **kwargs: Any
+) -> NATS:
+    """Connect to NATS with reconnects on, a quiet error callback and a clear error when nobody answers."""
+    url = url or default_nats_url()
+    opts: dict[str, Any] = {
+        "name": name,
+        "connect_timeout": connect_timeout,
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.25,
+        "error_cb": _quiet_error_cb,
+    }
+    opts.update(kwargs)
+    try:
+        return await nats.connect(url, **opts)
+    except Exception as exc:
+        raise Unavailable(f"cannot connect to NATS ({exc.__class__.__name__}: {exc})", nats_url=url) from exc
+
+
+class Buckets:
+    """The three key-value buckets."""
+
+    def __init__(self, groups: KeyValue, agents: KeyValue, jobs: KeyValue) -> None:
+        self.groups = groups
+        self.agents = agents
+        self.jobs = jobs
+
+
+async def ensure_bus(js: JetStreamContext, config: BusConfig | None = None) -> Buckets:
+    cfg = config or BusConfig()
+    storage = StorageType.FILE if cfg.file_storage else StorageType.MEMORY
+    try:
+        await js.stream_info(STREAM)
+    except NotFoundError:
+        await js.add_stream(
+            StreamConfig(
+                name=STREAM,
+                description="timeslice events: every request, decision and agent operation",
+                subjects=list(STREAM_SUBJECTS),
+                storage=storage,
+                num_replicas=cfg.replicas,
+                max_age=cfg.stream_max_age_s,
+                max_bytes=cfg.stream_max_bytes,
+                duplicate_window=cfg.duplicate_window_s,
+            )
+        )
+    groups = await _bucket(js, GROUPS_BUCKET, "timeslice group lock records", storage, cfg.replicas, None)
+    agents = await _bucket(js, AGENTS_BUCKET, "timeslice agents (liveness)", storage, cfg.replicas, cfg.agent_ttl_s)
+    jobs = await _bucket(js, JOBS_BUCKET, "timeslice job contexts per node", storage, cfg.replicas, None)
+    return Buckets(groups, agents, jobs)
+
+
+async def _bucket(
+    js: JetStreamContext, name: str, description: str, storage: StorageType, replicas: int, ttl: float | None
+) -> KeyValue:
+    try:
+        return await js.key_value(name)
+    except Exception:  # nats-py raises BucketNotFoundError (a NotFoundError) here
+        pass
+    return await js.create_key_value(
+        KeyValueConfig(
+            bucket=name,
+            description=description,
+            history=1,
+            ttl=ttl,
+            storage=storage,
+            replicas=replicas,
+            direct=True,
+        )
+    )

@@ -1,0 +1,420 @@
+"""The orchestrator's shell: consume events, apply the pure core, publish decisions, persist records.
+
+Order of work for one event (DESIGN.md, "Shape of the code"):
+
+1. the push consumer delivers it (stream order, one group's events in order);
+2. ``core.apply`` decides, and the decisions (grants, notices, agent commands) are published at once;
+3. a per-group writer stores the new record with compare-and-swap on the key's revision, and only
+   then acknowledges the events the record reflects.
+
+After a crash the consumer restarts at its ack floor; events already reflected in a record are
+skipped by sequence number, the others are applied again and re-issue the same decisions with the
+same epochs (clients treat a repeated grant as a duplicate). Expiries enter as ``Tick`` events this
+shell publishes at each record's next deadline, so ``now`` is always an event's stream timestamp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from timeslice_client.bus import BusConfig, connect, ensure_bus
+from timeslice_client.protocol import (
+    STREAM,
+    ErrorCode,
+    GroupRecord,
+    InputEvent,
+    Refused,
+    Tick,
+    decode_input,
+    decode_record,
+    encode,
+    subjects,
+    validate_id,
+)
+
+from .core import Action, Command, Notify, Transition, apply, new_record, next_deadline
+
+__all__ = ["Orchestrator", "OrchestratorConfig", "OrchestratorError"]
+
+log = logging.getLogger("timeslice.orchestrator")
+
+
+class OrchestratorError(RuntimeError):
+    """The orchestrator cannot go on safely (for example another instance writes the same records)."""
+
+
+class OrchestratorConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TIMESLICE_", extra="ignore")
+
+    nats_url: str | None = None
+    durable: str = "orchestrator"
+    writers: int = Field(default=16, ge=1, le=1024)
+    write_queue: int = Field(default=65_536, ge=16)
+    max_ack_pending: int = Field(default=50_000, ge=100)
+    ack_wait_s: float = Field(default=30.0, gt=0)
+    tick_retry_ms: int = Field(default=500, ge=10)
+    write_attempts: int = Field(default=8, ge=1)
+    write_timeout_s: float = Field(default=5.0, gt=0)
+    bus: BusConfig = BusConfig()
+
+
+@dataclass(slots=True)
+class _Entry:
+    rec: GroupRecord
+    rev: int | None  # KV revision of the stored record; None while it was never stored
+    acks: list[Msg] = field(default_factory=list)
+    dirty: bool = False
+    queued: bool = False
+    armed: int | None = None  # the earliest deadline this group has in the timer heap
+
+
+def _seq_and_time(reply: str) -> tuple[int, int]:
+    """Stream sequence and stream timestamp (ms) from a JetStream delivery's reply subject."""
+    t = reply.split(".")
+    if len(t) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+        return int(t[5]), int(t[7]) // 1_000_000
+    # $JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[.<token>]
+    return int(t[7]), int(t[9]) // 1_000_000
+
+
+def _route(subject: str) -> tuple[str, str | None]:
+    """(group, job) named by an input subject; raises ValueError for a subject we do not serve."""
+    t = subject.split(".")
+    if len(t) == 6 and t[2] == "job":
+        return validate_id("group", t[3]), validate_id("job", t[4])
+    if len(t) == 5 and t[2] == "ctl":
+        return validate_id("group", t[3]), None
+    if len(t) == 6 and t[2] == "agent" and t[4] == "evt":
+        return validate_id("group", t[5]), None
+    raise ValueError(f"not an input subject: {subject!r}")
+
+
+class Orchestrator:
+    """Run with ``await Orchestrator(config).run()``; stop with ``shutdown()`` (idempotent)."""
+
+    def __init__(self, config: OrchestratorConfig | None = None, *, nc: NATS | None = None) -> None:
+        self.config = config or OrchestratorConfig()
+        self._nc = nc
+        self._own_nc = nc is None
+        self._js: JetStreamContext | None = None
+        self._kv: KeyValue | None = None
+        self._groups: dict[str, _Entry] = {}
+        self._write_q: asyncio.Queue[str] = asyncio.Queue(self.config.write_queue)
+        self._timers: list[tuple[int, str]] = []
+        self._timer_wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._fatal: BaseException | None = None
+        self._sub: Any = None
+        self.events_applied = 0
+        self.events_rejected = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def ready(self) -> asyncio.Event:
+        return self._ready
+
+    def records(self) -> dict[str, GroupRecord]:
+        """The in-memory records (what has been decided, possibly not yet stored)."""
+        return {g: e.rec for g, e in self._groups.items()}
+
+    async def run(self) -> None:
+        nc = self._nc
+        if nc is None:
+            nc = self._nc = await connect(self.config.nats_url, name="timeslice-orchestrator")
+        self._js = nc.jetstream()
+        buckets = await ensure_bus(self._js, self.config.bus)
+        self._kv = buckets.groups
+        try:
+            await self._load_records()
+            async with asyncio.TaskGroup() as tg:
+                for _ in range(self.config.writers):
+                    tg.create_task(self._writer())
+                tg.create_task(self._timer_loop())
+                await self._subscribe()
+                log.info("orchestrator ready", extra={"groups": len(self._groups)})
+                self._ready.set()
+                await self._stop.wait()
+                await self._drain()
+                raise _Stopped
+        except* _Stopped:
+            pass
+        finally:
+            if self._sub is not None:
+                with contextlib.suppress(Exception):
+                    await self._sub.unsubscribe()
+            if self._own_nc and nc.is_connected:
+                with contextlib.suppress(Exception):
+                    await nc.drain()
+        if self._fatal is not None:
+            raise OrchestratorError(str(self._fatal)) from self._fatal
+
+    def shutdown(self) -> None:
+        """Ask ``run()`` to finish: stop consuming, store what was decided, return. Safe to call twice."""
+        self._stop.set()
+        self._timer_wake.set()
+
+    def _die(self, exc: BaseException) -> None:
+        if self._fatal is None:
+            self._fatal = exc
+            log.error("orchestrator stopping on a fatal error: %s", exc)
+        self.shutdown()
+
+    async def _drain(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):
+                while any(e.dirty or e.queued for e in self._groups.values()) and self._fatal is None:
+                    await asyncio.sleep(0.005)  # bounded by the timeout above: writers finish their CAS
+        assert self._nc is not None
+        with contextlib.suppress(Exception):
+            await self._nc.flush(timeout=2)
+
+    # ------------------------------------------------------------------ startup
+
+    async def _load_records(self) -> None:
+        """Read every group record. Reads until the watcher's entry with no more pending
+        (NATS_NOTES trap 1: the 'initial values done' marker can come early)."""
+        kv = self._kv
+        assert kv is not None
+        status = await kv.status()
+        if status.values == 0:
+            return
+        watcher = await kv.watchall()
+        try:
+            while True:
+                entry = await watcher.updates(timeout=10)
+                if entry is None:
+                    continue
+                if entry.operation is None and entry.value:
+                    rec = decode_record(entry.value)
+                    self._groups[entry.key] = _Entry(rec=rec, rev=entry.revision)
+                    self._arm(entry.key, rec)
+                if entry.delta == 0:
+                    break
+        finally:
+            await watcher.stop()
+
+    async def _subscribe(self) -> None:
+        js, nc = self._js, self._nc
+        assert js is not None and nc is not None
+        floor = 0
+        try:
+            info = await js.consumer_info(STREAM, self.config.durable)
+            floor = info.ack_floor.stream_seq if info.ack_floor and info.ack_floor.stream_seq else 0
+            await js.delete_consumer(STREAM, self.config.durable)
+        except NotFoundError:
+            pass
+        deliver = nc.new_inbox()
+        self._sub = await nc.subscribe(deliver, cb=self._on_msg, pending_msgs_limit=self.config.max_ack_pending * 2)
+        await asyncio.sleep(0)  # NATS_NOTES trap 2: let the SUB reach the socket before the server delivers
+        await nc.flush()
+        cfg = ConsumerConfig(
+            durable_name=self.config.durable,
+            description="timeslice orchestrator inputs",
+            deliver_subject=deliver,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if floor else DeliverPolicy.ALL,
+            opt_start_seq=floor + 1 if floor else None,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.config.ack_wait_s,
+            max_ack_pending=self.config.max_ack_pending,
+            filter_subjects=list(subjects.inputs),
+        )
+        await js.add_consumer(STREAM, cfg)
+        log.info("consuming from stream sequence %d", floor + 1)
+
+    # ------------------------------------------------------------------ the hot path
+
+    async def _on_msg(self, msg: Msg) -> None:
+        if self._fatal is not None:
+            return
+        try:
+            seq, now_ms = _seq_and_time(msg.reply)
+        except (ValueError, IndexError):
+            return  # not a JetStream delivery (flow control or a stray publish)
+        try:
+            group, job = _route(msg.subject)
+        except ValueError as exc:
+            log.warning("rejected event on %s: %s", msg.subject, exc)
+            self.events_rejected += 1
+            await msg.ack()
+            return
+        try:
+            ev = decode_input(msg.data)
+            if ev.group != group or (job is not None and getattr(ev, "job", job) != job):
+                raise ValueError(f"payload names group {ev.group!r}, subject {msg.subject!r}")
+            for kind in ("job", "node"):
+                value = getattr(ev, kind, None)
+                if value is not None:
+                    validate_id(kind, value)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            await self._reject(msg, group, job, exc)
+            return
+        await self._apply(msg, group, ev, now_ms, seq)
+
+    async def _apply(self, msg: Msg, group: str, ev: InputEvent, now_ms: int, seq: int) -> None:
+        entry = self._groups.get(group)
+        if entry is None:
+            entry = self._groups[group] = _Entry(rec=new_record(group), rev=None)
+        try:
+            new, actions = apply(entry.rec, ev, now_ms, seq)
+        except Exception as exc:  # a bug in the core must not take down every other group
+            log.exception("apply failed", extra={"group": group, "seq": seq})
+            await self._reject(msg, group, getattr(ev, "job", None), exc)
+            return
+        self.events_applied += 1
+        await self._publish(group, actions)
+        if new is entry.rec:
+            await msg.ack()
+            return
+        entry.rec = new
+        entry.acks.append(msg)
+        entry.dirty = True
+        self._arm(group, new)
+        if not entry.queued:
+            entry.queued = True
+            await self._write_q.put(group)
+
+    async def _publish(self, group: str, actions: list[Action]) -> None:
+        nc = self._nc
+        assert nc is not None
+        for a in actions:
+            if isinstance(a, Notify):
+                await nc.publish(subjects.notice(group, a.notice.job), encode(a.notice))
+            elif isinstance(a, Command):
+                await nc.publish(subjects.agent_cmd(a.command.node), encode(a.command))
+            elif isinstance(a, Transition):
+                await nc.publish(subjects.group_state(group), encode(a.change))
+
+    async def _reject(self, msg: Msg, group: str, job: str | None, exc: BaseException) -> None:
+        self.events_rejected += 1
+        log.warning("rejected event %s: %s", msg.subject, exc, extra={"group": group, "job": job})
+        if job is not None:
+            request_id = ""
+            with contextlib.suppress(Exception):
+                raw = msgspec.json.decode(msg.data)
+                if isinstance(raw, dict) and isinstance(raw.get("request_id"), str):
+                    request_id = raw["request_id"][:128]
+            refusal = Refused(group=group, job=job, request_id=request_id, code=ErrorCode.INVALID,
+                              message=f"malformed request on {msg.subject}: {exc}")
+            assert self._nc is not None
+            await self._nc.publish(subjects.notice(group, job), encode(refusal))
+        await msg.ack()
+
+    # ------------------------------------------------------------------ persistence
+
+    async def _writer(self) -> None:
+        kv = self._kv
+        assert kv is not None
+        while True:
+            group = await self._write_q.get()
+            entry = self._groups[group]
+            try:
+                while entry.dirty:
+                    entry.dirty = False
+                    rec, acks = entry.rec, entry.acks
+                    entry.acks = []
+                    entry.rev = await self._store(kv, group, rec, entry.rev)
+                    for m in acks:
+                        await m.ack()
+            except Exception as exc:
+                self._die(exc)
+                return
+            finally:
+                entry.queued = False
+
+    async def _store(self, kv: KeyValue, group: str, rec: GroupRecord, rev: int | None) -> int:
+        data = encode(rec)
+        for attempt in range(self.config.write_attempts):
+            try:
+                async with asyncio.timeout(self.config.write_timeout_s):
+                    return await kv.update(group, data, last=rev)
+            except KeyWrongLastSequenceError:
+                conflict = True
+            except Exception as exc:  # a timeout is "unknown", not "failed" (NATS_NOTES trap 10)
+                conflict = False
+                log.warning("storing group %s failed (%r), attempt %d", group, exc, attempt + 1)
+            stored = await self._read(kv, group)
+            if stored is not None and stored[0].last_seq == rec.last_seq:
+                return stored[1]  # our own write, whose answer was lost
+            if conflict:
+                raise OrchestratorError(
+                    f"group {group!r} was written by someone else (expected revision {rev}); "
+                    "is a second orchestrator running against the same bus?"
+                )
+            await asyncio.sleep(min(0.05 * 2**attempt, 1.0))  # back off before the next attempt
+        raise OrchestratorError(f"could not store group {group!r} after {self.config.write_attempts} attempts")
+
+    @staticmethod
+    async def _read(kv: KeyValue, group: str) -> tuple[GroupRecord, int] | None:
+        try:
+            entry = await kv.get(group)
+        except Exception:
+            return None
+        if not entry.value:
+            return None
+        return decode_record(entry.value), entry.revision or 0
+
+    # ------------------------------------------------------------------ time
+
+    def _arm(self, group: str, rec: GroupRecord) -> None:
+        dl = next_deadline(rec)
+        entry = self._groups[group]
+        if dl is None or (entry.armed is not None and entry.armed <= dl):
+            return  # an earlier timer will look at this group again
+        entry.armed = dl
+        if not self._timers or dl < self._timers[0][0]:
+            self._timer_wake.set()
+        heapq.heappush(self._timers, (dl, group))
+
+    async def _timer_loop(self) -> None:
+        js = self._js
+        assert js is not None
+        while not self._stop.is_set():
+            now_ms = int(time.time() * 1000)
+            due: set[str] = set()
+            while self._timers and self._timers[0][0] <= now_ms:
+                t, g = heapq.heappop(self._timers)
+                if self._groups[g].armed == t:
+                    self._groups[g].armed = None
+                    due.add(g)
+            for g in due:
+                entry = self._groups[g]
+                dl = next_deadline(entry.rec)
+                if dl is not None and dl <= now_ms:
+                    try:
+                        await js.publish(subjects.ctl(g, "tick"), encode(Tick(group=g)), timeout=2)
+                    except Exception as exc:
+                        log.warning("tick for group %s not published: %r", g, exc)
+                    dl = now_ms + self.config.tick_retry_ms  # look again if the tick changed nothing
+                if dl is not None and (entry.armed is None or dl < entry.armed):
+                    entry.armed = dl
+                    heapq.heappush(self._timers, (dl, g))
+            self._timer_wake.clear()
+            delay = (self._timers[0][0] - now_ms) / 1000 if self._timers else 3600.0
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(delay, 0.001)):
+                    await self._timer_wake.wait()
+
+
+class _Stopped(Exception):
+    pass
