@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -89,6 +91,7 @@ class _Hold:
     lease_ms: int
     next_renew: float  # monotonic seconds
     lost: str | None = None
+    renew_ids: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=8))
 
 
 class AsyncTimeSliceClient:
@@ -365,9 +368,9 @@ class AsyncTimeSliceClient:
             return
         fut = self._pending.get(n.request_id)
         if fut is None or fut.done():
-            if isinstance(n, Refused) and self._hold is not None and n.code in (ErrorCode.NOT_HOLDER,
-                                                                                ErrorCode.STALE_EPOCH):
-                self._hold.lost = n.message  # a renewal was refused: the lease is gone
+            hold = self._hold
+            if isinstance(n, Refused) and hold is not None and n.request_id in hold.renew_ids:
+                hold.lost = n.message  # a renewal was refused: the lease is gone
             return  # a duplicate (re-issued after an orchestrator restart) or a late answer
         if isinstance(n, Granted | Released):
             fut.set_result(n)
@@ -401,8 +404,9 @@ class AsyncTimeSliceClient:
             if hold is not None and hold.lost is None:
                 if hold.next_renew <= now:
                     hold.next_renew = now + hold.lease_ms / 3000
-                    await self._renew(Renew(group=self.group_id, job=self.job_id, request_id=uuid.uuid4().hex,
-                                            epoch=hold.epoch))
+                    rid = uuid.uuid4().hex
+                    hold.renew_ids.append(rid)
+                    await self._renew(Renew(group=self.group_id, job=self.job_id, request_id=rid, epoch=hold.epoch))
                 nxt = min(nxt, hold.next_renew)
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
@@ -419,7 +423,8 @@ class AsyncTimeSliceClient:
 def _transient(exc: BaseException) -> bool:
     """Errors worth retrying with the same message id: timeouts and connection trouble."""
     return isinstance(exc, TimeoutError | OSError | ConnectionError) or exc.__class__.__name__ in (
-        "NoRespondersError", "ConnectionClosedError", "ConnectionReconnectingError", "OutboundBufferLimitError")
+        "NoRespondersError", "NoStreamResponseError", "ConnectionClosedError", "ConnectionReconnectingError",
+        "OutboundBufferLimitError")
 
 
 class _AsyncHold:

@@ -1,0 +1,18 @@
+"""timeslice orchestrator: per-group lock queues over NATS JetStream, built as a pure core
+(:mod:`timeslice_orchestrator.core`) inside thin I/O shells (:mod:`timeslice_orchestrator.service`)."""
+
+from .core import apply, new_record, next_deadline
+from .embedded import EmbeddedNatsError, NatsServer, find_nats_server
+from .service import Orchestrator, OrchestratorConfig, OrchestratorError
+
+__all__ = [
+    "EmbeddedNatsError",
+    "NatsServer",
+    "Orchestrator",
+    "OrchestratorConfig",
+    "OrchestratorError",
+    "apply",
+    "find_nats_server",
+    "new_record",
+    "next_deadline",
+]

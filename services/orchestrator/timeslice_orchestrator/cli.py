@@ -1,0 +1,186 @@
+"""The ``timeslice`` command.
+
+Built-in subcommands live here; other packages add theirs through the ``timeslice.cli`` entry-point
+group (a callable ``register(subparsers)``), so the agent's CLI needs no import from here and vice
+versa.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+__all__ = ["main"]
+
+
+def _run(coro: Coroutine[Any, Any, int]) -> int:
+    try:
+        import uvloop
+
+        return int(uvloop.run(coro))
+    except ImportError:
+        return asyncio.run(coro)
+
+
+def _install_stop(stop: Callable[[], None]) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop)
+
+
+# ---------------------------------------------------------------------- orchestrator / up
+
+
+async def _orchestrator(args: argparse.Namespace) -> int:
+    from .service import Orchestrator, OrchestratorConfig
+
+    cfg = OrchestratorConfig(nats_url=args.nats_url) if args.nats_url else OrchestratorConfig()
+    orch = Orchestrator(cfg)
+    _install_stop(orch.shutdown)
+    await orch.run()
+    return 0
+
+
+async def _up(args: argparse.Namespace) -> int:
+    from timeslice_client.bus import url_file
+
+    from .embedded import NatsServer
+    from .service import Orchestrator, OrchestratorConfig
+
+    data_dir = Path(args.data_dir or Path.home() / ".timeslice" / "data").expanduser()
+    server = NatsServer(data_dir, port=args.port, host=args.host)
+    url = await server.astart()
+    advert = url_file()
+    try:
+        orch = Orchestrator(OrchestratorConfig(nats_url=url))
+        _install_stop(orch.shutdown)
+        async with asyncio.TaskGroup() as tg:
+            run = tg.create_task(orch.run())
+            ready = tg.create_task(orch.ready.wait())
+            await asyncio.wait({run, ready}, return_when=asyncio.FIRST_COMPLETED)
+            if ready.done():
+                advert.parent.mkdir(parents=True, exist_ok=True)
+                advert.write_text(url + "\n")
+                print(f"timeslice up: nats={url} orchestrator=ready data={data_dir} url-file={advert} "
+                      "(Ctrl-C to stop)", flush=True)
+            else:
+                ready.cancel()
+    finally:
+        with contextlib.suppress(OSError):
+            if advert.exists() and advert.read_text().strip() == url:
+                advert.unlink()
+        await server.astop()
+    print("timeslice up: stopped", flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------- status and friends
+
+
+async def _status(args: argparse.Namespace) -> int:
+    from timeslice_client import AsyncTimeSliceClient
+
+    client = AsyncTimeSliceClient("timeslice-cli", args.group or "timeslice-cli", args.nats_url)
+    try:
+        groups = [args.group] if args.group else await client.list_groups()
+        records = [await client.status(g) for g in groups]
+    finally:
+        await client.close()
+    if args.json:
+        print(json.dumps([msgspec.to_builtins(r) for r in records], indent=2))
+        return 0
+    now = int(time.time() * 1000)
+    print(f"{'GROUP':<20} {'STATE':<13} {'HOLDER':<16} {'EPOCH':>6} {'FOR':>8}  QUEUE")
+    for r in records:
+        held = f"{(now - r.since_ms) / 1000:.1f}s" if r.since_ms else "-"
+        queue = ", ".join(f"{w.job}({(now - w.enqueued_at_ms) / 1000:.1f}s)" for w in r.queue) or "-"
+        print(f"{r.group:<20} {r.state:<13} {(r.holder.job if r.holder else '-'):<16} {r.epoch:>6} {held:>8}  {queue}")
+        if r.faulted:
+            for job, why in r.faulted.items():
+                print(f"{'':<20} faulted: {job}: {why}")
+    return 0
+
+
+async def _clear_fault(args: argparse.Namespace) -> int:
+    from timeslice_client.bus import connect
+    from timeslice_client.protocol import ClearFault, encode, subjects
+
+    nc = await connect(args.nats_url)
+    try:
+        js = nc.jetstream()
+        await js.publish(subjects.ctl(args.group, "clear_fault"), encode(ClearFault(group=args.group, job=args.job)))
+    finally:
+        await nc.close()
+    print(f"fault of job {args.job} in group {args.group} cleared")
+    return 0
+
+
+# ---------------------------------------------------------------------- wiring
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="timeslice", description="Cooperative GPU time-slicing for RL jobs")
+    p.add_argument("--log-level", default=os.environ.get("TIMESLICE_LOG_LEVEL", "info"))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run NATS, the orchestrator and an agent on this host")
+    up.add_argument("--data-dir", help="JetStream data directory (default ~/.timeslice/data)")
+    up.add_argument("--port", type=int, default=None, help="NATS client port (default: a free port)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.set_defaults(func=_up)
+
+    orch = sub.add_parser("orchestrator", help="run the orchestrator against a NATS server")
+    orch.add_argument("--nats-url", default=None, help="default: $TIMESLICE_NATS_URL or what `timeslice up` wrote")
+    orch.set_defaults(func=_orchestrator)
+
+    st = sub.add_parser("status", help="show groups: state, holder, epoch, queue")
+    st.add_argument("--group", default=None)
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--nats-url", default=None)
+    st.set_defaults(func=_status)
+
+    cf = sub.add_parser("clear-fault", help="clear a job's fault in a group")
+    cf.add_argument("--group", required=True)
+    cf.add_argument("--job", required=True)
+    cf.add_argument("--nats-url", default=None)
+    cf.set_defaults(func=_clear_fault)
+
+    for ep in entry_points(group="timeslice.cli"):
+        with contextlib.suppress(Exception):
+            ep.load()(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ._logging import setup_logging
+
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        return _run(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        from timeslice_client.errors import TimeSliceError
+
+        if isinstance(exc, TimeSliceError):
+            print(f"timeslice: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Shared fixtures: a real nats-server per test (free port, temp dir), the orchestrator in-process or
+as a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from timeslice_orchestrator.embedded import NatsServer
+from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path / "nats")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def nats_url(nats_server: NatsServer) -> str:
+    return nats_server.url
+
+
+@pytest.fixture
+async def orchestrator(nats_url: str) -> AsyncIterator[Orchestrator]:
+    """The orchestrator running in this test's event loop."""
+    orch = Orchestrator(OrchestratorConfig(nats_url=nats_url))
+    task = asyncio.get_running_loop().create_task(orch.run())
+    ready = asyncio.get_running_loop().create_task(orch.ready.wait())
+    done, _ = await asyncio.wait({task, ready}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        task.result()
+    assert ready in done, "orchestrator did not become ready"
+    try:
+        yield orch
+    finally:
+        orch.shutdown()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 20)
+
+
+class OrchestratorProcess:
+    """``timeslice orchestrator`` as a real process, for crash tests."""
+
+    def __init__(self, nats_url: str, log_path: Path) -> None:
+        self.nats_url = nats_url
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()/kill()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", self.nats_url],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env,
+        )
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        """Ready when its durable consumer is bound (it creates the stream and buckets before that)."""
+        asyncio.run(self._wait_ready(timeout))
+
+    async def _wait_ready(self, timeout: float) -> None:
+        from timeslice_client.bus import connect
+        from timeslice_client.protocol import STREAM
+
+        from .helpers import eventually
+
+        nc = await connect(self.nats_url)
+        js = nc.jetstream()
+
+        async def bound() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, f"orchestrator exited: {self.log_path}"
+            try:
+                info = await js.consumer_info(STREAM, "orchestrator")
+            except Exception:
+                return False
+            return bool(info.push_bound)
+
+        try:
+            await eventually(bound, timeout=timeout, interval=0.02, what="orchestrator process ready")
+        finally:
+            await nc.close()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+        with contextlib.suppress(Exception):
+            self._log.close()
+
+
+@pytest.fixture
+def orchestrator_process(nats_url: str, tmp_path: Path) -> Iterator[OrchestratorProcess]:
+    p = OrchestratorProcess(nats_url, tmp_path / "orchestrator.log")
+    p.start()
+    p.wait_ready()
+    try:
+        yield p
+    finally:
+        p.stop()

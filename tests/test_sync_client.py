@@ -1,0 +1,26 @@
+"""The blocking facade, against the orchestrator running as a real process."""
+
+from __future__ import annotations
+
+import pytest
+from timeslice_client import TimeSliceClient
+
+pytestmark = pytest.mark.usefixtures("orchestrator_process")
+
+
+def test_sync_client_round_trip(nats_url: str) -> None:
+    with TimeSliceClient("a", "g10", nats_url) as a, TimeSliceClient("b", "g10", nats_url) as b:
+        calls: list[int] = []
+
+        @a.on_accelerators(timeout=10)
+        def step(i: int) -> None:
+            assert a.holding
+            calls.append(i)
+
+        step(1)
+        step(2)
+        assert calls == [1, 2]
+        with b.on_accelerators(timeout=10) as g:
+            assert g.epoch == 3 and a.status().holder is not None
+        assert b.status().active_job == "b"
+        assert "g10" in a.list_groups()
