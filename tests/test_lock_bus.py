@@ -198,9 +198,8 @@ async def test_phase_events_reach_the_stream(nats_url: str) -> None:
     try:
         sub = await nc.subscribe(subjects.job("g9", "a", "phase"))
         await nc.flush()
-        async with AsyncTimeSliceClient("a", "g9", nats_url) as a:
-            async with a.on_accelerators(timeout=10), a.phase("train"):
-                pass
+        async with AsyncTimeSliceClient("a", "g9", nats_url) as a, a.on_accelerators(timeout=10), a.phase("train"):
+            pass
         first = (await sub.next_msg(timeout=5)).data
         second = (await sub.next_msg(timeout=5)).data
         assert b'"edge":"start"' in first and b'"name":"train"' in first

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from timeslice_client import TimeSliceClient
 
+from .helpers import eventually_sync
+
 pytestmark = pytest.mark.usefixtures("orchestrator_process")
 
 
@@ -21,6 +23,7 @@ def test_sync_client_round_trip(nats_url: str) -> None:
         step(2)
         assert calls == [1, 2]
         with b.on_accelerators(timeout=10) as g:
-            assert g.epoch == 3 and a.status().holder is not None
-        assert b.status().active_job == "b"
+            assert g.epoch == 3
+            eventually_sync(lambda: (h := a.status().holder) is not None and h.job == "b")
+        eventually_sync(lambda: b.status().active_job == "b" and b.status().holder is None)
         assert "g10" in a.list_groups()

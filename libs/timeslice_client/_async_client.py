@@ -155,7 +155,7 @@ class AsyncTimeSliceClient:
             self._js = self._nc.jetstream(timeout=self.request_timeout)
             self._sub = await self._nc.subscribe(self._notice_subject, cb=self._on_notice)
             await asyncio.sleep(0)  # NATS_NOTES trap 2
-            await self._nc.flush(timeout=self.request_timeout)
+            await self._nc.flush(timeout=int(self.request_timeout))
             self._keeper = asyncio.get_running_loop().create_task(self._keep(), name=f"timeslice-keeper-{self.job_id}")
             return self
 
@@ -376,9 +376,8 @@ class AsyncTimeSliceClient:
             fut.set_result(n)
         elif isinstance(n, Refused):
             fut.set_exception(self._refusal_error(n))
-        elif isinstance(n, Dequeued):
-            if n.reason != "not waiting":
-                fut.set_exception(AcquireCancelled(self.group_id, self.job_id, n.reason))
+        elif isinstance(n, Dequeued) and n.reason != "not waiting":
+            fut.set_exception(AcquireCancelled(self.group_id, self.job_id, n.reason))
 
     def _refusal_error(self, n: Refused) -> TimeSliceError:
         your = self._hold.epoch if self._hold else None
@@ -396,10 +395,11 @@ class AsyncTimeSliceClient:
             now = time.monotonic()
             nxt = now + 3600
             for rid, due in list(self._waiting.items()):
+                next_due = due
                 if due <= now:
-                    self._waiting[rid] = due = now + self.waiter_ttl_ms / 3000
+                    self._waiting[rid] = next_due = now + self.waiter_ttl_ms / 3000
                     await self._renew(Renew(group=self.group_id, job=self.job_id, request_id=rid))
-                nxt = min(nxt, due)
+                nxt = min(nxt, next_due)
             hold = self._hold
             if hold is not None and hold.lost is None:
                 if hold.next_renew <= now:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from .errors import Unavailable
 from .protocol import AGENTS_BUCKET, GROUPS_BUCKET, JOBS_BUCKET, STREAM, STREAM_SUBJECTS
 
-__all__ = ["BusConfig", "Buckets", "connect", "default_nats_url", "ensure_bus", "url_file"]
+__all__ = ["Buckets", "BusConfig", "connect", "default_nats_url", "ensure_bus", "url_file"]
 
 log = logging.getLogger("timeslice.bus")
 

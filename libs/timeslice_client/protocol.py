@@ -50,9 +50,9 @@ __all__ = [
     "Dequeued",
     "DeviceInfo",
     "ErrorCode",
+    "Granted",
     "GroupRecord",
     "GroupState",
-    "Granted",
     "HolderRecord",
     "InputEvent",
     "JobEvent",
@@ -163,7 +163,7 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 # --------------------------------------------------------------------------- job → orchestrator
 
 
-class Acquire(_Msg, tag="acquire"):
+class Acquire(_Msg, frozen=True, tag="acquire"):
     group: str
     job: str
     request_id: str
@@ -173,14 +173,14 @@ class Acquire(_Msg, tag="acquire"):
     confirm_ms: int = 3_000
 
 
-class Release(_Msg, tag="release"):
+class Release(_Msg, frozen=True, tag="release"):
     group: str
     job: str
     request_id: str
     epoch: int
 
 
-class Renew(_Msg, tag="renew"):
+class Renew(_Msg, frozen=True, tag="renew"):
     """Keeps a holder's lease (``epoch`` set) or a waiter's place (``epoch`` None) alive."""
 
     group: str
@@ -189,14 +189,14 @@ class Renew(_Msg, tag="renew"):
     epoch: int | None = None
 
 
-class Cancel(_Msg, tag="cancel"):
+class Cancel(_Msg, frozen=True, tag="cancel"):
     group: str
     job: str
     request_id: str
     reason: str = "cancelled"
 
 
-class Phase(_Msg, tag="phase"):
+class Phase(_Msg, frozen=True, tag="phase"):
     group: str
     job: str
     name: str
@@ -211,16 +211,16 @@ JobEvent = Acquire | Release | Renew | Cancel | Phase
 # --------------------------------------------------------------------------- control
 
 
-class Tick(_Msg, tag="tick"):
+class Tick(_Msg, frozen=True, tag="tick"):
     group: str
 
 
-class ClearFault(_Msg, tag="clear_fault"):
+class ClearFault(_Msg, frozen=True, tag="clear_fault"):
     group: str
     job: str
 
 
-class AgentLost(_Msg, tag="agent_lost"):
+class AgentLost(_Msg, frozen=True, tag="agent_lost"):
     group: str
     node: str
 
@@ -231,7 +231,7 @@ ControlEvent = Tick | ClearFault | AgentLost
 # --------------------------------------------------------------------------- agent → orchestrator
 
 
-class JobRegistered(_Msg, tag="job_registered"):
+class JobRegistered(_Msg, frozen=True, tag="job_registered"):
     group: str
     job: str
     node: str
@@ -239,13 +239,13 @@ class JobRegistered(_Msg, tag="job_registered"):
     op_timeout_ms: int = 120_000
 
 
-class JobUnregistered(_Msg, tag="job_unregistered"):
+class JobUnregistered(_Msg, frozen=True, tag="job_unregistered"):
     group: str
     job: str
     node: str
 
 
-class OpResult(_Msg, tag="op_result"):
+class OpResult(_Msg, frozen=True, tag="op_result"):
     group: str
     op_id: str
     node: str
@@ -269,7 +269,7 @@ InputEvent = (
 # --------------------------------------------------------------------------- orchestrator → job
 
 
-class Granted(_Msg, tag="granted"):
+class Granted(_Msg, frozen=True, tag="granted"):
     group: str
     job: str
     request_id: str
@@ -279,7 +279,7 @@ class Granted(_Msg, tag="granted"):
     lease_deadline_ms: int
 
 
-class Released(_Msg, tag="released"):
+class Released(_Msg, frozen=True, tag="released"):
     group: str
     job: str
     request_id: str
@@ -288,7 +288,7 @@ class Released(_Msg, tag="released"):
     snapshot_deferred: bool
 
 
-class Refused(_Msg, tag="refused"):
+class Refused(_Msg, frozen=True, tag="refused"):
     group: str
     job: str
     request_id: str
@@ -298,14 +298,14 @@ class Refused(_Msg, tag="refused"):
     epoch: int = 0
 
 
-class Revoked(_Msg, tag="revoked"):
+class Revoked(_Msg, frozen=True, tag="revoked"):
     group: str
     job: str
     epoch: int
     reason: str
 
 
-class Dequeued(_Msg, tag="dequeued"):
+class Dequeued(_Msg, frozen=True, tag="dequeued"):
     group: str
     job: str
     request_id: str
@@ -318,7 +318,7 @@ Notice = Granted | Released | Refused | Revoked | Dequeued
 # --------------------------------------------------------------------------- orchestrator → agent
 
 
-class Snapshot(_Msg, tag="snapshot"):
+class Snapshot(_Msg, frozen=True, tag="snapshot"):
     op_id: str
     group: str
     job: str
@@ -327,7 +327,7 @@ class Snapshot(_Msg, tag="snapshot"):
     deadline_ms: int
 
 
-class Restore(_Msg, tag="restore"):
+class Restore(_Msg, frozen=True, tag="restore"):
     op_id: str
     group: str
     job: str
@@ -339,7 +339,7 @@ class Restore(_Msg, tag="restore"):
 AgentCommand = Snapshot | Restore
 
 
-class StateChanged(_Msg, tag="state_changed"):
+class StateChanged(_Msg, frozen=True, tag="state_changed"):
     group: str
     state: GroupState
     previous: GroupState
@@ -356,7 +356,7 @@ class _Rec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     pass
 
 
-class HolderRecord(_Rec):
+class HolderRecord(_Rec, frozen=True):
     job: str
     request_id: str
     epoch: int
@@ -366,7 +366,7 @@ class HolderRecord(_Rec):
     confirmed: bool = False
 
 
-class WaiterRecord(_Rec):
+class WaiterRecord(_Rec, frozen=True):
     job: str
     request_id: str
     enqueued_at_ms: int
@@ -377,7 +377,7 @@ class WaiterRecord(_Rec):
     confirm_ms: int
 
 
-class OpRecord(_Rec):
+class OpRecord(_Rec, frozen=True):
     op_id: str
     node: str
     job: str
@@ -385,7 +385,7 @@ class OpRecord(_Rec):
     deadline_ms: int
 
 
-class SwitchRecord(_Rec):
+class SwitchRecord(_Rec, frozen=True):
     to: WaiterRecord | None
     epoch: int
     phase: OpKind
@@ -394,7 +394,7 @@ class SwitchRecord(_Rec):
     restored: bool = False
 
 
-class GroupRecord(_Rec):
+class GroupRecord(_Rec, frozen=True):
     """The authoritative lock record of one group (KV ``groups``, key = group id)."""
 
     group: str
@@ -412,7 +412,7 @@ class GroupRecord(_Rec):
     last_seq: int = 0
 
 
-class DeviceInfo(_Rec):
+class DeviceInfo(_Rec, frozen=True):
     index: int
     uuid: str
     name: str = ""
@@ -420,7 +420,7 @@ class DeviceInfo(_Rec):
     memory_total_bytes: int = 0
 
 
-class AgentInfo(_Rec):
+class AgentInfo(_Rec, frozen=True):
     """An agent's liveness record (KV ``agents``, key = node id, with a TTL)."""
 
     node: str

@@ -54,13 +54,17 @@ async def _orchestrator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_dir(given: str | None) -> Path:
+    return Path(given).expanduser() if given else Path.home() / ".timeslice" / "data"
+
+
 async def _up(args: argparse.Namespace) -> int:
     from timeslice_client.bus import url_file
 
     from .embedded import NatsServer
     from .service import Orchestrator, OrchestratorConfig
 
-    data_dir = Path(args.data_dir or Path.home() / ".timeslice" / "data").expanduser()
+    data_dir = _data_dir(args.data_dir)
     server = NatsServer(data_dir, port=args.port, host=args.host)
     url = await server.astart()
     advert = url_file()

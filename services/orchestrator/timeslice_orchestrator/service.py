@@ -121,6 +121,9 @@ class Orchestrator:
         self._ready = asyncio.Event()
         self._fatal: BaseException | None = None
         self._sub: Any = None
+        self._queued = 0  # groups waiting for (or in) a write
+        self._writes_idle = asyncio.Event()
+        self._writes_idle.set()
         self.events_applied = 0
         self.events_rejected = 0
 
@@ -183,8 +186,7 @@ class Orchestrator:
             self._sub = None
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(10):
-                while any(e.dirty or e.queued for e in self._groups.values()) and self._fatal is None:
-                    await asyncio.sleep(0.005)  # bounded by the timeout above: writers finish their CAS
+                await self._writes_idle.wait()  # writers store what was decided
         assert self._nc is not None
         with contextlib.suppress(Exception):
             await self._nc.flush(timeout=2)
@@ -202,7 +204,7 @@ class Orchestrator:
         watcher = await kv.watchall()
         try:
             while True:
-                entry = await watcher.updates(timeout=10)
+                entry = await watcher.updates(timeout=10)  # type: ignore[no-untyped-call]
                 if entry is None:
                     continue
                 if entry.operation is None and entry.value:
@@ -212,7 +214,7 @@ class Orchestrator:
                 if entry.delta == 0:
                     break
         finally:
-            await watcher.stop()
+            await watcher.stop()  # type: ignore[no-untyped-call]
 
     async def _subscribe(self) -> None:
         js, nc = self._js, self._nc
@@ -292,6 +294,8 @@ class Orchestrator:
         self._arm(group, new)
         if not entry.queued:
             entry.queued = True
+            self._queued += 1
+            self._writes_idle.clear()
             await self._write_q.put(group)
 
     async def _publish(self, group: str, actions: list[Action]) -> None:
@@ -341,6 +345,9 @@ class Orchestrator:
                 return
             finally:
                 entry.queued = False
+                self._queued -= 1
+                if self._queued == 0:
+                    self._writes_idle.set()
 
     async def _store(self, kv: KeyValue, group: str, rec: GroupRecord, rev: int | None) -> int:
         data = encode(rec)

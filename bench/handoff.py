@@ -1,0 +1,233 @@
+"""Handoff latency through the real stack, against a raw NATS request-reply baseline from the same run.
+
+Starts a private nats-server and the orchestrator as its own process (as `timeslice up` deploys
+them), then:
+
+* P1 handoff: two job processes ping-pong a group; latency = job A calls release() → job B's
+  pending acquire() returns (both clocks are CLOCK_MONOTONIC on one host);
+* P2 re-acquire: one job alone releases and re-acquires (IDLE_YIELDED, no switch);
+* baseline: a raw core NATS request-reply to a responder in another process, same server.
+
+Each measurement is preceded by the same idle gap (``--gap-ms``), since latency grows with idle
+time before a message (NATS_NOTES). Run: ``python bench/handoff.py [--n 2000] [--gap-ms 2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _loop_run(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+# ---------------------------------------------------------------------- worker roles
+
+
+async def _pingpong(url: str, group: str, job: str, n: int, gap: float, out: str, start_first: bool) -> None:
+    from timeslice_client import AsyncTimeSliceClient
+
+    rows: list[tuple[str, int, int]] = []
+    async with AsyncTimeSliceClient(job, group, url, lease_seconds=30) as c:
+        for _ in range(n):
+            g = await c.acquire(timeout=60)
+            rows.append(("g", g.epoch, time.monotonic_ns()))
+            await asyncio.sleep(gap)  # the idle gap before the release
+            rows.append(("r", g.epoch, time.monotonic_ns()))
+            await c.release()
+    Path(out).write_text(json.dumps(rows))
+
+
+async def _reacquire(url: str, group: str, n: int, gap: float, out: str) -> None:
+    from timeslice_client import AsyncTimeSliceClient
+
+    lat: list[int] = []
+    async with AsyncTimeSliceClient("solo", group, url) as c:
+        await c.acquire(timeout=30)
+        await c.release()
+        for _ in range(n):
+            await asyncio.sleep(gap)
+            t0 = time.monotonic_ns()
+            await c.acquire(timeout=30)
+            lat.append(time.monotonic_ns() - t0)
+            await c.release()
+    Path(out).write_text(json.dumps(lat))
+
+
+async def _responder(url: str, ready: str) -> None:
+    from timeslice_client.bus import connect
+
+    nc = await connect(url)
+
+    async def cb(msg: Any) -> None:
+        await msg.respond(msg.data)
+
+    await nc.subscribe("bench.echo", cb=cb)
+    await asyncio.sleep(0)
+    await nc.flush()
+    Path(ready).write_text("ok")
+    await asyncio.Event().wait()
+
+
+async def _requester(url: str, n: int, gap: float, out: str) -> None:
+    from timeslice_client.bus import connect
+
+    nc = await connect(url)
+    lat: list[int] = []
+    for _ in range(n):
+        await asyncio.sleep(gap)
+        t0 = time.monotonic_ns()
+        await nc.request("bench.echo", b"x" * 200, timeout=5)
+        lat.append(time.monotonic_ns() - t0)
+    await nc.close()
+    Path(out).write_text(json.dumps(lat))
+
+
+# ---------------------------------------------------------------------- driver
+
+
+def _pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(p / 100 * len(s)))]
+
+
+def _spawn(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, __file__, *args], cwd=ROOT)
+
+
+def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.01)
+
+
+def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
+    from timeslice_orchestrator.embedded import NatsServer
+
+    tmp = Path(tempfile.mkdtemp(prefix="ts-bench-"))
+    server = NatsServer(tmp / "nats")
+    url = server.start()
+    env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
+    orch = subprocess.Popen([sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url],
+                            env=env)
+    procs: list[subprocess.Popen[bytes]] = [orch]
+    gap = str(gap_ms / 1000)
+    try:
+        # Baseline: raw request-reply, responder in another process.
+        ready = tmp / "responder.ready"
+        resp = _spawn("--role", "responder", "--url", url, "--out", str(ready))
+        procs.append(resp)
+        _wait_file(ready, resp, 30)
+        base_out = tmp / "baseline.json"
+        req = _spawn("--role", "requester", "--url", url, "--n", str(n), "--gap", gap, "--out", str(base_out))
+        req.wait()
+        base = [x / 1e6 for x in json.loads(base_out.read_text())[n // 10:]]
+
+        # P1: two jobs ping-pong.
+        a_out, b_out = tmp / "a.json", tmp / "b.json"
+        a = _spawn("--role", "pingpong", "--url", url, "--group", "bench", "--job", "job-a", "--n", str(n),
+                   "--gap", gap, "--out", str(a_out))
+        b = _spawn("--role", "pingpong", "--url", url, "--group", "bench", "--job", "job-b", "--n", str(n),
+                   "--gap", gap, "--out", str(b_out))
+        procs += [a, b]
+        a.wait()
+        b.wait()
+        if a.returncode or b.returncode:
+            raise RuntimeError("a ping-pong worker failed")
+        rows = json.loads(a_out.read_text()) + json.loads(b_out.read_text())
+        grants = {e: t for k, e, t in rows if k == "g"}
+        releases = {e: t for k, e, t in rows if k == "r"}
+        hand = [(grants[e + 1] - releases[e]) / 1e6 for e in sorted(releases) if e + 1 in grants]
+        hand = hand[len(hand) // 10:]  # skip the warm-up tenth
+
+        # P2: same job re-acquires an IDLE_YIELDED group.
+        r_out = tmp / "re.json"
+        r = _spawn("--role", "reacquire", "--url", url, "--group", "bench-solo", "--n", str(n), "--gap", gap,
+                   "--out", str(r_out))
+        r.wait()
+        re_lat = [x / 1e6 for x in json.loads(r_out.read_text())[n // 10:]]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        server.stop()
+    b50 = _pct(base, 50)
+    return {
+        "n": n,
+        "gap_ms": gap_ms,
+        "handoff_p50_ms": _pct(hand, 50),
+        "handoff_p99_ms": _pct(hand, 99),
+        "reacquire_p50_ms": _pct(re_lat, 50),
+        "reacquire_p99_ms": _pct(re_lat, 99),
+        "baseline_reqrep_p50_ms": b50,
+        "baseline_reqrep_p99_ms": _pct(base, 99),
+        "handoff_vs_baseline": _pct(hand, 50) / b50,
+        "reacquire_vs_baseline": _pct(re_lat, 50) / b50,
+        "samples": len(hand),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=2000)
+    p.add_argument("--gap-ms", type=float, default=2.0)
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--role", help=argparse.SUPPRESS)
+    p.add_argument("--url", help=argparse.SUPPRESS)
+    p.add_argument("--group", help=argparse.SUPPRESS)
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    p.add_argument("--gap", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.role == "pingpong":
+        _loop_run(_pingpong(a.url, a.group, a.job, a.n, a.gap, a.out, a.job == "job-a"))
+        return
+    if a.role == "reacquire":
+        _loop_run(_reacquire(a.url, a.group, a.n, a.gap, a.out))
+        return
+    if a.role == "responder":
+        _loop_run(_responder(a.url, a.out))
+        return
+    if a.role == "requester":
+        _loop_run(_requester(a.url, a.n, a.gap, a.out))
+        return
+    res = run(a.n, a.gap_ms)
+    if a.json:
+        print(json.dumps(res))
+        return
+    print(f"handoff (A release -> B acquire returns), n={res['samples']}, idle gap {res['gap_ms']} ms")
+    print(f"  P1 handoff     p50 {res['handoff_p50_ms']:.3f} ms   p99 {res['handoff_p99_ms']:.3f} ms   "
+          f"= {res['handoff_vs_baseline']:.2f}x baseline p50")
+    print(f"  P2 re-acquire  p50 {res['reacquire_p50_ms']:.3f} ms   p99 {res['reacquire_p99_ms']:.3f} ms   "
+          f"= {res['reacquire_vs_baseline']:.2f}x baseline p50")
+    print(f"  baseline: raw NATS request-reply p50 {res['baseline_reqrep_p50_ms']:.3f} ms   "
+          f"p99 {res['baseline_reqrep_p99_ms']:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

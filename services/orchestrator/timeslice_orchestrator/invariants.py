@@ -1,0 +1,477 @@
+"""Invariant checks over lock records and over the event stream.
+
+Two tools, both pure (no I/O, no clock):
+
+* :func:`check_record` asserts the record-level invariants of one :class:`GroupRecord`: one holder at
+  most, fencing epochs, a sane queue, a state that matches the fields, only the holder's context on the
+  accelerators while it holds, no waiter stranded while nothing moves.
+* :class:`StreamChecker` folds a ``TIMESLICE`` stream, in stream order, through the same pure core as
+  the orchestrator (:func:`timeslice_orchestrator.core.apply`) and checks every record it produces. It
+  also checks the notices the live orchestrator *published* in that stream on their own: grant epochs
+  of a group never go backwards, no two jobs ever get the same epoch, a new grant is published only
+  after the previous holder was told that its hold ended, and every published grant is one that the
+  fold decided too (the live orchestrator and the pure core agree).
+
+Both raise :class:`InvariantViolation`, which names the rule and carries the values that explain it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Final
+
+import msgspec
+from timeslice_client.errors import InvalidId
+from timeslice_client.protocol import (
+    Granted,
+    GroupRecord,
+    GroupState,
+    InputEvent,
+    OpKind,
+    Released,
+    Revoked,
+    decode_input,
+    decode_notice,
+    subjects,
+    validate_id,
+)
+
+from .core import Action, Notify, apply, new_record
+
+__all__ = [
+    "GroupStats",
+    "InvariantViolation",
+    "StreamChecker",
+    "check_record",
+    "subject_matches",
+]
+
+
+class InvariantViolation(Exception):
+    """An invariant does not hold. ``rule`` names it; ``values`` holds what shows it."""
+
+    def __init__(
+        self,
+        rule: str,
+        detail: str,
+        *,
+        group: str | None = None,
+        seq: int | None = None,
+        values: Mapping[str, object] | None = None,
+    ) -> None:
+        self.rule = rule
+        self.detail = detail
+        self.group = group
+        self.seq = seq
+        self.values: dict[str, object] = dict(values or {})
+        where = ""
+        if group is not None:
+            where += f" in group {group!r}"
+        if seq is not None:
+            where += f" at stream seq {seq}"
+        shown = "".join(f"\n  {k} = {v!r}" for k, v in self.values.items())
+        super().__init__(f"invariant {rule!r} violated{where}: {detail}{shown}")
+
+    def at(self, seq: int) -> InvariantViolation:
+        """The same violation, located at stream sequence ``seq``."""
+        return InvariantViolation(self.rule, self.detail, group=self.group, seq=seq, values=self.values)
+
+
+# --------------------------------------------------------------------------- record invariants
+
+
+def _expected_state(rec: GroupRecord) -> GroupState:
+    if rec.holder is not None:
+        return GroupState.LOCKED
+    if rec.switch is not None:
+        return GroupState.SWITCHING
+    if rec.active_job is not None:
+        return GroupState.IDLE_YIELDED
+    return GroupState.IDLE
+
+
+def check_record(rec: GroupRecord) -> None:
+    """Raise :class:`InvariantViolation` unless ``rec`` satisfies every record-level invariant."""
+
+    def fail(rule: str, detail: str, **values: object) -> InvariantViolation:
+        return InvariantViolation(rule, detail, group=rec.group, values=values)
+
+    if rec.epoch < 0 or rec.last_seq < 0:
+        raise fail("counters", "epoch and last_seq are never negative", epoch=rec.epoch,
+                   last_seq=rec.last_seq)
+    expected = _expected_state(rec)
+    if rec.state != expected:
+        raise fail("state", f"state is {rec.state} but holder/switch/active_job say {expected}",
+                   state=rec.state, holder=rec.holder, switch=rec.switch, active_job=rec.active_job)
+
+    queued = [w.job for w in rec.queue]
+    if len(set(queued)) != len(queued):
+        raise fail("queue-unique-job", "a job waits at most once", queue=queued)
+    rids = [w.request_id for w in rec.queue]
+    if len(set(rids)) != len(rids):
+        raise fail("queue-unique-request", "a request id waits at most once", queue=rids)
+    faulted_waiters = sorted(set(queued) & rec.faulted.keys())
+    if faulted_waiters:
+        raise fail("queue-faulted", "faulted jobs do not wait in the queue", faulted=faulted_waiters,
+                   faults=rec.faulted)
+
+    h = rec.holder
+    if h is not None:
+        if rec.switch is not None:
+            raise fail("holder-switch", "a group is never both held and switching", holder=h,
+                       switch=rec.switch)
+        if rec.active_job != h.job:
+            raise fail("holder-active", "the holder's context is the active one", holder=h.job,
+                       active_job=rec.active_job)
+        if h.epoch != rec.epoch:
+            raise fail("holder-epoch", "the holder holds the current epoch", holder_epoch=h.epoch,
+                       epoch=rec.epoch)
+        if h.job in queued:
+            raise fail("holder-queued", "the holder does not also wait in the queue", holder=h.job,
+                       queue=queued)
+        if h.job in rec.faulted:
+            raise fail("holder-faulted", "a faulted job never holds", holder=h.job,
+                       fault=rec.faulted[h.job])
+        if h.lease_ms <= 0:
+            raise fail("holder-lease", "a holder has a positive lease", holder=h)
+        others = {n: j for n, j in rec.loaded.items() if j != h.job}
+        if others:
+            raise fail("loaded-exclusive",
+                       "while a job holds the group, no other job's context is on its accelerators",
+                       holder=h.job, others=others)
+    elif rec.switch is None:
+        if rec.queue:
+            raise fail("idle-with-waiters",
+                       "nobody holds and no switch runs, yet jobs wait (no grant would ever come)",
+                       queue=queued, state=rec.state)
+        if rec.active_job is not None:
+            others = {n: j for n, j in rec.loaded.items() if j != rec.active_job}
+            if others:
+                raise fail("loaded-exclusive",
+                           "an idle-yielded group has only its active job's context loaded",
+                           active_job=rec.active_job, others=others)
+
+    sw = rec.switch
+    if sw is not None:
+        if sw.epoch != rec.epoch:
+            raise fail("switch-epoch", "a switch runs at the current epoch", switch_epoch=sw.epoch,
+                       epoch=rec.epoch)
+        if not sw.ops:
+            raise fail("switch-stuck", "a switch always waits for at least one operation", switch=sw)
+        ids = [op.op_id for op in sw.ops]
+        if len(set(ids)) != len(ids):
+            raise fail("switch-ops-unique", "operation ids of a switch are unique", ops=ids)
+        wrong = [op for op in sw.ops if op.kind != sw.phase]
+        if wrong:
+            raise fail("switch-phase", f"every pending operation belongs to the {sw.phase} phase",
+                       ops=wrong)
+        target = sw.to.job if sw.to is not None else None
+        if target is not None and target in queued:
+            raise fail("switch-target-queued", "the switch target does not also wait in the queue",
+                       target=target, queue=queued)
+        if sw.phase is OpKind.SNAPSHOT and any(op.job == target for op in sw.ops):
+            raise fail("switch-snapshot-target", "the incoming job is never snapshotted", target=target,
+                       ops=sw.ops)
+        if sw.phase is OpKind.RESTORE:
+            restoring = {op.job for op in sw.ops}
+            if len(restoring) != 1 or (target is not None and restoring != {target}):
+                raise fail("switch-restore-target", "a switch restores only the incoming job",
+                           target=target, ops=sw.ops)
+        if rec.active_job is not None and rec.active_job != target:
+            raise fail("switch-active", "while switching, the active job is the incoming one or none",
+                       active_job=rec.active_job, target=target)
+
+    for job, nodes in rec.placements.items():
+        if not nodes or len(set(nodes)) != len(nodes):
+            raise fail("placements", "a placement names at least one node, each once", job=job,
+                       nodes=nodes)
+    for node, job in rec.loaded.items():
+        if node not in rec.placements.get(job, ()):
+            raise fail("loaded-placed", "a loaded context belongs to a job registered on that node",
+                       node=node, job=job, placements=rec.placements)
+    pairs = {f"{n}/{j}" for j, nodes in rec.placements.items() for n in nodes}
+    if set(rec.op_timeouts) != pairs:
+        raise fail("op-timeouts", "operation timeouts are kept for exactly the registered (node, job) pairs",
+                   op_timeouts=sorted(rec.op_timeouts), registered=sorted(pairs))
+
+
+# --------------------------------------------------------------------------- the stream checker
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` matches one token, a final ``>`` one or more."""
+    p = pattern.split(".")
+    s = subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(s) == len(p)
+
+
+def _route(subject: str) -> tuple[str, str | None]:
+    """(group, job) named by an input subject, by the orchestrator's rules; ValueError if none."""
+    t = subject.split(".")
+    if len(t) == 6 and t[2] == "job":
+        return validate_id("group", t[3]), validate_id("job", t[4])
+    if len(t) == 5 and t[2] == "ctl":
+        return validate_id("group", t[3]), None
+    if len(t) == 6 and t[2] == "agent" and t[4] == "evt":
+        return validate_id("group", t[5]), None
+    raise ValueError(f"not an input subject: {subject!r}")
+
+
+_NOTICE_PATTERN: Final = "ts.v1.notice.*.*"
+
+
+@dataclass
+class GroupStats:
+    """What the checker saw of one group."""
+
+    events: int = 0  # input events folded
+    rejected: int = 0  # input events the orchestrator refuses (malformed, ids that do not match)
+    grants: int = 0  # distinct grants published (a new (job, epoch))
+    repeated_grants: int = 0  # Granted notices repeating a (job, epoch): holder re-acquire, re-issue
+    releases: int = 0
+    revocations: int = 0
+    max_epoch: int = 0  # the highest epoch of a published grant
+    fold_grants: int = 0  # distinct grants the fold decided
+    holder: tuple[str, int] | None = None  # (job, epoch) as the published notices tell it
+    grants_by_job: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _GroupView:
+    stats: GroupStats = field(default_factory=GroupStats)
+    epoch_owner: dict[int, str] = field(default_factory=dict)  # published grants: epoch -> job
+    decided: dict[tuple[str, int], set[str]] = field(default_factory=dict)  # fold: (job, epoch) -> rids
+    decided_order: list[tuple[str, int, str]] = field(default_factory=list)
+    fold_max_epoch: int = 0
+    published: set[tuple[str, int, str]] = field(default_factory=set)  # (job, epoch, request id)
+    floor_epoch: int = 0  # grants below this epoch predate the records the checker started from
+
+
+class StreamChecker:
+    """Fold a stream and check it. Feed it messages in stream order with :meth:`feed`.
+
+    ``records`` starts the fold from stored records (for a stream whose head retention discarded);
+    otherwise every group starts as :func:`new_record`. With ``check_order`` (the default) a new grant
+    must come after the notice that ended the previous hold (Released or Revoked); that holds as long
+    as the orchestrator publishes the actions of each event in order, which it does.
+
+    Messages at or below the last sequence fed are duplicates (redeliveries) and are skipped; subjects
+    that are neither inputs nor notices are ignored; input events that the orchestrator refuses
+    (malformed payloads, ids that do not match the subject) are counted in :attr:`rejected`.
+    """
+
+    def __init__(self, records: Mapping[str, GroupRecord] | None = None, *, check_order: bool = True) -> None:
+        self.check_order = check_order
+        self.records: dict[str, GroupRecord] = {}
+        self._views: dict[str, _GroupView] = {}
+        self.last_seq = 0
+        self.applied = 0
+        self.rejected = 0
+        self.duplicates = 0
+        self.ignored = 0
+        self.notices = 0
+        for group, rec in (records or {}).items():
+            check_record(rec)
+            self.records[group] = rec
+            view = self._view(group)
+            # A running switch's grant is still to come; every other epoch up to rec.epoch is past.
+            known = rec.epoch - 1 if rec.switch is not None else rec.epoch
+            view.fold_max_epoch = view.stats.max_epoch = known
+            view.floor_epoch = known + 1
+            if rec.holder is not None:
+                h = rec.holder
+                view.decided[(h.job, h.epoch)] = {h.request_id}
+                view.epoch_owner[h.epoch] = h.job
+                view.stats.holder = (h.job, h.epoch)
+
+    # ------------------------------------------------------------------ results
+
+    @property
+    def stats(self) -> dict[str, GroupStats]:
+        return {g: v.stats for g, v in self._views.items()}
+
+    def unpublished_grants(self) -> list[tuple[str, str, int, str]]:
+        """Grants the fold decided that no notice announced (yet): (group, job, epoch, request id).
+
+        Empty once the orchestrator has caught up with the stream; chaos tests check it at quiescence.
+        """
+        return [
+            (g, job, epoch, rid)
+            for g, v in sorted(self._views.items())
+            for job, epoch, rid in v.decided_order
+            if (job, epoch, rid) not in v.published
+        ]
+
+    # ------------------------------------------------------------------ feeding
+
+    def feed_all(self, messages: Iterable[tuple[int, int, str, bytes]]) -> None:
+        for seq, now_ms, subject, data in messages:
+            self.feed(seq, now_ms, subject, data)
+
+    def feed(self, seq: int, now_ms: int, subject: str, data: bytes) -> list[Action]:
+        """Fold or check one stream message; returns the fold's actions for an input event."""
+        if seq <= self.last_seq:
+            self.duplicates += 1
+            return []
+        self.last_seq = seq
+        if any(subject_matches(p, subject) for p in subjects.inputs):
+            return self._feed_input(seq, now_ms, subject, data)
+        if subject_matches(_NOTICE_PATTERN, subject):
+            self._feed_notice(seq, subject, data)
+            return []
+        self.ignored += 1
+        return []
+
+    def _view(self, group: str) -> _GroupView:
+        view = self._views.get(group)
+        if view is None:
+            view = self._views[group] = _GroupView()
+        return view
+
+    @staticmethod
+    def _decode(subject: str, data: bytes) -> tuple[str, InputEvent | None]:
+        """The orchestrator's admission rules: (group, event), or (group or "", None) if refused."""
+        try:
+            group, job = _route(subject)
+        except ValueError:
+            return "", None
+        try:
+            ev = decode_input(data)
+            if ev.group != group or (job is not None and getattr(ev, "job", job) != job):
+                return group, None
+            for kind in ("job", "node"):
+                value = getattr(ev, kind, None)
+                if value is not None:
+                    validate_id(kind, value)
+        except (msgspec.DecodeError, msgspec.ValidationError, InvalidId):
+            return group, None
+        return group, ev
+
+    def _feed_input(self, seq: int, now_ms: int, subject: str, data: bytes) -> list[Action]:
+        group, ev = self._decode(subject, data)
+        if ev is None:
+            self.rejected += 1
+            if group:
+                self._view(group).stats.rejected += 1
+            return []
+        rec = self.records.get(group) or new_record(group)
+        try:
+            new, actions = apply(rec, ev, now_ms, seq)
+        except Exception as exc:
+            raise InvariantViolation("core-raised", f"apply() raised {exc!r}", group=group, seq=seq,
+                                     values={"event": ev, "record": rec}) from exc
+        self.applied += 1
+        view = self._view(group)
+        view.stats.events += 1
+        self.records[group] = new
+        if new is rec:
+            if actions:
+                raise InvariantViolation("core-unchanged", "an unchanged record comes with no actions",
+                                         group=group, seq=seq, values={"actions": actions})
+            return actions
+        try:
+            check_record(new)
+        except InvariantViolation as exc:
+            raise exc.at(seq) from None
+        if new.epoch < rec.epoch:
+            raise InvariantViolation("fold-epoch", "the epoch never goes down", group=group, seq=seq,
+                                     values={"before": rec.epoch, "after": new.epoch, "event": ev})
+        holder = (rec.holder.job, rec.holder.epoch) if rec.holder is not None else None
+        for a in actions:
+            if not isinstance(a, Notify):
+                continue
+            n = a.notice
+            if isinstance(n, Granted):
+                self._fold_grant(view, seq, n, holder)
+                holder = (n.job, n.epoch)
+            elif isinstance(n, Released | Revoked):
+                holder = None
+        return actions
+
+    @staticmethod
+    def _fold_grant(view: _GroupView, seq: int, n: Granted, holder: tuple[str, int] | None) -> None:
+        if holder != (n.job, n.epoch):  # not the holder's re-acquire, so a new grant
+            if holder is not None:
+                raise InvariantViolation("fold-grant-exclusive", "the fold grants only when nobody holds",
+                                         group=n.group, seq=seq, values={"granted": n, "holder": holder})
+            if n.epoch <= view.fold_max_epoch:
+                raise InvariantViolation("fold-grant-epoch", "every new grant raises the epoch",
+                                         group=n.group, seq=seq,
+                                         values={"granted": n, "max_epoch": view.fold_max_epoch})
+            view.fold_max_epoch = n.epoch
+            view.stats.fold_grants += 1
+        view.decided.setdefault((n.job, n.epoch), set()).add(n.request_id)
+        view.decided_order.append((n.job, n.epoch, n.request_id))
+
+    def _feed_notice(self, seq: int, subject: str, data: bytes) -> None:
+        tokens = subject.split(".")
+        group, job = tokens[3], tokens[4]
+        try:
+            notice = decode_notice(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise InvariantViolation("notice-malformed", f"a published notice does not decode: {exc}",
+                                     group=group, seq=seq, values={"subject": subject, "data": data}) from exc
+        if notice.group != group or notice.job != job:
+            raise InvariantViolation("notice-subject", "a notice goes out on its own group and job's subject",
+                                     group=group, seq=seq, values={"subject": subject, "notice": notice})
+        self.notices += 1
+        if not isinstance(notice, Granted | Released | Revoked):
+            return
+        view = self._view(group)
+        if notice.epoch < view.floor_epoch and notice.epoch not in view.epoch_owner:
+            return  # about a grant older than the records the checker started from
+        if isinstance(notice, Granted):
+            self._published_grant(view, seq, notice)
+            return
+        owner = view.epoch_owner.get(notice.epoch)
+        if owner != notice.job:
+            raise InvariantViolation("notice-end-unknown",
+                                     f"{type(notice).__name__} ends a hold that was never granted",
+                                     group=group, seq=seq,
+                                     values={"notice": notice, "epoch_granted_to": owner})
+        st = view.stats
+        if isinstance(notice, Released):
+            st.releases += 1
+        else:
+            st.revocations += 1
+        if st.holder == (notice.job, notice.epoch):
+            st.holder = None
+
+    def _published_grant(self, view: _GroupView, seq: int, n: Granted) -> None:
+        st = view.stats
+        group = n.group
+        if n.request_id not in view.decided.get((n.job, n.epoch), ()):
+            at_epoch = sorted((j, e, sorted(r)) for (j, e), r in view.decided.items() if e == n.epoch)
+            raise InvariantViolation("grant-agrees-with-fold",
+                                     "a published grant is one the pure core decided from the same events",
+                                     group=group, seq=seq, values={"granted": n, "fold_at_epoch": at_epoch})
+        owner = view.epoch_owner.get(n.epoch)
+        if owner is not None:
+            if owner != n.job:
+                raise InvariantViolation("grant-epoch-unique", "two jobs never get the same epoch",
+                                         group=group, seq=seq,
+                                         values={"granted": n, "epoch_granted_before_to": owner})
+            st.repeated_grants += 1  # the holder's re-acquire, or a grant re-issued after a crash
+        else:
+            if n.epoch <= st.max_epoch:
+                raise InvariantViolation("grant-epoch-rising", "grant epochs never go backwards",
+                                         group=group, seq=seq,
+                                         values={"granted": n, "max_epoch": st.max_epoch})
+            if self.check_order and st.holder is not None:
+                raise InvariantViolation(
+                    "grant-exclusive",
+                    "a new grant is published only after the previous holder was told its hold ended",
+                    group=group, seq=seq, values={"granted": n, "still_holding": st.holder},
+                )
+            view.epoch_owner[n.epoch] = n.job
+            st.max_epoch = n.epoch
+            st.grants += 1
+            st.grants_by_job[n.job] = st.grants_by_job.get(n.job, 0) + 1
+            st.holder = (n.job, n.epoch)
+        view.published.add((n.job, n.epoch, n.request_id))
