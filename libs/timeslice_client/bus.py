@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from pathlib import Path
@@ -78,7 +79,11 @@ async def connect(
     }
     opts.update(kwargs)
     try:
-        return await nats.connect(url, **opts)
+        # With unlimited reconnects nats-py retries a first connection forever: bound it here.
+        async with asyncio.timeout(connect_timeout * 2):
+            return await nats.connect(url, **opts)
+    except TimeoutError as exc:
+        raise Unavailable("cannot connect to NATS", nats_url=url, after_s=connect_timeout * 2) from exc
     except Exception as exc:
         raise Unavailable(f"cannot connect to NATS ({exc.__class__.__name__}: {exc})", nats_url=url) from exc
 

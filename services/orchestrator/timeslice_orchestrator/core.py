@@ -129,6 +129,7 @@ def apply(rec: GroupRecord, ev: InputEvent, now_ms: int, seq: int) -> tuple[Grou
     if seq <= rec.last_seq:
         return rec, []
     w = _Work.of(rec, now_ms)
+    w.seq = seq
     w.expire()
     _HANDLERS[type(ev)](w, ev)
     w.advance()
@@ -155,6 +156,7 @@ class _Work:
     actions: list[Action] = field(default_factory=list)
     changed: bool = False
     reason: str = ""
+    seq: int = 0
 
     @classmethod
     def of(cls, rec: GroupRecord, now: int) -> _Work:
@@ -283,6 +285,11 @@ class _Work:
         i = self.waiter_index(job)
         if i is not None:
             self.drop_waiter(i, f"faulted: {reason}")
+        sw = self.switch
+        if sw is not None and sw.to is not None and sw.to.job == job:
+            # The incoming job will not be granted this switch, even if its fault is cleared meanwhile.
+            self.refuse(job, sw.to.request_id, ErrorCode.JOB_FAULTED, reason)
+            self.switch = msgspec.structs.replace(sw, to=None)
 
     # ------------------------------------------------------------------ expiries
 
@@ -366,10 +373,11 @@ class _Work:
         self.switch = msgspec.structs.replace(sw, phase=OpKind.RESTORE, ops=tuple(ops), restored=bool(ops))
         self.touch("restoring")
 
-    def op(self, kind: OpKind, node: str, job: str, epoch: int) -> OpRecord:
+    def op(self, kind: OpKind, node: str, job: str, epoch: int, suffix: str = "") -> OpRecord:
         timeout = self.op_timeouts.get(f"{node}/{job}", 120_000)
         op = OpRecord(
-            op_id=f"{self.group}:{epoch}:{kind}:{node}", node=node, job=job, kind=kind, deadline_ms=self.now + timeout
+            op_id=f"{self.group}:{epoch}:{kind}:{node}{suffix}", node=node, job=job, kind=kind,
+            deadline_ms=self.now + timeout,
         )
         cls = Snapshot if kind is OpKind.SNAPSHOT else Restore
         self.actions.append(
@@ -456,8 +464,10 @@ def _on_release(w: _Work, ev: Release) -> None:
     h = w.holder
     if h is None or h.job != ev.job:
         sw = w.switch
-        if h is None and sw is not None and sw.to is not None and sw.to.job == ev.job:
+        to = sw.to if h is None and sw is not None else None
+        if sw is not None and to is not None and to.job == ev.job and to.request_id == ev.request_id:
             # Released before the grant arrived (a client that gave up): leave the switch target.
+            w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason="released before grant"))
             w.switch = msgspec.structs.replace(sw, to=None)
             w.touch("switch target released")
             return
@@ -506,17 +516,17 @@ def _on_renew(w: _Work, ev: Renew) -> None:
 
 def _on_cancel(w: _Work, ev: Cancel) -> None:
     for i, wr in enumerate(w.queue):
-        if wr.request_id == ev.request_id:
+        if wr.request_id == ev.request_id and wr.job == ev.job:
             w.drop_waiter(i, ev.reason)
             return
     sw = w.switch
-    if sw is not None and sw.to is not None and sw.to.request_id == ev.request_id:
+    if sw is not None and sw.to is not None and sw.to.request_id == ev.request_id and sw.to.job == ev.job:
         w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason=ev.reason))
         w.switch = msgspec.structs.replace(sw, to=None)
         w.touch(f"waiter {ev.reason}")
         return
     h = w.holder
-    if h is not None and h.request_id == ev.request_id:
+    if h is not None and h.request_id == ev.request_id and h.job == ev.job:
         # The grant crossed the cancel: the caller will never use it, so it is released.
         w.holder = None
         pending = len(w.queue)
@@ -545,6 +555,12 @@ def _on_registered(w: _Work, ev: JobRegistered) -> None:
     w.op_timeouts[f"{ev.node}/{ev.job}"] = ev.op_timeout_ms
     if w.active_job == ev.job and ev.node not in w.loaded:
         w.loaded[ev.node] = ev.job
+    sw = w.switch
+    if (sw is not None and sw.phase is OpKind.RESTORE and sw.to is not None and sw.to.job == ev.job
+            and w.loaded.get(ev.node) != ev.job and all(op.node != ev.node for op in sw.ops)):
+        # The incoming job appeared on one more node while its restores run: restore it there too.
+        op = w.op(OpKind.RESTORE, ev.node, ev.job, sw.epoch, suffix=f":{w.seq}")  # unique if re-registered
+        w.switch = msgspec.structs.replace(sw, ops=(*sw.ops, op), restored=True)
     w.touch("job registered")
 
 

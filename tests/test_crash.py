@@ -1,0 +1,146 @@
+"""Crash safety (DESIGN.md invariant 4): the orchestrator process is SIGKILLed at random instants, again and
+again, while job processes hand a group around, and restarted each time.
+
+Clients keep waiting while it is down (their requests are durable in the stream); the new orchestrator
+resumes at its consumer's ack floor and re-issues undelivered decisions with the same epochs. Afterwards:
+every job finished every round (no lost waiter, no lost release, no error), the holds the jobs logged
+never overlap, epochs rise one by one with no gap and no repeat, the whole stream folds through the pure
+core without an invariant violation, every grant the fold decided was published, and the stored record
+is the fold of the stream.
+
+The run is reproducible in its kill schedule: set ``TIMESLICE_CRASH_SEED`` to replay one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+from timeslice_client import GroupState, TimeSliceClient
+from timeslice_orchestrator.invariants import StreamChecker
+
+from .conftest import OrchestratorProcess
+from .helpers import eventually_sync
+from .workers import Worker, check_exclusive_holds, holds, read_stream
+
+JOBS = {"c1": "sync", "c2": "async", "c3": "sync", "c4": "async"}
+ROUNDS = 90  # per job: 360 handoffs, plus the slow job's
+SLOW_ROUNDS = 4
+KILLS = 10
+START = 30.0
+
+
+@pytest.mark.slow
+def test_orchestrator_sigkilled_repeatedly_during_handoffs(
+    tmp_path: Path, nats_url: str, orchestrator_process: OrchestratorProcess
+) -> None:
+    seed = int(os.environ.get("TIMESLICE_CRASH_SEED", time.time_ns() % 1_000_000))
+    rng = random.Random(seed)
+    group = "crash"
+    total = ROUNDS * len(JOBS) + SLOW_ROUNDS
+    workers = [
+        Worker(tmp_path, nats_url, group, job, mode="loop", rounds=ROUNDS, hold_ms=rng.choice([0, 1, 3]),
+               client=kind, wait_start=True,
+               # a restart takes about a second; a release must outwait it rather than fail
+               request_timeout=30, acquire_timeout=120)
+        for job, kind in JOBS.items()
+    ]
+    # One job holds long enough to renew its lease (and confirm its grants) across restarts.
+    slow = Worker(tmp_path, nats_url, group, "slow", mode="loop", rounds=SLOW_ROUNDS, hold_ms=1500,
+                  gap_ms=1000, lease_seconds=3, client="async", wait_start=True, request_timeout=30,
+                  acquire_timeout=120)
+    workers.append(slow)
+    orch = orchestrator_process
+    kills: list[tuple[str, int, float]] = []  # (where, grants logged at the kill, seconds down)
+
+    def progress() -> int:
+        return sum(len(w.events("granted")) for w in workers)
+
+    def slow_holding() -> bool:
+        last = slow.events()[-1:]
+        return bool(last) and last[0]["ev"] == "granted" and time.time() - last[0]["t"] > 0.8
+
+    def finished() -> bool:
+        return all(w.proc.poll() is not None for w in workers)
+
+    def context() -> str:
+        return f"seed={seed} kills={kills} " + " | ".join(w.describe() for w in workers)
+
+    try:
+        eventually_sync(lambda: all(w.last("ready") for w in workers), timeout=START, what="workers connected")
+        for w in workers:
+            w.usr1()
+        # One kill at a random grant count in each of KILLS equal slices of the run.
+        lo, hi = 3, total - total // 10
+        width = (hi - lo) // KILLS
+        schedule = [lo + i * width + rng.randrange(width) for i in range(KILLS)]
+        for i, target in enumerate(schedule):
+            eventually_sync(lambda t=target: progress() >= t or finished(), timeout=60,  # type: ignore[misc]
+                            what=f"handoffs go on ({context()})")
+            if i == 1:
+                # This one lands while the slow job holds (its lease renewals cross the restart).
+                eventually_sync(lambda: slow_holding() or slow.proc.poll() is not None, timeout=60,
+                                what="the slow job holds")
+            if finished():
+                break
+            time.sleep(rng.uniform(0.0, 0.01))  # a random instant to kill at, not a wait for anything
+            at = progress()
+            t0 = time.monotonic()
+            orch.kill()
+            orch.start()
+            where = "running"
+            if rng.random() < 0.3:
+                # Also die while starting up: loading records, re-creating the consumer, catching up.
+                time.sleep(rng.uniform(0.0, 0.6))  # a random instant to kill at, not a wait for anything
+                orch.kill()
+                orch.start()
+                where = "running+startup"
+            orch.wait_ready()
+            kills.append((where, at, round(time.monotonic() - t0, 2)))
+
+        for w in workers:
+            try:
+                rc = w.wait(60)
+            except Exception as exc:
+                raise AssertionError(f"a job did not finish: {context()}") from exc
+            assert rc == 0, context()
+            assert not w.errors(), context()
+            assert w.last("done") is not None, context()
+        assert len(kills) == KILLS, f"too few kills landed during the handoffs: {context()}"
+        assert orch.proc is not None and orch.proc.poll() is None, "the orchestrator died on its own"
+
+        # The jobs' own view: every round was granted once, holds never overlapped, epochs 1..total.
+        hs = holds(workers)
+        assert len(hs) == total, context()
+        check_exclusive_holds(hs)
+        assert [h.epoch for h in hs] == list(range(1, total + 1)), context()
+        for w in workers:
+            epochs = [e["epoch"] for e in w.events("granted")]
+            assert epochs == sorted(set(epochs)), f"{w.job}: epochs went backwards or repeated: {epochs}"
+
+        # The stream's view, folded through the pure core.
+        with TimeSliceClient("observer", "observer", nats_url) as obs:
+            rec = eventually_sync(
+                lambda: (r := obs.status(group)).holder is None and not r.queue and r.switch is None and r,
+                timeout=20, what="group idle")
+            assert rec.state == GroupState.IDLE_YIELDED
+            stream = asyncio.run(read_stream(nats_url))
+            checker = StreamChecker()
+            checker.feed_all(stream)
+            assert checker.unpublished_grants() == [], context()
+            st = checker.stats[group]
+            assert st.grants == st.fold_grants == st.max_epoch == total
+            assert st.grants_by_job == {**dict.fromkeys(JOBS, ROUNDS), "slow": SLOW_ROUNDS}
+            assert st.revocations == 0, "a lease or confirmation window ran out during a restart"
+            assert st.releases >= total  # re-issued Released notices count as well
+            eventually_sync(lambda: obs.status(group) == checker.records[group], timeout=20,
+                            what="the stored record is the fold of the stream")
+        print(f"crash test: seed={seed} handoffs={total} kills={kills} stream={len(stream)} msgs "
+              f"re-issued grants={st.repeated_grants}")
+    finally:
+        for w in workers:
+            w.close()

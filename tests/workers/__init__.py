@@ -1,0 +1,167 @@
+"""Job processes for the multi-process and crash tests, and what the tests need around them.
+
+* :class:`Worker` starts ``python -m tests.workers.job_worker`` and reads its JSON-lines event log;
+* :func:`holds` / :func:`check_exclusive_holds` turn the logs into hold intervals and check them;
+* :func:`read_stream` reads the whole ``TIMESLICE`` stream as ``(seq, now_ms, subject, data)``, with
+  ``now_ms`` computed exactly as the orchestrator computes it (the delivery's nanosecond timestamp);
+* :func:`notices` decodes the notices published in it for one job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from timeslice_client.bus import connect
+from timeslice_client.protocol import STREAM, Notice, decode_notice, subjects
+
+ROOT = Path(__file__).resolve().parents[2]
+
+__all__ = ["Hold", "Worker", "check_exclusive_holds", "holds", "notices", "read_stream"]
+
+
+class Worker:
+    """One job process. ``events()`` re-reads its log (complete lines only)."""
+
+    def __init__(self, tmp: Path, nats_url: str, group: str, job: str, **opts: Any) -> None:
+        self.job = job
+        self.group = group
+        self.out = tmp / f"worker-{group}-{job}.jsonl"
+        self.stderr_path = tmp / f"worker-{group}-{job}.stderr"
+        args = [sys.executable, "-m", "tests.workers.job_worker", "--nats-url", nats_url, "--group", group,
+                "--job", job, "--out", str(self.out)]
+        for k, v in opts.items():
+            flag = "--" + k.replace("_", "-")
+            if v is True:
+                args.append(flag)
+            elif v is not False and v is not None:
+                args += [flag, str(v)]
+        self._stderr = open(self.stderr_path, "ab")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._stderr,
+                                     stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+    def events(self, ev: str | None = None) -> list[dict[str, Any]]:
+        try:
+            text = self.out.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in text.splitlines(keepends=True):
+            if not line.endswith("\n"):
+                break  # a line being written (or cut by SIGKILL)
+            e = json.loads(line)
+            if ev is None or e["ev"] == ev:
+                out.append(e)
+        return out
+
+    def last(self, ev: str) -> dict[str, Any] | None:
+        found = self.events(ev)
+        return found[-1] if found else None
+
+    def errors(self) -> list[dict[str, Any]]:
+        return self.events("error")
+
+    def usr1(self) -> None:
+        self.proc.send_signal(signal.SIGUSR1)
+
+    def kill(self) -> None:
+        """SIGKILL (no cleanup: no release, no cancel)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def describe(self) -> str:
+        err = self.stderr_path.read_text(errors="replace")[-3000:] if self.stderr_path.exists() else ""
+        return f"worker {self.job} rc={self.proc.poll()} events={self.events()[-6:]} output={err!r}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._stderr.close()
+
+
+@dataclass(frozen=True)
+class Hold:
+    job: str
+    epoch: int
+    start: float  # granted (received by the job)
+    end: float  # releasing (before the release was sent); inf while still held
+
+
+def holds(workers: list[Worker]) -> list[Hold]:
+    """Every hold the workers logged, sorted by start."""
+    out: list[Hold] = []
+    for w in workers:
+        start: dict[str, Any] | None = None
+        for e in w.events():
+            if e["ev"] == "granted":
+                assert start is None, f"{w.job}: granted twice without releasing: {start} then {e}"
+                start = e
+            elif e["ev"] == "releasing":
+                assert start is not None and e["epoch"] == start["epoch"], f"{w.job}: releasing {e}, holding {start}"
+                out.append(Hold(w.job, start["epoch"], start["t"], e["t"]))
+                start = None
+        if start is not None:
+            out.append(Hold(w.job, start["epoch"], start["t"], float("inf")))
+    out.sort(key=lambda h: h.start)
+    return out
+
+
+def check_exclusive_holds(hs: list[Hold]) -> None:
+    """No two holds overlap, and epochs strictly rise from one hold to the next."""
+    for prev, nxt in itertools.pairwise(hs):
+        assert nxt.start > prev.end, f"holds overlap: {prev} and {nxt}"
+        assert nxt.epoch > prev.epoch, f"epoch did not rise: {prev} then {nxt}"
+
+
+def _seq_and_time(reply: str) -> tuple[int, int]:
+    t = reply.split(".")
+    if len(t) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+        return int(t[5]), int(t[7]) // 1_000_000
+    return int(t[7]), int(t[9]) // 1_000_000
+
+
+async def read_stream(nats_url: str, timeout: float = 30.0) -> list[tuple[int, int, str, bytes]]:
+    """The whole TIMESLICE stream, first to last message as of the call, in order."""
+    nc = await connect(nats_url, name="test-stream-reader")
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(STREAM)
+        first, last = info.state.first_seq, info.state.last_seq
+        out: list[tuple[int, int, str, bytes]] = []
+        if last == 0 or last < first:
+            return out
+        sub = await js.subscribe(subjects.all_events, stream=STREAM, ordered_consumer=True)
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    msg = await sub.next_msg(timeout=timeout)
+                    seq, ms = _seq_and_time(msg.reply)
+                    if seq > last:
+                        break
+                    out.append((seq, ms, msg.subject, msg.data))
+                    if seq == last:
+                        break
+        finally:
+            await sub.unsubscribe()
+        return out
+    finally:
+        await nc.close()
+
+
+def notices(stream: list[tuple[int, int, str, bytes]], group: str, job: str) -> list[tuple[int, int, Notice]]:
+    """(seq, stream time ms, notice) of every notice published to ``job`` in ``group``."""
+    subject = subjects.notice(group, job)
+    return [(seq, ms, decode_notice(data)) for seq, ms, subj, data in stream if subj == subject]
