@@ -187,7 +187,12 @@ def test_timed_out_waiter_is_never_granted(
         eventually_sync(lambda: queue_of(observer, group) == ["quitter", "patient"], timeout=START,
                         what="patient queued behind the quitter")
     err = eventually_sync(lambda: quitter.last("error"), timeout=15, what="quitter timed out")
-    assert err["type"] == "AcquireTimeout", quitter.describe()
+    # The orchestrator enforces the same deadline, counted from the Acquire's stream time (a little before
+    # the client starts its own timer): when its Dequeued("timeout") wins the race, the async client raises
+    # AcquireCancelled(reason="timeout") instead of AcquireTimeout (2 in 40 timeouts; reported to the lead).
+    timed_out = err["type"] == "AcquireTimeout" or (
+        err["type"] == "AcquireCancelled" and err["msg"].endswith("ended without a grant: timeout"))
+    assert timed_out, quitter.describe()
     assert quitter.wait(15) == 0
     eventually_sync(lambda: queue_of(observer, group) == (["patient"] if behind else []), timeout=10,
                     what="quitter left the queue")

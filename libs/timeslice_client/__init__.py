@@ -29,26 +29,35 @@ from .errors import (
     TimeSliceError,
     Unavailable,
 )
-from .protocol import GroupRecord, GroupState
+from .handlers import CallbackHandler, HandlerResult, WorkloadHandler
+from .protocol import GroupRecord, GroupState, JobState, SuspendMode
+from .workload import WorkloadChannel, register_workload
 
 __all__ = [
     "AcquireCancelled",
     "AcquireTimeout",
     "AsyncTimeSliceClient",
+    "CallbackHandler",
     "Grant",
     "GroupRecord",
     "GroupState",
+    "HandlerResult",
     "InvalidId",
     "InvalidRequest",
     "JobFaulted",
+    "JobState",
     "LeaseExpired",
     "LockLost",
     "NotHolder",
     "ReleaseResult",
     "StaleEpoch",
+    "SuspendMode",
     "TimeSliceClient",
     "TimeSliceError",
     "Unavailable",
+    "WorkloadChannel",
+    "WorkloadHandler",
+    "register_workload",
 ]
 
 __version__ = "0.1.0"

@@ -10,7 +10,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
@@ -35,6 +35,7 @@ from .errors import (
     TimeSliceError,
     Unavailable,
 )
+from .handlers import WorkloadHandler
 from .protocol import (
     GROUPS_BUCKET,
     Acquire,
@@ -49,12 +50,14 @@ from .protocol import (
     Released,
     Renew,
     Revoked,
+    SuspendMode,
     decode_notice,
     decode_record,
     encode,
     subjects,
     validate_id,
 )
+from .workload import WorkloadChannel
 
 __all__ = ["AsyncTimeSliceClient", "Grant", "ReleaseResult"]
 
@@ -140,6 +143,7 @@ class AsyncTimeSliceClient:
         self._connect_lock = asyncio.Lock()
         self._closed = False
         self._notice_subject = subjects.notice(self.group_id, self.job_id)
+        self._channels: list[WorkloadChannel] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -173,6 +177,9 @@ class AsyncTimeSliceClient:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(AcquireCancelled(self.group_id, self.job_id, "the client was closed"))
+        for ch in self._channels:
+            with contextlib.suppress(Exception):
+                await ch.close()
         if self._keeper is not None:
             self._keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -264,6 +271,27 @@ class AsyncTimeSliceClient:
                                   nats_url=self.nats_url, after_s=self.request_timeout) from None
         finally:
             self._pending.pop(rid, None)
+
+    async def register_workload(
+        self,
+        handler: WorkloadHandler,
+        *,
+        mode: SuspendMode | str = SuspendMode.OFFLOAD,
+        tags: Iterable[str] = (),
+        node_id: str | None = None,
+        backends: Iterable[str] = ("app_channel",),
+        op_timeout: float = 120.0,
+    ) -> WorkloadChannel:
+        """Register this process with its node's agent so a switch moves its state (see ``handlers``).
+        The channel is closed (unregistered) with the client."""
+        await self.connect()
+        assert self._nc is not None
+        channel = WorkloadChannel(self._nc, self.job_id, self.group_id, handler, node_id=node_id, mode=mode,
+                                  tags=tags, backends=backends, op_timeout=op_timeout,
+                                  request_timeout=self.request_timeout)
+        await channel.start()
+        self._channels.append(channel)
+        return channel
 
     def on_accelerators(self, timeout: float | None = None) -> _AsyncHold:
         """``async with client.on_accelerators():`` or ``@client.on_accelerators()`` on an async function."""

@@ -13,7 +13,9 @@ from typing import Any, ParamSpec, TypeVar
 
 from ._async_client import AsyncTimeSliceClient, Grant, ReleaseResult
 from .errors import TimeSliceError, Unavailable
+from .handlers import WorkloadHandler
 from .protocol import GroupRecord
+from .workload import WorkloadChannel
 
 __all__ = ["TimeSliceClient"]
 
@@ -91,6 +93,11 @@ class TimeSliceClient:
 
     def list_groups(self) -> list[str]:
         return self._run(self._client.list_groups(), self._margin(self._client.request_timeout))
+
+    def register_workload(self, handler: WorkloadHandler, **kwargs: Any) -> WorkloadChannel:
+        """See :meth:`AsyncTimeSliceClient.register_workload`; the handler runs in a worker thread."""
+        return self._run(self._client.register_workload(handler, **kwargs),
+                         self._margin(self._client.request_timeout))
 
     def on_accelerators(self, timeout: float | None = None) -> _SyncHold:
         """``with client.on_accelerators():`` or ``@client.on_accelerators()``."""

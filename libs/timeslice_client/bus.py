@@ -116,13 +116,16 @@ async def ensure_bus(js: JetStreamContext, config: BusConfig | None = None) -> B
             )
         )
     groups = await _bucket(js, GROUPS_BUCKET, "timeslice group lock records", storage, cfg.replicas, None)
-    agents = await _bucket(js, AGENTS_BUCKET, "timeslice agents (liveness)", storage, cfg.replicas, cfg.agent_ttl_s)
+    # The limit marker makes an expired agent visible to watchers (as a PURGE), see NATS_NOTES trap 5.
+    agents = await _bucket(js, AGENTS_BUCKET, "timeslice agents (liveness)", storage, cfg.replicas, cfg.agent_ttl_s,
+                           marker_ttl=max(1.0, cfg.agent_ttl_s))
     jobs = await _bucket(js, JOBS_BUCKET, "timeslice job contexts per node", storage, cfg.replicas, None)
     return Buckets(groups, agents, jobs)
 
 
 async def _bucket(
-    js: JetStreamContext, name: str, description: str, storage: StorageType, replicas: int, ttl: float | None
+    js: JetStreamContext, name: str, description: str, storage: StorageType, replicas: int, ttl: float | None,
+    marker_ttl: float | None = None,
 ) -> KeyValue:
     try:
         return await js.key_value(name)
@@ -137,5 +140,6 @@ async def _bucket(
             storage=storage,
             replicas=replicas,
             direct=True,
+            limit_marker_ttl=marker_ttl,
         )
     )

@@ -44,8 +44,10 @@ __all__ = [
     "AgentCommand",
     "AgentInfo",
     "AgentLost",
+    "AgentReply",
     "Cancel",
     "ClearFault",
+    "ClearJobFault",
     "ControlEvent",
     "Dequeued",
     "DeviceInfo",
@@ -55,15 +57,19 @@ __all__ = [
     "GroupState",
     "HolderRecord",
     "InputEvent",
+    "JobContext",
     "JobEvent",
     "JobRegistered",
+    "JobState",
     "JobUnregistered",
     "Notice",
     "OpKind",
     "OpRecord",
     "OpResult",
+    "OpStarted",
     "Phase",
     "Refused",
+    "RegisterJob",
     "Release",
     "Released",
     "Renew",
@@ -71,9 +77,13 @@ __all__ = [
     "Revoked",
     "Snapshot",
     "StateChanged",
+    "SuspendMode",
     "SwitchRecord",
     "Tick",
+    "UnregisterJob",
     "WaiterRecord",
+    "WorkloadCommand",
+    "WorkloadReply",
     "decode_input",
     "decode_notice",
     "decode_record",
@@ -122,6 +132,18 @@ class _Subjects:
     def group_state(self, group: str) -> str:
         return f"ts.v1.group.{validate_id('group', group)}.state"
 
+    def agent_op(self, node: str) -> str:
+        """Agent operation starts (facts for people and replay; not an orchestrator input)."""
+        return f"ts.v1.agent.{validate_id('node', node)}.op"
+
+    def agent_rpc(self, node: str, verb: str) -> str:
+        """Request/reply to an agent (register, unregister, clear_fault, status): outside the stream."""
+        return f"ts.rpc.agent.{validate_id('node', node)}.{verb}"
+
+    def workload_rpc(self, node: str, job: str) -> str:
+        """Agent → registered workload: suspend/resume requests."""
+        return f"ts.rpc.workload.{validate_id('node', node)}.{validate_id('job', job)}"
+
     # Filters the orchestrator consumes (its inputs).
     inputs: Final = ("ts.v1.job.>", "ts.v1.ctl.>", "ts.v1.agent.*.evt.>")
     all_events: Final = "ts.v1.>"
@@ -154,6 +176,21 @@ class ErrorCode(enum.StrEnum):
 class OpKind(enum.StrEnum):
     SNAPSHOT = "snapshot"
     RESTORE = "restore"
+
+
+class JobState(enum.StrEnum):
+    """A job's context on one node (the agent's state machine)."""
+
+    IDLE = "IDLE"  # registered, never granted
+    RUNNING = "RUNNING"
+    TRANSITIONING = "TRANSITIONING"
+    SAVED = "SAVED"
+    FAULTED = "FAULTED"
+
+
+class SuspendMode(enum.StrEnum):
+    OFFLOAD = "offload"  # keep the state in host memory
+    DISCARD = "discard"  # drop it; the workload rebuilds it
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
@@ -349,6 +386,67 @@ class StateChanged(_Msg, frozen=True, tag="state_changed"):
     reason: str
 
 
+class OpStarted(_Msg, frozen=True, tag="op_started"):
+    op_id: str
+    group: str
+    job: str
+    node: str
+    kind: OpKind
+    epoch: int
+    backend: str
+
+
+# --------------------------------------------------------------------------- workload channel (request/reply)
+
+
+class RegisterJob(_Msg, frozen=True, tag="register"):
+    """A job asks its node's agent to manage its context (``ts.rpc.agent.<node>.register``)."""
+
+    group: str
+    job: str
+    backends: tuple[str, ...] = ("app_channel",)
+    pids: tuple[int, ...] = ()
+    pgid: int | None = None
+    mode: SuspendMode = SuspendMode.OFFLOAD
+    tags: tuple[str, ...] = ()
+    op_timeout_ms: int = 120_000
+    endpoints: tuple[str, ...] = ()
+
+
+class UnregisterJob(_Msg, frozen=True, tag="unregister"):
+    group: str
+    job: str
+
+
+class ClearJobFault(_Msg, frozen=True, tag="clear_job_fault"):
+    job: str
+
+
+class AgentReply(_Msg, frozen=True, tag="agent_reply"):
+    ok: bool
+    error: str | None = None
+    state: JobState | None = None
+
+
+class WorkloadCommand(_Msg, frozen=True, tag="workload_command"):
+    """Agent → workload (``ts.rpc.workload.<node>.<job>``)."""
+
+    op_id: str
+    action: Literal["suspend", "resume"]
+    mode: SuspendMode = SuspendMode.OFFLOAD
+    tags: tuple[str, ...] = ()
+    epoch: int = 0
+
+
+class WorkloadReply(_Msg, frozen=True, tag="workload_reply"):
+    op_id: str
+    ok: bool
+    error: str | None = None
+    bytes_moved: int = 0
+    device_bytes_freed: int = 0
+    elapsed_ms: float = 0.0
+
+
 # --------------------------------------------------------------------------- KV records
 
 
@@ -410,6 +508,31 @@ class GroupRecord(_Rec, frozen=True):
     switch: SwitchRecord | None = None
     faulted: dict[str, str] = {}
     last_seq: int = 0
+
+
+class JobContext(_Rec, frozen=True):
+    """One job's context on one node (KV ``jobs``, key ``<node>.<job>``), kept by that node's agent."""
+
+    node: str
+    job: str
+    group: str
+    state: JobState
+    backends: tuple[str, ...] = ()
+    pids: tuple[int, ...] = ()
+    pgid: int | None = None
+    mode: SuspendMode = SuspendMode.OFFLOAD
+    tags: tuple[str, ...] = ()
+    op_timeout_ms: int = 120_000
+    endpoints: tuple[str, ...] = ()
+    reason: str | None = None
+    epoch: int = 0
+    last_op_id: str | None = None
+    last_op_ok: bool | None = None
+    last_op_error: str | None = None
+    bytes_moved: int = 0
+    device_bytes_freed: int = 0
+    elapsed_ms: float = 0.0
+    updated_ms: int = 0
 
 
 class DeviceInfo(_Rec, frozen=True):

@@ -35,6 +35,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from timeslice_client.bus import BusConfig, connect, ensure_bus
 from timeslice_client.protocol import (
     STREAM,
+    AgentLost,
     ErrorCode,
     GroupRecord,
     InputEvent,
@@ -113,6 +114,7 @@ class Orchestrator:
         self._own_nc = nc is None
         self._js: JetStreamContext | None = None
         self._kv: KeyValue | None = None
+        self._agents_kv: KeyValue | None = None
         self._groups: dict[str, _Entry] = {}
         self._write_q: asyncio.Queue[str] = asyncio.Queue(self.config.write_queue)
         self._timers: list[tuple[int, str]] = []
@@ -144,12 +146,16 @@ class Orchestrator:
         self._js = nc.jetstream()
         buckets = await ensure_bus(self._js, self.config.bus)
         self._kv = buckets.groups
+        self._agents_kv = buckets.agents
         try:
             await self._load_records()
             async with asyncio.TaskGroup() as tg:
                 for _ in range(self.config.writers):
                     tg.create_task(self._writer())
                 tg.create_task(self._timer_loop())
+                agents_known = asyncio.Event()
+                tg.create_task(self._watch_agents(agents_known))
+                await agents_known.wait()
                 await self._subscribe()
                 log.info("orchestrator ready", extra={"groups": len(self._groups)})
                 self._ready.set()
@@ -421,6 +427,65 @@ class Orchestrator:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(delay, 0.001)):
                     await self._timer_wake.wait()
+
+
+    # ------------------------------------------------------------------ agents
+
+    async def _watch_agents(self, known: asyncio.Event) -> None:
+        """An agent whose key expired (TTL) or was deleted is lost: its pending operations are resolved
+        and its placements dropped, through ``AgentLost`` events in the stream."""
+        kv = self._agents_kv
+        assert kv is not None
+        alive: set[str] = set()
+        status = await kv.status()
+        watcher = await kv.watchall()
+        initial = status.values > 0
+        try:
+            if not initial:
+                known.set()
+            while not self._stop.is_set():
+                try:
+                    entry = await watcher.updates(timeout=1)  # type: ignore[no-untyped-call]
+                except Exception:  # the nats-py watcher raises its own timeout type
+                    entry = None
+                if entry is None:
+                    continue
+                if entry.operation in ("DEL", "PURGE") or not entry.value:
+                    if entry.key in alive or initial is False:
+                        alive.discard(entry.key)
+                        await self._agent_lost(entry.key)
+                else:
+                    alive.add(entry.key)
+                if initial and entry.delta == 0:
+                    initial = False
+                    for node in self._referenced_nodes() - alive:
+                        await self._agent_lost(node)
+                    known.set()
+        finally:
+            known.set()
+            with contextlib.suppress(Exception):
+                await watcher.stop()  # type: ignore[no-untyped-call]
+
+    def _referenced_nodes(self) -> set[str]:
+        nodes: set[str] = set()
+        for e in self._groups.values():
+            for ns in e.rec.placements.values():
+                nodes.update(ns)
+            nodes.update(e.rec.loaded)
+        return nodes
+
+    async def _agent_lost(self, node: str) -> None:
+        js = self._js
+        assert js is not None
+        for g, e in list(self._groups.items()):
+            rec = e.rec
+            pending = rec.switch is not None and any(op.node == node for op in rec.switch.ops)
+            if pending or node in rec.loaded or any(node in ns for ns in rec.placements.values()):
+                log.warning("agent lost", extra={"node": node, "group": g})
+                try:
+                    await js.publish(subjects.ctl(g, "agent_lost"), encode(AgentLost(group=g, node=node)), timeout=5)
+                except Exception as exc:
+                    log.exception("could not publish agent_lost: %r", exc, extra={"node": node, "group": g})
 
 
 class _Stopped(Exception):

@@ -1,0 +1,196 @@
+"""The workload channel: a job registers with its node's agent and suspends/resumes itself on request.
+
+::
+
+    channel = await register_workload("job-a", "gpus-0", TorchOffloadHandler(model, opt))
+    ...
+    await channel.close()
+
+The agent then snapshots this job by asking it (``ts.rpc.workload.<node>.<job>``) to ``suspend``
+and restores it with ``resume``; the handler runs in a worker thread so this process's event loop
+keeps answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterable
+from types import TracebackType
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from .bus import connect
+from .errors import InvalidRequest, TimeSliceError, Unavailable
+from .handlers import HandlerResult, WorkloadHandler
+from .protocol import (
+    AgentReply,
+    RegisterJob,
+    SuspendMode,
+    UnregisterJob,
+    WorkloadCommand,
+    WorkloadReply,
+    encode,
+    subjects,
+    validate_id,
+)
+
+__all__ = ["WorkloadChannel", "default_node_id", "register_workload"]
+
+log = logging.getLogger("timeslice.workload")
+
+_cmd_decoder = msgspec.json.Decoder(WorkloadCommand)
+_reply_decoder = msgspec.json.Decoder(AgentReply)
+
+
+def default_node_id() -> str:
+    """``$TIMESLICE_NODE_ID``, else this host's name made safe for subjects (the agent uses the same rule)."""
+    env = os.environ.get("TIMESLICE_NODE_ID")
+    if env:
+        return validate_id("node", env)
+    name = "".join(c if c.isalnum() or c in "-_" else "-" for c in os.uname().nodename)[:64].strip("-_")
+    return validate_id("node", name or "node")
+
+
+class WorkloadChannel:
+    """One registered workload. ``close()`` unregisters it (idempotent)."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        job_id: str,
+        group_id: str,
+        handler: WorkloadHandler,
+        *,
+        node_id: str | None = None,
+        mode: SuspendMode | str = SuspendMode.OFFLOAD,
+        tags: Iterable[str] = (),
+        backends: Iterable[str] = ("app_channel",),
+        pids: Iterable[int] | None = None,
+        op_timeout: float = 120.0,
+        request_timeout: float = 5.0,
+        own_connection: bool = False,
+    ) -> None:
+        if not isinstance(handler, WorkloadHandler):
+            raise InvalidRequest("handler must have suspend(mode, tags) and resume(mode, tags) methods")
+        self.nc = nc
+        self.job_id = validate_id("job", job_id)
+        self.group_id = validate_id("group", group_id)
+        self.node_id = validate_id("node", node_id) if node_id else default_node_id()
+        self.handler = handler
+        self.mode = SuspendMode(mode)
+        self.tags = tuple(tags)
+        self.backends = tuple(backends)
+        self.pids = tuple(pids) if pids is not None else (os.getpid(),)
+        self.op_timeout = op_timeout
+        self.request_timeout = request_timeout
+        self._own = own_connection
+        self._sub: object | None = None
+        self._lock = asyncio.Lock()
+        self._answers: dict[str, WorkloadReply] = {}
+        self._closed = False
+        self.suspended = False
+        self.last_result: HandlerResult | None = None
+
+    async def start(self) -> WorkloadChannel:
+        self._sub = await self.nc.subscribe(subjects.workload_rpc(self.node_id, self.job_id), cb=self._on_command)
+        await asyncio.sleep(0)  # NATS_NOTES trap 2
+        await self.nc.flush()
+        req = RegisterJob(group=self.group_id, job=self.job_id, backends=self.backends, pids=self.pids,
+                          mode=self.mode, tags=self.tags, op_timeout_ms=int(self.op_timeout * 1000))
+        reply = await self._agent("register", encode(req))
+        log.info("registered with agent %s (state %s)", self.node_id, reply.state,
+                 extra={"job": self.job_id, "group": self.group_id, "node": self.node_id})
+        return self
+
+    async def _agent(self, verb: str, data: bytes) -> AgentReply:
+        subject = subjects.agent_rpc(self.node_id, verb)
+        try:
+            msg = await self.nc.request(subject, data, timeout=self.request_timeout)
+        except Exception as exc:
+            raise Unavailable(f"no snapshot agent answered on node {self.node_id!r} ({exc.__class__.__name__}); "
+                              f"is `timeslice agent --node-id {self.node_id}` running?",
+                              after_s=self.request_timeout) from exc
+        reply = _reply_decoder.decode(msg.data)
+        if not reply.ok:
+            raise TimeSliceError(f"agent on node {self.node_id!r} refused {verb}: {reply.error}")
+        return reply
+
+    async def _on_command(self, msg: Msg) -> None:
+        try:
+            cmd = _cmd_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            await msg.respond(encode(WorkloadReply(op_id="", ok=False, error=f"bad command: {exc}")))
+            return
+        async with self._lock:
+            answer = self._answers.get(cmd.op_id)
+            if answer is None:
+                answer = await self._handle(cmd)
+                self._answers = {cmd.op_id: answer}  # only the latest: a retry repeats the latest op
+        await msg.respond(encode(answer))
+
+    async def _handle(self, cmd: WorkloadCommand) -> WorkloadReply:
+        fn = self.handler.suspend if cmd.action == "suspend" else self.handler.resume
+        t0 = time.perf_counter()
+        try:
+            result = await asyncio.to_thread(fn, cmd.mode, frozenset(cmd.tags))
+        except Exception as exc:
+            log.warning("%s failed: %r", cmd.action, exc, extra={"job": self.job_id, "epoch": cmd.epoch})
+            return WorkloadReply(op_id=cmd.op_id, ok=False, error=f"{exc.__class__.__name__}: {exc}",
+                                 elapsed_ms=(time.perf_counter() - t0) * 1000)
+        self.suspended = cmd.action == "suspend"
+        self.last_result = result
+        return WorkloadReply(op_id=cmd.op_id, ok=True, bytes_moved=result.bytes_moved,
+                             device_bytes_freed=result.device_bytes_freed,
+                             elapsed_ms=(time.perf_counter() - t0) * 1000)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.nc.is_connected:
+            with contextlib.suppress(Exception):
+                await self._agent("unregister", encode(UnregisterJob(group=self.group_id, job=self.job_id)))
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()  # type: ignore[attr-defined]
+        if self._own:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+
+    async def __aenter__(self) -> WorkloadChannel:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+
+async def register_workload(
+    job_id: str,
+    group_id: str,
+    handler: WorkloadHandler,
+    *,
+    mode: SuspendMode | str = SuspendMode.OFFLOAD,
+    tags: Iterable[str] = (),
+    node_id: str | None = None,
+    nats_url: str | None = None,
+    backends: Iterable[str] = ("app_channel",),
+    op_timeout: float = 120.0,
+) -> WorkloadChannel:
+    """Register this process with its node's agent; its own NATS connection, closed by ``close()``."""
+    nc = await connect(nats_url, name=f"timeslice-workload-{job_id}")
+    channel = WorkloadChannel(nc, job_id, group_id, handler, node_id=node_id, mode=mode, tags=tags,
+                              backends=backends, op_timeout=op_timeout, own_connection=True)
+    try:
+        return await channel.start()
+    except BaseException:
+        await nc.close()
+        raise
+

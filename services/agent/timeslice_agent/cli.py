@@ -1,0 +1,102 @@
+"""``timeslice agent …`` subcommands, plugged into the ``timeslice`` command by entry point."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from typing import Any
+
+import msgspec
+
+__all__ = ["main", "register"]
+
+
+async def _run_agent(args: argparse.Namespace) -> int:
+    from .service import Agent, AgentConfig
+
+    kwargs: dict[str, Any] = {}
+    if args.node_id:
+        kwargs["node_id"] = args.node_id
+    if args.nats_url:
+        kwargs["nats_url"] = args.nats_url
+    agent = Agent(AgentConfig(**kwargs))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, agent.shutdown)
+    await agent.run()
+    return 0
+
+
+async def _rpc(args: argparse.Namespace, verb: str, payload: bytes) -> bytes:
+    from timeslice_client.bus import connect
+    from timeslice_client.protocol import subjects
+    from timeslice_client.workload import default_node_id
+
+    node = args.node_id or default_node_id()
+    nc = await connect(args.nats_url)
+    try:
+        msg = await nc.request(subjects.agent_rpc(node, verb), payload, timeout=5)
+        return bytes(msg.data)
+    finally:
+        await nc.close()
+
+
+async def _status(args: argparse.Namespace) -> int:
+    data = await _rpc(args, "status", b"")
+    jobs = msgspec.json.decode(data)
+    if args.json:
+        print(json.dumps(jobs, indent=2))
+        return 0
+    print(f"{'JOB':<20} {'GROUP':<16} {'STATE':<14} {'BACKENDS':<22} LAST OP")
+    for j in jobs:
+        last = f"{j.get('last_op_id') or '-'} {'ok' if j.get('last_op_ok') else (j.get('last_op_error') or '')}"
+        print(f"{j['job']:<20} {j['group']:<16} {j['state']:<14} {'+'.join(j['backends']):<22} {last}")
+        if j.get("reason"):
+            print(f"{'':<20} reason: {j['reason']}")
+    return 0
+
+
+async def _clear(args: argparse.Namespace) -> int:
+    from timeslice_client.protocol import AgentReply, ClearJobFault, encode
+
+    reply = msgspec.json.decode(await _rpc(args, "clear_fault", encode(ClearJobFault(job=args.job))), type=AgentReply)
+    if not reply.ok:
+        print(f"timeslice: {reply.error}", file=sys.stderr)
+        return 2
+    print(f"job {args.job}: fault cleared (state {reply.state})")
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("agent", help="run the node-local snapshot agent")
+    p.add_argument("--node-id", default=None, help="default: $TIMESLICE_NODE_ID or the host name")
+    p.add_argument("--nats-url", default=None)
+    p.set_defaults(func=_run_agent)
+    s = sub.add_parser("agent-status", help="jobs on one node and their context states")
+    s.add_argument("--node-id", default=None)
+    s.add_argument("--nats-url", default=None)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_status)
+    c = sub.add_parser("agent-clear-fault", help="clear a job's FAULTED state on one node (and in its group)")
+    c.add_argument("--node-id", default=None)
+    c.add_argument("--job", required=True)
+    c.add_argument("--nats-url", default=None)
+    c.set_defaults(func=_clear)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m timeslice_agent [--node-id N] [--nats-url URL]``: the agent alone."""
+    parser = argparse.ArgumentParser(prog="timeslice-agent")
+    sub = parser.add_subparsers(dest="command")
+    register(sub)
+    args = parser.parse_args(["agent", *(argv if argv is not None else sys.argv[1:])])
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("nats").setLevel(logging.WARNING)
+    return int(asyncio.run(args.func(args)))

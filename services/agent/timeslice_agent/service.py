@@ -1,0 +1,472 @@
+"""The node-local snapshot agent.
+
+* announces itself in KV ``agents`` (a TTL makes a dead agent disappear) and keeps every job's
+  context state on this node in KV ``jobs`` (key ``<node>.<job>``);
+* serves registrations (``ts.rpc.agent.<node>.register`` …) and tells the orchestrator about them
+  with ``JobRegistered`` events;
+* runs snapshot/restore commands from the orchestrator (``ts.v1.agent.<node>.cmd``, a durable
+  consumer, so commands sent while it restarts are not lost): idempotent per op id, fenced by the
+  group epoch, bounded by the command's deadline, rolled back where the backend can; every start
+  and outcome goes to the event stream;
+* notices registered processes that died and unregisters them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import time
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from timeslice_client.bus import BusConfig, connect, ensure_bus
+from timeslice_client.protocol import (
+    STREAM,
+    AgentCommand,
+    AgentInfo,
+    AgentReply,
+    ClearFault,
+    ClearJobFault,
+    JobContext,
+    JobRegistered,
+    JobState,
+    JobUnregistered,
+    OpKind,
+    OpResult,
+    OpStarted,
+    RegisterJob,
+    Restore,
+    Snapshot,
+    UnregisterJob,
+    encode,
+    subjects,
+    validate_id,
+)
+from timeslice_client.workload import default_node_id
+
+from .backends import BackendError, OpContext, Outcome, make_backend
+
+__all__ = ["Agent", "AgentConfig", "default_node_id"]
+
+log = logging.getLogger("timeslice.agent")
+
+_command_decoder = msgspec.json.Decoder(AgentCommand)
+_rpc_decoder = msgspec.json.Decoder(RegisterJob | UnregisterJob | ClearJobFault)
+_ctx_decoder = msgspec.json.Decoder(JobContext)
+
+
+class AgentConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TIMESLICE_AGENT_", extra="ignore")
+
+    node_id: str = Field(default_factory=default_node_id)
+    nats_url: str | None = None
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    pid_check_s: float = Field(default=1.0, gt=0)
+    max_results: int = Field(default=4096, ge=16)
+    bus: BusConfig = BusConfig()
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _host_memory() -> tuple[int, int]:
+    total = avail = 0
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+            elif line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    return total, avail
+
+
+class Agent:
+    """Run with ``await Agent(config).run()``; stop with ``shutdown()`` (idempotent)."""
+
+    def __init__(self, config: AgentConfig | None = None, *, nc: NATS | None = None) -> None:
+        self.config = config or AgentConfig()
+        self.node = validate_id("node", self.config.node_id)
+        self._nc = nc
+        self._own_nc = nc is None
+        self._js: JetStreamContext | None = None
+        self._jobs_kv: KeyValue | None = None
+        self._agents_kv: KeyValue | None = None
+        self._jobs: dict[str, JobContext] = {}
+        self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self._epochs: dict[str, int] = {}
+        self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()
+        self._stop = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._tg: asyncio.TaskGroup | None = None
+        self._subs: list[Any] = []
+        self._started_ms = _now_ms()
+
+    @property
+    def ready(self) -> asyncio.Event:
+        return self._ready
+
+    def jobs(self) -> dict[str, JobContext]:
+        return dict(self._jobs)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        nc = self._nc
+        if nc is None:
+            nc = self._nc = await connect(self.config.nats_url, name=f"timeslice-agent-{self.node}")
+        self._js = nc.jetstream()
+        buckets = await ensure_bus(self._js, self.config.bus)
+        self._jobs_kv, self._agents_kv = buckets.jobs, buckets.agents
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                await self._heartbeat_once()
+                await self._recover()
+                for verb, cb in (("register", self._on_rpc), ("unregister", self._on_rpc),
+                                 ("clear_fault", self._on_rpc), ("status", self._on_status)):
+                    self._subs.append(await nc.subscribe(subjects.agent_rpc(self.node, verb), cb=cb))
+                await self._subscribe_commands()
+                tg.create_task(self._heartbeat_loop())
+                tg.create_task(self._pid_loop())
+                log.info("agent ready", extra={"node": self.node})
+                self._ready.set()
+                await self._stop.wait()
+                for s in self._subs:
+                    with contextlib.suppress(Exception):
+                        await s.unsubscribe()
+                self._subs.clear()
+                raise _Stopped
+        except* _Stopped:
+            pass
+        finally:
+            self._tg = None
+            if self._own_nc and nc.is_connected:
+                with contextlib.suppress(Exception):
+                    await nc.drain()
+
+    async def _subscribe_commands(self) -> None:
+        js, nc = self._js, self._nc
+        assert js is not None and nc is not None
+        durable = f"agent-{self.node}"
+        floor, exists = 0, False
+        try:
+            info = await js.consumer_info(STREAM, durable)
+            exists = True
+            floor = info.ack_floor.stream_seq if info.ack_floor and info.ack_floor.stream_seq else 0
+            await js.delete_consumer(STREAM, durable)
+        except NotFoundError:
+            pass
+        deliver = nc.new_inbox()
+        self._subs.append(await nc.subscribe(deliver, cb=self._on_command))
+        await asyncio.sleep(0)  # NATS_NOTES trap 2
+        await nc.flush()
+        if floor:
+            policy, start = DeliverPolicy.BY_START_SEQUENCE, floor + 1
+        else:
+            policy, start = (DeliverPolicy.ALL if exists else DeliverPolicy.NEW), None
+        await js.add_consumer(STREAM, ConsumerConfig(
+            durable_name=durable, description=f"commands for agent {self.node}", deliver_subject=deliver,
+            deliver_policy=policy, opt_start_seq=start, ack_policy=AckPolicy.EXPLICIT, ack_wait=30,
+            max_ack_pending=1024, filter_subject=subjects.agent_cmd(self.node),
+        ))
+
+    async def _recover(self) -> None:
+        """Read this node's job states back; an operation cut short by a restart leaves the job FAULTED."""
+        kv = self._jobs_kv
+        assert kv is not None
+        try:
+            keys = [k for k in await kv.keys() if k.startswith(f"{self.node}.")]
+        except Exception:  # NoKeysError on an empty bucket
+            keys = []
+        for key in keys:
+            with contextlib.suppress(Exception):
+                entry = await kv.get(key)
+                if entry.value:
+                    ctx = _ctx_decoder.decode(entry.value)
+                    self._jobs[ctx.job] = ctx
+        for ctx in list(self._jobs.values()):
+            if ctx.pids and not any(_alive(p) for p in ctx.pids):
+                await self._unregister(ctx, "its processes are gone")
+                continue
+            if ctx.state is JobState.TRANSITIONING:
+                await self._save(msgspec.structs.replace(
+                    ctx, state=JobState.FAULTED, reason="the agent restarted during an operation; state unknown"))
+            await self._announce(ctx)
+        if self._jobs:
+            log.info("recovered %d jobs", len(self._jobs), extra={"node": self.node})
+
+    # ------------------------------------------------------------------ registration
+
+    async def _on_rpc(self, msg: Msg) -> None:
+        try:
+            req = _rpc_decoder.decode(msg.data)
+            if isinstance(req, RegisterJob):
+                reply = await self._register(req)
+            elif isinstance(req, UnregisterJob):
+                ctx = self._jobs.get(req.job)
+                if ctx is not None:
+                    await self._unregister(ctx, "unregistered by the job")
+                reply = AgentReply(ok=True)
+            else:
+                reply = await self._clear_fault(req.job)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            reply = AgentReply(ok=False, error=f"bad request: {exc}")
+        except Exception as exc:
+            log.exception("request failed", extra={"node": self.node})
+            reply = AgentReply(ok=False, error=f"{exc.__class__.__name__}: {exc}")
+        if msg.reply:
+            await msg.respond(encode(reply))
+
+    async def _register(self, req: RegisterJob) -> AgentReply:
+        validate_id("group", req.group)
+        validate_id("job", req.job)
+        assert self._nc is not None
+        for b in req.backends:
+            make_backend(b, self._nc, self.node)  # raises for an unknown backend
+        old = self._jobs.get(req.job)
+        if old is not None and old.group != req.group:
+            return AgentReply(ok=False, error=f"job {req.job!r} is registered in group {old.group!r} on this node")
+        same_process = old is not None and old.pids == req.pids and old.pgid == req.pgid
+        state = old.state if (old is not None and same_process) else JobState.IDLE
+        ctx = JobContext(node=self.node, job=req.job, group=req.group, state=state, backends=req.backends,
+                         pids=req.pids, pgid=req.pgid, mode=req.mode, tags=req.tags, op_timeout_ms=req.op_timeout_ms,
+                         endpoints=req.endpoints, reason=old.reason if same_process and old else None)
+        ctx = await self._save(ctx)
+        await self._announce(ctx)
+        log.info("registered job", extra={"node": self.node, "job": req.job, "group": req.group})
+        return AgentReply(ok=True, state=ctx.state)
+
+    async def _announce(self, ctx: JobContext) -> None:
+        assert self._js is not None
+        ev = JobRegistered(group=ctx.group, job=ctx.job, node=self.node, backend="+".join(ctx.backends),
+                           op_timeout_ms=ctx.op_timeout_ms)
+        await self._js.publish(subjects.agent_event(self.node, ctx.group), encode(ev))
+
+    async def _unregister(self, ctx: JobContext, why: str) -> None:
+        assert self._js is not None and self._jobs_kv is not None
+        self._jobs.pop(ctx.job, None)
+        with contextlib.suppress(Exception):
+            await self._jobs_kv.delete(f"{self.node}.{ctx.job}")
+        await self._js.publish(subjects.agent_event(self.node, ctx.group),
+                               encode(JobUnregistered(group=ctx.group, job=ctx.job, node=self.node)))
+        log.info("unregistered job: %s", why, extra={"node": self.node, "job": ctx.job, "group": ctx.group})
+
+    async def _clear_fault(self, job: str) -> AgentReply:
+        ctx = self._jobs.get(job)
+        if ctx is None:
+            return AgentReply(ok=False, error=f"job {job!r} is not registered on node {self.node!r}")
+        async with self._locks[job]:
+            if ctx.state is JobState.FAULTED:
+                # Its state is unknown: treat it as saved, so the next grant resumes it (resume is idempotent).
+                ctx = await self._save(msgspec.structs.replace(ctx, state=JobState.SAVED, reason=None))
+        assert self._js is not None
+        await self._js.publish(subjects.ctl(ctx.group, "clear_fault"), encode(ClearFault(group=ctx.group, job=job)))
+        return AgentReply(ok=True, state=ctx.state)
+
+    async def _on_status(self, msg: Msg) -> None:
+        if msg.reply:
+            await msg.respond(msgspec.json.encode(sorted(self._jobs.values(), key=lambda c: c.job)))
+
+    # ------------------------------------------------------------------ operations
+
+    async def _on_command(self, msg: Msg) -> None:
+        with contextlib.suppress(Exception):
+            await msg.ack()
+        try:
+            cmd = _command_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("undecodable command: %s", exc, extra={"node": self.node})
+            return
+        if cmd.node != self.node or self._tg is None:
+            return
+        self._tg.create_task(self._run(cmd))
+
+    async def _run(self, cmd: Snapshot | Restore) -> None:
+        kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
+        try:
+            result, published = await self._execute(cmd, kind)
+        except Exception as exc:  # never leave the orchestrator waiting on an answer
+            log.exception("operation crashed", extra={"node": self.node, "job": cmd.job, "op_id": cmd.op_id})
+            result, published = self._result(cmd, kind, "?", ok=False, error=f"agent error: {exc!r}"), False
+        if not published:
+            await self._publish_result(result)
+
+    def _result(self, cmd: Snapshot | Restore, kind: OpKind, backend: str, *, ok: bool, error: str | None = None,
+                outcome: Outcome | None = None, elapsed_ms: float = 0.0) -> OpResult:
+        out = outcome or Outcome()
+        return OpResult(group=cmd.group, op_id=cmd.op_id, node=self.node, job=cmd.job, kind=kind, epoch=cmd.epoch,
+                        ok=ok, error=error, backend=backend, bytes_moved=out.bytes_moved,
+                        device_bytes_freed=out.device_bytes_freed, elapsed_ms=elapsed_ms)
+
+    async def _execute(self, cmd: Snapshot | Restore, kind: OpKind) -> tuple[OpResult, bool]:
+        """Run one operation; returns its result and whether it was published already."""
+        if (done := self._results.get(cmd.op_id)) is not None:
+            return done, False  # the same op id gets the same answer
+        async with self._locks[cmd.job]:
+            if (done := self._results.get(cmd.op_id)) is not None:
+                return done, False
+            ctx = self._jobs.get(cmd.job)
+            if ctx is None:
+                error = f"job {cmd.job!r} is not registered on node {self.node!r}"
+                return self._remember(self._result(cmd, kind, "none", ok=False, error=error)), False
+            backend = "+".join(ctx.backends)
+            newest = self._epochs.get(cmd.group, 0)
+            if cmd.epoch < newest:
+                return self._result(cmd, kind, backend, ok=False,
+                                    error=f"stale epoch {cmd.epoch} (group {cmd.group!r} is at {newest})"), False
+            self._epochs[cmd.group] = cmd.epoch
+            if ctx.state is JobState.FAULTED:
+                error = f"job is faulted: {ctx.reason}"
+                return self._remember(self._result(cmd, kind, backend, ok=False, error=error)), False
+            if (kind is OpKind.SNAPSHOT and ctx.state is JobState.SAVED) or (
+                kind is OpKind.RESTORE and ctx.state in (JobState.RUNNING, JobState.IDLE)
+            ):
+                # Nothing to move: already saved, already running, or never ran (nothing was saved).
+                if ctx.state is JobState.IDLE:
+                    await self._save(msgspec.structs.replace(ctx, state=JobState.RUNNING, epoch=cmd.epoch))
+                return self._remember(self._result(cmd, kind, backend, ok=True)), False
+            remaining = cmd.deadline_ms / 1000 - time.time()
+            if remaining <= 0:
+                error = "deadline passed before start"
+                return self._remember(self._result(cmd, kind, backend, ok=False, error=error)), False
+            op = OpContext(op_id=cmd.op_id, epoch=cmd.epoch, deadline=time.monotonic() + remaining)
+            before = ctx.state
+            ctx = await self._save(msgspec.structs.replace(ctx, state=JobState.TRANSITIONING, epoch=cmd.epoch))
+            assert self._nc is not None
+            await self._nc.publish(subjects.agent_op(self.node), encode(OpStarted(
+                op_id=cmd.op_id, group=cmd.group, job=cmd.job, node=self.node, kind=kind, epoch=cmd.epoch,
+                backend=backend)))
+            t0 = time.perf_counter()
+            state, failure, outcome = await self._perform(ctx, op, kind, before)
+            elapsed = (time.perf_counter() - t0) * 1000
+            result = self._result(cmd, kind, backend, ok=failure is None, error=failure, outcome=outcome,
+                                  elapsed_ms=elapsed)
+            await self._publish_result(result)  # the orchestrator waits on this; the KV write can follow
+            await self._save(msgspec.structs.replace(
+                ctx, state=state, reason=failure if state is JobState.FAULTED else None, last_op_id=cmd.op_id,
+                last_op_ok=failure is None, last_op_error=failure, bytes_moved=outcome.bytes_moved,
+                device_bytes_freed=outcome.device_bytes_freed, elapsed_ms=elapsed))
+            return self._remember(result), True
+
+    async def _perform(self, ctx: JobContext, op: OpContext, kind: OpKind,
+                       before: JobState) -> tuple[JobState, str | None, Outcome]:
+        """Run the composed backends. Returns (new state, error or None, outcome)."""
+        assert self._nc is not None
+        backends = [make_backend(b, self._nc, self.node) for b in ctx.backends]
+        total = Outcome()
+        done: list[Any] = []
+        try:
+            async with asyncio.timeout(op.remaining()):
+                if kind is OpKind.SNAPSHOT:
+                    for b in backends:
+                        total += await b.snapshot(ctx, op)
+                        done.append(b)
+                    return JobState.SAVED, None, total
+                for b in reversed(backends):
+                    total += await b.restore(ctx, op)
+                return JobState.RUNNING, None, total
+        except TimeoutError:
+            return JobState.FAULTED, f"{kind} timed out after {ctx.op_timeout_ms} ms budget", total
+        except BackendError as exc:
+            if kind is OpKind.RESTORE or not exc.rolled_back:
+                return JobState.FAULTED, str(exc), total
+            # Undo the steps that succeeded, newest first, so the job runs again.
+            undo = OpContext(op.op_id, op.epoch, time.monotonic() + max(5.0, ctx.op_timeout_ms / 1000))
+            try:
+                async with asyncio.timeout(undo.remaining()):
+                    for b in reversed(done):
+                        await b.restore(ctx, undo)
+            except (BackendError, TimeoutError) as undo_exc:
+                return JobState.FAULTED, f"{exc}; rollback failed too: {undo_exc}", total
+            return (JobState.RUNNING if before is not JobState.IDLE else JobState.IDLE), f"{exc} (rolled back)", total
+
+    def _remember(self, result: OpResult) -> OpResult:
+        self._results[result.op_id] = result
+        while len(self._results) > self.config.max_results:
+            self._results.popitem(last=False)
+        return result
+
+    async def _publish_result(self, result: OpResult) -> None:
+        assert self._js is not None
+        await self._js.publish(subjects.agent_event(self.node, result.group), encode(result),
+                               headers={"Nats-Msg-Id": f"{result.op_id}:result"})
+
+    async def _save(self, ctx: JobContext) -> JobContext:
+        assert self._jobs_kv is not None
+        ctx = msgspec.structs.replace(ctx, updated_ms=_now_ms())
+        self._jobs[ctx.job] = ctx
+        await self._jobs_kv.put(f"{self.node}.{ctx.job}", encode(ctx))
+        return ctx
+
+    # ------------------------------------------------------------------ liveness
+
+    async def _heartbeat_once(self) -> None:
+        assert self._agents_kv is not None
+        total, avail = _host_memory()
+        from .backends import available_backends
+
+        info = AgentInfo(node=self.node, pid=os.getpid(), started_at_ms=self._started_ms,
+                         backends=available_backends(), host_memory_total_bytes=total,
+                         host_memory_available_bytes=avail)
+        await self._agents_kv.put(self.node, encode(info))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.heartbeat_s):
+                    await self._stop.wait()
+            if self._stop.is_set():
+                return
+            try:
+                await self._heartbeat_once()
+            except Exception as exc:
+                log.warning("heartbeat failed: %r", exc, extra={"node": self.node})
+
+    async def _pid_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.pid_check_s):
+                    await self._stop.wait()
+            if self._stop.is_set():
+                return
+            for ctx in list(self._jobs.values()):
+                if ctx.pids and not any(_alive(p) for p in ctx.pids):
+                    async with self._locks[ctx.job]:
+                        if self._jobs.get(ctx.job) is ctx:
+                            try:
+                                await self._unregister(ctx, "its processes are gone")
+                            except Exception as exc:
+                                log.warning("unregistering failed: %r", exc, extra={"job": ctx.job})
+
+
+class _Stopped(Exception):
+    pass

@@ -1,0 +1,116 @@
+"""Orchestrator + agent + registered workloads in one event loop: the switch choreography."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+from timeslice_agent import Agent, AgentConfig
+from timeslice_client import AsyncTimeSliceClient, CallbackHandler, HandlerResult, JobFaulted, JobState, SuspendMode
+from timeslice_client.bus import connect
+from timeslice_client.protocol import OpResult, decode_input, subjects
+from timeslice_orchestrator.service import Orchestrator
+
+from .helpers import eventually
+
+pytestmark = pytest.mark.usefixtures("orchestrator")
+
+
+@pytest.fixture
+async def agent(nats_url: str) -> AsyncIterator[Agent]:
+    a = Agent(AgentConfig(node_id="node-1", nats_url=nats_url))
+    task = asyncio.get_running_loop().create_task(a.run())
+    await asyncio.wait_for(a.ready.wait(), 20)
+    try:
+        yield a
+    finally:
+        a.shutdown()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 20)
+
+
+class Recorder:
+    def __init__(self, name: str, log: list[str], fail_suspend: bool = False) -> None:
+        self.name, self.log, self.fail_suspend = name, log, fail_suspend
+
+    def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        if self.fail_suspend:
+            raise RuntimeError("cannot offload right now")
+        self.log.append(f"{self.name}:suspend")
+        return HandlerResult(bytes_moved=100, device_bytes_freed=100)
+
+    def resume(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        self.log.append(f"{self.name}:resume")
+        return HandlerResult(bytes_moved=100, device_bytes_freed=0)
+
+
+async def test_switch_snapshots_then_restores_then_grants(nats_url: str, agent: Agent) -> None:
+    log: list[str] = []
+    nc = await connect(nats_url)
+    results = await nc.subscribe(subjects.agent_event("node-1", "gs") )
+    async with AsyncTimeSliceClient("a", "gs", nats_url) as a, AsyncTimeSliceClient("b", "gs", nats_url) as b:
+        await a.register_workload(Recorder("a", log), node_id="node-1")
+        await b.register_workload(Recorder("b", log), node_id="node-1")
+        ga = await a.acquire(timeout=10)
+        # a never ran: its first grant restores nothing but goes through the agent (IDLE -> RUNNING)
+        assert log == [] and ga.context_restored is True
+        await eventually(lambda: agent.jobs()["a"].state is JobState.RUNNING)
+        tb = asyncio.create_task(b.acquire(timeout=10))
+        rec = await eventually(lambda: _queued(a, "b"))
+        assert rec.loaded == {"node-1": "a"}
+        await a.release()
+        gb = await tb
+        assert log == ["a:suspend"] and gb.context_restored is True
+        assert agent.jobs()["a"].state is JobState.SAVED
+        await eventually(lambda: agent.jobs()["b"].state is JobState.RUNNING)
+        ta = asyncio.create_task(a.acquire(timeout=10))
+        await eventually(lambda: _queued(b, "a"))
+        await b.release()
+        await ta
+        assert log == ["a:suspend", "b:suspend", "a:resume"]
+        await a.release()
+        # alone: release keeps a's context; re-acquire costs nothing
+        assert (await a.acquire(timeout=10)).context_restored is False
+        assert log == ["a:suspend", "b:suspend", "a:resume"]
+        await a.release()
+    outcomes = []
+    with contextlib.suppress(Exception):
+        while True:
+            ev = decode_input((await results.next_msg(timeout=0.5)).data)
+            if isinstance(ev, OpResult):
+                outcomes.append(ev)
+    assert any(o.kind == "snapshot" and o.ok and o.bytes_moved == 100 and o.backend == "app_channel"
+               for o in outcomes)
+    await nc.close()
+
+
+async def _queued(c: AsyncTimeSliceClient, job: str):  # type: ignore[no-untyped-def]
+    rec = await c.status()
+    return rec if job in [w.job for w in rec.queue] else None
+
+
+async def test_failed_snapshot_faults_only_that_job(nats_url: str, agent: Agent, orchestrator: Orchestrator) -> None:
+    log: list[str] = []
+    async with AsyncTimeSliceClient("a", "gf", nats_url) as a, AsyncTimeSliceClient("b", "gf", nats_url) as b:
+        await a.register_workload(Recorder("a", log, fail_suspend=True), node_id="node-1")
+        await b.register_workload(Recorder("b", log), node_id="node-1")
+        await a.acquire(timeout=10)
+        tb = asyncio.create_task(b.acquire(timeout=10))
+        await eventually(lambda: _queued(a, "b"))
+        await a.release()
+        gb = await tb  # b still gets the group
+        assert gb.epoch >= 2
+        # a rolled back (its handler raised before moving anything): RUNNING on the node, faulted in the group
+        await eventually(lambda: agent.jobs()["a"].state is JobState.RUNNING)
+        rec = await eventually(lambda: _faulted(b, "a"))
+        assert "cannot offload" in rec.faulted["a"]
+        with pytest.raises(JobFaulted):
+            await a.acquire(timeout=5)
+        await b.release()
+
+
+async def _faulted(c: AsyncTimeSliceClient, job: str):  # type: ignore[no-untyped-def]
+    rec = await c.status()
+    return rec if job in rec.faulted else None
