@@ -68,6 +68,7 @@ async def _up(args: argparse.Namespace) -> int:
     server = NatsServer(data_dir, port=args.port, host=args.host)
     url = await server.astart()
     advert = url_file()
+    agent: asyncio.subprocess.Process | None = None
     try:
         orch = Orchestrator(OrchestratorConfig(nats_url=url))
         _install_stop(orch.shutdown)
@@ -76,19 +77,56 @@ async def _up(args: argparse.Namespace) -> int:
             ready = tg.create_task(orch.ready.wait())
             await asyncio.wait({run, ready}, return_when=asyncio.FIRST_COMPLETED)
             if ready.done():
+                node = "-"
+                if not args.no_agent:
+                    agent, node = await _start_agent(url, args.node_id, orch.shutdown)
                 advert.parent.mkdir(parents=True, exist_ok=True)
                 advert.write_text(url + "\n")
-                print(f"timeslice up: nats={url} orchestrator=ready data={data_dir} url-file={advert} "
-                      "(Ctrl-C to stop)", flush=True)
+                print(f"timeslice up: nats={url} orchestrator=ready agent={node} data={data_dir} "
+                      f"url-file={advert} (Ctrl-C to stop)", flush=True)
             else:
                 ready.cancel()
     finally:
+        if agent is not None and agent.returncode is None:
+            agent.terminate()
+            try:
+                await asyncio.wait_for(agent.wait(), 15)
+            except TimeoutError:
+                agent.kill()
+                await agent.wait()
         with contextlib.suppress(OSError):
             if advert.exists() and advert.read_text().strip() == url:
                 advert.unlink()
         await server.astop()
     print("timeslice up: stopped", flush=True)
     return 0
+
+
+async def _start_agent(
+    url: str, node_id: str | None, on_exit: Callable[[], None]
+) -> tuple[asyncio.subprocess.Process, str]:
+    """The node's snapshot agent as its own process (the agent and orchestrator share only messages)."""
+    from timeslice_client.bus import connect
+    from timeslice_client.protocol import AGENTS_BUCKET
+    from timeslice_client.workload import default_node_id
+
+    node = node_id or default_node_id()
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "timeslice_agent", "--node-id", node,
+                                                "--nats-url", url)
+    nc = await connect(url)
+    try:
+        kv = await nc.jetstream().key_value(AGENTS_BUCKET)
+        async with asyncio.timeout(30):
+            while True:
+                if proc.returncode is not None:
+                    raise RuntimeError(f"the agent exited with {proc.returncode}")
+                with contextlib.suppress(Exception):
+                    if (await kv.get(node)).value:
+                        break
+                await asyncio.sleep(0.05)  # polling the agent's first heartbeat, bounded by the timeout above
+    finally:
+        await nc.close()
+    return proc, node
 
 
 # ---------------------------------------------------------------------- status and friends
@@ -144,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--data-dir", help="JetStream data directory (default ~/.timeslice/data)")
     up.add_argument("--port", type=int, default=None, help="NATS client port (default: a free port)")
     up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--node-id", default=None, help="the agent's node id (default: $TIMESLICE_NODE_ID or host name)")
+    up.add_argument("--no-agent", action="store_true", help="run NATS and the orchestrator only")
     up.set_defaults(func=_up)
 
     orch = sub.add_parser("orchestrator", help="run the orchestrator against a NATS server")

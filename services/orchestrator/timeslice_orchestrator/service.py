@@ -484,8 +484,8 @@ class Orchestrator:
                 log.warning("agent lost", extra={"node": node, "group": g})
                 try:
                     await js.publish(subjects.ctl(g, "agent_lost"), encode(AgentLost(group=g, node=node)), timeout=5)
-                except Exception as exc:
-                    log.exception("could not publish agent_lost: %r", exc, extra={"node": node, "group": g})
+                except Exception:
+                    log.exception("could not publish agent_lost", extra={"node": node, "group": g})
 
 
 class _Stopped(Exception):
