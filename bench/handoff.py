@@ -6,7 +6,10 @@ them), then:
 * P1 handoff: two job processes ping-pong a group; latency = job A calls release() → job B's
   pending acquire() returns (both clocks are CLOCK_MONOTONIC on one host);
 * P2 re-acquire: one job alone releases and re-acquires (IDLE_YIELDED, no switch);
-* baseline: a raw core NATS request-reply to a responder in another process, same server.
+* baseline: a raw core NATS request-reply to a responder in another process, same server;
+* P3 gRPC handoff: the same ping-pong as P1 through the orchestrator's gRPC API (blocking Acquire /
+  Yield calls, as existing gRPC clients make them), latency = A calls Yield → B's Acquire returns;
+  beside it, a plain gRPC unary call (health Check) to the same server as the gRPC baseline.
 
 Each measurement is preceded by the same idle gap (``--gap-ms``), since latency grows with idle
 time before a message (NATS_NOTES). Run: ``python bench/handoff.py [--n 2000] [--gap-ms 2]``.
@@ -99,6 +102,71 @@ async def _requester(url: str, n: int, gap: float, out: str) -> None:
     Path(out).write_text(json.dumps(lat))
 
 
+def _grpc_calls(target: str) -> tuple[Any, Any, Any]:
+    import grpc
+    from timeslice_client._grpc import timeslice_orchestrator_pb2 as pb
+
+    ch = grpc.insecure_channel(target)
+    svc = "/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService"
+    acquire = ch.unary_unary(f"{svc}/Acquire", request_serializer=pb.AcquireRequest.SerializeToString,
+                             response_deserializer=pb.AcquireResponse.FromString)
+    yield_ = ch.unary_unary(f"{svc}/Yield", request_serializer=pb.YieldRequest.SerializeToString,
+                            response_deserializer=pb.YieldResponse.FromString)
+    return ch, acquire, yield_
+
+
+def _grpc_pingpong(target: str, group: str, job: str, n: int, gap: float, out: str) -> None:
+    from timeslice_client._grpc import timeslice_orchestrator_pb2 as pb
+
+    ch, acquire, yield_ = _grpc_calls(target)
+    rows: list[tuple[str, str, int]] = []
+    for _ in range(n):
+        acquire(pb.AcquireRequest(job_id=job, group_id=group), timeout=60)
+        rows.append(("g", job, time.monotonic_ns()))
+        time.sleep(gap)  # the idle gap before the yield
+        rows.append(("r", job, time.monotonic_ns()))
+        yield_(pb.YieldRequest(job_id=job, group_id=group), timeout=60)
+    ch.close()
+    Path(out).write_text(json.dumps(rows))
+
+
+def _grpc_requester(target: str, n: int, gap: float, out: str) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        check = health_pb2_grpc.HealthStub(ch).Check
+        lat: list[int] = []
+        for _ in range(n):
+            time.sleep(gap)
+            t0 = time.monotonic_ns()
+            check(health_pb2.HealthCheckRequest(), timeout=5)
+            lat.append(time.monotonic_ns() - t0)
+    Path(out).write_text(json.dumps(lat))
+
+
+def _handoffs(rows: list[list[Any]]) -> list[float]:
+    """Release by one job → the next grant, to another job (ms), from all workers' (kind, job, t) rows."""
+    hand: list[float] = []
+    last: tuple[str, int] | None = None
+    for kind, job, t in sorted(rows, key=lambda r: r[2]):
+        if kind == "r":
+            last = (job, t)
+        elif last is not None:
+            if last[0] != job:
+                hand.append((t - last[1]) / 1e6)
+            last = None
+    return hand
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 # ---------------------------------------------------------------------- driver
 
 
@@ -128,8 +196,9 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
     server = NatsServer(tmp / "nats")
     url = server.start()
     env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
-    orch = subprocess.Popen([sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url],
-                            env=env)
+    grpc_target = f"127.0.0.1:{_free_port()}"
+    orch = subprocess.Popen([sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url,
+                             "--grpc-host", "127.0.0.1", "--grpc-port", grpc_target.rsplit(":", 1)[1]], env=env)
     procs: list[subprocess.Popen[bytes]] = [orch]
     gap = str(gap_ms / 1000)
     try:
@@ -166,6 +235,28 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
                    "--out", str(r_out))
         r.wait()
         re_lat = [x / 1e6 for x in json.loads(r_out.read_text())[n // 10:]]
+
+        # P3: the P1 ping-pong through the gRPC API, and a plain gRPC call as its baseline.
+        g_base_out = tmp / "grpc-baseline.json"
+        g = _spawn("--role", "grpc-requester", "--url", grpc_target, "--n", str(n), "--gap", gap,
+                   "--out", str(g_base_out))
+        procs.append(g)
+        g.wait()
+        if g.returncode:
+            raise RuntimeError("the gRPC baseline worker failed (is the gRPC API up?)")
+        g_base = [x / 1e6 for x in json.loads(g_base_out.read_text())[n // 10:]]
+        ga_out, gb_out = tmp / "ga.json", tmp / "gb.json"
+        ga = _spawn("--role", "grpc-pingpong", "--url", grpc_target, "--group", "bench-grpc", "--job", "grpc-a",
+                    "--n", str(n), "--gap", gap, "--out", str(ga_out))
+        gb = _spawn("--role", "grpc-pingpong", "--url", grpc_target, "--group", "bench-grpc", "--job", "grpc-b",
+                    "--n", str(n), "--gap", gap, "--out", str(gb_out))
+        procs += [ga, gb]
+        ga.wait()
+        gb.wait()
+        if ga.returncode or gb.returncode:
+            raise RuntimeError("a gRPC ping-pong worker failed")
+        g_hand = _handoffs(json.loads(ga_out.read_text()) + json.loads(gb_out.read_text()))
+        g_hand = g_hand[len(g_hand) // 10:]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -189,6 +280,11 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         "handoff_vs_baseline": _pct(hand, 50) / b50,
         "reacquire_vs_baseline": _pct(re_lat, 50) / b50,
         "samples": len(hand),
+        "grpc_handoff_p50_ms": _pct(g_hand, 50),
+        "grpc_handoff_p99_ms": _pct(g_hand, 99),
+        "grpc_baseline_unary_p50_ms": _pct(g_base, 50),
+        "grpc_baseline_unary_p99_ms": _pct(g_base, 99),
+        "grpc_samples": len(g_hand),
     }
 
 
@@ -216,6 +312,12 @@ def main() -> None:
     if a.role == "requester":
         _loop_run(_requester(a.url, a.n, a.gap, a.out))
         return
+    if a.role == "grpc-pingpong":
+        _grpc_pingpong(a.url, a.group, a.job, a.n, a.gap, a.out)
+        return
+    if a.role == "grpc-requester":
+        _grpc_requester(a.url, a.n, a.gap, a.out)
+        return
     res = run(a.n, a.gap_ms)
     if a.json:
         print(json.dumps(res))
@@ -227,6 +329,11 @@ def main() -> None:
           f"= {res['reacquire_vs_baseline']:.2f}x baseline p50")
     print(f"  baseline: raw NATS request-reply p50 {res['baseline_reqrep_p50_ms']:.3f} ms   "
           f"p99 {res['baseline_reqrep_p99_ms']:.3f} ms")
+    print(f"gRPC API (blocking Acquire/Yield through the orchestrator's shim), n={res['grpc_samples']}")
+    print(f"  P3 gRPC handoff p50 {res['grpc_handoff_p50_ms']:.3f} ms   p99 {res['grpc_handoff_p99_ms']:.3f} ms   "
+          f"(bus client P1 p50 {res['handoff_p50_ms']:.3f} ms, p99 {res['handoff_p99_ms']:.3f} ms)")
+    print(f"  baseline: plain gRPC unary call p50 {res['grpc_baseline_unary_p50_ms']:.3f} ms   "
+          f"p99 {res['grpc_baseline_unary_p99_ms']:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -426,49 +426,64 @@ class CoreMachine(RuleBasedStateMachine):
         rids += sorted(self.rid_job)[-2:]
         return data.draw(st.sampled_from(rids)) if rids else None
 
+    def some_job(self, data: st.DataObject) -> str:
+        """Mostly a job involved right now (holder, switch target, being snapshotted, waiting, faulted)."""
+        rec = self.rec
+        involved = {j for j in (rec.active_job, rec.holder.job if rec.holder else None) if j is not None}
+        if rec.switch is not None:
+            involved |= {op.job for op in rec.switch.ops}
+            if rec.switch.to is not None:
+                involved.add(rec.switch.to.job)
+        involved |= {w.job for w in rec.queue} | set(rec.faulted)
+        if involved and data.draw(st.integers(0, 3)) > 0:
+            return data.draw(st.sampled_from(sorted(involved)))
+        return data.draw(st.sampled_from(JOBS))
+
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
         rid = self.some_rid(data)
         if rid is not None:
             self.step(Cancel(group=G, job=self.rid_job[rid], request_id=rid, reason="cancelled"))
 
+    @rule(data=st.data())
+    def cancel_foreign(self, data: st.DataObject) -> None:
+        """A job cancels a request id that may not be its own (a confused or hostile client)."""
+        rid = self.some_rid(data)
+        if rid is not None:
+            self.step(Cancel(group=G, job=self.some_job(data), request_id=rid, reason="cancelled"))
+
+    @rule(data=st.data(), delta=st.integers(-2, 1))
+    def release_other(self, data: st.DataObject, delta: int) -> None:
+        """A release from some job, with its latest request id and an epoch near the current one."""
+        job = self.some_job(data)
+        self.step(Release(group=G, job=job, request_id=self.current_rid(job), epoch=max(0, self.rec.epoch + delta)))
+
+    @rule(data=st.data(), delta=st.integers(-2, 1), waiter=st.booleans())
+    def renew_other(self, data: st.DataObject, delta: int, waiter: bool) -> None:
+        """A renewal from some job: of a lease (with an epoch near the current one) or of a waiter's place."""
+        if waiter:
+            rid = self.some_rid(data)
+            if rid is not None:
+                self.step(Renew(group=G, job=self.rid_job[rid], request_id=rid))
+            return
+        job = self.some_job(data)
+        self.step(Renew(group=G, job=job, request_id=self.current_rid(job), epoch=max(0, self.rec.epoch + delta)))
+
+    @rule(data=st.data())
+    def clear_fault(self, data: st.DataObject) -> None:
+        self.step(ClearFault(group=G, job=self.some_job(data)))
+
     @rule(
         data=st.data(),
-        kind=st.sampled_from(["release", "renew", "renew-waiter", "cancel"]),
-        job=st.sampled_from(JOBS),
-        delta=st.integers(-2, 1),
-    )
-    def misdirected(self, data: st.DataObject, kind: str, job: str, delta: int) -> None:
-        """Requests from confused clients: other jobs, stale epochs, request ids that are not theirs."""
-        epoch = max(0, self.rec.epoch + delta)
-        if kind == "release":
-            self.step(Release(group=G, job=job, request_id=self.current_rid(job), epoch=epoch))
-        elif kind == "renew":
-            self.step(Renew(group=G, job=job, request_id=self.current_rid(job), epoch=epoch))
-        else:
-            rid = self.some_rid(data)
-            if rid is None:
-                return
-            if kind == "cancel":
-                self.step(Cancel(group=G, job=job, request_id=rid, reason="cancelled"))
-            else:
-                self.step(Renew(group=G, job=self.rid_job[rid], request_id=rid))
-
-    @rule(job=st.sampled_from(JOBS))
-    def clear_fault(self, job: str) -> None:
-        self.step(ClearFault(group=G, job=job))
-
-    @rule(
         kind=st.sampled_from(["register", "register", "unregister", "lost"]),
-        job=st.sampled_from(JOBS),
         node=st.sampled_from(NODES),
         timeout=st.sampled_from([500, 5_000, 120_000]),
     )
-    def agents(self, kind: str, job: str, node: str, timeout: int) -> None:
+    def agents(self, data: st.DataObject, kind: str, node: str, timeout: int) -> None:
         if kind == "register":
-            self.step(JobRegistered(group=G, job=job, node=node, op_timeout_ms=timeout))
+            self.step(JobRegistered(group=G, job=self.some_job(data), node=node, op_timeout_ms=timeout))
         elif kind == "unregister":
-            self.step(JobUnregistered(group=G, job=job, node=node))
+            self.step(JobUnregistered(group=G, job=self.some_job(data), node=node))
         else:
             self.step(AgentLost(group=G, node=node))
 

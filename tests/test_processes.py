@@ -155,15 +155,20 @@ def test_killed_holder_loses_the_group_within_its_lease(
     assert len(revoked) == 1 and revoked[0][2].epoch == grant["epoch"]
     seq_r, ms_r, rev = revoked[0]
     # When did the holder last show life (its grant, or a renewal of this epoch), in stream time?
+    # (Stream times of input events are the core's "now"; a notice is stored a little after its event.)
     renew_subject = subjects.job(group, "holder", "renew")
     renewals = [ms for seq, ms, subj, data in stream if subj == renew_subject and seq < seq_r]
-    granted_ms = next(ms for seq, ms, n in notices(stream, group, "holder") if isinstance(n, Granted))
+    seq_g, granted = next((seq, n) for seq, ms, n in notices(stream, group, "holder") if isinstance(n, Granted))
+    acquire_subject = subjects.job(group, "holder", "acquire")
+    acquired_ms = [ms for seq, ms, subj, data in stream if subj == acquire_subject and seq < seq_g][-1]
+    # The first deadline is the confirmation window (3 s, the client's default) capped by the lease.
+    assert granted.lease_deadline_ms - acquired_ms == min(3.0, lease) * 1000
     if renewals:
         assert rev.reason == "lease expired"
         assert ms_r - renewals[-1] >= lease * 1000, "revoked before the lease ran out"
     else:
         assert rev.reason == "grant not confirmed in time"
-        assert ms_r - granted_ms >= lease * 1000, "revoked before the confirmation window ran out"
+        assert ms_r >= granted.lease_deadline_ms, "revoked before the confirmation window ran out"
     if when == "after-confirm":
         assert renewals
 

@@ -14,6 +14,8 @@ The asyncio API (:class:`AsyncTimeSliceClient`) is the core; :class:`TimeSliceCl
 loop thread of its own.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from ._async_client import AsyncTimeSliceClient, Grant, ReleaseResult
 from ._sync_client import TimeSliceClient
 from .errors import (
@@ -33,9 +35,23 @@ from .handlers import CallbackHandler, HandlerResult, WorkloadHandler
 from .protocol import GroupRecord, GroupState, JobState, SuspendMode
 from .workload import WorkloadChannel, register_workload
 
+if TYPE_CHECKING:
+    from .agent_client import AsyncSnapshotAgentClient, SnapshotAgentClient
+
+
+def __getattr__(name: str) -> Any:
+    """The gRPC snapshot-agent clients load grpc and protobuf only when first used."""
+    if name in ("SnapshotAgentClient", "AsyncSnapshotAgentClient"):
+        from . import agent_client
+
+        return getattr(agent_client, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "AcquireCancelled",
     "AcquireTimeout",
+    "AsyncSnapshotAgentClient",
     "AsyncTimeSliceClient",
     "CallbackHandler",
     "Grant",
@@ -50,6 +66,7 @@ __all__ = [
     "LockLost",
     "NotHolder",
     "ReleaseResult",
+    "SnapshotAgentClient",
     "StaleEpoch",
     "SuspendMode",
     "TimeSliceClient",

@@ -280,6 +280,8 @@ class AsyncTimeSliceClient:
         tags: Iterable[str] = (),
         node_id: str | None = None,
         backends: Iterable[str] = ("app_channel",),
+        pids: Iterable[int] | None = None,
+        pgid: int | None = None,
         op_timeout: float = 120.0,
     ) -> WorkloadChannel:
         """Register this process with its node's agent so a switch moves its state (see ``handlers``).
@@ -287,7 +289,7 @@ class AsyncTimeSliceClient:
         await self.connect()
         assert self._nc is not None
         channel = WorkloadChannel(self._nc, self.job_id, self.group_id, handler, node_id=node_id, mode=mode,
-                                  tags=tags, backends=backends, op_timeout=op_timeout,
+                                  tags=tags, backends=backends, pids=pids, pgid=pgid, op_timeout=op_timeout,
                                   request_timeout=self.request_timeout)
         await channel.start()
         self._channels.append(channel)

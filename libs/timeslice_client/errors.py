@@ -9,6 +9,7 @@
     ├── AcquireTimeout       the group was not granted before the acquire's timeout
     ├── AcquireCancelled     the wait was cancelled, or the orchestrator dropped the waiter
     ├── JobFaulted           the job is faulted in its group; clear the fault first
+    ├── HandlerError         a workload handler could not suspend or resume the job's state
     └── LockLost             the caller does not hold the group (any more)
         ├── NotHolder        another job (or nobody) holds the group
         ├── StaleEpoch       the caller's grant is older than the group's current epoch
@@ -22,6 +23,7 @@ from __future__ import annotations
 __all__ = [
     "AcquireCancelled",
     "AcquireTimeout",
+    "HandlerError",
     "InvalidId",
     "InvalidRequest",
     "JobFaulted",
@@ -149,3 +151,11 @@ class LeaseExpired(LockLost):
             epoch=epoch,
             your_epoch=epoch,
         )
+
+
+class HandlerError(TimeSliceError):
+    """A workload handler could not suspend or resume (part of) the job's state."""
+
+    def __init__(self, message: str, *, tag: str | None = None) -> None:
+        self.tag = tag
+        super().__init__(message)

@@ -507,6 +507,8 @@ class GroupRecord(_Rec, frozen=True):
     queue: tuple[WaiterRecord, ...] = ()
     switch: SwitchRecord | None = None
     faulted: dict[str, str] = {}
+    saved: dict[str, tuple[str, ...]] = {}  # job -> nodes where its context is saved (snapshot done)
+    lost_nodes: tuple[str, ...] = ()  # nodes whose agent was lost and has not registered a job since
     last_seq: int = 0
 
 

@@ -72,6 +72,7 @@ class WorkloadChannel:
         tags: Iterable[str] = (),
         backends: Iterable[str] = ("app_channel",),
         pids: Iterable[int] | None = None,
+        pgid: int | None = None,
         op_timeout: float = 120.0,
         request_timeout: float = 5.0,
         own_connection: bool = False,
@@ -86,7 +87,10 @@ class WorkloadChannel:
         self.mode = SuspendMode(mode)
         self.tags = tuple(tags)
         self.backends = tuple(backends)
-        self.pids = tuple(pids) if pids is not None else (os.getpid(),)
+        # Process-level backends (freeze) act on these: name the compute processes, never the one that
+        # talks to the orchestrator (a frozen process cannot ask for the group back).
+        self.pids = tuple(pids) if pids is not None else (() if pgid is not None else (os.getpid(),))
+        self.pgid = pgid
         self.op_timeout = op_timeout
         self.request_timeout = request_timeout
         self._own = own_connection
@@ -102,7 +106,7 @@ class WorkloadChannel:
         await asyncio.sleep(0)  # NATS_NOTES trap 2
         await self.nc.flush()
         req = RegisterJob(group=self.group_id, job=self.job_id, backends=self.backends, pids=self.pids,
-                          mode=self.mode, tags=self.tags, op_timeout_ms=int(self.op_timeout * 1000))
+                          pgid=self.pgid, mode=self.mode, tags=self.tags, op_timeout_ms=int(self.op_timeout * 1000))
         reply = await self._agent("register", encode(req))
         log.info("registered with agent %s (state %s)", self.node_id, reply.state,
                  extra={"job": self.job_id, "group": self.group_id, "node": self.node_id})
@@ -182,12 +186,19 @@ async def register_workload(
     node_id: str | None = None,
     nats_url: str | None = None,
     backends: Iterable[str] = ("app_channel",),
+    pids: Iterable[int] | None = None,
+    pgid: int | None = None,
     op_timeout: float = 120.0,
 ) -> WorkloadChannel:
-    """Register this process with its node's agent; its own NATS connection, closed by ``close()``."""
+    """Register this process with its node's agent; its own NATS connection, closed by ``close()``.
+
+    ``pids``/``pgid`` name the processes a process-level backend (``freeze``) stops; they default to
+    this process, which suits ``app_channel`` (liveness) but not ``freeze`` of the process that calls
+    ``acquire``."""
     nc = await connect(nats_url, name=f"timeslice-workload-{job_id}")
     channel = WorkloadChannel(nc, job_id, group_id, handler, node_id=node_id, mode=mode, tags=tags,
-                              backends=backends, op_timeout=op_timeout, own_connection=True)
+                              backends=backends, pids=pids, pgid=pgid, op_timeout=op_timeout,
+                              own_connection=True)
     try:
         return await channel.start()
     except BaseException:

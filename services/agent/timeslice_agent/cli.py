@@ -28,7 +28,12 @@ async def _run_agent(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, agent.shutdown)
-    await agent.run()
+    if args.grpc_port is None:
+        await agent.run()
+    else:
+        from . import grpc_shim
+
+        await grpc_shim.run_beside(agent, grpc_shim.from_args(agent, args))
     return 0
 
 
@@ -76,6 +81,12 @@ def register(sub: Any) -> None:
     p = sub.add_parser("agent", help="run the node-local snapshot agent")
     p.add_argument("--node-id", default=None, help="default: $TIMESLICE_NODE_ID or the host name")
     p.add_argument("--nats-url", default=None)
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="serve the standalone SnapshotAgentService on this port (off unless given; 0: any free port)")
+    p.add_argument("--grpc-host", default=None, help="address of the gRPC API (default 127.0.0.1: node-local)")
+    p.add_argument("--grpc-tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
+    p.add_argument("--grpc-tls-key", default=None, help="PEM private key of --grpc-tls-cert")
+    p.add_argument("--grpc-tls-client-ca", default=None, help="PEM CA certificate: require client certificates")
     p.set_defaults(func=_run_agent)
     s = sub.add_parser("agent-status", help="jobs on one node and their context states")
     s.add_argument("--node-id", default=None)

@@ -19,6 +19,8 @@ import contextlib
 import logging
 import os
 import time
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -38,6 +40,7 @@ from timeslice_client.protocol import (
     AgentReply,
     ClearFault,
     ClearJobFault,
+    DeviceInfo,
     JobContext,
     JobRegistered,
     JobState,
@@ -48,6 +51,7 @@ from timeslice_client.protocol import (
     RegisterJob,
     Restore,
     Snapshot,
+    SuspendMode,
     UnregisterJob,
     encode,
     subjects,
@@ -57,7 +61,7 @@ from timeslice_client.workload import default_node_id
 
 from .backends import BackendError, OpContext, Outcome, make_backend
 
-__all__ = ["Agent", "AgentConfig", "default_node_id"]
+__all__ = ["Agent", "AgentConfig", "OperationStatus", "default_node_id"]
 
 log = logging.getLogger("timeslice.agent")
 
@@ -106,6 +110,16 @@ def _host_memory() -> tuple[int, int]:
     return total, avail
 
 
+@dataclass(frozen=True, slots=True)
+class OperationStatus:
+    """An operation this agent ran or runs (see ``Agent.operation``)."""
+
+    op_id: str
+    done: bool
+    result: OpResult | None  # set once done
+    elapsed_ms: float
+
+
 class Agent:
     """Run with ``await Agent(config).run()``; stop with ``shutdown()`` (idempotent)."""
 
@@ -126,6 +140,7 @@ class Agent:
         self._tg: asyncio.TaskGroup | None = None
         self._subs: list[Any] = []
         self._started_ms = _now_ms()
+        self._standalone: dict[str, float] = {}  # running standalone op id -> start (monotonic s)
 
     @property
     def ready(self) -> asyncio.Event:
@@ -426,6 +441,116 @@ class Agent:
         self._jobs[ctx.job] = ctx
         await self._jobs_kv.put(f"{self.node}.{ctx.job}", encode(ctx))
         return ctx
+
+    # ------------------------------------------------------------------ standalone operations
+
+    async def run_standalone(
+        self,
+        job: str,
+        kind: OpKind,
+        *,
+        group: str | None = None,
+        backends: tuple[str, ...] | None = None,
+        pids: tuple[int, ...] = (),
+        mode: SuspendMode | None = None,
+        tags: tuple[str, ...] | None = None,
+        endpoints: tuple[str, ...] = (),
+        timeout_s: float | None = None,
+    ) -> str:
+        """Start a snapshot or restore that no orchestrator asked for (the gRPC ``SnapshotAgentService``:
+        services that schedule themselves). Returns the operation id at once; follow it with
+        :meth:`operation`. It runs exactly as an orchestrator's command would (same state machine,
+        lock, rollback, events), at the group's current epoch so it neither trips nor moves the fence.
+
+        A registered job runs with its registered backends unless ``backends`` (and ``mode``, ``tags``,
+        ``pids``, ``endpoints``) say otherwise; those then become its configuration. A job this agent
+        does not know is taken on for a snapshot when ``backends`` and ``pids`` name its processes.
+        Raises ``LookupError`` (unknown job, nothing to restore), ``ValueError`` (bad ids, another
+        group), ``BackendUnavailable`` (a backend this agent lacks), ``RuntimeError`` (not running).
+        """
+        validate_id("job", job)
+        if group:
+            validate_id("group", group)
+        if self._tg is None or self._nc is None:
+            raise RuntimeError(f"the agent on node {self.node!r} is not running")
+        for b in backends or ():
+            make_backend(b, self._nc, self.node)  # raises BackendUnavailable
+        async with self._locks[job]:
+            ctx = self._jobs.get(job)
+            if ctx is None:
+                if kind is OpKind.RESTORE or not backends or not pids:
+                    what = "nothing was saved for it here" if kind is OpKind.RESTORE else "name its processes"
+                    raise LookupError(f"job {job!r} is not registered with the agent on node {self.node!r} "
+                                      f"({what}); register it through the workload channel, or give a backend "
+                                      "with explicit process ids")
+                ctx = await self._save(JobContext(node=self.node, job=job, group=group or "standalone",
+                                                  state=JobState.RUNNING, backends=backends, pids=pids,
+                                                  mode=mode or SuspendMode.OFFLOAD, tags=tags or (),
+                                                  endpoints=endpoints))
+            elif group and group != ctx.group:
+                raise ValueError(f"job {job!r} is registered in group {ctx.group!r} on node {self.node!r}, "
+                                 f"not {group!r}")
+            else:
+                changes: dict[str, Any] = {}
+                if backends and backends != ctx.backends:
+                    changes["backends"] = backends
+                if pids and pids != ctx.pids:
+                    changes["pids"] = pids
+                if mode is not None and mode != ctx.mode:
+                    changes["mode"] = mode
+                if tags is not None and tags != ctx.tags:
+                    changes["tags"] = tags
+                if endpoints and endpoints != ctx.endpoints:
+                    changes["endpoints"] = endpoints
+                if changes:
+                    ctx = await self._save(msgspec.structs.replace(ctx, **changes))
+        op_id = f"standalone-{uuid.uuid4().hex}"
+        budget_ms = int(timeout_s * 1000) if timeout_s else ctx.op_timeout_ms
+        cls = Snapshot if kind is OpKind.SNAPSHOT else Restore
+        cmd = cls(op_id=op_id, group=ctx.group, job=job, node=self.node, epoch=self._epochs.get(ctx.group, 0),
+                  deadline_ms=_now_ms() + budget_ms)
+        self._standalone[op_id] = time.monotonic()
+        nothing_to_move = (kind is OpKind.SNAPSHOT and ctx.state is JobState.SAVED) or (
+            kind is OpKind.RESTORE and ctx.state in (JobState.RUNNING, JobState.IDLE))
+        if nothing_to_move:
+            await self._standalone_op(cmd, kind)  # answered at once: complete before the caller asks
+        else:
+            self._tg.create_task(self._standalone_op(cmd, kind))
+        return op_id
+
+    async def _standalone_op(self, cmd: Snapshot | Restore, kind: OpKind) -> None:
+        try:
+            result, published = await self._execute(cmd, kind)
+        except Exception as exc:
+            log.exception("standalone operation crashed", extra={"node": self.node, "job": cmd.job, "op_id": cmd.op_id})
+            result, published = self._result(cmd, kind, "?", ok=False, error=f"agent error: {exc!r}"), False
+        self._remember(result)
+        self._standalone.pop(cmd.op_id, None)
+        if not published:
+            try:
+                await self._publish_result(result)  # a fact for replay; the orchestrator ignores it
+            except Exception as exc:
+                log.warning("standalone result not published: %r", exc, extra={"op_id": cmd.op_id})
+
+    def operation(self, op_id: str) -> OperationStatus | None:
+        """An operation's state: running (``done`` False), finished (with its result), or None when this
+        agent does not know the id (never seen, or long forgotten)."""
+        if (result := self._results.get(op_id)) is not None:
+            return OperationStatus(op_id, True, result, result.elapsed_ms)
+        started = self._standalone.get(op_id)
+        if started is not None:
+            return OperationStatus(op_id, False, None, (time.monotonic() - started) * 1000)
+        return None
+
+    async def devices(self) -> tuple[DeviceInfo, ...]:
+        """This node's accelerators as its last heartbeat reported them."""
+        if self._agents_kv is None:
+            return ()
+        try:
+            entry = await self._agents_kv.get(self.node)
+        except Exception:
+            return ()
+        return msgspec.json.decode(entry.value, type=AgentInfo).devices if entry.value else ()
 
     # ------------------------------------------------------------------ liveness
 

@@ -45,12 +45,13 @@ def _install_stop(stop: Callable[[], None]) -> None:
 
 
 async def _orchestrator(args: argparse.Namespace) -> int:
+    from . import grpc_shim
     from .service import Orchestrator, OrchestratorConfig
 
     cfg = OrchestratorConfig(nats_url=args.nats_url) if args.nats_url else OrchestratorConfig()
     orch = Orchestrator(cfg)
     _install_stop(orch.shutdown)
-    await orch.run()
+    await grpc_shim.run_beside(orch, grpc_shim.from_args(args, cfg.nats_url))
     return 0
 
 
@@ -61,6 +62,7 @@ def _data_dir(given: str | None) -> Path:
 async def _up(args: argparse.Namespace) -> int:
     from timeslice_client.bus import url_file
 
+    from . import grpc_shim
     from .embedded import NatsServer
     from .service import Orchestrator, OrchestratorConfig
 
@@ -71,10 +73,11 @@ async def _up(args: argparse.Namespace) -> int:
     agent: asyncio.subprocess.Process | None = None
     try:
         orch = Orchestrator(OrchestratorConfig(nats_url=url))
+        shim = grpc_shim.from_args(args, url, host=args.host)
         _install_stop(orch.shutdown)
         async with asyncio.TaskGroup() as tg:
-            run = tg.create_task(orch.run())
-            ready = tg.create_task(orch.ready.wait())
+            run = tg.create_task(grpc_shim.run_beside(orch, shim))
+            ready = tg.create_task(grpc_shim.ready(orch, shim))
             await asyncio.wait({run, ready}, return_when=asyncio.FIRST_COMPLETED)
             if ready.done():
                 node = "-"
@@ -82,7 +85,8 @@ async def _up(args: argparse.Namespace) -> int:
                     agent, node = await _start_agent(url, args.node_id, orch.shutdown)
                 advert.parent.mkdir(parents=True, exist_ok=True)
                 advert.write_text(url + "\n")
-                print(f"timeslice up: nats={url} orchestrator=ready agent={node} data={data_dir} "
+                print(f"timeslice up: nats={url} orchestrator=ready grpc={shim.address if shim else '-'} "
+                      f"agent={node} data={data_dir} "
                       f"url-file={advert} (Ctrl-C to stop)", flush=True)
             else:
                 ready.cancel()
@@ -173,6 +177,18 @@ async def _clear_fault(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- wiring
 
 
+def _grpc_flags(parser: argparse.ArgumentParser, default_port: int | None) -> None:
+    """The gRPC API's flags (read by ``grpc_shim.from_args``)."""
+    off = "off unless given" if default_port is None else f"default {default_port}"
+    parser.add_argument("--grpc-port", type=int, default=default_port,
+                        help=f"serve the gRPC API on this port ({off}; 0: any free port; -1: off)")
+    parser.add_argument("--grpc-host", default=None, help="address the gRPC API listens on")
+    parser.add_argument("--grpc-tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
+    parser.add_argument("--grpc-tls-key", default=None, help="PEM private key of --grpc-tls-cert")
+    parser.add_argument("--grpc-tls-client-ca", default=None,
+                        help="PEM CA certificate: mutual TLS, clients must present a certificate it signed")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="timeslice", description="Cooperative GPU time-slicing for RL jobs")
     p.add_argument("--log-level", default=os.environ.get("TIMESLICE_LOG_LEVEL", "info"))
@@ -184,10 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--node-id", default=None, help="the agent's node id (default: $TIMESLICE_NODE_ID or host name)")
     up.add_argument("--no-agent", action="store_true", help="run NATS and the orchestrator only")
+    _grpc_flags(up, default_port=50051)
     up.set_defaults(func=_up)
 
     orch = sub.add_parser("orchestrator", help="run the orchestrator against a NATS server")
     orch.add_argument("--nats-url", default=None, help="default: $TIMESLICE_NATS_URL or what `timeslice up` wrote")
+    _grpc_flags(orch, default_port=None)
     orch.set_defaults(func=_orchestrator)
 
     st = sub.add_parser("status", help="show groups: state, holder, epoch, queue")

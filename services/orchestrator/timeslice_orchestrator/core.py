@@ -153,6 +153,8 @@ class _Work:
     queue: list[WaiterRecord]
     switch: SwitchRecord | None
     faulted: dict[str, str]
+    saved: dict[str, tuple[str, ...]]
+    lost_nodes: tuple[str, ...]
     actions: list[Action] = field(default_factory=list)
     changed: bool = False
     reason: str = ""
@@ -174,6 +176,8 @@ class _Work:
             queue=list(rec.queue),
             switch=rec.switch,
             faulted=dict(rec.faulted),
+            saved=dict(rec.saved),
+            lost_nodes=rec.lost_nodes,
         )
 
     def finish(self, rec: GroupRecord, seq: int) -> tuple[GroupRecord, list[Action]]:
@@ -209,6 +213,8 @@ class _Work:
             queue=tuple(self.queue),
             switch=self.switch,
             faulted=self.faulted,
+            saved=self.saved,
+            lost_nodes=self.lost_nodes,
             last_seq=seq,
         )
         return new, self.actions
@@ -278,6 +284,13 @@ class _Work:
         wr = self.queue.pop(i)
         self.notify(Dequeued(group=self.group, job=wr.job, request_id=wr.request_id, reason=reason))
         self.touch(f"waiter {reason}")
+
+    def unsave(self, job: str, node: str) -> None:
+        rest = tuple(n for n in self.saved.get(job, ()) if n != node)
+        if rest:
+            self.saved[job] = rest
+        else:
+            self.saved.pop(job, None)
 
     def fault(self, job: str, reason: str) -> None:
         self.faulted[job] = reason
@@ -365,6 +378,13 @@ class _Work:
     def start_restores(self, sw: SwitchRecord) -> None:
         assert sw.to is not None
         job = sw.to.job
+        stranded = [n for n in self.saved.get(job, ()) if n in self.lost_nodes]
+        if stranded:
+            # Its state is offloaded on a node whose agent is gone: granting now would hand it freed memory.
+            self.switch = msgspec.structs.replace(sw, phase=OpKind.RESTORE, ops=())
+            self.fault(job, f"its context is saved on node {stranded[0]}, whose agent was lost; restart the agent "
+                            "there, then clear the fault")
+            return
         ops = [
             self.op(OpKind.RESTORE, node, job, sw.epoch)
             for node in sorted(self.placements.get(job, ()))
@@ -394,6 +414,11 @@ class _Work:
                 del self.loaded[op.node]
         else:
             self.loaded[op.node] = op.job
+        nodes = self.saved.get(op.job, ())
+        if op.kind is OpKind.SNAPSHOT and ok and op.node not in nodes:
+            self.saved[op.job] = (*nodes, op.node)
+        elif op.kind is OpKind.RESTORE and ok and op.node in nodes:
+            self.unsave(op.job, op.node)
         if not ok:
             self.fault(op.job, error or f"{op.kind} failed on node {op.node}")
         self.touch(f"{op.kind} {'done' if ok else 'failed'}")
@@ -553,6 +578,8 @@ def _on_registered(w: _Work, ev: JobRegistered) -> None:
     if ev.node not in nodes:
         w.placements[ev.job] = (*nodes, ev.node)
     w.op_timeouts[f"{ev.node}/{ev.job}"] = ev.op_timeout_ms
+    if ev.node in w.lost_nodes:  # the agent is back
+        w.lost_nodes = tuple(n for n in w.lost_nodes if n != ev.node)
     if w.active_job == ev.job and ev.node not in w.loaded:
         w.loaded[ev.node] = ev.job
     sw = w.switch
@@ -571,6 +598,7 @@ def _on_unregistered(w: _Work, ev: JobUnregistered) -> None:
     else:
         w.placements.pop(ev.job, None)
     w.op_timeouts.pop(f"{ev.node}/{ev.job}", None)
+    w.unsave(ev.job, ev.node)
     if w.loaded.get(ev.node) == ev.job:
         del w.loaded[ev.node]
     _fail_ops(w, lambda op: op.node == ev.node and op.job == ev.job, f"job unregistered from node {ev.node}")
@@ -589,8 +617,12 @@ def _on_op_result(w: _Work, ev: OpResult) -> None:
 
 def _on_agent_lost(w: _Work, ev: AgentLost) -> None:
     _fail_ops(w, lambda op: op.node == ev.node, f"agent on node {ev.node} was lost during the operation")
+    if ev.node not in w.lost_nodes:
+        w.lost_nodes = (*w.lost_nodes, ev.node)
+        w.touch("agent lost")
     for job, nodes in list(w.placements.items()):
-        if ev.node in nodes:
+        if ev.node in nodes and ev.node not in w.saved.get(job, ()):
+            # A job whose context is saved there keeps the placement: that context still has to come back.
             rest = tuple(n for n in nodes if n != ev.node)
             if rest:
                 w.placements[job] = rest

@@ -1,0 +1,240 @@
+"""The snapshot agent's gRPC API for standalone use: ``snapshot_agent.v1alpha1.SnapshotAgentService``.
+
+For training services that schedule themselves and move a job's accelerator context directly,
+without the orchestrator. A thin shim over :meth:`Agent.run_standalone` / :meth:`Agent.operation`:
+the operations are the agent's own (same per-job state machine, lock, rollback, timeouts and events
+in the stream), with true byte counts and elapsed times.
+
+* ``Snapshot`` / ``Restore`` return an operation id at once; ``GetOperation`` reports PENDING,
+  COMPLETE (``storage_bytes`` = bytes moved, ``snapshot_device_bytes`` = device bytes freed) or
+  FAILED (``error``); an unknown id is NOT_FOUND. Restoring a job that already runs (or snapshotting
+  one already saved) completes at once, with a real operation id.
+* Backends: ``backend_config`` unset means the backends the job registered with (the workload
+  channel); ``app_channel`` is the workload channel; ``cuda`` and ``app_endpoint`` are used when this
+  agent has them. Anything else (``direct_memory``, ``memory_regions``, or a backend not installed
+  here) is FAILED_PRECONDITION, naming what this agent supports.
+* Bad ids → INVALID_ARGUMENT; a job the agent does not know (and no process target to take it on)
+  → FAILED_PRECONDITION.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The services start subprocesses (``timeslice up`` starts the agent) with fork+exec, never using gRPC
+# in a child: grpc's fork handlers would only log that they skip. Must be set before grpc loads.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from timeslice_client._grpc import snapshot_agent_pb2 as pb
+from timeslice_client._grpc.runtime import SERVER_OPTIONS, Handler, bind, server_credentials
+from timeslice_client.errors import InvalidId
+from timeslice_client.protocol import JobState, OpKind, SuspendMode, validate_id
+
+from .backends import BackendUnavailable, available_backends
+from .service import Agent
+
+__all__ = ["SERVICE", "AgentGrpcConfig", "AgentGrpcShim", "from_args", "run_beside"]
+
+log = logging.getLogger("timeslice.agent.grpc")
+
+SERVICE = pb.DESCRIPTOR.services_by_name["SnapshotAgentService"].full_name
+Ctx = grpc.aio.ServicerContext[Any, Any]
+
+_JOB_STATES = {
+    JobState.IDLE: pb.JOB_STATE_IDLE,
+    JobState.RUNNING: pb.JOB_STATE_RUNNING,
+    JobState.TRANSITIONING: pb.JOB_STATE_TRANSITIONING,
+    JobState.SAVED: pb.JOB_STATE_SAVED,
+    JobState.FAULTED: pb.JOB_STATE_FAULTED,
+}
+_MODES = {pb.SUSPEND_MODE_OFFLOAD: SuspendMode.OFFLOAD, pb.SUSPEND_MODE_DISCARD: SuspendMode.DISCARD}
+# BackendConfig choices → the agent's backend names ("" = not implemented by timeslice at all).
+_BACKENDS = {"cuda": "cuda", "app_endpoint": "app_endpoint", "app_channel": "app_channel",
+             "direct_memory": "", "memory_regions": ""}
+
+
+class AgentGrpcConfig(BaseSettings):
+    """The agent's gRPC API (env ``TIMESLICE_AGENT_GRPC_*``). Node-local by default."""
+
+    model_config = SettingsConfigDict(env_prefix="TIMESLICE_AGENT_GRPC_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=50052, ge=0, le=65535)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    stop_grace_s: float = Field(default=2.0, ge=0)
+
+
+class _Plan:
+    def __init__(self, backends: tuple[str, ...] | None = None, pids: tuple[int, ...] = (),
+                 mode: SuspendMode | None = None, tags: tuple[str, ...] | None = None,
+                 endpoints: tuple[str, ...] = ()) -> None:
+        self.backends, self.pids, self.mode, self.tags, self.endpoints = backends, pids, mode, tags, endpoints
+
+
+class AgentGrpcShim:
+    """``port = await shim.start()`` … ``await shim.stop()``, beside a running :class:`Agent`."""
+
+    def __init__(self, agent: Agent, config: AgentGrpcConfig | None = None) -> None:
+        self.agent = agent
+        self.config = config or AgentGrpcConfig()
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        cfg = self.config
+        self._server = server = grpc.aio.server(options=SERVER_OPTIONS)
+        handlers: dict[str, Handler] = {"Snapshot": self._snapshot, "Restore": self._restore,
+                                        "GetOperation": self._get_operation, "Status": self._status}
+        bind(server, pb.DESCRIPTOR.services_by_name["SnapshotAgentService"], handlers)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        address = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert and cfg.tls_key:
+            self.port = server.add_secure_port(address, server_credentials(cfg.tls_cert, cfg.tls_key,
+                                                                           cfg.tls_client_ca))
+        elif cfg.tls_cert or cfg.tls_key or cfg.tls_client_ca:
+            raise ValueError("TLS needs both --grpc-tls-cert and --grpc-tls-key")
+        else:
+            self.port = server.add_insecure_port(address)
+        await server.start()
+        for name in ("", SERVICE):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("snapshot agent gRPC API on %s:%d", cfg.host, self.port, extra={"node": self.agent.node})
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            for name in ("", SERVICE):
+                await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self._server.stop(self.config.stop_grace_s)
+            self._server = None
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _snapshot(self, req: pb.SnapshotRequest, ctx: Ctx) -> pb.SnapshotResponse:
+        return pb.SnapshotResponse(operation_id=await self._start(req, ctx, OpKind.SNAPSHOT))
+
+    async def _restore(self, req: pb.RestoreRequest, ctx: Ctx) -> pb.RestoreResponse:
+        return pb.RestoreResponse(operation_id=await self._start(req, ctx, OpKind.RESTORE))
+
+    async def _start(self, req: pb.SnapshotRequest | pb.RestoreRequest, ctx: Ctx, kind: OpKind) -> str:
+        try:
+            job = validate_id("job", req.job_id)
+            group = validate_id("group", req.group) if req.group else None
+        except InvalidId as exc:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        plan = await self._plan(req, ctx)
+        try:
+            return await self.agent.run_standalone(job, kind, group=group, backends=plan.backends, pids=plan.pids,
+                                                   mode=plan.mode, tags=plan.tags, endpoints=plan.endpoints)
+        except BackendUnavailable as exc:
+            await self._unsupported(ctx, str(exc))
+        except LookupError as exc:
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0] if exc.args else exc))
+        except ValueError as exc:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:
+            await ctx.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    async def _plan(self, req: pb.SnapshotRequest | pb.RestoreRequest, ctx: Ctx) -> _Plan:
+        which = req.backend_config.WhichOneof("backend") if req.HasField("backend_config") else None
+        if which is None:
+            # The deprecated enum's only choice is CUDA; unset means "as the job registered".
+            return _Plan(backends=("cuda",)) if req.backend == pb.BACKEND_CUDA else _Plan()
+        name = _BACKENDS.get(which, "")
+        if not name:
+            await self._unsupported(ctx, f"BackendConfig.{which} is not implemented by the timeslice agent")
+        cfg = req.backend_config
+        if which == "cuda":
+            return _Plan(backends=(name,), pids=tuple(cfg.cuda.explicit_target.pids))
+        if which == "app_endpoint":
+            ep = cfg.app_endpoint
+            if not ep.endpoints:
+                await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "app_endpoint needs at least one endpoint")
+            return _Plan(backends=(name,), mode=_MODES.get(ep.mode), tags=tuple(ep.tags) or None,
+                         endpoints=tuple(ep.endpoints))
+        ch = cfg.app_channel
+        return _Plan(backends=(name,), mode=_MODES.get(ch.mode), tags=tuple(ch.tags) or None)
+
+    async def _unsupported(self, ctx: Ctx, why: str) -> NoReturn:
+        have = set(available_backends())
+        configs = [f"BackendConfig.{c}" for c, b in _BACKENDS.items() if b and b in have]
+        await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"{why}. This agent supports: {', '.join(configs) or 'none'}; or leave backend_config "
+                        f"unset to use a registered job's own backends (available here: {', '.join(sorted(have))})")
+
+    async def _get_operation(self, req: pb.GetOperationRequest, ctx: Ctx) -> pb.GetOperationResponse:
+        op = self.agent.operation(req.operation_id)
+        if op is None:
+            await ctx.abort(grpc.StatusCode.NOT_FOUND,
+                            f"operation {req.operation_id!r} is not known to the agent on node {self.agent.node!r}")
+        elapsed = round(op.elapsed_ms)
+        if not op.done or op.result is None:
+            return pb.GetOperationResponse(status=pb.OPERATION_STATUS_PENDING, elapsed_ms=elapsed)
+        r = op.result
+        if r.ok:
+            return pb.GetOperationResponse(status=pb.OPERATION_STATUS_COMPLETE, storage_bytes=r.bytes_moved,
+                                           snapshot_device_bytes=r.device_bytes_freed, elapsed_ms=elapsed)
+        return pb.GetOperationResponse(status=pb.OPERATION_STATUS_FAILED, elapsed_ms=elapsed,
+                                       error=r.error or "failed")
+
+    async def _status(self, req: pb.StatusRequest, ctx: Ctx) -> pb.StatusResponse:
+        jobs = [pb.JobStatus(job_id=c.job, state=_JOB_STATES[c.state])
+                for c in sorted(self.agent.jobs().values(), key=lambda c: c.job)]
+        accelerators = [pb.AcceleratorStatus(id=d.uuid or str(d.index), memory_used_bytes=d.memory_used_bytes,
+                                             memory_total_bytes=d.memory_total_bytes)
+                        for d in await self.agent.devices()]
+        return pb.StatusResponse(job_statuses=jobs, accelerator_statuses=accelerators)
+
+
+# ---------------------------------------------------------------------- CLI wiring
+
+
+def from_args(agent: Agent, args: argparse.Namespace) -> AgentGrpcShim | None:
+    port = getattr(args, "grpc_port", None)
+    if port is None or port < 0:
+        return None
+    cfg = AgentGrpcConfig(port=port, host=args.grpc_host or "127.0.0.1", tls_cert=args.grpc_tls_cert,
+                          tls_key=args.grpc_tls_key, tls_client_ca=args.grpc_tls_client_ca)
+    return AgentGrpcShim(agent, cfg)
+
+
+async def run_beside(agent: Agent, shim: AgentGrpcShim | None) -> None:
+    """``agent.run()``, with the gRPC API served while the agent is ready."""
+    if shim is None:
+        await agent.run()
+        return
+    loop = asyncio.get_running_loop()
+    run = loop.create_task(agent.run())
+    ready = loop.create_task(agent.ready.wait())
+    await asyncio.wait({run, ready}, return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():
+        ready.cancel()
+    elif not run.done():
+        try:
+            await shim.start()
+        except BaseException:
+            agent.shutdown()
+            with contextlib.suppress(Exception):
+                await run
+            raise
+    try:
+        await run
+    finally:
+        await shim.stop()

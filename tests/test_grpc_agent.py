@@ -1,0 +1,269 @@
+"""The snapshot agent's standalone gRPC API (SnapshotAgentService): a client built from the .proto
+alone, and ``SnapshotAgentClient``, against a real agent on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from timeslice_agent import Agent, AgentConfig
+from timeslice_agent.grpc_shim import AgentGrpcConfig, AgentGrpcShim
+from timeslice_client import AsyncTimeSliceClient, CallbackHandler, HandlerResult, JobState, SuspendMode
+from timeslice_client.agent_client import (
+    AgentError,
+    AppChannel,
+    AsyncSnapshotAgentClient,
+    Cuda,
+    OperationFailed,
+    OperationNotFound,
+    OperationState,
+    SnapshotAgentClient,
+)
+from timeslice_client.errors import InvalidRequest
+
+from .grpc_proto_client import AGENT_PROTO, Stub, compile_proto
+from .helpers import eventually
+
+NODE = "node-g"
+
+
+@pytest.fixture
+async def agent(nats_url: str) -> AsyncIterator[Agent]:
+    a = Agent(AgentConfig(node_id=NODE, nats_url=nats_url))
+    task = asyncio.get_running_loop().create_task(a.run())
+    await asyncio.wait_for(a.ready.wait(), 20)
+    try:
+        yield a
+    finally:
+        a.shutdown()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 20)
+
+
+@pytest.fixture
+async def target(agent: Agent) -> AsyncIterator[str]:
+    shim = AgentGrpcShim(agent, AgentGrpcConfig(host="127.0.0.1", port=0))
+    port = await shim.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await shim.stop()
+
+
+class Workload:
+    """A registered workload whose suspend/resume report bytes, and can be held or made to fail."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, SuspendMode, frozenset[str]]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_suspend = False
+
+    def handler(self) -> CallbackHandler:
+        def suspend(mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+            self.gate.wait(10)
+            if self.fail_suspend:
+                raise RuntimeError("no host memory left")
+            self.calls.append(("suspend", mode, tags))
+            return HandlerResult(bytes_moved=4096, device_bytes_freed=4000)
+
+        def resume(mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+            self.calls.append(("resume", mode, tags))
+            return HandlerResult(bytes_moved=4096, device_bytes_freed=0)
+
+        return CallbackHandler(suspend, resume)
+
+
+@pytest.fixture
+async def workload(nats_url: str, agent: Agent) -> AsyncIterator[Workload]:
+    w = Workload()
+    async with AsyncTimeSliceClient("trainer", "solo", nats_url) as c:
+        await c.register_workload(w.handler(), node_id=NODE)
+        yield w
+
+
+def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return asyncio.to_thread(fn, *args, **kwargs)
+
+
+async def rpc_error(fn: Any, *args: Any, **kwargs: Any) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        await call(fn, *args, **kwargs)
+    return info.value
+
+
+async def test_standalone_snapshot_and_restore_proto_only(target: str, workload: Workload) -> None:
+    pb = compile_proto(AGENT_PROTO)
+    with grpc.insecure_channel(target) as ch:
+        s = Stub(ch, pb, "SnapshotAgentService")
+        st = await call(s.Status, pb.StatusRequest(), timeout=5)
+        assert [(j.job_id, j.state) for j in st.job_statuses] == [("trainer", pb.JOB_STATE_IDLE)]
+
+        def op(op_id: str) -> Any:
+            return s.GetOperation(pb.GetOperationRequest(operation_id=op_id), timeout=5)
+
+        async def finished(op_id: str) -> Any:
+            r = await call(op, op_id)
+            return r if r.status != pb.OPERATION_STATUS_PENDING else None
+
+        # snapshot through the workload channel, offload mode with tags
+        cfg = pb.BackendConfig(app_channel=pb.AppChannelConfig(mode=pb.SUSPEND_MODE_OFFLOAD, tags=["weights"]))
+        snap = await call(s.Snapshot, pb.SnapshotRequest(job_id="trainer", group="solo", backend_config=cfg),
+                          timeout=5)
+        assert snap.operation_id
+        r = await eventually(lambda: finished(snap.operation_id), what="snapshot done")
+        assert r.status == pb.OPERATION_STATUS_COMPLETE
+        assert (r.storage_bytes, r.snapshot_device_bytes) == (4096, 4000) and not r.HasField("error")
+        assert r.elapsed_ms >= 0
+        assert workload.calls == [("suspend", SuspendMode.OFFLOAD, frozenset({"weights"}))]
+        st = await call(s.Status, pb.StatusRequest(), timeout=5)
+        assert [(j.job_id, j.state) for j in st.job_statuses] == [("trainer", pb.JOB_STATE_SAVED)]
+
+        # restore with the registered backends (no backend_config)
+        rest = await call(s.Restore, pb.RestoreRequest(job_id="trainer"), timeout=5)
+        r = await eventually(lambda: finished(rest.operation_id), what="restore done")
+        assert r.status == pb.OPERATION_STATUS_COMPLETE and r.storage_bytes == 4096
+        assert [c[0] for c in workload.calls] == ["suspend", "resume"]
+
+        # restoring a job that already runs completes at once, with a real operation id of its own
+        again = await call(s.Restore, pb.RestoreRequest(job_id="trainer"), timeout=5)
+        assert again.operation_id and again.operation_id != rest.operation_id
+        r = await call(op, again.operation_id)
+        assert r.status == pb.OPERATION_STATUS_COMPLETE
+        assert len(workload.calls) == 2  # nothing moved
+
+        err = await rpc_error(op, "no-such-operation")
+        assert err.code() is grpc.StatusCode.NOT_FOUND
+
+        # an operation that takes a while is PENDING meanwhile
+        workload.gate.clear()
+        slow = await call(s.Snapshot, pb.SnapshotRequest(job_id="trainer"), timeout=5)
+        r = await call(op, slow.operation_id)
+        assert r.status == pb.OPERATION_STATUS_PENDING and not r.HasField("storage_bytes")
+        st = await call(s.Status, pb.StatusRequest(), timeout=5)
+        assert st.job_statuses[0].state == pb.JOB_STATE_TRANSITIONING
+        workload.gate.set()
+        r = await eventually(lambda: finished(slow.operation_id))
+        assert r.status == pb.OPERATION_STATUS_COMPLETE
+
+
+async def test_refusals(target: str, workload: Workload) -> None:
+    pb = compile_proto(AGENT_PROTO)
+    with grpc.insecure_channel(target) as ch:
+        s = Stub(ch, pb, "SnapshotAgentService")
+        err = await rpc_error(s.Snapshot, pb.SnapshotRequest(job_id="no such job"), timeout=5)
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+        err = await rpc_error(s.Snapshot, pb.SnapshotRequest(job_id="stranger"), timeout=5)
+        assert err.code() is grpc.StatusCode.FAILED_PRECONDITION and "not registered" in (err.details() or "")
+        err = await rpc_error(s.Snapshot, pb.SnapshotRequest(job_id="trainer", group="other"), timeout=5)
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "solo" in (err.details() or "")
+        unsupported = [
+            pb.BackendConfig(direct_memory=pb.DirectMemoryBackendConfig(explicit_target=pb.ProcessTarget(pids=[1]))),
+            pb.BackendConfig(memory_regions=pb.MemoryRegionsBackendConfig(
+                regions=[pb.MemoryRegion(pid=1, address=0x7F00, size_bytes=4096)])),
+        ]
+        if not _has_backend("cuda"):
+            unsupported.append(pb.BackendConfig(cuda=pb.CudaBackendConfig(explicit_target=pb.ProcessTarget(pids=[1]))))
+        for cfg in unsupported:
+            err = await rpc_error(s.Snapshot, pb.SnapshotRequest(job_id="trainer", backend_config=cfg), timeout=5)
+            assert err.code() is grpc.StatusCode.FAILED_PRECONDITION, cfg
+            assert "supports: BackendConfig.app_channel" in (err.details() or ""), err.details()
+        legacy = pb.SnapshotRequest(job_id="trainer", backend=pb.BACKEND_CUDA)
+        if not _has_backend("cuda"):
+            err = await rpc_error(s.Snapshot, legacy, timeout=5)
+            assert err.code() is grpc.StatusCode.FAILED_PRECONDITION and "cuda" in (err.details() or "")
+        # nothing was started by any of these
+        st = await call(s.Status, pb.StatusRequest(), timeout=5)
+        assert st.job_statuses[0].state == pb.JOB_STATE_IDLE
+
+
+def _has_backend(name: str) -> bool:
+    from timeslice_agent.backends import available_backends
+
+    return name in available_backends()
+
+
+async def test_snapshot_agent_client(target: str, workload: Workload, agent: Agent) -> None:
+    def run() -> None:
+        with SnapshotAgentClient(target, timeout=5, wait_timeout=20) as c:
+            assert c.status().jobs == {"trainer": JobState.IDLE}
+            op = c.snapshot_and_wait("trainer", backend=AppChannel(mode="discard", tags=("kv_cache",)))
+            assert op.ok and op.state is OperationState.COMPLETE
+            assert (op.storage_bytes, op.device_bytes, op.error) == (4096, 4000, None)
+            assert c.status().jobs == {"trainer": JobState.SAVED}
+            assert c.get_operation(op.op_id) == op
+            op = c.restore_and_wait("trainer")
+            assert op.ok and op.storage_bytes == 4096
+            assert c.status().jobs == {"trainer": JobState.RUNNING}
+            with pytest.raises(OperationNotFound):
+                c.get_operation("unknown")
+            with pytest.raises(InvalidRequest):
+                c.snapshot("bad id!")
+            if not _has_backend("cuda"):
+                with pytest.raises(AgentError, match="FAILED_PRECONDITION") as refused:
+                    c.snapshot("trainer", backend=Cuda(pids=[1]))
+                assert refused.value.code is grpc.StatusCode.FAILED_PRECONDITION
+            workload.fail_suspend = True
+            with pytest.raises(OperationFailed, match="no host memory left") as info:
+                c.snapshot_and_wait("trainer")
+            assert info.value.operation.state is OperationState.FAILED
+
+    await call(run)
+    # a failed suspend rolls back: the job runs again
+    assert agent.jobs()["trainer"].state is JobState.RUNNING
+    assert [c[:2] for c in workload.calls] == [("suspend", SuspendMode.DISCARD), ("resume", SuspendMode.DISCARD)]
+    assert workload.calls[0][2] == frozenset({"kv_cache"})
+
+    async with AsyncSnapshotAgentClient(target, timeout=5) as ac:
+        workload.fail_suspend = False
+        op = await ac.snapshot_and_wait("trainer", backend=AppChannel(mode="offload"))
+        assert op.ok and op.storage_bytes == 4096
+        op = await ac.restore_and_wait("trainer")
+        assert op.ok and (await ac.status()).jobs == {"trainer": JobState.RUNNING}
+
+
+async def test_unreachable_agent_is_unavailable() -> None:
+    from timeslice_client import Unavailable
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+
+    def run() -> None:
+        with SnapshotAgentClient(f"127.0.0.1:{port}", timeout=0.5) as c, pytest.raises(Unavailable):
+            c.status()
+
+    await call(run)
+
+
+async def test_agent_process_serves_grpc(nats_url: str, tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = (tmp_path / "agent.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "timeslice_agent", "--node-id", "node-p", "--nats-url", nats_url,
+                             "--grpc-port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        with SnapshotAgentClient(f"127.0.0.1:{port}", timeout=1) as c:
+            def up() -> bool:
+                assert proc.poll() is None, (tmp_path / "agent.log").read_text()
+                try:
+                    return c.status().jobs == {}
+                except Exception:
+                    return False
+
+            await eventually(lambda: call(up), timeout=30, interval=0.05, what="the agent's gRPC API")
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        log.close()

@@ -1,0 +1,390 @@
+"""TorchOffloadHandler on CPU tensors (standing in for the device when CUDA is absent)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from timeslice_client.errors import HandlerError, TimeSliceError  # noqa: E402
+from timeslice_client.handlers import HandlerResult, WorkloadHandler  # noqa: E402
+from timeslice_client.protocol import SuspendMode  # noqa: E402
+from timeslice_client.torch_offload import TorchOffloadHandler as _Handler  # noqa: E402
+
+OFFLOAD = SuspendMode.OFFLOAD
+DISCARD = SuspendMode.DISCARD
+ALL: frozenset[str] = frozenset()
+
+
+
+class TorchOffloadHandler(_Handler):
+    """The handler on CPU tensors, also where CUDA is available (where it would only touch CUDA tensors)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("device", "cpu")
+        super().__init__(*args, **kwargs)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.BatchNorm1d(16)  # buffers: running stats, num_batches_tracked
+        self.fc2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x: Any) -> Any:
+        return self.fc2(torch.relu(self.norm(self.fc1(x))))
+
+
+def make(seed: int = 0) -> tuple[Net, Any]:
+    torch.manual_seed(seed)
+    model = Net()
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def train(model: Net, opt: Any, steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(5, 8, generator=gen)
+        opt.zero_grad(set_to_none=False)
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def state_tensors(model: Net, opt: Any) -> dict[str, Any]:
+    """Every tensor of the model (params, grads, buffers) and the optimizer state, by a stable name."""
+    out: dict[str, Any] = {}
+    for name, p in model.named_parameters():
+        out[name] = p
+        if p.grad is not None:
+            out[name + ".grad"] = p.grad
+    for name, b in model.named_buffers():
+        out[name] = b
+    for i, p in enumerate(model.parameters()):
+        for key, value in opt.state[p].items():
+            out[f"opt.{i}.{key}"] = value
+    return out
+
+
+def bits(t: Any) -> bytes:
+    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).tolist())
+
+
+def snapshot(tensors: dict[str, Any]) -> dict[str, bytes]:
+    return {name: bits(t) for name, t in tensors.items()}
+
+
+def unique_nbytes(tensors: Any) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+@pytest.fixture
+def trained() -> tuple[Net, Any]:
+    model, opt = make()
+    train(model, opt, 1, seed=1)  # Adam creates its state lazily, in the first step
+    return model, opt
+
+
+def test_offload_frees_and_restores_bit_exact_with_same_objects(trained: tuple[Net, Any]) -> None:
+    model, opt = trained
+    handler = TorchOffloadHandler(modules={"weights": model}, optimizers={"optimizer": opt})
+    assert isinstance(handler, WorkloadHandler)
+    tensors = state_tensors(model, opt)
+    before = snapshot(tensors)
+    params = list(model.parameters())
+    opt_state = {id(p): dict(opt.state[p]) for p in params}
+    total = unique_nbytes(tensors.values())
+    assert handler.device_bytes() == total > 0
+
+    result = handler.suspend(OFFLOAD, ALL)
+    assert result == HandlerResult(bytes_moved=total, device_bytes_freed=total)
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors.values())
+    assert handler.device_bytes() == 0
+    assert handler.host_bytes() >= total
+    assert handler.suspended_tags == {"weights", "optimizer"}
+
+    result = handler.resume(OFFLOAD, ALL)
+    assert result == HandlerResult(bytes_moved=total, device_bytes_freed=total)
+    assert handler.device_bytes() == total
+    assert handler.suspended_tags == frozenset()
+    assert snapshot(tensors) == before
+    assert list(model.parameters()) == params and all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    for p in params:
+        assert isinstance(p, torch.nn.Parameter)
+        for key, value in opt.state[p].items():
+            assert value is opt_state[id(p)][key]
+    after = state_tensors(model, opt)
+    assert all(after[name] is tensors[name] for name in tensors)
+
+
+def test_training_after_resume_matches_uninterrupted_run() -> None:
+    ref_model, ref_opt = make(seed=3)
+    train(ref_model, ref_opt, 6, seed=7)
+
+    model, opt = make(seed=3)
+    handler = TorchOffloadHandler(model, opt)  # positional form: tags "weights" and "optimizer"
+    assert handler.tags == {"weights", "optimizer"}
+    gen_seed = 7
+    gen = torch.Generator().manual_seed(gen_seed)
+    for step in range(6):
+        x = torch.randn(5, 8, generator=gen)
+        opt.zero_grad(set_to_none=False)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        if step in (0, 3):
+            handler.suspend(OFFLOAD, ALL)
+            handler.resume(OFFLOAD, ALL)
+    assert snapshot(state_tensors(model, opt)) == snapshot(state_tensors(ref_model, ref_opt))
+
+
+def test_optimizer_state_created_after_construction_is_included() -> None:
+    model, opt = make()
+    handler = TorchOffloadHandler(modules={"weights": model}, optimizers={"optimizer": opt})
+    assert handler.device_bytes({"optimizer"}) == 0
+    assert handler.suspend(OFFLOAD, frozenset({"optimizer"})) == HandlerResult()  # nothing there yet
+    handler.resume(OFFLOAD, frozenset({"optimizer"}))
+    train(model, opt, 1, seed=1)
+    state = [t for p in model.parameters() for t in opt.state[p].values()]
+    state_bytes = unique_nbytes(state)
+    assert handler.device_bytes({"optimizer"}) == state_bytes > 0
+    result = handler.suspend(OFFLOAD, frozenset({"optimizer"}))
+    # (no tensor in an assert while suspended: pytest's repr would read freed memory)
+    freed = [t.untyped_storage().nbytes() == 0 for t in state]
+    assert result.device_bytes_freed == state_bytes
+    assert all(freed)
+    handler.resume(OFFLOAD, frozenset({"optimizer"}))
+
+
+def test_tied_weights_and_views_are_moved_once() -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.out = torch.nn.Linear(4, 10, bias=False)
+            self.out.weight = self.emb.weight
+            self.register_buffer("table", torch.arange(12.0))
+
+    model = Tied()
+    table_views = [model.table[2:5], model.table.view(3, 4), model.table]
+    row = model.emb.weight[1]  # a view the handler does not know about
+    handler = TorchOffloadHandler(modules={"weights": model}, tensors={"views": table_views})
+    total = 10 * 4 * 4 + 12 * 4
+    assert handler.device_bytes() == total
+    before = bits(model.emb.weight), bits(model.table)
+
+    assert handler.suspend(OFFLOAD, ALL) == HandlerResult(total, total)
+    assert row.untyped_storage().nbytes() == 0
+    assert handler.resume(OFFLOAD, ALL) == HandlerResult(total, total)
+    assert (bits(model.emb.weight), bits(model.table)) == before
+    assert model.out.weight is model.emb.weight
+    with torch.no_grad():
+        model.emb.weight[1, 0] = 42.0
+        model.table[3] = -1.0
+    assert row[0].item() == 42.0  # views still alias the (re-allocated) storage
+    assert table_views[0][1].item() == -1.0 and table_views[1][0, 3].item() == -1.0
+
+
+def test_tags_select_subsets(trained: tuple[Net, Any]) -> None:
+    model, opt = trained
+    cache = [torch.randn(3, 5), torch.randn(7)]
+    handler = TorchOffloadHandler(
+        modules={"weights": model}, optimizers={"optimizer": opt}, tensors={"kv_cache": cache}
+    )
+    weights = handler.device_bytes({"weights"})
+    optim = handler.device_bytes({"optimizer"})
+    kv = handler.device_bytes({"kv_cache"})
+    assert kv == (15 + 7) * 4 and handler.device_bytes() == weights + optim + kv
+    before = snapshot(state_tensors(model, opt)), [bits(t) for t in cache]
+
+    assert handler.suspend(OFFLOAD, frozenset({"optimizer", "kv_cache"})).device_bytes_freed == optim + kv
+    assert handler.device_bytes({"optimizer", "kv_cache"}) == 0
+    assert handler.device_bytes() == weights
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    assert handler.suspend(OFFLOAD, frozenset({"optimizer"})) == HandlerResult()  # already suspended
+    assert handler.resume(OFFLOAD, frozenset({"weights"})) == HandlerResult()  # was never suspended
+    assert handler.resume(OFFLOAD, frozenset({"unknown-tag"})) == HandlerResult()
+
+    assert handler.resume(OFFLOAD, frozenset({"kv_cache"})) == HandlerResult(kv, kv)
+    assert handler.suspended_tags == {"optimizer"}
+    assert handler.resume(OFFLOAD, ALL) == HandlerResult(optim, optim)
+    assert (snapshot(state_tensors(model, opt)), [bits(t) for t in cache]) == before
+
+
+def test_suspend_twice_and_resume_unsuspended_are_noops(trained: tuple[Net, Any]) -> None:
+    model, opt = trained
+    handler = TorchOffloadHandler(model, opt)
+    assert handler.resume(OFFLOAD, ALL) == HandlerResult()
+    first = handler.suspend(OFFLOAD, ALL)
+    assert first.bytes_moved > 0
+    assert handler.suspend(OFFLOAD, ALL) == HandlerResult()
+    assert handler.suspend(DISCARD, ALL) == HandlerResult()
+    assert handler.resume(OFFLOAD, ALL) == first
+    assert handler.resume(OFFLOAD, ALL) == HandlerResult()
+
+
+def test_discard_frees_without_copying_and_resume_zero_fills(trained: tuple[Net, Any]) -> None:
+    model, opt = trained
+    handler = TorchOffloadHandler(modules={"weights": model}, optimizers={"optimizer": opt})
+    tensors = state_tensors(model, opt)
+    total = handler.device_bytes()
+    result = handler.suspend(DISCARD, ALL)
+    assert result == HandlerResult(bytes_moved=0, device_bytes_freed=total)
+    assert handler.host_bytes() == 0 and handler.device_bytes() == 0
+    assert handler.resume(OFFLOAD, ALL) == HandlerResult(bytes_moved=0, device_bytes_freed=total)
+    assert handler.device_bytes() == total
+    for t in tensors.values():
+        assert t.untyped_storage().nbytes() > 0
+        assert not bits(t).strip(b"\0")
+
+
+class FailingCopy(TorchOffloadHandler):
+    """Raises on the n-th storage copied out (each storage is one ``_copy_bytes`` call)."""
+
+    def __init__(self, *args: Any, fail_at: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fail_at = fail_at
+        self.calls = 0
+        self.freed_before_failure = 0
+        self.tracked: list[Any] = []
+
+    def _copy_bytes(self, dst: Any, src: Any) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            self.freed_before_failure = sum(t.untyped_storage().nbytes() == 0 for t in self.tracked)
+            raise RuntimeError("injected copy failure")
+        super()._copy_bytes(dst, src)
+
+
+def test_failed_suspend_rolls_back_every_tensor(trained: tuple[Net, Any]) -> None:
+    model, opt = trained
+    handler = FailingCopy(model, opt, fail_at=3)
+    tensors = state_tensors(model, opt)
+    handler.tracked = list(tensors.values())
+    before = snapshot(tensors)
+    total = handler.device_bytes()
+    with pytest.raises(RuntimeError, match="injected"):
+        handler.suspend(OFFLOAD, ALL)
+    assert handler.freed_before_failure >= 2  # the rollback had something to put back
+    assert all(t.untyped_storage().nbytes() > 0 for t in tensors.values())
+    assert snapshot(tensors) == before
+    assert handler.device_bytes() == total and handler.suspended_tags == frozenset()
+    # The handler is usable afterwards.
+    handler.fail_at = 0
+    assert handler.suspend(OFFLOAD, ALL).bytes_moved == total
+    assert handler.resume(OFFLOAD, ALL).bytes_moved == total
+    assert snapshot(tensors) == before
+
+
+def test_failed_resume_stays_suspended_and_can_retry(trained: tuple[Net, Any]) -> None:
+    model, opt = trained
+
+    class FailOnce(TorchOffloadHandler):
+        armed = False
+
+        def _copy_bytes(self, dst: Any, src: Any) -> None:
+            if self.armed:
+                self.armed = False
+                raise RuntimeError("injected restore failure")
+            super()._copy_bytes(dst, src)
+
+    handler = FailOnce(model, opt)
+    tensors = state_tensors(model, opt)
+    before = snapshot(tensors)
+    handler.suspend(OFFLOAD, ALL)
+    handler.armed = True
+    with pytest.raises(RuntimeError, match="injected"):
+        handler.resume(OFFLOAD, ALL)
+    assert handler.suspended_tags == {"weights", "optimizer"} and handler.device_bytes() == 0
+    handler.resume(OFFLOAD, ALL)
+    assert snapshot(tensors) == before
+
+
+def test_unresizable_storage_is_refused_before_anything_moves() -> None:
+    owned = torch.randn(4)
+    borrowed = torch.frombuffer(bytearray(16), dtype=torch.float32)
+    handler = TorchOffloadHandler(tensors={"a": [owned], "b": [borrowed]})
+    with pytest.raises(HandlerError, match="not resizable") as info:
+        handler.suspend(OFFLOAD, ALL)
+    assert isinstance(info.value, TimeSliceError) and info.value.tag == "b"
+    assert owned.untyped_storage().nbytes() == 16 and handler.suspended_tags == frozenset()
+
+
+def test_repeated_cycles_reuse_host_buffers(trained: tuple[Net, Any]) -> None:
+    model, opt = trained
+    handler = TorchOffloadHandler(model, opt)
+    assert handler.host_bytes() == 0
+    prepared = handler.prepare()
+    assert prepared == handler.host_bytes() >= handler.device_bytes()
+    buffers = {tag: g.host.data_ptr() for tag, g in handler._groups.items()}
+    for _ in range(5):
+        handler.suspend(OFFLOAD, ALL)
+        handler.resume(OFFLOAD, ALL)
+        train(model, opt, 1, seed=2)
+        assert handler.host_bytes() == prepared
+        assert {tag: g.host.data_ptr() for tag, g in handler._groups.items()} == buffers
+    assert handler.release_host_buffers() == prepared and handler.host_bytes() == 0
+
+
+def test_large_tensor_is_copied_in_chunks_bit_exact() -> None:
+    big = torch.randn(100_003)  # 400 012 bytes, not a multiple of the chunk
+    view = big[17:]
+    handler = TorchOffloadHandler(big, chunk_bytes=4096)
+    before = bits(big)
+    copies: list[int] = []
+    original = handler._copy_bytes
+
+    def spy(dst: Any, src: Any) -> None:
+        copies.append(int(src.numel()))
+        original(dst, src)
+
+    handler._copy_bytes = spy  # type: ignore[method-assign]
+    assert handler.suspend(OFFLOAD, ALL).bytes_moved == 400_012
+    assert handler.resume(OFFLOAD, ALL).bytes_moved == 400_012
+    assert copies == [400_012, 400_012] and bits(big) == before and view.data_ptr() == big.data_ptr() + 17 * 4
+
+
+def test_callable_source_and_worker_thread() -> None:
+    cache: dict[str, Any] = {}
+    handler = TorchOffloadHandler(tensors={"kv_cache": lambda: list(cache.values())})
+    assert handler.device_bytes() == 0
+    cache["k"] = torch.randn(64)
+    cache["v"] = torch.randn(64)
+    before = {k: bits(v) for k, v in cache.items()}
+    results: list[HandlerResult] = []
+
+    def worker() -> None:
+        results.append(handler.suspend(OFFLOAD, frozenset({"kv_cache"})))
+        results.append(handler.resume(OFFLOAD, frozenset({"kv_cache"})))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(10)
+    assert results == [HandlerResult(512, 512), HandlerResult(512, 512)]
+    assert {k: bits(v) for k, v in cache.items()} == before
+
+
+def test_constructor_validation() -> None:
+    with pytest.raises(ValueError, match="nothing to offload"):
+        TorchOffloadHandler()
+    with pytest.raises(TypeError, match="cannot offload"):
+        TorchOffloadHandler("model")
+    with pytest.raises(TypeError, match="not a torch"):
+        TorchOffloadHandler(modules={"weights": [torch.randn(2)]})
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        TorchOffloadHandler(torch.randn(2), chunk_bytes=0)
+    with pytest.raises(ValueError, match="device"):
+        _Handler(torch.randn(2), device="tpu")
+
+
+def test_importing_the_client_does_not_import_torch() -> None:
+    code = "import sys, timeslice_client, timeslice_client.handlers; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False, timeout=60).returncode == 0
