@@ -388,3 +388,14 @@ def test_constructor_validation() -> None:
 def test_importing_the_client_does_not_import_torch() -> None:
     code = "import sys, timeslice_client, timeslice_client.handlers; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False, timeout=60).returncode == 0
+
+
+def test_mode_may_come_as_a_plain_string() -> None:
+    t = torch.randn(16)
+    before = bits(t)
+    handler = TorchOffloadHandler(tensors={"kv_cache": t})
+    assert handler.suspend("offload", frozenset({"kv_cache"})) == HandlerResult(64, 64)  # type: ignore[arg-type]
+    assert handler.resume("offload", frozenset({"kv_cache"})) == HandlerResult(64, 64)  # type: ignore[arg-type]
+    assert bits(t) == before
+    with pytest.raises(ValueError):
+        handler.suspend("sideways", ALL)  # type: ignore[arg-type]

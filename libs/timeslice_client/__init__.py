@@ -21,6 +21,7 @@ from ._sync_client import TimeSliceClient
 from .errors import (
     AcquireCancelled,
     AcquireTimeout,
+    HandlerError,
     InvalidId,
     InvalidRequest,
     JobFaulted,
@@ -57,6 +58,7 @@ __all__ = [
     "Grant",
     "GroupRecord",
     "GroupState",
+    "HandlerError",
     "HandlerResult",
     "InvalidId",
     "InvalidRequest",

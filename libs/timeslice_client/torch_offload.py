@@ -25,11 +25,17 @@ rebuilds it). Copies go in chunks (``chunk_bytes``); on CUDA they are queued on 
 successive chunks and storages go back to back while earlier storages are freed.
 
 "The device" is CUDA when ``torch.cuda.is_available()`` (only CUDA tensors are touched); otherwise CPU
-tensors play its part, so the whole path runs (and is tested) on machines without an accelerator.
+tensors play its part, so the whole path runs (and is tested) on machines without an accelerator. On CPU
+the memory a resume re-allocates is fresh from the kernel, which faults and zeroes it on first touch;
+the handler asks for transparent huge pages there (and on its host buffers), which makes that several
+times cheaper than 4 KiB faults, but the zeroing remains. Call :meth:`TorchOffloadHandler.prepare`
+ahead of the first suspend to allocate and touch the host buffers early.
 
 Limits: sparse tensors and tensor subclasses without a plain storage (e.g. ``DTensor`` wrappers) are
 skipped; a storage that cannot be resized (memory borrowed from numpy, shared memory) is refused
-before anything moves. A storage shared between groups belongs to the group that suspended it.
+before anything moves. On CPU, calling ``tensor.numpy()`` once marks that tensor's storage
+non-resizable for good (a torch rule): log ``tensor.clone().numpy()`` instead, or the next suspend
+is refused (rolled back, the job faulted). A storage shared between groups belongs to the group that suspended it.
 """
 
 from __future__ import annotations
@@ -296,11 +302,11 @@ class TorchOffloadHandler:
     # ------------------------------------------------------------------ the handler interface
 
     def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        offload = SuspendMode(mode) == SuspendMode.OFFLOAD  # (a plain "offload"/"discard" string works too)
         with self._lock:
-            groups = [g for g in self._select(tags) if g.saved is None]
+            groups = [g for g in self._select(frozenset(tags)) if g.saved is None]
             if not groups:
                 return HandlerResult()
-            offload = mode is SuspendMode.OFFLOAD
             # Plan everything (and allocate host buffers) before anything moves.
             seen: set[int] = set()
             plans: list[tuple[_Group, list[_Slot]]] = []
@@ -326,9 +332,9 @@ class TorchOffloadHandler:
 
     def resume(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
         """Bring the selected suspended groups back; what comes back follows the mode they were suspended in."""
-        del mode  # the suspend's mode decides: bytes kept on the host come back, dropped ones come back zeroed
+        SuspendMode(mode)  # validated only: bytes kept on the host come back, dropped ones come back zeroed
         with self._lock:
-            groups = [g for g in self._select(tags) if g.saved is not None]
+            groups = [g for g in self._select(frozenset(tags)) if g.saved is not None]
             if not groups:
                 return HandlerResult()
             slots = [slot for g in groups for slot in g.saved or ()]
@@ -481,45 +487,27 @@ class TorchOffloadHandler:
 
     def _put_back(self, freed: list[_Slot], exc: BaseException) -> None:
         """Roll back a failed suspend: re-allocate the freed storages and copy their bytes back."""
+        with contextlib.suppress(Exception):
+            self._sync_streams()  # copies still queued when the failure came
         try:
-            with contextlib.suppress(Exception):
-                self._sync_streams()
-            for slot in reversed(freed):
-                self._allocate(slot.storage, slot.nbytes)
-                with self._on_stream(slot.storage):
-                    if slot.host is not None:
-                        self._copy_bytes(_bytes_of(slot.storage), slot.host)
-                    else:
-                        _bytes_of(slot.storage).zero_()
-            self._sync_streams()
+            self._refill(freed, [])
         except BaseException as rollback:
             raise HandlerError(
                 f"suspend failed ({exc!r}) and rolling back failed too ({rollback!r}); the job's tensors are "
                 "in an unknown state, restart it"
             ) from rollback
-        if any(slot.host is None for slot in freed):
+        dropped = sum(slot.host is None for slot in freed)
+        if dropped:
             raise HandlerError(
-                f"discarding failed ({exc!r}); {sum(s.host is None for s in freed)} storages were already "
-                "dropped and are back zero-filled: rebuild them"
+                f"discarding failed ({exc!r}); {dropped} storages were already dropped and are back "
+                "zero-filled: rebuild them"
             ) from exc
 
     def _restore_all(self, slots: list[_Slot]) -> None:
         """Re-allocate and refill every slot; on failure free them again (still suspended) and raise."""
         allocated: list[_Slot] = []
         try:
-            for slot in slots:
-                self._allocate(slot.storage, slot.nbytes)
-                allocated.append(slot)
-            if self._cuda:  # the copy stream must not write before the allocating stream is past its work
-                for index in sorted({s.storage.device.index for s in slots}):
-                    self._stream(torch.device("cuda", index)).wait_stream(torch.cuda.current_stream(index))
-            for slot in slots:
-                with self._on_stream(slot.storage):
-                    if slot.host is not None:
-                        self._copy_bytes(_bytes_of(slot.storage), slot.host)
-                    else:
-                        _bytes_of(slot.storage).zero_()
-            self._sync_streams()
+            self._refill(slots, allocated)
         except BaseException:
             with contextlib.suppress(Exception):
                 self._sync_streams()
@@ -527,6 +515,22 @@ class TorchOffloadHandler:
                 with contextlib.suppress(Exception):
                     slot.storage.resize_(0)
             raise
+
+    def _refill(self, slots: list[_Slot], allocated: list[_Slot]) -> None:
+        """Re-allocate every slot's storage (appending it to ``allocated``), then copy its bytes back or zero it."""
+        for slot in slots:
+            self._allocate(slot.storage, slot.nbytes)
+            allocated.append(slot)
+        if self._cuda:  # the memory came from the current stream's pool: copy only once that stream is past it
+            for index in sorted({slot.storage.device.index or 0 for slot in slots}):
+                self._stream(torch.device("cuda", index)).wait_stream(torch.cuda.current_stream(index))
+        for slot in slots:
+            with self._on_stream(slot.storage):
+                if slot.host is not None:
+                    self._copy_bytes(_bytes_of(slot.storage), slot.host)
+                else:
+                    _bytes_of(slot.storage).zero_()
+        self._sync_streams()
 
 
 def _several(value: Any, kind: type, what: str, tag: str) -> list[Any]:
