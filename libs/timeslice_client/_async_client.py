@@ -406,7 +406,7 @@ class AsyncTimeSliceClient:
             fut.set_result(n)
         elif isinstance(n, Refused):
             fut.set_exception(self._refusal_error(n))
-        elif isinstance(n, Dequeued) and n.reason != "not waiting":
+        elif isinstance(n, Dequeued):  # includes "not waiting": the orchestrator dropped this wait earlier
             fut.set_exception(AcquireCancelled(self.group_id, self.job_id, n.reason))
 
     def _refusal_error(self, n: Refused) -> TimeSliceError:

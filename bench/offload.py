@@ -1,0 +1,465 @@
+"""Offload and restore of 1, 2 and 4 GiB of tensors through the ``app_channel`` torch handler, end to end.
+
+Starts a private nats-server, the orchestrator and the node agent, each as its own process (as
+``timeslice up`` deploys them), then for each size two job processes share one group:
+
+* job A holds the state: ``N_TENSORS`` float32 tensors (parameters of one module) of ``size`` GiB in
+  all, behind :class:`TorchOffloadHandler`; job B holds 8 MiB the same way. Both register with the
+  agent (``register_workload``), and call ``prepare()`` before anything is timed, so the first touch of
+  the host buffers is not counted;
+* cycle, first half: A releases while B waits → the agent asks A to suspend (A's offload), B is
+  resumed (nothing to move on the first cycle) and B's acquire returns;
+  second half: B releases while A waits → B's suspend, A's restore, A's acquire returns;
+* inside each worker every handler call is timed (CLOCK_MONOTONIC): offload / restore bandwidth is
+  A's bytes over its handler's own time;
+* switch overhead = the whole switch (the releasing job calls ``release()`` → the other job's
+  ``acquire()`` returns) minus the handler calls made during it (both jobs); the agent's ``OpResult``
+  events split it into agent-side (RPC to the workload, thread hand-off) and orchestrator + bus;
+* baselines, in the same run, in the driver process, for the same bytes in the same tensor shapes,
+  half before and half after the switches of that size (never while the workers hold memory):
+  (1) ``dst.copy_(src)`` into a preallocated, already-touched buffer; (2) a copy into freshly
+  allocated memory, advised to transparent huge pages as the handler advises its re-allocations,
+  and (2') ``src.clone()`` without that advice. On CPU a restore must re-obtain the memory its
+  offload freed (page faults + zeroing), which (1) never pays; an offload frees memory, which no
+  baseline pays (the time to free is printed beside them).
+
+Without CUDA the "device" is CPU memory (see ``torch_offload``), so here both directions are
+host-to-host copies. Run: ``python bench/offload.py [--sizes 1,2,4] [--cycles 3] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
+NODE = "bench"
+N_TENSORS = 4  # A's state: this many equal float32 tensors
+B_BYTES = 8 << 20  # B's state
+GOAL_BW_RATIO = 0.8
+GOAL_OVERHEAD_MS = 5.0
+
+
+def _loop_run(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+# ---------------------------------------------------------------------- worker roles
+
+
+class _Timed:
+    """The handler the agent drives: the torch handler, each call timed inside this worker."""
+
+    def __init__(self, inner: Any, calls: list[list[Any]]) -> None:
+        self.inner = inner
+        self.calls = calls
+        self._lock = threading.Lock()
+
+    def _call(self, kind: str, mode: Any, tags: frozenset[str]) -> Any:
+        fn = self.inner.suspend if kind == "suspend" else self.inner.resume
+        t0 = time.monotonic_ns()
+        r = fn(mode, tags)
+        t1 = time.monotonic_ns()
+        with self._lock:
+            self.calls.append([kind, t0, t1, r.bytes_moved, self.inner.device_bytes()])
+        return r
+
+    def suspend(self, mode: Any, tags: frozenset[str]) -> Any:
+        return self._call("suspend", mode, tags)
+
+    def resume(self, mode: Any, tags: frozenset[str]) -> Any:
+        return self._call("resume", mode, tags)
+
+
+def _state(nbytes: int, pieces: int) -> tuple[Any, list[Any]]:
+    import torch
+
+    per = nbytes // pieces // 4
+    module = torch.nn.Module()
+    module.params = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.full((per,), float(i + 1)), requires_grad=False) for i in range(pieces))
+    return module, list(module.params)
+
+
+def _check(tensors: list[Any], full: bool) -> str | None:
+    """None when every tensor holds its value again (all elements when ``full``, else both ends)."""
+    for i, t in enumerate(tensors):
+        v = float(i + 1)
+        if t.untyped_storage().nbytes() != t.numel() * 4:
+            return f"tensor {i}: storage holds {t.untyped_storage().nbytes()} bytes"
+        if full:
+            if not all(bool((c == v).all()) for c in t.split(1 << 26)):
+                return f"tensor {i}: wrong values after restore"
+        elif float(t[0]) != v or float(t[-1]) != v:
+            return f"tensor {i}: wrong values at its ends after restore"
+    return None
+
+
+async def _register(c: Any, handler: Any) -> None:
+    from timeslice_client.errors import Unavailable
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            await c.register_workload(handler, node_id=NODE, op_timeout=300)
+            return
+        except Unavailable:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+async def _wait_waiter(c: Any) -> None:
+    """Until another job waits in the queue (so a release starts a switch, not IDLE_YIELDED)."""
+    deadline = time.monotonic() + 120
+    while True:
+        rec = await c.status()
+        if any(w.job != c.job_id for w in rec.queue):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError("nobody queued behind this job")
+        await asyncio.sleep(0.005)
+
+
+async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, hold: float, out: str, ready: str,
+               leader: bool) -> None:
+    """A (leader: the big state, holds first) or B (the small state); writes its timeline to ``out``."""
+    from timeslice_client import AsyncTimeSliceClient
+    from timeslice_client.torch_offload import TorchOffloadHandler
+
+    module, tensors = _state(nbytes, N_TENSORS if leader else 1)
+    inner = TorchOffloadHandler(module)
+    prepared = inner.prepare()  # allocate and touch the host buffer now, not during the first offload
+    calls: list[list[Any]] = []
+    rows: list[list[Any]] = []
+    errors: list[str] = []
+
+    async def grant(c: Any) -> None:
+        g = await c.acquire(timeout=300)
+        rows.append(["grant", g.epoch, time.monotonic_ns(), g.context_restored])
+
+    async def release(c: Any) -> None:
+        await asyncio.sleep(hold)
+        await _wait_waiter(c)
+        rows.append(["release", c.epoch, time.monotonic_ns()])
+        await c.release()
+
+    async with AsyncTimeSliceClient(job, group, url, lease_seconds=60, acquire_timeout=300) as c:
+        await _register(c, _Timed(inner, calls))
+        if leader:
+            await grant(c)
+        Path(ready).write_text("ok")
+        for _ in range(cycles):
+            if not leader:
+                await grant(c)
+            await release(c)
+            if leader:
+                await grant(c)
+                if (bad := _check(tensors, full=False)) is not None:
+                    errors.append(bad)
+        if leader:
+            if (bad := await asyncio.to_thread(_check, tensors, True)) is not None:
+                errors.append(bad)
+            await c.release()
+    Path(out).write_text(json.dumps({"rows": rows, "calls": calls, "prepared": prepared, "errors": errors,
+                                     "device_bytes": inner.device_bytes()}))
+
+
+async def _monitor(url: str, ready: str, out: str) -> None:
+    """Write every agent event of NODE (``OpResult`` with ``elapsed_ms``) to ``out``, one JSON a line."""
+    from timeslice_client.bus import connect
+    from timeslice_client.protocol import subjects
+
+    nc = await connect(url)
+    f = open(out, "a", encoding="utf-8")  # noqa: SIM115 - open until this process is terminated
+
+    async def cb(msg: Any) -> None:
+        f.write(msg.data.decode() + "\n")
+        f.flush()
+
+    await nc.subscribe(subjects.agent_event(NODE, "x").rsplit(".", 1)[0] + ".>", cb=cb)
+    await asyncio.sleep(0)
+    await nc.flush()
+    Path(ready).write_text("ok")
+    await asyncio.Event().wait()
+
+
+# ---------------------------------------------------------------------- baselines (driver process)
+
+
+def _baselines(nbytes: int, reps: int) -> dict[str, list[float]]:
+    """Seconds per copy of ``nbytes`` in A's tensor shapes: into touched memory, into fresh memory."""
+    import torch
+    from timeslice_client.torch_offload import _advise_huge_pages
+
+    _, src = _state(nbytes, N_TENSORS)
+    src = [s.detach() for s in src]
+    out: dict[str, list[float]] = {"copy": [], "fresh": [], "clone": [], "free": []}
+    dst = [torch.empty_like(s) for s in src]
+    for d in dst:
+        d.zero_()  # touched: every page is there before the timed copies
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for s, d in zip(src, dst, strict=True):
+            d.copy_(s)
+        out["copy"].append(time.perf_counter() - t0)
+    del dst
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fresh = []
+        for s in src:
+            d = torch.empty_like(s)
+            _advise_huge_pages(int(d.data_ptr()), int(d.untyped_storage().nbytes()))  # as the handler's resume
+            fresh.append(d.copy_(s))
+        out["fresh"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        del fresh, d
+        out["free"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        clones = [s.clone() for s in src]
+        out["clone"].append(time.perf_counter() - t0)
+        del clones
+    return out
+
+
+# ---------------------------------------------------------------------- driver
+
+
+def _spawn(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, __file__, *args], cwd=ROOT)
+
+
+def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.01)
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _switches(a: dict[str, Any], b: dict[str, Any], ops: list[dict[str, Any]], group: str) -> list[dict[str, Any]]:
+    """One entry per switch: its direction, total time, handler time within it and the agent's op times (ms)."""
+    rows = [("A", *r) for r in a["rows"]] + [("B", *r) for r in b["rows"]]
+    grants = {(who, r[1]): r[2] for who, *r in rows if r[0] == "grant"}
+    calls = [("A", *c) for c in a["calls"]] + [("B", *c) for c in b["calls"]]
+    out = []
+    for who, kind, epoch, t_rel, *_ in rows:
+        if kind != "release":
+            continue
+        other = "B" if who == "A" else "A"
+        t_grant = grants.get((other, epoch + 1))
+        if t_grant is None:
+            continue
+        inside = [c for c in calls if t_rel <= c[2] and c[3] <= t_grant]
+        handler_ms = sum(c[3] - c[2] for c in inside) / 1e6
+        big = [c for c in inside if c[0] == "A"]
+        op_ms = sum(o["elapsed_ms"] for o in ops if o.get("group") == group and o.get("epoch") == epoch + 1)
+        out.append({
+            "dir": f"{who}->{other}", "epoch": epoch + 1, "switch_ms": (t_grant - t_rel) / 1e6,
+            "handler_ms": handler_ms, "agent_ops_ms": op_ms,
+            "a_call": [big[0][1], (big[0][3] - big[0][2]) / 1e9, big[0][5]] if big else None,
+        })
+    return out
+
+
+def _size_result(nbytes: int, a: dict[str, Any], b: dict[str, Any], ops: list[dict[str, Any]], group: str,
+                 base: dict[str, list[float]]) -> dict[str, Any]:
+    sw = _switches(a, b, ops, group)
+    gb = nbytes / 1e9
+    off = [s["a_call"][1] for s in sw if s["a_call"] and s["a_call"][0] == "suspend"]
+    res = [s["a_call"][1] for s in sw if s["a_call"] and s["a_call"][0] == "resume"]
+    bad_free = [s for s in sw if s["a_call"] and s["a_call"][0] == "suspend" and s["a_call"][2] != 0]
+    over = [s["switch_ms"] - s["handler_ms"] for s in sw]
+    r: dict[str, Any] = {
+        "gib": nbytes / GiB, "bytes": nbytes, "cycles": len(off),
+        "offload_s": off, "restore_s": res,
+        "offload_gbps": gb / _med(off), "restore_gbps": gb / _med(res),
+        "base_copy_gbps": gb / _med(base["copy"]), "base_fresh_gbps": gb / _med(base["fresh"]),
+        "base_clone_gbps": gb / _med(base["clone"]), "base_free_ms": _med(base["free"]) * 1e3,
+        "base_samples": base,
+        "switch_ab_ms": _med([s["switch_ms"] for s in sw if s["dir"] == "A->B"]),
+        "switch_ba_ms": _med([s["switch_ms"] for s in sw if s["dir"] == "B->A"]),
+        "overhead_ab_ms": _med([s["switch_ms"] - s["handler_ms"] for s in sw if s["dir"] == "A->B"]),
+        "overhead_ba_ms": _med([s["switch_ms"] - s["handler_ms"] for s in sw if s["dir"] == "B->A"]),
+        "overhead_ms": _med(over), "overhead_max_ms": max(over) if over else float("nan"),
+        "agent_side_ms": _med([s["agent_ops_ms"] - s["handler_ms"] for s in sw]),
+        "orchestrator_bus_ms": _med([s["switch_ms"] - s["agent_ops_ms"] for s in sw]),
+        "switches": sw,
+        "errors": a["errors"] + b["errors"] + [f"A held {len(bad_free)} bytes after a suspend" for _ in bad_free[:1]],
+        "host_prepared_bytes": a["prepared"],
+    }
+    for k in ("offload", "restore"):
+        r[f"{k}_vs_copy"] = r[f"{k}_gbps"] / r["base_copy_gbps"]
+        r[f"{k}_vs_fresh"] = r[f"{k}_gbps"] / r["base_fresh_gbps"]
+    return r
+
+
+def run(sizes: list[float], cycles: int, hold_ms: float, reps: int) -> dict[str, Any]:
+    from timeslice_orchestrator.embedded import NatsServer
+
+    started = time.monotonic()
+    load_start = os.getloadavg()
+    tmp = Path(tempfile.mkdtemp(prefix="ts-bench-offload-"))
+    server = NatsServer(tmp / "nats")
+    url = server.start()
+    env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
+    procs: list[subprocess.Popen[bytes]] = [
+        subprocess.Popen([sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url], env=env),
+        subprocess.Popen([sys.executable, "-m", "timeslice_agent", "--node-id", NODE, "--nats-url", url], env=env,
+                         stderr=subprocess.DEVNULL),
+    ]
+    ops_path = tmp / "ops.jsonl"
+    results = []
+    try:
+        ready = tmp / "monitor.ready"
+        mon = _spawn("--role", "monitor", "--url", url, "--ready", str(ready), "--out", str(ops_path))
+        procs.append(mon)
+        _wait_file(ready, mon, 30)
+        first_half = (reps + 1) // 2
+        for i, size in enumerate(sizes):
+            nbytes = int(size * GiB) // (4 * N_TENSORS) * (4 * N_TENSORS)
+            before = _baselines(nbytes, first_half)
+            group = f"offload-{i}"
+            common = ["--url", url, "--group", group, "--cycles", str(cycles), "--hold", str(hold_ms / 1000)]
+            a_out, b_out, a_ready, b_ready = (tmp / f"{i}-{n}" for n in ("a.json", "b.json", "a.ready", "b.ready"))
+            a = _spawn("--role", "job", "--job", "job-a", "--bytes", str(nbytes), "--leader", "--out", str(a_out),
+                       "--ready", str(a_ready), *common)
+            procs.append(a)
+            _wait_file(a_ready, a, 120)  # A allocated, prepared, registered and holds the group
+            b = _spawn("--role", "job", "--job", "job-b", "--bytes", str(B_BYTES), "--out", str(b_out),
+                       "--ready", str(b_ready), *common)
+            procs.append(b)
+            a.wait()
+            b.wait()
+            if a.returncode or b.returncode:
+                raise RuntimeError(f"a worker failed (A: {a.returncode}, B: {b.returncode})")
+            after = _baselines(nbytes, reps - first_half) if reps > first_half else {}
+            base = {k: v + after.get(k, []) for k, v in before.items()}
+            time.sleep(0.2)  # the last OpResult events reach the monitor
+            ops = [json.loads(line) for line in ops_path.read_text().splitlines() if line.strip()]
+            ops = [o for o in ops if o.get("type") == "op_result"]
+            r = _size_result(nbytes, json.loads(a_out.read_text()), json.loads(b_out.read_text()), ops, group, base)
+            r["loadavg_1m_after"] = os.getloadavg()[0]
+            results.append(r)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        server.stop()
+    import torch
+
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "bench/offload.py", *sys.argv[1:]]),
+        "device": "cuda" if torch.cuda.is_available() else "cpu (CPU memory stands in for the device)",
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+        "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+        "cycles": cycles, "hold_ms": hold_ms, "baseline_reps": reps,
+        "sizes": results, "wall_s": time.monotonic() - started,
+    }
+
+
+def _print(res: dict[str, Any]) -> None:
+    la, le = res["loadavg_start"], res["loadavg_end"]
+    print(f"offload/restore through the app_channel torch handler, end to end; {res['date']}")
+    print(f"  device: {res['device']}; torch {res['torch']}, {res['threads']} threads, {res['cpus']} CPUs; "
+          f"load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} at start, {le[0]:.2f} {le[1]:.2f} {le[2]:.2f} at end")
+    print(f"  {res['cycles']} cycles per size (medians below); host buffers prepared (allocated and touched) "
+          "before timing, so first touch is not counted")
+    print("  bandwidth = bytes / the handler's own time, timed inside the worker; GB = 1e9 bytes")
+    print(f"  baselines in the same run, same bytes and tensor shapes, {res['baseline_reps']} reps each (half before, "
+          "half after the switches):")
+    print("    (1) copy  = dst.copy_(src), dst preallocated and touched")
+    print("    (2) fresh = torch.empty_like + MADV_HUGEPAGE (as the handler re-allocates) + copy_: new memory "
+          "from the OS, faulted and zeroed")
+    print("    (2') clone = src.clone(): fresh memory without huge-page advice")
+    for r in res["sizes"]:
+        print(f"{r['gib']:g} GiB ({r['bytes'] / 1e9:.2f} GB) in {N_TENSORS} float32 tensors; "
+              f"1-min load average after: {r['loadavg_1m_after']:.2f}")
+        print(f"  offload {r['offload_gbps']:6.2f} GB/s  = {r['offload_vs_copy']:.2f} x copy(1), "
+              f"{r['offload_vs_fresh']:.2f} x fresh(2)   [{', '.join(f'{s * 1e3:.0f}' for s in r['offload_s'])} ms]")
+        print(f"  restore {r['restore_gbps']:6.2f} GB/s  = {r['restore_vs_copy']:.2f} x copy(1), "
+              f"{r['restore_vs_fresh']:.2f} x fresh(2)   [{', '.join(f'{s * 1e3:.0f}' for s in r['restore_s'])} ms]")
+        print(f"  baselines: copy(1) {r['base_copy_gbps']:.2f} GB/s, fresh(2) {r['base_fresh_gbps']:.2f} GB/s, "
+              f"clone(2') {r['base_clone_gbps']:.2f} GB/s; freeing the fresh copy: {r['base_free_ms']:.0f} ms")
+        print(f"  switch A->B (A offloads) {r['switch_ab_ms']:.1f} ms, B->A (A restores) {r['switch_ba_ms']:.1f} ms")
+        print(f"  switch overhead (switch - handler calls): A->B {r['overhead_ab_ms']:.2f} ms, "
+              f"B->A {r['overhead_ba_ms']:.2f} ms, median {r['overhead_ms']:.2f} ms, "
+              f"max {r['overhead_max_ms']:.2f} ms; "
+              f"of it agent-side {r['agent_side_ms']:.2f} ms, orchestrator+bus {r['orchestrator_bus_ms']:.2f} ms")
+        if r["errors"]:
+            print(f"  ERRORS: {r['errors']}")
+    worst_bw = min(min(r["offload_vs_copy"], r["restore_vs_fresh"]) for r in res["sizes"])
+    worst_over = max(r["overhead_ms"] for r in res["sizes"])
+    print(f"goals: offload and restore >= {GOAL_BW_RATIO:.0%} of memory-copy bandwidth (offload vs copy(1), restore "
+          f"vs fresh(2)): worst {worst_bw:.0%} -> {'met' if worst_bw >= GOAL_BW_RATIO else 'NOT met'}; "
+          f"switch overhead <= {GOAL_OVERHEAD_MS:g} ms: worst median {worst_over:.2f} ms -> "
+          f"{'met' if worst_over <= GOAL_OVERHEAD_MS else 'NOT met'}")
+    print(f"wall time {res['wall_s']:.0f} s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="1,2,4", help="GiB of state in job A, comma-separated")
+    p.add_argument("--cycles", type=int, default=3, help="offload+restore cycles per size")
+    p.add_argument("--hold-ms", type=float, default=200.0, help="each holder holds this long before releasing")
+    p.add_argument("--baseline-reps", type=int, default=4, help="baseline copies per kind and size")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--role", help=argparse.SUPPRESS)
+    p.add_argument("--url", help=argparse.SUPPRESS)
+    p.add_argument("--group", help=argparse.SUPPRESS)
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    p.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--hold", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--leader", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ready", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.role == "job":
+        _loop_run(_job(a.url, a.group, a.job, a.bytes, a.cycles, a.hold, a.out, a.ready, a.leader))
+        return
+    if a.role == "monitor":
+        _loop_run(_monitor(a.url, a.ready, a.out))
+        return
+    sizes = [float(s) for s in a.sizes.split(",") if s.strip()]
+    if a.cycles < 1 or a.baseline_reps < 1 or not sizes:
+        p.error("--sizes, --cycles and --baseline-reps must be positive")
+    res = run(sizes, a.cycles, a.hold_ms, a.baseline_reps)
+    if a.json:
+        print(json.dumps(res))
+    else:
+        _print(res)
+    if any(r["errors"] for r in res["sizes"]):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
