@@ -98,6 +98,8 @@ class OrchestratorProcess:
             self.proc.kill()
             self.proc.wait(10)
         self.proc = None
+        with contextlib.suppress(Exception):
+            self._log.close()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

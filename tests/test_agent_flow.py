@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from timeslice_agent import Agent, AgentConfig
-from timeslice_client import AsyncTimeSliceClient, CallbackHandler, HandlerResult, JobFaulted, JobState, SuspendMode
+from timeslice_client import AsyncTimeSliceClient, HandlerResult, JobFaulted, JobState, SuspendMode
 from timeslice_client.bus import connect
 from timeslice_client.protocol import OpResult, decode_input, subjects
 from timeslice_orchestrator.service import Orchestrator
@@ -49,7 +49,7 @@ class Recorder:
 async def test_switch_snapshots_then_restores_then_grants(nats_url: str, agent: Agent) -> None:
     log: list[str] = []
     nc = await connect(nats_url)
-    results = await nc.subscribe(subjects.agent_event("node-1", "gs") )
+    results = await nc.subscribe(subjects.agent_event("node-1", "gs"))
     async with AsyncTimeSliceClient("a", "gs", nats_url) as a, AsyncTimeSliceClient("b", "gs", nats_url) as b:
         await a.register_workload(Recorder("a", log), node_id="node-1")
         await b.register_workload(Recorder("b", log), node_id="node-1")

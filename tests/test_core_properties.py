@@ -325,7 +325,8 @@ class CoreMachine(RuleBasedStateMachine):
                 entry = self.entries.get(job) if job is not None else None
                 if entry is not None and entry[1] == n.request_id:
                     assert n.job == job, f"dequeue notice sent to {n.job}, the waiter is {job}"
-                    assert not isinstance(ev, Cancel) or ev.job == job, f"{ev.job} cancelled {job}'s request"
+                    if isinstance(ev, Cancel) and n.reason == ev.reason:
+                        assert ev.job == job, f"{ev.job} cancelled {job}'s request"
                     del self.entries[job]  # type: ignore[arg-type]
                     self.departed.add(n.request_id)
                 else:
@@ -339,7 +340,6 @@ class CoreMachine(RuleBasedStateMachine):
                     self.departed.add(n.request_id)
                 elif n.code is ErrorCode.JOB_FAULTED:
                     assert entry is not None and entry[1] == n.request_id and n.job == job, n
-                    assert n.job in new.faulted
                     del self.entries[n.job]
                     self.departed.add(n.request_id)
                 else:
@@ -487,6 +487,14 @@ class CoreMachine(RuleBasedStateMachine):
             self.step(JobUnregistered(group=G, job=self.some_job(data), node=node))
         else:
             self.step(AgentLost(group=G, node=node))
+
+    @precondition(lambda self: self.rec.switch is not None and self.rec.switch.to is not None)
+    @rule(node=st.sampled_from(NODES))
+    def incoming_job_registers(self, node: str) -> None:
+        """The incoming job of a running switch (re)appears on a node, e.g. a worker restarted there."""
+        sw = self.rec.switch
+        assert sw is not None and sw.to is not None
+        self.step(JobRegistered(group=G, job=sw.to.job, node=node, op_timeout_ms=5_000))
 
     def answer(self, op: OpRecord, epoch: int, ok: bool) -> None:
         if self.now < op.deadline_ms:  # else it times out before this answer is applied

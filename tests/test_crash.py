@@ -9,6 +9,10 @@ core without an invariant violation, every grant the fold decided was published,
 is the fold of the stream.
 
 The run is reproducible in its kill schedule: set ``TIMESLICE_CRASH_SEED`` to replay one.
+
+A second test keeps the orchestrator down longer than a grant's confirmation window while the holder
+releases: the waiter, renewing its wait all along, must get a grant it can use (the core keeps an
+unconfirmed grant alive on the waiter's renewals).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from timeslice_client import GroupState, TimeSliceClient
+from timeslice_client.protocol import subjects
 from timeslice_orchestrator.invariants import InvariantViolation, StreamChecker
 
 from .conftest import OrchestratorProcess
@@ -147,3 +152,44 @@ def test_orchestrator_sigkilled_repeatedly_during_handoffs(
     finally:
         for w in workers:
             w.close()
+
+
+@pytest.mark.slow
+def test_release_during_a_long_outage_hands_over_cleanly(
+    tmp_path: Path, nats_url: str, orchestrator_process: OrchestratorProcess
+) -> None:
+    """The orchestrator is down longer than a grant's confirmation window (3 s) while the holder releases.
+    The waiter, alive and renewing its wait all along, must get a grant it can use and release."""
+    group = "outage"
+    orch = orchestrator_process
+    holder = Worker(tmp_path, nats_url, group, "holder", mode="hold", request_timeout=60)
+    waiter: Worker | None = None
+    try:
+        eventually_sync(lambda: holder.last("granted"), timeout=START, what="holder granted")
+        waiter = Worker(tmp_path, nats_url, group, "waiter", mode="wait", acquire_timeout=60, request_timeout=60)
+        with TimeSliceClient("observer", "observer", nats_url) as obs:
+            eventually_sync(lambda: [w.job for w in obs.status(group).queue] == ["waiter"], timeout=START,
+                            what="waiter queued")
+        orch.kill()
+        holder.usr1()  # releases into the stream while nobody applies it
+        release_subject = subjects.job(group, "holder", "release")
+        renew_subject = subjects.job(group, "waiter", "renew")
+
+        def outage_outlived_confirm_window() -> bool:
+            stream = asyncio.run(read_stream(nats_url))
+            released = [ms for _, ms, subj, _ in stream if subj == release_subject]
+            return bool(released) and any(subj == renew_subject and ms > released[0] + 3000
+                                          for _, ms, subj, _ in stream)
+
+        eventually_sync(outage_outlived_confirm_window, timeout=20, interval=0.2,
+                        what="the waiter renewed its wait past the confirmation window")
+        orch.start()
+        orch.wait_ready()
+        for w in (holder, waiter):
+            assert w.wait(30) == 0, w.describe()
+        assert waiter.last("released") is not None, waiter.describe()
+        assert not waiter.errors(), waiter.describe()
+    finally:
+        holder.close()
+        if waiter is not None:
+            waiter.close()

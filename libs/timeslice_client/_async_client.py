@@ -144,6 +144,7 @@ class AsyncTimeSliceClient:
         self._closed = False
         self._notice_subject = subjects.notice(self.group_id, self.job_id)
         self._channels: list[WorkloadChannel] = []
+        self._withdrawn: set[str] = set()  # waits already withdrawn (cleared when acquire() returns)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -225,25 +226,42 @@ class AsyncTimeSliceClient:
                         timeout_ms=int(timeout * 1000), waiter_ttl_ms=self.waiter_ttl_ms, confirm_ms=self.confirm_ms),
                 msg_id=rid,
             )
+            timed_out = False
             try:
                 async with asyncio.timeout(timeout):
                     g = await fut
             except TimeoutError:
+                timed_out = True
+            except AcquireCancelled as exc:
+                # The orchestrator counts the deadline from the request's stream time and may drop the
+                # waiter a moment before our own timer fires: that is still a timeout.
+                if exc.reason != "timeout":
+                    raise
+                timed_out = True
+            if timed_out:
+                await self._withdraw(rid)
                 holder = await self._holder_or_none()
                 raise AcquireTimeout(self.group_id, self.job_id, timeout, holder) from None
             granted = True
         finally:
             self._pending.pop(rid, None)
             self._waiting.pop(rid, None)
-            if not granted and not self._closed:
-                # Withdraw the wait; if the grant crossed it, the orchestrator releases that grant.
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(self._publish(
-                        Cancel(group=self.group_id, job=self.job_id, request_id=rid, reason="timeout or cancel")))
+            if not granted:
+                await self._withdraw(rid)
+            self._withdrawn.discard(rid)
         first = min(self.confirm_ms, self.lease_ms) / 3000
         self._hold = _Hold(epoch=g.epoch, request_id=rid, lease_ms=self.lease_ms, next_renew=time.monotonic() + first)
         self._wake.set()
         return Grant(self.group_id, self.job_id, g.epoch, g.waited_ms, g.context_restored)
+
+    async def _withdraw(self, rid: str) -> None:
+        """Withdraw a wait (once); if the grant crossed it, the orchestrator releases that grant."""
+        if self._closed or rid in self._withdrawn:
+            return
+        self._withdrawn.add(rid)
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self._publish(
+                Cancel(group=self.group_id, job=self.job_id, request_id=rid, reason="timeout or cancel")))
 
     async def release(self) -> ReleaseResult:
         """Give the group back. Raises NotHolder, StaleEpoch or LeaseExpired when you no longer hold it."""

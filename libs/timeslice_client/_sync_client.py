@@ -64,15 +64,17 @@ class TimeSliceClient:
             coro.close()
             raise TimeSliceError("this client is closed; make a new one")
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        # Wait without fut.result(timeout): its TimeoutError would be indistinguishable from the
+        # coroutine's own (AcquireTimeout is a TimeoutError too).
         try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise Unavailable("the client's event loop did not answer", after_s=timeout) from None
+            done, _ = concurrent.futures.wait([fut], timeout)
         except BaseException:
-            if not fut.done():
-                fut.cancel()
+            fut.cancel()
             raise
+        if not done:
+            fut.cancel()
+            raise Unavailable("the client's event loop did not answer", after_s=timeout)
+        return fut.result()
 
     def _margin(self, t: float) -> float:
         return t + 3 * self._client.request_timeout + 5

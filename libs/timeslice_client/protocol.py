@@ -462,6 +462,7 @@ class HolderRecord(_Rec, frozen=True):
     lease_ms: int
     lease_deadline_ms: int
     confirmed: bool = False
+    waiter_ttl_ms: int = 0  # an unconfirmed grant lives this long after each renewal of the wait
 
 
 class WaiterRecord(_Rec, frozen=True):

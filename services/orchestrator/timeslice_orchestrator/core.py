@@ -265,6 +265,7 @@ class _Work:
             granted_at_ms=self.now,
             lease_ms=wr.lease_ms,
             lease_deadline_ms=self.now + min(wr.confirm_ms, wr.lease_ms),
+            waiter_ttl_ms=wr.waiter_ttl_ms,
         )
         self.active_job = wr.job
         self.notify(
@@ -535,7 +536,13 @@ def _on_renew(w: _Work, ev: Renew) -> None:
         return
     h = w.holder
     if h is not None and h.request_id == ev.request_id:
-        return  # granted meanwhile; the grant notice is on its way
+        # Granted meanwhile; the grant notice is on its way. Until the grant is confirmed it is still the
+        # waiter's place, kept alive by the waiter's renewals like any place in the queue: a grant decided
+        # at an old stream time (a release made while the orchestrator was down) is not revoked on arrival.
+        if not h.confirmed and now + h.waiter_ttl_ms > h.lease_deadline_ms:
+            w.holder = msgspec.structs.replace(h, lease_deadline_ms=now + h.waiter_ttl_ms)
+            w.touch("granted waiter renewed")
+        return
     w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason="not waiting"))
 
 
