@@ -14,11 +14,12 @@ Starts a private nats-server, the orchestrator and the node agent, each as its o
   A's bytes over its handler's own time;
 * switch overhead = the whole switch (the releasing job calls ``release()`` → the other job's
   ``acquire()`` returns) minus the handler calls made during it (both jobs); the agent's ``OpResult``
-  events split it into agent-side (RPC to the workload, thread hand-off) and orchestrator + bus;
+  events split it into agent-side (RPC to the workload, thread hand-off) and orchestrator + bus, and a
+  bus monitor's arrival times of ``OpStarted``/``OpResult`` give the hops between;
 * baselines, in the same run, in the driver process, for the same bytes in the same tensor shapes,
-  after that size's workers exited (never beside their memory): (1) ``dst.copy_(src)`` into a
-  preallocated, already-touched buffer (source and destination advised to huge pages, as the
-  handler's buffers are); (2) a copy into freshly allocated memory, advised to
+  before that size's workers start and again after they exited (never beside their memory):
+  (1) ``dst.copy_(src)`` into a preallocated, already-touched buffer (source and destination advised
+  to huge pages, as the handler's buffers are); (2) a copy into freshly allocated memory, advised to
   transparent huge pages as the handler advises its re-allocations, freed and allocated again each
   rep (as offload/restore cycles free and re-allocate); (2') ``src.clone()``, fresh memory without
   that advice. On CPU a restore must re-obtain the memory its offload freed (page faults + zeroing),
@@ -37,6 +38,7 @@ import asyncio
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -115,20 +117,6 @@ def _check(tensors: list[Any], full: bool) -> str | None:
     return None
 
 
-async def _register(c: Any, handler: Any) -> None:
-    from timeslice_client.errors import Unavailable
-
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            await c.register_workload(handler, node_id=NODE, op_timeout=300)
-            return
-        except Unavailable:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.1)
-
-
 async def _wait_waiter(c: Any) -> None:
     """Until another job waits in the queue (so a release starts a switch, not IDLE_YIELDED)."""
     deadline = time.monotonic() + 120
@@ -169,7 +157,9 @@ async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, hold: f
         await c.release()
 
     async with AsyncTimeSliceClient(job, group, url, lease_seconds=60, acquire_timeout=300) as c:
-        await _register(c, _Timed(inner, calls))
+        # Once: the agent is up (the monitor saw it). A failed register_workload leaves its subscription on the
+        # client's connection, so retrying would run every later suspend once per failed try.
+        await c.register_workload(_Timed(inner, calls), node_id=NODE, op_timeout=300)
         if leader:
             await grant(c)
         Path(ready).write_text("ok")
@@ -197,7 +187,7 @@ async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, hold: f
 
 async def _monitor(url: str, ready: str, out: str) -> None:
     """Write NODE's agent events (``OpResult``, with ``elapsed_ms``) and operation starts (``OpStarted``) to
-    ``out``, one JSON a line with the time they arrived here (CLOCK_MONOTONIC ns)."""
+    ``out``, one JSON a line with the time they arrived here (CLOCK_MONOTONIC ns). Ready once the agent answers."""
     from timeslice_client.bus import connect
     from timeslice_client.protocol import subjects
 
@@ -213,6 +203,15 @@ async def _monitor(url: str, ready: str, out: str) -> None:
     await nc.subscribe(subjects.agent_op(NODE), cb=cb)
     await asyncio.sleep(0)
     await nc.flush()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            await nc.request(subjects.agent_rpc(NODE, "status"), b"", timeout=1)
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
     Path(ready).write_text("ok")
     await asyncio.Event().wait()
 
@@ -266,6 +265,26 @@ def _baselines(nbytes: int, reps: int) -> dict[str, list[float]]:
 
 
 # ---------------------------------------------------------------------- driver
+
+
+def _memory_setup() -> dict[str, Any]:
+    """Transparent huge page settings, and whether a virtio balloon reports free pages to the host (a VM that
+    takes freed memory back: touching it again costs far more, see docs/benchmarks.md)."""
+    def read(path: str) -> str | None:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            return None
+        chosen = text[text.find("[") + 1 : text.find("]")] if "[" in text else text
+        return chosen  # "always [madvise] never" -> "madvise"
+
+    reporting = None
+    for f in Path("/sys/bus/virtio/drivers/virtio_balloon").glob("virtio*/features"):
+        bits = read(str(f)) or ""
+        reporting = len(bits) > 5 and bits[5] == "1"  # VIRTIO_BALLOON_F_REPORTING
+    return {"thp_enabled": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+            "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag"),
+            "free_page_reporting": reporting}
 
 
 def _spawn(*args: str) -> subprocess.Popen[bytes]:
@@ -330,6 +349,7 @@ def _size_result(nbytes: int, a: dict[str, Any], b: dict[str, Any], ops: list[di
     res = [s["a_call"][1] for s in sw if s["a_call"] and s["a_call"][0] == "resume"]
     bad_free = [s for s in sw if s["a_call"] and s["a_call"][0] == "suspend" and s["a_call"][2] != 0]
     over = [s["switch_ms"] - s["handler_ms"] for s in sw]
+    n = sum(1 for r in a["rows"] if r[0] == "release")  # cycles (A releases once per cycle)
     r: dict[str, Any] = {
         "gib": nbytes / GiB, "bytes": nbytes, "cycles": len(off),
         "offload_s": off, "restore_s": res,
@@ -348,7 +368,9 @@ def _size_result(nbytes: int, a: dict[str, Any], b: dict[str, Any], ops: list[di
                     for k in ("release_to_snapshot_start", "snapshot_result_to_restore_start",
                               "restore_result_to_grant")},
         "switches": sw,
-        "errors": a["errors"] + b["errors"] + [f"A held {len(bad_free)} bytes after a suspend" for _ in bad_free[:1]],
+        "errors": a["errors"] + b["errors"] + [f"A held device bytes after {len(bad_free)} suspends"] * bool(bad_free)
+        + [f"handler calls: A {len(a['calls'])}, B {len(b['calls'])}; expected {2 * n} and {2 * n - 1}"]
+        * (len(a["calls"]) != 2 * n or len(b["calls"]) != 2 * n - 1),
         "host_prepared_bytes": a["prepared"],
     }
     for k in ("offload", "restore"):
@@ -386,6 +408,7 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int) -> dict[str,
         for i, size in enumerate(sizes):
             nbytes = int(size * GiB) // (4 * N_TENSORS) * (4 * N_TENSORS)
             group = f"offload-{i}"
+            before = _baselines(nbytes, reps)  # before A and B start, and again after they exited
             common = ["--url", url, "--group", group, "--cycles", str(cycles), "--hold", str(hold_ms / 1000)]
             a_out, b_out, a_ready, b_ready = (tmp / f"{i}-{n}" for n in ("a.json", "b.json", "a.ready", "b.ready"))
             common += ["--done", str(tmp / f"{i}-a.done")]
@@ -401,11 +424,15 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int) -> dict[str,
             b.wait()
             if a.returncode or b.returncode:
                 raise RuntimeError(f"a worker failed (A: {a.returncode}, B: {b.returncode})")
-            base = _baselines(nbytes, reps)  # after the workers exited: never beside their memory
+            after = _baselines(nbytes, reps)
+            base = {k: v + after[k] for k, v in before.items()}
             time.sleep(0.2)  # the last OpResult events reach the monitor
             ops = [json.loads(line) for line in ops_path.read_text().splitlines() if line.strip()]
             ops = [o for o in ops if o.get("type") in ("op_result", "op_started")]
             r = _size_result(nbytes, json.loads(a_out.read_text()), json.loads(b_out.read_text()), ops, group, base)
+            for when, b_ in (("before", before), ("after", after)):
+                r[f"base_copy_{when}_gbps"] = nbytes / 1e9 / _med(b_["copy"])
+                r[f"base_fresh_{when}_gbps"] = nbytes / 1e9 / _med(b_["fresh"])
             r["loadavg_1m_after"] = os.getloadavg()[0]
             results.append(r)
     finally:
@@ -418,6 +445,7 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int) -> dict[str,
             except subprocess.TimeoutExpired:
                 p.kill()
         server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     import torch
 
     return {
@@ -426,7 +454,7 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int) -> dict[str,
         "device": "cuda" if torch.cuda.is_available() else "cpu (CPU memory stands in for the device)",
         "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-        "cycles": cycles, "hold_ms": hold_ms, "baseline_reps": reps,
+        "cycles": cycles, "hold_ms": hold_ms, "baseline_reps": reps, "memory": _memory_setup(),
         "sizes": results, "wall_s": time.monotonic() - started,
     }
 
@@ -437,11 +465,15 @@ def _print(res: dict[str, Any]) -> None:
     print(f"  command: {res['command']}")
     print(f"  device: {res['device']}; torch {res['torch']}, {res['threads']} threads, {res['cpus']} CPUs; "
           f"load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} at start, {le[0]:.2f} {le[1]:.2f} {le[2]:.2f} at end")
+    m = res["memory"]
+    rep = {True: "ON (freed memory goes back to the host; touching it again is slow)", False: "off", None: "no balloon"}
+    print(f"  transparent huge pages: enabled {m['thp_enabled']}, defrag {m['thp_defrag']}; virtio-balloon free page "
+          f"reporting: {rep[m['free_page_reporting']]}")
     print(f"  {res['cycles']} cycles per size, medians; host buffers prepared (allocated and touched) before "
           "timing, so their first touch is not counted")
     print("  bandwidth = bytes / the handler's own time, timed inside the worker; GB = 1e9 bytes")
-    print(f"  baselines in the same run, same bytes and tensor shapes, after the workers of that size exited, "
-          f"{res['baseline_reps']} reps each:")
+    print(f"  baselines in the same run, same bytes and tensor shapes, {res['baseline_reps']} reps each before that "
+          "size's workers start and again after they exited (never beside their memory); medians of both:")
     print("    (1) copy  = dst.copy_(src), dst preallocated and touched (src and dst advised to huge pages, as the")
     print("        handler's host buffer and re-allocated tensors are)")
     print("    (2) fresh = torch.empty_like + MADV_HUGEPAGE (as the handler re-allocates) + copy_, freed each rep:")
@@ -455,15 +487,20 @@ def _print(res: dict[str, Any]) -> None:
             print(f"  {k} {r[f'{k}_gbps']:5.2f} GB/s = {r[f'{k}_vs_copy']:.2f} x copy(1), "
                   f"{r[f'{k}_vs_fresh']:.2f} x fresh(2); switch {what} {r[f'switch_{sw}_ms']:.0f} ms; "
                   f"per cycle [{per}] ms: first {r[f'{k}_first_gbps']:.2f}, best {r[f'{k}_best_gbps']:.2f} GB/s")
-        print(f"  baselines: copy(1) {r['base_copy_gbps']:.2f} GB/s, fresh(2) {r['base_fresh_gbps']:.2f} GB/s "
-              f"(first {r['base_fresh_first_gbps']:.2f}), clone(2') {r['base_clone_gbps']:.2f} GB/s; "
+        print(f"  baselines: copy(1) {r['base_copy_gbps']:.2f} GB/s (before {r['base_copy_before_gbps']:.2f}, after "
+              f"{r['base_copy_after_gbps']:.2f}), fresh(2) {r['base_fresh_gbps']:.2f} GB/s (before "
+              f"{r['base_fresh_before_gbps']:.2f}, after {r['base_fresh_after_gbps']:.2f}, first "
+              f"{r['base_fresh_first_gbps']:.2f}),"
+              f"\n             "
+              f"clone(2') {r['base_clone_gbps']:.2f} GB/s; "
               f"freeing the fresh copy {r['base_free_ms']:.0f} ms")
         print(f"  switch overhead (switch - handler calls): A->B {r['overhead_ab_ms']:.2f} ms, "
               f"B->A {r['overhead_ba_ms']:.2f} ms, median {r['overhead_ms']:.2f} ms, "
               f"max {r['overhead_max_ms']:.2f} ms; of it agent-side {r['agent_side_ms']:.2f} ms, "
               f"orchestrator+bus {r['orchestrator_bus_ms']:.2f} ms")
         h = r["hops_ms"]
-        print(f"    hops (medians, as a bus monitor saw them): release -> snapshot starts "
+        print("    hops (medians, by arrival at a monitor process, whose own delays can shorten a hop): "
+              f"release -> snapshot starts "
               f"{h['release_to_snapshot_start']:.2f} ms, snapshot result -> restore starts "
               f"{h['snapshot_result_to_restore_start']:.2f} ms, restore result -> acquire returns "
               f"{h['restore_result_to_grant']:.2f} ms")
@@ -486,7 +523,8 @@ def main() -> None:
     p.add_argument("--sizes", default="1,2,4", help="GiB of state in job A, comma-separated")
     p.add_argument("--cycles", type=int, default=5, help="offload+restore cycles per size")
     p.add_argument("--hold-ms", type=float, default=200.0, help="each holder holds this long before releasing")
-    p.add_argument("--baseline-reps", type=int, default=3, help="baseline copies per kind and size")
+    p.add_argument("--baseline-reps", type=int, default=2,
+                   help="baseline copies per kind and size, before the switches and again after them")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)

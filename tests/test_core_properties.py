@@ -472,7 +472,14 @@ class CoreMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def clear_fault(self, data: st.DataObject) -> None:
-        self.step(ClearFault(group=G, job=self.some_job(data)))
+        """An operator clears a fault: mostly of a faulted job or of the incoming job of a switch."""
+        sw = self.rec.switch
+        likely = sorted(set(self.rec.faulted) | ({sw.to.job} if sw is not None and sw.to is not None else set()))
+        if likely and data.draw(st.integers(0, 3)) > 0:
+            job = data.draw(st.sampled_from(likely))
+        else:
+            job = data.draw(st.sampled_from(JOBS))
+        self.step(ClearFault(group=G, job=job))
 
     @rule(
         data=st.data(),
@@ -862,7 +869,7 @@ def test_second_acquire_of_a_waiter_replaces_its_request_and_keeps_its_place() -
     sim.acquire("c", dt=10)
     r2 = sim.rid("b")
     sim.acquire("b", r2, dt=10)
-    assert [(w.job, w.request_id) for w in sim.rec.queue][0] == ("b", r2)
+    assert [(w.job, w.request_id) for w in sim.rec.queue] == [("b", r2), ("c", "c-3")]
     assert sim.rec.queue[0].enqueued_at_ms == T0
 
 
@@ -909,6 +916,57 @@ def test_next_deadline() -> None:
     sim.acquire("a", confirm_ms=1_000)
     sim.acquire("b", waiter_ttl_ms=500, timeout_ms=100)
     assert next_deadline(sim.rec) == sim.now + 100
+
+
+# --------------------------------------------------------------------------- regressions found by the state machine
+
+
+def test_release_by_the_incoming_job_before_its_grant_dequeues_it_with_a_notice() -> None:
+    sim = Sim()
+    sim.register("a", "n1")
+    rid = sim.rid("a")
+    (restore,) = commands(sim.acquire("a", rid))  # a is the incoming job of a switch
+    # A release naming another request (an old one, retried) does not touch the wait.
+    (r,) = notices(sim(Release(group=G, job="a", request_id="a-old", epoch=0)), Refused)
+    assert r.code is ErrorCode.NOT_HOLDER and sim.rec.switch is not None and sim.rec.switch.to is not None
+    # Releasing the pending request itself: the caller gave up; it is told so.
+    (d,) = notices(sim(Release(group=G, job="a", request_id=rid, epoch=1)), Dequeued)
+    assert (d.job, d.request_id) == ("a", rid)
+    assert notices(sim.result(restore)) == []  # the switch finishes without a grant
+    assert sim.rec.holder is None
+
+
+def test_a_job_cannot_cancel_another_jobs_request() -> None:
+    sim = Sim()
+    g = sim.hold("a")
+    rid_b = sim.rid("b")
+    sim.acquire("b", rid_b)
+    assert notices(sim(Cancel(group=G, job="c", request_id=g.request_id))) == []
+    assert notices(sim(Cancel(group=G, job="c", request_id=rid_b))) == []
+    assert sim.rec.holder is not None and sim.rec.holder.job == "a" and [w.job for w in sim.rec.queue] == ["b"]
+
+
+def test_incoming_job_registering_on_a_new_node_mid_restore_is_restored_there_too() -> None:
+    sim = Sim()
+    sim.register("a", "n1")
+    (r1,) = commands(sim.acquire("a"))
+    (r2,) = commands(sim.register("a", "n2"))
+    assert isinstance(r2, Restore) and (r2.job, r2.node, r2.epoch) == ("a", "n2", 1) and r2.op_id != r1.op_id
+    assert notices(sim.result(r1)) == []  # not granted while n2 is still restoring
+    (g,) = notices(sim.result(r2), Granted)
+    assert g.context_restored and sim.rec.loaded == {"n1": "a", "n2": "a"}
+
+
+def test_clearing_the_incoming_jobs_fault_mid_switch_does_not_grant_it() -> None:
+    sim = Sim()
+    sim.register("a", "n1")
+    sim.register("a", "n2")
+    r1, r2 = commands(sim.acquire("a"))
+    (r,) = notices(sim.result(r1, ok=False), Refused)  # told at once, not when the switch ends
+    assert (r.job, r.code) == ("a", ErrorCode.JOB_FAULTED)
+    sim(ClearFault(group=G, job="a"))
+    assert notices(sim.result(r2)) == [], "a restore failed on n1: no grant for this request"
+    assert sim.rec.holder is None and sim.rec.state is GroupState.IDLE
 
 
 # --------------------------------------------------------------------------- the checkers can fail
@@ -1031,14 +1089,15 @@ def _tampered(edit: Any) -> list[tuple[int, int, str, bytes]]:
     """The scenario's stream with one published notice replaced (or dropped) by ``edit``."""
     out = []
     for seq, now, subject, data in _scenario().stream:
+        msg = (seq, now, subject, data)
         if subject.startswith("ts.v1.notice."):
             n = msgspec.json.decode(data, type=Notice)  # type: ignore[arg-type]
             changed = edit(n)
             if changed is None:
                 continue
             if changed is not n:
-                subject, data = subjects.notice(changed.group, changed.job), encode(changed)
-        out.append((seq, now, subject, data))
+                msg = (seq, now, subjects.notice(changed.group, changed.job), encode(changed))
+        out.append(msg)
     return out
 
 

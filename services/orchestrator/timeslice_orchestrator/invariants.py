@@ -190,6 +190,18 @@ def check_record(rec: GroupRecord) -> None:
         if node not in rec.placements.get(job, ()):
             raise fail("loaded-placed", "a loaded context belongs to a job registered on that node",
                        node=node, job=job, placements=rec.placements)
+    for job, nodes in rec.saved.items():
+        if not nodes or not set(nodes) <= set(rec.placements.get(job, ())):
+            raise fail("saved-placed", "a saved context belongs to a job registered on that node", job=job,
+                       saved=nodes, placements=rec.placements.get(job, ()))
+        both = sorted(n for n in nodes if rec.loaded.get(n) == job)
+        if both:
+            raise fail("saved-loaded", "a context is either saved or loaded on a node, not both", job=job,
+                       nodes=both)
+    lost_loaded = sorted(n for n in rec.lost_nodes if n in rec.loaded)
+    if lost_loaded:
+        raise fail("lost-not-loaded", "no context counts as loaded on a node whose agent is lost",
+                   nodes=lost_loaded, loaded=rec.loaded)
     pairs = {f"{n}/{j}" for j, nodes in rec.placements.items() for n in nodes}
     if set(rec.op_timeouts) != pairs:
         raise fail("op-timeouts", "operation timeouts are kept for exactly the registered (node, job) pairs",
