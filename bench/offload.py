@@ -27,8 +27,9 @@ Starts a private nats-server, the orchestrator and the node agent, each as its o
   Medians throughout; the first cycle and the first fresh copy are also shown: they can be far
   slower (cold memory, see docs/benchmarks.md).
 
-Without CUDA the "device" is CPU memory (see ``torch_offload``), so here both directions are
-host-to-host copies. Run: ``python bench/offload.py [--sizes 1,2,4] [--cycles 5] [--json]``.
+With CUDA (``--device cuda``, the default when available) A's state lives on the GPU and the handler
+copies to and from a pinned host buffer; without, the "device" is CPU memory (see ``torch_offload``)
+and both directions are host-to-host copies. Run: ``python bench/offload.py [--sizes 1,2,4] [--cycles 5] [--json]``.
 """
 
 from __future__ import annotations
@@ -93,13 +94,14 @@ class _Timed:
         return self._call("resume", mode, tags)
 
 
-def _state(nbytes: int, pieces: int) -> tuple[Any, list[Any]]:
+def _state(nbytes: int, pieces: int, device: str) -> tuple[Any, list[Any]]:
     import torch
 
     per = nbytes // pieces // 4
     module = torch.nn.Module()
     module.params = torch.nn.ParameterList(
-        torch.nn.Parameter(torch.full((per,), float(i + 1)), requires_grad=False) for i in range(pieces))
+        torch.nn.Parameter(torch.full((per,), float(i + 1), device=device), requires_grad=False)
+        for i in range(pieces))
     return module, list(module.params)
 
 
@@ -130,7 +132,7 @@ async def _wait_waiter(c: Any) -> None:
 
 
 async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, hold: float, out: str, ready: str,
-               done: str, leader: bool) -> None:
+               done: str, leader: bool, device: str) -> None:
     """A (leader: the big state, holds first) or B (the small state); writes its timeline to ``out``.
 
     A writes ``done`` once it holds the group after the last switch; B closes (unregisters) only then:
@@ -138,8 +140,8 @@ async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, hold: f
     from timeslice_client import AsyncTimeSliceClient
     from timeslice_client.torch_offload import TorchOffloadHandler
 
-    module, tensors = _state(nbytes, N_TENSORS if leader else 1)
-    inner = TorchOffloadHandler(module)
+    module, tensors = _state(nbytes, N_TENSORS if leader else 1, device)
+    inner = TorchOffloadHandler(module, device=device)
     prepared = inner.prepare()  # allocate and touch the host buffer now, not during the first offload
     calls: list[list[Any]] = []
     rows: list[list[Any]] = []
@@ -219,46 +221,66 @@ async def _monitor(url: str, ready: str, out: str) -> None:
 # ---------------------------------------------------------------------- baselines (driver process)
 
 
-def _baselines(nbytes: int, reps: int) -> dict[str, list[float]]:
+def _baselines(nbytes: int, reps: int, device: str) -> dict[str, list[float]]:
     """Seconds per copy of ``nbytes`` in A's tensor shapes, ``reps`` times each kind, one kind after another.
 
-    Source and destinations are advised to transparent huge pages as the handler advises its buffers (a copy
-    between huge pages is faster than between 4 KiB pages: the baseline must not be the weaker one).
-
-    ``fresh``: allocate, copy, free, again (as offload+restore cycles do: each re-allocation may reuse what the
-    one before freed); ``free``: the time to free each fresh copy (an offload pays that, the copies do not).
+    ``copy``: device tensors into a preallocated, touched host buffer, as the handler's (pinned on CUDA; on CPU
+    advised to transparent huge pages, as the handler advises its buffers: a copy between huge pages is faster
+    than between 4 KiB pages, and the baseline must not be the weaker one). ``fresh``: host buffer into newly
+    allocated device memory, freed again each rep (as offload/restore cycles free and re-allocate; on CUDA
+    with ``empty_cache()``, as the handler does); ``free``: the time to free it (an offload pays that, the
+    copies do not). ``clone``: CPU ``src.clone()`` (fresh memory without huge-page advice); CUDA
+    ``src.to("cpu")`` (fresh pageable host memory).
     """
     import torch
     from timeslice_client.torch_offload import _advise_huge_pages
 
-    def huge(n: int) -> Any:  # as the handler allocates its host buffer and re-allocates device memory
+    cuda = device == "cuda"
+
+    def host(n: int) -> Any:
+        if cuda:
+            return torch.empty(n, pin_memory=True)
         t = torch.empty(n)
         _advise_huge_pages(int(t.data_ptr()), n * 4)
         return t
 
+    def dev(n: int) -> Any:
+        return torch.empty(n, device="cuda") if cuda else host(n)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     per = nbytes // N_TENSORS // 4
-    src = [huge(per).fill_(float(i + 1)) for i in range(N_TENSORS)]
+    src = [dev(per).fill_(float(i + 1)) for i in range(N_TENSORS)]
     out: dict[str, list[float]] = {"copy": [], "fresh": [], "clone": [], "free": []}
-    dst = [huge(per).zero_() for _ in src]  # touched: every page is there before the timed copies
+    dst = [host(per).zero_() for _ in src]  # touched: every page is there before the timed copies
+    sync()
     for _ in range(reps):
         t0 = time.perf_counter()
         for s, d in zip(src, dst, strict=True):
             d.copy_(s)
+        sync()
         out["copy"].append(time.perf_counter() - t0)
+    hsrc = dst if cuda else src  # the restore's source: the host buffer
     del dst
     for _ in range(reps):
         t0 = time.perf_counter()
         fresh = []
-        for s in src:
-            d = huge(per)
+        for s in hsrc:
+            d = dev(per)
             fresh.append(d.copy_(s))
+        sync()
         out["fresh"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         del fresh, d
+        if cuda:
+            torch.cuda.empty_cache()
         out["free"].append(time.perf_counter() - t0)
     for _ in range(reps):
         t0 = time.perf_counter()
-        clones = [s.clone() for s in src]
+        clones = [s.to("cpu") if cuda else s.clone() for s in src]
+        sync()
         out["clone"].append(time.perf_counter() - t0)
         del clones
     return out
@@ -384,7 +406,8 @@ def _size_result(nbytes: int, a: dict[str, Any], b: dict[str, Any], ops: list[di
     return r
 
 
-def run(sizes: list[float], cycles: int, hold_ms: float, reps: int) -> dict[str, Any]:
+def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str) -> dict[str, Any]:
+    import torch
     from timeslice_orchestrator.embedded import NatsServer
 
     started = time.monotonic()
@@ -408,8 +431,9 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int) -> dict[str,
         for i, size in enumerate(sizes):
             nbytes = int(size * GiB) // (4 * N_TENSORS) * (4 * N_TENSORS)
             group = f"offload-{i}"
-            before = _baselines(nbytes, reps)  # before A and B start, and again after they exited
-            common = ["--url", url, "--group", group, "--cycles", str(cycles), "--hold", str(hold_ms / 1000)]
+            before = _baselines(nbytes, reps, device)  # before A and B start, and again after they exited
+            common = ["--url", url, "--group", group, "--cycles", str(cycles), "--hold", str(hold_ms / 1000),
+                      "--device", device]
             a_out, b_out, a_ready, b_ready = (tmp / f"{i}-{n}" for n in ("a.json", "b.json", "a.ready", "b.ready"))
             common += ["--done", str(tmp / f"{i}-a.done")]
             # Job ids differ per size: the agent keys jobs by id alone (see docs/benchmarks.md).
@@ -424,7 +448,7 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int) -> dict[str,
             b.wait()
             if a.returncode or b.returncode:
                 raise RuntimeError(f"a worker failed (A: {a.returncode}, B: {b.returncode})")
-            after = _baselines(nbytes, reps)
+            after = _baselines(nbytes, reps, device)
             base = {k: v + after[k] for k, v in before.items()}
             time.sleep(0.2)  # the last OpResult events reach the monitor
             ops = [json.loads(line) for line in ops_path.read_text().splitlines() if line.strip()]
@@ -446,12 +470,10 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int) -> dict[str,
                 p.kill()
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    import torch
-
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", "bench/offload.py", *sys.argv[1:]]),
-        "device": "cuda" if torch.cuda.is_available() else "cpu (CPU memory stands in for the device)",
+        "device": device if device == "cuda" else "cpu (CPU memory stands in for the device)",
         "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
         "cycles": cycles, "hold_ms": hold_ms, "baseline_reps": reps, "memory": _memory_setup(),
@@ -474,11 +496,17 @@ def _print(res: dict[str, Any]) -> None:
     print("  bandwidth = bytes / the handler's own time, timed inside the worker; GB = 1e9 bytes")
     print(f"  baselines in the same run, same bytes and tensor shapes, {res['baseline_reps']} reps each before that "
           "size's workers start and again after they exited (never beside their memory); medians of both:")
-    print("    (1) copy  = dst.copy_(src), dst preallocated and touched (src and dst advised to huge pages, as the")
-    print("        handler's host buffer and re-allocated tensors are)")
-    print("    (2) fresh = torch.empty_like + MADV_HUGEPAGE (as the handler re-allocates) + copy_, freed each rep:")
-    print("        new memory from the OS, faulted and zeroed")
-    print("    (2') clone = src.clone(): fresh memory without huge-page advice")
+    if res["device"] == "cuda":
+        print("    (1) copy  = device tensors -> preallocated pinned host buffer, dst.copy_(src)")
+        print("    (2) fresh = pinned host buffer -> newly allocated device memory (after empty_cache(), as the")
+        print("        handler frees), freed each rep")
+        print("    (2') clone = src.to('cpu'): device -> fresh pageable host memory")
+    else:
+        print("    (1) copy  = dst.copy_(src), dst preallocated and touched (src and dst advised to huge pages, as")
+        print("        the handler's host buffer and re-allocated tensors are)")
+        print("    (2) fresh = torch.empty + MADV_HUGEPAGE (as the handler re-allocates) + copy_, freed each rep:")
+        print("        new memory from the OS, faulted and zeroed")
+        print("    (2') clone = src.clone(): fresh memory without huge-page advice")
     for r in res["sizes"]:
         print(f"{r['gib']:g} GiB ({r['bytes'] / 1e9:.2f} GB) in {N_TENSORS} float32 tensors; "
               f"1-min load average after: {r['loadavg_1m_after']:.2f}")
@@ -525,6 +553,8 @@ def main() -> None:
     p.add_argument("--hold-ms", type=float, default=200.0, help="each holder holds this long before releasing")
     p.add_argument("--baseline-reps", type=int, default=2,
                    help="baseline copies per kind and size, before the switches and again after them")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="where A's state lives (default: cuda when available, else cpu, as the handler chooses)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
@@ -538,7 +568,8 @@ def main() -> None:
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.role == "job":
-        _loop_run(_job(a.url, a.group, a.job, a.bytes, a.cycles, a.hold, a.out, a.ready, a.done, a.leader))
+        _loop_run(_job(a.url, a.group, a.job, a.bytes, a.cycles, a.hold, a.out, a.ready, a.done, a.leader,
+                       a.device))
         return
     if a.role == "monitor":
         _loop_run(_monitor(a.url, a.ready, a.out))
@@ -546,7 +577,11 @@ def main() -> None:
     sizes = [float(s) for s in a.sizes.split(",") if s.strip()]
     if a.cycles < 1 or a.baseline_reps < 1 or not sizes:
         p.error("--sizes, --cycles and --baseline-reps must be positive")
-    res = run(sizes, a.cycles, a.hold_ms, a.baseline_reps)
+    if a.device is None:
+        import torch
+
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    res = run(sizes, a.cycles, a.hold_ms, a.baseline_reps, a.device)
     if a.json:
         print(json.dumps(res))
     else:

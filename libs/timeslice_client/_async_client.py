@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -160,7 +161,7 @@ class AsyncTimeSliceClient:
             self._js = self._nc.jetstream(timeout=self.request_timeout)
             self._sub = await self._nc.subscribe(self._notice_subject, cb=self._on_notice)
             await asyncio.sleep(0)  # NATS_NOTES trap 2
-            await self._nc.flush(timeout=int(self.request_timeout))
+            await self._nc.flush(timeout=max(1, math.ceil(self.request_timeout)))
             self._keeper = asyncio.get_running_loop().create_task(self._keep(), name=f"timeslice-keeper-{self.job_id}")
             return self
 

@@ -27,9 +27,11 @@ successive chunks and storages go back to back while earlier storages are freed.
 "The device" is CUDA when ``torch.cuda.is_available()`` (only CUDA tensors are touched); otherwise CPU
 tensors play its part, so the whole path runs (and is tested) on machines without an accelerator. On CPU
 the memory a resume re-allocates is fresh from the kernel, which faults and zeroes it on first touch;
-the handler asks for transparent huge pages there (and on its host buffers), which makes that several
-times cheaper than 4 KiB faults, but the zeroing remains. Call :meth:`TorchOffloadHandler.prepare`
-ahead of the first suspend to allocate and touch the host buffers early.
+the handler asks for transparent huge pages there (and on its host buffers). On the 2-core dev VM that
+made warm resumes several times faster than 4 KiB faults, but memory that is cold or that the VM gave
+back to its host faulted 3-4x slower with it; the zeroing remains either way (docs/benchmarks.md).
+Call :meth:`TorchOffloadHandler.prepare` ahead of the first suspend to allocate and touch the host
+buffers early.
 
 Limits: sparse tensors and tensor subclasses without a plain storage (e.g. ``DTensor`` wrappers) are
 skipped; a storage that cannot be resized (memory borrowed from numpy, shared memory) is refused

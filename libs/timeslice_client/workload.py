@@ -107,7 +107,13 @@ class WorkloadChannel:
         await self.nc.flush()
         req = RegisterJob(group=self.group_id, job=self.job_id, backends=self.backends, pids=self.pids,
                           pgid=self.pgid, mode=self.mode, tags=self.tags, op_timeout_ms=int(self.op_timeout * 1000))
-        reply = await self._agent("register", encode(req))
+        try:
+            reply = await self._agent("register", encode(req))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+            raise
         log.info("registered with agent %s (state %s)", self.node_id, reply.state,
                  extra={"job": self.job_id, "group": self.group_id, "node": self.node_id})
         return self
@@ -157,6 +163,11 @@ class WorkloadChannel:
         if self._closed:
             return
         self._closed = True
+        # Let a suspend/resume in flight finish and answer first: the agent is waiting on it.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.op_timeout):
+                await self._lock.acquire()
+                self._lock.release()
         if self.nc.is_connected:
             with contextlib.suppress(Exception):
                 await self._agent("unregister", encode(UnregisterJob(group=self.group_id, job=self.job_id)))
