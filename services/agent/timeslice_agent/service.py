@@ -34,6 +34,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from timeslice_client.bus import BusConfig, connect, ensure_bus
 from timeslice_client.protocol import (
+    JOBS_BUCKET,
     STREAM,
     AgentCommand,
     AgentInfo,
@@ -375,7 +376,8 @@ class Agent:
                 return self._remember(self._result(cmd, kind, backend, ok=False, error=error)), False
             op = OpContext(op_id=cmd.op_id, epoch=cmd.epoch, deadline=time.monotonic() + remaining)
             before = ctx.state
-            ctx = await self._save(msgspec.structs.replace(ctx, state=JobState.TRANSITIONING, epoch=cmd.epoch))
+            ctx = await self._save(msgspec.structs.replace(ctx, state=JobState.TRANSITIONING, epoch=cmd.epoch),
+                                   wait=False)
             assert self._nc is not None
             await self._nc.publish(subjects.agent_op(self.node), encode(OpStarted(
                 op_id=cmd.op_id, group=cmd.group, job=cmd.job, node=self.node, kind=kind, epoch=cmd.epoch,
@@ -435,11 +437,18 @@ class Agent:
         await self._js.publish(subjects.agent_event(self.node, result.group), encode(result),
                                headers={"Nats-Msg-Id": f"{result.op_id}:result"})
 
-    async def _save(self, ctx: JobContext) -> JobContext:
-        assert self._jobs_kv is not None
+    async def _save(self, ctx: JobContext, *, wait: bool = True) -> JobContext:
+        """Store a job's state. ``wait=False`` publishes the write without waiting for JetStream's answer
+        (it is stored in order with this connection's later writes): for the TRANSITIONING mark on the
+        switch's critical path."""
+        assert self._jobs_kv is not None and self._nc is not None
         ctx = msgspec.structs.replace(ctx, updated_ms=_now_ms())
         self._jobs[ctx.job] = ctx
-        await self._jobs_kv.put(f"{self.node}.{ctx.job}", encode(ctx))
+        key = f"{self.node}.{ctx.job}"
+        if wait:
+            await self._jobs_kv.put(key, encode(ctx))
+        else:
+            await self._nc.publish(f"$KV.{JOBS_BUCKET}.{key}", encode(ctx))
         return ctx
 
     # ------------------------------------------------------------------ standalone operations

@@ -1,0 +1,270 @@
+"""One handler per input event type: how each event changes a group's working copy (private to the core)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from timeslice_client.protocol import (
+    Acquire,
+    AgentLost,
+    Cancel,
+    ClearFault,
+    Dequeued,
+    ErrorCode,
+    Granted,
+    JobRegistered,
+    JobUnregistered,
+    OpKind,
+    OpRecord,
+    OpResult,
+    Phase,
+    Release,
+    Released,
+    Renew,
+    Tick,
+    WaiterRecord,
+)
+
+from ._work import LIMITS, Work
+
+__all__ = ["HANDLERS"]
+
+
+def _on_acquire(w: Work, ev: Acquire) -> None:
+    lim = LIMITS
+    if not (lim.min_lease_ms <= ev.lease_ms <= lim.max_lease_ms):
+        w.refuse(ev.job, ev.request_id, ErrorCode.INVALID,
+                 f"lease_ms={ev.lease_ms} is outside [{lim.min_lease_ms}, {lim.max_lease_ms}]")
+        return
+    if not (lim.min_ttl_ms <= ev.waiter_ttl_ms <= lim.max_ttl_ms and lim.min_ttl_ms <= ev.confirm_ms <= lim.max_ttl_ms):
+        w.refuse(ev.job, ev.request_id, ErrorCode.INVALID,
+                 f"waiter_ttl_ms/confirm_ms must lie in [{lim.min_ttl_ms}, {lim.max_ttl_ms}]")
+        return
+    if not (0 <= ev.timeout_ms <= lim.max_timeout_ms):
+        w.refuse(ev.job, ev.request_id, ErrorCode.INVALID, f"timeout_ms={ev.timeout_ms} is out of range")
+        return
+    if ev.job in w.faulted:
+        w.refuse(ev.job, ev.request_id, ErrorCode.JOB_FAULTED, w.faulted[ev.job])
+        return
+    now = w.now
+    h = w.holder
+    if h is not None and h.job == ev.job:
+        # The holder asks again (a retry, or a nested acquire): same grant, and proof of life.
+        w.holder = msgspec.structs.replace(
+            h, request_id=ev.request_id, confirmed=True, lease_ms=ev.lease_ms, lease_deadline_ms=now + ev.lease_ms
+        )
+        w.notify(Granted(group=w.group, job=ev.job, request_id=ev.request_id, epoch=h.epoch, waited_ms=0,
+                         context_restored=False, lease_deadline_ms=now + ev.lease_ms))
+        w.touch("re-acquired by holder")
+        return
+    wr = WaiterRecord(
+        job=ev.job,
+        request_id=ev.request_id,
+        enqueued_at_ms=now,
+        deadline_ms=now + ev.timeout_ms,
+        alive_until_ms=now + ev.waiter_ttl_ms,
+        lease_ms=ev.lease_ms,
+        waiter_ttl_ms=ev.waiter_ttl_ms,
+        confirm_ms=ev.confirm_ms,
+    )
+    sw = w.switch
+    if sw is not None and sw.to is not None and sw.to.job == ev.job:
+        w.switch = msgspec.structs.replace(sw, to=msgspec.structs.replace(wr, enqueued_at_ms=sw.to.enqueued_at_ms))
+        w.touch("waiter re-acquired")
+        return
+    i = w.waiter_index(ev.job)
+    if i is not None:
+        w.queue[i] = msgspec.structs.replace(wr, enqueued_at_ms=w.queue[i].enqueued_at_ms)
+        w.touch("waiter re-acquired")
+        return
+    if h is None and sw is None and not w.queue and w.active_job == ev.job:
+        # Zero cost when alone: the context never left the accelerators.
+        w.grant(wr, w.epoch + 1, restored=False)
+        return
+    if len(w.queue) >= lim.max_queue:
+        w.refuse(ev.job, ev.request_id, ErrorCode.INVALID, f"group queue is full ({lim.max_queue} waiters)")
+        return
+    w.queue.append(wr)
+    w.touch("enqueued")
+
+
+def _on_release(w: Work, ev: Release) -> None:
+    h = w.holder
+    if h is None or h.job != ev.job:
+        sw = w.switch
+        to = sw.to if h is None and sw is not None else None
+        if sw is not None and to is not None and to.job == ev.job and to.request_id == ev.request_id:
+            # Released before the grant arrived (a client that gave up): leave the switch target.
+            w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason="released before grant"))
+            w.switch = msgspec.structs.replace(sw, to=None)
+            w.touch("switch target released")
+            return
+        w.refuse(ev.job, ev.request_id, ErrorCode.NOT_HOLDER,
+                 f"job {ev.job!r} does not hold group {w.group!r}")
+        return
+    if ev.epoch != h.epoch:
+        w.refuse(ev.job, ev.request_id, ErrorCode.STALE_EPOCH,
+                 f"epoch {ev.epoch} is not the current epoch {h.epoch}")
+        return
+    w.holder = None
+    pending = len(w.queue)
+    w.notify(Released(group=w.group, job=ev.job, request_id=ev.request_id, epoch=h.epoch,
+                      pending_waiters=pending, snapshot_deferred=pending == 0))
+    w.touch("released")
+
+
+def _on_renew(w: Work, ev: Renew) -> None:
+    now = w.now
+    if ev.epoch is not None:
+        h = w.holder
+        if h is not None and h.job == ev.job and h.epoch == ev.epoch:
+            w.holder = msgspec.structs.replace(h, confirmed=True, lease_deadline_ms=now + h.lease_ms)
+            w.touch("lease renewed")
+        elif h is not None and h.job == ev.job:
+            w.refuse(ev.job, ev.request_id, ErrorCode.STALE_EPOCH, f"epoch {ev.epoch} is not {h.epoch}")
+        else:
+            w.refuse(ev.job, ev.request_id, ErrorCode.NOT_HOLDER, f"job {ev.job!r} no longer holds the group")
+        return
+    for i, wr in enumerate(w.queue):
+        if wr.request_id == ev.request_id:
+            w.queue[i] = msgspec.structs.replace(wr, alive_until_ms=now + wr.waiter_ttl_ms)
+            w.touch("waiter renewed")
+            return
+    sw = w.switch
+    if sw is not None and sw.to is not None and sw.to.request_id == ev.request_id:
+        to = msgspec.structs.replace(sw.to, alive_until_ms=now + sw.to.waiter_ttl_ms)
+        w.switch = msgspec.structs.replace(sw, to=to)
+        w.touch("waiter renewed")
+        return
+    h = w.holder
+    if h is not None and h.request_id == ev.request_id:
+        # Granted meanwhile; the grant notice is on its way. Until the grant is confirmed it is still the
+        # waiter's place, kept alive by the waiter's renewals like any place in the queue: a grant decided
+        # at an old stream time (a release made while the orchestrator was down) is not revoked on arrival.
+        if not h.confirmed and now + h.waiter_ttl_ms > h.lease_deadline_ms:
+            w.holder = msgspec.structs.replace(h, lease_deadline_ms=now + h.waiter_ttl_ms)
+            w.touch("granted waiter renewed")
+        return
+    w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason="not waiting"))
+
+
+def _on_cancel(w: Work, ev: Cancel) -> None:
+    for i, wr in enumerate(w.queue):
+        if wr.request_id == ev.request_id and wr.job == ev.job:
+            w.drop_waiter(i, ev.reason)
+            return
+    sw = w.switch
+    if sw is not None and sw.to is not None and sw.to.request_id == ev.request_id and sw.to.job == ev.job:
+        w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason=ev.reason))
+        w.switch = msgspec.structs.replace(sw, to=None)
+        w.touch(f"waiter {ev.reason}")
+        return
+    h = w.holder
+    if h is not None and h.request_id == ev.request_id and h.job == ev.job:
+        # The grant crossed the cancel: the caller will never use it, so it is released.
+        w.holder = None
+        pending = len(w.queue)
+        w.notify(Released(group=w.group, job=ev.job, request_id=ev.request_id, epoch=h.epoch,
+                          pending_waiters=pending, snapshot_deferred=pending == 0))
+        w.touch(f"grant {ev.reason}")
+
+
+def _on_phase(w: Work, ev: Phase) -> None:
+    """Phase events are facts for people and replay; they do not change the lock."""
+
+
+def _on_tick(w: Work, ev: Tick) -> None:
+    """Expiries are evaluated for every event; a tick is an event that carries only time."""
+
+
+def _on_clear_fault(w: Work, ev: ClearFault) -> None:
+    if w.faulted.pop(ev.job, None) is not None:
+        w.touch("fault cleared")
+
+
+def _on_registered(w: Work, ev: JobRegistered) -> None:
+    nodes = w.placements.get(ev.job, ())
+    if ev.node not in nodes:
+        w.placements[ev.job] = (*nodes, ev.node)
+    w.op_timeouts[f"{ev.node}/{ev.job}"] = ev.op_timeout_ms
+    if ev.node in w.lost_nodes:  # the agent is back
+        w.lost_nodes = tuple(n for n in w.lost_nodes if n != ev.node)
+    if w.active_job == ev.job and ev.node not in w.loaded:
+        w.loaded[ev.node] = ev.job
+    sw = w.switch
+    if (sw is not None and sw.phase is OpKind.RESTORE and sw.to is not None and sw.to.job == ev.job
+            and w.loaded.get(ev.node) != ev.job and all(op.node != ev.node for op in sw.ops)):
+        # The incoming job appeared on one more node while its restores run: restore it there too.
+        op = w.op(OpKind.RESTORE, ev.node, ev.job, sw.epoch, suffix=f":{w.seq}")  # unique if re-registered
+        w.switch = msgspec.structs.replace(sw, ops=(*sw.ops, op), restored=True)
+    w.touch("job registered")
+
+
+def _on_unregistered(w: Work, ev: JobUnregistered) -> None:
+    nodes = tuple(n for n in w.placements.get(ev.job, ()) if n != ev.node)
+    if nodes:
+        w.placements[ev.job] = nodes
+    else:
+        w.placements.pop(ev.job, None)
+    w.op_timeouts.pop(f"{ev.node}/{ev.job}", None)
+    w.unsave(ev.job, ev.node)
+    if w.loaded.get(ev.node) == ev.job:
+        del w.loaded[ev.node]
+    _fail_ops(w, lambda op: op.node == ev.node and op.job == ev.job, f"job unregistered from node {ev.node}")
+    w.touch("job unregistered")
+
+
+def _on_op_result(w: Work, ev: OpResult) -> None:
+    sw = w.switch
+    if sw is None or sw.epoch != ev.epoch:
+        return  # a late answer from an earlier switch: fenced off
+    for op in sw.ops:
+        if op.op_id == ev.op_id:
+            w.op_done(op, ok=ev.ok, error=ev.error)
+            return
+
+
+def _on_agent_lost(w: Work, ev: AgentLost) -> None:
+    _fail_ops(w, lambda op: op.node == ev.node, f"agent on node {ev.node} was lost during the operation")
+    if ev.node not in w.lost_nodes:
+        w.lost_nodes = (*w.lost_nodes, ev.node)
+        w.touch("agent lost")
+    for job, nodes in list(w.placements.items()):
+        if ev.node in nodes and ev.node not in w.saved.get(job, ()):
+            # A job whose context is saved there keeps the placement: that context still has to come back.
+            rest = tuple(n for n in nodes if n != ev.node)
+            if rest:
+                w.placements[job] = rest
+            else:
+                del w.placements[job]
+            w.op_timeouts.pop(f"{ev.node}/{job}", None)
+            w.touch("agent lost")
+    if w.loaded.pop(ev.node, None) is not None:
+        w.touch("agent lost")
+
+
+def _fail_ops(w: Work, pred: Callable[[OpRecord], bool], error: str) -> None:
+    sw = w.switch
+    if sw is None:
+        return
+    for op in sw.ops:
+        if pred(op):
+            w.op_done(op, ok=False, error=error)
+
+
+HANDLERS: dict[type[Any], Callable[[Work, Any], None]] = {
+    Acquire: _on_acquire,
+    Release: _on_release,
+    Renew: _on_renew,
+    Cancel: _on_cancel,
+    Phase: _on_phase,
+    Tick: _on_tick,
+    ClearFault: _on_clear_fault,
+    JobRegistered: _on_registered,
+    JobUnregistered: _on_unregistered,
+    OpResult: _on_op_result,
+    AgentLost: _on_agent_lost,
+}
+

@@ -1,0 +1,351 @@
+"""The working copy a single ``apply`` mutates, and the actions it produces (private to the core)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+from timeslice_client.protocol import (
+    AgentCommand,
+    Dequeued,
+    ErrorCode,
+    Granted,
+    GroupRecord,
+    GroupState,
+    HolderRecord,
+    Notice,
+    OpKind,
+    OpRecord,
+    Refused,
+    Restore,
+    Revoked,
+    Snapshot,
+    StateChanged,
+    SwitchRecord,
+    WaiterRecord,
+)
+
+__all__ = ["LIMITS", "Action", "Command", "Limits", "Notify", "Transition", "Work"]
+
+
+class Notify(msgspec.Struct, frozen=True):
+    notice: Notice
+
+
+class Command(msgspec.Struct, frozen=True):
+    command: AgentCommand
+
+
+class Transition(msgspec.Struct, frozen=True):
+    change: StateChanged
+
+
+Action = Notify | Command | Transition
+
+
+class Limits(msgspec.Struct, frozen=True):
+    """Bounds on client-chosen durations; requests outside them are refused as INVALID."""
+
+    min_lease_ms: int = 1_000
+    max_lease_ms: int = 24 * 3600 * 1000
+    min_ttl_ms: int = 300
+    max_ttl_ms: int = 600_000
+    max_timeout_ms: int = 7 * 24 * 3600 * 1000
+    max_queue: int = 10_000
+
+
+LIMITS = Limits()
+
+
+@dataclass
+class Work:
+    """A mutable working copy of a record for the duration of one ``apply``."""
+
+    group: str
+    now: int
+    epoch: int
+    state: GroupState
+    since_ms: int
+    holder: HolderRecord | None
+    active_job: str | None
+    loaded: dict[str, str]
+    placements: dict[str, tuple[str, ...]]
+    op_timeouts: dict[str, int]
+    queue: list[WaiterRecord]
+    switch: SwitchRecord | None
+    faulted: dict[str, str]
+    saved: dict[str, tuple[str, ...]]
+    lost_nodes: tuple[str, ...]
+    actions: list[Action] = field(default_factory=list)
+    changed: bool = False
+    reason: str = ""
+    seq: int = 0
+
+    @classmethod
+    def of(cls, rec: GroupRecord, now: int) -> Work:
+        return cls(
+            group=rec.group,
+            now=now,
+            epoch=rec.epoch,
+            state=rec.state,
+            since_ms=rec.since_ms,
+            holder=rec.holder,
+            active_job=rec.active_job,
+            loaded=dict(rec.loaded),
+            placements=dict(rec.placements),
+            op_timeouts=dict(rec.op_timeouts),
+            queue=list(rec.queue),
+            switch=rec.switch,
+            faulted=dict(rec.faulted),
+            saved=dict(rec.saved),
+            lost_nodes=rec.lost_nodes,
+        )
+
+    def finish(self, rec: GroupRecord, seq: int) -> tuple[GroupRecord, list[Action]]:
+        if not self.changed and not self.actions:
+            return rec, []
+        state = self._derive_state()
+        since = self.since_ms
+        if state != rec.state:
+            since = self.now
+            self.actions.append(
+                Transition(
+                    StateChanged(
+                        group=self.group,
+                        state=state,
+                        previous=rec.state,
+                        epoch=self.epoch,
+                        holder=self.holder.job if self.holder else None,
+                        active_job=self.active_job,
+                        reason=self.reason or "",
+                    )
+                )
+            )
+        new = GroupRecord(
+            group=self.group,
+            epoch=self.epoch,
+            state=state,
+            since_ms=since,
+            holder=self.holder,
+            active_job=self.active_job,
+            loaded=self.loaded,
+            placements=self.placements,
+            op_timeouts=self.op_timeouts,
+            queue=tuple(self.queue),
+            switch=self.switch,
+            faulted=self.faulted,
+            saved=self.saved,
+            lost_nodes=self.lost_nodes,
+            last_seq=seq,
+        )
+        return new, self.actions
+
+    def _derive_state(self) -> GroupState:
+        if self.holder is not None:
+            return GroupState.LOCKED
+        if self.switch is not None:
+            return GroupState.SWITCHING
+        if self.active_job is not None:
+            return GroupState.IDLE_YIELDED
+        return GroupState.IDLE
+
+    # ------------------------------------------------------------------ helpers
+
+    def notify(self, notice: Notice) -> None:
+        self.actions.append(Notify(notice))
+
+    def refuse(self, job: str, request_id: str, code: ErrorCode, message: str) -> None:
+        self.notify(
+            Refused(
+                group=self.group,
+                job=job,
+                request_id=request_id,
+                code=code,
+                message=message,
+                holder=self.holder.job if self.holder else None,
+                epoch=self.epoch,
+            )
+        )
+
+    def touch(self, reason: str) -> None:
+        self.changed = True
+        self.reason = reason
+
+    def waiter_index(self, job: str) -> int | None:
+        for i, wr in enumerate(self.queue):
+            if wr.job == job:
+                return i
+        return None
+
+    def grant(self, wr: WaiterRecord, epoch: int, restored: bool) -> None:
+        self.epoch = epoch
+        self.holder = HolderRecord(
+            job=wr.job,
+            request_id=wr.request_id,
+            epoch=epoch,
+            granted_at_ms=self.now,
+            lease_ms=wr.lease_ms,
+            lease_deadline_ms=self.now + min(wr.confirm_ms, wr.lease_ms),
+            waiter_ttl_ms=wr.waiter_ttl_ms,
+        )
+        self.active_job = wr.job
+        self.notify(
+            Granted(
+                group=self.group,
+                job=wr.job,
+                request_id=wr.request_id,
+                epoch=epoch,
+                waited_ms=max(0, self.now - wr.enqueued_at_ms),
+                context_restored=restored,
+                lease_deadline_ms=self.holder.lease_deadline_ms,
+            )
+        )
+        self.touch("granted")
+
+    def drop_waiter(self, i: int, reason: str) -> None:
+        wr = self.queue.pop(i)
+        self.notify(Dequeued(group=self.group, job=wr.job, request_id=wr.request_id, reason=reason))
+        self.touch(f"waiter {reason}")
+
+    def unsave(self, job: str, node: str) -> None:
+        rest = tuple(n for n in self.saved.get(job, ()) if n != node)
+        if rest:
+            self.saved[job] = rest
+        else:
+            self.saved.pop(job, None)
+
+    def fault(self, job: str, reason: str) -> None:
+        self.faulted[job] = reason
+        self.touch("job faulted")
+        i = self.waiter_index(job)
+        if i is not None:
+            self.drop_waiter(i, f"faulted: {reason}")
+        sw = self.switch
+        if sw is not None and sw.to is not None and sw.to.job == job:
+            # The incoming job will not be granted this switch, even if its fault is cleared meanwhile.
+            self.refuse(job, sw.to.request_id, ErrorCode.JOB_FAULTED, reason)
+            self.switch = msgspec.structs.replace(sw, to=None)
+
+    # ------------------------------------------------------------------ expiries
+
+    def expire(self) -> None:
+        now = self.now
+        h = self.holder
+        if h is not None and now >= h.lease_deadline_ms:
+            why = "lease expired" if h.confirmed else "grant not confirmed in time"
+            self.notify(Revoked(group=self.group, job=h.job, epoch=h.epoch, reason=why))
+            self.holder = None
+            self.touch(why)
+        for i in range(len(self.queue) - 1, -1, -1):
+            wr = self.queue[i]
+            if now >= wr.deadline_ms:
+                self.drop_waiter(i, "timeout")
+            elif now >= wr.alive_until_ms:
+                self.drop_waiter(i, "waiter lost (no renewal)")
+        sw = self.switch
+        if sw is None:
+            return
+        if sw.to is not None and now >= min(sw.to.deadline_ms, sw.to.alive_until_ms):
+            to = sw.to
+            why = "timeout" if now >= to.deadline_ms else "waiter lost (no renewal)"
+            self.notify(Dequeued(group=self.group, job=to.job, request_id=to.request_id, reason=why))
+            self.switch = sw = msgspec.structs.replace(sw, to=None)
+            self.touch(f"waiter {why}")
+        for op in sw.ops:
+            if now >= op.deadline_ms:
+                self.op_done(op, ok=False, error=f"{op.kind} on node {op.node} timed out")
+
+    # ------------------------------------------------------------------ switching
+
+    def advance(self) -> None:
+        """Move the group forward: finish a switch whose operations are done, or start the next one."""
+        while True:
+            sw = self.switch
+            if sw is not None:
+                if sw.ops:
+                    return
+                if sw.phase is OpKind.SNAPSHOT and sw.to is not None and sw.to.job not in self.faulted:
+                    self.start_restores(sw)
+                    continue
+                self.switch = None
+                to = sw.to
+                if to is not None and to.job not in self.faulted:
+                    self.grant(to, sw.epoch, sw.restored)
+                    return
+                if to is not None:
+                    self.refuse(to.job, to.request_id, ErrorCode.JOB_FAULTED, self.faulted[to.job])
+                self.touch("switch ended without grant")
+                continue
+            if self.holder is not None or not self.queue:
+                return
+            wr = self.queue.pop(0)
+            self.touch("next waiter")
+            if wr.job in self.faulted:
+                self.refuse(wr.job, wr.request_id, ErrorCode.JOB_FAULTED, self.faulted[wr.job])
+                continue
+            self.start_switch(wr)
+
+    def start_switch(self, wr: WaiterRecord) -> None:
+        epoch = self.epoch + 1
+        self.epoch = epoch
+        ops: list[OpRecord] = []
+        for node, job in sorted(self.loaded.items()):
+            if job != wr.job:
+                ops.append(self.op(OpKind.SNAPSHOT, node, job, epoch))
+        if self.active_job != wr.job:
+            self.active_job = None
+        self.switch = SwitchRecord(to=wr, epoch=epoch, phase=OpKind.SNAPSHOT, ops=tuple(ops), started_at_ms=self.now)
+        self.touch("switching")
+
+    def start_restores(self, sw: SwitchRecord) -> None:
+        assert sw.to is not None
+        job = sw.to.job
+        stranded = [n for n in self.saved.get(job, ()) if n in self.lost_nodes]
+        if stranded:
+            # Its state is offloaded on a node whose agent is gone: granting now would hand it freed memory.
+            self.switch = msgspec.structs.replace(sw, phase=OpKind.RESTORE, ops=())
+            self.fault(job, f"its context is saved on node {stranded[0]}, whose agent was lost; restart the agent "
+                            "there, then clear the fault")
+            return
+        ops = [
+            self.op(OpKind.RESTORE, node, job, sw.epoch)
+            for node in sorted(self.placements.get(job, ()))
+            if self.loaded.get(node) != job
+        ]
+        self.switch = msgspec.structs.replace(sw, phase=OpKind.RESTORE, ops=tuple(ops), restored=bool(ops))
+        self.touch("restoring")
+
+    def op(self, kind: OpKind, node: str, job: str, epoch: int, suffix: str = "") -> OpRecord:
+        timeout = self.op_timeouts.get(f"{node}/{job}", 120_000)
+        op = OpRecord(
+            op_id=f"{self.group}:{epoch}:{kind}:{node}{suffix}", node=node, job=job, kind=kind,
+            deadline_ms=self.now + timeout,
+        )
+        cls = Snapshot if kind is OpKind.SNAPSHOT else Restore
+        self.actions.append(
+            Command(cls(op_id=op.op_id, group=self.group, job=job, node=node, epoch=epoch, deadline_ms=op.deadline_ms))
+        )
+        return op
+
+    def op_done(self, op: OpRecord, *, ok: bool, error: str | None) -> None:
+        sw = self.switch
+        assert sw is not None
+        self.switch = msgspec.structs.replace(sw, ops=tuple(o for o in sw.ops if o.op_id != op.op_id))
+        if op.kind is OpKind.SNAPSHOT or not ok:
+            if self.loaded.get(op.node) == op.job:
+                del self.loaded[op.node]
+        else:
+            self.loaded[op.node] = op.job
+        nodes = self.saved.get(op.job, ())
+        if op.kind is OpKind.SNAPSHOT and ok and op.node not in nodes:
+            self.saved[op.job] = (*nodes, op.node)
+        elif op.kind is OpKind.RESTORE and ok and op.node in nodes:
+            self.unsave(op.job, op.node)
+        if not ok:
+            self.fault(op.job, error or f"{op.kind} failed on node {op.node}")
+        self.touch(f"{op.kind} {'done' if ok else 'failed'}")
+
+
+# ---------------------------------------------------------------------- event handlers
+
+
