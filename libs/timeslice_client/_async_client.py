@@ -219,7 +219,6 @@ class AsyncTimeSliceClient:
         fut: asyncio.Future[Granted] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         self._waiting[rid] = time.monotonic() + self.waiter_ttl_ms / 3000
-        self._wake.set()
         granted = False
         try:
             await self._publish(
@@ -227,6 +226,7 @@ class AsyncTimeSliceClient:
                         timeout_ms=int(timeout * 1000), waiter_ttl_ms=self.waiter_ttl_ms, confirm_ms=self.confirm_ms),
                 msg_id=rid,
             )
+            self._wake.set()  # the keeper renews this wait from now on (after the publish: off the fast path)
             timed_out = False
             try:
                 async with asyncio.timeout(timeout):
@@ -382,6 +382,13 @@ class AsyncTimeSliceClient:
         subject = subjects.job(self.group_id, self.job_id, msg.__struct_config__.tag)  # type: ignore[arg-type]
         data = encode(msg)
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        try:  # the common case first, without the retry machinery on the hot path
+            await self._js.publish(subject, data, timeout=self.request_timeout, headers=headers)
+            return
+        except Exception as exc:
+            if not _transient(exc):
+                raise Unavailable(f"publishing {subject} failed ({exc.__class__.__name__}: {exc})",
+                                  nats_url=self.nats_url) from exc
         try:
             async for attempt in AsyncRetrying(
                 stop=stop_after_delay(self.request_timeout * 3),

@@ -37,6 +37,7 @@ from timeslice_client.protocol import (
     STREAM,
     AgentLost,
     ErrorCode,
+    Granted,
     GroupRecord,
     InputEvent,
     Refused,
@@ -307,6 +308,8 @@ class Orchestrator:
     async def _publish(self, group: str, actions: list[Action]) -> None:
         nc = self._nc
         assert nc is not None
+        if len(actions) > 1:  # grants first: a waiter's wake-up is the latency that counts
+            actions = sorted(actions, key=lambda a: not (isinstance(a, Notify) and isinstance(a.notice, Granted)))
         for a in actions:
             if isinstance(a, Notify):
                 await nc.publish(subjects.notice(group, a.notice.job), encode(a.notice))
