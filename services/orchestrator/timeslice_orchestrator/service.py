@@ -37,7 +37,6 @@ from timeslice_client.protocol import (
     STREAM,
     AgentLost,
     ErrorCode,
-    Granted,
     GroupRecord,
     InputEvent,
     Refused,
@@ -308,8 +307,8 @@ class Orchestrator:
     async def _publish(self, group: str, actions: list[Action]) -> None:
         nc = self._nc
         assert nc is not None
-        if len(actions) > 1:  # grants first: a waiter's wake-up is the latency that counts
-            actions = sorted(actions, key=lambda a: not (isinstance(a, Notify) and isinstance(a.notice, Granted)))
+        # In the core's order: a Released/Revoked always precedes the next Granted, so the stream alone
+        # shows that holds never overlap (invariants.StreamChecker checks it).
         for a in actions:
             if isinstance(a, Notify):
                 await nc.publish(subjects.notice(group, a.notice.job), encode(a.notice))
