@@ -60,6 +60,7 @@ from timeslice_client.protocol import (
 )
 from timeslice_client.workload import default_node_id
 
+from ._host import alive, host_memory
 from .backends import BackendError, OpContext, Outcome, make_backend
 
 __all__ = ["Agent", "AgentConfig", "OperationStatus", "default_node_id"]
@@ -84,31 +85,6 @@ class AgentConfig(BaseSettings):
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _host_memory() -> tuple[int, int]:
-    total = avail = 0
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                total = int(line.split()[1]) * 1024
-            elif line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    return total, avail
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +206,7 @@ class Agent:
                     ctx = _ctx_decoder.decode(entry.value)
                     self._jobs[ctx.job] = ctx
         for ctx in list(self._jobs.values()):
-            if ctx.pids and not any(_alive(p) for p in ctx.pids):
+            if ctx.pids and not any(alive(p) for p in ctx.pids):
                 await self._unregister(ctx, "its processes are gone")
                 continue
             if ctx.state is JobState.TRANSITIONING:
@@ -565,7 +541,7 @@ class Agent:
 
     async def _heartbeat_once(self) -> None:
         assert self._agents_kv is not None
-        total, avail = _host_memory()
+        total, avail = host_memory()
         from .backends import available_backends
 
         info = AgentInfo(node=self.node, pid=os.getpid(), started_at_ms=self._started_ms,
@@ -593,7 +569,7 @@ class Agent:
             if self._stop.is_set():
                 return
             for ctx in list(self._jobs.values()):
-                if ctx.pids and not any(_alive(p) for p in ctx.pids):
+                if ctx.pids and not any(alive(p) for p in ctx.pids):
                     async with self._locks[ctx.job]:
                         if self._jobs.get(ctx.job) is ctx:
                             try:
