@@ -1,0 +1,140 @@
+"""Shared by the core tests: constants, small helpers and ``Sim``, a driver of ``apply()``."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import msgspec
+from timeslice_client.protocol import (
+    Acquire,
+    AgentLost,
+    Cancel,
+    ClearFault,
+    Granted,
+    InputEvent,
+    JobRegistered,
+    OpKind,
+    OpResult,
+    Phase,
+    Release,
+    Renew,
+    Restore,
+    Snapshot,
+    Tick,
+    encode,
+    subjects,
+)
+from timeslice_orchestrator.core import Action, Command, Notify, apply, new_record
+from timeslice_orchestrator.invariants import check_record
+
+G = "g"
+JOBS = ("a", "b", "c", "d")
+NODES = ("n1", "n2")
+T0 = 1_000_000
+SEQ_GAP = 100  # the state machine's events are SEQ_GAP apart in the stream
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def notices(actions: list[Action], kind: type[Any] | None = None) -> list[Any]:
+    out = [a.notice for a in actions if isinstance(a, Notify)]
+    return [n for n in out if kind is None or isinstance(n, kind)]
+
+
+def commands(actions: list[Action]) -> list[Snapshot | Restore]:
+    return [a.command for a in actions if isinstance(a, Command)]
+
+
+def tag(ev: msgspec.Struct) -> str:
+    t = type(ev).__struct_config__.tag
+    assert isinstance(t, str)
+    return t
+
+
+def input_subject(ev: InputEvent) -> str:
+    if isinstance(ev, Acquire | Release | Renew | Cancel | Phase):
+        return subjects.job(ev.group, ev.job, tag(ev))
+    if isinstance(ev, Tick | ClearFault | AgentLost):
+        return subjects.ctl(ev.group, tag(ev))
+    return subjects.agent_event(ev.node, ev.group)
+
+
+def action_message(group: str, a: Action) -> tuple[str, bytes]:
+    if isinstance(a, Notify):
+        return subjects.notice(group, a.notice.job), encode(a.notice)
+    if isinstance(a, Command):
+        return subjects.agent_cmd(a.command.node), encode(a.command)
+    return subjects.group_state(group), encode(a.change)
+
+
+class Sim:
+    """Drives ``apply()`` by hand for one group: a clock, a sequence, every record checked."""
+
+    def __init__(self, group: str = G) -> None:
+        self.group = group
+        self.rec = new_record(group)
+        self.now = T0
+        self.seq = 0
+        self.rids = itertools.count(1)
+        self.stream: list[tuple[int, int, str, bytes]] = []
+
+    def __call__(self, ev: InputEvent, *, dt: int = 0) -> list[Action]:
+        self.now += dt
+        self.seq += 1
+        self.rec, actions = apply(self.rec, ev, self.now, self.seq)
+        check_record(self.rec)
+        self.stream.append((len(self.stream) + 1, self.now, input_subject(ev), encode(ev)))
+        for a in actions:
+            subject, data = action_message(self.group, a)
+            self.stream.append((len(self.stream) + 1, self.now, subject, data))
+        return actions
+
+    def rid(self, job: str) -> str:
+        return f"{job}-{next(self.rids)}"
+
+    def acquire(self, job: str, rid: str | None = None, *, dt: int = 0, **kw: Any) -> list[Action]:
+        return self(Acquire(group=self.group, job=job, request_id=rid or self.rid(job), **kw), dt=dt)
+
+    def release(self, job: str, epoch: int | None = None, *, dt: int = 0) -> list[Action]:
+        h = self.rec.holder
+        rid = h.request_id if h is not None and h.job == job else self.rid(job)
+        if epoch is None:
+            assert h is not None
+            epoch = h.epoch
+        return self(Release(group=self.group, job=job, request_id=rid, epoch=epoch), dt=dt)
+
+    def renew(self, job: str, epoch: int | None = None, *, dt: int = 0) -> list[Action]:
+        h = self.rec.holder
+        assert h is not None
+        return self(Renew(group=self.group, job=job, request_id=h.request_id,
+                          epoch=h.epoch if epoch is None else epoch), dt=dt)
+
+    def register(self, job: str, node: str, *, op_timeout_ms: int = 10_000) -> list[Action]:
+        return self(JobRegistered(group=self.group, job=job, node=node, op_timeout_ms=op_timeout_ms))
+
+    def result(self, cmd: Snapshot | Restore, ok: bool = True, *, dt: int = 0) -> list[Action]:
+        kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
+        return self(OpResult(group=self.group, op_id=cmd.op_id, node=cmd.node, job=cmd.job, kind=kind,
+                             epoch=cmd.epoch, ok=ok, error=None if ok else "backend said no"), dt=dt)
+
+    def tick(self, *, dt: int = 0) -> list[Action]:
+        return self(Tick(group=self.group), dt=dt)
+
+    def settle(self, actions: list[Action]) -> Granted:
+        """Answer every snapshot/restore (successfully) until a grant comes; return it."""
+        while not notices(actions, Granted):
+            cmds = commands(actions)
+            assert cmds, f"neither granted nor switching: {actions}"
+            for c in cmds:
+                actions = self.result(c)
+        (g,) = notices(actions, Granted)
+        return g  # type: ignore[no-any-return]
+
+    def hold(self, job: str) -> Granted:
+        """``job`` acquires and gets the group (answering any operations), then confirms its grant."""
+        g = self.settle(self.acquire(job))
+        assert g.job == job
+        self.renew(job)
+        return g

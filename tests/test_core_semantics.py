@@ -1,0 +1,376 @@
+"""Plain unit tests pinning the semantics described in ``core.py``, and regressions the state machine found."""
+
+from __future__ import annotations
+
+from timeslice_client.protocol import (
+    Acquire,
+    AgentLost,
+    Cancel,
+    ClearFault,
+    Dequeued,
+    ErrorCode,
+    Granted,
+    GroupState,
+    OpKind,
+    OpResult,
+    Refused,
+    Release,
+    Released,
+    Renew,
+    Restore,
+    Revoked,
+    Snapshot,
+)
+from timeslice_orchestrator.core import apply, next_deadline
+
+from .core_sim import NODES, T0, G, Sim, commands, notices
+
+# --------------------------------------------------------------------------- unit tests of the semantics
+
+
+def test_first_acquire_without_agents_is_granted_at_once() -> None:
+    sim = Sim()
+    actions = sim.acquire("a")
+    (g,) = notices(actions, Granted)
+    assert (g.job, g.epoch, g.context_restored) == ("a", 1, False)
+    assert commands(actions) == []
+    assert sim.rec.state is GroupState.LOCKED
+    assert sim.rec.holder is not None and not sim.rec.holder.confirmed
+
+
+def test_zero_cost_reacquire_after_release_with_no_waiter() -> None:
+    sim = Sim()
+    sim.register("a", "n1")
+    first = sim.hold("a")
+    assert first.context_restored  # registered but never run: its context was brought in
+    (rel,) = notices(sim.release("a"), Released)
+    assert rel.snapshot_deferred and rel.pending_waiters == 0
+    assert sim.rec.state is GroupState.IDLE_YIELDED
+    assert sim.rec.active_job == "a" and sim.rec.loaded == {"n1": "a"} and sim.rec.holder is None
+
+    actions = sim.acquire("a", dt=50)
+    (g,) = notices(actions, Granted)
+    assert commands(actions) == [], "no snapshot and no restore when the job is alone"
+    assert g.epoch == first.epoch + 1 and not g.context_restored
+    assert sim.rec.state is GroupState.LOCKED and sim.rec.loaded == {"n1": "a"}
+
+
+def test_holder_reacquire_gets_the_same_epoch_back() -> None:
+    sim = Sim()
+    g1 = sim.hold("a")
+    actions = sim.acquire("a", lease_ms=7_000, dt=100)
+    (g2,) = notices(actions, Granted)
+    assert g2.epoch == g1.epoch and g2.request_id != g1.request_id
+    assert sim.rec.holder is not None and sim.rec.holder.lease_deadline_ms == sim.now + 7_000
+
+
+def test_release_by_non_holder_is_refused_naming_the_holder() -> None:
+    sim = Sim()
+    sim.hold("a")
+    (r,) = notices(sim.release("b", epoch=1), Refused)
+    assert (r.code, r.holder, r.epoch, r.job) == (ErrorCode.NOT_HOLDER, "a", 1, "b")
+    assert sim.rec.holder is not None and sim.rec.holder.job == "a"
+
+
+def test_release_or_renew_with_a_stale_epoch_is_refused() -> None:
+    sim = Sim()
+    sim.hold("a")
+    sim.release("a")
+    sim.hold("a")  # epoch 2 now
+    (r,) = notices(sim.release("a", epoch=1), Refused)
+    assert (r.code, r.epoch) == (ErrorCode.STALE_EPOCH, 2)
+    (r,) = notices(sim.renew("a", epoch=1), Refused)
+    assert r.code is ErrorCode.STALE_EPOCH
+    assert sim.rec.holder is not None and sim.rec.holder.epoch == 2
+
+
+def test_grant_not_confirmed_is_revoked_and_the_next_waiter_granted() -> None:
+    sim = Sim()
+    (g,) = notices(sim.acquire("a", confirm_ms=1_000, lease_ms=30_000), Granted)
+    assert g.lease_deadline_ms == sim.now + 1_000  # a confirmation window, not the full lease
+    sim.acquire("b", waiter_ttl_ms=5_000)
+    assert [w.job for w in sim.rec.queue] == ["b"]
+    assert next_deadline(sim.rec) == g.lease_deadline_ms
+    assert notices(sim.tick(dt=999)) == []
+    actions = sim.tick(dt=1)
+    revoked, granted = notices(actions)
+    assert isinstance(revoked, Revoked) and revoked.job == "a" and "not confirmed" in revoked.reason
+    assert isinstance(granted, Granted) and (granted.job, granted.epoch) == ("b", 2)
+
+
+def test_confirmed_lease_runs_its_full_length_then_expires() -> None:
+    sim = Sim()
+    sim.acquire("a", confirm_ms=1_000, lease_ms=10_000)
+    sim.renew("a", dt=500)
+    assert sim.rec.holder is not None and sim.rec.holder.confirmed
+    assert notices(sim.tick(dt=9_999)) == []
+    (rv,) = notices(sim.tick(dt=1), Revoked)
+    assert rv.reason == "lease expired"
+    assert sim.rec.state is GroupState.IDLE_YIELDED
+
+
+def test_switch_snapshots_then_restores_and_grants_only_after_every_restore() -> None:
+    sim = Sim()
+    for job in ("a", "b"):
+        for node in NODES:
+            sim.register(job, node)
+    sim.hold("a")
+    assert sim.rec.loaded == {"n1": "a", "n2": "a"}
+    assert notices(sim.acquire("b")) == []
+    actions = sim.release("a")
+    (rel,) = notices(actions, Released)
+    assert rel.pending_waiters == 1 and not rel.snapshot_deferred
+    snaps = commands(actions)
+    assert [(type(c), c.job, c.node, c.epoch) for c in snaps] == [(Snapshot, "a", "n1", 2), (Snapshot, "a", "n2", 2)]
+    assert sim.rec.state is GroupState.SWITCHING and sim.rec.epoch == 2
+
+    assert commands(sim.result(snaps[0])) == []  # n2 still snapshotting: no restore yet
+    restores = commands(sim.result(snaps[1]))
+    assert [(type(c), c.job, c.node, c.epoch) for c in restores] == [(Restore, "b", "n1", 2), (Restore, "b", "n2", 2)]
+    assert notices(sim.result(restores[1])) == []  # one restore still out: no grant
+    (g,) = notices(sim.result(restores[0]), Granted)
+    assert (g.job, g.epoch, g.context_restored) == ("b", 2, True)
+    assert sim.rec.loaded == {"n1": "b", "n2": "b"} and sim.rec.active_job == "b"
+
+
+def test_failed_snapshot_faults_that_job_and_the_waiter_still_gets_the_group() -> None:
+    sim = Sim()
+    sim.register("a", "n1")
+    sim.register("b", "n1")
+    sim.hold("a")
+    sim.acquire("b")
+    (snap,) = commands(sim.release("a"))
+    actions = sim.result(snap, ok=False)
+    assert sim.rec.faulted == {"a": "backend said no"}
+    (restore,) = commands(actions)
+    assert (restore.job, restore.node) == ("b", "n1")
+    (g,) = notices(sim.result(restore), Granted)
+    assert g.job == "b"
+    # The faulted job is refused until its fault is cleared.
+    (r,) = notices(sim.acquire("a"), Refused)
+    assert r.code is ErrorCode.JOB_FAULTED and r.message == "backend said no"
+    sim(ClearFault(group=G, job="a"))
+    assert sim.rec.faulted == {}
+    assert notices(sim.acquire("a")) == [] and [w.job for w in sim.rec.queue] == ["a"]
+
+
+def test_failed_restore_faults_the_incoming_job_which_is_refused() -> None:
+    sim = Sim()
+    sim.register("b", "n1")
+    (restore,) = commands(sim.acquire("b"))
+    actions = sim.result(restore, ok=False)
+    (r,) = notices(actions, Refused)
+    assert (r.job, r.code) == ("b", ErrorCode.JOB_FAULTED)
+    assert sim.rec.state is GroupState.IDLE and sim.rec.holder is None and "b" in sim.rec.faulted
+
+
+def test_agent_lost_mid_snapshot_resolves_the_operation() -> None:
+    sim = Sim()
+    sim.register("a", "n1")
+    sim.register("b", "n2")
+    sim.hold("a")
+    sim.acquire("b")
+    (snap,) = commands(sim.release("a"))
+    assert snap.node == "n1"
+    actions = sim(AgentLost(group=G, node="n1"))
+    assert "a" in sim.rec.faulted and "n1" in sim.rec.faulted["a"]
+    (restore,) = commands(actions)
+    assert (restore.job, restore.node) == ("b", "n2")
+    (g,) = notices(sim.result(restore), Granted)
+    assert g.job == "b" and sim.rec.loaded == {"n2": "b"}
+    # The lost answer arriving after all changes nothing (fenced: the operation is gone).
+    before = sim.rec
+    sim.result(snap)
+    assert sim.rec is before
+
+
+def test_agent_lost_mid_restore_faults_the_incoming_job() -> None:
+    sim = Sim()
+    sim.register("b", "n1")
+    commands(sim.acquire("b"))
+    assert sim.rec.state is GroupState.SWITCHING
+    (r,) = notices(sim(AgentLost(group=G, node="n1")), Refused)
+    assert r.code is ErrorCode.JOB_FAULTED
+    assert sim.rec.switch is None and sim.rec.placements == {} and sim.rec.state is GroupState.IDLE
+
+
+def test_operation_timeout_resolves_the_operation() -> None:
+    sim = Sim()
+    sim.register("a", "n1", op_timeout_ms=2_000)
+    sim.register("b", "n2")
+    sim.hold("a")
+    sim.acquire("b", timeout_ms=60_000, waiter_ttl_ms=600_000)
+    (snap,) = commands(sim.release("a"))
+    assert next_deadline(sim.rec) == snap.deadline_ms == sim.now + 2_000
+    actions = sim.tick(dt=2_000)
+    assert "timed out" in sim.rec.faulted["a"]
+    (restore,) = commands(actions)
+    assert restore.job == "b"
+
+
+def test_job_registered_but_never_run_gets_a_restore_and_is_granted_when_it_succeeds() -> None:
+    sim = Sim()
+    sim.register("c", "n1")
+    sim.register("c", "n2")
+    actions = sim.acquire("c")
+    assert notices(actions) == []
+    cmds = commands(actions)
+    assert [(type(c), c.job, c.node) for c in cmds] == [(Restore, "c", "n1"), (Restore, "c", "n2")]
+    assert notices(sim.result(cmds[0])) == []
+    (g,) = notices(sim.result(cmds[1]), Granted)
+    assert g.job == "c" and g.context_restored and g.epoch == 1
+
+
+def test_cancel_crossing_a_grant_releases_it() -> None:
+    sim = Sim()
+    sim.hold("a")
+    rid = sim.rid("b")
+    sim.acquire("b", rid)
+    (g,) = notices(sim.release("a"), Granted)  # b granted; its client cancels before it sees the grant
+    assert g.request_id == rid
+    (rel,) = notices(sim(Cancel(group=G, job="b", request_id=rid, reason="timeout")), Released)
+    assert (rel.job, rel.epoch, rel.request_id) == ("b", g.epoch, rid)
+    assert sim.rec.holder is None and sim.rec.state is GroupState.IDLE_YIELDED
+
+
+def test_cancel_of_a_waiter_dequeues_it_and_the_next_waiter_keeps_its_place() -> None:
+    sim = Sim()
+    sim.hold("a")
+    rb, rc = sim.rid("b"), sim.rid("c")
+    sim.acquire("b", rb)
+    sim.acquire("c", rc)
+    (d,) = notices(sim(Cancel(group=G, job="b", request_id=rb)), Dequeued)
+    assert (d.job, d.request_id) == ("b", rb)
+    (g,) = notices(sim.release("a"), Granted)
+    assert g.request_id == rc
+
+
+def test_waiter_timeout_and_lost_waiter_are_dequeued() -> None:
+    sim = Sim()
+    sim.hold("a")
+    sim.acquire("b", timeout_ms=1_000, waiter_ttl_ms=5_000)
+    sim.acquire("c", timeout_ms=60_000, waiter_ttl_ms=2_000)
+    ds = notices(sim.tick(dt=1_000), Dequeued)
+    assert [(d.job, d.reason) for d in ds] == [("b", "timeout")]
+    sim.renew("a")
+    ds = notices(sim.tick(dt=1_000), Dequeued)
+    assert [(d.job, d.reason) for d in ds] == [("c", "waiter lost (no renewal)")]
+    assert sim.rec.queue == ()
+
+
+def test_waiter_renewal_keeps_it_alive_and_unknown_requests_are_told() -> None:
+    sim = Sim()
+    sim.hold("a")
+    rid = sim.rid("b")
+    sim.acquire("b", rid, waiter_ttl_ms=1_000)
+    sim(Renew(group=G, job="b", request_id=rid), dt=900)
+    assert notices(sim.tick(dt=900)) == []
+    (d,) = notices(sim(Renew(group=G, job="b", request_id="nope")), Dequeued)
+    assert d.reason == "not waiting"
+
+
+def test_second_acquire_of_a_waiter_replaces_its_request_and_keeps_its_place() -> None:
+    sim = Sim()
+    sim.hold("a")
+    sim.acquire("b")
+    sim.acquire("c", dt=10)
+    r2 = sim.rid("b")
+    sim.acquire("b", r2, dt=10)
+    assert [(w.job, w.request_id) for w in sim.rec.queue] == [("b", r2), ("c", "c-3")]
+    assert sim.rec.queue[0].enqueued_at_ms == T0
+
+
+def test_invalid_acquire_is_refused() -> None:
+    sim = Sim()
+    (r,) = notices(sim.acquire("a", lease_ms=10), Refused)
+    assert r.code is ErrorCode.INVALID and "lease_ms" in r.message
+    assert sim.rec.queue == () and sim.rec.holder is None
+
+
+def test_late_op_result_of_an_older_epoch_changes_nothing() -> None:
+    sim = Sim()
+    sim.register("a", "n1")
+    sim.register("b", "n1")
+    sim.hold("a")
+    sim.acquire("b")
+    (snap,) = commands(sim.release("a"))
+    (restore,) = commands(sim.result(snap))
+    sim.result(restore)  # b holds at epoch 2
+    sim.renew("b")
+    sim.acquire("a")
+    (snap3,) = commands(sim.release("b"))  # epoch 3: snapshot b
+    before = sim.rec
+    for late in (snap, restore):  # answers of epoch 2, again
+        sim.result(late, ok=False)
+        assert sim.rec is before
+    forged = OpResult(group=G, op_id=snap3.op_id, node="n1", job="b", kind=OpKind.SNAPSHOT, epoch=2, ok=False)
+    sim(forged)
+    assert sim.rec is before, "an answer carrying an old epoch never touches the current switch"
+
+
+def test_reapplying_an_applied_event_is_a_no_op() -> None:
+    sim = Sim()
+    ev = Acquire(group=G, job="a", request_id="r1")
+    sim(ev)
+    rec = sim.rec
+    new, actions = apply(rec, ev, sim.now + 100_000, rec.last_seq)
+    assert new is rec and actions == []
+
+
+def test_next_deadline() -> None:
+    sim = Sim()
+    assert next_deadline(sim.rec) is None
+    sim.acquire("a", confirm_ms=1_000)
+    sim.acquire("b", waiter_ttl_ms=500, timeout_ms=100)
+    assert next_deadline(sim.rec) == sim.now + 100
+
+
+# --------------------------------------------------------------------------- regressions found by the state machine
+
+
+def test_release_by_the_incoming_job_before_its_grant_dequeues_it_with_a_notice() -> None:
+    sim = Sim()
+    sim.register("a", "n1")
+    rid = sim.rid("a")
+    (restore,) = commands(sim.acquire("a", rid))  # a is the incoming job of a switch
+    # A release naming another request (an old one, retried) does not touch the wait.
+    (r,) = notices(sim(Release(group=G, job="a", request_id="a-old", epoch=0)), Refused)
+    assert r.code is ErrorCode.NOT_HOLDER and sim.rec.switch is not None and sim.rec.switch.to is not None
+    # Releasing the pending request itself: the caller gave up; it is told so.
+    (d,) = notices(sim(Release(group=G, job="a", request_id=rid, epoch=1)), Dequeued)
+    assert (d.job, d.request_id) == ("a", rid)
+    assert notices(sim.result(restore)) == []  # the switch finishes without a grant
+    assert sim.rec.holder is None
+
+
+def test_a_job_cannot_cancel_another_jobs_request() -> None:
+    sim = Sim()
+    g = sim.hold("a")
+    rid_b = sim.rid("b")
+    sim.acquire("b", rid_b)
+    assert notices(sim(Cancel(group=G, job="c", request_id=g.request_id))) == []
+    assert notices(sim(Cancel(group=G, job="c", request_id=rid_b))) == []
+    assert sim.rec.holder is not None and sim.rec.holder.job == "a" and [w.job for w in sim.rec.queue] == ["b"]
+
+
+def test_incoming_job_registering_on_a_new_node_mid_restore_is_restored_there_too() -> None:
+    sim = Sim()
+    sim.register("a", "n1")
+    (r1,) = commands(sim.acquire("a"))
+    (r2,) = commands(sim.register("a", "n2"))
+    assert isinstance(r2, Restore) and (r2.job, r2.node, r2.epoch) == ("a", "n2", 1) and r2.op_id != r1.op_id
+    assert notices(sim.result(r1)) == []  # not granted while n2 is still restoring
+    (g,) = notices(sim.result(r2), Granted)
+    assert g.context_restored and sim.rec.loaded == {"n1": "a", "n2": "a"}
+
+
+def test_clearing_the_incoming_jobs_fault_mid_switch_does_not_grant_it() -> None:
+    sim = Sim()
+    sim.register("a", "n1")
+    sim.register("a", "n2")
+    r1, r2 = commands(sim.acquire("a"))
+    (r,) = notices(sim.result(r1, ok=False), Refused)  # told at once, not when the switch ends
+    assert (r.job, r.code) == ("a", ErrorCode.JOB_FAULTED)
+    sim(ClearFault(group=G, job="a"))
+    assert notices(sim.result(r2)) == [], "a restore failed on n1: no grant for this request"
+    assert sim.rec.holder is None and sim.rec.state is GroupState.IDLE
