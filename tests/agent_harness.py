@@ -1,0 +1,211 @@
+"""Harness for the agent process tests: the agent and workload processes, CLI and stream helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from timeslice_client import AsyncTimeSliceClient, GroupRecord
+from timeslice_client.bus import connect
+from timeslice_client.protocol import OpResult, OpStarted, decode_input, subjects
+from timeslice_orchestrator.invariants import StreamChecker
+
+from .helpers import eventually
+from .workers import read_stream
+
+ROOT = Path(__file__).resolve().parents[1]
+NODE = "n1"
+START = 30.0  # seconds a fresh interpreter (torch included) may take on a loaded 2-core machine
+MB = 1024 * 1024
+AGENT_TTL = 6.0  # the agents bucket's TTL (BusConfig.agent_ttl_s)
+
+# --------------------------------------------------------------------------- processes
+
+
+class AgentProcess:
+    """``python -m timeslice_agent`` for one node."""
+
+    def __init__(self, nats_url: str, node: str, log_path: Path) -> None:
+        self.nats_url, self.node, self.log_path = nats_url, node, log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child holds it; closed right after the fork
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "timeslice_agent", "--node-id", self.node, "--nats-url", self.nats_url],
+                cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        finally:
+            log.close()
+
+    async def jobs(self) -> dict[str, dict[str, Any]]:
+        """The agent's job contexts, by job (its ``status`` request/reply)."""
+        nc = await connect(self.nats_url)
+        try:
+            msg = await nc.request(subjects.agent_rpc(self.node, "status"), b"", timeout=2)
+            return {j["job"]: j for j in msgspec.json.decode(msg.data)}
+        finally:
+            await nc.close()
+
+    async def wait_states(self, states: dict[str, str], *, exact: bool = False) -> dict[str, dict[str, Any]]:
+        """The agent's jobs once the named ones are in the given states (``exact``: and no other job)."""
+
+        async def check() -> dict[str, dict[str, Any]] | None:
+            jobs = await self.jobs()
+            now = {j: c["state"] for j, c in jobs.items() if exact or j in states}
+            return jobs if now == states else None
+
+        return await eventually(check, interval=0.05, what=f"agent states {states}")
+
+    async def wait_ready(self, timeout: float = START) -> None:
+        async def answers() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, f"agent exited: {self.describe()}"
+            try:
+                await self.jobs()
+            except Exception:
+                return False
+            return True
+
+        await eventually(answers, timeout=timeout, interval=0.05, what=f"agent {self.node} answers")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def describe(self) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return f"agent rc={self.proc.poll() if self.proc else None} log={text[-3000:]!r}"
+
+
+class Workload:
+    """One ``tests.workers.workload_worker`` process: commands go to its control file, events come from
+    its JSON-lines log."""
+
+    def __init__(self, tmp: Path, nats_url: str, group: str, job: str, node: str, **opts: Any) -> None:
+        self.job = job
+        self.out = tmp / f"workload-{group}-{job}.jsonl"
+        self.control = tmp / f"workload-{group}-{job}.ctl"
+        self.stderr_path = tmp / f"workload-{group}-{job}.stderr"
+        self.control.write_text("")
+        args = [sys.executable, "-m", "tests.workers.workload_worker", "--nats-url", nats_url, "--group", group,
+                "--job", job, "--node-id", node, "--out", str(self.out), "--control-file", str(self.control)]
+        for k, v in opts.items():
+            args += ["--" + k.replace("_", "-"), str(v)]
+        err = open(self.stderr_path, "ab")  # noqa: SIM115 - the child holds it; closed right after the fork
+        try:
+            self.proc = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=err,
+                                         stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        finally:
+            err.close()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send(self, *cmds: str) -> None:
+        with open(self.control, "a", encoding="utf-8") as f:
+            f.write("".join(c + "\n" for c in cmds))
+
+    def events(self, ev: str | None = None) -> list[dict[str, Any]]:
+        try:
+            text = self.out.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in text.splitlines(keepends=True):
+            if not line.endswith("\n"):
+                break  # being written
+            e = json.loads(line)
+            if ev is None or e["ev"] == ev:
+                out.append(e)
+        return out
+
+    def last(self, ev: str) -> dict[str, Any] | None:
+        found = self.events(ev)
+        return found[-1] if found else None
+
+    async def wait(self, ev: str, n: int = 1, timeout: float = 15.0) -> dict[str, Any]:
+        """The ``n``-th ``ev`` event (1-based), once it is there; fails early on a worker error."""
+
+        def check() -> dict[str, Any] | None:
+            found = self.events(ev)
+            if len(found) >= n:
+                return found[n - 1]
+            errors = [e for e in self.events("error") if ev != "error"]
+            assert not errors or ev == "error", f"{self.job} failed while waiting for {ev}: {errors}"
+            assert self.proc.poll() is None, f"{self.job} exited while waiting for {ev}: {self.describe()}"
+            return None
+
+        return await eventually(check, timeout=timeout, interval=0.02, what=f"{self.job}: {ev} #{n}")
+
+    def proc_state(self) -> str:
+        """The process state letter from /proc (R, S, T = stopped, …)."""
+        with open(f"/proc/{self.pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+
+    def describe(self) -> str:
+        err = self.stderr_path.read_text(errors="replace")[-3000:] if self.stderr_path.exists() else ""
+        return f"workload {self.job} rc={self.proc.poll()} events={self.events()[-8:]} output={err!r}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # also ends a stopped (frozen) process
+        self.proc.wait(10)
+
+
+Spawn = Callable[..., Workload]
+
+
+async def timeslice(nats_url: str, *args: str) -> tuple[int, str]:
+    """Run the ``timeslice`` command (``python -m timeslice_orchestrator``); returns (rc, stdout)."""
+    sub, *rest = args
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "timeslice_orchestrator", "--log-level", "warning", sub, "--nats-url", nats_url, *rest,
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    if proc.returncode != 0:
+        return proc.returncode, out.decode() + err.decode()
+    return proc.returncode, out.decode()
+
+
+def queued(obs: AsyncTimeSliceClient, group: str, job: str) -> Callable[[], Any]:
+    async def check() -> GroupRecord | None:
+        rec = await obs.status(group)
+        return rec if job in [w.job for w in rec.queue] else None
+
+    return check
+
+
+async def op_events(nats_url: str, group: str) -> tuple[list[OpResult], list[OpStarted], StreamChecker]:
+    """Operation outcomes and starts of ``NODE`` in ``group``, and the stream folded by the invariant checker."""
+    stream = await read_stream(nats_url)
+    results = [ev for _, _, subj, data in stream if subj == subjects.agent_event(NODE, group)
+               and isinstance(ev := decode_input(data), OpResult)]
+    started = [msgspec.json.decode(data, type=OpStarted) for _, _, subj, data in stream
+               if subj == subjects.agent_op(NODE) and msgspec.json.decode(data)["group"] == group]
+    checker = StreamChecker()
+    checker.feed_all(stream)
+    return results, started, checker
+
+
+def one(items: list[Any], what: str) -> Any:
+    assert len(items) == 1, f"expected one {what}, got {items}"
+    return items[0]
