@@ -302,14 +302,16 @@ class AsyncTimeSliceClient:
         pids: Iterable[int] | None = None,
         pgid: int | None = None,
         op_timeout: float = 120.0,
+        endpoints: Iterable[str] = (),
     ) -> WorkloadChannel:
         """Register this process with its node's agent so a switch moves its state (see ``handlers``).
-        The channel is closed (unregistered) with the client."""
+        ``endpoints`` name the serving engines of backend ``app_endpoint`` (``"vllm+http://host:port"``,
+        ``"sglang+http://host:port"``). The channel is closed (unregistered) with the client."""
         await self.connect()
         assert self._nc is not None
         channel = WorkloadChannel(self._nc, self.job_id, self.group_id, handler, node_id=node_id, mode=mode,
                                   tags=tags, backends=backends, pids=pids, pgid=pgid, op_timeout=op_timeout,
-                                  request_timeout=self.request_timeout)
+                                  request_timeout=self.request_timeout, endpoints=endpoints)
         await channel.start()
         self._channels.append(channel)
         return channel

@@ -33,6 +33,10 @@ back to its host faulted 3-4x slower with it; the zeroing remains either way (do
 Call :meth:`TorchOffloadHandler.prepare` ahead of the first suspend to allocate and touch the host
 buffers early.
 
+:func:`swap` switches two handlers of one process (e.g. a colocated trainer and rollout engine): on CUDA,
+when the incoming state fits beside the outgoing one, the outgoing device-to-host and the incoming
+host-to-device copies run at the same time (PCIe is full duplex), each on its handler's own stream.
+
 Limits: sparse tensors and tensor subclasses without a plain storage (e.g. ``DTensor`` wrappers) are
 skipped; a storage that cannot be resized (memory borrowed from numpy, shared memory) is refused
 before anything moves. On CPU, calling ``tensor.numpy()`` once marks that tensor's storage
@@ -47,6 +51,7 @@ import ctypes
 import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -56,7 +61,7 @@ from .errors import HandlerError
 from .handlers import HandlerResult
 from .protocol import SuspendMode
 
-__all__ = ["CPU_CHUNK_BYTES", "CUDA_CHUNK_BYTES", "TorchOffloadHandler"]
+__all__ = ["CPU_CHUNK_BYTES", "CUDA_CHUNK_BYTES", "SwapResult", "TorchOffloadHandler", "can_overlap", "swap"]
 
 CUDA_CHUNK_BYTES: Final = 64 << 20
 # On CPU every copy_ is a parallel region whose threads meet at a barrier; on a busy machine each barrier
@@ -260,6 +265,21 @@ class TorchOffloadHandler:
                     total += nbytes
             return total
 
+    def saved_bytes_by_device(self, tags: Iterable[str] = ()) -> dict[int, int]:
+        """Device bytes a resume of the selected suspended groups will allocate, by CUDA device index
+        (index 0 for the CPU stand-in)."""
+        with self._lock:
+            need: dict[int, int] = {}
+            for group in self._select(frozenset(tags)):
+                for slot in group.saved or ():
+                    index = slot.storage.device.index or 0
+                    need[index] = need.get(index, 0) + slot.nbytes
+            return need
+
+    @property
+    def is_cuda(self) -> bool:
+        return self._cuda
+
     def host_bytes(self, tags: Iterable[str] = ()) -> int:
         """Bytes of host buffer the selected groups hold (kept across cycles, see ``release_host_buffers``)."""
         with self._lock:
@@ -304,6 +324,11 @@ class TorchOffloadHandler:
     # ------------------------------------------------------------------ the handler interface
 
     def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        return self._suspend(mode, tags, sync_device=True)
+
+    def _suspend(self, mode: SuspendMode, tags: frozenset[str], *, sync_device: bool) -> HandlerResult:
+        """``sync_device=False``: the caller synchronized the devices already (``swap``: a device-wide
+        synchronize here would wait for the incoming job's copies)."""
         offload = SuspendMode(mode) == SuspendMode.OFFLOAD  # (a plain "offload"/"discard" string works too)
         with self._lock:
             groups = [g for g in self._select(frozenset(tags)) if g.saved is None]
@@ -323,7 +348,8 @@ class TorchOffloadHandler:
                         )
                 plans.append((group, self._slots(group, found, offload)))
             slots = [slot for _, plan in plans for slot in plan]
-            self._sync_devices(slots)
+            if sync_device:
+                self._sync_devices(slots)
             self._free_all(slots, offload)
             for group, plan in plans:
                 group.saved = plan
@@ -533,6 +559,73 @@ class TorchOffloadHandler:
                 else:
                     _bytes_of(slot.storage).zero_()
         self._sync_streams()
+
+
+# --------------------------------------------------------------------------- duplex swap
+
+SWAP_HEADROOM: Final = 512 << 20  # free device memory kept aside when deciding to overlap (allocator slack)
+
+
+@dataclass(frozen=True, slots=True)
+class SwapResult:
+    suspended: HandlerResult  # the outgoing handler's suspend
+    resumed: HandlerResult  # the incoming handler's resume
+    overlapped: bool  # whether the two ran at the same time
+
+
+def can_overlap(outgoing: TorchOffloadHandler, incoming: TorchOffloadHandler, in_tags: Iterable[str] = ()) -> bool:
+    """True when both handlers are on CUDA and every device the incoming state needs has room for it now,
+    before the outgoing state is freed (so the resume's allocations cannot fail for want of that memory)."""
+    if not (outgoing.is_cuda and incoming.is_cuda):
+        return False  # CPU: both copies share the same memory bus; nothing to gain
+    for index, nbytes in incoming.saved_bytes_by_device(in_tags).items():
+        free, _ = torch.cuda.mem_get_info(index)
+        cached = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+        if nbytes + SWAP_HEADROOM > free + cached:
+            return False
+    return True
+
+
+def swap(
+    outgoing: TorchOffloadHandler,
+    incoming: TorchOffloadHandler,
+    *,
+    mode: SuspendMode = SuspendMode.OFFLOAD,
+    out_tags: Iterable[str] = (),
+    in_tags: Iterable[str] = (),
+    overlap: bool | None = None,
+) -> SwapResult:
+    """Suspend ``outgoing`` and resume ``incoming``: the handler-level switch of two jobs that share a GPU
+    from one process (e.g. a colocated trainer and rollout engine).
+
+    PCIe is full duplex: when ``overlap`` (by default: :func:`can_overlap`, i.e. both on CUDA and the
+    incoming state fits beside the outgoing one) the outgoing device-to-host copies and the incoming
+    host-to-device copies run at the same time, each handler on its own copy stream, so the swap costs
+    about one copy instead of two. Otherwise the suspend finishes (freeing its memory) before the resume
+    starts. Each side keeps its own guarantees: a failed suspend is rolled back, a failed resume leaves
+    its groups suspended; if either fails, :class:`HandlerError` says which, after both have finished.
+    """
+    out_set, in_set = frozenset(out_tags), frozenset(in_tags)
+    if outgoing is incoming:
+        raise ValueError("swap needs two different handlers (one handler suspends and resumes its own tags)")
+    if overlap is None:
+        overlap = can_overlap(outgoing, incoming, in_set)
+    if not overlap:
+        suspended = outgoing.suspend(mode, out_set)
+        return SwapResult(suspended, incoming.resume(mode, in_set), overlapped=False)
+    for index in range(torch.cuda.device_count()):  # the outgoing job's queued kernels finish first
+        torch.cuda.synchronize(index)
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="timeslice-swap") as pool:
+        out_f = pool.submit(outgoing._suspend, mode, out_set, sync_device=False)
+        in_f = pool.submit(incoming.resume, mode, in_set)
+        out_exc, in_exc = out_f.exception(), in_f.exception()
+    if out_exc is not None or in_exc is not None:
+        parts = [f"suspend of the outgoing state failed ({out_exc!r}; rolled back: it is on the device)"
+                 if out_exc is not None else "the outgoing state was suspended",
+                 f"resume of the incoming state failed ({in_exc!r}; it stays suspended)"
+                 if in_exc is not None else "the incoming state was resumed"]
+        raise HandlerError(f"swap failed: {'; '.join(parts)}") from (out_exc or in_exc)
+    return SwapResult(out_f.result(), in_f.result(), overlapped=True)
 
 
 def _several(value: Any, kind: type, what: str, tag: str) -> list[Any]:

@@ -76,6 +76,7 @@ class WorkloadChannel:
         op_timeout: float = 120.0,
         request_timeout: float = 5.0,
         own_connection: bool = False,
+        endpoints: Iterable[str] = (),
     ) -> None:
         if not isinstance(handler, WorkloadHandler):
             raise InvalidRequest("handler must have suspend(mode, tags) and resume(mode, tags) methods")
@@ -93,6 +94,7 @@ class WorkloadChannel:
         self.pgid = pgid
         self.op_timeout = op_timeout
         self.request_timeout = request_timeout
+        self.endpoints = tuple(endpoints)  # app_endpoint servers, e.g. "vllm+http://127.0.0.1:8000"
         self._own = own_connection
         self._sub: object | None = None
         self._lock = asyncio.Lock()
@@ -106,7 +108,8 @@ class WorkloadChannel:
         await asyncio.sleep(0)  # NATS_NOTES trap 2
         await self.nc.flush()
         req = RegisterJob(group=self.group_id, job=self.job_id, backends=self.backends, pids=self.pids,
-                          pgid=self.pgid, mode=self.mode, tags=self.tags, op_timeout_ms=int(self.op_timeout * 1000))
+                          pgid=self.pgid, mode=self.mode, tags=self.tags, op_timeout_ms=int(self.op_timeout * 1000),
+                          endpoints=self.endpoints)
         try:
             reply = await self._agent("register", encode(req))
         except BaseException:
@@ -200,6 +203,7 @@ async def register_workload(
     pids: Iterable[int] | None = None,
     pgid: int | None = None,
     op_timeout: float = 120.0,
+    endpoints: Iterable[str] = (),
 ) -> WorkloadChannel:
     """Register this process with its node's agent; its own NATS connection, closed by ``close()``.
 
@@ -209,7 +213,7 @@ async def register_workload(
     nc = await connect(nats_url, name=f"timeslice-workload-{job_id}")
     channel = WorkloadChannel(nc, job_id, group_id, handler, node_id=node_id, mode=mode, tags=tags,
                               backends=backends, pids=pids, pgid=pgid, op_timeout=op_timeout,
-                              own_connection=True)
+                              own_connection=True, endpoints=endpoints)
     try:
         return await channel.start()
     except BaseException:

@@ -6,7 +6,10 @@ raises :class:`BackendError`. Backends compose per job (``ctx.backends``, e.g. `
 in reverse; when a later snapshot step fails, the earlier ones are undone (restored) so the job is
 RUNNING again, and only if that undo fails too is the job FAULTED.
 
-More backends (``cuda``, ``app_endpoint``) plug in through :func:`register_backend`.
+Built in: ``noop``, ``freeze``, ``app_channel``, ``app_endpoint`` (vLLM/SGLang HTTP, ``_app_endpoint``) and
+``cuda`` (the CUDA driver's process checkpoint, ``_cuda``; available only where ``cuda-python`` and a
+GPU are). More plug in through :func:`register_backend`; a backend that may be missing on a node gives a
+``probe`` that says why, so the agent announces only what works and refuses the rest with the reason.
 """
 
 from __future__ import annotations
@@ -14,66 +17,32 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
 
 import msgspec
 from nats.aio.client import Client as NATS
 from timeslice_client.protocol import JobContext, WorkloadCommand, WorkloadReply, encode, subjects
 
+from ._app_endpoint import AppEndpointBackend, make_app_endpoint_backend
+from ._backend_api import Backend, BackendError, BackendUnavailable, OpContext, Outcome
+from ._cuda import CudaBackend, cuda_unavailable_reason, make_cuda_backend
+
 __all__ = [
     "AppChannelBackend",
+    "AppEndpointBackend",
     "Backend",
     "BackendError",
     "BackendUnavailable",
+    "CudaBackend",
     "FreezeBackend",
     "NoopBackend",
     "OpContext",
     "Outcome",
+    "available_backends",
     "make_backend",
     "register_backend",
+    "unavailable_backends",
 ]
-
-
-class BackendError(Exception):
-    """An operation failed. ``rolled_back`` says whether the job's context is as it was before."""
-
-    def __init__(self, message: str, *, rolled_back: bool = True) -> None:
-        self.rolled_back = rolled_back
-        super().__init__(message)
-
-
-class BackendUnavailable(BackendError):
-    """The backend cannot run on this node (missing driver, library or permission)."""
-
-
-@dataclass(frozen=True, slots=True)
-class OpContext:
-    op_id: str
-    epoch: int
-    deadline: float  # monotonic seconds
-
-    def remaining(self) -> float:
-        return max(0.001, self.deadline - time.monotonic())
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    bytes_moved: int = 0
-    device_bytes_freed: int = 0
-
-    def __add__(self, other: Outcome) -> Outcome:
-        return Outcome(self.bytes_moved + other.bytes_moved, self.device_bytes_freed + other.device_bytes_freed)
-
-
-class Backend(Protocol):
-    name: str
-
-    async def snapshot(self, ctx: JobContext, op: OpContext) -> Outcome: ...
-
-    async def restore(self, ctx: JobContext, op: OpContext) -> Outcome: ...
 
 
 class NoopBackend:
@@ -159,25 +128,51 @@ class AppChannelBackend:
 
 
 BackendFactory = Callable[[NATS, str], Backend]
+Probe = Callable[[], str | None]  # None: usable here; else why not
 _FACTORIES: dict[str, BackendFactory] = {
     "noop": lambda nc, node: NoopBackend(),
     "freeze": lambda nc, node: FreezeBackend(),
     "app_channel": AppChannelBackend,
+    "app_endpoint": make_app_endpoint_backend,
+    "cuda": make_cuda_backend,
 }
+_PROBES: dict[str, Probe] = {"cuda": cuda_unavailable_reason}
 
 
-def register_backend(name: str, factory: BackendFactory) -> None:
+def register_backend(name: str, factory: BackendFactory, *, probe: Probe | None = None) -> None:
+    """Add (or replace) a backend. ``probe`` returns None where it can run, else the reason it cannot."""
     _FACTORIES[name] = factory
+    if probe is None:
+        _PROBES.pop(name, None)
+    else:
+        _PROBES[name] = probe
+
+
+def unavailable_backends() -> dict[str, str]:
+    """The known backends that cannot run on this node, with the reason (probes run once per process)."""
+    out: dict[str, str] = {}
+    for name in sorted(_FACTORIES):
+        probe = _PROBES.get(name)
+        reason = probe() if probe is not None else None
+        if reason is not None:
+            out[name] = reason
+    return out
 
 
 def available_backends() -> tuple[str, ...]:
-    return tuple(sorted(_FACTORIES))
+    """The backends this node can run."""
+    missing = unavailable_backends()
+    return tuple(sorted(n for n in _FACTORIES if n not in missing))
 
 
 def make_backend(name: str, nc: NATS, node: str) -> Backend:
-    try:
-        return _FACTORIES[name](nc, node)
-    except KeyError:
+    factory = _FACTORIES.get(name)
+    if factory is None:
         raise BackendUnavailable(
             f"unknown backend {name!r}; this agent has {', '.join(available_backends())}"
-        ) from None
+        )
+    probe = _PROBES.get(name)
+    reason = probe() if probe is not None else None
+    if reason is not None:
+        raise BackendUnavailable(f"backend {name!r} is unavailable on node {node!r}: {reason}")
+    return factory(nc, node)

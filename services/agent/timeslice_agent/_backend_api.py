@@ -1,0 +1,51 @@
+"""What every backend is and returns: the :class:`Backend` protocol, :class:`Outcome`, :class:`OpContext`
+and the errors. Kept apart from the registry (``backends``) so backend modules can import it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from timeslice_client.protocol import JobContext
+
+__all__ = ["Backend", "BackendError", "BackendUnavailable", "OpContext", "Outcome"]
+
+
+class BackendError(Exception):
+    """An operation failed. ``rolled_back`` says whether the job's context is as it was before."""
+
+    def __init__(self, message: str, *, rolled_back: bool = True) -> None:
+        self.rolled_back = rolled_back
+        super().__init__(message)
+
+
+class BackendUnavailable(BackendError):
+    """The backend cannot run on this node (missing driver, library or permission)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpContext:
+    op_id: str
+    epoch: int
+    deadline: float  # monotonic seconds
+
+    def remaining(self) -> float:
+        return max(0.001, self.deadline - time.monotonic())
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    bytes_moved: int = 0
+    device_bytes_freed: int = 0
+
+    def __add__(self, other: Outcome) -> Outcome:
+        return Outcome(self.bytes_moved + other.bytes_moved, self.device_bytes_freed + other.device_bytes_freed)
+
+
+class Backend(Protocol):
+    name: str
+
+    async def snapshot(self, ctx: JobContext, op: OpContext) -> Outcome: ...
+
+    async def restore(self, ctx: JobContext, op: OpContext) -> Outcome: ...
