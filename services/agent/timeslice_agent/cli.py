@@ -23,17 +23,25 @@ async def _run_agent(args: argparse.Namespace) -> int:
         kwargs["node_id"] = args.node_id
     if args.nats_url:
         kwargs["nats_url"] = args.nats_url
-    agent = Agent(AgentConfig(**kwargs))
+    from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+
+    from .metrics import AgentMetrics, serve_metrics
+
+    registry = CollectorRegistry()  # the agent's metrics and the standard process and Python collectors
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    agent = Agent(AgentConfig(**kwargs), metrics=AgentMetrics(registry))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, agent.shutdown)
-    if args.grpc_port is None:
-        await agent.run()
-    else:
-        from . import grpc_shim
+    async with serve_metrics(agent.metrics.registry, args.metrics_port, args.metrics_host):
+        if args.grpc_port is None:
+            await agent.run()
+        else:
+            from . import grpc_shim
 
-        await grpc_shim.run_beside(agent, grpc_shim.from_args(agent, args))
+            await grpc_shim.run_beside(agent, grpc_shim.from_args(agent, args))
     return 0
 
 
@@ -87,6 +95,9 @@ def register(sub: Any) -> None:
     p.add_argument("--grpc-tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
     p.add_argument("--grpc-tls-key", default=None, help="PEM private key of --grpc-tls-cert")
     p.add_argument("--grpc-tls-client-ca", default=None, help="PEM CA certificate: require client certificates")
+    p.add_argument("--metrics-port", type=int, default=-1,
+                   help="serve Prometheus metrics at /metrics on this port (0: any free port; default -1: off)")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics endpoint listens on")
     p.set_defaults(func=_run_agent)
     s = sub.add_parser("agent-status", help="jobs on one node and their context states")
     s.add_argument("--node-id", default=None)

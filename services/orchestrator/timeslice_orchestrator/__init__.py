@@ -3,6 +3,7 @@
 
 from .core import apply, new_record, next_deadline
 from .embedded import EmbeddedNatsError, NatsServer, find_nats_server
+from .metrics import OrchestratorMetrics
 from .service import Orchestrator, OrchestratorConfig, OrchestratorError
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "Orchestrator",
     "OrchestratorConfig",
     "OrchestratorError",
+    "OrchestratorMetrics",
     "apply",
     "find_nats_server",
     "new_record",

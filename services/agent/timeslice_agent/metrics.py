@@ -1,0 +1,65 @@
+"""The snapshot agent's Prometheus metrics, derived from each operation's ``OpResult``.
+
+Labels are the backend chain (``app_channel``, ``freeze+cuda``: bounded by the agent's configuration),
+the operation (``snapshot``/``restore``) and a fixed outcome. Job ids and op ids are never labels: they
+are unbounded; the event stream has them (``timeslice events``, ``timeslice replay``).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from timeslice_client._metrics_http import MetricsEndpoint, MetricsServerError, serve_metrics
+from timeslice_client.protocol import OpResult
+
+__all__ = ["DURATION_BUCKETS", "OUTCOMES", "AgentMetrics", "MetricsEndpoint", "MetricsServerError", "serve_metrics"]
+
+# Seconds. Three steps per decade (1-2.5-5) from 100 µs to 60 s: an operation with nothing to move (noop,
+# SIGSTOP of a few processes) takes well under a millisecond; an app_channel offload of a few GB to pinned
+# host memory 0.1-1 s; a CUDA checkpoint of a full 80-141 GB device 5-30 s. Past 60 s an operation is near
+# its default 120 s timeout and lands in +Inf (counted in _sum).
+DURATION_BUCKETS: Final = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+OUTCOMES: Final = (
+    "ok",  # the backends moved the state
+    "noop",  # nothing to move (already saved, already running, never ran)
+    "rolled_back",  # a snapshot failed and was undone: the job runs again
+    "failed",  # the operation failed; the job is FAULTED on this node
+    "refused",  # not attempted: stale epoch, unknown or faulted job, deadline passed
+)
+
+
+class AgentMetrics:
+    """The agent's metrics on ``registry``; the agent calls :meth:`operation` once per operation it answers."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.duration = Histogram(
+            "timeslice_agent_operation_seconds", "Time the backends took for a snapshot or restore that ran.",
+            ["backend", "operation"], registry=r, buckets=DURATION_BUCKETS)
+        self.bytes_moved = Counter(
+            "timeslice_agent_bytes_moved", "Bytes copied between device and host by operations that ran.",
+            ["backend", "operation"], registry=r)
+        self.device_bytes_freed = Counter(
+            "timeslice_agent_device_bytes_freed", "Device memory released by operations that ran.",
+            ["backend", "operation"], registry=r)
+        self.outcomes = Counter(
+            "timeslice_agent_operations", "Operations answered, by outcome: " + ", ".join(OUTCOMES) + ".",
+            ["backend", "operation", "outcome"], registry=r)
+
+    def operation(self, result: OpResult, outcome: str) -> None:
+        """Record one answered operation; duration and bytes only for operations that ran."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES}")
+        backend, op = result.backend or "none", str(result.kind)
+        self.outcomes.labels(backend, op, outcome).inc()
+        if outcome in ("ok", "rolled_back", "failed") and result.elapsed_ms > 0:
+            self.duration.labels(backend, op).observe(result.elapsed_ms / 1000)
+            if result.bytes_moved:
+                self.bytes_moved.labels(backend, op).inc(result.bytes_moved)
+            if result.device_bytes_freed:
+                self.device_bytes_freed.labels(backend, op).inc(result.device_bytes_freed)

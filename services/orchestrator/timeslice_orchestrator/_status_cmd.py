@@ -1,0 +1,260 @@
+"""``timeslice status``: who holds which group, who waits, and where each job's context is.
+
+Reads the KV buckets the orchestrator and the agents keep (``groups``: the lock records; ``jobs``: each
+job's context state per node). ``--watch`` follows both buckets with KV watchers and redraws when they
+change (at most ``--max-rate`` times a second, and once a second anyway so the clocks move); ``--json``
+prints the records and job states as stored, for scripts (one document per line with ``--watch``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import NoKeysError
+from nats.js.kv import KeyValue
+from timeslice_client.errors import Unavailable
+from timeslice_client.protocol import GROUPS_BUCKET, JOBS_BUCKET, GroupRecord, JobContext, decode_record
+
+__all__ = ["View", "read_view", "register", "render_json", "render_table"]
+
+_ctx_decoder = msgspec.json.Decoder(JobContext)
+_CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: plain ANSI, any terminal
+
+
+@dataclass
+class View:
+    """What ``status`` shows: group records by group, job contexts by ``<node>.<job>`` key."""
+
+    groups: dict[str, GroupRecord] = field(default_factory=dict)
+    jobs: dict[str, JobContext] = field(default_factory=dict)
+
+    def selected(self, group: str | None) -> tuple[list[GroupRecord], list[JobContext]]:
+        recs = [r for g, r in sorted(self.groups.items()) if group is None or g == group]
+        if group is not None and not recs:
+            recs = [GroupRecord(group=group)]  # a group nobody used yet reads as IDLE at epoch 0
+        names = {r.group for r in recs}
+        jobs = sorted((c for c in self.jobs.values() if c.group in names), key=lambda c: (c.group, c.job, c.node))
+        return recs, jobs
+
+
+# ---------------------------------------------------------------------- reading
+
+
+async def _bucket(nc: NATS, name: str) -> KeyValue:
+    try:
+        return await nc.jetstream().key_value(name)
+    except Exception as exc:
+        raise Unavailable(f"the `{name}` bucket is missing (start the orchestrator first: `timeslice up`)") from exc
+
+
+async def _entries(kv: KeyValue, only: str | None = None) -> list[tuple[str, bytes]]:
+    if only is not None:
+        keys = [only]
+    else:
+        try:
+            keys = await kv.keys()
+        except NoKeysError:
+            return []
+    out = []
+    for k in keys:
+        with contextlib.suppress(Exception):  # deleted between keys() and get(): not there any more
+            entry = await kv.get(k)
+            if entry.value:
+                out.append((k, bytes(entry.value)))
+    return out
+
+
+async def read_view(nc: NATS, group: str | None = None) -> View:
+    """One consistent-enough reading of both buckets (each key is read once, in no particular order)."""
+    groups_kv, jobs_kv = await _bucket(nc, GROUPS_BUCKET), await _bucket(nc, JOBS_BUCKET)
+    view = View()
+    for key, value in await _entries(groups_kv, group):
+        view.groups[key] = decode_record(value)
+    for key, value in await _entries(jobs_kv):
+        view.jobs[key] = _ctx_decoder.decode(value)
+    return view
+
+
+# ---------------------------------------------------------------------- rendering
+
+
+def _dur(ms: int) -> str:
+    s = max(0, ms) / 1000
+    if s < 60:
+        return f"{s:.1f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def _queue(rec: GroupRecord, now_ms: int) -> str:
+    parts = []
+    sw = rec.switch
+    if sw is not None and sw.to is not None:
+        parts.append(f"{sw.to.job} {_dur(now_ms - sw.to.enqueued_at_ms)} (switching: {sw.phase})")
+    parts += [f"{w.job} {_dur(now_ms - w.enqueued_at_ms)}" for w in rec.queue]
+    return ", ".join(parts) or "-"
+
+
+def _nodes(rec: GroupRecord) -> list[str]:
+    nodes = set(rec.loaded)
+    for ns in rec.placements.values():
+        nodes.update(ns)
+    return sorted(nodes)
+
+
+def render_table(recs: Iterable[GroupRecord], jobs: Iterable[JobContext], now_ms: int) -> str:
+    """The human table: one line per group, then its nodes, job states and faults indented below."""
+    by_group: dict[str, list[JobContext]] = {}
+    for c in jobs:
+        by_group.setdefault(c.group, []).append(c)
+    lines = [f"{'GROUP':<20} {'STATE':<13} {'HOLDER':<16} {'EPOCH':>6} {'FOR':>8}  {'ACTIVE':<16} QUEUE (waited)"]
+    recs = list(recs)
+    if not recs:
+        lines.append("(no groups yet: a group appears with its first acquire)")
+    for r in recs:
+        started = r.holder.granted_at_ms if r.holder is not None else r.since_ms
+        held = _dur(now_ms - started) if started else "-"
+        lines.append(f"{r.group:<20} {r.state:<13} {(r.holder.job if r.holder else '-'):<16} {r.epoch:>6} {held:>8}  "
+                     f"{(r.active_job or '-'):<16} {_queue(r, now_ms)}")
+        pad = " " * 21
+        nodes = _nodes(r)
+        if nodes:
+            lines.append(pad + "nodes: " + ", ".join(f"{n} (loaded: {r.loaded.get(n, '-')})" for n in nodes))
+        ctxs = by_group.get(r.group, [])
+        if ctxs:
+            lines.append(pad + "jobs:  " + ", ".join(f"{c.job}@{c.node} {c.state}" for c in ctxs))
+        for c in ctxs:
+            if c.reason:
+                lines.append(pad + f"       {c.job}@{c.node}: {c.reason}")
+        for job, why in sorted(r.faulted.items()):
+            lines.append(pad + f"faulted: {job}: {why}")
+    return "\n".join(lines)
+
+
+def render_json(recs: list[GroupRecord], jobs: list[JobContext], now_ms: int, *, indent: int | None = 2) -> str:
+    """The records and job contexts exactly as stored (KV ``groups`` and ``jobs``), and the time of reading."""
+    doc = {"now_ms": now_ms, "groups": msgspec.to_builtins(recs), "jobs": msgspec.to_builtins(jobs)}
+    return json.dumps(doc, indent=indent)
+
+
+# ---------------------------------------------------------------------- the command
+
+
+def _print(view: View, args: argparse.Namespace, out: TextIO, *, clear: bool) -> None:
+    now_ms = int(time.time() * 1000)
+    recs, jobs = view.selected(args.group)
+    if args.json:
+        out.write(render_json(recs, jobs, now_ms, indent=None if args.watch else 2) + "\n")
+    else:
+        out.write((_CLEAR if clear else "") + render_table(recs, jobs, now_ms) + "\n")
+    out.flush()
+
+
+async def _follow(kv: KeyValue, on_entry: Callable[[str, bytes | None], None], changed: asyncio.Event) -> None:
+    """Apply every change of ``kv`` (initial values first) until cancelled."""
+    watcher = await kv.watchall()
+    try:
+        while True:
+            try:
+                entry = await watcher.updates(timeout=5)  # type: ignore[no-untyped-call]
+            except NatsTimeoutError:
+                continue
+            if entry is None:
+                continue  # the "initial values done" marker (it can come early: NATS_NOTES trap 1)
+            deleted = entry.operation in ("DEL", "PURGE") or not entry.value
+            on_entry(entry.key, None if deleted else bytes(entry.value))
+            changed.set()
+    finally:
+        with contextlib.suppress(Exception):
+            await watcher.stop()  # type: ignore[no-untyped-call]
+
+
+async def _watch(nc: NATS, view: View, args: argparse.Namespace) -> None:
+    groups_kv, jobs_kv = await _bucket(nc, GROUPS_BUCKET), await _bucket(nc, JOBS_BUCKET)
+    stop, changed = asyncio.Event(), asyncio.Event()
+
+    def on_stop() -> None:
+        stop.set()
+        changed.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, on_stop)
+
+    def on_group(key: str, value: bytes | None) -> None:
+        if value is None:
+            view.groups.pop(key, None)
+        else:
+            view.groups[key] = decode_record(value)
+
+    def on_job(key: str, value: bytes | None) -> None:
+        if value is None:
+            view.jobs.pop(key, None)
+        else:
+            view.jobs[key] = _ctx_decoder.decode(value)
+
+    gap = 1.0 / args.max_rate
+    async with asyncio.TaskGroup() as tg:
+        followers = [tg.create_task(_follow(groups_kv, on_group, changed)),
+                     tg.create_task(_follow(jobs_kv, on_job, changed))]
+        try:
+            while not stop.is_set():
+                _print(view, args, sys.stdout, clear=True)
+                changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(1.0):  # redraw once a second anyway: the clocks move
+                        await changed.wait()
+                        # bounded refresh: let a burst of changes land before drawing them all at once
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(gap):
+                                await stop.wait()
+        finally:
+            for t in followers:
+                t.cancel()
+
+
+async def run(args: argparse.Namespace) -> int:
+    from timeslice_client.bus import connect
+
+    nc = await connect(args.nats_url, name="timeslice-status")
+    try:
+        view = await read_view(nc, args.group)
+        if not args.watch:
+            _print(view, args, sys.stdout, clear=False)
+            return 0
+        await _watch(nc, view, args)
+    finally:
+        await nc.close()
+    return 0
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not 0.1 <= value <= 50:
+        raise argparse.ArgumentTypeError(f"--max-rate {value}: give 0.1 to 50 refreshes per second")
+    return value
+
+
+def register(sub: Any) -> None:
+    """Add ``status`` to the ``timeslice`` command's subparsers."""
+    st = sub.add_parser("status", help="groups: state, holder, epoch, held for, queue, and job states per node")
+    st.add_argument("--group", default=None, help="one group (default: all)")
+    st.add_argument("--json", action="store_true", help="the stored records and job states as JSON")
+    st.add_argument("--watch", action="store_true", help="refresh live as the records change (Ctrl-C to stop)")
+    st.add_argument("--max-rate", type=_rate, default=4.0, help="with --watch: at most this many refreshes a second")
+    st.add_argument("--nats-url", default=None)
+    st.set_defaults(func=run)

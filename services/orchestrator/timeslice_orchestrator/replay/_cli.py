@@ -1,0 +1,93 @@
+"""``timeslice replay``: fold a window of the stream and print the summary, write the HTML and JSON."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from timeslice_client.protocol import validate_id
+
+from ._fold import fold_events
+from ._html import write_html
+from ._model import Replay
+from ._read import read_window
+from ._text import render_summary
+
+__all__ = ["parse_time", "register"]
+
+_AGO = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def parse_time(text: str, now_ms: int) -> int:
+    """A moment in ms since the epoch: ``10m``/``90s``/``2h``/``1d`` ago, ``now``, ms since the epoch
+    (13 digits), or an ISO 8601 date-time (local time unless it names an offset). ValueError says what is accepted."""
+    t = text.strip()
+    if t == "now":
+        return now_ms
+    m = _AGO.fullmatch(t)
+    if m is not None:
+        return now_ms - int(float(m.group(1)) * _UNIT_MS[m.group(2)])
+    if t.isdigit() and len(t) >= 12:
+        return int(t)
+    try:
+        when = dt.datetime.fromisoformat(t.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"cannot read the time {text!r}: give a duration ago (10m, 90s, 2h, 1d), 'now', milliseconds "
+                         "since the epoch, or an ISO 8601 date-time such as 2026-11-30T10:00:00Z") from None
+    return int(when.timestamp() * 1000)  # a time without a zone is local time (as ``timeslice events``)
+
+
+async def _replay(args: argparse.Namespace) -> int:
+    now = int(time.time() * 1000)
+    try:
+        since = parse_time(args.since, now) if args.since else None
+        until = parse_time(args.until, now) if args.until else None
+        group = validate_id("group", args.group) if args.group else None
+    except ValueError as exc:
+        print(f"timeslice replay: {exc}", file=sys.stderr)
+        return 2
+    if since is not None and until is not None and until <= since:
+        print(f"timeslice replay: --until ({args.until}) must come after --since ({args.since})", file=sys.stderr)
+        return 2
+    events = await read_window(args.nats_url, group=group, since_ms=since, until_ms=until, timeout=args.timeout)
+    replay = fold_events(events, group=group, since_ms=since, until_ms=until)
+    _write(replay, args)
+    return 0
+
+
+def _write(replay: Replay, args: argparse.Namespace) -> None:
+    if args.json == "-":
+        json.dump(replay.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render_summary(replay))
+        if args.json:
+            Path(args.json).write_text(json.dumps(replay.to_json(), indent=2) + "\n", encoding="utf-8")
+            print(f"intervals written to {args.json}")
+    if args.html:
+        write_html(replay, Path(args.html))
+        print(f"timeline written to {args.html}", file=sys.stderr if args.json == "-" else sys.stdout)
+
+
+def register(sub: Any) -> None:
+    """Add ``replay`` to the ``timeslice`` command's subparsers."""
+    p = sub.add_parser("replay", help="rebuild a window of the event stream: summary, HTML timeline, JSON",
+                       description="Fold the TIMESLICE stream through the orchestrator's pure core and show "
+                                   "who held which group when, who waited, and where the time went.")
+    p.add_argument("--group", default=None, help="one group only (default: every group)")
+    p.add_argument("--since", default=None, help="window start: 10m / 2h ago, ms since the epoch or ISO 8601 "
+                                                 "(default: the stream's first message)")
+    p.add_argument("--until", default=None, help="window end, same forms (default: the stream's last message)")
+    p.add_argument("--html", default=None, metavar="FILE", help="write the interactive timeline to FILE")
+    p.add_argument("--json", default=None, metavar="FILE|-", help="write the reconstructed intervals as JSON "
+                                                                  "('-': to stdout, instead of the summary)")
+    p.add_argument("--nats-url", default=None, help="default: $TIMESLICE_NATS_URL or what `timeslice up` wrote")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for reading the stream")
+    p.set_defaults(func=_replay)
