@@ -10,17 +10,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable, Coroutine, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-import msgspec
+from timeslice_client._metrics_http import serve_metrics
+
+from . import _events_cmd, _status_cmd
+from .demo import register as _register_demo
+from .replay import _cli as _replay_cli
 
 __all__ = ["main"]
 
@@ -46,13 +48,25 @@ def _install_stop(stop: Callable[[], None]) -> None:
 
 async def _orchestrator(args: argparse.Namespace) -> int:
     from . import grpc_shim
+    from .metrics import OrchestratorMetrics
     from .service import Orchestrator, OrchestratorConfig
 
     cfg = OrchestratorConfig(nats_url=args.nats_url) if args.nats_url else OrchestratorConfig()
-    orch = Orchestrator(cfg)
+    orch = Orchestrator(cfg, metrics=OrchestratorMetrics(_metrics_registry()))
     _install_stop(orch.shutdown)
-    await grpc_shim.run_beside(orch, grpc_shim.from_args(args, cfg.nats_url))
+    async with serve_metrics(orch.metrics.registry, args.metrics_port, args.metrics_host):
+        await grpc_shim.run_beside(orch, grpc_shim.from_args(args, cfg.nats_url))
     return 0
+
+
+def _metrics_registry() -> Any:
+    """A registry for a served process: its metrics plus the standard process and Python collectors."""
+    from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    return registry
 
 
 def _data_dir(given: str | None) -> Path:
@@ -64,6 +78,7 @@ async def _up(args: argparse.Namespace) -> int:
 
     from . import grpc_shim
     from .embedded import NatsServer
+    from .metrics import OrchestratorMetrics
     from .service import Orchestrator, OrchestratorConfig
 
     data_dir = _data_dir(args.data_dir)
@@ -72,22 +87,26 @@ async def _up(args: argparse.Namespace) -> int:
     advert = url_file()
     agent: asyncio.subprocess.Process | None = None
     try:
-        orch = Orchestrator(OrchestratorConfig(nats_url=url))
+        orch = Orchestrator(OrchestratorConfig(nats_url=url), metrics=OrchestratorMetrics(_metrics_registry()))
         shim = grpc_shim.from_args(args, url, host=args.host)
         _install_stop(orch.shutdown)
-        async with asyncio.TaskGroup() as tg:
+        async with serve_metrics(orch.metrics.registry, args.metrics_port, args.host) as metrics, \
+                asyncio.TaskGroup() as tg:
             run = tg.create_task(grpc_shim.run_beside(orch, shim))
             ready = tg.create_task(grpc_shim.ready(orch, shim))
             await asyncio.wait({run, ready}, return_when=asyncio.FIRST_COMPLETED)
             if ready.done():
                 node = "-"
                 if not args.no_agent:
-                    agent, node = await _start_agent(url, args.node_id, orch.shutdown)
+                    agent, node = await _start_agent(url, args.node_id, orch.shutdown,
+                                                     metrics=(args.agent_metrics_port, args.host))
                 advert.parent.mkdir(parents=True, exist_ok=True)
                 advert.write_text(url + "\n")
+                port = args.agent_metrics_port
+                agent_metrics = "-" if port < 0 else f"http://{args.host}:{port or '<logged>'}/metrics"
                 print(f"timeslice up: nats={url} orchestrator=ready grpc={shim.address if shim else '-'} "
-                      f"agent={node} data={data_dir} "
-                      f"url-file={advert} (Ctrl-C to stop)", flush=True)
+                      f"agent={node} data={data_dir} metrics={metrics.url if metrics else '-'} "
+                      f"agent-metrics={agent_metrics} url-file={advert} (Ctrl-C to stop)", flush=True)
             else:
                 ready.cancel()
     finally:
@@ -107,7 +126,7 @@ async def _up(args: argparse.Namespace) -> int:
 
 
 async def _start_agent(
-    url: str, node_id: str | None, on_exit: Callable[[], None]
+    url: str, node_id: str | None, on_exit: Callable[[], None], *, metrics: tuple[int, str] = (-1, "127.0.0.1")
 ) -> tuple[asyncio.subprocess.Process, str]:
     """The node's snapshot agent as its own process (the agent and orchestrator share only messages)."""
     from timeslice_client.bus import connect
@@ -116,7 +135,8 @@ async def _start_agent(
 
     node = node_id or default_node_id()
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "timeslice_agent", "--node-id", node,
-                                                "--nats-url", url)
+                                                "--nats-url", url, "--metrics-port", str(metrics[0]),
+                                                "--metrics-host", metrics[1])
     nc = await connect(url)
     try:
         kv = await nc.jetstream().key_value(AGENTS_BUCKET)
@@ -134,30 +154,6 @@ async def _start_agent(
 
 
 # ---------------------------------------------------------------------- status and friends
-
-
-async def _status(args: argparse.Namespace) -> int:
-    from timeslice_client import AsyncTimeSliceClient
-
-    client = AsyncTimeSliceClient("timeslice-cli", args.group or "timeslice-cli", args.nats_url)
-    try:
-        groups = [args.group] if args.group else await client.list_groups()
-        records = [await client.status(g) for g in groups]
-    finally:
-        await client.close()
-    if args.json:
-        print(json.dumps([msgspec.to_builtins(r) for r in records], indent=2))
-        return 0
-    now = int(time.time() * 1000)
-    print(f"{'GROUP':<20} {'STATE':<13} {'HOLDER':<16} {'EPOCH':>6} {'FOR':>8}  QUEUE")
-    for r in records:
-        held = f"{(now - r.since_ms) / 1000:.1f}s" if r.since_ms else "-"
-        queue = ", ".join(f"{w.job}({(now - w.enqueued_at_ms) / 1000:.1f}s)" for w in r.queue) or "-"
-        print(f"{r.group:<20} {r.state:<13} {(r.holder.job if r.holder else '-'):<16} {r.epoch:>6} {held:>8}  {queue}")
-        if r.faulted:
-            for job, why in r.faulted.items():
-                print(f"{'':<20} faulted: {job}: {why}")
-    return 0
 
 
 async def _clear_fault(args: argparse.Namespace) -> int:
@@ -201,18 +197,24 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--node-id", default=None, help="the agent's node id (default: $TIMESLICE_NODE_ID or host name)")
     up.add_argument("--no-agent", action="store_true", help="run NATS and the orchestrator only")
     _grpc_flags(up, default_port=50051)
+    up.add_argument("--metrics-port", type=int, default=9464,
+                    help="the orchestrator's Prometheus metrics on this port at --host (default 9464; 0: any; -1: off)")
+    up.add_argument("--agent-metrics-port", type=int, default=9465,
+                    help="the agent's Prometheus metrics on this port at --host (default 9465; -1: off)")
     up.set_defaults(func=_up)
 
     orch = sub.add_parser("orchestrator", help="run the orchestrator against a NATS server")
     orch.add_argument("--nats-url", default=None, help="default: $TIMESLICE_NATS_URL or what `timeslice up` wrote")
     _grpc_flags(orch, default_port=None)
+    orch.add_argument("--metrics-port", type=int, default=-1,
+                      help="serve Prometheus metrics at /metrics on this port (0: any free port; default -1: off)")
+    orch.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics endpoint listens on")
     orch.set_defaults(func=_orchestrator)
 
-    st = sub.add_parser("status", help="show groups: state, holder, epoch, queue")
-    st.add_argument("--group", default=None)
-    st.add_argument("--json", action="store_true")
-    st.add_argument("--nats-url", default=None)
-    st.set_defaults(func=_status)
+    _status_cmd.register(sub)
+    _events_cmd.register(sub)
+    _replay_cli.register(sub)
+    _register_demo(sub)
 
     cf = sub.add_parser("clear-fault", help="clear a job's fault in a group")
     cf.add_argument("--group", required=True)
