@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -267,6 +268,7 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 p.kill()
         server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     b50 = _pct(base, 50)
     return {
         "n": n,
@@ -293,6 +295,8 @@ def main() -> None:
     p.add_argument("--n", type=int, default=2000)
     p.add_argument("--gap-ms", type=float, default=2.0)
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--json-out", help="also write the figures, command and machine facts as JSON here")
+    p.add_argument("--quick", action="store_true", help="a short run (--n 300)")
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--group", help=argparse.SUPPRESS)
@@ -318,7 +322,14 @@ def main() -> None:
     if a.role == "grpc-requester":
         _grpc_requester(a.url, a.n, a.gap, a.out)
         return
+    if a.quick:
+        a.n = min(a.n, 300)
     res = run(a.n, a.gap_ms)
+    if a.json_out:
+        import _common
+
+        _common.write_json(a.json_out, {"bench": "handoff", "command": _common.command_line(),
+                                        "machine": _common.machine_facts(), **res})
     if a.json:
         print(json.dumps(res))
         return

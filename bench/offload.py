@@ -556,6 +556,8 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="where A's state lives (default: cuda when available, else cpu, as the handler chooses)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--json-out", help="also write the figures, command and machine facts as JSON here")
+    p.add_argument("--quick", action="store_true", help="a short run (0.25 GiB, 2 cycles, 1 baseline rep)")
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--group", help=argparse.SUPPRESS)
@@ -574,6 +576,8 @@ def main() -> None:
     if a.role == "monitor":
         _loop_run(_monitor(a.url, a.ready, a.out))
         return
+    if a.quick:
+        a.sizes, a.cycles, a.baseline_reps = "0.25", min(a.cycles, 2), 1
     sizes = [float(s) for s in a.sizes.split(",") if s.strip()]
     if a.cycles < 1 or a.baseline_reps < 1 or not sizes:
         p.error("--sizes, --cycles and --baseline-reps must be positive")
@@ -582,6 +586,11 @@ def main() -> None:
 
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     res = run(sizes, a.cycles, a.hold_ms, a.baseline_reps, a.device)
+    if a.json_out:
+        import _common
+
+        _common.write_json(a.json_out, {"bench": "offload", "command": _common.command_line(),
+                                        "machine": _common.machine_facts(), **res})
     if a.json:
         print(json.dumps(res))
     else:

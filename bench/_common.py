@@ -1,0 +1,274 @@
+"""Shared plumbing of the bench scripts: the stack's processes, CPU accounting, machine facts, result files.
+
+Private to ``bench/``: each script imports it as ``_common`` (the scripts run as ``python bench/X.py``,
+so ``bench/`` is on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+RESULTS = BENCH / "results"
+LOADGEN = BENCH / "_loadgen.py"
+GO_SUBJECT = "bench.go"  # the load generators start when this arrives
+STOP_SUBJECT = "bench.stop"  # ... and stop early when this does
+JOBS = 4  # jobs per group in scale.py and recovery.py
+T = TypeVar("T")
+
+
+def loop_run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run with uvloop when installed (as the orchestrator and the clients do), else asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def pct(xs: Sequence[float], p: float) -> float:
+    """The p-th percentile (nearest rank) of ``xs``; NaN when empty."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(p / 100 * len(s)))]
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process, from ``/proc/<pid>/stat`` (utime + stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loadavg() -> float:
+    return os.getloadavg()[0]
+
+
+def machine_facts() -> dict[str, Any]:
+    """Cores, CPU model, memory, Python and bus versions, load: the header of every result."""
+    cpu = platform.processor() or "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem_gb = 0.0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem_gb = int(Path("/proc/meminfo").read_text().split()[1]) / 1024**2
+    nats_version = "unknown"
+    with contextlib.suppress(Exception):
+        from timeslice_orchestrator.embedded import find_nats_server
+
+        out = subprocess.run([find_nats_server(), "--version"], capture_output=True, text=True, timeout=10,
+                             check=False)
+        nats_version = out.stdout.strip() or out.stderr.strip()
+    nats_py = "unknown"
+    with contextlib.suppress(Exception):
+        from importlib.metadata import version
+
+        nats_py = version("nats-py")
+    return {
+        "utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cores": os.cpu_count(),
+        "cpu_model": cpu,
+        "memory_gb": round(mem_gb, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "nats_server": nats_version,
+        "nats_py": nats_py,
+        "loadavg_1m": round(loadavg(), 2),
+    }
+
+
+def write_json(path: str | os.PathLike[str] | None, result: dict[str, Any]) -> None:
+    """Write a result file (``--json-out``), creating its folder."""
+    if not path:
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+def command_line() -> str:
+    """The command that produced this result, as a person would type it."""
+    script = Path(sys.argv[0])
+    with contextlib.suppress(ValueError):
+        script = script.resolve().relative_to(ROOT)
+    return " ".join(["python", str(script), *sys.argv[1:]])
+
+
+def child_env() -> dict[str, str]:
+    """Environment for the stack's processes: quiet logs (unless $TIMESLICE_LOG_LEVEL says otherwise), the
+    repository's packages importable."""
+    paths = [str(ROOT / "libs"), str(ROOT / "services" / "orchestrator"), str(ROOT / "services" / "agent")]
+    old = os.environ.get("PYTHONPATH")
+    pythonpath = os.pathsep.join([*paths, *([old] if old else [])])
+    env = dict(os.environ, PYTHONPATH=pythonpath)
+    env.setdefault("TIMESLICE_LOG_LEVEL", "warning")
+    return env
+
+
+class Orchestrator:
+    """``python -m timeslice_orchestrator orchestrator --nats-url URL`` as its own process."""
+
+    def __init__(self, url: str, log_path: Path) -> None:
+        self.url = url
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0  # time.monotonic() just before the spawn
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "the orchestrator is not running"
+        return self.proc.pid
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        try:
+            self.started_at = time.monotonic()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", self.url],
+                cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        finally:
+            log.close()
+
+    async def wait_ready(self, js: Any, timeout: float = 60.0) -> float:
+        """Seconds from spawn until its durable consumer is bound (stream and buckets exist before that)."""
+        from timeslice_client.protocol import STREAM
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"the orchestrator exited; see {self.log_path}")
+            with contextlib.suppress(Exception):
+                info = await js.consumer_info(STREAM, "orchestrator")
+                if info.push_bound:
+                    return time.monotonic() - self.started_at
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the orchestrator was not ready within {timeout} s; see {self.log_path}")
+            await asyncio.sleep(0.01)  # polling the server for the consumer, bounded by the deadline above
+
+    def kill(self) -> float:
+        """SIGKILL and reap; returns time.monotonic() of the kill."""
+        assert self.proc is not None
+        t = time.monotonic()
+        self.proc.kill()
+        self.proc.wait(10)
+        self.proc = None
+        return t
+
+    def stop(self) -> None:
+        """SIGTERM, SIGKILL after 15 s. Idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def spawn(script: Path, *args: str, log_path: Path | None = None) -> subprocess.Popen[bytes]:
+    """A bench worker (``python bench/<script> ...``) in its own process."""
+    out: Any = log_path.open("ab") if log_path else None
+    try:
+        return subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, env=child_env(),
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT if out else None)
+    finally:
+        if out is not None:
+            out.close()
+
+
+async def wait_procs(procs: Sequence[subprocess.Popen[bytes]], timeout: float, what: str) -> None:
+    """Wait for worker processes to exit; raise (naming the log) if one fails or they overrun."""
+    async with asyncio.timeout(timeout):
+        for p in procs:
+            rc = await asyncio.to_thread(p.wait)
+            if rc != 0:
+                raise RuntimeError(f"{what} exited with {rc} (args: {p.args!r})")
+
+
+def stop_procs(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
+def scratch_dir(prefix: str) -> Path:
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def remove_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- load generators
+
+
+async def start_loadgens(url: str, tmp: Path, tag: str, groups: int, procs: int, mode: str,
+                         extra: tuple[str, ...] = (), prefix: str = "g") -> list[tuple[Any, Path, Path]]:
+    """Start ``procs`` load generators (``_loadgen.py``) sharing ``groups``; wait until each has subscribed."""
+    out = []
+    per, rest = divmod(groups, procs)
+    first = 0
+    for k in range(procs):
+        n = per + (1 if k < rest else 0)
+        if n == 0:
+            continue
+        ready, res = tmp / f"{tag}-{k}.ready", tmp / f"{tag}-{k}.json"
+        p = spawn(LOADGEN, "--url", url, "--mode", mode, "--prefix", f"{prefix}{k}", "--first", str(first),
+                  "--count", str(n), "--jobs", str(JOBS), "--ready", str(ready), "--out", str(res), *extra,
+                  log_path=tmp / f"{tag}-{k}.log")
+        out.append((p, ready, res))
+    deadline = time.monotonic() + 120
+    for p, ready, _ in out:
+        while not ready.exists():
+            if p.poll() is not None:
+                raise RuntimeError(f"load generator exited with {p.returncode}; see {tmp}/{tag}-*.log")
+            if time.monotonic() > deadline:
+                raise TimeoutError("load generators did not start within 120 s")
+            await asyncio.sleep(0.02)  # polling the file the worker writes, bounded by the deadline
+    return out
+
+
+async def go(nc: Any, warmup: float, duration: float) -> tuple[float, float]:
+    """Start the load generators: measure from ``warmup`` s from now, for ``duration`` s, then stop."""
+    t0 = time.monotonic()
+    w0, w1 = t0 + warmup, t0 + warmup + duration
+    await nc.publish(GO_SUBJECT, json.dumps({"window_start": w0, "window_end": w1, "stop": w1}).encode())
+    await nc.flush()
+    return w0, w1
+
+
+async def sleep_until(t: float) -> None:
+    await asyncio.sleep(max(0.0, t - time.monotonic()))  # the measurement window's planned edges
+
+
+async def stop_loadgens(nc: Any, after_next_grant: float | None = None) -> None:
+    """Tell the load generators to stop now, or ``after_next_grant`` seconds after each sees its next grant."""
+    await nc.publish(STOP_SUBJECT, b"" if after_next_grant is None else
+                     json.dumps({"after_next_grant": after_next_grant}).encode())
+    await nc.flush()

@@ -1,0 +1,319 @@
+"""docs/benchmarks.md from the bench scripts' result files (``bench/results/<name>.json``).
+
+Every figure is printed with the command that produced it, the baseline measured in the same run, the
+ratio, and how it compares to the goal of issue 2 (handoff), 3 (offload) or 6 (scale, recovery,
+trace replay, demo). A section whose result file is missing says so. ``bench/NOTES.md`` (hand-written
+analysis that no run regenerates) is appended as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+NOTES = Path(__file__).resolve().parent / "NOTES.md"
+X, NA = "\u00d7", "\u2013"  # the times sign and the dash for "no value", in the document
+BUSY_LOAD = 1.0  # a run that started above this 1-min load average was not on a quiet machine
+ORDER = ("handoff", "offload", "scale", "recovery", "trace_replay")
+
+
+def load_results(results: Path) -> dict[str, dict[str, Any]]:
+    """Every ``<name>.json`` in ``results`` that parses, by name (gpu_check and demo included)."""
+    out: dict[str, dict[str, Any]] = {}
+    for p in sorted(results.glob("*.json")):
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            out[p.stem] = data
+    return out
+
+
+def _n(x: Any, digits: int = 2, unit: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return f"{NA}"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int | float):
+        return f"{x:,.{digits}f}{unit}"
+    return str(x)
+
+
+def _met(ok: bool | None) -> str:
+    return f"{NA}" if ok is None else ("met" if ok else "**not met**")
+
+
+def _cmd(r: dict[str, Any]) -> list[str]:
+    m = r.get("machine", {})
+    when = m.get("utc") or r.get("date", "?")
+    load = m.get("loadavg_1m")
+    return ["```", str(r.get("command", "?")), "```", "",
+            f"Run {when}" + (f", 1-min load average {load} at start." if load is not None else "."), ""]
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return [*out, ""]
+
+
+# ---------------------------------------------------------------------- sections
+
+
+def _handoff(r: dict[str, Any]) -> list[str]:
+    p1, p1_99, p2 = r.get("handoff_p50_ms"), r.get("handoff_p99_ms"), r.get("reacquire_p50_ms")
+    rows = [
+        ["P1 handoff (bus client)", _n(p1, 3, " ms"), _n(p1_99, 3, " ms"),
+         f"{_n(r.get('handoff_vs_baseline'))}{X} NATS request-reply", "p50 ≤ 1.5 ms, p99 ≤ 5 ms (issue 2)",
+         _met(p1 is not None and p1_99 is not None and p1 <= 1.5 and p1_99 <= 5)],
+        ["P2 same-job re-acquire", _n(p2, 3, " ms"), _n(r.get("reacquire_p99_ms"), 3, " ms"),
+         f"{_n(r.get('reacquire_vs_baseline'))}{X} NATS request-reply", "p50 ≤ 1 ms (issue 2)",
+         _met(p2 is not None and p2 <= 1.0)],
+    ]
+    if "grpc_handoff_p50_ms" in r:
+        g50, gb = r["grpc_handoff_p50_ms"], r.get("grpc_baseline_unary_p50_ms")
+        rows.append(["P3 handoff through gRPC", _n(g50, 3, " ms"), _n(r.get("grpc_handoff_p99_ms"), 3, " ms"),
+                     f"{_n(g50 / gb if gb else None)}{X} plain gRPC call", "none in issues 2, 3, 6", f"{NA}"])
+    rows += [["baseline: NATS request-reply", _n(r.get("baseline_reqrep_p50_ms"), 3, " ms"),
+              _n(r.get("baseline_reqrep_p99_ms"), 3, " ms"), "", "", ""]]
+    if "grpc_baseline_unary_p50_ms" in r:
+        rows.append(["baseline: plain gRPC unary call", _n(r["grpc_baseline_unary_p50_ms"], 3, " ms"),
+                     _n(r.get("grpc_baseline_unary_p99_ms"), 3, " ms"), "", "", ""])
+    return [
+        "Two job processes ping-pong one group through the embedded stack. P1 = job A calls `release()` → "
+        "job B's pending `acquire()` returns; P2 = one job alone releases and re-acquires (IDLE_YIELDED); "
+        f"P3 = the same ping-pong through the gRPC API. {r.get('samples', '?')} handoffs after a "
+        f"{r.get('gap_ms', '?')} ms idle gap each; the first tenth dropped as warm-up.", "",
+        *_cmd(r),
+        *_table(["measure", "p50", "p99", "ratio to same-run baseline (p50)", "goal", "verdict"], rows),
+    ]
+
+
+def _offload(r: dict[str, Any]) -> list[str]:
+    rows = []
+    for s in r.get("sizes", []):
+        rows.append([f"{s.get('gib', '?'):g} GiB", _n(s.get("offload_gbps")), _n(s.get("offload_vs_copy")),
+                     _n(s.get("restore_gbps")), _n(s.get("restore_vs_fresh")), _n(s.get("restore_vs_copy")),
+                     _n(s.get("base_copy_gbps")), _n(s.get("base_fresh_gbps")), _n(s.get("overhead_ms"), 2, " ms")])
+    sizes = r.get("sizes", [])
+    off = min((s["offload_vs_copy"] for s in sizes), default=None)
+    rst = min((s["restore_vs_fresh"] for s in sizes), default=None)
+    rst1 = min((s["restore_vs_copy"] for s in sizes), default=None)
+    over = max((s["overhead_ms"] for s in sizes), default=None)
+    return [
+        "Offload and restore through the `app_channel` torch handler, end to end through the orchestrator and "
+        f"the node agent (device: {r.get('device', '?')}); GB/s = bytes over the handler's own time, medians of "
+        f"{r.get('cycles', '?')} cycles. Baselines in the same run for the same bytes: copy(1) = `dst.copy_(src)` "
+        "into a preallocated buffer; fresh(2) = allocate + copy (memory re-obtained from the OS, as a CPU restore "
+        "must). Switch overhead = release → the other job's `acquire()` returns, minus the handler calls.", "",
+        *_cmd(r),
+        *_table(["size", "offload GB/s", f"{X}copy(1)", "restore GB/s", f"{X}fresh(2)", f"{X}copy(1)",
+                 "copy(1) GB/s", "fresh(2) GB/s", "switch overhead"], rows),
+        f"Against issue 3: offload ≥ 80% of the same-run copy: worst {_n(off)}{X} — "
+        f"{_met(off is not None and off >= 0.8)}; "
+        f"restore ≥ 80%: worst {_n(rst)}{X} fresh(2) — {_met(rst is not None and rst >= 0.8)}, worst {_n(rst1)}{X} "
+        f"copy(1) — {_met(rst1 is not None and rst1 >= 0.8)}; switch adds ≤ 5 ms beyond the copies: worst "
+        f"{_n(over, 2, ' ms')} — {_met(over is not None and over <= 5)}.", "",
+    ]
+
+
+def _scale(r: dict[str, Any]) -> list[str]:
+    rows = []
+    for x in r.get("rows", []):
+        load = "saturated" if not x.get("hold_ms") else f"paced (hold {x['hold_ms']:.0f} ms)"
+        rows.append([str(x["groups"]), load, _n(x["handoffs_per_s"], 0), _n(x["handoff_p50_ms"], 2, " ms"),
+                     _n(x["handoff_p99_ms"], 2, " ms"), _n(x["orch_cpu_us_per_handoff"], 0, " µs"),
+                     _n(x["orch_cpu_util"] * 100, 0, "%"),
+                     f"{_n(x['nats_cpu_us_per_handoff'], 0)} / {_n(x['loadgen_cpu_us_per_handoff'], 0)} µs",
+                     _n(x["bus_msgs_per_handoff"]),
+                     _n(x["baseline"]["publishes_per_s"], 0), _n(x["baseline_handoffs_per_s"], 0),
+                     _n(x["ratio_to_bus"])])
+    v = r.get("verdict", {})
+    g = r.get("goals", {})
+    d = r["rows"][0]["duration_s"] if r.get("rows") else "?"
+    return [
+        f"G groups {X} 4 jobs against one orchestrator process, {d} s measured per load after a warm-up. The load "
+        "generator (`bench/_loadgen.py`, its own process) speaks the wire protocol directly: raw publishes of "
+        "`Acquire`/`Release` with their `Nats-Msg-Id`, PubAcks counted but not awaited, one subscription per "
+        "group for the notices. *Saturated*: a granted job releases at once and queues again; *paced*: each "
+        "holder holds G / 2,100 s first (an offered load of ~2,100 handoffs/s at any G). Handoff = release "
+        "published → the next job's grant seen by it. CPU from `/proc/<pid>/stat`. Baseline, same server, "
+        "same run, before the orchestrator starts: G chains of JetStream publish + ack into a scratch stream; "
+        "*bus limit* = those publishes/s ÷ the messages the bus stored per handoff (stream + `groups` bucket); "
+        "ratio = handoffs/s ÷ bus limit.", "",
+        *_cmd(r),
+        *_table(["groups", "load", "handoffs/s", "p50", "p99", "orch CPU/handoff", "orch CPU",
+                 "nats-server / load generator CPU/handoff", "msgs/handoff",
+                 "baseline publish+ack/s", "bus limit handoffs/s", "ratio"], rows),
+        f"Against issue 6 (at {v.get('largest_groups', '?')} groups): ≥ {_n(g.get('handoffs_per_s'), 0)} "
+        f"handoffs/s — saturated {_n(v.get('max_handoffs_per_s'), 0)}/s, {_met(v.get('rate_goal_met'))}; "
+        f"p99 ≤ {_n(g.get('p99_ms'), 0)} ms at that rate — paced p99 {_n(v.get('paced_p99_ms'), 2, ' ms')} at "
+        f"{_n(v.get('paced_handoffs_per_s'), 0)}/s, {_met(v.get('p99_goal_met'))}; flat per-event cost — "
+        f"orchestrator CPU per handoff at the largest G is {_n(v.get('cpu_per_handoff_growth'))}{X} that at the "
+        f"smallest (goal ≤ {_n(g.get('flat_factor'), 1)}{X}), {_met(v.get('flat_goal_met'))}. "
+        f"{v.get('note', '')}", "",
+    ]
+
+
+def _recovery(r: dict[str, Any]) -> list[str]:
+    b = r.get("baseline", {})
+    rows = []
+    for x in r.get("rows", []):
+        load = "saturated" if not x.get("hold_ms") else f"paced (hold {x['hold_ms']:.0f} ms)"
+        rows.append([_n(x["kv_keys_before_kill"], 0), f"{x['busy_groups']}, {load}",
+                     _n(x["first_grant_after_spawn_s"], 3, " s"), _n(x["first_grant_after_kill_s"], 3, " s"),
+                     _n(x["half_rate_after_spawn_s"], 3, " s"), _n(x["ready_after_spawn_s"], 3, " s"),
+                     _n(x["pre_kill_grants_per_s"], 0), _n(x.get("replay_backlog", {}).get("unacked_inputs"), 0),
+                     f"{_n(x.get('ratio_to_cold'))}{X}"])
+    v = r.get("verdict", {})
+    return [
+        "`kill -9` of the orchestrator process while the busy groups hand off continuously (4 jobs each, raw "
+        "wire protocol; *saturated*: a granted job releases at once, *paced*: each holder holds the time "
+        "shown first), then an immediate restart. Groups in KV were created **by real use** (each idle group "
+        "acquired and released once through the orchestrator, the busy ones by their load); the bucket's key "
+        "count is read just before the kill. Times are from the new process's spawn (Python start included). "
+        "Baseline, same run: the orchestrator's cold start on an empty bus (stream and buckets exist, one acquire "
+        f"waiting): spawn → grant {_n(b.get('grant_s'), 3, ' s')} (spawn → ready {_n(b.get('ready_s'), 3, ' s')}; "
+        f"of it, a bare interpreter importing the orchestrator takes {_n(b.get('import_s'), 3, ' s')}), "
+        f"median of {b.get('reps', '?')}; ratio = first grant after the restart ÷ that. *Inputs to replay*: "
+        "events delivered to the killed process but not yet acknowledged (acknowledged only once the record "
+        "reflecting them is stored); the new process re-applies them, re-issuing their grants (duplicates to "
+        "the jobs), before anything new can be granted.", "",
+        *_cmd(r),
+        *_table(["groups in KV", "busy groups, load", "first grant", "first grant (from kill)",
+                 "half the pre-kill rate", "orchestrator ready", "pre-kill grants/s", "inputs to replay",
+                 "ratio to cold start"], rows),
+        f"Against issue 6 (judged on the paced load where there is one): grants flow again within 1 s at "
+        f"1,000 groups — {_n(v.get('at_1000_s'), 3, ' s')}, "
+        f"{_met(v.get('goal_met')) if v.get('at_1000_s') is not None else 'not measured at 1,000 groups'}.", "",
+    ]
+
+
+def _trace_rows(block: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for i, a in enumerate(block.get("alone", [])):
+        rows.append([f"job {i} alone (baseline)", _n(a["wall_s"], 0, " s"), _n(a["throughput_steps_per_h"], 1),
+                     _n(a["duty_cycle"] * 100, 1, "%"), _n(a["switching_share"] * 100, 1, "%"), f"{NA}"])
+    for k, f in block.get("shared", {}).items():
+        rows.append([f"{k} jobs sharing", _n(f["wall_s"], 0, " s"), _n(f["throughput_steps_per_h"], 1),
+                     _n(f["duty_cycle"] * 100, 1, "%"), _n(f["switching_share"] * 100, 1, "%"),
+                     f"{_n(f['speedup_vs_back_to_back'])}{X} "
+                     f"({_n(f['throughput_vs_one_alone'])}{X} one job's steps/h)"])
+    return rows
+
+
+def _trace(r: dict[str, Any]) -> list[str]:
+    sw = r.get("switch", {})
+    out = [
+        f"Jobs follow RL phase profiles (`bench/profiles/`); switch-cost profile `{sw.get('name', '?')}`: snapshot "
+        f"{_n(sw.get('snapshot_s'), 3, ' s')}, restore {_n(sw.get('restore_s'), 3, ' s')} per switch. *real*: "
+        "the real stack (orchestrator, agent, one process per job registered through `register_workload` with "
+        "a `CallbackHandler` whose suspend/resume take the modelled time), all durations compressed; the "
+        "stack's own overhead is not compressed, so it weighs that factor more in modelled time. *sim*: the "
+        "same schedules folded through the pure core with a simulated agent in simulated time. Baseline: each "
+        "job alone; ratio: the shared run's speedup over the same jobs run back to back. Times are modelled "
+        "seconds. Duty cycle = time some job holds the group ÷ wall time; switching = another job's release → "
+        "the next grant. Issue 6 names no numeric goal for these figures.", "",
+        *_cmd(r),
+    ]
+    for name, p in r.get("profiles", {}).items():
+        out += [f"### {name}", "", p.get("description", ""), ""]
+        head = ["run", "wall", "steps/h", "duty cycle", "lost to switching", "speedup vs back to back"]
+        if "real" in p:
+            out += [f"Real, {p['real']['steps']} steps per job, time ÷ {p['real']['compression']:.0f}:", "",
+                    *_table(head, _trace_rows(p["real"]))]
+        if "sim" in p:
+            s = p["sim"]
+            out += [f"Sim, {s['steps']} steps per job, bus pass {s['hop_ms']:.2f} ms; {s['events']:,} events "
+                    f"applied in {s['cpu_s']:.2f} s of CPU:", "", *_table(head, _trace_rows(s))]
+        if "sim_calibrated" in p:
+            s = p["sim_calibrated"]
+            out += [f"Sim at the real run's steps with the bus pass calibrated from the real run "
+                    f"({s['hop_ms']:.1f} ms modelled per pass): worst relative difference to real "
+                    f"{p['agreement']['worst_relative_diff']:.1%} (throughput, duty cycle, speedup at 2 and 3 jobs).",
+                    "", *_table(head, _trace_rows(s))]
+    return out
+
+
+def _gpu(r: dict[str, Any] | None) -> list[str]:
+    if r is None:
+        return ["No GPU run was made: `bench/results/gpu_check.json` is absent (`bench/gpu_check.py` writes it "
+                "on a CUDA machine).", ""]
+    scalars = {k: v for k, v in r.items() if isinstance(v, str | int | float | bool)}
+    return ["From `bench/results/gpu_check.json` (written by `bench/gpu_check.py`, see its own report for "
+            "the detail):", "", "```json", json.dumps(scalars, indent=2)[:4000], "```", "",
+            "Sections: " + ", ".join(f"`{k}`" for k, v in r.items() if isinstance(v, dict | list)), ""]
+
+
+def _demo(r: dict[str, Any] | None) -> list[str]:
+    if r is None:
+        return ["`timeslice demo` not run: no `bench/results/demo.json` (write it with "
+                "`timeslice demo --json bench/results/demo.json`).", ""]
+    ratio = r.get("ratio")
+    return [
+        f"`timeslice demo`: {r.get('jobs', '?')} jobs {X} {r.get('steps', '?')} steps, {r.get('backend', '?')} model. "
+        f"Shared wall time {_n(r.get('shared_s'), 2, ' s')} vs back to back {_n(r.get('back_to_back_s'), 2, ' s')} "
+        f"(the same-run baseline): ratio {_n(ratio)} — goal < 0.8 (issue 6) "
+        f"{_met(ratio is not None and ratio < 0.8)}; final weights bit-identical to the solo runs: "
+        f"{_n(r.get('all_identical'))}.", "",
+    ]
+
+
+SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]]]] = {
+    "handoff": ("Handoff (bench/handoff.py)", _handoff),
+    "offload": ("Offload (bench/offload.py)", _offload),
+    "scale": ("Scale (bench/scale.py)", _scale),
+    "recovery": ("Recovery (bench/recovery.py)", _recovery),
+    "trace_replay": ("Trace replay (bench/trace_replay.py)", _trace),
+}
+
+
+def render(results: dict[str, dict[str, Any]], *, generator: str, quick: bool,
+           failures: dict[str, str] | None = None) -> str:
+    """The whole of docs/benchmarks.md."""
+    failures = failures or {}
+    machines = [r["machine"] for r in results.values() if isinstance(r.get("machine"), dict)]
+    m = machines[0] if machines else {}
+    lines = [
+        "# Benchmarks", "",
+        f"Generated by `{generator}` from `bench/results/*.json`; do not edit by hand (the hand-written notes at "
+        "the end live in `bench/NOTES.md`). Every figure comes with the command that produced it and a "
+        "baseline measured **in the same run** on the same machine; ratios to that baseline are the comparable "
+        "figures across machines and runs.", "",
+    ]
+    loads = [r["machine"]["loadavg_1m"] for r in results.values()
+             if isinstance(r.get("machine"), dict) and isinstance(r["machine"].get("loadavg_1m"), int | float)]
+    if loads and max(loads) > BUSY_LOAD:
+        lines += [f"**Some runs below were made while other work loaded this {m.get('cores', '?')}-core machine "
+                  f"(1-min load average up to {max(loads):.1f} at their start): latencies and rates are pessimistic; "
+                  "take the figures again on a quiet machine before quoting them.**", ""]
+    if quick:
+        lines += ["**This is a quick pass (`--quick`): short runs, for checking the pipeline, not figures to "
+                  "quote.**", ""]
+    lines += [
+        f"Machine: {m.get('cores', '?')} cores ({m.get('cpu_model', '?')}), {m.get('memory_gb', '?')} GB, "
+        f"Python {m.get('python', '?')}, {m.get('nats_server', 'nats-server ?')}, nats-py {m.get('nats_py', '?')}, "
+        f"{m.get('platform', '?')}; no GPU unless the GPU section says otherwise. Load averages are given per run "
+        "(other work on the machine moves latencies).", "",
+    ]
+    for name in ORDER:
+        title, fn = SECTIONS[name]
+        lines += [f"## {title}", ""]
+        if name in results:
+            try:
+                lines += fn(results[name])
+            except (KeyError, TypeError, ValueError) as exc:
+                lines += [f"The result file `bench/results/{name}.json` could not be read ({exc!r}).", ""]
+        elif name in failures:
+            lines += [f"Not measured in this pass: the run failed ({failures[name]}).", ""]
+        else:
+            lines += ["Not measured in this pass (no `bench/results/" + name + ".json`).", ""]
+    lines += ["## GPU (bench/gpu_check.py)", "", *_gpu(results.get("gpu_check"))]
+    lines += ["## Demo (`timeslice demo`)", "", *_demo(results.get("demo"))]
+    if NOTES.exists():
+        lines += [NOTES.read_text().rstrip(), ""]
+    return "\n".join(lines).rstrip() + "\n"

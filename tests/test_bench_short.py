@@ -1,0 +1,117 @@
+"""Short runs of the benchmark suite (so it cannot rot): each script produces its report and its JSON.
+
+Figures are not asserted (they live in docs/benchmarks.md); what is asserted is that each benchmark ran
+the real stack end to end (handoffs happened, grants came back after the kill, the shared trace runs
+switched) and wrote a result that ``bench/run_all.py`` turns into the document.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+
+def _run(script: str, *args: str, timeout: float = 120) -> str:
+    env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, f"{script} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """One short run of each benchmark; their result files in one folder, their printed reports by name."""
+    out = tmp_path_factory.mktemp("bench-results")
+    printed = {
+        "scale": _run("scale.py", "--groups", "2", "--duration", "1.5", "--warmup", "0.5", "--baseline-duration",
+                      "1", "--json-out", str(out / "scale.json")),
+        "recovery": _run("recovery.py", "--kv-groups", "20", "--busy", "10", "--pre", "1", "--post", "2",
+                         "--cold-reps", "1", "--json-out", str(out / "recovery.json")),
+        "trace_replay": _run("trace_replay.py", "--mode", "both", "--profiles", "grpo_sync", "--steps", "2",
+                             "--sim-steps", "4", "--compression", "400", "--json-out",
+                             str(out / "trace_replay.json")),
+    }
+    return out, printed
+
+
+def _load(folder: Path, name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((folder / f"{name}.json").read_text())
+    assert data["bench"] == name
+    assert data["command"].startswith(f"python bench/{name}.py")
+    assert data["machine"]["cores"] >= 1
+    return data
+
+
+def test_scale_reports_handoffs_against_its_baseline(results: tuple[Path, dict[str, str]]) -> None:
+    folder, printed = results
+    assert "baseline:" in printed["scale"] and "goal at 1,000 groups" in printed["scale"]
+    data = _load(folder, "scale")
+    loads = {r["load"] for r in data["rows"]}
+    assert loads == {"saturated", "paced"}
+    for r in data["rows"]:
+        assert r["groups"] == 2 and r["handoffs"] > 0
+        assert r["orch_cpu_s"] > 0 and r["baseline"]["publishes_per_s"] > 0
+        assert sum(r["counters"][k] for k in ("refused", "revoked", "dequeued", "ack_errors")) == 0
+
+
+def test_recovery_sees_grants_after_the_kill(results: tuple[Path, dict[str, str]]) -> None:
+    folder, printed = results
+    assert "baseline: cold start" in printed["recovery"]
+    data = _load(folder, "recovery")
+    assert [r["load"] for r in data["rows"]] == ["saturated", "paced"]  # a kill under each load
+    assert data["rows"][1]["kv_keys_before_kill"] >= 20  # 10 idle groups created by real use + the busy ones
+    for row in data["rows"]:
+        assert row["grants_after_restart"] > 0 and row["first_grant_after_spawn_s"] > 0
+        assert row["ratio_to_cold"] > 0
+    assert data["baseline"]["grant_s"] > 0
+
+
+def test_trace_replay_real_and_sim(results: tuple[Path, dict[str, str]]) -> None:
+    folder, printed = results
+    assert "real:" in printed["trace_replay"] and "sim:" in printed["trace_replay"]
+    data = _load(folder, "trace_replay")
+    prof = data["profiles"]["grpo_sync"]
+    for mode in ("real", "sim", "sim_calibrated"):
+        block = prof[mode]
+        assert [a["switches"] for a in block["alone"]] == [0, 0, 0]  # alone: re-acquires never switch
+        for k in ("2", "3"):
+            shared = block["shared"][k]
+            assert shared["jobs"] == int(k) and shared["switches"] > 0 and shared["wall_s"] > 0
+    assert prof["sim"]["events"] > 0 and "worst_relative_diff" in prof["agreement"]
+    assert prof["real"]["handler_s"]["suspend"] > 0  # the agent really asked the jobs to move their state
+
+
+def test_run_all_writes_the_document(results: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+    folder, _ = results
+    doc = tmp_path / "benchmarks.md"
+    handoff = {"bench": "handoff", "command": "python bench/handoff.py --n 10", "machine": {"cores": 2},
+               "n": 10, "gap_ms": 2.0, "samples": 9, "handoff_p50_ms": 1.2, "handoff_p99_ms": 3.0,
+               "reacquire_p50_ms": 1.1, "reacquire_p99_ms": 2.0, "baseline_reqrep_p50_ms": 0.6,
+               "baseline_reqrep_p99_ms": 1.0, "handoff_vs_baseline": 2.0, "reacquire_vs_baseline": 1.8}
+    (folder / "handoff.json").write_text(json.dumps(handoff))
+    _run("run_all.py", "--no-run", "--results", str(folder), "--doc", str(doc))
+    text = doc.read_text()
+    for section in ("## Handoff", "## Offload", "## Scale", "## Recovery", "## Trace replay", "## GPU", "## Demo"):
+        assert section in text
+    assert "python bench/handoff.py --n 10" in text and "python bench/scale.py --groups 2" in text
+    assert "Not measured in this pass (no `bench/results/offload.json`)" in text
+    assert "No GPU run was made" in text and "`timeslice demo` not run" in text
+    assert "Machine: 2 cores" in text
+
+    (folder / "demo.json").write_text(json.dumps({"jobs": 2, "steps": 3, "backend": "numpy", "shared_s": 7.0,
+                                                  "back_to_back_s": 10.0, "ratio": 0.7, "all_identical": True}))
+    (folder / "gpu_check.json").write_text(json.dumps({"device": "NVIDIA H200", "ok": True, "offload": {}}))
+    _run("run_all.py", "--no-run", "--results", str(folder), "--doc", str(doc))
+    text = doc.read_text()
+    assert "NVIDIA H200" in text and "No GPU run was made" not in text
+    assert "ratio 0.70" in text and "`timeslice demo` not run" not in text
