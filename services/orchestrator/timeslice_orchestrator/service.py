@@ -49,6 +49,7 @@ from timeslice_client.protocol import (
 )
 
 from .core import Action, Command, Notify, Transition, apply, new_record, next_deadline
+from .metrics import OrchestratorMetrics
 
 __all__ = ["Orchestrator", "OrchestratorConfig", "OrchestratorError"]
 
@@ -108,8 +109,10 @@ def _route(subject: str) -> tuple[str, str | None]:
 class Orchestrator:
     """Run with ``await Orchestrator(config).run()``; stop with ``shutdown()`` (idempotent)."""
 
-    def __init__(self, config: OrchestratorConfig | None = None, *, nc: NATS | None = None) -> None:
+    def __init__(self, config: OrchestratorConfig | None = None, *, nc: NATS | None = None,
+                 metrics: OrchestratorMetrics | None = None) -> None:
         self.config = config or OrchestratorConfig()
+        self.metrics = metrics if metrics is not None else OrchestratorMetrics()
         self._nc = nc
         self._own_nc = nc is None
         self._js: JetStreamContext | None = None
@@ -217,6 +220,7 @@ class Orchestrator:
                     rec = decode_record(entry.value)
                     self._groups[entry.key] = _Entry(rec=rec, rev=entry.revision)
                     self._arm(entry.key, rec)
+                    self.metrics.loaded(rec)
                 if entry.delta == 0:
                     break
         finally:
@@ -264,6 +268,7 @@ class Orchestrator:
         except ValueError as exc:
             log.warning("rejected event on %s: %s", msg.subject, exc)
             self.events_rejected += 1
+            self.metrics.rejected += 1
             await msg.ack()
             return
         try:
@@ -283,14 +288,17 @@ class Orchestrator:
         entry = self._groups.get(group)
         if entry is None:
             entry = self._groups[group] = _Entry(rec=new_record(group), rev=None)
+        t0 = time.perf_counter()
         try:
             new, actions = apply(entry.rec, ev, now_ms, seq)
         except Exception as exc:  # a bug in the core must not take down every other group
             log.exception("apply failed", extra={"group": group, "seq": seq})
             await self._reject(msg, group, getattr(ev, "job", None), exc)
             return
+        elapsed = time.perf_counter() - t0
         self.events_applied += 1
         await self._publish(group, actions)
+        self.metrics.applied(ev, entry.rec, new, actions, now_ms, elapsed)  # after the publish: off the critical path
         if new is entry.rec:
             await msg.ack()
             return
@@ -319,6 +327,7 @@ class Orchestrator:
 
     async def _reject(self, msg: Msg, group: str, job: str | None, exc: BaseException) -> None:
         self.events_rejected += 1
+        self.metrics.rejected += 1
         log.warning("rejected event %s: %s", msg.subject, exc, extra={"group": group, "job": job})
         if job is not None:
             request_id = ""
