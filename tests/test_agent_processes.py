@@ -238,7 +238,7 @@ async def test_failed_suspend_rolls_back_and_faults_only_that_job(
     assert ctx["b"]["state"] == "RUNNING"
     rc, out = await timeslice(nats_url, "status", "--group", g, "--json")
     assert rc == 0, out
-    rec = one(json.loads(out), "group record")
+    rec = one(json.loads(out)["groups"], "group record")
     assert rec["holder"]["job"] == "b" and rec["holder"]["epoch"] == granted_b["epoch"]
     assert "injected failure" in rec["faulted"]["a"], rec["faulted"]
 
@@ -272,6 +272,43 @@ async def test_failed_suspend_rolls_back_and_faults_only_that_job(
 
 async def _not_faulted(obs: AsyncTimeSliceClient, group: str, job: str) -> bool:
     return job not in (await obs.status(group)).faulted
+
+
+# --------------------------------------------------------------------------- the job dies mid-operation
+
+
+async def test_job_killed_during_its_snapshot_does_not_wedge_the_group_or_fault_the_job(
+    spawn: Spawn, agent: AgentProcess, observer: AsyncTimeSliceClient, nats_url: str
+) -> None:
+    """The agent watches the job's processes while it snapshots them: when they exit, the operation ends
+    at once (not at its timeout, 120 s here), the job is unregistered and not faulted, and the waiter gets
+    the group."""
+    g = "job-dies"
+    a = spawn(g, "a", handler="slow", mb=4, slow_s=60)
+    b = spawn(g, "b", handler="numpy", mb=1)
+    await a.wait("ready", timeout=START)
+    await b.wait("ready", timeout=START)
+    a.send("acquire")
+    await a.wait("worked")
+    b.send("acquire")
+    await eventually(queued(observer, g, "b"), what="b queued behind a")
+    a.send("release")
+    await a.wait("suspend_start")  # the snapshot of a is running (the handler blocks)
+
+    t_kill = time.time()
+    a.close()  # SIGKILL mid-suspend: the agent's request to it will never be answered
+    granted_b = await b.wait("granted", timeout=15)
+    delay = granted_b["t"] - t_kill
+    assert delay <= 5, f"the group waited {delay:.1f} s for a job that had exited"
+    rec = await eventually(lambda: _held_by(observer, g, "b"), what="record stored")
+    assert "a" not in rec.faulted and "a" not in rec.placements, rec
+    assert "a" not in await agent.jobs()
+    results, _, checker = await op_events(nats_url, g)
+    assert checker.unpublished_grants() == []
+    bad = one([r for r in results if r.job == "a" and not r.ok], "a's ended snapshot")
+    assert bad.kind is OpKind.SNAPSHOT and "exited during the snapshot" in (bad.error or "")
+    b.send("release")
+    await b.wait("released")
 
 
 # --------------------------------------------------------------------------- the agent dies mid-operation

@@ -11,6 +11,7 @@ from timeslice_client.protocol import (
     ErrorCode,
     Granted,
     GroupState,
+    JobUnregistered,
     OpKind,
     OpResult,
     Refused,
@@ -374,3 +375,26 @@ def test_clearing_the_incoming_jobs_fault_mid_switch_does_not_grant_it() -> None
     sim(ClearFault(group=G, job="a"))
     assert notices(sim.result(r2)) == [], "a restore failed on n1: no grant for this request"
     assert sim.rec.holder is None and sim.rec.state is GroupState.IDLE
+
+
+def test_job_leaving_mid_snapshot_ends_the_operation_without_faulting_it() -> None:
+    """A job whose process ends while it is being snapshotted leaves nothing to save: the switch goes on and
+    the job is not faulted (it may register again and must not need a clear-fault first)."""
+    sim = Sim()
+    sim.register("a", "n1")
+    sim.register("b", "n1")
+    sim.hold("a")
+    sim.acquire("b")
+    (snap,) = commands(sim.release("a"))
+    actions = sim(JobUnregistered(group=G, job="a", node="n1"))
+    assert sim.rec.faulted == {} and "a" not in sim.rec.saved and "a" not in sim.rec.placements
+    (restore,) = commands(actions)
+    assert (restore.job, restore.node) == ("b", "n1")
+    (g,) = notices(sim.result(restore), Granted)
+    assert g.job == "b"
+    # Its late answer is fenced off; when it comes back it registers and acquires like any job.
+    before = sim.rec
+    sim.result(snap, ok=False)
+    assert sim.rec is before
+    sim.register("a", "n1")
+    assert notices(sim.acquire("a")) == [] and [w.job for w in sim.rec.queue] == ["a"]

@@ -60,8 +60,10 @@ from timeslice_client.protocol import (
 )
 from timeslice_client.workload import default_node_id
 
+from ._app_endpoint import check_endpoints
 from ._host import alive, host_memory
 from .backends import BackendError, OpContext, Outcome, make_backend
+from .metrics import AgentMetrics
 
 __all__ = ["Agent", "AgentConfig", "OperationStatus", "default_node_id"]
 
@@ -100,8 +102,10 @@ class OperationStatus:
 class Agent:
     """Run with ``await Agent(config).run()``; stop with ``shutdown()`` (idempotent)."""
 
-    def __init__(self, config: AgentConfig | None = None, *, nc: NATS | None = None) -> None:
+    def __init__(self, config: AgentConfig | None = None, *, nc: NATS | None = None,
+                 metrics: AgentMetrics | None = None) -> None:
         self.config = config or AgentConfig()
+        self.metrics = metrics if metrics is not None else AgentMetrics()
         self.node = validate_id("node", self.config.node_id)
         self._nc = nc
         self._own_nc = nc is None
@@ -244,6 +248,8 @@ class Agent:
         assert self._nc is not None
         for b in req.backends:
             make_backend(b, self._nc, self.node)  # raises for an unknown backend
+        if "app_endpoint" in req.backends:
+            check_endpoints(req.endpoints)  # ValueError: which endpoint is wrong and how to write it
         old = self._jobs.get(req.job)
         if old is not None and old.group != req.group:
             return AgentReply(ok=False, error=f"job {req.job!r} is registered in group {old.group!r} on this node")
@@ -304,13 +310,29 @@ class Agent:
 
     async def _run(self, cmd: Snapshot | Restore) -> None:
         kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
+        fresh = cmd.op_id not in self._results  # a redelivered command is answered from memory: not counted again
         try:
             result, published = await self._execute(cmd, kind)
         except Exception as exc:  # never leave the orchestrator waiting on an answer
             log.exception("operation crashed", extra={"node": self.node, "job": cmd.job, "op_id": cmd.op_id})
             result, published = self._result(cmd, kind, "?", ok=False, error=f"agent error: {exc!r}"), False
+            fresh = False
+            self.metrics.operation(result, "failed")
+        if fresh:
+            self._count(result, performed=published)
         if not published:
             await self._publish_result(result)
+
+    def _count(self, result: OpResult, *, performed: bool) -> None:
+        """Metrics of an answered operation (``performed``: the backends ran, see ``_execute``)."""
+        if not performed:
+            outcome = "noop" if result.ok else "refused"
+        elif result.ok:
+            outcome = "ok"
+        else:
+            ctx = self._jobs.get(result.job)
+            outcome = "failed" if ctx is None or ctx.state is JobState.FAULTED else "rolled_back"
+        self.metrics.operation(result, outcome)
 
     def _result(self, cmd: Snapshot | Restore, kind: OpKind, backend: str, *, ok: bool, error: str | None = None,
                 outcome: Outcome | None = None, elapsed_ms: float = 0.0) -> OpResult:
@@ -359,8 +381,17 @@ class Agent:
                 op_id=cmd.op_id, group=cmd.group, job=cmd.job, node=self.node, kind=kind, epoch=cmd.epoch,
                 backend=backend)))
             t0 = time.perf_counter()
-            state, failure, outcome = await self._perform(ctx, op, kind, before)
+            performed = await self._perform_watched(ctx, op, kind, before)
             elapsed = (time.perf_counter() - t0) * 1000
+            if performed is None:
+                # The job's processes ended mid-operation: nothing is left to move. Unregister it first, so
+                # the orchestrator ends the operation as "job gone" (no fault), then answer the command.
+                error = f"the job's processes exited during the {kind}"
+                await self._unregister(ctx, error)
+                result = self._result(cmd, kind, backend, ok=False, error=error, elapsed_ms=elapsed)
+                await self._publish_result(result)
+                return self._remember(result), True
+            state, failure, outcome = performed
             result = self._result(cmd, kind, backend, ok=failure is None, error=failure, outcome=outcome,
                                   elapsed_ms=elapsed)
             await self._publish_result(result)  # the orchestrator waits on this; the KV write can follow
@@ -369,6 +400,28 @@ class Agent:
                 last_op_ok=failure is None, last_op_error=failure, bytes_moved=outcome.bytes_moved,
                 device_bytes_freed=outcome.device_bytes_freed, elapsed_ms=elapsed))
             return self._remember(result), True
+
+    async def _perform_watched(self, ctx: JobContext, op: OpContext, kind: OpKind,
+                               before: JobState) -> tuple[JobState, str | None, Outcome] | None:
+        """:meth:`_perform`, watching the job's processes (every ``pid_check_s``): when all of them have
+        exited, the operation is cancelled and ``None`` returned, instead of waiting out its timeout."""
+        if not ctx.pids:
+            return await self._perform(ctx, op, kind, before)
+        work = asyncio.get_running_loop().create_task(self._perform(ctx, op, kind, before))
+        try:
+            while True:
+                done, _ = await asyncio.wait({work}, timeout=self.config.pid_check_s)
+                if done:
+                    return work.result()
+                if not any(alive(p) for p in ctx.pids):
+                    log.warning("job's processes exited during a %s", kind,
+                                extra={"node": self.node, "job": ctx.job, "op_id": op.op_id})
+                    return None
+        finally:
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await work
 
     async def _perform(self, ctx: JobContext, op: OpContext, kind: OpKind,
                        before: JobState) -> tuple[JobState, str | None, Outcome]:
@@ -506,9 +559,11 @@ class Agent:
     async def _standalone_op(self, cmd: Snapshot | Restore, kind: OpKind) -> None:
         try:
             result, published = await self._execute(cmd, kind)
+            self._count(result, performed=published)
         except Exception as exc:
             log.exception("standalone operation crashed", extra={"node": self.node, "job": cmd.job, "op_id": cmd.op_id})
             result, published = self._result(cmd, kind, "?", ok=False, error=f"agent error: {exc!r}"), False
+            self.metrics.operation(result, "failed")
         self._remember(result)
         self._standalone.pop(cmd.op_id, None)
         if not published:
@@ -542,10 +597,14 @@ class Agent:
     async def _heartbeat_once(self) -> None:
         assert self._agents_kv is not None
         total, avail = host_memory()
+        from ._nvml import node_devices
         from .backends import available_backends
 
+        # In threads: the first call loads cuda-python / NVML where they are installed.
+        backends = await asyncio.to_thread(available_backends)
+        devices = await asyncio.to_thread(node_devices)
         info = AgentInfo(node=self.node, pid=os.getpid(), started_at_ms=self._started_ms,
-                         backends=available_backends(), host_memory_total_bytes=total,
+                         backends=backends, devices=devices, host_memory_total_bytes=total,
                          host_memory_available_bytes=avail)
         await self._agents_kv.put(self.node, encode(info))
 

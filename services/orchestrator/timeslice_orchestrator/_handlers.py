@@ -212,7 +212,13 @@ def _on_unregistered(w: Work, ev: JobUnregistered) -> None:
     w.unsave(ev.job, ev.node)
     if w.loaded.get(ev.node) == ev.job:
         del w.loaded[ev.node]
-    _fail_ops(w, lambda op: op.node == ev.node and op.job == ev.job, f"job unregistered from node {ev.node}")
+    # The job left the node (its process ended or it closed its channel), so its context there is gone with
+    # it: a snapshot of it ends without faulting the job (it may come back and register again). A restore of
+    # the incoming job cannot bring anything back: that still faults it (it is refused, not granted empty).
+    gone = f"job unregistered from node {ev.node}"
+    _fail_ops(w, lambda op: op.node == ev.node and op.job == ev.job and op.kind is OpKind.SNAPSHOT, gone,
+              fault=False)
+    _fail_ops(w, lambda op: op.node == ev.node and op.job == ev.job, gone)
     w.touch("job unregistered")
 
 
@@ -245,13 +251,13 @@ def _on_agent_lost(w: Work, ev: AgentLost) -> None:
         w.touch("agent lost")
 
 
-def _fail_ops(w: Work, pred: Callable[[OpRecord], bool], error: str) -> None:
+def _fail_ops(w: Work, pred: Callable[[OpRecord], bool], error: str, *, fault: bool = True) -> None:
     sw = w.switch
     if sw is None:
         return
     for op in sw.ops:
         if pred(op):
-            w.op_done(op, ok=False, error=error)
+            w.op_done(op, ok=False, error=error, fault=fault)
 
 
 HANDLERS: dict[type[Any], Callable[[Work, Any], None]] = {

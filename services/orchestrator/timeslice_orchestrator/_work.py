@@ -327,7 +327,9 @@ class Work:
         )
         return op
 
-    def op_done(self, op: OpRecord, *, ok: bool, error: str | None) -> None:
+    def op_done(self, op: OpRecord, *, ok: bool, error: str | None, fault: bool = True) -> None:
+        """An operation of the running switch ended. ``fault=False``: it failed because its job left the
+        node (nothing is left there to move), which does not fault the job."""
         sw = self.switch
         assert sw is not None
         self.switch = msgspec.structs.replace(sw, ops=tuple(o for o in sw.ops if o.op_id != op.op_id))
@@ -341,9 +343,9 @@ class Work:
             self.saved[op.job] = (*nodes, op.node)
         elif op.kind is OpKind.RESTORE and ok and op.node in nodes:
             self.unsave(op.job, op.node)
-        if not ok:
+        if not ok and fault:
             self.fault(op.job, error or f"{op.kind} failed on node {op.node}")
-        self.touch(f"{op.kind} {'done' if ok else 'failed'}")
+        self.touch(f"{op.kind} {'done' if ok else 'failed' if fault else 'ended: job gone'}")
 
 
 # ---------------------------------------------------------------------- event handlers
