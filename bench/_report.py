@@ -187,10 +187,22 @@ def _recovery(r: dict[str, Any]) -> list[str]:
         *_table(["groups in KV", "busy groups, load", "first grant", "first grant (from kill)",
                  "half the pre-kill rate", "orchestrator ready", "pre-kill grants/s", "inputs to replay",
                  "ratio to cold start"], rows),
-        f"Against issue 6 (judged on the paced load where there is one): grants flow again within 1 s at "
-        f"1,000 groups — {_n(v.get('at_1000_s'), 3, ' s')}, "
-        f"{_met(v.get('goal_met')) if v.get('at_1000_s') is not None else 'not measured at 1,000 groups'}.", "",
+        f"Against issue 6: grants flow again within 1 s at 1,000 groups — {_recovery_at_1000(r)}.", "",
     ]
+
+
+def _recovery_at_1000(r: dict[str, Any]) -> str:
+    """The 1,000-group rows under each load, each against the 1 s goal (both loads are stated, not one picked)."""
+    parts = []
+    for x in r.get("rows", []):
+        if x.get("kv_groups") is None or not 1000 <= x["kv_groups"] < 2000:
+            continue
+        s = x.get("first_grant_after_spawn_s")
+        load = "saturated" if not x.get("hold_ms") else f"paced (hold {x['hold_ms']:.0f} ms)"
+        backlog = x.get("replay_backlog", {}).get("unacked_inputs")
+        extra = f", {_n(backlog, 0)} inputs to replay" if backlog is not None else ""
+        parts.append(f"{load}: {_n(s, 3, ' s')}{extra}, {_met(s is not None and s <= 1.0)}")
+    return "; ".join(parts) if parts else "not measured at 1,000 groups"
 
 
 def _trace_rows(block: dict[str, Any]) -> list[list[str]]:

