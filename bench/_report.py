@@ -169,7 +169,6 @@ def _recovery(r: dict[str, Any]) -> list[str]:
                      _n(x["half_rate_after_spawn_s"], 3, " s"), _n(x["ready_after_spawn_s"], 3, " s"),
                      _n(x["pre_kill_grants_per_s"], 0), _n(x.get("replay_backlog", {}).get("unacked_inputs"), 0),
                      f"{_n(x.get('ratio_to_cold'))}{X}"])
-    v = r.get("verdict", {})
     return [
         "`kill -9` of the orchestrator process while the busy groups hand off continuously (4 jobs each, raw "
         "wire protocol; *saturated*: a granted job releases at once, *paced*: each holder holds the time "

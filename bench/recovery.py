@@ -12,7 +12,7 @@ orchestrator as its own process:
    generator keeps going (releases and acquires made while it is down wait in the stream). Twice per
    N: under a saturated load (holders release at once) and a paced one (each holds
    ``--paced-hold-ms``, default 50 ms: ~2,000 handoffs/s offered by 100 groups); the goal is judged on
-   the paced one (a saturated orchestrator lags behind in storing records, so more is left to replay);
+   both (a saturated orchestrator lags behind in storing records, so more is left to replay);
 4. from the time of every grant: the first grant after the restart (from the new process's spawn,
    and from the kill), the time until the grant rate is back to half its pre-kill rate, and the
    orchestrator's own ready time (its durable consumer bound: records loaded, agents known); and the
@@ -211,8 +211,9 @@ def print_report(res: dict[str, Any]) -> None:
           f"(spawn -> ready {b['ready_s']:.3f} s; a bare interpreter importing the orchestrator "
           f"{b['import_s']:.3f} s), median of {b['reps']}")
     v = res["verdict"]
-    print(f"goal: grants again within {GOAL_S:.0f} s at 1,000 groups: "
-          f"{'met' if v['goal_met'] else 'NOT met'} ({_s(v['at_1000_s'])})")
+    at = ", ".join(f"{load} {_s(s)}" for load, s in v["at_1000_s"].items()) or "not measured"
+    print(f"goal: grants again within {GOAL_S:.0f} s at 1,000 groups under every load: "
+          f"{'met' if v['goal_met'] else 'NOT met'} ({at})")
 
 
 def _s(x: float | None) -> str:
@@ -254,11 +255,9 @@ def main() -> None:
     for r in rows:
         f = r["first_grant_after_spawn_s"]
         r["ratio_to_cold"] = f / base["grant_s"] if f is not None else None
-    at = next((r for r in rows if r["kv_groups"] == 1000 and r["load"] == "paced"), None) or next(
-        (r for r in rows if r["kv_groups"] == 1000), None)
-    verdict = {"at_1000_s": at["first_grant_after_spawn_s"] if at else None,
-               "goal_met": bool(at and at["first_grant_after_spawn_s"] is not None
-                                and at["first_grant_after_spawn_s"] <= GOAL_S)}
+    # Judged under each load at 1,000 groups: met only when grants flow again in time under every one.
+    at = {r["load"]: r["first_grant_after_spawn_s"] for r in rows if r["kv_groups"] == 1000}
+    verdict = {"at_1000_s": at, "goal_met": bool(at) and all(s is not None and s <= GOAL_S for s in at.values())}
     res = {"bench": "recovery", "command": c.command_line(), "machine": machine, "baseline": base, "rows": rows,
            "goals": {"recovery_s_at_1000": GOAL_S}, "verdict": verdict}
     print_report(res)
