@@ -36,19 +36,10 @@ def nats_url(nats_server: NatsServer) -> str:
 @pytest.fixture
 async def orchestrator(nats_url: str) -> AsyncIterator[Orchestrator]:
     """The orchestrator running in this test's event loop."""
-    orch = Orchestrator(OrchestratorConfig(nats_url=nats_url))
-    task = asyncio.get_running_loop().create_task(orch.run())
-    ready = asyncio.get_running_loop().create_task(orch.ready.wait())
-    done, _ = await asyncio.wait({task, ready}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        task.result()
-    assert ready in done, "orchestrator did not become ready"
-    try:
+    from .helpers import running
+
+    async with running(Orchestrator(OrchestratorConfig(nats_url=nats_url))) as orch:
         yield orch
-    finally:
-        orch.shutdown()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 20)
 
 
 class OrchestratorProcess:

@@ -3,11 +3,47 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol, TypeVar
 
 T = TypeVar("T")
+
+
+class Service(Protocol):
+    """What the orchestrator and the agent share: ``run()`` until ``shutdown()``, ``ready`` once serving."""
+
+    @property
+    def ready(self) -> asyncio.Event: ...
+
+    async def run(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+S = TypeVar("S", bound=Service)
+
+
+@contextlib.asynccontextmanager
+async def running(service: S, *, timeout: float = 20.0) -> AsyncIterator[S]:
+    """Run ``service`` in this event loop while the block runs: ready on entry, shut down (and awaited) on exit.
+    A service that exits before it is ready fails the test with its own error."""
+    task = asyncio.get_running_loop().create_task(service.run())
+    ready = asyncio.get_running_loop().create_task(service.ready.wait())
+    done, _ = await asyncio.wait({task, ready}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        ready.cancel()
+        task.result()
+    if ready not in done:
+        ready.cancel()
+        raise AssertionError(f"{type(service).__name__} did not become ready within {timeout} s")
+    try:
+        yield service
+    finally:
+        service.shutdown()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, timeout)
 
 
 async def eventually(

@@ -13,22 +13,15 @@ from timeslice_client.bus import connect
 from timeslice_client.protocol import OpResult, decode_input, subjects
 from timeslice_orchestrator.service import Orchestrator
 
-from .helpers import eventually
+from .helpers import eventually, running
 
 pytestmark = pytest.mark.usefixtures("orchestrator")
 
 
 @pytest.fixture
 async def agent(nats_url: str) -> AsyncIterator[Agent]:
-    a = Agent(AgentConfig(node_id="node-1", nats_url=nats_url))
-    task = asyncio.get_running_loop().create_task(a.run())
-    await asyncio.wait_for(a.ready.wait(), 20)
-    try:
+    async with running(Agent(AgentConfig(node_id="node-1", nats_url=nats_url))) as a:
         yield a
-    finally:
-        a.shutdown()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 20)
 
 
 class Recorder:

@@ -18,7 +18,7 @@ from timeslice_client import AsyncTimeSliceClient, HandlerResult, JobState, Susp
 from timeslice_client.errors import TimeSliceError
 from timeslice_client.protocol import JobContext
 
-from .helpers import eventually
+from .helpers import eventually, running
 
 
 @dataclass
@@ -217,15 +217,8 @@ class Untouched:
 
 @pytest.fixture
 async def agent(nats_url: str) -> AsyncIterator[Agent]:
-    a = Agent(AgentConfig(node_id="n1", nats_url=nats_url))
-    task = asyncio.get_running_loop().create_task(a.run())
-    await asyncio.wait_for(a.ready.wait(), 20)
-    try:
+    async with running(Agent(AgentConfig(node_id="n1", nats_url=nats_url))) as a:
         yield a
-    finally:
-        a.shutdown()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 20)
 
 
 @pytest.mark.usefixtures("orchestrator")

@@ -8,7 +8,6 @@ as it would on a GPU. The real driver is exercised by ``bench/gpu_check.py`` on 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import os
 import re
@@ -38,7 +37,7 @@ from timeslice_agent import backends as backends_mod
 from timeslice_agent._cuda import CudaPythonDriver, cuda_unavailable_reason, make_cuda_backend
 from timeslice_client.protocol import DeviceInfo, JobContext, JobState, OpKind, OpResult
 
-from .helpers import eventually
+from .helpers import eventually, running
 
 GB = 1 << 30
 
@@ -395,15 +394,8 @@ def rule_driver(children: list[int]) -> Iterator[tuple[RuleDriver, CudaBackend]]
 
 @pytest.fixture
 async def agent(nats_url: str) -> AsyncIterator[Agent]:
-    a = Agent(AgentConfig(node_id="n1", nats_url=nats_url))
-    task = asyncio.get_running_loop().create_task(a.run())
-    await asyncio.wait_for(a.ready.wait(), 20)
-    try:
+    async with running(Agent(AgentConfig(node_id="n1", nats_url=nats_url))) as a:
         yield a
-    finally:
-        a.shutdown()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 20)
 
 
 async def _finish(agent: Agent, op_id: str) -> OpResult:

@@ -8,7 +8,6 @@ it sits after the ack floor the first orchestrator left, exactly where a killed 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from nats.aio.msg import Msg
 from timeslice_client.bus import connect, ensure_bus
@@ -26,28 +25,11 @@ from timeslice_client.protocol import (
 from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
-from .helpers import eventually
+from .helpers import eventually, running
 from .workers import read_stream
 
 GROUPS = 40
 LONG_MS = 600_000  # leases and waits that cannot expire during the test (no ticks of our own)
-
-
-async def _start(url: str) -> tuple[Orchestrator, asyncio.Task[None]]:
-    orch = Orchestrator(OrchestratorConfig(nats_url=url))
-    task = asyncio.get_running_loop().create_task(orch.run())
-    ready = asyncio.get_running_loop().create_task(orch.ready.wait())
-    done, _ = await asyncio.wait({task, ready}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        task.result()
-    assert ready in done, "orchestrator did not become ready"
-    return orch, task
-
-
-async def _stop(orch: Orchestrator, task: asyncio.Task[None]) -> None:
-    orch.shutdown()
-    with contextlib.suppress(asyncio.CancelledError):
-        await asyncio.wait_for(task, 20)
 
 
 def _acquire(group: str, job: str, rid: str) -> Acquire:
@@ -72,10 +54,9 @@ async def test_restart_catches_up_the_backlog_then_binds_the_durable_after_it(na
         await nc.flush()
 
         # A first orchestrator decides one grant and stops cleanly: its ack floor is the stream's end.
-        first, task = await _start(nats_url)
-        await js.publish(subjects.job("g0", "j0", "acquire"), encode(_acquire("g0", "j0", "r-g0-j0")))
-        await eventually(lambda: any(g.group == "g0" for g in grants), what="g0's first grant")
-        await _stop(first, task)
+        async with running(Orchestrator(OrchestratorConfig(nats_url=nats_url))):
+            await js.publish(subjects.job("g0", "j0", "acquire"), encode(_acquire("g0", "j0", "r-g0-j0")))
+            await eventually(lambda: any(g.group == "g0" for g in grants), what="g0's first grant")
         floor = (await js.consumer_info(STREAM, "orchestrator")).ack_floor.stream_seq
 
         # The backlog, published while nobody consumes: per group j0 acquires, j1 waits, j0 releases
@@ -95,8 +76,7 @@ async def test_restart_catches_up_the_backlog_then_binds_the_durable_after_it(na
         # The release is each group's last event that changes its record (the tick finds nothing due).
         releases = {m[2].split(".")[3]: m[0] for m in await read_stream(nats_url) if m[2].endswith(".release")}
 
-        second, task = await _start(nats_url)
-        try:
+        async with running(Orchestrator(OrchestratorConfig(nats_url=nats_url))) as second:
             # Ready means bound: by then every record reflecting the backlog is stored ...
             kv = await js.key_value("groups")
             assert len(releases) == GROUPS
@@ -113,8 +93,6 @@ async def test_restart_catches_up_the_backlog_then_binds_the_durable_after_it(na
                 (f"g{i}", "j1", 2) for i in range(GROUPS)}, what="every j1 granted at epoch 2")
             info = await js.consumer_info(STREAM, "orchestrator")
             assert info.num_ack_pending == 0 and info.num_pending == 0
-        finally:
-            await _stop(second, task)
 
         # The whole stream folds through the core without a violation, to the records that are stored.
         checker = StreamChecker()

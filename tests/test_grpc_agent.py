@@ -4,7 +4,6 @@ alone, and ``SnapshotAgentClient``, against a real agent on a real nats-server."
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import subprocess
@@ -32,22 +31,15 @@ from timeslice_client.agent_client import (
 from timeslice_client.errors import InvalidRequest
 
 from .grpc_proto_client import AGENT_PROTO, Stub, compile_proto
-from .helpers import eventually
+from .helpers import eventually, running
 
 NODE = "node-g"
 
 
 @pytest.fixture
 async def agent(nats_url: str) -> AsyncIterator[Agent]:
-    a = Agent(AgentConfig(node_id=NODE, nats_url=nats_url))
-    task = asyncio.get_running_loop().create_task(a.run())
-    await asyncio.wait_for(a.ready.wait(), 20)
-    try:
+    async with running(Agent(AgentConfig(node_id=NODE, nats_url=nats_url))) as a:
         yield a
-    finally:
-        a.shutdown()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 20)
 
 
 @pytest.fixture

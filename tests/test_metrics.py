@@ -20,21 +20,15 @@ from timeslice_client.protocol import Acquire, GroupRecord, encode, subjects
 from timeslice_orchestrator import Orchestrator, OrchestratorConfig, OrchestratorMetrics
 
 from .agent_harness import ROOT, queued
-from .helpers import eventually
+from .helpers import eventually, running
 
 
 @pytest.fixture
 async def registry(nats_url: str) -> AsyncIterator[CollectorRegistry]:
     """An orchestrator in this loop whose metrics live on the returned registry."""
     reg = CollectorRegistry()
-    orch = Orchestrator(OrchestratorConfig(nats_url=nats_url), metrics=OrchestratorMetrics(reg))
-    task = asyncio.get_running_loop().create_task(orch.run())
-    await asyncio.wait_for(orch.ready.wait(), 20)
-    try:
+    async with running(Orchestrator(OrchestratorConfig(nats_url=nats_url), metrics=OrchestratorMetrics(reg))):
         yield reg
-    finally:
-        orch.shutdown()
-        await asyncio.wait_for(task, 20)
 
 
 def value(reg: CollectorRegistry, name: str, **labels: str) -> float:
@@ -115,14 +109,8 @@ class Recorder:
 @pytest.fixture
 async def agent_registry(nats_url: str, registry: CollectorRegistry) -> AsyncIterator[tuple[Agent, CollectorRegistry]]:
     reg = CollectorRegistry()
-    agent = Agent(AgentConfig(node_id="node-m", nats_url=nats_url), metrics=AgentMetrics(reg))
-    task = asyncio.get_running_loop().create_task(agent.run())
-    await asyncio.wait_for(agent.ready.wait(), 20)
-    try:
+    async with running(Agent(AgentConfig(node_id="node-m", nats_url=nats_url), metrics=AgentMetrics(reg))) as agent:
         yield agent, reg
-    finally:
-        agent.shutdown()
-        await asyncio.wait_for(task, 20)
 
 
 async def test_agent_metrics_count_operations(nats_url: str, registry: CollectorRegistry,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import subprocess
 import sys
 import types
@@ -19,6 +17,8 @@ from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
 from timeslice_client.bus import connect
 from timeslice_client.errors import TimeSliceError
 from timeslice_client.protocol import AGENTS_BUCKET, AgentInfo, DeviceInfo
+
+from .helpers import running
 
 GB = 1 << 30
 _SPAWN = ("import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], "
@@ -136,15 +136,8 @@ class Nothing:
 
 @pytest.fixture
 async def agent(nats_url: str) -> AsyncIterator[Agent]:
-    a = Agent(AgentConfig(node_id="cpu-node", nats_url=nats_url))
-    task = asyncio.get_running_loop().create_task(a.run())
-    await asyncio.wait_for(a.ready.wait(), 20)
-    try:
+    async with running(Agent(AgentConfig(node_id="cpu-node", nats_url=nats_url))) as a:
         yield a
-    finally:
-        a.shutdown()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 20)
 
 
 async def test_agent_without_nvml_announces_no_devices_and_refuses_cuda(nats_url: str, agent: Agent) -> None:

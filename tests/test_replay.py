@@ -21,7 +21,7 @@ from timeslice_orchestrator.replay._cli import parse_time
 from timeslice_orchestrator.replay._summary import clipped, quantile
 
 from .agent_harness import timeslice
-from .helpers import eventually
+from .helpers import eventually, running
 from .replay_streams import MB, StreamBuilder, alternating, op_id
 
 T0 = 1_000_000
@@ -160,15 +160,8 @@ def test_parse_time() -> None:
 
 @pytest.fixture
 async def agent(nats_url: str) -> AsyncIterator[Agent]:
-    a = Agent(AgentConfig(node_id="node-1", nats_url=nats_url))
-    task = asyncio.get_running_loop().create_task(a.run())
-    await asyncio.wait_for(a.ready.wait(), 20)
-    try:
+    async with running(Agent(AgentConfig(node_id="node-1", nats_url=nats_url))) as a:
         yield a
-    finally:
-        a.shutdown()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 20)
 
 
 def _handler(nbytes: int) -> CallbackHandler:

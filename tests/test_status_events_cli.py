@@ -19,7 +19,7 @@ from timeslice_client.protocol import GROUPS_BUCKET, JOBS_BUCKET, GroupRecord, e
 from timeslice_orchestrator._events_cmd import parse_since
 
 from .agent_harness import ROOT, queued, timeslice
-from .helpers import eventually
+from .helpers import eventually, running
 from .workers import read_stream
 
 pytestmark = pytest.mark.usefixtures("orchestrator")
@@ -28,14 +28,8 @@ NODE = "node-s"
 
 @pytest.fixture
 async def agent(nats_url: str) -> AsyncIterator[Agent]:
-    a = Agent(AgentConfig(node_id=NODE, nats_url=nats_url))
-    task = asyncio.get_running_loop().create_task(a.run())
-    await asyncio.wait_for(a.ready.wait(), 20)
-    try:
+    async with running(Agent(AgentConfig(node_id=NODE, nats_url=nats_url))) as a:
         yield a
-    finally:
-        a.shutdown()
-        await asyncio.wait_for(task, 20)
 
 
 class Noop:
