@@ -61,8 +61,9 @@ from timeslice_client.protocol import (
 from timeslice_client.workload import default_node_id
 
 from ._app_endpoint import check_endpoints
+from ._compose import perform, until_exited
 from ._host import alive, host_memory
-from .backends import BackendError, OpContext, Outcome, make_backend
+from .backends import OpContext, Outcome, make_backend
 from .metrics import AgentMetrics
 
 __all__ = ["Agent", "AgentConfig", "OperationStatus", "default_node_id"]
@@ -403,57 +404,16 @@ class Agent:
 
     async def _perform_watched(self, ctx: JobContext, op: OpContext, kind: OpKind,
                                before: JobState) -> tuple[JobState, str | None, Outcome] | None:
-        """:meth:`_perform`, watching the job's processes (every ``pid_check_s``): when all of them have
-        exited, the operation is cancelled and ``None`` returned, instead of waiting out its timeout."""
-        if not ctx.pids:
-            return await self._perform(ctx, op, kind, before)
-        work = asyncio.get_running_loop().create_task(self._perform(ctx, op, kind, before))
-        try:
-            while True:
-                done, _ = await asyncio.wait({work}, timeout=self.config.pid_check_s)
-                if done:
-                    return work.result()
-                if not any(alive(p) for p in ctx.pids):
-                    log.warning("job's processes exited during a %s", kind,
-                                extra={"node": self.node, "job": ctx.job, "op_id": op.op_id})
-                    return None
-        finally:
-            if not work.done():
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await work
-
-    async def _perform(self, ctx: JobContext, op: OpContext, kind: OpKind,
-                       before: JobState) -> tuple[JobState, str | None, Outcome]:
-        """Run the composed backends. Returns (new state, error or None, outcome)."""
+        """Run the job's composed backends (``_compose.perform``) while watching its processes: ``None``
+        when they all exited before the operation finished (it is cancelled then, not waited out)."""
         assert self._nc is not None
-        backends = [make_backend(b, self._nc, self.node) for b in ctx.backends]
-        total = Outcome()
-        done: list[Any] = []
-        try:
-            async with asyncio.timeout(op.remaining()):
-                if kind is OpKind.SNAPSHOT:
-                    for b in backends:
-                        total += await b.snapshot(ctx, op)
-                        done.append(b)
-                    return JobState.SAVED, None, total
-                for b in reversed(backends):
-                    total += await b.restore(ctx, op)
-                return JobState.RUNNING, None, total
-        except TimeoutError:
-            return JobState.FAULTED, f"{kind} timed out after {ctx.op_timeout_ms} ms budget", total
-        except BackendError as exc:
-            if kind is OpKind.RESTORE or not exc.rolled_back:
-                return JobState.FAULTED, str(exc), total
-            # Undo the steps that succeeded, newest first, so the job runs again.
-            undo = OpContext(op.op_id, op.epoch, time.monotonic() + max(5.0, ctx.op_timeout_ms / 1000))
-            try:
-                async with asyncio.timeout(undo.remaining()):
-                    for b in reversed(done):
-                        await b.restore(ctx, undo)
-            except (BackendError, TimeoutError) as undo_exc:
-                return JobState.FAULTED, f"{exc}; rollback failed too: {undo_exc}", total
-            return (JobState.RUNNING if before is not JobState.IDLE else JobState.IDLE), f"{exc} (rolled back)", total
+        nc, node = self._nc, self.node
+        backends = [make_backend(b, nc, node) for b in ctx.backends]
+        outcome = await until_exited(perform(backends, ctx, op, kind, before), ctx.pids, self.config.pid_check_s)
+        if outcome is None:
+            log.warning("job's processes exited during a %s", kind, extra={"node": node, "job": ctx.job,
+                                                                           "op_id": op.op_id})
+        return outcome
 
     def _remember(self, result: OpResult) -> OpResult:
         self._results[result.op_id] = result

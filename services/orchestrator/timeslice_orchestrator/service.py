@@ -25,7 +25,6 @@ import contextlib
 import heapq
 import logging
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,8 +53,8 @@ from timeslice_client.protocol import (
     validate_id,
 )
 
+from ._delivery import delivery, first, is_input, route, seq_and_time
 from .core import Action, Command, Notify, Transition, apply, new_record, next_deadline
-from .invariants import subject_matches
 from .metrics import OrchestratorMetrics
 
 __all__ = ["Orchestrator", "OrchestratorConfig", "OrchestratorError"]
@@ -91,43 +90,6 @@ class _Entry:
     dirty: bool = False
     queued: bool = False
     armed: int | None = None  # the earliest deadline this group has in the timer heap
-
-
-def _seq_and_time(reply: str) -> tuple[int, int]:
-    """Stream sequence and stream timestamp (ms) from a JetStream delivery's reply subject."""
-    seq, ts, _ = _delivery(reply)
-    return seq, ts
-
-
-def _delivery(reply: str) -> tuple[int, int, int]:
-    """Stream sequence, stream timestamp (ms) and messages still pending after this one, from a
-    JetStream delivery's reply subject."""
-    t = reply.split(".")
-    if len(t) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
-        return int(t[5]), int(t[7]) // 1_000_000, int(t[8])
-    # $JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[.<token>]
-    return int(t[7]), int(t[9]) // 1_000_000, int(t[10])
-
-
-_INPUT_PREFIXES: tuple[str, ...] = tuple(f.split("*", 1)[0].removesuffix(">") for f in subjects.inputs)
-
-
-def _is_input(subject: str) -> bool:
-    """Whether the durable consumer (filtered on ``subjects.inputs``) would deliver ``subject``; the
-    prefix test first, as most of what the catch-up reads is notices."""
-    return subject.startswith(_INPUT_PREFIXES) and any(subject_matches(f, subject) for f in subjects.inputs)
-
-
-def _route(subject: str) -> tuple[str, str | None]:
-    """(group, job) named by an input subject; raises ValueError for a subject we do not serve."""
-    t = subject.split(".")
-    if len(t) == 6 and t[2] == "job":
-        return validate_id("group", t[3]), validate_id("job", t[4])
-    if len(t) == 5 and t[2] == "ctl":
-        return validate_id("group", t[3]), None
-    if len(t) == 6 and t[2] == "agent" and t[4] == "evt":
-        return validate_id("group", t[5]), None
-    raise ValueError(f"not an input subject: {subject!r}")
 
 
 class Orchestrator:
@@ -288,12 +250,12 @@ class Orchestrator:
             if done.is_set():
                 return  # read past the end: the durable delivers it again
             try:
-                seq, _, pending = _delivery(msg.reply)
+                seq, _, pending = delivery(msg.reply)
             except (ValueError, IndexError):
                 return
             if seq <= last:
                 return  # read again after the ordered consumer restarted at a gap: already applied
-            if _is_input(msg.subject):
+            if is_input(msg.subject):
                 await self._on_input(msg, live=False)
             last = seq
             progress.set()
@@ -310,7 +272,7 @@ class Orchestrator:
                 progress.clear()
                 try:
                     async with asyncio.timeout(self.config.catch_up_idle_s):
-                        await _first(progress.wait(), done.wait(), self._stop.wait())
+                        await first(progress.wait(), done.wait(), self._stop.wait())
                 except TimeoutError:
                     raise OrchestratorError(
                         f"catching up from stream sequence {floor + 1} stalled at {last} (the stream's end was "
@@ -325,7 +287,7 @@ class Orchestrator:
     async def _stored_all(self) -> bool:
         """Wait until every decided record is stored; False when stopping instead (or a write failed)."""
         while not self._writes_idle.is_set() and not self._stop.is_set():
-            await _first(self._writes_idle.wait(), self._stop.wait())
+            await first(self._writes_idle.wait(), self._stop.wait())
         return self._fatal is None and not self._stop.is_set()
 
     async def _subscribe(self, after: int) -> None:
@@ -363,11 +325,11 @@ class Orchestrator:
         if self._fatal is not None:
             return
         try:
-            seq, now_ms = _seq_and_time(msg.reply)
+            seq, now_ms = seq_and_time(msg.reply)
         except (ValueError, IndexError):
             return  # not a JetStream delivery (flow control or a stray publish)
         try:
-            group, job = _route(msg.subject)
+            group, job = route(msg.subject)
         except ValueError as exc:
             log.warning("rejected event on %s: %s", msg.subject, exc)
             self.events_rejected += 1
@@ -608,14 +570,3 @@ class Orchestrator:
 
 class _Stopped(Exception):
     pass
-
-
-async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
-    """Wait until the first of ``waits`` finishes; cancel the others."""
-    tasks = [asyncio.ensure_future(w) for w in waits]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
