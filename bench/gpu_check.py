@@ -11,7 +11,7 @@ It measures and prints, and writes as JSON (``--out``):
    restored. Per size: GB/s each way (bytes over the handler's own time, timed in A), the ratio to the
    baseline, device memory before/after from ``torch.cuda.memory_allocated`` and from NVML (A's process),
    bit-exactness (per-chunk checksums of every tensor after the last restore) and tensor identity;
-3. ``duplex``: two handlers on the same GPU in one process swapped with ``torch_offload.swap``,
+3. ``duplex``: two handlers on the same GPU in one process swapped with ``torch_swap.swap``,
    sequentially and overlapped (outgoing device -> host beside incoming host -> device), bit-exact;
 4. ``cuda``: the ``cuda`` backend (the driver's checkpoint API through cuda-python) on a separate process
    holding 4-16 GB: lock + checkpoint, NVML memory before/after, restore + unlock, the process's data
@@ -466,7 +466,8 @@ def offload(stack: Stack, nbytes: int, cycles: int, index: int, device: str = "c
 def duplex(nbytes: int) -> dict[str, Any]:
     import torch
     from timeslice_client.protocol import SuspendMode
-    from timeslice_client.torch_offload import TorchOffloadHandler, can_overlap, swap
+    from timeslice_client.torch_offload import TorchOffloadHandler
+    from timeslice_client.torch_swap import can_overlap, swap
 
     a, b = _random_state(nbytes, N_TENSORS), _random_state(nbytes, N_TENSORS)
     sa, sb = _checksums(a), _checksums(b)

@@ -1,4 +1,4 @@
-"""``torch_offload.swap``: two handlers of one process switched, overlapped where the device allows.
+"""``torch_swap.swap``: two handlers of one process switched, overlapped where the device allows.
 
 On CPU the overlap gains nothing (``can_overlap`` says no), but forcing it runs the same threads and
 ordering as on CUDA, so correctness and failure handling are tested here; the bandwidth is measured by
@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 
 from timeslice_client.errors import HandlerError  # noqa: E402
 from timeslice_client.protocol import SuspendMode  # noqa: E402
-from timeslice_client.torch_offload import TorchOffloadHandler, can_overlap, swap  # noqa: E402
+from timeslice_client.torch_offload import TorchOffloadHandler  # noqa: E402
+from timeslice_client.torch_swap import can_overlap, swap  # noqa: E402
 
 MB = 1 << 20
 
