@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[1]
+
 NOTES = Path(__file__).resolve().parent / "NOTES.md"
 X, NA = "\u00d7", "\u2013"  # the times sign and the dash for "no value", in the document
 BUSY_LOAD = 1.0  # a run that started above this 1-min load average was not on a quiet machine
@@ -51,7 +53,8 @@ def _cmd(r: dict[str, Any]) -> list[str]:
     m = r.get("machine", {})
     when = m.get("utc") or r.get("date", "?")
     load = m.get("loadavg_1m")
-    return ["```", str(r.get("command", "?")), "```", "",
+    command = str(r.get("command", "?")).replace(f"{ROOT}/", "")  # as typed from the repository root
+    return ["```", command, "```", "",
             f"Run {when}" + (f", 1-min load average {load} at start." if load is not None else "."), ""]
 
 
@@ -273,6 +276,23 @@ def _demo(r: dict[str, Any] | None) -> list[str]:
         f"(the same-run baseline): ratio {_n(ratio)} — goal < 0.8 (issue 6) "
         f"{_met(ratio is not None and ratio < 0.8)}; final weights bit-identical to the solo runs: "
         f"{_n(r.get('all_identical'))}.", "",
+        "```", f"timeslice demo --jobs {r.get('jobs', '?')} --steps {r.get('steps', '?')} "
+        "--json bench/results/demo.json", "```", "",
+        *_demo_lock(r.get("shared_lock")),
+    ]
+
+
+def _demo_lock(lock: dict[str, Any] | None) -> list[str]:
+    """The shared run's lock figures (from `timeslice replay` over the run's window, as the demo reports them)."""
+    if not lock:
+        return []
+    return [
+        f"Shared run, from the stream: duty cycle {_n(100 * lock['duty_cycle'], 0)}%, {_n(lock.get('grants'), 0)} "
+        f"grants, {_n(lock.get('handoffs'), 0)} handoffs (p50 {_n(lock.get('handoff_p50_ms'), 1, ' ms')} release → "
+        f"next grant, the offload and restore included), waits p50 {_n(lock.get('wait_p50_ms'), 1, ' ms')}, "
+        f"snapshot p50 {_n(lock.get('snapshot_p50_ms'), 1, ' ms')} at {_n(lock.get('snapshot_gbps'), 2, ' GB/s')}, "
+        f"restore p50 {_n(lock.get('restore_p50_ms'), 1, ' ms')} at {_n(lock.get('restore_gbps'), 2, ' GB/s')}, "
+        f"faults {_n(lock.get('faults'), 0)}, invariant violations {_n(lock.get('violations'), 0)}.", "",
     ]
 
 
