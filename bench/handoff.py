@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _common
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -259,14 +261,7 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         g_hand = _handoffs(json.loads(ga_out.read_text()) + json.loads(gb_out.read_text()))
         g_hand = g_hand[len(g_hand) // 10:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _common.stop_procs(procs)
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     b50 = _pct(base, 50)
@@ -326,8 +321,6 @@ def main() -> None:
         a.n = min(a.n, 300)
     res = run(a.n, a.gap_ms)
     if a.json_out:
-        import _common
-
         _common.write_json(a.json_out, {"bench": "handoff", "command": _common.command_line(),
                                         "machine": _common.machine_facts(), **res})
     if a.json:

@@ -49,6 +49,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _common
+
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 NODE = "bench"
@@ -460,14 +462,7 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str)
             r["loadavg_1m_after"] = os.getloadavg()[0]
             results.append(r)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _common.stop_procs(procs)
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return {
@@ -587,8 +582,6 @@ def main() -> None:
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     res = run(sizes, a.cycles, a.hold_ms, a.baseline_reps, a.device)
     if a.json_out:
-        import _common
-
         _common.write_json(a.json_out, {"bench": "offload", "command": _common.command_line(),
                                         "machine": _common.machine_facts(), **res})
     if a.json:
