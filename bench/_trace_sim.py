@@ -9,7 +9,8 @@ orchestrator applies stream events. Its actions drive the simulated world:
   phase, releases, and goes on with its next phase;
 * a ``Snapshot``/``Restore`` command reaches the simulated agent one pass later; it takes the switch
   profile's time (nothing for a job that never ran, or whose context is already there, as the real
-  agent does) and its ``OpResult`` enters the stream one pass after that;
+  agent does) and its ``OpResult`` enters the stream one pass after that; a restore starts once the
+  snapshots it follows (``Restore.after``) are done, as on the real agent;
 * ``Tick`` events are scheduled at the record's next deadline, as the orchestrator's timer does.
 
 Leases, waiter windows and confirmation windows are 10 minutes, longer than any phase here, so no
@@ -55,6 +56,7 @@ class _Sim:
         self.cursor = dict.fromkeys(schedules, 0)
         self.epoch: dict[str, int] = {}
         self.ctx = dict.fromkeys(schedules, "IDLE")  # the simulated agent's view: IDLE, RUNNING, SAVED
+        self.finished_at: dict[str, float] = {}  # op id -> when the simulated agent finished it
         self.log: Log = {j: [] for j in schedules}
         self.rids = itertools.count()
         self.ticks: set[int] = set()
@@ -130,7 +132,11 @@ class _Sim:
             cost = self.switch.restore_s if state == "SAVED" else 0.0
             self.ctx[cmd.job] = "RUNNING"
             kind = OpKind.RESTORE
-        done = t + self.hop + cost + self.hop
+        start = t + self.hop
+        if isinstance(cmd, Restore):  # the agent runs it once the snapshots it follows on the node are done
+            start = max([start, *(self.finished_at.get(op, start) for op in cmd.after)])
+        self.finished_at[cmd.op_id] = start + cost
+        done = start + cost + self.hop
         self.push(done, "input", OpResult(group=self.group, op_id=cmd.op_id, node=cmd.node, job=cmd.job, kind=kind,
                                           epoch=cmd.epoch, ok=True, backend="app_channel",
                                           bytes_moved=self.switch.bytes_per_job if cost else 0,

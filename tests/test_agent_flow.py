@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 from timeslice_agent import Agent, AgentConfig
 from timeslice_client import AsyncTimeSliceClient, HandlerResult, JobFaulted, JobState, SuspendMode
@@ -107,3 +109,63 @@ async def test_failed_snapshot_faults_only_that_job(nats_url: str, agent: Agent,
 async def _faulted(c: AsyncTimeSliceClient, job: str):  # type: ignore[no-untyped-def]
     rec = await c.status()
     return rec if job in rec.faulted else None
+
+
+class Blocking(Recorder):
+    """Its suspend holds (in the handler's worker thread) until the test sets ``go``."""
+
+    def __init__(self, name: str, log: list[str], go: threading.Event) -> None:
+        super().__init__(name, log)
+        self.go = go
+
+    def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        self.log.append(f"{self.name}:suspend start")
+        if not self.go.wait(30):
+            raise RuntimeError("the test never let the suspend finish")
+        return super().suspend(mode, tags)
+
+
+async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node(nats_url: str, agent: Agent) -> None:
+    """The orchestrator sends b's restore together with a's snapshot (``Restore.after``); the agent runs the
+    restore only once the snapshot on its node has ended."""
+    log: list[str] = []
+    go = threading.Event()
+    nc = await connect(nats_url)
+    try:
+        async with AsyncTimeSliceClient("a", "gp", nats_url) as a, AsyncTimeSliceClient("b", "gp", nats_url) as b:
+            await a.register_workload(Blocking("a", log, go), node_id="node-1")
+            await b.register_workload(Recorder("b", log), node_id="node-1")
+            await b.acquire(timeout=10)  # b runs first, so that it has a context to restore later
+            ta = asyncio.create_task(a.acquire(timeout=10))
+            await eventually(lambda: _queued(b, "a"))
+            await b.release()
+            await ta
+            assert log == ["b:suspend"]
+            tb = asyncio.create_task(b.acquire(timeout=20))
+            await eventually(lambda: _queued(a, "b"))
+            cmds = await nc.subscribe(subjects.agent_cmd("node-1"))
+            ops = await nc.subscribe(subjects.agent_op("node-1"))
+            await nc.flush()
+            await a.release()
+
+            restore = None
+            while restore is None:  # the restore of b goes out with the snapshot of a, before it ends
+                cmd = msgspec.json.decode((await cmds.next_msg(timeout=5)).data)
+                if cmd["type"] == "restore" and cmd["job"] == "b":
+                    restore = cmd
+            snapshot_id = f"gp:{restore['epoch']}:snapshot:node-1"
+            assert restore["after"] == [snapshot_id]
+            await eventually(lambda: "a:suspend start" in log, what="a's suspend running")
+            await asyncio.sleep(0.5)  # a sampling window: an agent that ignored `after` would resume b now
+            assert log == ["b:suspend", "a:suspend start"] and not tb.done()
+            go.set()
+            gb = await tb
+            assert gb.context_restored and log == ["b:suspend", "a:suspend start", "a:suspend", "b:resume"]
+            await b.release()
+        started = []
+        with contextlib.suppress(TimeoutError):
+            while True:
+                started.append(msgspec.json.decode((await ops.next_msg(timeout=0.5)).data)["op_id"])
+        assert started.index(snapshot_id) < started.index(restore["op_id"])
+    finally:
+        await nc.close()

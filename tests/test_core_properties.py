@@ -82,7 +82,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.holder: tuple[str, int, str] | None = None  # (job, epoch, request id) per the notices
         self.max_epoch = 0
         self.grants = 0
-        self.ops: dict[str, tuple[Snapshot | Restore, list[bool | None]]] = {}  # op id -> (command, [result])
+        self.ops: dict[str, tuple[Snapshot | Restore, list[bool | str | None]]] = {}  # op id -> (command, [result])
         self.failed = False  # a step failed: teardown has nothing to add
 
     # ------------------------------------------------------------------ plumbing
@@ -190,8 +190,11 @@ class CoreMachine(RuleBasedStateMachine):
                 assert not ahead, f"FIFO: granted {n.job} while {ahead} waited longer"
                 del self.entries[n.job]
                 restores = [r for c, r in self.ops.values() if isinstance(c, Restore) and c.epoch == n.epoch]
-                assert all(r == [True] for r in restores), f"granted before every restore succeeded: {restores}"
-                assert n.context_restored == bool(restores)
+                # "dropped": its node's agent was lost while it waited behind a snapshot there, with nothing
+                # of its job saved on that node (so nothing to bring back, and that placement is gone).
+                assert all(r in ([True], ["dropped"]) for r in restores), \
+                    f"granted before every restore succeeded: {restores}"
+                assert n.context_restored == any(r == [True] for r in restores)
                 placed = set(new.placements.get(n.job, ()))
                 loaded_here = {node for node, j in new.loaded.items() if j == n.job}
                 assert placed == loaded_here, f"granted {n.job} with its context on {loaded_here}, not {placed}"
@@ -376,6 +379,13 @@ class CoreMachine(RuleBasedStateMachine):
         elif kind == "unregister":
             self.step(JobUnregistered(group=G, job=self.some_job(data), node=node))
         else:
+            sw = self.rec.switch
+            if sw is not None:
+                snapshotting = {op.node for op in sw.ops if op.kind is OpKind.SNAPSHOT}
+                for op in sw.ops:
+                    if (op.kind is OpKind.RESTORE and op.node == node and node in snapshotting
+                            and node not in self.rec.saved.get(op.job, ())):
+                        self.ops[op.op_id][1][0] = "dropped"
             self.step(AgentLost(group=G, node=node))
 
     @precondition(lambda self: self.rec.switch is not None and self.rec.switch.to is not None)

@@ -121,13 +121,18 @@ def test_switch_snapshots_then_restores_and_grants_only_after_every_restore() ->
     actions = sim.release("a")
     (rel,) = notices(actions, Released)
     assert rel.pending_waiters == 1 and not rel.snapshot_deferred
-    snaps = commands(actions)
-    assert [(type(c), c.job, c.node, c.epoch) for c in snaps] == [(Snapshot, "a", "n1", 2), (Snapshot, "a", "n2", 2)]
+    cmds = commands(actions)
+    # The restores go out with the snapshots; on each node the agent runs its restore after the snapshot there.
+    assert [(type(c), c.job, c.node, c.epoch) for c in cmds] == [
+        (Snapshot, "a", "n1", 2), (Snapshot, "a", "n2", 2), (Restore, "b", "n1", 2), (Restore, "b", "n2", 2)]
+    snaps, restores = cmds[:2], cmds[2:]
+    assert [r.after for r in restores] == [(snaps[0].op_id,), (snaps[1].op_id,)]  # type: ignore[union-attr]
+    # A restore's deadline counts from when the snapshot it follows is due.
+    assert [r.deadline_ms - s.deadline_ms for r, s in zip(restores, snaps, strict=True)] == [10_000, 10_000]
     assert sim.rec.state is GroupState.SWITCHING and sim.rec.epoch == 2
 
-    assert commands(sim.result(snaps[0])) == []  # n2 still snapshotting: no restore yet
-    restores = commands(sim.result(snaps[1]))
-    assert [(type(c), c.job, c.node, c.epoch) for c in restores] == [(Restore, "b", "n1", 2), (Restore, "b", "n2", 2)]
+    assert commands(sim.result(snaps[0])) == []  # nothing new to send
+    assert notices(sim.result(snaps[1])) == []
     assert notices(sim.result(restores[1])) == []  # one restore still out: no grant
     (g,) = notices(sim.result(restores[0]), Granted)
     assert (g.job, g.epoch, g.context_restored) == ("b", 2, True)
@@ -140,11 +145,10 @@ def test_failed_snapshot_faults_that_job_and_the_waiter_still_gets_the_group() -
     sim.register("b", "n1")
     sim.hold("a")
     sim.acquire("b")
-    (snap,) = commands(sim.release("a"))
-    actions = sim.result(snap, ok=False)
+    snap, restore = commands(sim.release("a"))
+    assert (restore.job, restore.node, restore.after) == ("b", "n1", (snap.op_id,))  # type: ignore[union-attr]
+    assert commands(sim.result(snap, ok=False)) == []
     assert sim.rec.faulted == {"a": "backend said no"}
-    (restore,) = commands(actions)
-    assert (restore.job, restore.node) == ("b", "n1")
     (g,) = notices(sim.result(restore), Granted)
     assert g.job == "b"
     # The faulted job is refused until its fault is cleared.
@@ -171,12 +175,11 @@ def test_agent_lost_mid_snapshot_resolves_the_operation() -> None:
     sim.register("b", "n2")
     sim.hold("a")
     sim.acquire("b")
-    (snap,) = commands(sim.release("a"))
+    snap, restore = commands(sim.release("a"))
     assert snap.node == "n1"
-    actions = sim(AgentLost(group=G, node="n1"))
+    assert (restore.job, restore.node, restore.after) == ("b", "n2", ())  # type: ignore[union-attr]
+    assert commands(sim(AgentLost(group=G, node="n1"))) == []
     assert "a" in sim.rec.faulted and "n1" in sim.rec.faulted["a"]
-    (restore,) = commands(actions)
-    assert (restore.job, restore.node) == ("b", "n2")
     (g,) = notices(sim.result(restore), Granted)
     assert g.job == "b" and sim.rec.loaded == {"n2": "b"}
     # The lost answer arriving after all changes nothing (fenced: the operation is gone).
@@ -201,12 +204,13 @@ def test_operation_timeout_resolves_the_operation() -> None:
     sim.register("b", "n2")
     sim.hold("a")
     sim.acquire("b", timeout_ms=60_000, waiter_ttl_ms=600_000)
-    (snap,) = commands(sim.release("a"))
+    snap, restore = commands(sim.release("a"))
     assert next_deadline(sim.rec) == snap.deadline_ms == sim.now + 2_000
-    actions = sim.tick(dt=2_000)
+    assert restore.job == "b" and restore.deadline_ms == sim.now + 10_000  # on n2: it follows nothing
+    assert commands(sim.tick(dt=2_000)) == []
     assert "timed out" in sim.rec.faulted["a"]
-    (restore,) = commands(actions)
-    assert restore.job == "b"
+    (g,) = notices(sim.result(restore), Granted)
+    assert g.job == "b"
 
 
 def test_job_registered_but_never_run_gets_a_restore_and_is_granted_when_it_succeeds() -> None:
@@ -294,12 +298,12 @@ def test_late_op_result_of_an_older_epoch_changes_nothing() -> None:
     sim.register("b", "n1")
     sim.hold("a")
     sim.acquire("b")
-    (snap,) = commands(sim.release("a"))
-    (restore,) = commands(sim.result(snap))
+    snap, restore = commands(sim.release("a"))
+    sim.result(snap)
     sim.result(restore)  # b holds at epoch 2
     sim.renew("b")
     sim.acquire("a")
-    (snap3,) = commands(sim.release("b"))  # epoch 3: snapshot b
+    snap3, _restore3 = commands(sim.release("b"))  # epoch 3: snapshot b, then restore a
     before = sim.rec
     for late in (snap, restore):  # answers of epoch 2, again
         sim.result(late, ok=False)
@@ -385,11 +389,10 @@ def test_job_leaving_mid_snapshot_ends_the_operation_without_faulting_it() -> No
     sim.register("b", "n1")
     sim.hold("a")
     sim.acquire("b")
-    (snap,) = commands(sim.release("a"))
-    actions = sim(JobUnregistered(group=G, job="a", node="n1"))
-    assert sim.rec.faulted == {} and "a" not in sim.rec.saved and "a" not in sim.rec.placements
-    (restore,) = commands(actions)
+    snap, restore = commands(sim.release("a"))
     assert (restore.job, restore.node) == ("b", "n1")
+    assert commands(sim(JobUnregistered(group=G, job="a", node="n1"))) == []
+    assert sim.rec.faulted == {} and "a" not in sim.rec.saved and "a" not in sim.rec.placements
     (g,) = notices(sim.result(restore), Granted)
     assert g.job == "b"
     # Its late answer is fenced off; when it comes back it registers and acquires like any job.
@@ -398,3 +401,58 @@ def test_job_leaving_mid_snapshot_ends_the_operation_without_faulting_it() -> No
     assert sim.rec is before
     sim.register("a", "n1")
     assert notices(sim.acquire("a")) == [] and [w.job for w in sim.rec.queue] == ["a"]
+
+
+def test_waiter_leaving_mid_switch_lets_its_issued_restore_finish_without_a_grant() -> None:
+    """The restore goes out with the snapshot; if the waiter then leaves, the restore still completes (the
+    agent may be running it) and the context counts as loaded there; the next switch snapshots it."""
+    sim = Sim()
+    for job in ("a", "b", "c"):
+        sim.register(job, "n1")
+    sim.hold("a")
+    rb = sim.rid("b")
+    sim.acquire("b", rb, timeout_ms=60_000, waiter_ttl_ms=600_000)
+    snap, restore = commands(sim.release("a"))
+    (d,) = notices(sim(Cancel(group=G, job="b", request_id=rb)), Dequeued)
+    assert d.job == "b" and sim.rec.switch is not None and sim.rec.switch.to is None
+    sim.result(snap)
+    assert notices(sim.result(restore)) == []
+    assert sim.rec.switch is None and sim.rec.holder is None and sim.rec.loaded == {"n1": "b"}
+    assert sim.rec.saved == {"a": ("n1",)}
+    snap_b, restore_c = commands(sim.acquire("c"))
+    assert (snap_b.job, restore_c.job, restore_c.after) == ("b", "c", (snap_b.op_id,))  # type: ignore[union-attr]
+
+
+def test_agent_lost_while_a_restore_waits_behind_a_snapshot_there() -> None:
+    """A restore queued behind a snapshot on a node whose agent is then lost never started: nothing of its
+    job is saved there, so the job is not faulted and is granted (nothing restored)."""
+    sim = Sim()
+    for job in ("a", "b"):
+        sim.register(job, "n1")
+    sim.hold("a")
+    sim.acquire("b")
+    _snap, restore = commands(sim.release("a"))
+    (g,) = notices(sim(AgentLost(group=G, node="n1")), Granted)
+    assert g.job == "b" and not g.context_restored
+    assert "b" not in sim.rec.faulted and "lost" in sim.rec.faulted["a"]
+    before = sim.rec
+    sim.result(restore)  # a late answer is fenced off
+    assert sim.rec is before
+
+
+def test_agent_lost_while_a_restore_waits_there_faults_a_job_whose_context_is_saved_there() -> None:
+    sim = Sim()
+    for job in ("a", "b"):
+        sim.register(job, "n1")
+    sim.hold("b")
+    sim.acquire("a")
+    snap, restore = commands(sim.release("b"))
+    sim.result(snap)
+    sim.result(restore)  # a holds; b's context is saved on n1
+    sim.renew("a")
+    sim.acquire("b")
+    snap, restore = commands(sim.release("a"))
+    assert sim.rec.saved == {"b": ("n1",)}
+    (r,) = notices(sim(AgentLost(group=G, node="n1")), Refused)
+    assert r.job == "b" and r.code is ErrorCode.JOB_FAULTED and "saved on node n1" in r.message
+    assert sim.rec.holder is None and sim.rec.switch is None

@@ -15,6 +15,8 @@ from timeslice_client.protocol import (
     HolderRecord,
     Notice,
     OpKind,
+    OpResult,
+    OpStarted,
     Released,
     Revoked,
     SwitchRecord,
@@ -86,8 +88,8 @@ def _scenario() -> Sim:
     sim.register("b", "n1")
     sim.hold("a")
     sim.acquire("b")
-    (snap,) = commands(sim.release("a"))
-    (restore,) = commands(sim.result(snap, ok=False))
+    snap, restore = commands(sim.release("a"))
+    sim.result(snap, ok=False)
     sim.result(restore)
     sim.acquire("b")  # re-acquire by the holder
     sim(ClearFault(group=G, job="a"))
@@ -224,3 +226,44 @@ def test_stream_checker_catches_a_notice_on_the_wrong_subject() -> None:
                 lease_deadline_ms=0)
     with pytest.raises(InvariantViolation, match="notice-subject"):
         checker.feed(1, sim.now, subjects.notice(G, "b"), encode(g))
+
+
+def _op_events(order: list[tuple[str, str, str]]) -> list[tuple[int, int, str, bytes]]:
+    """A switch of a (snapshot) to b (restore) on the nodes given, its agent events in the order given:
+    (node, kind, "start"|"end")."""
+    sim = Sim()
+    sim.register("a", "n1")
+    sim.register("b", "n1")
+    sim.register("b", "n2")
+    sim.hold("a")
+    sim.acquire("b")
+    sim.release("a")
+    out = list(sim.stream)
+    seq, now = len(out), sim.now
+    epoch = sim.rec.epoch
+    for node, kind, edge in order:
+        seq += 1
+        job = "a" if kind == "snapshot" else "b"
+        op_id = f"{G}:{epoch}:{kind}:{node}"
+        k = OpKind(kind)
+        if edge == "start":
+            msg: msgspec.Struct = OpStarted(op_id=op_id, group=G, job=job, node=node, kind=k, epoch=epoch,
+                                            backend="noop")
+            out.append((seq, now, subjects.agent_op(node), encode(msg)))
+        else:
+            msg = OpResult(group=G, op_id=op_id, node=node, job=job, kind=k, epoch=epoch, ok=True)
+            out.append((seq, now, subjects.agent_event(node, G), encode(msg)))
+    return out
+
+
+def test_stream_checker_catches_a_restore_started_beside_a_running_snapshot_on_its_node() -> None:
+    good = _op_events([("n1", "snapshot", "start"), ("n2", "restore", "start"), ("n1", "snapshot", "end"),
+                       ("n1", "restore", "start"), ("n2", "restore", "end"), ("n1", "restore", "end")])
+    checker = StreamChecker()
+    checker.feed_all(good)  # n2 has no snapshot: its restore may run at once
+    assert checker.records[G].holder is not None and checker.records[G].holder.job == "b"
+    bad = _op_events([("n1", "snapshot", "start"), ("n1", "restore", "start")])
+    with pytest.raises(InvariantViolation) as info:
+        StreamChecker().feed_all(bad)
+    assert info.value.rule == "node-restore-after-snapshot" and info.value.values["snapshots_running"] == [
+        f"{G}:2:snapshot:n1"]

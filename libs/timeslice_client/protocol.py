@@ -365,12 +365,17 @@ class Snapshot(_Msg, frozen=True, tag="snapshot"):
 
 
 class Restore(_Msg, frozen=True, tag="restore"):
+    """Bring ``job``'s context back on ``node``. The orchestrator sends it together with the switch's
+    snapshots; ``after`` names the snapshot operations on this node that the agent finishes first (whatever
+    their outcome), so a restore never waits for a round trip through the orchestrator."""
+
     op_id: str
     group: str
     job: str
     node: str
     epoch: int
     deadline_ms: int
+    after: tuple[str, ...] = ()
 
 
 AgentCommand = Snapshot | Restore
@@ -490,7 +495,7 @@ class SwitchRecord(_Rec, frozen=True):
     phase: OpKind
     started_at_ms: int
     ops: tuple[OpRecord, ...] = ()
-    restored: bool = False
+    restored: bool = False  # a restore of the incoming job succeeded: its grant says context_restored
 
 
 class GroupRecord(_Rec, frozen=True):

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 import msgspec
+from timeslice_client._runner import run
 
 __all__ = ["main", "register"]
 
@@ -121,4 +122,4 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("nats").setLevel(logging.WARNING)
-    return int(asyncio.run(args.func(args)))
+    return int(run(args.func(args)))

@@ -117,6 +117,7 @@ class Agent:
         self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._epochs: dict[str, int] = {}
         self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()
+        self._running: dict[str, asyncio.Event] = {}  # op ids being run -> set once answered
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
@@ -307,22 +308,51 @@ class Agent:
             return
         if cmd.node != self.node or self._tg is None:
             return
-        self._tg.create_task(self._run(cmd))
+        # Registered before the next command is read: a restore that follows this operation (Restore.after)
+        # finds it running, since commands arrive in the order the orchestrator sent them.
+        owner = cmd.op_id not in self._running
+        if owner:
+            self._running[cmd.op_id] = asyncio.Event()
+        self._tg.create_task(self._run(cmd, owner))
 
-    async def _run(self, cmd: Snapshot | Restore) -> None:
+    async def _run(self, cmd: Snapshot | Restore, owner: bool) -> None:
         kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
         fresh = cmd.op_id not in self._results  # a redelivered command is answered from memory: not counted again
         try:
-            result, published = await self._execute(cmd, kind)
-        except Exception as exc:  # never leave the orchestrator waiting on an answer
-            log.exception("operation crashed", extra={"node": self.node, "job": cmd.job, "op_id": cmd.op_id})
-            result, published = self._result(cmd, kind, "?", ok=False, error=f"agent error: {exc!r}"), False
-            fresh = False
-            self.metrics.operation(result, "failed")
-        if fresh:
-            self._count(result, performed=published)
-        if not published:
-            await self._publish_result(result)
+            try:
+                result, published = await self._execute(cmd, kind)
+            except Exception as exc:  # never leave the orchestrator waiting on an answer
+                log.exception("operation crashed", extra={"node": self.node, "job": cmd.job, "op_id": cmd.op_id})
+                result, published = self._result(cmd, kind, "?", ok=False, error=f"agent error: {exc!r}"), False
+                fresh = False
+                self.metrics.operation(result, "failed")
+            if fresh:
+                self._count(result, performed=published)
+            if not published:
+                await self._publish_result(result)
+        finally:
+            if owner:
+                self._running.pop(cmd.op_id).set()
+
+    def _answered(self, op_id: str) -> None:
+        """Wake the restores that wait for ``op_id`` (``_after``)."""
+        if (done := self._running.get(op_id)) is not None:
+            done.set()
+
+    async def _after(self, cmd: Restore) -> str | None:
+        """Wait until the operations this restore follows on this node (``cmd.after``) are answered; an error
+        when its deadline passes first. An operation this agent does not know (answered long ago, or sent
+        before a restart) is not waited for."""
+        for op_id in cmd.after:
+            done = self._running.get(op_id)
+            if done is None:
+                continue
+            try:
+                async with asyncio.timeout(max(0.0, cmd.deadline_ms / 1000 - time.time())):
+                    await done.wait()
+            except TimeoutError:
+                return f"deadline passed while {op_id} was still running"
+        return None
 
     def _count(self, result: OpResult, *, performed: bool) -> None:
         """Metrics of an answered operation (``performed``: the backends ran, see ``_execute``)."""
@@ -346,6 +376,8 @@ class Agent:
         """Run one operation; returns its result and whether it was published already."""
         if (done := self._results.get(cmd.op_id)) is not None:
             return done, False  # the same op id gets the same answer
+        if isinstance(cmd, Restore) and cmd.after and (error := await self._after(cmd)) is not None:
+            return self._remember(self._result(cmd, kind, "none", ok=False, error=error)), False
         async with self._locks[cmd.job]:
             if (done := self._results.get(cmd.op_id)) is not None:
                 return done, False
@@ -395,6 +427,10 @@ class Agent:
             state, failure, outcome = performed
             result = self._result(cmd, kind, backend, ok=failure is None, error=failure, outcome=outcome,
                                   elapsed_ms=elapsed)
+            # A restore that follows this operation (Restore.after) may start now: its first publish comes
+            # after this result's on the connection, so the stream shows the result first. Neither waits for
+            # the stream's answer to the result, nor for the KV write below.
+            self._answered(cmd.op_id)
             await self._publish_result(result)  # the orchestrator waits on this; the KV write can follow
             await self._save(msgspec.structs.replace(
                 ctx, state=state, reason=failure if state is JobState.FAULTED else None, last_op_id=cmd.op_id,

@@ -195,10 +195,11 @@ def _on_registered(w: Work, ev: JobRegistered) -> None:
         w.loaded[ev.node] = ev.job
     sw = w.switch
     if (sw is not None and sw.phase is OpKind.RESTORE and sw.to is not None and sw.to.job == ev.job
-            and w.loaded.get(ev.node) != ev.job and all(op.node != ev.node for op in sw.ops)):
+            and w.loaded.get(ev.node) != ev.job
+            and not any(op.node == ev.node and op.kind is OpKind.RESTORE for op in sw.ops)):
         # The incoming job appeared on one more node while its restores run: restore it there too.
-        op = w.op(OpKind.RESTORE, ev.node, ev.job, sw.epoch, suffix=f":{w.seq}")  # unique if re-registered
-        w.switch = msgspec.structs.replace(sw, ops=(*sw.ops, op), restored=True)
+        op = w.restore_op(sw, ev.node, ev.job, suffix=f":{w.seq}")  # unique if re-registered
+        w.switch = msgspec.structs.replace(sw, ops=(*sw.ops, op))
     w.touch("job registered")
 
 
@@ -233,7 +234,19 @@ def _on_op_result(w: Work, ev: OpResult) -> None:
 
 
 def _on_agent_lost(w: Work, ev: AgentLost) -> None:
-    _fail_ops(w, lambda op: op.node == ev.node, f"agent on node {ev.node} was lost during the operation")
+    # A restore still queued behind a snapshot on that node never started: nothing of its job moved there. It
+    # ends without faulting the job, unless the job's context is saved on that node (stranded with the agent).
+    sw = w.switch
+    ops = sw.ops if sw is not None else ()
+    snapshotting = {op.node for op in ops if op.kind is OpKind.SNAPSHOT}
+    queued = [op for op in ops if op.node == ev.node and op.kind is OpKind.RESTORE and op.node in snapshotting]
+    _fail_ops(w, lambda op: op.node == ev.node and op not in queued,
+              f"agent on node {ev.node} was lost during the operation")
+    for op in queued:
+        stranded = ev.node in w.saved.get(op.job, ())
+        w.op_done(op, ok=False, fault=stranded,
+                  error=(f"its context is saved on node {ev.node}, whose agent was lost; restart the agent there, "
+                         "then clear the fault") if stranded else f"agent on node {ev.node} was lost")
     if ev.node not in w.lost_nodes:
         w.lost_nodes = (*w.lost_nodes, ev.node)
         w.touch("agent lost")

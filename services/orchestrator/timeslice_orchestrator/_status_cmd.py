@@ -25,7 +25,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NoKeysError
 from nats.js.kv import KeyValue
 from timeslice_client.errors import Unavailable
-from timeslice_client.protocol import GROUPS_BUCKET, JOBS_BUCKET, GroupRecord, JobContext, decode_record
+from timeslice_client.protocol import GROUPS_BUCKET, JOBS_BUCKET, GroupRecord, JobContext, OpKind, decode_record
 
 __all__ = ["View", "read_view", "register", "render_json", "render_table"]
 
@@ -103,7 +103,9 @@ def _queue(rec: GroupRecord, now_ms: int) -> str:
     parts = []
     sw = rec.switch
     if sw is not None and sw.to is not None:
-        parts.append(f"{sw.to.job} {_dur(now_ms - sw.to.enqueued_at_ms)} (switching: {sw.phase})")
+        # Restores go out with the snapshots and run once those on their node ended: snapshot while any is left.
+        phase = OpKind.SNAPSHOT if any(op.kind is OpKind.SNAPSHOT for op in sw.ops) else sw.phase
+        parts.append(f"{sw.to.job} {_dur(now_ms - sw.to.enqueued_at_ms)} (switching: {phase})")
     parts += [f"{w.job} {_dur(now_ms - w.enqueued_at_ms)}" for w in rec.queue]
     return ", ".join(parts) or "-"
 

@@ -286,6 +286,9 @@ class Work:
             self.start_switch(wr)
 
     def start_switch(self, wr: WaiterRecord) -> None:
+        """Snapshot every loaded context that is not the incoming job's and, in the same breath, restore the
+        incoming job where it is registered: each restore names the snapshots on its own node that the agent
+        finishes first (``Restore.after``), so the restores wait for no round trip through the orchestrator."""
         epoch = self.epoch + 1
         self.epoch = epoch
         ops: list[OpRecord] = []
@@ -296,35 +299,50 @@ class Work:
             self.active_job = None
         self.switch = SwitchRecord(to=wr, epoch=epoch, phase=OpKind.SNAPSHOT, ops=tuple(ops), started_at_ms=self.now)
         self.touch("switching")
+        self.start_restores(self.switch)
 
     def start_restores(self, sw: SwitchRecord) -> None:
+        """Issue the incoming job's restores (``phase`` becomes RESTORE: restores are issued). Snapshots still
+        pending stay in the switch; a restore on a node where one runs is ordered after it."""
         assert sw.to is not None
         job = sw.to.job
         stranded = [n for n in self.saved.get(job, ()) if n in self.lost_nodes]
         if stranded:
             # Its state is offloaded on a node whose agent is gone: granting now would hand it freed memory.
-            self.switch = msgspec.structs.replace(sw, phase=OpKind.RESTORE, ops=())
+            self.switch = msgspec.structs.replace(sw, phase=OpKind.RESTORE)
             self.fault(job, f"its context is saved on node {stranded[0]}, whose agent was lost; restart the agent "
                             "there, then clear the fault")
             return
         ops = [
-            self.op(OpKind.RESTORE, node, job, sw.epoch)
+            self.restore_op(sw, node, job)
             for node in sorted(self.placements.get(job, ()))
             if self.loaded.get(node) != job
         ]
-        self.switch = msgspec.structs.replace(sw, phase=OpKind.RESTORE, ops=tuple(ops), restored=bool(ops))
+        self.switch = msgspec.structs.replace(sw, phase=OpKind.RESTORE, ops=(*sw.ops, *ops))
         self.touch("restoring")
 
-    def op(self, kind: OpKind, node: str, job: str, epoch: int, suffix: str = "") -> OpRecord:
+    def restore_op(self, sw: SwitchRecord, node: str, job: str, suffix: str = "") -> OpRecord:
+        """A restore of ``job`` on ``node``, after the switch's snapshots still pending there; its deadline
+        counts from when they are due at the latest."""
+        first = tuple(op for op in sw.ops if op.node == node and op.kind is OpKind.SNAPSHOT)
+        start = max((op.deadline_ms for op in first), default=self.now)
+        return self.op(OpKind.RESTORE, node, job, sw.epoch, suffix, after=tuple(op.op_id for op in first),
+                       start_ms=start)
+
+    def op(self, kind: OpKind, node: str, job: str, epoch: int, suffix: str = "", *, after: tuple[str, ...] = (),
+           start_ms: int | None = None) -> OpRecord:
         timeout = self.op_timeouts.get(f"{node}/{job}", 120_000)
         op = OpRecord(
             op_id=f"{self.group}:{epoch}:{kind}:{node}{suffix}", node=node, job=job, kind=kind,
-            deadline_ms=self.now + timeout,
+            deadline_ms=(self.now if start_ms is None else start_ms) + timeout,
         )
-        cls = Snapshot if kind is OpKind.SNAPSHOT else Restore
-        self.actions.append(
-            Command(cls(op_id=op.op_id, group=self.group, job=job, node=node, epoch=epoch, deadline_ms=op.deadline_ms))
-        )
+        if kind is OpKind.SNAPSHOT:
+            cmd: AgentCommand = Snapshot(op_id=op.op_id, group=self.group, job=job, node=node, epoch=epoch,
+                                         deadline_ms=op.deadline_ms)
+        else:
+            cmd = Restore(op_id=op.op_id, group=self.group, job=job, node=node, epoch=epoch,
+                          deadline_ms=op.deadline_ms, after=after)
+        self.actions.append(Command(cmd))
         return op
 
     def op_done(self, op: OpRecord, *, ok: bool, error: str | None, fault: bool = True) -> None:
@@ -332,7 +350,9 @@ class Work:
         node (nothing is left there to move), which does not fault the job."""
         sw = self.switch
         assert sw is not None
-        self.switch = msgspec.structs.replace(sw, ops=tuple(o for o in sw.ops if o.op_id != op.op_id))
+        restored = sw.restored or (ok and op.kind is OpKind.RESTORE)  # the grant says a context came back
+        self.switch = msgspec.structs.replace(sw, ops=tuple(o for o in sw.ops if o.op_id != op.op_id),
+                                              restored=restored)
         if op.kind is OpKind.SNAPSHOT or not ok:
             if self.loaded.get(op.node) == op.job:
                 del self.loaded[op.node]

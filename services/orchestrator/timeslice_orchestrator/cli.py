@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from timeslice_client._metrics_http import serve_metrics
+from timeslice_client._runner import run
 
 from . import _events_cmd, _status_cmd
 from .demo import register as _register_demo
@@ -28,12 +29,7 @@ __all__ = ["main"]
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
-    try:
-        import uvloop
-
-        return int(uvloop.run(coro))
-    except ImportError:
-        return asyncio.run(coro)
+    return int(run(coro))
 
 
 def _install_stop(stop: Callable[[], None]) -> None:

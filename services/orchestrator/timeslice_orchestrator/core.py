@@ -17,7 +17,9 @@ Semantics, per group:
   at the first renewal, so a waiter that died just before its grant is passed over within seconds;
 * a switch snapshots every loaded context that is not the incoming job's, then restores the
   incoming job where it is registered, and grants only when every restore succeeded; a failed
-  operation faults that job only, and the group moves on.
+  operation faults that job only, and the group moves on. The restores are sent together with the
+  snapshots: each names the snapshots on its node that the agent finishes first (``Restore.after``),
+  so no round trip through the orchestrator sits between a snapshot and the restore after it.
 """
 
 from __future__ import annotations

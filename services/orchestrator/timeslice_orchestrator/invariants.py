@@ -10,7 +10,9 @@ Two tools, both pure (no I/O, no clock):
   also checks the notices the live orchestrator *published* in that stream on their own: grant epochs
   of a group never go backwards, no two jobs ever get the same epoch, a new grant is published only
   after the previous holder was told that its hold ended, and every published grant is one that the
-  fold decided too (the live orchestrator and the pure core agree).
+  fold decided too (the live orchestrator and the pure core agree). From the agents' operation events it
+  checks that on a node a restore starts only once the snapshots of the same switch there have ended
+  (the orchestrator sends them together; the agent orders them).
 
 Both raise :class:`InvariantViolation`, which names the rule and carries the values that explain it.
 """
@@ -24,11 +26,15 @@ from typing import Final
 import msgspec
 from timeslice_client.errors import InvalidId
 from timeslice_client.protocol import (
+    AgentLost,
     Granted,
     GroupRecord,
     GroupState,
     InputEvent,
+    JobUnregistered,
     OpKind,
+    OpResult,
+    OpStarted,
     Released,
     Revoked,
     decode_input,
@@ -46,6 +52,9 @@ __all__ = [
     "check_record",
     "subject_matches",
 ]
+
+
+_op_started_decoder: Final = msgspec.json.Decoder(OpStarted)
 
 
 class InvariantViolation(Exception):
@@ -162,22 +171,22 @@ def check_record(rec: GroupRecord) -> None:
         ids = [op.op_id for op in sw.ops]
         if len(set(ids)) != len(ids):
             raise fail("switch-ops-unique", "operation ids of a switch are unique", ops=ids)
-        wrong = [op for op in sw.ops if op.kind != sw.phase]
-        if wrong:
-            raise fail("switch-phase", f"every pending operation belongs to the {sw.phase} phase",
-                       ops=wrong)
+        if sw.phase is OpKind.SNAPSHOT:
+            early = [op for op in sw.ops if op.kind is OpKind.RESTORE]
+            if early:
+                raise fail("switch-phase", "no restore is pending before the switch issued its restores",
+                           ops=early)
         target = sw.to.job if sw.to is not None else None
         if target is not None and target in queued:
             raise fail("switch-target-queued", "the switch target does not also wait in the queue",
                        target=target, queue=queued)
-        if sw.phase is OpKind.SNAPSHOT and any(op.job == target for op in sw.ops):
+        if any(op.kind is OpKind.SNAPSHOT and op.job == target for op in sw.ops):
             raise fail("switch-snapshot-target", "the incoming job is never snapshotted", target=target,
                        ops=sw.ops)
-        if sw.phase is OpKind.RESTORE:
-            restoring = {op.job for op in sw.ops}
-            if len(restoring) != 1 or (target is not None and restoring != {target}):
-                raise fail("switch-restore-target", "a switch restores only the incoming job",
-                           target=target, ops=sw.ops)
+        restoring = {op.job for op in sw.ops if op.kind is OpKind.RESTORE}
+        if len(restoring) > 1 or (target is not None and restoring and restoring != {target}):
+            raise fail("switch-restore-target", "a switch restores only the incoming job",
+                       target=target, ops=sw.ops)
         if rec.active_job is not None and rec.active_job != target:
             raise fail("switch-active", "while switching, the active job is the incoming one or none",
                        active_job=rec.active_job, target=target)
@@ -236,6 +245,7 @@ def _route(subject: str) -> tuple[str, str | None]:
 
 
 _NOTICE_PATTERN: Final = "ts.v1.notice.*.*"
+_OP_STARTED_PATTERN: Final = "ts.v1.agent.*.op"
 
 
 @dataclass
@@ -288,6 +298,8 @@ class StreamChecker:
         self.duplicates = 0
         self.ignored = 0
         self.notices = 0
+        # Snapshots started on a node and not ended yet: (node, group, epoch) -> op ids.
+        self._snapshots_running: dict[tuple[str, str, int], set[str]] = {}
         for group, rec in (records or {}).items():
             check_record(rec)
             self.records[group] = rec
@@ -337,8 +349,38 @@ class StreamChecker:
         if subject_matches(_NOTICE_PATTERN, subject):
             self._feed_notice(seq, subject, data)
             return []
+        if subject_matches(_OP_STARTED_PATTERN, subject):
+            self._feed_op_started(seq, data)
+            return []
         self.ignored += 1
         return []
+
+    def _feed_op_started(self, seq: int, data: bytes) -> None:
+        try:
+            op = _op_started_decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.ignored += 1
+            return
+        key = (op.node, op.group, op.epoch)
+        if op.kind is OpKind.SNAPSHOT:
+            self._snapshots_running.setdefault(key, set()).add(op.op_id)
+        elif running := self._snapshots_running.get(key):
+            raise InvariantViolation("node-restore-after-snapshot",
+                                     "on a node, a restore starts only after its switch's snapshots there ended",
+                                     group=op.group, seq=seq,
+                                     values={"restore": op, "snapshots_running": sorted(running)})
+
+    def _ops_ended(self, ev: InputEvent) -> None:
+        if isinstance(ev, OpResult):
+            key = (ev.node, ev.group, ev.epoch)
+            running = self._snapshots_running.get(key)
+            if running is not None:
+                running.discard(ev.op_id)
+                if not running:
+                    del self._snapshots_running[key]
+        elif isinstance(ev, AgentLost | JobUnregistered):  # the orchestrator ends that node's operations
+            for key in [k for k in self._snapshots_running if k[0] == ev.node and k[1] == ev.group]:
+                del self._snapshots_running[key]
 
     def _view(self, group: str) -> _GroupView:
         view = self._views.get(group)
@@ -372,6 +414,7 @@ class StreamChecker:
             if group:
                 self._view(group).stats.rejected += 1
             return []
+        self._ops_ended(ev)
         rec = self.records.get(group) or new_record(group)
         try:
             new, actions = apply(rec, ev, now_ms, seq)

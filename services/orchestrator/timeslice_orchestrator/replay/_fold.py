@@ -94,8 +94,11 @@ def _waiting(rec: GroupRecord | None) -> dict[str, int]:
 
 
 def _lane_states(rec: GroupRecord) -> dict[tuple[str, str], str]:
-    """(node, job) -> the context's state as the record tells it."""
-    pending = {(op.node, op.job) for op in rec.switch.ops} if rec.switch is not None else set()
+    """(node, job) -> the context's state as the record tells it. A restore issued with the snapshots counts
+    as moving only once no snapshot is pending on its node (the agent runs it after them)."""
+    ops = rec.switch.ops if rec.switch is not None else ()
+    snapshotting = {op.node for op in ops if op.kind is OpKind.SNAPSHOT}
+    pending = {(op.node, op.job) for op in ops if op.kind is OpKind.SNAPSHOT or op.node not in snapshotting}
     out: dict[tuple[str, str], str] = {}
     for job, nodes in rec.placements.items():
         for node in nodes:
@@ -110,8 +113,8 @@ def _lane_states(rec: GroupRecord) -> dict[tuple[str, str], str]:
                 out[key] = JobState.SAVED
             else:
                 out[key] = JobState.IDLE
-    for op in rec.switch.ops if rec.switch is not None else ():
-        out.setdefault((op.node, op.job), JobState.TRANSITIONING)
+    for node, job in pending:
+        out.setdefault((node, job), JobState.TRANSITIONING)
     return out
 
 
@@ -293,8 +296,9 @@ class _Folder:
             w.timeline.switches.append(cur)
         if sw.to is None:
             cur.to_job = None
-        if sw.phase is OpKind.RESTORE and cur.restore_from_ms is None:
-            cur.restore_from_ms = ts
+        if (sw.phase is OpKind.RESTORE and cur.restore_from_ms is None
+                and not any(op.kind is OpKind.SNAPSHOT for op in sw.ops)):
+            cur.restore_from_ms = ts  # restores are issued with the snapshots; they run once those ended
         for op in sw.ops:
             if op.kind is OpKind.SNAPSHOT and op.job not in cur.snapshotted:
                 cur.snapshotted.append(op.job)

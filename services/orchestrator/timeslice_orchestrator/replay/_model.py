@@ -71,7 +71,7 @@ class SwitchInterval:
     to_job: str | None
     start_ms: int
     end_ms: int | None = None
-    restore_from_ms: int | None = None  # when the restore phase began
+    restore_from_ms: int | None = None  # when the restore phase began (the switch's last snapshot ended)
     snapshotted: list[str] = field(default_factory=list)  # jobs whose context went to host memory
     granted: bool = False
 
