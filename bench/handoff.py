@@ -7,6 +7,9 @@ them), then:
   pending acquire() returns (both clocks are CLOCK_MONOTONIC on one host);
 * P2 re-acquire: one job alone releases and re-acquires (IDLE_YIELDED, no switch);
 * baseline: a raw core NATS request-reply to a responder in another process, same server;
+* floor: the lock's own path without the lock: a JetStream publish (awaiting its PubAck) that a push
+  consumer in another process receives and answers with a core publish, both subjects stored in a
+  stream as the lock's requests and notices are; no timeslice code runs, so no lock can beat it;
 * P3 gRPC handoff: the same ping-pong as P1 through the orchestrator's gRPC API (blocking Acquire /
   Yield calls, as existing gRPC clients make them), latency = A calls Yield → B's Acquire returns;
   beside it, a plain gRPC unary call (health Check) to the same server as the gRPC baseline.
@@ -91,6 +94,58 @@ async def _responder(url: str, ready: str) -> None:
     await asyncio.Event().wait()
 
 
+_FLOOR_STREAM = "BENCH_FLOOR"
+_FLOOR_IN, _FLOOR_OUT = "bench.floor.in", "bench.floor.out"
+
+
+async def _js_responder(url: str, ready: str) -> None:
+    from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+    from timeslice_client.bus import connect
+
+    nc = await connect(url)
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name=_FLOOR_STREAM, subjects=["bench.floor.>"]))  # file storage, as TIMESLICE
+
+    async def cb(msg: Any) -> None:
+        await nc.publish(_FLOOR_OUT, msg.data)
+        await msg.ack()
+
+    deliver = nc.new_inbox()
+    await nc.subscribe(deliver, cb=cb)
+    await asyncio.sleep(0)  # NATS_NOTES trap 2
+    await nc.flush()
+    await js.add_consumer(_FLOOR_STREAM, ConsumerConfig(durable_name="floor", deliver_subject=deliver,
+                                                        ack_policy=AckPolicy.EXPLICIT, filter_subject=_FLOOR_IN))
+    Path(ready).write_text("ok")
+    await asyncio.Event().wait()
+
+
+async def _js_requester(url: str, n: int, gap: float, out: str) -> None:
+    from timeslice_client.bus import connect
+
+    nc = await connect(url)
+    js = nc.jetstream()
+    answer: asyncio.Future[None] | None = None
+
+    async def cb(msg: Any) -> None:
+        if answer is not None and not answer.done():
+            answer.set_result(None)
+
+    await nc.subscribe(_FLOOR_OUT, cb=cb)
+    await asyncio.sleep(0)  # NATS_NOTES trap 2
+    await nc.flush()
+    lat: list[int] = []
+    for _ in range(n):
+        await asyncio.sleep(gap)
+        answer = asyncio.get_running_loop().create_future()
+        t0 = time.monotonic_ns()
+        await js.publish(_FLOOR_IN, b"x" * 200, timeout=5)
+        await asyncio.wait_for(answer, 5)
+        lat.append(time.monotonic_ns() - t0)
+    await nc.close()
+    Path(out).write_text(json.dumps(lat))
+
+
 async def _requester(url: str, n: int, gap: float, out: str) -> None:
     from timeslice_client.bus import connect
 
@@ -138,7 +193,7 @@ def _grpc_requester(target: str, n: int, gap: float, out: str) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(target) as ch:
-        check = health_pb2_grpc.HealthStub(ch).Check
+        check = health_pb2_grpc.HealthStub(ch).Check  # type: ignore[attr-defined]  # generated at runtime
         lat: list[int] = []
         for _ in range(n):
             time.sleep(gap)
@@ -215,6 +270,18 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         req.wait()
         base = [x / 1e6 for x in json.loads(base_out.read_text())[n // 10:]]
 
+        # Floor: the same path without the lock (JetStream publish -> push consumer -> core notice).
+        ready = tmp / "js-responder.ready"
+        js_resp = _spawn("--role", "js-responder", "--url", url, "--out", str(ready))
+        procs.append(js_resp)
+        _wait_file(ready, js_resp, 30)
+        floor_out = tmp / "floor.json"
+        req = _spawn("--role", "js-requester", "--url", url, "--n", str(n), "--gap", gap, "--out", str(floor_out))
+        req.wait()
+        if req.returncode:
+            raise RuntimeError("the floor worker failed")
+        floor = [x / 1e6 for x in json.loads(floor_out.read_text())[n // 10:]]
+
         # P1: two jobs ping-pong.
         a_out, b_out = tmp / "a.json", tmp / "b.json"
         a = _spawn("--role", "pingpong", "--url", url, "--group", "bench", "--job", "job-a", "--n", str(n),
@@ -265,6 +332,7 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     b50 = _pct(base, 50)
+    f50 = _pct(floor, 50)
     return {
         "n": n,
         "gap_ms": gap_ms,
@@ -276,6 +344,10 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         "baseline_reqrep_p99_ms": _pct(base, 99),
         "handoff_vs_baseline": _pct(hand, 50) / b50,
         "reacquire_vs_baseline": _pct(re_lat, 50) / b50,
+        "floor_js_p50_ms": f50,
+        "floor_js_p99_ms": _pct(floor, 99),
+        "handoff_vs_floor": _pct(hand, 50) / f50,
+        "reacquire_vs_floor": _pct(re_lat, 50) / f50,
         "samples": len(hand),
         "grpc_handoff_p50_ms": _pct(g_hand, 50),
         "grpc_handoff_p99_ms": _pct(g_hand, 99),
@@ -311,6 +383,12 @@ def main() -> None:
     if a.role == "requester":
         _loop_run(_requester(a.url, a.n, a.gap, a.out))
         return
+    if a.role == "js-responder":
+        _loop_run(_js_responder(a.url, a.out))
+        return
+    if a.role == "js-requester":
+        _loop_run(_js_requester(a.url, a.n, a.gap, a.out))
+        return
     if a.role == "grpc-pingpong":
         _grpc_pingpong(a.url, a.group, a.job, a.n, a.gap, a.out)
         return
@@ -333,6 +411,9 @@ def main() -> None:
           f"= {res['reacquire_vs_baseline']:.2f}x baseline p50")
     print(f"  baseline: raw NATS request-reply p50 {res['baseline_reqrep_p50_ms']:.3f} ms   "
           f"p99 {res['baseline_reqrep_p99_ms']:.3f} ms")
+    print(f"  floor: JetStream publish -> push consumer -> core notice, no lock, p50 {res['floor_js_p50_ms']:.3f} ms   "
+          f"p99 {res['floor_js_p99_ms']:.3f} ms   (P1 = {res['handoff_vs_floor']:.2f}x, "
+          f"P2 = {res['reacquire_vs_floor']:.2f}x floor p50)")
     print(f"gRPC API (blocking Acquire/Yield through the orchestrator's shim), n={res['grpc_samples']}")
     print(f"  P3 gRPC handoff p50 {res['grpc_handoff_p50_ms']:.3f} ms   p99 {res['grpc_handoff_p99_ms']:.3f} ms   "
           f"(bus client P1 p50 {res['handoff_p50_ms']:.3f} ms, p99 {res['handoff_p99_ms']:.3f} ms)")

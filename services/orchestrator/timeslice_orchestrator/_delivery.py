@@ -5,6 +5,7 @@ reply subject), whether its subject is an input, and the group and job an input 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Coroutine
 from typing import Any
 
@@ -40,6 +41,7 @@ def is_input(subject: str) -> bool:
     return subject.startswith(_INPUT_PREFIXES) and any(subject_matches(f, subject) for f in subjects.inputs)
 
 
+@functools.lru_cache(maxsize=16_384)  # on the hot path; a subject's answer never changes (errors are not cached)
 def route(subject: str) -> tuple[str, str | None]:
     """(group, job) named by an input subject; raises ValueError for a subject we do not serve."""
     t = subject.split(".")

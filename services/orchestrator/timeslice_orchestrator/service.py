@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import logging
 import time
@@ -343,7 +344,7 @@ class Orchestrator:
                 raise ValueError(f"payload names group {ev.group!r}, subject {msg.subject!r}")
             for kind in ("job", "node"):
                 value = getattr(ev, kind, None)
-                if value is not None:
+                if value is not None and value != job:  # equal to the subject's job: validated by route()
                     validate_id(kind, value)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             await self._reject(msg, group, job, exc, live=live)
@@ -363,8 +364,14 @@ class Orchestrator:
             return
         elapsed = time.perf_counter() - t0
         self.events_applied += 1
-        await self._publish(group, actions)
-        self.metrics.applied(ev, entry.rec, new, actions, now_ms, elapsed)  # after the publish: off the critical path
+        if actions:
+            await self._publish(group, actions)
+            if live:
+                # nats-py's publish only buffers; its flusher task writes. Yield once so it writes the decisions
+                # now, not after the bookkeeping below nor after a backlog of queued deliveries (a catch-up has
+                # no one waiting). Events are applied by this one callback, so the yield reorders nothing.
+                await asyncio.sleep(0)
+        self.metrics.applied(ev, entry.rec, new, actions, now_ms, elapsed)
         if new is entry.rec:
             if live:
                 await msg.ack()
@@ -387,7 +394,7 @@ class Orchestrator:
         # shows that holds never overlap (invariants.StreamChecker checks it).
         for a in actions:
             if isinstance(a, Notify):
-                await nc.publish(subjects.notice(group, a.notice.job), encode(a.notice))
+                await nc.publish(_notice_subject(group, a.notice.job), encode(a.notice))
             elif isinstance(a, Command):
                 await nc.publish(subjects.agent_cmd(a.command.node), encode(a.command))
             elif isinstance(a, Transition):
@@ -570,3 +577,7 @@ class Orchestrator:
 
 class _Stopped(Exception):
     pass
+
+
+# On the hot path: the same few subjects again and again, each validated once.
+_notice_subject = functools.lru_cache(maxsize=16_384)(subjects.notice)
