@@ -83,6 +83,11 @@ def _handoff(r: dict[str, Any]) -> list[str]:
                      f"{_n(g50 / gb if gb else None)}{X} plain gRPC call", "none in issues 2, 3, 6", f"{NA}"])
     rows += [["baseline: NATS request-reply", _n(r.get("baseline_reqrep_p50_ms"), 3, " ms"),
               _n(r.get("baseline_reqrep_p99_ms"), 3, " ms"), "", "", ""]]
+    if "floor_js_p50_ms" in r:
+        rows.append(["floor: JetStream publish → push consumer → core notice, no lock",
+                     _n(r["floor_js_p50_ms"], 3, " ms"), _n(r.get("floor_js_p99_ms"), 3, " ms"),
+                     f"P1 {_n(r.get('handoff_vs_floor'))}{X}, P2 {_n(r.get('reacquire_vs_floor'))}{X} this floor",
+                     "", ""])
     if "grpc_baseline_unary_p50_ms" in r:
         rows.append(["baseline: plain gRPC unary call", _n(r["grpc_baseline_unary_p50_ms"], 3, " ms"),
                      _n(r.get("grpc_baseline_unary_p99_ms"), 3, " ms"), "", "", ""])
