@@ -63,6 +63,7 @@ from timeslice_client.workload import default_node_id
 from ._app_endpoint import check_endpoints
 from ._compose import perform, until_exited
 from ._host import alive, host_memory
+from ._ordering import RunningOps
 from .backends import OpContext, Outcome, make_backend
 from .metrics import AgentMetrics
 
@@ -117,7 +118,7 @@ class Agent:
         self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._epochs: dict[str, int] = {}
         self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()
-        self._running: dict[str, asyncio.Event] = {}  # op ids being run -> set once answered
+        self._running = RunningOps()  # a restore waits for the snapshots it follows (Restore.after)
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
@@ -310,9 +311,7 @@ class Agent:
             return
         # Registered before the next command is read: a restore that follows this operation (Restore.after)
         # finds it running, since commands arrive in the order the orchestrator sent them.
-        owner = cmd.op_id not in self._running
-        if owner:
-            self._running[cmd.op_id] = asyncio.Event()
+        owner = self._running.start(cmd.op_id)
         self._tg.create_task(self._run(cmd, owner))
 
     async def _run(self, cmd: Snapshot | Restore, owner: bool) -> None:
@@ -332,27 +331,7 @@ class Agent:
                 await self._publish_result(result)
         finally:
             if owner:
-                self._running.pop(cmd.op_id).set()
-
-    def _answered(self, op_id: str) -> None:
-        """Wake the restores that wait for ``op_id`` (``_after``)."""
-        if (done := self._running.get(op_id)) is not None:
-            done.set()
-
-    async def _after(self, cmd: Restore) -> str | None:
-        """Wait until the operations this restore follows on this node (``cmd.after``) are answered; an error
-        when its deadline passes first. An operation this agent does not know (answered long ago, or sent
-        before a restart) is not waited for."""
-        for op_id in cmd.after:
-            done = self._running.get(op_id)
-            if done is None:
-                continue
-            try:
-                async with asyncio.timeout(max(0.0, cmd.deadline_ms / 1000 - time.time())):
-                    await done.wait()
-            except TimeoutError:
-                return f"deadline passed while {op_id} was still running"
-        return None
+                self._running.finish(cmd.op_id)
 
     def _count(self, result: OpResult, *, performed: bool) -> None:
         """Metrics of an answered operation (``performed``: the backends ran, see ``_execute``)."""
@@ -376,7 +355,8 @@ class Agent:
         """Run one operation; returns its result and whether it was published already."""
         if (done := self._results.get(cmd.op_id)) is not None:
             return done, False  # the same op id gets the same answer
-        if isinstance(cmd, Restore) and cmd.after and (error := await self._after(cmd)) is not None:
+        if isinstance(cmd, Restore) and cmd.after and (
+                error := await self._running.wait(cmd.after, cmd.deadline_ms / 1000)) is not None:
             return self._remember(self._result(cmd, kind, "none", ok=False, error=error)), False
         async with self._locks[cmd.job]:
             if (done := self._results.get(cmd.op_id)) is not None:
@@ -430,7 +410,7 @@ class Agent:
             # A restore that follows this operation (Restore.after) may start now: its first publish comes
             # after this result's on the connection, so the stream shows the result first. Neither waits for
             # the stream's answer to the result, nor for the KV write below.
-            self._answered(cmd.op_id)
+            self._running.answered(cmd.op_id)
             await self._publish_result(result)  # the orchestrator waits on this; the KV write can follow
             await self._save(msgspec.structs.replace(
                 ctx, state=state, reason=failure if state is JobState.FAULTED else None, last_op_id=cmd.op_id,

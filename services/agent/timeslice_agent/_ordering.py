@@ -1,0 +1,50 @@
+"""The operations an agent is running, so that a restore sent together with the snapshots of its switch
+(``Restore.after``) starts only once those snapshots on this node are answered."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+
+__all__ = ["RunningOps"]
+
+
+class RunningOps:
+    """Operation ids being run here, each with an event set once its result is decided."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, asyncio.Event] = {}
+
+    def start(self, op_id: str) -> bool:
+        """Register ``op_id`` as running; False when it runs already (a redelivered command)."""
+        if op_id in self._running:
+            return False
+        self._running[op_id] = asyncio.Event()
+        return True
+
+    def answered(self, op_id: str) -> None:
+        """Its result is decided: the operations that follow it may start."""
+        if (done := self._running.get(op_id)) is not None:
+            done.set()
+
+    def finish(self, op_id: str) -> None:
+        """It ended (answered or not): wake what follows it and forget it."""
+        done = self._running.pop(op_id, None)
+        if done is not None:
+            done.set()
+
+    async def wait(self, after: Iterable[str], deadline_s: float) -> str | None:
+        """Wait until every operation in ``after`` is answered; an error when ``deadline_s`` (epoch seconds)
+        passes first. An operation not running here (answered long ago, or sent before a restart) is not
+        waited for."""
+        for op_id in after:
+            done = self._running.get(op_id)
+            if done is None:
+                continue
+            try:
+                async with asyncio.timeout(max(0.0, deadline_s - time.time())):
+                    await done.wait()
+            except TimeoutError:
+                return f"deadline passed while {op_id} was still running"
+        return None
