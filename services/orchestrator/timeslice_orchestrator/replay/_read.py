@@ -12,6 +12,7 @@ from timeslice_client.bus import connect
 from timeslice_client.errors import TimeSliceError
 from timeslice_client.protocol import STREAM, subjects
 
+from .._delivery import seq_and_time  # the orchestrator's own arithmetic: the fold sees the `now` it saw
 from ._fold import group_of
 from ._model import StreamEvent
 
@@ -22,18 +23,6 @@ MAX_EVENTS: Final = 5_000_000  # ~1-2 GB of Python objects at most; a replay bey
 
 class ReplayError(TimeSliceError):
     """The stream could not be read for a replay; the message says why and what to do."""
-
-
-def seq_and_time(reply: str) -> tuple[int, int]:
-    """Stream sequence and stream timestamp (ms) from a JetStream delivery's reply subject.
-
-    The same arithmetic as the orchestrator's (``ns // 1_000_000``), so the fold sees the ``now`` it saw.
-    """
-    t = reply.split(".")
-    if len(t) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
-        return int(t[5]), int(t[7]) // 1_000_000
-    # $JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[.<token>]
-    return int(t[7]), int(t[9]) // 1_000_000
 
 
 async def read_window(
