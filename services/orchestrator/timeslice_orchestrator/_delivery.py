@@ -5,13 +5,12 @@ reply subject), whether its subject is an input, and the group and job an input 
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Coroutine
 from typing import Any
 
-from timeslice_client.protocol import subjects, validate_id
+from timeslice_client.protocol import subjects
 
-from .invariants import subject_matches
+from ._subjects import route, subject_matches
 
 __all__ = ["delivery", "first", "is_input", "route", "seq_and_time"]
 
@@ -39,19 +38,6 @@ def is_input(subject: str) -> bool:
     """Whether the durable consumer (filtered on ``subjects.inputs``) would deliver ``subject``; the
     prefix test first, as most of what the catch-up reads is notices."""
     return subject.startswith(_INPUT_PREFIXES) and any(subject_matches(f, subject) for f in subjects.inputs)
-
-
-@functools.lru_cache(maxsize=16_384)  # on the hot path; a subject's answer never changes (errors are not cached)
-def route(subject: str) -> tuple[str, str | None]:
-    """(group, job) named by an input subject; raises ValueError for a subject we do not serve."""
-    t = subject.split(".")
-    if len(t) == 6 and t[2] == "job":
-        return validate_id("group", t[3]), validate_id("job", t[4])
-    if len(t) == 5 and t[2] == "ctl":
-        return validate_id("group", t[3]), None
-    if len(t) == 6 and t[2] == "agent" and t[4] == "evt":
-        return validate_id("group", t[5]), None
-    raise ValueError(f"not an input subject: {subject!r}")
 
 
 async def first(*waits: Coroutine[Any, Any, Any]) -> None:

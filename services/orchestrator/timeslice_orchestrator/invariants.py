@@ -43,6 +43,7 @@ from timeslice_client.protocol import (
     validate_id,
 )
 
+from ._subjects import route, subject_matches
 from .core import Action, Notify, apply, new_record
 
 __all__ = [
@@ -220,30 +221,6 @@ def check_record(rec: GroupRecord) -> None:
 # --------------------------------------------------------------------------- the stream checker
 
 
-def subject_matches(pattern: str, subject: str) -> bool:
-    """NATS subject matching: ``*`` matches one token, a final ``>`` one or more."""
-    p = pattern.split(".")
-    s = subject.split(".")
-    for i, tok in enumerate(p):
-        if tok == ">":
-            return len(s) > i
-        if i >= len(s) or (tok != "*" and tok != s[i]):
-            return False
-    return len(s) == len(p)
-
-
-def _route(subject: str) -> tuple[str, str | None]:
-    """(group, job) named by an input subject, by the orchestrator's rules; ValueError if none."""
-    t = subject.split(".")
-    if len(t) == 6 and t[2] == "job":
-        return validate_id("group", t[3]), validate_id("job", t[4])
-    if len(t) == 5 and t[2] == "ctl":
-        return validate_id("group", t[3]), None
-    if len(t) == 6 and t[2] == "agent" and t[4] == "evt":
-        return validate_id("group", t[5]), None
-    raise ValueError(f"not an input subject: {subject!r}")
-
-
 _NOTICE_PATTERN: Final = "ts.v1.notice.*.*"
 _OP_STARTED_PATTERN: Final = "ts.v1.agent.*.op"
 
@@ -392,7 +369,7 @@ class StreamChecker:
     def _decode(subject: str, data: bytes) -> tuple[str, InputEvent | None]:
         """The orchestrator's admission rules: (group, event), or (group or "", None) if refused."""
         try:
-            group, job = _route(subject)
+            group, job = route(subject)
         except ValueError:
             return "", None
         try:
