@@ -260,14 +260,40 @@ def _trace(r: dict[str, Any]) -> list[str]:
     return out
 
 
-def _gpu(r: dict[str, Any] | None) -> list[str]:
-    if r is None:
+def _gpu(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Every ``gpu_check*.json`` as ``bench/gpu_check.py`` prints it, then every ``offload_gpu*.json`` (``bench/
+    offload.py`` run on the GPU machine) as the offload section shows it."""
+    checks = {n: r for n, r in results.items() if n.startswith("gpu_check")}
+    offloads = {n: r for n, r in results.items() if n.startswith("offload_gpu")}
+    if not checks and not offloads:
         return ["No GPU run was made: `bench/results/gpu_check.json` is absent (`bench/gpu_check.py` writes it "
                 "on a CUDA machine).", ""]
-    scalars = {k: v for k, v in r.items() if isinstance(v, str | int | float | bool)}
-    return ["From `bench/results/gpu_check.json` (written by `bench/gpu_check.py`, see its own report for "
-            "the detail):", "", "```json", json.dumps(scalars, indent=2)[:4000], "```", "",
-            "Sections: " + ", ".join(f"`{k}`" for k, v in r.items() if isinstance(v, dict | list)), ""]
+    out: list[str] = []
+    for name, r in checks.items():
+        out += [f"`bench/results/{name}.json` (written by `bench/gpu_check.py`{_gpu_command(r)}):", "", "```",
+                *_gpu_lines(r), "```", ""]
+    for name, r in offloads.items():
+        out += [f"`bench/offload.py` on the GPU machine (`bench/results/{name}.json`, device "
+                f"{r.get('device', '?')}, {r.get('cpus', '?')} CPUs):", "", *_offload(r)]
+    return out
+
+
+def _gpu_command(r: dict[str, Any]) -> str:
+    return f": `{r['command']}`" if r.get("command") else ""
+
+
+def _gpu_lines(r: dict[str, Any]) -> list[str]:
+    """The check's own report lines; its JSON's scalars when the file is not a report it wrote."""
+    from dataclasses import fields
+
+    import gpu_check
+
+    known = {f.name for f in fields(gpu_check.Report)}
+    try:
+        return gpu_check.format_report(gpu_check.Report(**{k: v for k, v in r.items() if k in known}))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        scalars = {k: v for k, v in r.items() if isinstance(v, str | int | float | bool)}
+        return json.dumps(scalars, indent=2)[:4000].splitlines()
 
 
 def _demo(r: dict[str, Any] | None) -> list[str]:
@@ -314,7 +340,8 @@ def render(results: dict[str, dict[str, Any]], *, generator: str, quick: bool,
            failures: dict[str, str] | None = None) -> str:
     """The whole of docs/benchmarks.md."""
     failures = failures or {}
-    machines = [r["machine"] for r in results.values() if isinstance(r.get("machine"), dict)]
+    results_here = {n: r for n, r in results.items() if not n.startswith(("gpu_check", "offload_gpu"))}
+    machines = [r["machine"] for r in results_here.values() if isinstance(r.get("machine"), dict)]
     m = machines[0] if machines else {}
     lines = [
         "# Benchmarks", "",
@@ -323,7 +350,7 @@ def render(results: dict[str, dict[str, Any]], *, generator: str, quick: bool,
         "baseline measured **in the same run** on the same machine; ratios to that baseline are the comparable "
         "figures across machines and runs.", "",
     ]
-    loads = [r["machine"]["loadavg_1m"] for r in results.values()
+    loads = [r["machine"]["loadavg_1m"] for r in results_here.values()
              if isinstance(r.get("machine"), dict) and isinstance(r["machine"].get("loadavg_1m"), int | float)]
     if loads and max(loads) > BUSY_LOAD:
         lines += [f"**Some runs below were made while other work loaded this {m.get('cores', '?')}-core machine "
@@ -350,7 +377,7 @@ def render(results: dict[str, dict[str, Any]], *, generator: str, quick: bool,
             lines += [f"Not measured in this pass: the run failed ({failures[name]}).", ""]
         else:
             lines += ["Not measured in this pass (no `bench/results/" + name + ".json`).", ""]
-    lines += ["## GPU (bench/gpu_check.py)", "", *_gpu(results.get("gpu_check"))]
+    lines += ["## GPU (bench/gpu_check.py)", "", *_gpu(results)]
     lines += ["## Demo (`timeslice demo`)", "", *_demo(results.get("demo"))]
     if NOTES.exists():
         lines += [NOTES.read_text().rstrip(), ""]

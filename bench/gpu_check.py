@@ -108,6 +108,7 @@ class Report:
     """Everything measured; ``errors`` lists failed checks, ``skipped`` what could not run and why."""
 
     date: str = ""
+    command: str = ""
     plan: dict[str, Any] = field(default_factory=dict)
     env: dict[str, Any] = field(default_factory=dict)
     baseline: dict[str, Any] = field(default_factory=dict)
@@ -386,6 +387,12 @@ class Stack:
         self.url = url
         return url
 
+    def check(self) -> None:
+        """Raise when the orchestrator or the agent has exited (a job would otherwise wait out its timeout)."""
+        for name, p in zip(("orchestrator", "agent"), self.procs[:2], strict=True):
+            if p.poll() is not None:
+                raise RuntimeError(f"the {name} process exited with {p.returncode} (its traceback is above)")
+
     def spawn(self, *args: str) -> subprocess.Popen[bytes]:
         p = subprocess.Popen([sys.executable, __file__, *args], env=_child_env(), cwd=ROOT)
         self.procs.append(p)
@@ -403,14 +410,27 @@ class Stack:
         self.server.stop()
 
 
-def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
+def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float, stack: Stack) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
+        stack.check()
         if proc.poll() is not None:
             raise RuntimeError(f"worker {proc.args!r} exited with {proc.returncode}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path.name} did not appear within {timeout:.0f} s")
         time.sleep(0.02)
+
+
+def _wait_jobs(procs: Sequence[subprocess.Popen[bytes]], timeout: float, stack: Stack) -> None:
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        stack.check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the job processes did not finish within {timeout:.0f} s")
+        time.sleep(0.05)
+    for p in procs:
+        if p.returncode:
+            raise RuntimeError(f"job process exited with {p.returncode}")
 
 
 def offload(stack: Stack, nbytes: int, cycles: int, index: int, device: str = "cuda") -> dict[str, Any]:
@@ -421,14 +441,11 @@ def offload(stack: Stack, nbytes: int, cycles: int, index: int, device: str = "c
               "--device", device]
     a = stack.spawn("--role", "job", "--job", f"a{index}", "--bytes", str(nbytes), "--leader",
                     "--out", str(files["a.json"]), "--ready", str(files["a.ready"]), *common)
-    _wait_file(files["a.ready"], a, 300)
+    _wait_file(files["a.ready"], a, 300, stack)
     b = stack.spawn("--role", "job", "--job", f"b{index}", "--bytes", str(min(B_BYTES, nbytes)),
                     "--out", str(files["b.json"]),
                     "--ready", str(files["b.ready"]), *common)
-    for p in (a, b):
-        p.wait(600)
-        if p.returncode:
-            raise RuntimeError(f"job process exited with {p.returncode}")
+    _wait_jobs((a, b), 600, stack)
     ra = json.loads(files["a.json"].read_text())
     sus = [c for c in ra["calls"] if c["kind"] == "suspend"]
     res = [c for c in ra["calls"] if c["kind"] == "resume"]
@@ -586,8 +603,11 @@ def _env(device: str) -> dict[str, Any]:
         from importlib.metadata import version
 
         env["cuda_python"] = version("cuda-python")
-    except Exception as exc:
-        env["cuda_python"] = f"absent ({exc.__class__.__name__})"
+    except Exception:
+        try:  # images that carry the bindings without the cuda-python meta-package
+            env["cuda_python"] = f"cuda-bindings {version('cuda-bindings')}"
+        except Exception as exc:
+            env["cuda_python"] = f"absent ({exc.__class__.__name__})"
     from timeslice_agent._nvml import gpu_source, gpu_source_error
 
     src = gpu_source()
@@ -726,6 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(args.out, rep)
         return 2
     rep = run(args.plan, args.sections, args.device)
+    rep.command = " ".join(["python bench/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
     print("\n".join(format_report(rep)), flush=True)
     write_json(args.out, rep)
     return 0 if rep.ok() else 1

@@ -45,18 +45,23 @@ async def orchestrator(nats_url: str) -> AsyncIterator[Orchestrator]:
 class OrchestratorProcess:
     """``timeslice orchestrator`` as a real process, for crash tests."""
 
-    def __init__(self, nats_url: str, log_path: Path) -> None:
+    def __init__(self, nats_url: str, log_path: Path, *, blocked_imports: tuple[str, ...] = ()) -> None:
         self.nats_url = nats_url
         self.log_path = log_path
+        self.blocked_imports = blocked_imports  # modules made unimportable in the process
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()/kill()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", self.nats_url],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env,
-        )
+        argv = ["orchestrator", "--nats-url", self.nats_url]
+        if self.blocked_imports:
+            code = (f"import sys; sys.modules.update(dict.fromkeys({list(self.blocked_imports)!r})); "
+                    f"from timeslice_orchestrator.cli import main; sys.exit(main({argv!r}))")
+            cmd = [sys.executable, "-c", code]
+        else:
+            cmd = [sys.executable, "-m", "timeslice_orchestrator", *argv]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 20.0) -> None:
         """Ready when its durable consumer is bound (it creates the stream and buckets before that)."""

@@ -110,8 +110,16 @@ def test_run_all_writes_the_document(results: tuple[Path, dict[str, str]], tmp_p
 
     (folder / "demo.json").write_text(json.dumps({"jobs": 2, "steps": 3, "backend": "numpy", "shared_s": 7.0,
                                                   "back_to_back_s": 10.0, "ratio": 0.7, "all_identical": True}))
-    (folder / "gpu_check.json").write_text(json.dumps({"device": "NVIDIA H200", "ok": True, "offload": {}}))
+    (folder / "gpu_check.json").write_text(json.dumps({
+        "date": "2026-11-30T15:14:36+00:00", "command": "python bench/gpu_check.py --only baseline",
+        "env": {"device": "NVIDIA H200", "driver": "580"},
+        "baseline": {"bytes": 4e9, "reps": 5, "d2h_gbps": 55.25, "h2d_gbps": 55.34, "duplex_gbps": 99.3}}))
+    (folder / "offload_gpu_cuda.json").write_text(json.dumps({"device": "cuda", "cpus": 16, "sizes": [],
+                                                            "machine": {"cores": 16, "loadavg_1m": 5.0}}))
     _run("run_all.py", "--no-run", "--results", str(folder), "--doc", str(doc))
     text = doc.read_text()
     assert "NVIDIA H200" in text and "No GPU run was made" not in text
+    assert "device->host  55.25 GB/s" in text and "`python bench/gpu_check.py --only baseline`" in text
+    assert "`bench/offload.py` on the GPU machine (`bench/results/offload_gpu_cuda.json`" in text
+    assert "Machine: 2 cores" in text  # the GPU machine's files do not describe this machine
     assert "ratio 0.70" in text and "`timeslice demo` not run" not in text

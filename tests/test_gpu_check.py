@@ -101,3 +101,24 @@ def test_offload_plumbing_on_cpu(tmp_path: Path) -> None:
     assert r["offload_gbps"] > 0 and r["restore_gbps"] > 0 and len(r["offload_s"]) == r["cycles"] == 2
     assert r["torch_before"] >= r["bytes"] and r["torch_suspended"] == 0 and r["torch_resumed"] == r["torch_before"]
     assert res["errors"] == []
+
+
+def test_stack_check_names_a_dead_service(gc: ModuleType, tmp_path: Path) -> None:
+    """A job waiting on a dead orchestrator fails at once with the component named, not after its timeout."""
+    stack = gc.Stack(tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    dead.wait(30)
+    alive = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        stack.procs = [dead, alive]
+        with pytest.raises(RuntimeError, match="orchestrator process exited with 3"):
+            stack.check()
+        stack.procs = [alive, dead]
+        with pytest.raises(RuntimeError, match="agent process exited with 3"):
+            stack.check()
+        stack.procs = [alive, alive]
+        stack.check()
+    finally:
+        assert alive.stdin is not None
+        alive.stdin.close()
+        alive.wait(30)

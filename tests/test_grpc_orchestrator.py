@@ -424,3 +424,25 @@ async def test_orchestrator_process_serves_grpc(nats_url: str, tmp_path: Path) -
         proc.terminate()
         proc.wait(15)
         log.close()
+
+
+def test_orchestrator_without_grpc_flags_needs_no_grpc_packages(nats_url: str, tmp_path: Path) -> None:
+    """``timeslice orchestrator`` without ``--grpc-port`` serves the bus API on a host that lacks the gRPC
+    packages (the GPU machine's image had grpcio but not grpcio-health-checking)."""
+    from .conftest import OrchestratorProcess
+
+    proc = OrchestratorProcess(nats_url, tmp_path / "orch.log",
+                               blocked_imports=("grpc", "grpc_health", "grpc_reflection"))
+    proc.start()
+    try:
+        proc.wait_ready()
+
+        async def handoff() -> int:
+            async with AsyncTimeSliceClient(job_id="j1", group_id="g-nogrpc", nats_url=nats_url) as c:
+                grant = await c.acquire(timeout=10)
+                await c.release()
+                return grant.epoch
+
+        assert asyncio.run(handoff()) >= 1
+    finally:
+        proc.stop()

@@ -43,7 +43,6 @@ def _install_stop(stop: Callable[[], None]) -> None:
 
 
 async def _orchestrator(args: argparse.Namespace) -> int:
-    from . import grpc_shim
     from .metrics import OrchestratorMetrics
     from .service import Orchestrator, OrchestratorConfig
 
@@ -51,8 +50,20 @@ async def _orchestrator(args: argparse.Namespace) -> int:
     orch = Orchestrator(cfg, metrics=OrchestratorMetrics(_metrics_registry()))
     _install_stop(orch.shutdown)
     async with serve_metrics(orch.metrics.registry, args.metrics_port, args.metrics_host):
-        await grpc_shim.run_beside(orch, grpc_shim.from_args(args, cfg.nats_url))
+        if _grpc_wanted(args):
+            # imported only when asked for: without --grpc-port the orchestrator needs no gRPC packages
+            from . import grpc_shim
+
+            await grpc_shim.run_beside(orch, grpc_shim.from_args(args, cfg.nats_url))
+        else:
+            await orch.run()
     return 0
+
+
+def _grpc_wanted(args: argparse.Namespace) -> bool:
+    """Whether the flags turn the gRPC API on (``--grpc-port`` given and not negative)."""
+    port = getattr(args, "grpc_port", None)
+    return port is not None and port >= 0
 
 
 def _metrics_registry() -> Any:
