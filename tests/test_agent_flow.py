@@ -13,9 +13,11 @@ from timeslice_agent import Agent, AgentConfig
 from timeslice_client import AsyncTimeSliceClient, HandlerResult, JobFaulted, JobState, SuspendMode
 from timeslice_client.bus import connect
 from timeslice_client.protocol import OpResult, decode_input, subjects
+from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.service import Orchestrator
 
 from .helpers import eventually, running
+from .workers import read_stream
 
 pytestmark = pytest.mark.usefixtures("orchestrator")
 
@@ -125,14 +127,19 @@ class Blocking(Recorder):
         return super().suspend(mode, tags)
 
 
-async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node(nats_url: str, agent: Agent) -> None:
-    """The orchestrator sends b's restore together with a's snapshot (``Restore.after``); the agent runs the
-    restore only once the snapshot on its node has ended."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
+async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node_unless_there_is_room(
+        nats_url: str, overlap: bool) -> None:
+    """The orchestrator sends b's restore together with a's snapshot (``Restore.after``). With overlap off the
+    agent runs the restore only once the snapshot on its node has ended; with it on (the default) and room on
+    the node, the restore runs beside the snapshot. Either way b is granted only once both ended."""
     log: list[str] = []
     go = threading.Event()
     nc = await connect(nats_url)
+    cfg = AgentConfig(node_id="node-1", nats_url=nats_url, overlap_restores=overlap)
     try:
-        async with AsyncTimeSliceClient("a", "gp", nats_url) as a, AsyncTimeSliceClient("b", "gp", nats_url) as b:
+        async with running(Agent(cfg)) as agent, AsyncTimeSliceClient("a", "gp", nats_url) as a, \
+                AsyncTimeSliceClient("b", "gp", nats_url) as b:
             await a.register_workload(Blocking("a", log, go), node_id="node-1")
             await b.register_workload(Recorder("b", log), node_id="node-1")
             await b.acquire(timeout=10)  # b runs first, so that it has a context to restore later
@@ -156,16 +163,29 @@ async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node(nats_url:
             snapshot_id = f"gp:{restore['epoch']}:snapshot:node-1"
             assert restore["after"] == [snapshot_id]
             await eventually(lambda: "a:suspend start" in log, what="a's suspend running")
-            await asyncio.sleep(0.5)  # a sampling window: an agent that ignored `after` would resume b now
-            assert log == ["b:suspend", "a:suspend start"] and not tb.done()
+            if overlap:
+                await eventually(lambda: "b:resume" in log, what="b's resume beside a's suspend")
+            else:
+                await asyncio.sleep(0.5)  # a sampling window: an agent that ignored `after` would resume b now
+            assert log == ["b:suspend", "a:suspend start", *(["b:resume"] if overlap else [])]
+            await asyncio.sleep(0.2)  # a sampling window: a grant before a's snapshot ended would show now
+            assert not tb.done()
             go.set()
             gb = await tb
-            assert gb.context_restored and log == ["b:suspend", "a:suspend start", "a:suspend", "b:resume"]
+            assert gb.context_restored and log[-2:] == (["b:resume", "a:suspend"] if overlap
+                                                        else ["a:suspend", "b:resume"])
             await b.release()
+            overlapped = agent.metrics.overlapped.labels("app_channel")._value.get()
+            assert overlapped == (1 if overlap else 0)
         started = []
         with contextlib.suppress(TimeoutError):
             while True:
-                started.append(msgspec.json.decode((await ops.next_msg(timeout=0.5)).data)["op_id"])
-        assert started.index(snapshot_id) < started.index(restore["op_id"])
+                started.append(msgspec.json.decode((await ops.next_msg(timeout=0.5)).data))
+        ids = [s["op_id"] for s in started]
+        assert ids.index(snapshot_id) < ids.index(restore["op_id"])
+        assert next(s for s in started if s["op_id"] == restore["op_id"])["overlapped"] is overlap
+        checker = StreamChecker()
+        checker.feed_all(await read_stream(nats_url))  # the stream passes the invariant checker
+        assert checker.records["gp"].holder is None
     finally:
         await nc.close()

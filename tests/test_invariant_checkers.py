@@ -246,9 +246,9 @@ def _op_events(order: list[tuple[str, str, str]]) -> list[tuple[int, int, str, b
         job = "a" if kind == "snapshot" else "b"
         op_id = f"{G}:{epoch}:{kind}:{node}"
         k = OpKind(kind)
-        if edge == "start":
+        if edge in ("start", "start-overlapped"):
             msg: msgspec.Struct = OpStarted(op_id=op_id, group=G, job=job, node=node, kind=k, epoch=epoch,
-                                            backend="noop")
+                                            backend="noop", overlapped=edge == "start-overlapped")
             out.append((seq, now, subjects.agent_op(node), encode(msg)))
         else:
             msg = OpResult(group=G, op_id=op_id, node=node, job=job, kind=k, epoch=epoch, ok=True)
@@ -267,3 +267,20 @@ def test_stream_checker_catches_a_restore_started_beside_a_running_snapshot_on_i
         StreamChecker().feed_all(bad)
     assert info.value.rule == "node-restore-after-snapshot" and info.value.values["snapshots_running"] == [
         f"{G}:2:snapshot:n1"]
+
+
+def test_stream_checker_admits_a_restore_that_says_it_overlapped_and_still_grants_after_all() -> None:
+    """An agent with room starts the restore beside the snapshot (``OpStarted.overlapped``); the grant
+    still comes only once both ended, whichever ends first."""
+    for order in ([("n1", "snapshot", "start"), ("n1", "restore", "start-overlapped"), ("n1", "restore", "end")],
+                  [("n1", "snapshot", "start"), ("n1", "restore", "start-overlapped"), ("n1", "snapshot", "end")]):
+        checker = StreamChecker()
+        checker.feed_all(_op_events([("n2", "restore", "start"), ("n2", "restore", "end"), *order]))
+        rec = checker.records[G]
+        assert rec.holder is None and rec.switch is not None  # one operation is still running: no grant yet
+    both = [("n1", "snapshot", "start"), ("n1", "restore", "start-overlapped"), ("n1", "restore", "end"),
+            ("n2", "restore", "start"), ("n2", "restore", "end"), ("n1", "snapshot", "end")]
+    checker = StreamChecker()
+    checker.feed_all(_op_events(both))
+    holder = checker.records[G].holder
+    assert holder is not None and holder.job == "b"

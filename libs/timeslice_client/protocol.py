@@ -392,6 +392,9 @@ class StateChanged(_Msg, frozen=True, tag="state_changed"):
 
 
 class OpStarted(_Msg, frozen=True, tag="op_started"):
+    """An agent started an operation. ``overlapped``: a restore started beside the snapshots its
+    ``Restore.after`` names, because the node had room for both contexts at once."""
+
     op_id: str
     group: str
     job: str
@@ -399,6 +402,7 @@ class OpStarted(_Msg, frozen=True, tag="op_started"):
     kind: OpKind
     epoch: int
     backend: str
+    overlapped: bool = False
 
 
 # --------------------------------------------------------------------------- workload channel (request/reply)

@@ -34,6 +34,10 @@ class RunningOps:
         if done is not None:
             done.set()
 
+    def any_running(self, op_ids: Iterable[str]) -> bool:
+        """Whether any of ``op_ids`` runs here and has no result yet."""
+        return any((done := self._running.get(op_id)) is not None and not done.is_set() for op_id in op_ids)
+
     async def wait(self, after: Iterable[str], deadline_s: float) -> str | None:
         """Wait until every operation in ``after`` is answered; an error when ``deadline_s`` (epoch seconds)
         passes first. An operation not running here (answered long ago, or sent before a restart) is not

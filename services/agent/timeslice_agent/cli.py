@@ -24,6 +24,8 @@ async def _run_agent(args: argparse.Namespace) -> int:
         kwargs["node_id"] = args.node_id
     if args.nats_url:
         kwargs["nats_url"] = args.nats_url
+    if args.no_overlap_restores:
+        kwargs["overlap_restores"] = False
     from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
     from .metrics import AgentMetrics, serve_metrics
@@ -99,6 +101,10 @@ def register(sub: Any) -> None:
     p.add_argument("--metrics-port", type=int, default=-1,
                    help="serve Prometheus metrics at /metrics on this port (0: any free port; default -1: off)")
     p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics endpoint listens on")
+    p.add_argument("--no-overlap-restores", action="store_true",
+                   help="always restore a job only after the snapshots it follows have ended, even when the node "
+                        "has room for both contexts (default: overlap them then; "
+                        "$TIMESLICE_AGENT_OVERLAP_RESTORES=false does the same)")
     p.set_defaults(func=_run_agent)
     s = sub.add_parser("agent-status", help="jobs on one node and their context states")
     s.add_argument("--node-id", default=None)

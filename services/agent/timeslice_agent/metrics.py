@@ -50,6 +50,10 @@ class AgentMetrics:
         self.outcomes = Counter(
             "timeslice_agent_operations", "Operations answered, by outcome: " + ", ".join(OUTCOMES) + ".",
             ["backend", "operation", "outcome"], registry=r)
+        self.overlapped = Counter(
+            "timeslice_agent_restores_overlapped", "Restores started beside the snapshots they follow, the node "
+            "having room for both contexts (Restore.after; see AgentConfig.overlap_restores).",
+            ["backend"], registry=r)
 
     def operation(self, result: OpResult, outcome: str) -> None:
         """Record one answered operation; duration and bytes only for operations that ran."""

@@ -64,6 +64,7 @@ from ._app_endpoint import check_endpoints
 from ._compose import perform, until_exited
 from ._host import alive, host_memory
 from ._ordering import RunningOps
+from ._room import RestoreOrder
 from .backends import OpContext, Outcome, make_backend
 from .metrics import AgentMetrics
 
@@ -84,6 +85,10 @@ class AgentConfig(BaseSettings):
     heartbeat_s: float = Field(default=2.0, gt=0)
     pid_check_s: float = Field(default=1.0, gt=0)
     max_results: int = Field(default=4096, ge=16)
+    # A restore starts beside the snapshots it follows when the node has room for both contexts (_room.py).
+    overlap_restores: bool = True
+    overlap_margin_bytes: int = Field(default=1 << 30, ge=0)
+    overlap_margin_fraction: float = Field(default=0.1, ge=0)
     bus: BusConfig = BusConfig()
 
 
@@ -118,7 +123,10 @@ class Agent:
         self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._epochs: dict[str, int] = {}
         self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()
-        self._running = RunningOps()  # a restore waits for the snapshots it follows (Restore.after)
+        self._running = RunningOps()  # a restore waits for the snapshots it follows (Restore.after)…
+        self._order = RestoreOrder(  # …unless the node has room for both
+            self._running, enabled=self.config.overlap_restores, margin_bytes=self.config.overlap_margin_bytes,
+            margin_fraction=self.config.overlap_margin_fraction)
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
@@ -355,9 +363,17 @@ class Agent:
         """Run one operation; returns its result and whether it was published already."""
         if (done := self._results.get(cmd.op_id)) is not None:
             return done, False  # the same op id gets the same answer
-        if isinstance(cmd, Restore) and cmd.after and (
-                error := await self._running.wait(cmd.after, cmd.deadline_ms / 1000)) is not None:
-            return self._remember(self._result(cmd, kind, "none", ok=False, error=error)), False
+        if not isinstance(cmd, Restore) or not cmd.after:
+            return await self._execute_now(cmd, kind, overlapped=False)
+        others = [j for j in self._jobs.values() if j.group == cmd.group and j.job != cmd.job]
+        async with self._order.turn(cmd, self._jobs.get(cmd.job), others) as turn:
+            if turn.error is not None:
+                return self._remember(self._result(cmd, kind, "none", ok=False, error=turn.error)), False
+            return await self._execute_now(cmd, kind, overlapped=turn.overlapped)
+
+    async def _execute_now(self, cmd: Snapshot | Restore, kind: OpKind, *, overlapped: bool
+                           ) -> tuple[OpResult, bool]:
+        """``_execute`` once the operation's turn has come (``overlapped``: a restore beside its snapshots)."""
         async with self._locks[cmd.job]:
             if (done := self._results.get(cmd.op_id)) is not None:
                 return done, False
@@ -392,7 +408,9 @@ class Agent:
             assert self._nc is not None
             await self._nc.publish(subjects.agent_op(self.node), encode(OpStarted(
                 op_id=cmd.op_id, group=cmd.group, job=cmd.job, node=self.node, kind=kind, epoch=cmd.epoch,
-                backend=backend)))
+                backend=backend, overlapped=overlapped)))
+            if overlapped:
+                self.metrics.overlapped.labels(backend).inc()
             t0 = time.perf_counter()
             performed = await self._perform_watched(ctx, op, kind, before)
             elapsed = (time.perf_counter() - t0) * 1000
