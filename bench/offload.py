@@ -15,8 +15,9 @@ Starts a private nats-server, the orchestrator and the node agent, each as its o
 * switch overhead = the whole switch (the releasing job calls ``release()`` → the other job's
   ``acquire()`` returns) minus the wall time of the handler calls made during it (both jobs; the union of
   their spans, since a restore the agent overlaps with the snapshot runs beside it); the agent's
-  ``OpResult`` events split it into agent-side (each operation's time beyond its handler call: RPC to the
-  workload, thread hand-off) and orchestrator + bus (the rest), and a bus monitor's arrival times of
+  ``OpResult`` events split it into agent-side (the time beyond its handler call of each operation on the
+  critical path, i.e. both, or of two overlapped ones the one that ended last: RPC to the workload, thread
+  hand-off) and orchestrator + bus (the rest), and a bus monitor's arrival times of
   ``OpStarted``/``OpResult`` give the hops between;
 * baselines, in the same run, in the driver process, for the same bytes in the same tensor shapes,
   before that size's workers start and again after they exited (never beside their memory):
@@ -374,10 +375,19 @@ def _switches(a: dict[str, Any], b: dict[str, Any], ops: list[dict[str, Any]], g
                            ("restore_result_to_grant", 4, 5)):
             if marks[i] is not None and marks[j] is not None:
                 hops[name] = (marks[j] - marks[i]) / 1e6
+        overlapped = any(o["type"] == "op_started" and o.get("overlapped") for o in mine)
+        # The agent's share of the critical path: each operation's time beyond its handler call, of both
+        # operations one after the other, or, when they overlapped, of the one whose result came last.
+        kinds = ["snapshot", "restore"]
+        if overlapped:
+            kinds = [max(kinds, key=lambda k: at.get(("op_result", k), 0))]
+        call_of = {"snapshot": "suspend", "restore": "resume"}
+        crit_ops = sum(o["elapsed_ms"] for o in mine if o["type"] == "op_result" and o["kind"] in kinds)
+        crit_calls = sum(c[3] - c[2] for c in inside if c[1] in {call_of[k] for k in kinds}) / 1e6
         out.append({
             "dir": f"{who}->{other}", "epoch": epoch + 1, "switch_ms": (t_grant - t_rel) / 1e6,
             "handler_ms": handler_ms, "handler_sum_ms": handler_sum_ms, "agent_ops_ms": op_ms, "hops_ms": hops,
-            "overlapped": any(o["type"] == "op_started" and o.get("overlapped") for o in mine),
+            "agent_critical_ms": crit_ops - crit_calls, "overlapped": overlapped,
             "a_call": [big[0][1], (big[0][3] - big[0][2]) / 1e9, big[0][5]] if big else None,
         })
     return out
@@ -404,10 +414,9 @@ def _size_result(nbytes: int, a: dict[str, Any], b: dict[str, Any], ops: list[di
         "overhead_ab_ms": _med([s["switch_ms"] - s["handler_ms"] for s in sw if s["dir"] == "A->B"]),
         "overhead_ba_ms": _med([s["switch_ms"] - s["handler_ms"] for s in sw if s["dir"] == "B->A"]),
         "overhead_ms": _med(over), "overhead_max_ms": max(over) if over else float("nan"),
-        "agent_side_ms": _med([s["agent_ops_ms"] - s["handler_sum_ms"] for s in sw]),
+        "agent_side_ms": _med([s["agent_critical_ms"] for s in sw]),
         "overlapped_switches": sum(1 for s in sw if s["overlapped"]),
-        "orchestrator_bus_ms": _med([(s["switch_ms"] - s["handler_ms"]) - (s["agent_ops_ms"] - s["handler_sum_ms"])
-                                     for s in sw]),
+        "orchestrator_bus_ms": _med([s["switch_ms"] - s["handler_ms"] - s["agent_critical_ms"] for s in sw]),
         "hops_ms": {k: _med([s["hops_ms"][k] for s in sw if k in s["hops_ms"]])
                     for k in ("release_to_snapshot_start", "snapshot_result_to_restore_start",
                               "restore_result_to_grant")},
