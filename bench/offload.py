@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import math
 import os
 import shutil
 import statistics
@@ -332,6 +333,10 @@ def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def _ms(x: float) -> str:
+    return "none" if math.isnan(x) else f"{x:.2f} ms"
+
+
 def _union_ns(spans: list[tuple[int, int]]) -> int:
     """Total length of the union of [start, end) spans."""
     total, end = 0, None
@@ -366,16 +371,17 @@ def _switches(a: dict[str, Any], b: dict[str, Any], ops: list[dict[str, Any]], g
         mine = [o for o in ops if o.get("group") == group and o.get("epoch") == epoch + 1]
         op_ms = sum(o["elapsed_ms"] for o in mine if o["type"] == "op_result")
         at = {(o["type"], o["kind"]): o["t"] for o in mine}
-        # Hops as the monitor saw them: release -> snapshot starts -> its result -> restore starts (when
-        # there is something to restore) -> its result -> grant returns.
+        overlapped = any(o["type"] == "op_started" and o.get("overlapped") for o in mine)
+        # Hops as the monitor saw them: release -> snapshot starts; snapshot result -> restore starts (a restore
+        # that waited for the snapshot; none when it overlapped); the last result -> grant returns.
+        results = [t for (typ, _), t in at.items() if typ == "op_result"]
         marks = [t_rel, at.get(("op_started", "snapshot")), at.get(("op_result", "snapshot")),
-                 at.get(("op_started", "restore")), at.get(("op_result", "restore")), t_grant]
+                 None if overlapped else at.get(("op_started", "restore")), max(results, default=None), t_grant]
         hops = {}
         for name, i, j in (("release_to_snapshot_start", 0, 1), ("snapshot_result_to_restore_start", 2, 3),
-                           ("restore_result_to_grant", 4, 5)):
+                           ("last_result_to_grant", 4, 5)):
             if marks[i] is not None and marks[j] is not None:
                 hops[name] = (marks[j] - marks[i]) / 1e6
-        overlapped = any(o["type"] == "op_started" and o.get("overlapped") for o in mine)
         # The agent's share of the critical path: each operation's time beyond its handler call, of both
         # operations one after the other, or, when they overlapped, of the one whose result came last.
         kinds = ["snapshot", "restore"]
@@ -419,7 +425,7 @@ def _size_result(nbytes: int, a: dict[str, Any], b: dict[str, Any], ops: list[di
         "orchestrator_bus_ms": _med([s["switch_ms"] - s["handler_ms"] - s["agent_critical_ms"] for s in sw]),
         "hops_ms": {k: _med([s["hops_ms"][k] for s in sw if k in s["hops_ms"]])
                     for k in ("release_to_snapshot_start", "snapshot_result_to_restore_start",
-                              "restore_result_to_grant")},
+                              "last_result_to_grant")},
         "switches": sw,
         "errors": a["errors"] + b["errors"] + [f"A held device bytes after {len(bad_free)} suspends"] * bool(bad_free)
         + [f"handler calls: A {len(a['calls'])}, B {len(b['calls'])}; expected {2 * n} and {2 * n - 1}"]
@@ -553,10 +559,9 @@ def _print(res: dict[str, Any]) -> None:
               f"{r.get('overlapped_switches', 0)} of {2 * r['cycles']} switches")
         h = r["hops_ms"]
         print("    hops (medians, by arrival at a monitor process, whose own delays can shorten a hop): "
-              f"release -> snapshot starts "
-              f"{h['release_to_snapshot_start']:.2f} ms, snapshot result -> restore starts "
-              f"{h['snapshot_result_to_restore_start']:.2f} ms, restore result -> acquire returns "
-              f"{h['restore_result_to_grant']:.2f} ms")
+              f"release -> snapshot starts {_ms(h['release_to_snapshot_start'])}, snapshot result -> restore "
+              f"starts {_ms(h['snapshot_result_to_restore_start'])} (restores that waited), last result -> "
+              f"acquire returns {_ms(h['last_result_to_grant'])}")
         if r["errors"]:
             print(f"  ERRORS: {r['errors']}")
     off = min(r["offload_vs_copy"] for r in res["sizes"])
