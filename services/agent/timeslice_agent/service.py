@@ -30,9 +30,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
-from timeslice_client.bus import BusConfig, connect, ensure_bus
+from timeslice_client.bus import connect, ensure_bus
 from timeslice_client.protocol import (
     JOBS_BUCKET,
     STREAM,
@@ -62,9 +60,11 @@ from timeslice_client.workload import default_node_id
 
 from ._app_endpoint import check_endpoints
 from ._compose import perform, until_exited
+from ._config import AgentConfig
 from ._host import alive, host_memory
 from ._ordering import RunningOps
 from ._room import RestoreOrder
+from ._standalone import standalone_context
 from .backends import OpContext, Outcome, make_backend
 from .metrics import AgentMetrics
 
@@ -75,21 +75,6 @@ log = logging.getLogger("timeslice.agent")
 _command_decoder = msgspec.json.Decoder(AgentCommand)
 _rpc_decoder = msgspec.json.Decoder(RegisterJob | UnregisterJob | ClearJobFault)
 _ctx_decoder = msgspec.json.Decoder(JobContext)
-
-
-class AgentConfig(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TIMESLICE_AGENT_", extra="ignore")
-
-    node_id: str = Field(default_factory=default_node_id)
-    nats_url: str | None = None
-    heartbeat_s: float = Field(default=2.0, gt=0)
-    pid_check_s: float = Field(default=1.0, gt=0)
-    max_results: int = Field(default=4096, ge=16)
-    # A restore starts beside the snapshots it follows when the node has room for both contexts (_room.py).
-    overlap_restores: bool = True
-    overlap_margin_bytes: int = Field(default=1 << 30, ge=0)
-    overlap_margin_fraction: float = Field(default=0.1, ge=0)
-    bus: BusConfig = BusConfig()
 
 
 def _now_ms() -> int:
@@ -508,34 +493,11 @@ class Agent:
         for b in backends or ():
             make_backend(b, self._nc, self.node)  # raises BackendUnavailable
         async with self._locks[job]:
-            ctx = self._jobs.get(job)
-            if ctx is None:
-                if kind is OpKind.RESTORE or not backends or not pids:
-                    what = "nothing was saved for it here" if kind is OpKind.RESTORE else "name its processes"
-                    raise LookupError(f"job {job!r} is not registered with the agent on node {self.node!r} "
-                                      f"({what}); register it through the workload channel, or give a backend "
-                                      "with explicit process ids")
-                ctx = await self._save(JobContext(node=self.node, job=job, group=group or "standalone",
-                                                  state=JobState.RUNNING, backends=backends, pids=pids,
-                                                  mode=mode or SuspendMode.OFFLOAD, tags=tags or (),
-                                                  endpoints=endpoints))
-            elif group and group != ctx.group:
-                raise ValueError(f"job {job!r} is registered in group {ctx.group!r} on node {self.node!r}, "
-                                 f"not {group!r}")
-            else:
-                changes: dict[str, Any] = {}
-                if backends and backends != ctx.backends:
-                    changes["backends"] = backends
-                if pids and pids != ctx.pids:
-                    changes["pids"] = pids
-                if mode is not None and mode != ctx.mode:
-                    changes["mode"] = mode
-                if tags is not None and tags != ctx.tags:
-                    changes["tags"] = tags
-                if endpoints and endpoints != ctx.endpoints:
-                    changes["endpoints"] = endpoints
-                if changes:
-                    ctx = await self._save(msgspec.structs.replace(ctx, **changes))
+            current = self._jobs.get(job)
+            ctx = standalone_context(current, self.node, job, kind, group=group, backends=backends, pids=pids,
+                                     mode=mode, tags=tags, endpoints=endpoints)
+            if ctx is not current:
+                ctx = await self._save(ctx)
         op_id = f"standalone-{uuid.uuid4().hex}"
         budget_ms = int(timeout_s * 1000) if timeout_s else ctx.op_timeout_ms
         cls = Snapshot if kind is OpKind.SNAPSHOT else Restore

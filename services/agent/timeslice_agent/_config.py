@@ -1,0 +1,27 @@
+"""The agent's configuration (``TIMESLICE_AGENT_*`` environment variables, or the CLI's flags)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from timeslice_client.bus import BusConfig
+from timeslice_client.workload import default_node_id
+
+__all__ = ["AgentConfig"]
+
+
+class AgentConfig(BaseSettings):
+    """The agent's settings; each can also be set as ``TIMESLICE_AGENT_<NAME>`` (e.g. ``TIMESLICE_AGENT_NODE_ID``)."""
+
+    model_config = SettingsConfigDict(env_prefix="TIMESLICE_AGENT_", extra="ignore")
+
+    node_id: str = Field(default_factory=default_node_id)
+    nats_url: str | None = None
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    pid_check_s: float = Field(default=1.0, gt=0)
+    max_results: int = Field(default=4096, ge=16)
+    # A restore starts beside the snapshots it follows when the node has room for both contexts (_room.py).
+    overlap_restores: bool = True
+    overlap_margin_bytes: int = Field(default=1 << 30, ge=0)
+    overlap_margin_fraction: float = Field(default=0.1, ge=0)
+    bus: BusConfig = BusConfig()
