@@ -66,11 +66,14 @@ async def test_switch_snapshots_then_restores_then_grants(nats_url: str, agent: 
         await eventually(lambda: _queued(b, "a"))
         await b.release()
         await ta
-        assert log == ["a:suspend", "b:suspend", "a:resume"]
+        # the agent may run a's restore beside b's snapshot (the node has room): either order, both before the
+        # grant
+        assert log[0] == "a:suspend" and sorted(log[1:]) == ["a:resume", "b:suspend"]
+        done = list(log)
         await a.release()
         # alone: release keeps a's context; re-acquire costs nothing
         assert (await a.acquire(timeout=10)).context_restored is False
-        assert log == ["a:suspend", "b:suspend", "a:resume"]
+        assert log == done
         await a.release()
     outcomes = []
     with contextlib.suppress(Exception):
