@@ -286,11 +286,11 @@ def _gpu_lines(r: dict[str, Any]) -> list[str]:
     """The check's own report lines; its JSON's scalars when the file is not a report it wrote."""
     from dataclasses import fields
 
-    import gpu_check
+    from _gpu_report import Report, format_report
 
-    known = {f.name for f in fields(gpu_check.Report)}
+    known = {f.name for f in fields(Report)}
     try:
-        return gpu_check.format_report(gpu_check.Report(**{k: v for k, v in r.items() if k in known}))
+        return format_report(Report(**{k: v for k, v in r.items() if k in known}))
     except (KeyError, TypeError, ValueError, AttributeError):
         scalars = {k: v for k, v in r.items() if isinstance(v, str | int | float | bool)}
         return json.dumps(scalars, indent=2)[:4000].splitlines()

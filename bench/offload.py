@@ -41,10 +41,8 @@ import argparse
 import asyncio
 import datetime
 import json
-import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,6 +52,9 @@ from pathlib import Path
 from typing import Any
 
 import _common
+from _offload_analysis import med as _med
+from _offload_analysis import ms as _ms
+from _offload_analysis import size_result as _size_result
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -327,120 +328,6 @@ def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> Non
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} did not appear")
         time.sleep(0.01)
-
-
-def _med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def _ms(x: float) -> str:
-    return "none" if math.isnan(x) else f"{x:.2f} ms"
-
-
-def _union_ns(spans: list[tuple[int, int]]) -> int:
-    """Total length of the union of [start, end) spans."""
-    total, end = 0, None
-    for a, b in sorted(spans):
-        if end is None or a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total
-
-
-def _switches(a: dict[str, Any], b: dict[str, Any], ops: list[dict[str, Any]], group: str) -> list[dict[str, Any]]:
-    """One entry per switch: its direction, total time, handler time within it and the agent's op times (ms)."""
-    rows = [("A", *r) for r in a["rows"]] + [("B", *r) for r in b["rows"]]
-    grants = {(who, r[1]): r[2] for who, *r in rows if r[0] == "grant"}
-    calls = [("A", *c) for c in a["calls"]] + [("B", *c) for c in b["calls"]]
-    out = []
-    for who, kind, epoch, t_rel, *_ in rows:
-        if kind != "release":
-            continue
-        other = "B" if who == "A" else "A"
-        t_grant = grants.get((other, epoch + 1))
-        if t_grant is None:
-            continue
-        inside = [c for c in calls if t_rel <= c[2] and c[3] <= t_grant]
-        # The copies' wall time: the union of the handler calls (an overlapped restore runs beside the snapshot).
-        handler_ms = _union_ns([(c[2], c[3]) for c in inside]) / 1e6
-        handler_sum_ms = sum(c[3] - c[2] for c in inside) / 1e6
-        big = [c for c in inside if c[0] == "A"]
-        mine = [o for o in ops if o.get("group") == group and o.get("epoch") == epoch + 1]
-        op_ms = sum(o["elapsed_ms"] for o in mine if o["type"] == "op_result")
-        at = {(o["type"], o["kind"]): o["t"] for o in mine}
-        overlapped = any(o["type"] == "op_started" and o.get("overlapped") for o in mine)
-        # Hops as the monitor saw them: release -> snapshot starts; snapshot result -> restore starts (a restore
-        # that waited for the snapshot; none when it overlapped); the last result -> grant returns.
-        results = [t for (typ, _), t in at.items() if typ == "op_result"]
-        marks = [t_rel, at.get(("op_started", "snapshot")), at.get(("op_result", "snapshot")),
-                 None if overlapped else at.get(("op_started", "restore")), max(results, default=None), t_grant]
-        hops = {}
-        for name, i, j in (("release_to_snapshot_start", 0, 1), ("snapshot_result_to_restore_start", 2, 3),
-                           ("last_result_to_grant", 4, 5)):
-            if marks[i] is not None and marks[j] is not None:
-                hops[name] = (marks[j] - marks[i]) / 1e6
-        # The agent's share of the critical path: each operation's time beyond its handler call, of both
-        # operations one after the other, or, when they overlapped, of the one whose result came last.
-        kinds = ["snapshot", "restore"]
-        if overlapped:
-            kinds = [max(kinds, key=lambda k: at.get(("op_result", k), 0))]
-        call_of = {"snapshot": "suspend", "restore": "resume"}
-        crit_ops = sum(o["elapsed_ms"] for o in mine if o["type"] == "op_result" and o["kind"] in kinds)
-        crit_calls = sum(c[3] - c[2] for c in inside if c[1] in {call_of[k] for k in kinds}) / 1e6
-        out.append({
-            "dir": f"{who}->{other}", "epoch": epoch + 1, "switch_ms": (t_grant - t_rel) / 1e6,
-            "handler_ms": handler_ms, "handler_sum_ms": handler_sum_ms, "agent_ops_ms": op_ms, "hops_ms": hops,
-            "agent_critical_ms": crit_ops - crit_calls, "overlapped": overlapped,
-            "a_call": [big[0][1], (big[0][3] - big[0][2]) / 1e9, big[0][5]] if big else None,
-        })
-    return out
-
-
-def _size_result(nbytes: int, a: dict[str, Any], b: dict[str, Any], ops: list[dict[str, Any]], group: str,
-                 base: dict[str, list[float]]) -> dict[str, Any]:
-    sw = _switches(a, b, ops, group)
-    gb = nbytes / 1e9
-    off = [s["a_call"][1] for s in sw if s["a_call"] and s["a_call"][0] == "suspend"]
-    res = [s["a_call"][1] for s in sw if s["a_call"] and s["a_call"][0] == "resume"]
-    bad_free = [s for s in sw if s["a_call"] and s["a_call"][0] == "suspend" and s["a_call"][2] != 0]
-    over = [s["switch_ms"] - s["handler_ms"] for s in sw]
-    n = sum(1 for r in a["rows"] if r[0] == "release")  # cycles (A releases once per cycle)
-    r: dict[str, Any] = {
-        "gib": nbytes / GiB, "bytes": nbytes, "cycles": len(off),
-        "offload_s": off, "restore_s": res,
-        "offload_gbps": gb / _med(off), "restore_gbps": gb / _med(res),
-        "base_copy_gbps": gb / _med(base["copy"]), "base_fresh_gbps": gb / _med(base["fresh"]),
-        "base_clone_gbps": gb / _med(base["clone"]), "base_free_ms": _med(base["free"]) * 1e3,
-        "base_samples": base,
-        "switch_ab_ms": _med([s["switch_ms"] for s in sw if s["dir"] == "A->B"]),
-        "switch_ba_ms": _med([s["switch_ms"] for s in sw if s["dir"] == "B->A"]),
-        "overhead_ab_ms": _med([s["switch_ms"] - s["handler_ms"] for s in sw if s["dir"] == "A->B"]),
-        "overhead_ba_ms": _med([s["switch_ms"] - s["handler_ms"] for s in sw if s["dir"] == "B->A"]),
-        "overhead_ms": _med(over), "overhead_max_ms": max(over) if over else float("nan"),
-        "agent_side_ms": _med([s["agent_critical_ms"] for s in sw]),
-        "overlapped_switches": sum(1 for s in sw if s["overlapped"]),
-        "orchestrator_bus_ms": _med([s["switch_ms"] - s["handler_ms"] - s["agent_critical_ms"] for s in sw]),
-        "hops_ms": {k: _med([s["hops_ms"][k] for s in sw if k in s["hops_ms"]])
-                    for k in ("release_to_snapshot_start", "snapshot_result_to_restore_start",
-                              "last_result_to_grant")},
-        "switches": sw,
-        "errors": a["errors"] + b["errors"] + [f"A held device bytes after {len(bad_free)} suspends"] * bool(bad_free)
-        + [f"handler calls: A {len(a['calls'])}, B {len(b['calls'])}; expected {2 * n} and {2 * n - 1}"]
-        * (len(a["calls"]) != 2 * n or len(b["calls"]) != 2 * n - 1),
-        "host_prepared_bytes": a["prepared"],
-    }
-    for k in ("offload", "restore"):
-        r[f"{k}_vs_copy"] = r[f"{k}_gbps"] / r["base_copy_gbps"]
-        r[f"{k}_vs_fresh"] = r[f"{k}_gbps"] / r["base_fresh_gbps"]
-    r["offload_first_gbps"] = gb / off[0] if off else float("nan")
-    r["restore_first_gbps"] = gb / res[0] if res else float("nan")
-    r["offload_best_gbps"] = gb / min(off) if off else float("nan")
-    r["restore_best_gbps"] = gb / min(res) if res else float("nan")
-    r["base_fresh_first_gbps"] = gb / base["fresh"][0]
-    return r
 
 
 def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str) -> dict[str, Any]:

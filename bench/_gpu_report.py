@@ -1,0 +1,95 @@
+"""What ``bench/gpu_check.py`` measured (``Report``, written as JSON) and how it reads (``format_report``),
+apart from the check itself so that ``bench/_report.py`` can render a stored run without loading it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["GB", "GOAL", "Report", "format_report"]
+
+GB = 1_000_000_000
+GOAL = 0.8  # torch offload vs the same-run pinned copy, each way (issue 7)
+
+
+@dataclass
+class Report:
+    """Everything measured; ``errors`` lists failed checks, ``skipped`` what could not run and why."""
+
+    date: str = ""
+    command: str = ""
+    plan: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, Any] = field(default_factory=dict)
+    baseline: dict[str, Any] = field(default_factory=dict)
+    offload: list[dict[str, Any]] = field(default_factory=list)
+    duplex: dict[str, Any] = field(default_factory=dict)
+    cuda: dict[str, Any] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def goals(self) -> list[tuple[str, float, bool]]:
+        """(what, ratio, met) for torch offload vs the pinned copy baseline, each way and size."""
+        out = []
+        for r in self.offload:
+            for k, base in (("offload", "d2h_gbps"), ("restore", "h2d_gbps")):
+                if r.get(f"{k}_gbps") and self.baseline.get(base):
+                    ratio = r[f"{k}_gbps"] / self.baseline[base]
+                    out.append((f"{k} {r['bytes'] / GB:g} GB", ratio, ratio >= GOAL))
+        return out
+
+    def ok(self) -> bool:
+        return not self.errors and not self.skipped and all(met for _, _, met in self.goals())
+
+
+def _fmt_gbps(x: float | None) -> str:
+    return f"{x:6.2f} GB/s" if x else "   n/a"
+
+
+def format_report(rep: Report) -> list[str]:
+    """The human-readable lines of a report (printed at the end; sections also print as they finish)."""
+    lines = [f"gpu_check {rep.date}; plan {rep.plan}"]
+    e = rep.env
+    if e:
+        lines.append(f"  device {e.get('device')}, driver {e.get('driver')}, torch {e.get('torch')}, "
+                     f"cuda-python {e.get('cuda_python')}, nvml {e.get('nvml')}, nats-server {e.get('nats_server')}")
+    b = rep.baseline
+    if b:
+        lines.append(f"baseline (plain torch copies, pinned host buffer, {b['bytes'] / GB:g} GB, median of "
+                     f"{b['reps']}): device->host {_fmt_gbps(b['d2h_gbps'])}, host->device {_fmt_gbps(b['h2d_gbps'])},"
+                     f" both at once {_fmt_gbps(b.get('duplex_gbps'))} total")
+    for r in rep.offload:
+        lines.append(f"offload {r['bytes'] / GB:g} GB through the stack ({r['cycles']} cycles, medians): "
+                     f"snapshot {_fmt_gbps(r.get('offload_gbps'))}, restore {_fmt_gbps(r.get('restore_gbps'))}; "
+                     f"bit-exact {r.get('bit_exact')}, same tensors {r.get('same_tensors')}")
+        lines.append(f"  device memory of job A: torch allocated {r.get('torch_before', 0) / GB:.2f} -> "
+                     f"{r.get('torch_suspended', 0) / GB:.2f} -> {r.get('torch_resumed', 0) / GB:.2f} GB; NVML "
+                     f"{_gb(r.get('nvml_before'))} -> {_gb(r.get('nvml_suspended'))} -> {_gb(r.get('nvml_resumed'))}"
+                     f" GB; A's release -> A's next grant (two switches) {r.get('round_trip_ms', float('nan')):.0f} ms")
+    d = rep.duplex
+    if d:
+        lines.append(f"duplex swap, 2 x {d['bytes'] / GB:g} GB on one GPU: sequential {d['sequential_s'] * 1e3:.0f} ms,"
+                     f" overlapped {d['overlapped_s'] * 1e3:.0f} ms ({d['speedup']:.2f}x; chosen automatically: "
+                     f"{d['auto_overlap']}); bit-exact {d['bit_exact']}")
+    c = rep.cuda
+    if c:
+        if c.get("refused"):
+            lines.append(f"cuda backend: REFUSED: {c['refused']}")
+        else:
+            lines.append(f"cuda backend on a process holding {c['bytes'] / GB:g} GB: snapshot {c['snapshot_s']:.2f} s "
+                         f"(freed {_gb(c.get('device_bytes_freed'))} GB by NVML), restore {c['restore_s']:.2f} s; "
+                         f"NVML {_gb(c.get('nvml_before'))} -> {_gb(c.get('nvml_checkpointed'))} -> "
+                         f"{_gb(c.get('nvml_restored'))} GB; data intact {c.get('intact')}")
+    for what, ratio, met in rep.goals():
+        lines.append(f"goal {what}: {ratio:.0%} of the pinned copy, {'met' if met else 'NOT met'} (>= {GOAL:.0%})")
+    for s in rep.skipped:
+        lines.append(f"skipped: {s}")
+    for err in rep.errors:
+        lines.append(f"ERROR: {err}")
+    verdict = "NOT RUN" if rep.skipped else ("PASS" if rep.ok() else "FAIL")
+    lines.append(f"{verdict}; wall time {rep.wall_s:.0f} s")
+    return lines
+
+
+def _gb(x: float | None) -> str:
+    return f"{x / GB:.2f}" if x is not None else "n/a"
