@@ -62,12 +62,12 @@ class StreamBuilder:
                  Phase(group=self.group, job=job, name=name, edge="start" if edge == "start" else "end"))
 
     def op(self, start: int, end: int, node: str, job: str, kind: str, epoch: int, *, ok: bool = True,
-           nbytes: int = 0, error: str | None = None) -> None:
+           nbytes: int = 0, error: str | None = None, overlapped: bool = False) -> None:
         """The agent's OpStarted at ``start`` and its OpResult at ``end`` (elapsed = end - start)."""
         oid = op_id(self.group, epoch, kind, node)
         k = OpKind(kind)
         self.add(start, subjects.agent_op(node), OpStarted(op_id=oid, group=self.group, job=job, node=node, kind=k,
-                                                          epoch=epoch, backend="app_channel"))
+                                                          epoch=epoch, backend="app_channel", overlapped=overlapped))
         self.add(end, subjects.agent_event(node, self.group),
                  OpResult(group=self.group, op_id=oid, node=node, job=job, kind=k, epoch=epoch, ok=ok, error=error,
                           backend="app_channel", bytes_moved=nbytes, device_bytes_freed=nbytes,
@@ -81,9 +81,11 @@ class Expected:
 
 
 def alternating(rounds: int, *, group: str = "g", node: str = "n1", t0: int = 1_000_000,
-                nbytes: int = 256 * MB) -> tuple[list[StreamEvent], Expected]:
+                nbytes: int = 256 * MB, overlap: bool = False) -> tuple[list[StreamEvent], Expected]:
     """Jobs a and b on one node take turns ``rounds`` times: the holder trains while the other queues, then
-    releases; the core snapshots the holder and restores the other. Returns the stream and the holds."""
+    releases; the core snapshots the holder and restores the other. Returns the stream and the holds.
+    ``overlap``: from the second switch on, the restore runs beside the snapshot (10-60 ms into the switch,
+    the snapshot 5-85 ms), as an agent with room on the node does."""
     b = StreamBuilder(group)
     t = t0
     b.register(t, "a", node)
@@ -104,9 +106,12 @@ def alternating(rounds: int, *, group: str = "g", node: str = "n1", t0: int = 1_
         b.phase(t + 1, holder, "reward", "start")
         epoch += 1
         b.op(t + 5, t + 85, node, holder, "snapshot", epoch, nbytes=nbytes)
-        b.op(t + 88, t + 148, node, other, "restore", epoch, nbytes=nbytes if r else 0)
+        if overlap and r:
+            b.op(t + 10, t + 60, node, other, "restore", epoch, nbytes=nbytes, overlapped=True)
+        else:
+            b.op(t + 88, t + 148, node, other, "restore", epoch, nbytes=nbytes if r else 0)
         b.phase(t + 400, holder, "reward", "end")
-        t += 148
+        t += 85 if overlap and r else 148
         holder, other, rid, start = other, holder, f"{other}-{r}", t
     t += 300
     b.release(t, holder, rid, epoch)

@@ -63,6 +63,26 @@ def test_alternating_holds_waits_switches_and_lanes() -> None:
         ("train", 1104, 1903), ("reward", 1914, 2313)]
 
 
+def test_a_restore_beside_the_snapshot_moves_its_lane_when_it_starts() -> None:
+    """The agent overlapped b's restore with a's snapshot (``OpStarted.overlapped``): the stream passes the
+    checker, the switch restores from the restore's start, and b's lane moves then, not after a's snapshot."""
+    events, exp = alternating(3, t0=T0, overlap=True)
+    r = fold_events(events)
+    assert r.violations == []
+    g = r.groups["g"]
+    assert [(h.job, h.epoch, h.start_ms, h.end_ms) for h in g.holds] == exp.holds
+    # switch 3 (b -> a) starts at b's release (1913); a's restore runs 1923-1973 beside b's snapshot 1918-1998
+    s3 = next(s for s in g.switches if s.epoch == 3)
+    assert (s3.start_ms - T0, s3.restore_from_ms and s3.restore_from_ms - T0, s3.end_ms and s3.end_ms - T0) == (
+        1913, 1923, 1998)
+    lane_a = r.nodes[("n1", "a")]
+    states = [(s.state, s.start_ms - T0, s.end_ms - T0 if s.end_ms else None) for s in lane_a.states]
+    # a's context is back (RUNNING on the node) at 1973; the grant waits for b's snapshot (1998)
+    assert states[4:7] == [("SAVED", 1040, 1923), ("TRANSITIONING", 1923, 1973), ("RUNNING", 1973, 2808)]
+    assert next(h for h in g.holds if h.epoch == 3).start_ms - T0 == 1998
+    assert [h.ms for h in g.handoffs] == [148, 85, 85]
+
+
 def test_alternating_summary_maths() -> None:
     events, exp = alternating(3, t0=T0)
     s = fold_events(events).summary

@@ -11,7 +11,7 @@ orchestrator. The agent's own facts (``OpStarted``; ``OpResult``'s bytes and tim
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 import msgspec
@@ -93,12 +93,14 @@ def _waiting(rec: GroupRecord | None) -> dict[str, int]:
     return out
 
 
-def _lane_states(rec: GroupRecord) -> dict[tuple[str, str], str]:
+def _lane_states(rec: GroupRecord, early: Set[str] = frozenset()) -> dict[tuple[str, str], str]:
     """(node, job) -> the context's state as the record tells it. A restore issued with the snapshots counts
-    as moving only once no snapshot is pending on its node (the agent runs it after them)."""
+    as moving only once no snapshot is pending on its node (the agent runs it after them), unless its
+    ``OpStarted`` said it overlapped them (its op id in ``early``)."""
     ops = rec.switch.ops if rec.switch is not None else ()
     snapshotting = {op.node for op in ops if op.kind is OpKind.SNAPSHOT}
-    pending = {(op.node, op.job) for op in ops if op.kind is OpKind.SNAPSHOT or op.node not in snapshotting}
+    pending = {(op.node, op.job) for op in ops
+               if op.kind is OpKind.SNAPSHOT or op.node not in snapshotting or op.op_id in early}
     out: dict[tuple[str, str], str] = {}
     for job, nodes in rec.placements.items():
         for node in nodes:
@@ -128,6 +130,7 @@ class _Folder:
         self.ops: dict[str, OpBar] = {}
         self.phases: dict[str, list[PhaseSpan]] = {}
         self.open_phases: dict[tuple[str, str, str], PhaseSpan] = {}
+        self.early: set[str] = set()  # op ids of restores that started beside their snapshots (overlapped)
         self.violations: list[str] = []
         self.first_ts: int | None = None
         self.last_ts: int | None = None
@@ -304,7 +307,7 @@ class _Folder:
                 cur.snapshotted.append(op.job)
 
     def _observe_lanes(self, w: _GroupWatch, ts: int, after: GroupRecord) -> None:
-        states = _lane_states(after)
+        states = _lane_states(after, self.early)
         for key in w.lanes - states.keys():
             lane = self.lanes[key]
             lane.states[-1].end_ms = ts  # unregistered, or its agent was lost
@@ -335,6 +338,15 @@ class _Folder:
             if bar.end_ms is None:
                 bar.start_ms = e.ts_ms
         bar.backend = ev.backend
+        if ev.overlapped and ev.kind is OpKind.RESTORE and ev.op_id not in self.early:
+            # It started beside the snapshots: its lane moves and its switch restores from now on.
+            self.early.add(ev.op_id)
+            rec = self.checker.records.get(ev.group)
+            w = self.groups.get(ev.group)
+            if rec is not None and w is not None:
+                if w.switch is not None and w.switch.epoch == ev.epoch and w.switch.restore_from_ms is None:
+                    w.switch.restore_from_ms = e.ts_ms
+                self._observe_lanes(w, e.ts_ms, rec)
 
     def _op_result(self, ts: int, ev: OpResult) -> None:
         bar = self.ops.get(ev.op_id)
