@@ -10,7 +10,8 @@ orchestrator applies stream events. Its actions drive the simulated world:
 * a ``Snapshot``/``Restore`` command reaches the simulated agent one pass later; it takes the switch
   profile's time (nothing for a job that never ran, or whose context is already there, as the real
   agent does) and its ``OpResult`` enters the stream one pass after that; a restore starts once the
-  snapshots it follows (``Restore.after``) are done, as on the real agent;
+  snapshots it follows (``Restore.after``) are done, as on a real agent whose node has no room for both
+  contexts (a full GPU; with room, the real agent runs them side by side, which this model leaves out);
 * ``Tick`` events are scheduled at the record's next deadline, as the orchestrator's timer does.
 
 Leases, waiter windows and confirmation windows are 10 minutes, longer than any phase here, so no
