@@ -397,10 +397,11 @@ def main() -> None:
         return
     if a.quick:
         a.n = min(a.n, 300)
+    machine = _common.machine_facts()  # when the run starts: its time and load are those of the start
     res = run(a.n, a.gap_ms)
     if a.json_out:
         _common.write_json(a.json_out, {"bench": "handoff", "command": _common.command_line(),
-                                        "machine": _common.machine_facts(), **res})
+                                        "machine": machine, **res})
     if a.json:
         print(json.dumps(res))
         return

@@ -502,10 +502,11 @@ def main() -> None:
         import torch
 
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    machine = _common.machine_facts()  # when the run starts: its time and load are those of the start
     res = run(sizes, a.cycles, a.hold_ms, a.baseline_reps, a.device)
     if a.json_out:
         _common.write_json(a.json_out, {"bench": "offload", "command": _common.command_line(),
-                                        "machine": _common.machine_facts(), **res})
+                                        "machine": machine, **res})
     if a.json:
         print(json.dumps(res))
     else:
