@@ -95,7 +95,7 @@ async def _up(args: argparse.Namespace) -> int:
     agent: asyncio.subprocess.Process | None = None
     try:
         orch = Orchestrator(OrchestratorConfig(nats_url=url), metrics=OrchestratorMetrics(_metrics_registry()))
-        shim = grpc_shim.from_args(args, url, host=args.host)
+        shim = grpc_shim.from_args(args, url, host=args.host) if _grpc_wanted(args) else None
         _install_stop(orch.shutdown)
         async with serve_metrics(orch.metrics.registry, args.metrics_port, args.host) as metrics, \
                 asyncio.TaskGroup() as tg:

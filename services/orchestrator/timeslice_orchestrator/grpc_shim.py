@@ -493,13 +493,10 @@ def _group_status(rec: GroupRecord) -> pb.GroupStatus:
 # ---------------------------------------------------------------------- CLI wiring
 
 
-def from_args(args: argparse.Namespace, nats_url: str | None, *, host: str = "0.0.0.0") -> OrchestratorGrpcShim | None:
-    """The shim the flags ask for, or None (gRPC off)."""
-    port = getattr(args, "grpc_port", None)
-    if port is None or port < 0:
-        return None
-    cfg = GrpcConfig(port=port, host=args.grpc_host or host, tls_cert=args.grpc_tls_cert, tls_key=args.grpc_tls_key,
-                     tls_client_ca=args.grpc_tls_client_ca)
+def from_args(args: argparse.Namespace, nats_url: str | None, *, host: str = "0.0.0.0") -> OrchestratorGrpcShim:
+    """The shim the flags ask for (the CLI calls it only when they turn gRPC on: ``cli._grpc_wanted``)."""
+    cfg = GrpcConfig(port=args.grpc_port, host=args.grpc_host or host, tls_cert=args.grpc_tls_cert,
+                     tls_key=args.grpc_tls_key, tls_client_ca=args.grpc_tls_client_ca)
     return OrchestratorGrpcShim(cfg, nats_url=nats_url)
 
 
