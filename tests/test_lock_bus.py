@@ -12,8 +12,9 @@ from timeslice_client import (
     InvalidId,
     NotHolder,
     StaleEpoch,
+    Unavailable,
 )
-from timeslice_client.bus import connect
+from timeslice_client.bus import connect, kv_keys
 from timeslice_client.protocol import Refused, Release, decode_notice, encode, subjects
 from timeslice_orchestrator.service import Orchestrator
 
@@ -204,5 +205,25 @@ async def test_phase_events_reach_the_stream(nats_url: str) -> None:
         second = (await sub.next_msg(timeout=5)).data
         assert b'"edge":"start"' in first and b'"name":"train"' in first
         assert b'"edge":"end"' in second
+    finally:
+        await nc.close()
+
+
+async def test_kv_keys_lists_every_key_every_time(nats_url: str) -> None:
+    """``bus.kv_keys`` (used instead of nats-py's ``KeyValue.keys()``, which can return a short list when its
+    watcher announces the end too early): every key, every time; deleted keys listed (their marker stays);
+    ``under`` keeps one dotted prefix; a missing bucket is ``Unavailable``."""
+    nc = await connect(nats_url)
+    try:
+        kv = await nc.jetstream().create_key_value(bucket="kvkeys", history=1)
+        for key in ("n1.a", "n1.b", "n2.c"):
+            await kv.put(key, b"{}")
+        await kv.delete("n1.b")
+        for _ in range(300):
+            assert await kv_keys(nc, "kvkeys") == ["n1.a", "n1.b", "n2.c"]
+        assert await kv_keys(nc, "kvkeys", under="n1") == ["n1.a", "n1.b"]
+        assert await kv_keys(nc, "kvkeys", under="n3") == []
+        with pytest.raises(Unavailable, match=r"'nope'.*stream not found"):
+            await kv_keys(nc, "nope")
     finally:
         await nc.close()

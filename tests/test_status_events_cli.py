@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from timeslice_agent import Agent, AgentConfig
 from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
-from timeslice_client.bus import connect
+from timeslice_client.bus import connect, kv_keys
 from timeslice_client.protocol import GROUPS_BUCKET, JOBS_BUCKET, GroupRecord, encode
 from timeslice_orchestrator._events_cmd import parse_since
 
@@ -47,7 +47,7 @@ async def _kv_state(nats_url: str, group: str) -> tuple[Any, list[Any]]:
         js = nc.jetstream()
         rec = json.loads((await (await js.key_value(GROUPS_BUCKET)).get(group)).value or b"null")
         jobs_kv = await js.key_value(JOBS_BUCKET)
-        jobs = [json.loads((await jobs_kv.get(k)).value or b"null") for k in sorted(await jobs_kv.keys())]
+        jobs = [json.loads((await jobs_kv.get(k)).value or b"null") for k in await kv_keys(nc, JOBS_BUCKET)]
         return rec, sorted((j for j in jobs if j["group"] == group), key=lambda j: (j["job"], j["node"]))
     finally:
         await nc.close()

@@ -20,11 +20,10 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import NoKeysError
 from nats.js.kv import KeyValue
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
-from .bus import connect, default_nats_url
+from .bus import connect, default_nats_url, kv_keys
 from .errors import (
     AcquireCancelled,
     AcquireTimeout,
@@ -358,11 +357,9 @@ class AsyncTimeSliceClient:
         return decode_record(entry.value) if entry.value else GroupRecord(group=group)
 
     async def list_groups(self) -> list[str]:
-        kv = await self._groups_kv()
-        try:
-            return sorted(await kv.keys())
-        except NoKeysError:
-            return []
+        await self._groups_kv()  # Unavailable, with what to do, when the bucket is missing
+        assert self._nc is not None
+        return await kv_keys(self._nc, GROUPS_BUCKET, timeout=self.request_timeout)  # not kv.keys(): it can miss keys
 
     async def _groups_kv(self) -> KeyValue:
         await self.connect()

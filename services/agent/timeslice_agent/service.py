@@ -28,9 +28,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
-from timeslice_client.bus import connect, ensure_bus
+from timeslice_client.bus import connect, ensure_bus, kv_keys
 from timeslice_client.protocol import (
     JOBS_BUCKET,
     STREAM,
@@ -193,18 +193,16 @@ class Agent:
 
     async def _recover(self) -> None:
         """Read this node's job states back; an operation cut short by a restart leaves the job FAULTED."""
-        kv = self._jobs_kv
-        assert kv is not None
-        try:
-            keys = [k for k in await kv.keys() if k.startswith(f"{self.node}.")]
-        except Exception:  # NoKeysError on an empty bucket
-            keys = []
-        for key in keys:
-            with contextlib.suppress(Exception):
+        kv, nc = self._jobs_kv, self._nc
+        assert kv is not None and nc is not None
+        for key in await kv_keys(nc, JOBS_BUCKET, under=self.node):  # not kv.keys(): it can miss keys
+            try:
                 entry = await kv.get(key)
-                if entry.value:
-                    ctx = _ctx_decoder.decode(entry.value)
-                    self._jobs[ctx.job] = ctx
+            except KeyNotFoundError:  # unregistered (deleted) since
+                continue
+            if entry.value:
+                ctx = _ctx_decoder.decode(entry.value)
+                self._jobs[ctx.job] = ctx
         for ctx in list(self._jobs.values()):
             if ctx.pids and not any(alive(p) for p in ctx.pids):
                 await self._unregister(ctx, "its processes are gone")

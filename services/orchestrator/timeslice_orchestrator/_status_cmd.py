@@ -22,8 +22,9 @@ from typing import Any, TextIO
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.errors import NoKeysError
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
+from timeslice_client.bus import kv_keys
 from timeslice_client.errors import Unavailable
 from timeslice_client.protocol import GROUPS_BUCKET, JOBS_BUCKET, GroupRecord, JobContext, OpKind, decode_record
 
@@ -59,20 +60,16 @@ async def _bucket(nc: NATS, name: str) -> KeyValue:
         raise Unavailable(f"the `{name}` bucket is missing (start the orchestrator first: `timeslice up`)") from exc
 
 
-async def _entries(kv: KeyValue, only: str | None = None) -> list[tuple[str, bytes]]:
-    if only is not None:
-        keys = [only]
-    else:
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return []
+async def _entries(nc: NATS, kv: KeyValue, bucket: str, only: str | None = None) -> list[tuple[str, bytes]]:
+    keys = [only] if only is not None else await kv_keys(nc, bucket)  # not kv.keys(): it can miss keys
     out = []
     for k in keys:
-        with contextlib.suppress(Exception):  # deleted between keys() and get(): not there any more
+        try:
             entry = await kv.get(k)
-            if entry.value:
-                out.append((k, bytes(entry.value)))
+        except KeyNotFoundError:  # never written, or deleted (a job unregistered): not there
+            continue
+        if entry.value:
+            out.append((k, bytes(entry.value)))
     return out
 
 
@@ -80,9 +77,9 @@ async def read_view(nc: NATS, group: str | None = None) -> View:
     """One consistent-enough reading of both buckets (each key is read once, in no particular order)."""
     groups_kv, jobs_kv = await _bucket(nc, GROUPS_BUCKET), await _bucket(nc, JOBS_BUCKET)
     view = View()
-    for key, value in await _entries(groups_kv, group):
+    for key, value in await _entries(nc, groups_kv, GROUPS_BUCKET, group):
         view.groups[key] = decode_record(value)
-    for key, value in await _entries(jobs_kv):
+    for key, value in await _entries(nc, jobs_kv, JOBS_BUCKET):
         view.jobs[key] = _ctx_decoder.decode(value)
     return view
 

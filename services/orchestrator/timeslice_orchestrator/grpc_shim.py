@@ -54,7 +54,6 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from nats.aio.client import Client as NATS
-from nats.js.errors import NoKeysError
 from nats.js.kv import KeyValue
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -62,7 +61,7 @@ from timeslice_client import AsyncTimeSliceClient, Grant
 from timeslice_client._grpc import accelerator_orchestrator_pb2 as legacy_pb2
 from timeslice_client._grpc import timeslice_orchestrator_pb2 as pb
 from timeslice_client._grpc.runtime import SERVER_OPTIONS, Handler, bind, live_peers, normalize_peer, server_credentials
-from timeslice_client.bus import connect
+from timeslice_client.bus import connect, kv_keys
 from timeslice_client.errors import (
     AcquireCancelled,
     AcquireTimeout,
@@ -314,12 +313,9 @@ class OrchestratorGrpcShim:
     async def _list_groups(self, req: pb.ListGroupsRequest, ctx: Ctx) -> pb.ListGroupsResponse:
         try:
             await self._bus_up(ctx)
-            kv = await self._kv(GROUPS_BUCKET)
-            try:
-                keys = await kv.keys()
-            except NoKeysError:
-                keys = []
-            return pb.ListGroupsResponse(group_ids=sorted(keys))
+            assert self._nc is not None
+            keys = await kv_keys(self._nc, GROUPS_BUCKET, timeout=self.config.request_timeout_s)  # not kv.keys()
+            return pb.ListGroupsResponse(group_ids=keys)
         except TimeSliceError as exc:
             await self._abort(ctx, exc)
 
