@@ -107,3 +107,26 @@ def test_free_device_bytes_on_this_host() -> None:
     free = free_device_bytes()
     assert free is not None and total > 0
     assert abs(free - available) < GiB  # read a moment apart
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_free_memory_is_read_inline_unless_the_reading_blocks(blocks: bool) -> None:
+    """Host memory (``/proc/meminfo``) is read on the agent's loop: a thread hop would cost more than the read,
+    on the switch's critical path. NVML, a blocking call, is read in a thread."""
+    import threading
+
+    readers: list[int] = []
+
+    def free() -> int:
+        readers.append(threading.get_ident())
+        return 100 * GiB
+
+    async def go() -> None:
+        ops = RunningOps()
+        ops.start(SNAP)
+        order = RestoreOrder(ops, free_bytes=free, free_bytes_blocks=lambda: blocks)
+        async with order.turn(_restore(), _ctx(), []) as turn:
+            assert turn.overlapped
+
+    asyncio.run(go())
+    assert len(readers) == 1 and (readers[0] != threading.get_ident()) is blocks

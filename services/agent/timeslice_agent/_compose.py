@@ -6,7 +6,6 @@ while the job's processes are watched, so one whose job exited ends at once inst
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -54,19 +53,37 @@ async def perform(backends: Sequence[Backend], ctx: JobContext, op: OpContext, k
 
 async def until_exited(work: Coroutine[Any, Any, T], pids: Sequence[int], check_s: float) -> T | None:
     """``work``'s result; or ``None`` as soon as every one of ``pids`` has exited (checked every ``check_s``),
-    ``work`` then cancelled. With no pids to watch, just ``work``."""
+    ``work`` then cancelled. With no pids to watch, just ``work``.
+
+    ``work`` runs in the calling task, so it starts at once: its first publish joins the socket write of the
+    caller's (a separate task would start only after the connection's flusher has written those). A timer
+    checks the pids and cancels the caller when they are gone; it is stopped before this returns."""
     if not pids:
         return await work
-    task = asyncio.get_running_loop().create_task(work)
+    loop = asyncio.get_running_loop()
+    caller = asyncio.current_task()
+    assert caller is not None
+    exited = False
+    timer: asyncio.TimerHandle | None = None
+
+    def check() -> None:
+        nonlocal exited, timer
+        if any(alive(p) for p in pids):
+            timer = loop.call_later(check_s, check)
+        else:
+            exited = True
+            caller.cancel()
+
+    timer = loop.call_later(check_s, check)
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=check_s)
-            if done:
-                return task.result()
-            if not any(alive(p) for p in pids):
-                return None
+        result = await work
+    except asyncio.CancelledError:
+        # Ours (the pids are gone) and nobody else's: end with None. Any other cancellation goes on.
+        if exited and caller.uncancel() == 0:
+            return None
+        raise
     finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        timer.cancel()
+    if exited:  # ``work`` swallowed our cancellation: take the request back
+        caller.uncancel()
+    return result

@@ -76,13 +76,22 @@ class RestoreOrder:
     """Orders a node's restores after the snapshots they follow, unless the node has room for both."""
 
     def __init__(self, running: RunningOps, *, enabled: bool = True, margin_bytes: int = 1 << 30,
-                 margin_fraction: float = 0.1, free_bytes: Callable[[], int | None] = free_device_bytes) -> None:
+                 margin_fraction: float = 0.1, free_bytes: Callable[[], int | None] = free_device_bytes,
+                 free_bytes_blocks: Callable[[], bool] = lambda: gpu_source() is not None) -> None:
         self._running = running
+        self._free_bytes_blocks = free_bytes_blocks
         self.enabled = enabled
         self.margin_bytes = margin_bytes
         self.margin_fraction = margin_fraction
         self._free_bytes = free_bytes
         self.reserved = 0  # bytes of the overlapped restores running here
+
+    async def _read_free(self) -> int | None:
+        """``free_bytes()``: in a thread where it blocks (NVML; its first use loads the library), else inline
+        (``/proc/meminfo`` is read faster than a thread hop, which would sit on the switch's critical path)."""
+        if self._free_bytes_blocks():
+            return await asyncio.to_thread(self._free_bytes)
+        return self._free_bytes()
 
     def may_overlap(self, cmd: Restore, ctx: JobContext | None, group_jobs: Iterable[JobContext],
                     free: int | None) -> int:
@@ -103,8 +112,7 @@ class RestoreOrder:
         jobs = tuple(group_jobs)
         need = 0
         if self.enabled and self._running.any_running(cmd.after):
-            # Read in a thread: NVML is a blocking call (and its first use loads the library).
-            free = await asyncio.to_thread(self._free_bytes)
+            free = await self._read_free()
             need = self.may_overlap(cmd, ctx, jobs, free)
         if need:
             self.reserved += need

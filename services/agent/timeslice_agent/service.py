@@ -291,19 +291,21 @@ class Agent:
     # ------------------------------------------------------------------ operations
 
     async def _on_command(self, msg: Msg) -> None:
-        with contextlib.suppress(Exception):
-            await msg.ack()
         try:
-            cmd = _command_decoder.decode(msg.data)
+            cmd: Snapshot | Restore | None = _command_decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("undecodable command: %s", exc, extra={"node": self.node})
-            return
-        if cmd.node != self.node or self._tg is None:
-            return
-        # Registered before the next command is read: a restore that follows this operation (Restore.after)
-        # finds it running, since commands arrive in the order the orchestrator sent them.
-        owner = self._running.start(cmd.op_id)
-        self._tg.create_task(self._run(cmd, owner))
+            cmd = None
+        if cmd is not None and cmd.node == self.node and self._tg is not None:
+            # Registered before the next command is read: a restore that follows this operation (Restore.after)
+            # finds it running, since commands arrive in the order the orchestrator sent them.
+            owner = self._running.start(cmd.op_id)
+            self._tg.create_task(self._run(cmd, owner))
+        # Acknowledged after the operation's task is scheduled: that task then runs before the connection's
+        # flusher, so its first writes (the TRANSITIONING mark, OpStarted, the request to the workload) leave in
+        # the same socket write as this acknowledgement instead of one write later.
+        with contextlib.suppress(Exception):
+            await msg.ack()
 
     async def _run(self, cmd: Snapshot | Restore, owner: bool) -> None:
         kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
