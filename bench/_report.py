@@ -126,6 +126,22 @@ def _offload(r: dict[str, Any]) -> list[str]:
         f"restore ≥ 80%: worst {_n(rst)}{X} fresh(2) — {_met(rst is not None and rst >= 0.8)}, worst {_n(rst1)}{X} "
         f"copy(1) — {_met(rst1 is not None and rst1 >= 0.8)}; switch adds ≤ 5 ms beyond the copies: worst "
         f"{_n(over, 2, ' ms')} — {_met(over is not None and over <= 5)}.", "",
+        *_switch_floor(r),
+    ]
+
+
+def _switch_floor(r: dict[str, Any]) -> list[str]:
+    f = r.get("switch_floor")
+    if not f:
+        return []
+    ratios = ", ".join(f"{_n(s.get('overhead_vs_floor'))}{X} at {s.get('gib', '?'):g} GiB" for s in r.get("sizes", []))
+    return [
+        "Switch floor, same run and server (`bench/_switch_floor.py`): the switch's bus hops with no timeslice "
+        "code in them (release through the stream → a stored command to a push consumer → core requests to both "
+        "workloads, answered at once → the result through the stream → a stored grant), four processes, "
+        f"{f.get('n', '?')} switches after a {_n(f.get('gap_ms'), 0)} ms idle gap each: p50 "
+        f"{_n(f.get('p50_ms'), 2, ' ms')}, p90 {_n(f.get('p90_ms'), 2, ' ms')}, p99 {_n(f.get('p99_ms'), 2, ' ms')}. "
+        f"Switch overhead median, as a multiple of this floor's p50: {ratios}.", "",
     ]
 
 

@@ -28,7 +28,11 @@ Starts a private nats-server, the orchestrator and the node agent, each as its o
   that advice. On CPU a restore must re-obtain the memory its offload freed (page faults + zeroing),
   which (1) never pays; an offload frees memory, which no copy pays (the time to free is printed).
   Medians throughout; the first cycle and the first fresh copy are also shown: they can be far
-  slower (cold memory, see docs/benchmarks.md).
+  slower (cold memory, see docs/benchmarks.md);
+* the switch floor, on the same server after the sizes (``bench/_switch_floor.py``): the switch's bus
+  hops (release through the stream, a stored command to a push consumer, core requests to both
+  workloads, the result through the stream, a stored grant) between four processes with no timeslice
+  code, each after the same idle gap as the hold; the switch overhead is also given as a multiple of it.
 
 With CUDA (``--device cuda``, the default when available) A's state lives on the GPU and the handler
 copies to and from a pinned host buffer; without, the "device" is CPU memory (see ``torch_offload``)
@@ -52,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import _common
+import _switch_floor
 from _offload_analysis import med as _med
 from _offload_analysis import ms as _ms
 from _offload_analysis import size_result as _size_result
@@ -330,7 +335,7 @@ def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> Non
         time.sleep(0.01)
 
 
-def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str) -> dict[str, Any]:
+def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str, floor_n: int) -> dict[str, Any]:
     import torch
     from timeslice_orchestrator.embedded import NatsServer
 
@@ -347,6 +352,7 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str)
     ]
     ops_path = tmp / "ops.jsonl"
     results = []
+    floor: dict[str, Any] | None = None
     try:
         ready = tmp / "monitor.ready"
         mon = _spawn("--role", "monitor", "--url", url, "--ready", str(ready), "--out", str(ops_path))
@@ -383,6 +389,9 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str)
                 r[f"base_fresh_{when}_gbps"] = nbytes / 1e9 / _med(b_["fresh"])
             r["loadavg_1m_after"] = os.getloadavg()[0]
             results.append(r)
+        floor = _switch_floor.measure(url, floor_n, hold_ms) if floor_n else None
+        for r in results:
+            r["overhead_vs_floor"] = r["overhead_ms"] / floor["p50_ms"] if floor else None
     finally:
         _common.stop_procs(procs)
         server.stop()
@@ -394,7 +403,7 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str)
         "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
         "cycles": cycles, "hold_ms": hold_ms, "baseline_reps": reps, "memory": _memory_setup(),
-        "sizes": results, "wall_s": time.monotonic() - started,
+        "sizes": results, "switch_floor": floor, "wall_s": time.monotonic() - started,
     }
 
 
@@ -451,6 +460,11 @@ def _print(res: dict[str, Any]) -> None:
               f"acquire returns {_ms(h['last_result_to_grant'])}")
         if r["errors"]:
             print(f"  ERRORS: {r['errors']}")
+    if (f := res.get("switch_floor")) is not None:
+        ratios = ", ".join(f"{r['gib']:g} GiB {r['overhead_vs_floor']:.2f}x" for r in res["sizes"])
+        print(f"switch floor (the switch's bus hops with no timeslice code, bench/_switch_floor.py; {f['n']} switches, "
+              f"{f['gap_ms']:g} ms gap): p50 {f['p50_ms']:.2f} ms, p90 {f['p90_ms']:.2f} ms, p99 {f['p99_ms']:.2f} ms; "
+              f"switch overhead median = {ratios} the floor p50")
     off = min(r["offload_vs_copy"] for r in res["sizes"])
     rst = min(r["restore_vs_fresh"] for r in res["sizes"])
     rst1 = min(r["restore_vs_copy"] for r in res["sizes"])
@@ -474,7 +488,11 @@ def main() -> None:
                    help="where A's state lives (default: cuda when available, else cpu, as the handler chooses)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--json-out", help="also write the figures, command and machine facts as JSON here")
-    p.add_argument("--quick", action="store_true", help="a short run (0.25 GiB, 2 cycles, 1 baseline rep)")
+    p.add_argument("--floor-switches", type=int, default=40,
+                   help="switches of the same-run switch floor (bench/_switch_floor.py), each after a --hold-ms gap; "
+                        "0: none")
+    p.add_argument("--quick", action="store_true",
+                   help="a short run (0.25 GiB, 2 cycles, 1 baseline rep, 10 floor switches)")
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--group", help=argparse.SUPPRESS)
@@ -494,16 +512,16 @@ def main() -> None:
         _loop_run(_monitor(a.url, a.ready, a.out))
         return
     if a.quick:
-        a.sizes, a.cycles, a.baseline_reps = "0.25", min(a.cycles, 2), 1
+        a.sizes, a.cycles, a.baseline_reps, a.floor_switches = "0.25", min(a.cycles, 2), 1, min(a.floor_switches, 10)
     sizes = [float(s) for s in a.sizes.split(",") if s.strip()]
-    if a.cycles < 1 or a.baseline_reps < 1 or not sizes:
-        p.error("--sizes, --cycles and --baseline-reps must be positive")
+    if a.cycles < 1 or a.baseline_reps < 1 or not sizes or a.floor_switches < 0:
+        p.error("--sizes, --cycles and --baseline-reps must be positive, --floor-switches not negative")
     if a.device is None:
         import torch
 
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     machine = _common.machine_facts()  # when the run starts: its time and load are those of the start
-    res = run(sizes, a.cycles, a.hold_ms, a.baseline_reps, a.device)
+    res = run(sizes, a.cycles, a.hold_ms, a.baseline_reps, a.device, a.floor_switches)
     if a.json_out:
         _common.write_json(a.json_out, {"bench": "offload", "command": _common.command_line(),
                                         "machine": machine, **res})

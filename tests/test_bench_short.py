@@ -123,3 +123,27 @@ def test_run_all_writes_the_document(results: tuple[Path, dict[str, str]], tmp_p
     assert "`bench/offload.py` on the GPU machine (`bench/results/offload_gpu_cuda.json`" in text
     assert "Machine: 2 cores" in text  # the GPU machine's files do not describe this machine
     assert "ratio 0.70" in text and "`timeslice demo` not run" not in text
+
+
+def test_switch_floor_times_its_hops_between_four_processes(nats_url: str) -> None:
+    """``bench/_switch_floor.py`` (the offload bench's same-run floor) passes its switches through the real
+    server: one latency per switch after the warm-up, ordered percentiles, twice on one server."""
+    for _ in range(2):  # a second measurement on the same server replaces the first one's stream
+        data = json.loads(_run("_switch_floor.py", "--url", nats_url, "--n", "12", "--gap-ms", "5", timeout=90))
+        assert data["n"] == 11 and data["gap_ms"] == 5.0
+        assert 0 < data["p50_ms"] <= data["p90_ms"] <= data["p99_ms"] < 1000
+
+
+def test_offload_report_shows_the_switch_floor(tmp_path: Path) -> None:
+    size = {"gib": 1, "offload_gbps": 10.0, "offload_vs_copy": 0.9, "restore_gbps": 8.0, "restore_vs_fresh": 0.9,
+            "restore_vs_copy": 0.7, "base_copy_gbps": 11.0, "base_fresh_gbps": 9.0, "overhead_ms": 7.5,
+            "overhead_vs_floor": 1.875}
+    offload = {"bench": "offload", "command": "python bench/offload.py --sizes 1", "machine": {"cores": 2},
+               "device": "cpu", "cycles": 5, "sizes": [size],
+               "switch_floor": {"n": 36, "gap_ms": 200.0, "p50_ms": 4.0, "p90_ms": 4.5, "p99_ms": 6.0}}
+    (tmp_path / "offload.json").write_text(json.dumps(offload))
+    doc = tmp_path / "benchmarks.md"
+    _run("run_all.py", "--no-run", "--results", str(tmp_path), "--doc", str(doc))
+    text = doc.read_text()
+    assert "Switch floor, same run and server" in text and "p50 4.00 ms" in text
+    assert "Switch overhead median, as a multiple of this floor's p50: 1.88\u00d7 at 1 GiB." in text
