@@ -68,6 +68,8 @@ async def _entries(nc: NATS, kv: KeyValue, bucket: str, only: str | None = None)
             entry = await kv.get(k)
         except KeyNotFoundError:  # never written, or deleted (a job unregistered): not there
             continue
+        except Exception as exc:  # shown as an error, never as a missing row
+            raise Unavailable(f"reading key {k!r} of bucket {bucket!r} failed ({exc.__class__.__name__})") from exc
         if entry.value:
             out.append((k, bytes(entry.value)))
     return out
