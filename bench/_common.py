@@ -194,6 +194,18 @@ def spawn(script: Path, *args: str, log_path: Path | None = None) -> subprocess.
             out.close()
 
 
+def wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float, what: str = "worker") -> None:
+    """Until a worker process writes ``path`` (its ready or done mark); an error naming ``what`` as soon as the
+    worker has exited, or once ``timeout`` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready: {path} did not appear within {timeout:g} s")
+        time.sleep(0.01)  # polling a file another process writes; bounded by the deadline
+
+
 async def wait_procs(procs: Sequence[subprocess.Popen[bytes]], timeout: float, what: str) -> None:
     """Wait for worker processes to exit; raise (naming the log) if one fails or they overrun."""
     async with asyncio.timeout(timeout):

@@ -146,26 +146,17 @@ def measure(url: str, n: int, gap_ms: float) -> dict[str, Any]:
         procs.append(p)
         return p
 
-    def wait_ready(path: Path, proc: subprocess.Popen[bytes]) -> None:
-        deadline = time.monotonic() + 60
-        while not path.exists():
-            if proc.poll() is not None:
-                raise RuntimeError(f"switch floor worker exited with {proc.returncode}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"switch floor worker not ready: {path}")
-            time.sleep(0.01)
-
     try:
         for role in ("orchestrator", "agent"):
             ready = tmp / f"{role}.ready"
-            wait_ready(ready, spawn("--role", role, "--ready", str(ready)))
+            _common.wait_file(ready, spawn("--role", role, "--ready", str(ready)), 60, f"switch floor {role}")
         outs = {}
         jobs = []
         for who in ("B", "A"):
             ready, outs[who] = tmp / f"{who}.ready", tmp / f"{who}.json"
             p = spawn("--role", "job", "--who", who, "--n", str(n), "--gap-ms", str(gap_ms), "--out",
                       str(outs[who]), "--ready", str(ready))
-            wait_ready(ready, p)
+            _common.wait_file(ready, p, 60, f"switch floor job {who}")
             jobs.append(p)
         for p in jobs:
             p.wait(timeout=60 + n * (gap_ms / 1000 + 1))

@@ -237,16 +237,6 @@ def _spawn(*args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, __file__, *args], cwd=ROOT)
 
 
-def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear")
-        time.sleep(0.01)
-
-
 def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
     from timeslice_orchestrator.embedded import NatsServer
 
@@ -264,7 +254,7 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         ready = tmp / "responder.ready"
         resp = _spawn("--role", "responder", "--url", url, "--out", str(ready))
         procs.append(resp)
-        _wait_file(ready, resp, 30)
+        _common.wait_file(ready, resp, 30)
         base_out = tmp / "baseline.json"
         req = _spawn("--role", "requester", "--url", url, "--n", str(n), "--gap", gap, "--out", str(base_out))
         req.wait()
@@ -274,7 +264,7 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         ready = tmp / "js-responder.ready"
         js_resp = _spawn("--role", "js-responder", "--url", url, "--out", str(ready))
         procs.append(js_resp)
-        _wait_file(ready, js_resp, 30)
+        _common.wait_file(ready, js_resp, 30)
         floor_out = tmp / "floor.json"
         req = _spawn("--role", "js-requester", "--url", url, "--n", str(n), "--gap", gap, "--out", str(floor_out))
         req.wait()

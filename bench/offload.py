@@ -325,16 +325,6 @@ def _spawn(*args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, __file__, *args], cwd=ROOT)
 
 
-def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear")
-        time.sleep(0.01)
-
-
 def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str, floor_n: int) -> dict[str, Any]:
     import torch
     from timeslice_orchestrator.embedded import NatsServer
@@ -357,7 +347,7 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str,
         ready = tmp / "monitor.ready"
         mon = _spawn("--role", "monitor", "--url", url, "--ready", str(ready), "--out", str(ops_path))
         procs.append(mon)
-        _wait_file(ready, mon, 30)
+        _common.wait_file(ready, mon, 30)
         for i, size in enumerate(sizes):
             nbytes = int(size * GiB) // (4 * N_TENSORS) * (4 * N_TENSORS)
             group = f"offload-{i}"
@@ -370,7 +360,7 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str,
             a = _spawn("--role", "job", "--job", f"job-a{i}", "--bytes", str(nbytes), "--leader", "--out", str(a_out),
                        "--ready", str(a_ready), *common)
             procs.append(a)
-            _wait_file(a_ready, a, 120)  # A allocated, prepared, registered and holds the group
+            _common.wait_file(a_ready, a, 120)  # A allocated, prepared, registered and holds the group
             b = _spawn("--role", "job", "--job", f"job-b{i}", "--bytes", str(B_BYTES), "--out", str(b_out),
                        "--ready", str(b_ready), *common)
             procs.append(b)

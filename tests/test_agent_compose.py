@@ -13,7 +13,7 @@ from timeslice_agent._compose import until_exited
 
 
 def _sleeper() -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    return subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])  # lives until killed
 
 
 def test_work_runs_in_the_calling_task_and_at_once() -> None:
@@ -65,8 +65,14 @@ def test_other_cancellations_go_through() -> None:
     proc = _sleeper()
 
     async def go() -> None:
-        task = asyncio.ensure_future(until_exited(asyncio.Event().wait(), [proc.pid], 0.02))
-        await asyncio.sleep(0)
+        started = asyncio.Event()
+
+        async def work() -> None:
+            started.set()
+            await asyncio.Event().wait()
+
+        task = asyncio.ensure_future(until_exited(work(), [proc.pid], 0.02))
+        await started.wait()  # cancelled inside until_exited, not before it began
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
