@@ -10,7 +10,8 @@ It measures and prints, and writes as JSON (``--out``):
    job B a little; A releases -> the agent suspends A (device -> pinned host), B runs; B releases -> A is
    restored. Per size: GB/s each way (bytes over the handler's own time, timed in A), the ratio to the
    baseline, device memory before/after from ``torch.cuda.memory_allocated`` and from NVML (A's process),
-   bit-exactness (per-chunk checksums of every tensor after the last restore) and tensor identity;
+   bit-exactness (per-chunk checksums of every tensor after the last restore) and tensor identity
+   (this section and the helpers the sections share are in ``bench/_gpu_offload.py``);
 3. ``duplex``: two handlers on the same GPU in one process swapped with ``torch_swap.swap``,
    sequentially and overlapped (outgoing device -> host beside incoming host -> device), bit-exact;
 4. ``cuda``: the ``cuda`` backend (the driver's checkpoint API through cuda-python) on a separate process
@@ -44,9 +45,7 @@ import argparse
 import asyncio
 import datetime
 import json
-import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,12 +61,19 @@ for _p in reversed([*_PATHS, str(ROOT / "bench")]):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from _gpu_report import GB, Report, format_report  # noqa: E402 - bench/ is on the path from here on
-
-NODE = "gpu-check"
-N_TENSORS = 4
-B_BYTES = 64 << 20
-CHUNK = 1 << 28  # checksum chunk (bytes)
+from _gpu_offload import (  # noqa: E402 - bench/ is on the path from here on
+    N_TENSORS,
+    NODE,
+    Stack,
+    _checksums,
+    _child_env,
+    _job,
+    _med,
+    _random_state,
+    _timed,
+    offload,
+)
+from _gpu_report import GB, Report, format_report  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -101,65 +107,6 @@ class Plan:
 def _round(nbytes: float) -> int:
     step = 4 * N_TENSORS * 4096
     return max(step, int(nbytes) // step * step)
-
-
-def _med(xs: Sequence[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
-    env["PYTHONPATH"] = os.pathsep.join([*_PATHS, *filter(None, [os.environ.get("PYTHONPATH")])])
-    return env
-
-
-# --------------------------------------------------------------------------- in-GPU helpers
-
-
-def _checksums(tensors: Sequence[Any]) -> list[int]:
-    """Per-chunk int64 sums of every tensor's bytes viewed as int32 (position-sensitive at chunk level)."""
-    import torch
-
-    out: list[int] = []
-    for t in tensors:
-        flat = t.view(torch.int32).reshape(-1)
-        out.extend(int(c.sum(dtype=torch.int64)) for c in flat.split(CHUNK // 4))
-    return out
-
-
-def _random_state(nbytes: int, pieces: int, device: str = "cuda") -> list[Any]:
-    import torch
-
-    per = nbytes // pieces // 4
-    return [torch.empty(per, dtype=torch.int32, device=device).random_(-(1 << 31), (1 << 31) - 1)
-            for _ in range(pieces)]
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _nvml_used(pid: int) -> int | None:
-    """Device bytes NVML lists for ``pid`` (0 when not listed), None without NVML."""
-    try:
-        from timeslice_agent._nvml import gpu_source
-    except ImportError:
-        return None
-    src = gpu_source()
-    if src is None:
-        return None
-    return sum(p.used_bytes for p in src.processes() if p.pid == pid)
-
-
-def _timed(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t0
 
 
 # --------------------------------------------------------------------------- 1. baseline
@@ -199,199 +146,6 @@ def _copies(nbytes: int, reps: int) -> dict[str, Any]:
     return {"bytes": nbytes, "reps": reps, "d2h_gbps": nbytes / GB / _med(t["d2h"]),
             "h2d_gbps": nbytes / GB / _med(t["h2d"]), "duplex_gbps": nbytes / GB / _med(t["duplex"]),
             "d2h_s": t["d2h"], "h2d_s": t["h2d"], "duplex_s": t["duplex"]}
-
-
-# --------------------------------------------------------------------------- 2. offload through the stack
-
-
-class _TimedHandler:
-    """The torch handler, each call timed, with device memory (torch and NVML) after it."""
-
-    def __init__(self, inner: Any, device: str) -> None:
-        self.inner = inner
-        self.device = device
-        self.calls: list[dict[str, Any]] = []
-
-    def allocated(self) -> int:
-        """torch's allocated device bytes (CPU stand-in: the bytes the handler's tensors hold)."""
-        import torch
-
-        return int(torch.cuda.memory_allocated()) if self.device == "cuda" else self.inner.device_bytes()
-
-    def _call(self, kind: str, mode: Any, tags: frozenset[str]) -> Any:
-        fn = self.inner.suspend if kind == "suspend" else self.inner.resume
-        t0 = time.perf_counter()
-        r = fn(mode, tags)
-        dt = time.perf_counter() - t0
-        self.calls.append({"kind": kind, "s": dt, "bytes": r.bytes_moved,
-                           "torch_allocated": self.allocated(), "nvml": _nvml_used(os.getpid())})
-        return r
-
-    def suspend(self, mode: Any, tags: frozenset[str]) -> Any:
-        return self._call("suspend", mode, tags)
-
-    def resume(self, mode: Any, tags: frozenset[str]) -> Any:
-        return self._call("resume", mode, tags)
-
-
-async def _wait_waiter(c: Any) -> None:
-    async with asyncio.timeout(120):
-        while not any(w.job != c.job_id for w in (await c.status()).queue):
-            await asyncio.sleep(0.005)
-
-
-async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, leader: bool, out: Path,
-               ready: Path, done: Path, device: str) -> None:
-    """Job A (``leader``: the big state) or job B. A writes ``done`` when it holds the group for the last time."""
-    from timeslice_client import AsyncTimeSliceClient
-    from timeslice_client.torch_offload import TorchOffloadHandler
-
-    tensors = _random_state(nbytes, N_TENSORS if leader else 1, device)
-    sums = _checksums(tensors) if leader else []
-    ids = [id(t) for t in tensors]
-    handler = _TimedHandler(TorchOffloadHandler(tensors={"state": tensors}, device=device), device)
-    handler.inner.prepare()
-    _sync(device)
-    result: dict[str, Any] = {"torch_before": handler.allocated(), "nvml_before": _nvml_used(os.getpid())}
-    switches: list[dict[str, Any]] = []
-    async with AsyncTimeSliceClient(job, group, url, lease_seconds=120, acquire_timeout=300) as c:
-        await c.register_workload(handler, node_id=NODE, op_timeout=300)
-        if leader:
-            await c.acquire(timeout=120)
-        ready.write_text("ok")
-        for _ in range(cycles):
-            if not leader:
-                await c.acquire(timeout=300)
-            await _wait_waiter(c)
-            t0 = time.perf_counter()
-            await c.release()
-            if leader:
-                g = await c.acquire(timeout=300)
-                switches.append({"ba_s": time.perf_counter() - t0, "restored": g.context_restored})
-        if leader:
-            done.write_text("ok")
-            _sync(device)
-            result["bit_exact"] = _checksums(tensors) == sums
-            result["same_tensors"] = [id(t) for t in tensors] == ids
-            await c.release()
-        else:
-            async with asyncio.timeout(300):
-                while not done.exists():
-                    await asyncio.sleep(0.01)
-    result.update(calls=handler.calls, switches=switches)
-    out.write_text(json.dumps(result))
-
-
-class Stack:
-    """nats-server (embedded), orchestrator and agent processes."""
-
-    def __init__(self, tmp: Path) -> None:
-        from timeslice_orchestrator.embedded import NatsServer
-
-        self.server = NatsServer(tmp / "nats")
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.tmp = tmp
-
-    def start(self) -> str:
-        url = self.server.start()
-        env = _child_env()
-        self.procs += [
-            subprocess.Popen([sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url],
-                             env=env, cwd=ROOT),
-            subprocess.Popen([sys.executable, "-m", "timeslice_agent", "--node-id", NODE, "--nats-url", url],
-                             env=env, cwd=ROOT),
-        ]
-        self.url = url
-        return url
-
-    def check(self) -> None:
-        """Raise when the orchestrator or the agent has exited (a job would otherwise wait out its timeout)."""
-        for name, p in zip(("orchestrator", "agent"), self.procs[:2], strict=True):
-            if p.poll() is not None:
-                raise RuntimeError(f"the {name} process exited with {p.returncode} (its traceback is above)")
-
-    def spawn(self, *args: str) -> subprocess.Popen[bytes]:
-        p = subprocess.Popen([sys.executable, __file__, *args], env=_child_env(), cwd=ROOT)
-        self.procs.append(p)
-        return p
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        self.server.stop()
-
-
-def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float, stack: Stack) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        stack.check()
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker {proc.args!r} exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path.name} did not appear within {timeout:.0f} s")
-        time.sleep(0.02)
-
-
-def _wait_jobs(procs: Sequence[subprocess.Popen[bytes]], timeout: float, stack: Stack) -> None:
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
-        stack.check()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the job processes did not finish within {timeout:.0f} s")
-        time.sleep(0.05)
-    for p in procs:
-        if p.returncode:
-            raise RuntimeError(f"job process exited with {p.returncode}")
-
-
-def offload(stack: Stack, nbytes: int, cycles: int, index: int, device: str = "cuda") -> dict[str, Any]:
-    tmp = stack.tmp
-    group = f"gpu-check-{index}"
-    files = {k: tmp / f"{index}-{k}" for k in ("a.json", "b.json", "a.ready", "b.ready", "a.done")}
-    common = ["--url", stack.url, "--group", group, "--cycles", str(cycles), "--done", str(files["a.done"]),
-              "--device", device]
-    a = stack.spawn("--role", "job", "--job", f"a{index}", "--bytes", str(nbytes), "--leader",
-                    "--out", str(files["a.json"]), "--ready", str(files["a.ready"]), *common)
-    _wait_file(files["a.ready"], a, 300, stack)
-    b = stack.spawn("--role", "job", "--job", f"b{index}", "--bytes", str(min(B_BYTES, nbytes)),
-                    "--out", str(files["b.json"]),
-                    "--ready", str(files["b.ready"]), *common)
-    _wait_jobs((a, b), 600, stack)
-    ra = json.loads(files["a.json"].read_text())
-    sus = [c for c in ra["calls"] if c["kind"] == "suspend"]
-    res = [c for c in ra["calls"] if c["kind"] == "resume"]
-    r: dict[str, Any] = {
-        "bytes": nbytes, "cycles": cycles,
-        "offload_gbps": nbytes / GB / _med([c["s"] for c in sus]) if sus else None,
-        "restore_gbps": nbytes / GB / _med([c["s"] for c in res]) if res else None,
-        "offload_s": [c["s"] for c in sus], "restore_s": [c["s"] for c in res],
-        "torch_before": ra["torch_before"], "nvml_before": ra["nvml_before"],
-        "torch_suspended": sus[-1]["torch_allocated"] if sus else None,
-        "nvml_suspended": sus[-1]["nvml"] if sus else None,
-        "torch_resumed": res[-1]["torch_allocated"] if res else None,
-        "nvml_resumed": res[-1]["nvml"] if res else None,
-        "bit_exact": ra.get("bit_exact"), "same_tensors": ra.get("same_tensors"),
-        "round_trip_ms": _med([s["ba_s"] for s in ra["switches"]]) * 1e3,
-    }
-    errors = []
-    if not r["bit_exact"]:
-        errors.append(f"offload {nbytes / GB:g} GB: restored bytes differ")
-    if not r["same_tensors"]:
-        errors.append(f"offload {nbytes / GB:g} GB: tensor objects changed")
-    if r["torch_suspended"] is not None and r["torch_suspended"] > ra["torch_before"] - nbytes * 0.99:
-        errors.append(f"offload {nbytes / GB:g} GB: torch still holds {r['torch_suspended']} bytes after suspend")
-    if not r["nvml_before"]:
-        r["nvml_note"] = "NVML does not list job A's process (no NVML, or another PID namespace)"
-    elif r["nvml_suspended"] is not None and r["nvml_before"] - r["nvml_suspended"] < nbytes * 0.9:
-        errors.append(f"offload {nbytes / GB:g} GB: NVML saw only {r['nvml_before'] - r['nvml_suspended']} bytes freed")
-    r["errors"] = errors
-    return r
 
 
 # --------------------------------------------------------------------------- 3. duplex swap
