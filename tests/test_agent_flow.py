@@ -170,13 +170,19 @@ async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node_unless_th
                 await eventually(lambda: "b:resume" in log, what="b's resume beside a's suspend")
             else:
                 await asyncio.sleep(0.5)  # a sampling window: an agent that ignored `after` would resume b now
-            assert log == ["b:suspend", "a:suspend start", *(["b:resume"] if overlap else [])]
+            if overlap:  # side by side: which handler starts first is up to the two workloads' threads
+                assert log[0] == "b:suspend" and sorted(log[1:]) == ["a:suspend start", "b:resume"], log
+            else:
+                assert log == ["b:suspend", "a:suspend start"]
             await asyncio.sleep(0.2)  # a sampling window: a grant before a's snapshot ended would show now
             assert not tb.done()
             go.set()
             gb = await tb
-            assert gb.context_restored and log[-2:] == (["b:resume", "a:suspend"] if overlap
-                                                        else ["a:suspend", "b:resume"])
+            assert gb.context_restored
+            if overlap:
+                assert log[3:] == ["a:suspend"], log
+            else:
+                assert log == ["b:suspend", "a:suspend start", "a:suspend", "b:resume"]
             await b.release()
             overlapped = agent.metrics.overlapped.labels("app_channel")._value.get()
             assert overlapped == (1 if overlap else 0)
