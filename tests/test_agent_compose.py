@@ -7,13 +7,21 @@ import asyncio
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 from timeslice_agent._compose import until_exited
 
 
-def _sleeper() -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])  # lives until killed
+@pytest.fixture
+def proc() -> Iterator[subprocess.Popen[bytes]]:
+    """A process that lives until killed (the test kills it, or this fixture does)."""
+    p = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
+    try:
+        yield p
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_work_runs_in_the_calling_task_and_at_once() -> None:
@@ -42,9 +50,7 @@ def test_work_runs_in_the_calling_task_and_at_once() -> None:
     asyncio.run(go())
 
 
-def test_returns_none_once_the_processes_exited() -> None:
-    proc = _sleeper()
-
+def test_returns_none_once_the_processes_exited(proc: subprocess.Popen[bytes]) -> None:
     async def go() -> None:
         never = asyncio.Event()
         task = asyncio.ensure_future(until_exited(never.wait(), [proc.pid], 0.02))
@@ -54,16 +60,10 @@ def test_returns_none_once_the_processes_exited() -> None:
         proc.wait()
         assert await asyncio.wait_for(task, 5) is None
 
-    try:
-        asyncio.run(go())
-    finally:
-        proc.kill()
-        proc.wait()
+    asyncio.run(go())
 
 
-def test_other_cancellations_go_through() -> None:
-    proc = _sleeper()
-
+def test_other_cancellations_go_through(proc: subprocess.Popen[bytes]) -> None:
     async def go() -> None:
         started = asyncio.Event()
 
@@ -77,11 +77,7 @@ def test_other_cancellations_go_through() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    try:
-        asyncio.run(go())
-    finally:
-        proc.kill()
-        proc.wait()
+    asyncio.run(go())
 
 
 def test_without_pids_it_is_just_the_work() -> None:
