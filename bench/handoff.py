@@ -5,11 +5,14 @@ them), then:
 
 * P1 handoff: two job processes ping-pong a group; latency = job A calls release() → job B's
   pending acquire() returns (both clocks are CLOCK_MONOTONIC on one host);
-* P2 re-acquire: one job alone releases and re-acquires (IDLE_YIELDED, no switch);
+* P2 re-acquire: one job alone releases and re-acquires (IDLE_YIELDED, no switch): a claim, which
+  returns at the stream's PubAck (``Acquire.claim_epoch``); P2 through the orchestrator: the same with
+  ``fast_reacquire=False``, which waits for the orchestrator's grant notice;
 * baseline: a raw core NATS request-reply to a responder in another process, same server;
 * floor: the lock's own path without the lock: a JetStream publish (awaiting its PubAck) that a push
   consumer in another process receives and answers with a core publish, both subjects stored in a
-  stream as the lock's requests and notices are; no timeslice code runs, so no lock can beat it;
+  stream as the lock's requests and notices are; no timeslice code runs, so no lock through the
+  orchestrator can beat it; its first part, the JetStream publish until its PubAck, is a claim's floor;
 * P3 gRPC handoff: the same ping-pong as P1 through the orchestrator's gRPC API (blocking Acquire /
   Yield calls, as existing gRPC clients make them), latency = A calls Yield → B's Acquire returns;
   beside it, a plain gRPC unary call (health Check) to the same server as the gRPC baseline.
@@ -63,11 +66,11 @@ async def _pingpong(url: str, group: str, job: str, n: int, gap: float, out: str
     Path(out).write_text(json.dumps(rows))
 
 
-async def _reacquire(url: str, group: str, n: int, gap: float, out: str) -> None:
+async def _reacquire(url: str, group: str, n: int, gap: float, out: str, plain: bool) -> None:
     from timeslice_client import AsyncTimeSliceClient
 
     lat: list[int] = []
-    async with AsyncTimeSliceClient("solo", group, url) as c:
+    async with AsyncTimeSliceClient("solo", group, url, fast_reacquire=not plain) as c:
         await c.acquire(timeout=30)
         await c.release()
         for _ in range(n):
@@ -134,14 +137,15 @@ async def _js_requester(url: str, n: int, gap: float, out: str) -> None:
     await nc.subscribe(_FLOOR_OUT, cb=cb)
     await asyncio.sleep(0)  # NATS_NOTES trap 2
     await nc.flush()
-    lat: list[int] = []
+    lat: list[tuple[int, int]] = []  # (until the PubAck, until the answer)
     for _ in range(n):
         await asyncio.sleep(gap)
         answer = asyncio.get_running_loop().create_future()
         t0 = time.monotonic_ns()
         await js.publish(_FLOOR_IN, b"x" * 200, timeout=5)
+        t1 = time.monotonic_ns()
         await asyncio.wait_for(answer, 5)
-        lat.append(time.monotonic_ns() - t0)
+        lat.append((t1 - t0, time.monotonic_ns() - t0))
     await nc.close()
     Path(out).write_text(json.dumps(lat))
 
@@ -270,7 +274,9 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         req.wait()
         if req.returncode:
             raise RuntimeError("the floor worker failed")
-        floor = [x / 1e6 for x in json.loads(floor_out.read_text())[n // 10:]]
+        floor_rows = json.loads(floor_out.read_text())[n // 10:]
+        floor = [x / 1e6 for _, x in floor_rows]
+        pub_ack = [x / 1e6 for x, _ in floor_rows]
 
         # P1: two jobs ping-pong.
         a_out, b_out = tmp / "a.json", tmp / "b.json"
@@ -295,6 +301,14 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
                    "--out", str(r_out))
         r.wait()
         re_lat = [x / 1e6 for x in json.loads(r_out.read_text())[n // 10:]]
+        # P2 through the orchestrator: claims turned off.
+        r_out = tmp / "re-plain.json"
+        r = _spawn("--role", "reacquire-plain", "--url", url, "--group", "bench-solo-plain", "--n", str(n),
+                   "--gap", gap, "--out", str(r_out))
+        r.wait()
+        if r.returncode:
+            raise RuntimeError("the re-acquire worker failed")
+        re_plain = [x / 1e6 for x in json.loads(r_out.read_text())[n // 10:]]
 
         # P3: the P1 ping-pong through the gRPC API, and a plain gRPC call as its baseline.
         g_base_out = tmp / "grpc-baseline.json"
@@ -323,6 +337,7 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
     b50 = _pct(base, 50)
     f50 = _pct(floor, 50)
+    a50 = _pct(pub_ack, 50)
     return {
         "n": n,
         "gap_ms": gap_ms,
@@ -338,6 +353,12 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         "floor_js_p99_ms": _pct(floor, 99),
         "handoff_vs_floor": _pct(hand, 50) / f50,
         "reacquire_vs_floor": _pct(re_lat, 50) / f50,
+        "reacquire_vs_pub_ack": _pct(re_lat, 50) / a50,
+        "reacquire_plain_p50_ms": _pct(re_plain, 50),
+        "reacquire_plain_p99_ms": _pct(re_plain, 99),
+        "reacquire_plain_vs_floor": _pct(re_plain, 50) / f50,
+        "floor_pub_ack_p50_ms": a50,
+        "floor_pub_ack_p99_ms": _pct(pub_ack, 99),
         "samples": len(hand),
         "grpc_handoff_p50_ms": _pct(g_hand, 50),
         "grpc_handoff_p99_ms": _pct(g_hand, 99),
@@ -364,8 +385,8 @@ def main() -> None:
     if a.role == "pingpong":
         _loop_run(_pingpong(a.url, a.group, a.job, a.n, a.gap, a.out, a.job == "job-a"))
         return
-    if a.role == "reacquire":
-        _loop_run(_reacquire(a.url, a.group, a.n, a.gap, a.out))
+    if a.role in ("reacquire", "reacquire-plain"):
+        _loop_run(_reacquire(a.url, a.group, a.n, a.gap, a.out, a.role == "reacquire-plain"))
         return
     if a.role == "responder":
         _loop_run(_responder(a.url, a.out))
@@ -399,12 +420,17 @@ def main() -> None:
     print(f"  P1 handoff     p50 {res['handoff_p50_ms']:.3f} ms   p99 {res['handoff_p99_ms']:.3f} ms   "
           f"= {res['handoff_vs_baseline']:.2f}x baseline p50")
     print(f"  P2 re-acquire  p50 {res['reacquire_p50_ms']:.3f} ms   p99 {res['reacquire_p99_ms']:.3f} ms   "
-          f"= {res['reacquire_vs_baseline']:.2f}x baseline p50")
+          f"= {res['reacquire_vs_baseline']:.2f}x baseline p50, {res['reacquire_vs_pub_ack']:.2f}x a JetStream "
+          f"publish+PubAck (a claim)")
+    print(f"  P2 through the orchestrator (fast_reacquire=False)  p50 {res['reacquire_plain_p50_ms']:.3f} ms   "
+          f"p99 {res['reacquire_plain_p99_ms']:.3f} ms   = {res['reacquire_plain_vs_floor']:.2f}x floor p50")
     print(f"  baseline: raw NATS request-reply p50 {res['baseline_reqrep_p50_ms']:.3f} ms   "
           f"p99 {res['baseline_reqrep_p99_ms']:.3f} ms")
     print(f"  floor: JetStream publish -> push consumer -> core notice, no lock, p50 {res['floor_js_p50_ms']:.3f} ms   "
           f"p99 {res['floor_js_p99_ms']:.3f} ms   (P1 = {res['handoff_vs_floor']:.2f}x, "
           f"P2 = {res['reacquire_vs_floor']:.2f}x floor p50)")
+    print(f"  of it, the JetStream publish until its PubAck p50 {res['floor_pub_ack_p50_ms']:.3f} ms   "
+          f"p99 {res['floor_pub_ack_p99_ms']:.3f} ms")
     print(f"gRPC API (blocking Acquire/Yield through the orchestrator's shim), n={res['grpc_samples']}")
     print(f"  P3 gRPC handoff p50 {res['grpc_handoff_p50_ms']:.3f} ms   p99 {res['grpc_handoff_p99_ms']:.3f} ms   "
           f"(bus client P1 p50 {res['handoff_p50_ms']:.3f} ms, p99 {res['handoff_p99_ms']:.3f} ms)")

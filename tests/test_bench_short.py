@@ -97,10 +97,16 @@ def test_run_all_writes_the_document(results: tuple[Path, dict[str, str]], tmp_p
     handoff = {"bench": "handoff", "command": "python bench/handoff.py --n 10", "machine": {"cores": 2},
                "n": 10, "gap_ms": 2.0, "samples": 9, "handoff_p50_ms": 1.2, "handoff_p99_ms": 3.0,
                "reacquire_p50_ms": 1.1, "reacquire_p99_ms": 2.0, "baseline_reqrep_p50_ms": 0.6,
-               "baseline_reqrep_p99_ms": 1.0, "handoff_vs_baseline": 2.0, "reacquire_vs_baseline": 1.8}
+               "baseline_reqrep_p99_ms": 1.0, "handoff_vs_baseline": 2.0, "reacquire_vs_baseline": 1.8,
+               "reacquire_vs_pub_ack": 1.25, "reacquire_plain_p50_ms": 1.4, "reacquire_plain_p99_ms": 2.5,
+               "reacquire_plain_vs_floor": 1.1, "floor_pub_ack_p50_ms": 0.88, "floor_pub_ack_p99_ms": 1.5}
     (folder / "handoff.json").write_text(json.dumps(handoff))
     _run("run_all.py", "--no-run", "--results", str(folder), "--doc", str(doc))
     text = doc.read_text()
+    assert "| P2 same-job re-acquire (a claim) | 1.100 ms | 2.000 ms |" in text
+    assert "1.25\u00d7 JetStream publish" in text
+    assert "| P2 through the orchestrator (`fast_reacquire=False`) | 1.400 ms | 2.500 ms |" in text
+    assert "| of it: the JetStream publish until its PubAck (a claim's floor) | 0.880 ms | 1.500 ms |" in text
     for section in ("## Handoff", "## Offload", "## Scale", "## Recovery", "## Trace replay", "## GPU", "## Demo"):
         assert section in text
     assert "python bench/handoff.py --n 10" in text and "python bench/scale.py --groups 2" in text

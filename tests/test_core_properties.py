@@ -84,6 +84,9 @@ class CoreMachine(RuleBasedStateMachine):
         self.grants = 0
         self.ops: dict[str, tuple[Snapshot | Restore, list[bool | str | None]]] = {}  # op id -> (command, [result])
         self.failed = False  # a step failed: teardown has nothing to add
+        # (job, epoch) a client may claim: the last job input was its release, answered with nobody waiting
+        self.claimable: tuple[str, int] | None = None
+        self.since_release: list[str] = []  # the non-job events since (what a claim must be immune to)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -108,6 +111,12 @@ class CoreMachine(RuleBasedStateMachine):
         self.failed = True
         self.check_step(old, new, ev, actions)
         self.failed = False
+        if input_subject(ev).startswith("ts.v1.job."):  # what a claim's sequence check looks at
+            free = [n for n in notices(actions, Released) if n.pending_waiters == 0]
+            self.claimable = (ev.job, free[0].epoch + 1) if isinstance(ev, Release) and free else None
+            self.since_release = []
+        else:
+            self.since_release.append(tag(ev))
         return actions
 
     def step_inert(self, ev: InputEvent) -> None:
@@ -296,6 +305,49 @@ class CoreMachine(RuleBasedStateMachine):
         assert self.holder is not None
         job, epoch, rid = self.holder
         self.step(Release(group=G, job=job, request_id=rid, epoch=epoch))
+
+    @precondition(lambda self: self.claimable is not None)
+    @rule(
+        lease=st.sampled_from([1_000, 30_000]),
+        ttl=st.sampled_from([300, 5_000]),
+        confirm=st.sampled_from([300, 3_000]),
+    )
+    def claim(self, lease: int, ttl: int, confirm: int) -> None:
+        """The releasing job's next acquire as a claim: whatever non-job events came in between (time, ticks,
+        agents, faults cleared), the core grants exactly the claimed epoch (the client returned already)."""
+        assert self.claimable is not None
+        job, epoch = self.claimable
+        ev = Acquire(group=G, job=job, request_id=self.fresh_rid(job), lease_ms=lease, timeout_ms=0,
+                     waiter_ttl_ms=ttl, confirm_ms=confirm, claim_epoch=epoch)
+        between = sorted(set(self.since_release))
+        grants = notices(self.step(ev), Granted)
+        assert [(n.job, n.epoch, n.request_id) for n in grants] == [(job, epoch, ev.request_id)], grants
+        event("claim granted")
+        for t in between:
+            event(f"claim granted after {t}")
+
+    @precondition(lambda self: self.holder is not None)
+    @rule(data=st.data(), others=st.lists(st.sampled_from(["wait", "tick", "agents", "clear_fault", "late"]),
+                                          max_size=6))
+    def release_then_claim(self, data: st.DataObject, others: list[str]) -> None:
+        """The holder releases; if nobody waited, non-job events of every kind come before its claim."""
+        self.release()
+        for kind in others:
+            if self.claimable is None:
+                return
+            if kind == "wait":
+                self.wait(data.draw(st.sampled_from([10, 1_000, 5_000, 400_000, -2])))
+            elif kind == "tick":
+                self.tick()
+            elif kind == "agents":
+                self.agents(data, data.draw(st.sampled_from(["register", "unregister", "lost"])),
+                            data.draw(st.sampled_from(NODES)), 5_000)
+            elif kind == "clear_fault":
+                self.clear_fault(data)
+            else:
+                self.noise(data, "late", data.draw(st.booleans()))
+        if self.claimable is not None:
+            self.claim(30_000, 5_000, 3_000)
 
     @rule()
     def renew_all(self) -> None:

@@ -456,3 +456,48 @@ def test_agent_lost_while_a_restore_waits_there_faults_a_job_whose_context_is_sa
     (r,) = notices(sim(AgentLost(group=G, node="n1")), Refused)
     assert r.job == "b" and r.code is ErrorCode.JOB_FAULTED and "saved on node n1" in r.message
     assert sim.rec.holder is None and sim.rec.switch is None
+
+
+def _claim(sim: Sim, job: str, epoch: int) -> Acquire:
+    return Acquire(group=G, job=job, request_id=sim.rid(job), timeout_ms=0, claim_epoch=epoch)
+
+
+def test_a_claim_after_an_unwaited_release_is_granted_at_the_claimed_epoch() -> None:
+    sim = Sim()
+    sim.register("a", "n1")
+    first = sim.hold("a")
+    (rel,) = notices(sim.release("a"), Released)
+    assert rel.pending_waiters == 0
+    sim.tick(dt=400_000)  # non-job events may come in between: time, agents, cleared faults
+    sim(ClearFault(group=G, job="b"))
+    sim.register("a", "n2")
+    ev = _claim(sim, "a", first.epoch + 1)
+    actions = sim(ev)
+    (g,) = notices(actions, Granted)
+    assert (g.job, g.epoch, g.request_id, g.waited_ms, g.context_restored) == ("a", first.epoch + 1,
+                                                                                 ev.request_id, 0, False)
+    assert commands(actions) == [] and sim.rec.holder is not None and not sim.rec.holder.confirmed
+
+
+def test_a_claim_the_core_cannot_honour_is_refused_and_revoked() -> None:
+    """Unreachable through the stream's sequence check; should it happen, the claimed hold is revoked."""
+    sim = Sim()
+    first = sim.hold("a")
+    sim.release("a")
+    sim.acquire("b")  # a request in between: the stream would have refused a's claim
+    ev = _claim(sim, "a", first.epoch + 1)
+    actions = sim(ev)
+    (ref,) = notices(actions, Refused)
+    (rev,) = notices(actions, Revoked)
+    assert ref.request_id == ev.request_id and ref.code is ErrorCode.INVALID and "not honoured" in ref.message
+    assert (rev.job, rev.epoch) == ("a", first.epoch + 1) and "holds the group" in rev.reason
+    assert sim.rec.holder is not None and sim.rec.holder.job == "b"
+    assert notices(actions, Granted) == [] and [w.job for w in sim.rec.queue] == []
+    sim.release("b")
+    (rev2,) = notices(sim(_claim(sim, "a", sim.rec.epoch + 1)), Revoked)
+    assert "the active job is 'b'" in rev2.reason
+    sim2 = Sim()
+    g = sim2.hold("a")
+    sim2.release("a")
+    (rev3,) = notices(sim2(_claim(sim2, "a", g.epoch)), Revoked)  # not the next epoch
+    assert "the next epoch is" in rev3.reason

@@ -6,7 +6,9 @@ resumes at its consumer's ack floor and re-issues undelivered decisions with the
 every job finished every round (no lost waiter, no lost release, no error), the holds the jobs logged
 never overlap, epochs rise one by one with no gap and no repeat, the whole stream folds through the pure
 core without an invariant violation, every grant the fold decided was published, and the stored record
-is the fold of the stream.
+is the fold of the stream. Beside it, two jobs share a second group with pauses between their rounds, so
+most of their re-acquires are claims (granted by the stream alone, whether the orchestrator is up or not):
+their holds never overlap either, and the fold grants every claim as claimed.
 
 The run is reproducible in its kill schedule: set ``TIMESLICE_CRASH_SEED`` to replay one.
 
@@ -35,6 +37,10 @@ from .workers import Worker, check_exclusive_holds, holds, read_stream
 JOBS = {"c1": "sync", "c2": "async", "c3": "sync", "c4": "async"}
 ROUNDS = 90  # per job: 360 handoffs, plus the slow job's
 SLOW_ROUNDS = 4
+# A second group where two jobs pause between rounds, for about as long as the kills go on: many releases find
+# nobody waiting, so the next acquire is a claim (granted by the stream alone), and some claims lose the race to
+# the other job's request.
+PAIR = {"p1": ("sync", 30.0, 250), "p2": ("async", 120.0, 60)}  # job: (client, pause after a release (ms), rounds)
 KILLS = 10
 START = 30.0
 
@@ -59,6 +65,10 @@ def test_orchestrator_sigkilled_repeatedly_during_handoffs(
                   gap_ms=1000, lease_seconds=3, client="async", wait_start=True, request_timeout=30,
                   acquire_timeout=120)
     workers.append(slow)
+    pair = [Worker(tmp_path, nats_url, "crash-pair", job, mode="loop", rounds=rounds, hold_ms=1, gap_ms=gap,
+                   client=kind, wait_start=True, request_timeout=30, acquire_timeout=120)
+            for job, (kind, gap, rounds) in PAIR.items()]
+    pair_total = sum(rounds for _, _, rounds in PAIR.values())
     orch = orchestrator_process
     kills: list[tuple[str, int, float]] = []  # (where, grants logged at the kill, seconds down)
 
@@ -73,11 +83,12 @@ def test_orchestrator_sigkilled_repeatedly_during_handoffs(
         return all(w.proc.poll() is not None for w in workers)
 
     def context() -> str:
-        return f"seed={seed} kills={kills} " + " | ".join(w.describe() for w in workers)
+        return f"seed={seed} kills={kills} " + " | ".join(w.describe() for w in workers + pair)
 
     try:
-        eventually_sync(lambda: all(w.last("ready") for w in workers), timeout=START, what="workers connected")
-        for w in workers:
+        eventually_sync(lambda: all(w.last("ready") for w in workers + pair), timeout=START,
+                        what="workers connected")
+        for w in workers + pair:
             w.usr1()
         # The first kill lands while the slow job holds (its lease renewals cross the restart; nobody else
         # moves meanwhile), then one at a random grant count in each of KILLS - 1 equal slices of the run.
@@ -107,7 +118,7 @@ def test_orchestrator_sigkilled_repeatedly_during_handoffs(
             orch.wait_ready()
             kills.append((where, at, round(time.monotonic() - t0, 2)))
 
-        for w in workers:
+        for w in workers + pair:
             try:
                 rc = w.wait(60)
             except Exception as exc:
@@ -123,7 +134,10 @@ def test_orchestrator_sigkilled_repeatedly_during_handoffs(
         assert len(hs) == total, context()
         check_exclusive_holds(hs)
         assert [h.epoch for h in hs] == list(range(1, total + 1)), context()
-        for w in workers:
+        pair_holds = holds(pair)
+        check_exclusive_holds(pair_holds)
+        assert [h.epoch for h in pair_holds] == list(range(1, pair_total + 1)), context()
+        for w in workers + pair:
             epochs = [e["epoch"] for e in w.events("granted")]
             assert epochs == sorted(set(epochs)), f"{w.job}: epochs went backwards or repeated: {epochs}"
 
@@ -147,8 +161,11 @@ def test_orchestrator_sigkilled_repeatedly_during_handoffs(
             assert st.releases >= total  # re-issued Released notices count as well
             eventually_sync(lambda: obs.status(group) == checker.records[group], timeout=20,
                             what="the stored record is the fold of the stream")
+            ps = checker.stats["crash-pair"]
+            assert ps.grants == ps.fold_grants == pair_total and ps.revocations == 0
+            assert ps.claims > 0, "no release of the pair found the group free: no claim was tested"
         print(f"crash test: seed={seed} handoffs={total} kills={kills} stream={len(stream)} msgs "
-              f"re-issued grants={st.repeated_grants}")
+              f"re-issued grants={st.repeated_grants}; pair: {ps.grants} grants, {ps.claims} of them claims")
     finally:
         for w in workers:
             w.close()

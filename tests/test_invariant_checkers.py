@@ -284,3 +284,15 @@ def test_stream_checker_admits_a_restore_that_says_it_overlapped_and_still_grant
     checker.feed_all(_op_events(both))
     holder = checker.records[G].holder
     assert holder is not None and holder.job == "b"
+
+
+def test_stream_checker_catches_a_claim_not_honoured() -> None:
+    sim = Sim()
+    first = sim.hold("a")
+    sim.release("a")
+    sim.acquire("b")  # the stream's sequence check would have refused the claim below
+    ok = StreamChecker()
+    ok.feed_all(sim.stream)
+    claim = Acquire(group=G, job="a", request_id="claim", timeout_ms=0, claim_epoch=first.epoch + 1)
+    with pytest.raises(InvariantViolation, match="claim-honoured"):
+        ok.feed(len(sim.stream) + 1, sim.now, subjects.job(G, "a", "acquire"), encode(claim))

@@ -219,7 +219,8 @@ async def test_events_follow_prints_new_events_until_interrupted(nats_url: str) 
         follow = await Proc.start(nats_url, "events", "--follow", "--group", g)
         try:
             await follow.until(lambda ln: " release " in ln)  # what was there already
-            again = await a.acquire(timeout=10)
+            again = await a.acquire(timeout=10)  # a claim: nobody waited
+            await follow.until(lambda ln: " acquire " in ln and f"claim={again.epoch}" in ln)
             line = await follow.until(lambda ln: " granted " in ln and f"epoch={again.epoch}" in ln)
             assert "job=a" in line
             await a.release()

@@ -87,6 +87,18 @@ class ReleaseResult:
     snapshot_deferred: bool
 
 
+@dataclass(frozen=True, slots=True)
+class _Claim:
+    """This job's release was answered with nobody waiting: its next acquire may be a claim (see ``acquire``)."""
+
+    after_seq: int  # the release's stream sequence
+    epoch: int  # the epoch the claim takes: the release's + 1
+
+
+class _Superseded(Exception):
+    """The stream refused a claim: another job input for the group came after the release."""
+
+
 @dataclass(slots=True)
 class _Hold:
     epoch: int
@@ -117,6 +129,7 @@ class AsyncTimeSliceClient:
         waiter_ttl_seconds: float = 5.0,
         confirm_seconds: float = 3.0,
         connect_timeout: float = 5.0,
+        fast_reacquire: bool = True,
         nc: NATS | None = None,
     ) -> None:
         self.job_id = validate_id("job", job_id)
@@ -130,6 +143,7 @@ class AsyncTimeSliceClient:
         self.waiter_ttl_ms = int(waiter_ttl_seconds * 1000)
         self.confirm_ms = int(confirm_seconds * 1000)
         self.connect_timeout = connect_timeout
+        self.fast_reacquire = fast_reacquire
         self._nc = nc
         self._own_nc = nc is None
         self._js: JetStreamContext | None = None
@@ -146,6 +160,9 @@ class AsyncTimeSliceClient:
         self._subjects: dict[str, str] = {}  # message tag -> subject (ids validated once, not per publish)
         self._channels: list[WorkloadChannel] = []
         self._withdrawn: set[str] = set()  # waits already withdrawn (cleared when acquire() returns)
+        self._claim: _Claim | None = None
+        self._published = 0  # job inputs published (a claim is only offered when none came after the release)
+        self._claim_filter = subjects.job_inputs(self.group_id)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -212,10 +229,22 @@ class AsyncTimeSliceClient:
     # ------------------------------------------------------------------ the lock
 
     async def acquire(self, timeout: float | None = None) -> Grant:
-        """Wait for the group. Raises AcquireTimeout (the wait is withdrawn), JobFaulted, Unavailable."""
+        """Wait for the group. Raises AcquireTimeout (the wait is withdrawn), JobFaulted, Unavailable.
+
+        Right after a release that nobody waited for, the acquire is a *claim* (unless ``fast_reacquire`` is
+        off): it is published with the stream's sequence check (the group's last job input must still be that
+        release), and once the stream has stored it the grant is certain (the orchestrator decides it from the
+        stream alone), so it returns at the PubAck, one round trip to the server, without waiting for the
+        orchestrator. When another job's request came in between, the stream refuses it and the acquire
+        waits for its turn as usual."""
         if self._sub is None or self._closed:
             await self.connect()
         timeout = self.acquire_timeout if timeout is None else timeout
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            grant = await self._try_claim(claim)
+            if grant is not None:
+                return grant
         rid = _request_id()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Granted] = loop.create_future()
@@ -261,6 +290,30 @@ class AsyncTimeSliceClient:
         self._wake.set()
         return Grant(self.group_id, self.job_id, g.epoch, g.waited_ms, g.context_restored)
 
+    async def _try_claim(self, claim: _Claim) -> Grant | None:
+        """Publish the acquire as a claim; the grant if the stream stored it, None if it was superseded.
+
+        The stream checks the sequence before duplicates, so a retry of a claim that was stored (its PubAck
+        lost) is refused too; the plain acquire that follows then finds this job holding and gets the same
+        epoch back, so that case ends right as well."""
+        rid = _request_id()
+        check = {"Nats-Expected-Last-Subject-Sequence": str(claim.after_seq),
+                 "Nats-Expected-Last-Subject-Sequence-Subject": self._claim_filter}
+        try:
+            await self._publish(
+                Acquire(group=self.group_id, job=self.job_id, request_id=rid, lease_ms=self.lease_ms, timeout_ms=0,
+                        waiter_ttl_ms=self.waiter_ttl_ms, confirm_ms=self.confirm_ms, claim_epoch=claim.epoch),
+                msg_id=rid, headers=check)
+        except _Superseded:
+            log.debug("claim of epoch %d superseded: another request for the group came first", claim.epoch,
+                      extra={"group": self.group_id, "job": self.job_id, "epoch": claim.epoch})
+            return None
+        first = min(self.confirm_ms, self.lease_ms) / 3000
+        self._hold = _Hold(epoch=claim.epoch, request_id=rid, lease_ms=self.lease_ms,
+                           next_renew=time.monotonic() + first)
+        self._wake.set()
+        return Grant(self.group_id, self.job_id, claim.epoch, 0, False)
+
     async def _withdraw(self, rid: str) -> None:
         """Withdraw a wait (once); if the grant crossed it, the orchestrator releases that grant."""
         if self._closed or rid in self._withdrawn:
@@ -278,19 +331,23 @@ class AsyncTimeSliceClient:
         self._hold = None
         if hold.lost is not None:
             raise LeaseExpired(self.group_id, self.job_id, hold.epoch, hold.lost)
-        r = await self._send_release(hold)
+        before = self._published
+        r, seq = await self._send_release(hold)
+        if self.fast_reacquire and r.pending_waiters == 0 and self._published == before + 1:
+            self._claim = _Claim(after_seq=seq, epoch=r.epoch + 1)  # nothing else was published after it
         return ReleaseResult(self.group_id, self.job_id, r.epoch, r.pending_waiters, r.snapshot_deferred)
 
-    async def _send_release(self, hold: _Hold) -> Released:
+    async def _send_release(self, hold: _Hold) -> tuple[Released, int]:
+        """The answer, and the release's stream sequence."""
         rid = _request_id()
         fut: asyncio.Future[Released] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:
-            await self._publish(
+            seq = await self._publish(
                 Release(group=self.group_id, job=self.job_id, request_id=rid, epoch=hold.epoch), msg_id=rid)
             try:
                 async with asyncio.timeout(self.request_timeout):
-                    return await fut
+                    return await fut, seq
             except TimeoutError:
                 raise Unavailable("release was not answered (is the orchestrator running?)",
                                   nats_url=self.nats_url, after_s=self.request_timeout) from None
@@ -381,17 +438,24 @@ class AsyncTimeSliceClient:
 
     # ------------------------------------------------------------------ plumbing
 
-    async def _publish(self, msg: msgspec.Struct, msg_id: str | None = None) -> None:
+    async def _publish(self, msg: msgspec.Struct, msg_id: str | None = None,
+                       headers: dict[str, str] | None = None) -> int:
         """Publish into the stream and wait for its PubAck, retrying with the same message id
-        (the stream drops duplicates within its window)."""
+        (the stream drops duplicates within its window); returns the message's stream sequence.
+        Raises ``_Superseded`` when the stream refuses it for a sequence check in ``headers``."""
         assert self._js is not None
         subject = self._subject(msg)
         data = encode(msg)
-        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        if msg_id:
+            headers = {**(headers or {}), "Nats-Msg-Id": msg_id}
+        self._claim = None  # a job input after the release: the stream would refuse the claim
+        self._published += 1
         try:  # the common case first, without the retry machinery on the hot path
-            await self._js.publish(subject, data, timeout=self.request_timeout, headers=headers)
-            return
+            ack = await self._js.publish(subject, data, timeout=self.request_timeout, headers=headers)
+            return int(ack.seq)
         except Exception as exc:
+            if _superseded(exc):
+                raise _Superseded from exc
             if not _transient(exc):
                 raise Unavailable(f"publishing {subject} failed ({exc.__class__.__name__}: {exc})",
                                   nats_url=self.nats_url) from exc
@@ -403,12 +467,16 @@ class AsyncTimeSliceClient:
                 reraise=True,
             ):
                 with attempt:
-                    await self._js.publish(subject, data, timeout=self.request_timeout, headers=headers)
+                    ack = await self._js.publish(subject, data, timeout=self.request_timeout, headers=headers)
+                    return int(ack.seq)
         except TimeSliceError:
             raise
         except Exception as exc:
+            if _superseded(exc):
+                raise _Superseded from exc
             raise Unavailable(f"publishing {subject} failed ({exc.__class__.__name__})", nats_url=self.nats_url,
                               after_s=self.request_timeout * 3) from exc
+        raise AssertionError("unreachable: the retry loop returns or raises")
 
     def _subject(self, msg: msgspec.Struct) -> str:
         tag: str = msg.__struct_config__.tag  # type: ignore[assignment]
@@ -421,6 +489,8 @@ class AsyncTimeSliceClient:
         """Publish without waiting for the stream's answer (phase facts: losing one loses no decision)."""
         assert self._nc is not None
         subject = self._subject(msg)
+        self._claim = None  # stored after the release like any job input
+        self._published += 1
         await self._nc.publish(subject, encode(msg))
 
     async def _on_notice(self, msg: Msg) -> None:
@@ -492,6 +562,13 @@ class AsyncTimeSliceClient:
 def _request_id() -> str:
     """A random 128-bit id in hex, like ``uuid4().hex`` at a seventh of its cost."""
     return os.urandom(16).hex()
+
+
+_WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed Nats-Expected-Last-*-Sequence check
+
+
+def _superseded(exc: BaseException) -> bool:
+    return getattr(exc, "err_code", None) == _WRONG_LAST_SEQUENCE
 
 
 def _transient(exc: BaseException) -> bool:

@@ -117,6 +117,10 @@ class _Subjects:
     def job(self, group: str, job: str, verb: str) -> str:
         return f"ts.v1.job.{validate_id('group', group)}.{validate_id('job', job)}.{verb}"
 
+    def job_inputs(self, group: str) -> str:
+        """Every job's requests to one group (the filter a claim's sequence check names)."""
+        return f"ts.v1.job.{validate_id('group', group)}.>"
+
     def ctl(self, group: str, verb: str) -> str:
         return f"ts.v1.ctl.{validate_id('group', group)}.{verb}"
 
@@ -201,6 +205,13 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 
 
 class Acquire(_Msg, frozen=True, tag="acquire"):
+    """Ask for the group. With ``claim_epoch`` set, it is a *claim*: the job released the group with no one
+    waiting, and the stream stored this acquire as the group's next job input after that release (the
+    publish carried ``Nats-Expected-Last-Subject-Sequence`` for ``ts.v1.job.<group>.>``), so the core's
+    decision is already known: a grant at ``claim_epoch`` (the release's epoch + 1). The client returns at
+    the PubAck without waiting for the notice; the orchestrator grants it like any acquire and must decide
+    exactly that (``StreamChecker`` checks it; a claim it cannot honour is revoked)."""
+
     group: str
     job: str
     request_id: str
@@ -208,6 +219,7 @@ class Acquire(_Msg, frozen=True, tag="acquire"):
     timeout_ms: int = 300_000
     waiter_ttl_ms: int = 5_000
     confirm_ms: int = 3_000
+    claim_epoch: int | None = None
 
 
 class Release(_Msg, frozen=True, tag="release"):

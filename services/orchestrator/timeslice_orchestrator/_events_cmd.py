@@ -88,8 +88,8 @@ def _details(d: dict[str, Any]) -> list[str]:
         out.append(f"{d['previous']}->{d['state']}")
         if d.get("holder"):
             out.append(f"holder={d['holder']}")
-    for key, label in (("node", "node"), ("epoch", "epoch"), ("kind", "op"), ("name", "phase"), ("edge", "edge"),
-                       ("backend", "backend"), ("code", "code")):
+    for key, label in (("node", "node"), ("epoch", "epoch"), ("claim_epoch", "claim"), ("kind", "op"),
+                       ("name", "phase"), ("edge", "edge"), ("backend", "backend"), ("code", "code")):
         if d.get(key) is not None:
             out.append(f"{label}={d[key]}")
     if "ok" in d and d.get("type") == "op_result":

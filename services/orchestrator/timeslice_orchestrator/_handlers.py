@@ -23,6 +23,7 @@ from timeslice_client.protocol import (
     Release,
     Released,
     Renew,
+    Revoked,
     Tick,
     WaiterRecord,
 )
@@ -33,6 +34,9 @@ __all__ = ["HANDLERS"]
 
 
 def _on_acquire(w: Work, ev: Acquire) -> None:
+    if ev.claim_epoch is not None:
+        _on_claim(w, ev)
+        return
     lim = LIMITS
     if not (lim.min_lease_ms <= ev.lease_ms <= lim.max_lease_ms):
         w.refuse(ev.job, ev.request_id, ErrorCode.INVALID,
@@ -88,6 +92,47 @@ def _on_acquire(w: Work, ev: Acquire) -> None:
         return
     w.queue.append(wr)
     w.touch("enqueued")
+
+
+def _unclaimable(w: Work, ev: Acquire) -> str | None:
+    """Why a claim cannot be the zero-cost grant it assumes (None: it is exactly that)."""
+    lim = LIMITS
+    if not (lim.min_lease_ms <= ev.lease_ms <= lim.max_lease_ms and lim.min_ttl_ms <= ev.waiter_ttl_ms
+            <= lim.max_ttl_ms and lim.min_ttl_ms <= ev.confirm_ms <= lim.max_ttl_ms):
+        return "lease_ms, waiter_ttl_ms or confirm_ms is out of range"
+    if ev.job in w.faulted:
+        return f"the job is faulted ({w.faulted[ev.job]})"
+    if w.holder is not None:
+        return f"job {w.holder.job!r} holds the group at epoch {w.holder.epoch}"
+    if w.switch is not None:
+        return "a switch is running"
+    if w.queue:
+        return f"{len(w.queue)} job(s) wait for the group"
+    if w.active_job != ev.job:
+        return f"the active job is {w.active_job!r}"
+    if ev.claim_epoch != w.epoch + 1:
+        return f"the next epoch is {w.epoch + 1}"
+    return None
+
+
+def _on_claim(w: Work, ev: Acquire) -> None:
+    """A claim (``Acquire.claim_epoch``): the job released with nobody waiting and its acquire is the group's next
+    job input, so it is granted at once, at the epoch the client already took. The stream's sequence check makes
+    every other outcome impossible (the property tests show it); should one happen all the same, the claimed
+    hold is revoked, which the client sees as a lost lease, and the stream checker reports the violation."""
+    assert ev.claim_epoch is not None
+    why = _unclaimable(w, ev)
+    if why is None:
+        now = w.now
+        w.grant(WaiterRecord(job=ev.job, request_id=ev.request_id, enqueued_at_ms=now, deadline_ms=now,
+                             alive_until_ms=now + ev.waiter_ttl_ms, lease_ms=ev.lease_ms,
+                             waiter_ttl_ms=ev.waiter_ttl_ms, confirm_ms=ev.confirm_ms),
+                ev.claim_epoch, restored=False)
+        return
+    reason = f"claim of epoch {ev.claim_epoch} not honoured: {why}; acquire again"
+    w.refuse(ev.job, ev.request_id, ErrorCode.INVALID, reason)
+    w.notify(Revoked(group=w.group, job=ev.job, epoch=ev.claim_epoch, reason=reason))
+    w.touch("claim not honoured")
 
 
 def _on_release(w: Work, ev: Release) -> None:

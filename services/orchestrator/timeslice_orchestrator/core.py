@@ -11,7 +11,10 @@ Semantics, per group:
 * strict FIFO among waiters; a job waits at most once (a second acquire replaces its request id);
 * the holder re-acquiring gets its grant back at once (same epoch);
 * release with no waiter keeps the context loaded (``IDLE_YIELDED``); the same job's next acquire is
-  granted without snapshot or restore;
+  granted without snapshot or restore; when it is the group's next job input after that release, the
+  client sends it as a claim (``Acquire.claim_epoch``) and holds from its PubAck on: the grant at the
+  claimed epoch is then the only possible decision, which the property tests check against any non-job
+  events in between;
 * every grant raises ``epoch``; release and renew must carry the current one;
 * a holder's lease starts as a short confirmation window (``confirm_ms``) and becomes ``lease_ms``
   at the first renewal, so a waiter that died just before its grant is passed over within seconds;

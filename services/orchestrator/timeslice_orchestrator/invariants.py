@@ -10,9 +10,10 @@ Two tools, both pure (no I/O, no clock):
   also checks the notices the live orchestrator *published* in that stream on their own: grant epochs
   of a group never go backwards, no two jobs ever get the same epoch, a new grant is published only
   after the previous holder was told that its hold ended, and every published grant is one that the
-  fold decided too (the live orchestrator and the pure core agree). From the agents' operation events it
-  checks that on a node a restore starts only once the snapshots of the same switch there have ended
-  (the orchestrator sends them together; the agent orders them).
+  fold decided too (the live orchestrator and the pure core agree); the fold grants every claim (an
+  acquire the client already took as granted, see ``Acquire.claim_epoch``) as claimed. From the agents'
+  operation events it checks that on a node a restore starts only once the snapshots of the same switch
+  there have ended (the orchestrator sends them together; the agent orders them).
 
 Both raise :class:`InvariantViolation`, which names the rule and carries the values that explain it.
 """
@@ -26,6 +27,7 @@ from typing import Final
 import msgspec
 from timeslice_client.errors import InvalidId
 from timeslice_client.protocol import (
+    Acquire,
     AgentLost,
     Granted,
     GroupRecord,
@@ -237,6 +239,7 @@ class GroupStats:
     revocations: int = 0
     max_epoch: int = 0  # the highest epoch of a published grant
     fold_grants: int = 0  # distinct grants the fold decided
+    claims: int = 0  # of those, claims (re-acquires the client took at its PubAck)
     holder: tuple[str, int] | None = None  # (job, epoch) as the published notices tell it
     grants_by_job: dict[str, int] = field(default_factory=dict)
 
@@ -404,6 +407,9 @@ class StreamChecker:
         view = self._view(group)
         view.stats.events += 1
         self.records[group] = new
+        if isinstance(ev, Acquire) and ev.claim_epoch is not None and seq > rec.last_seq:
+            _check_claim(seq, ev, rec, actions)
+            view.stats.claims += 1
         if new is rec:
             if actions:
                 raise InvariantViolation("core-unchanged", "an unchanged record comes with no actions",
@@ -509,3 +515,15 @@ class StreamChecker:
             st.grants_by_job[n.job] = st.grants_by_job.get(n.job, 0) + 1
             st.holder = (n.job, n.epoch)
         view.published.add((n.job, n.epoch, n.request_id))
+
+
+def _check_claim(seq: int, ev: Acquire, before: GroupRecord, actions: list[Action]) -> None:
+    """A claim's client holds from its PubAck on: the fold must grant exactly that (job, epoch, request)."""
+    for a in actions:
+        n = a.notice if isinstance(a, Notify) else None
+        if isinstance(n, Granted) and (n.job, n.epoch, n.request_id) == (ev.job, ev.claim_epoch, ev.request_id):
+            return
+    raise InvariantViolation("claim-honoured",
+                             "a claim (the job's next input after its release with nobody waiting) is granted at "
+                             "the epoch it claims", group=ev.group, seq=seq,
+                             values={"claim": ev, "record_before": before, "actions": actions})
