@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import dataclasses
 import functools
 import logging
 import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
@@ -23,6 +20,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
+from ._grants import Grant, ReleaseResult, _Claim, _Hold, _Superseded
 from .bus import connect, default_nats_url, kv_keys
 from .errors import (
     AcquireCancelled,
@@ -65,48 +63,6 @@ log = logging.getLogger("timeslice.client")
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """The group is yours until you release it (or your lease lapses)."""
-
-    group_id: str
-    job_id: str
-    epoch: int
-    waited_ms: int
-    context_restored: bool
-
-
-@dataclass(frozen=True, slots=True)
-class ReleaseResult:
-    group_id: str
-    job_id: str
-    epoch: int
-    pending_waiters: int
-    snapshot_deferred: bool
-
-
-@dataclass(frozen=True, slots=True)
-class _Claim:
-    """This job's release was answered with nobody waiting: its next acquire may be a claim (see ``acquire``)."""
-
-    after_seq: int  # the release's stream sequence
-    epoch: int  # the epoch the claim takes: the release's + 1
-
-
-class _Superseded(Exception):
-    """The stream refused a claim: another job input for the group came after the release."""
-
-
-@dataclass(slots=True)
-class _Hold:
-    epoch: int
-    request_id: str
-    lease_ms: int
-    next_renew: float  # monotonic seconds
-    lost: str | None = None
-    renew_ids: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=8))
 
 
 class AsyncTimeSliceClient:

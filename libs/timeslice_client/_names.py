@@ -1,0 +1,73 @@
+"""Ids and subjects: the rule every group/job/node id follows, and the builders that put ids into subjects
+(re-exported by :mod:`timeslice_client.protocol`, where the subject layout is described)."""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+from .errors import InvalidId
+
+__all__ = ["subjects", "validate_id"]
+
+_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+_ID_RULE: Final = "1 to 64 characters of A-Z a-z 0-9 _ -, starting with a letter or digit"
+
+
+def validate_id(kind: str, value: object) -> str:
+    """Return ``value`` if it is a safe group/job/node id, else raise :class:`InvalidId`."""
+    if not isinstance(value, str) or _ID_RE.fullmatch(value) is None:
+        raise InvalidId(kind, value, _ID_RULE)
+    return value
+
+
+class _Subjects:
+    """Subject builders. Every id is validated before it reaches a subject."""
+
+    prefix: Final = "ts.v1"
+
+    def job(self, group: str, job: str, verb: str) -> str:
+        return f"ts.v1.job.{validate_id('group', group)}.{validate_id('job', job)}.{verb}"
+
+    def job_inputs(self, group: str) -> str:
+        """Every job's requests to one group (the filter a claim's sequence check names)."""
+        return f"ts.v1.job.{validate_id('group', group)}.>"
+
+    def ctl(self, group: str, verb: str) -> str:
+        return f"ts.v1.ctl.{validate_id('group', group)}.{verb}"
+
+    def agent_event(self, node: str, group: str) -> str:
+        return f"ts.v1.agent.{validate_id('node', node)}.evt.{validate_id('group', group)}"
+
+    def notice(self, group: str, job: str) -> str:
+        return f"ts.v1.notice.{validate_id('group', group)}.{validate_id('job', job)}"
+
+    def agent_cmd(self, node: str) -> str:
+        return f"ts.v1.agent.{validate_id('node', node)}.cmd"
+
+    def group_state(self, group: str) -> str:
+        return f"ts.v1.group.{validate_id('group', group)}.state"
+
+    def agent_op(self, node: str) -> str:
+        """Agent operation starts (facts for people and replay; not an orchestrator input)."""
+        return f"ts.v1.agent.{validate_id('node', node)}.op"
+
+    def agent_rpc(self, node: str, verb: str) -> str:
+        """Request/reply to an agent (register, unregister, clear_fault, status): outside the stream."""
+        return f"ts.rpc.agent.{validate_id('node', node)}.{verb}"
+
+    def workload_rpc(self, node: str, job: str) -> str:
+        """Agent → registered workload: suspend/resume requests."""
+        return f"ts.rpc.workload.{validate_id('node', node)}.{validate_id('job', job)}"
+
+    # Filters the orchestrator consumes (its inputs).
+    inputs: Final = ("ts.v1.job.>", "ts.v1.ctl.>", "ts.v1.agent.*.evt.>")
+    all_events: Final = "ts.v1.>"
+
+    def group_filter(self, group: str) -> tuple[str, ...]:
+        g = validate_id("group", group)
+        return (f"ts.v1.job.{g}.>", f"ts.v1.ctl.{g}.>", f"ts.v1.agent.*.evt.{g}",
+                f"ts.v1.notice.{g}.>", f"ts.v1.group.{g}.>")
+
+
+subjects: Final = _Subjects()
