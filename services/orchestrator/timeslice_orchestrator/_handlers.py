@@ -38,16 +38,9 @@ def _on_acquire(w: Work, ev: Acquire) -> None:
         _on_claim(w, ev)
         return
     lim = LIMITS
-    if not (lim.min_lease_ms <= ev.lease_ms <= lim.max_lease_ms):
-        w.refuse(ev.job, ev.request_id, ErrorCode.INVALID,
-                 f"lease_ms={ev.lease_ms} is outside [{lim.min_lease_ms}, {lim.max_lease_ms}]")
-        return
-    if not (lim.min_ttl_ms <= ev.waiter_ttl_ms <= lim.max_ttl_ms and lim.min_ttl_ms <= ev.confirm_ms <= lim.max_ttl_ms):
-        w.refuse(ev.job, ev.request_id, ErrorCode.INVALID,
-                 f"waiter_ttl_ms/confirm_ms must lie in [{lim.min_ttl_ms}, {lim.max_ttl_ms}]")
-        return
-    if not (0 <= ev.timeout_ms <= lim.max_timeout_ms):
-        w.refuse(ev.job, ev.request_id, ErrorCode.INVALID, f"timeout_ms={ev.timeout_ms} is out of range")
+    why = _invalid(ev)
+    if why is not None:
+        w.refuse(ev.job, ev.request_id, ErrorCode.INVALID, why)
         return
     if ev.job in w.faulted:
         w.refuse(ev.job, ev.request_id, ErrorCode.JOB_FAULTED, w.faulted[ev.job])
@@ -94,12 +87,23 @@ def _on_acquire(w: Work, ev: Acquire) -> None:
     w.touch("enqueued")
 
 
+def _invalid(ev: Acquire) -> str | None:
+    """What is out of range in an acquire's durations (None: nothing)."""
+    lim = LIMITS
+    if not (lim.min_lease_ms <= ev.lease_ms <= lim.max_lease_ms):
+        return f"lease_ms={ev.lease_ms} is outside [{lim.min_lease_ms}, {lim.max_lease_ms}]"
+    if not (lim.min_ttl_ms <= ev.waiter_ttl_ms <= lim.max_ttl_ms and lim.min_ttl_ms <= ev.confirm_ms <= lim.max_ttl_ms):
+        return f"waiter_ttl_ms/confirm_ms must lie in [{lim.min_ttl_ms}, {lim.max_ttl_ms}]"
+    if not (0 <= ev.timeout_ms <= lim.max_timeout_ms):
+        return f"timeout_ms={ev.timeout_ms} is out of range"
+    return None
+
+
 def _unclaimable(w: Work, ev: Acquire) -> str | None:
     """Why a claim cannot be the zero-cost grant it assumes (None: it is exactly that)."""
-    lim = LIMITS
-    if not (lim.min_lease_ms <= ev.lease_ms <= lim.max_lease_ms and lim.min_ttl_ms <= ev.waiter_ttl_ms
-            <= lim.max_ttl_ms and lim.min_ttl_ms <= ev.confirm_ms <= lim.max_ttl_ms):
-        return "lease_ms, waiter_ttl_ms or confirm_ms is out of range"
+    why = _invalid(ev)
+    if why is not None:
+        return why
     if ev.job in w.faulted:
         return f"the job is faulted ({w.faulted[ev.job]})"
     if w.holder is not None:
