@@ -117,6 +117,7 @@ class AsyncTimeSliceClient:
         self._channels: list[WorkloadChannel] = []
         self._withdrawn: set[str] = set()  # waits already withdrawn (cleared when acquire() returns)
         self._claim: _Claim | None = None
+        self._claims = fast_reacquire  # and the server can check a claim (set on connect)
         self._published = 0  # job inputs published (a claim is only offered when none came after the release)
         self._claim_filter = subjects.job_inputs(self.group_id)
 
@@ -132,6 +133,10 @@ class AsyncTimeSliceClient:
                 self._nc = await connect(self.nats_url, name=f"timeslice-job-{self.job_id}",
                                          connect_timeout=self.connect_timeout)
             self._js = self._nc.jetstream(timeout=self.request_timeout)
+            v = self._nc.connected_server_version
+            # The sequence check's -Subject header came with nats-server 2.11; an older server would check the
+            # acquire's own subject and refuse every claim (safe, but a wasted round trip each time).
+            self._claims = self.fast_reacquire and (v.major, v.minor) >= (2, 11)
             self._sub = await self._nc.subscribe(self._notice_subject, cb=self._on_notice)
             await asyncio.sleep(0)  # NATS_NOTES trap 2
             await self._nc.flush(timeout=max(1, math.ceil(self.request_timeout)))
@@ -289,7 +294,7 @@ class AsyncTimeSliceClient:
             raise LeaseExpired(self.group_id, self.job_id, hold.epoch, hold.lost)
         before = self._published
         r, seq = await self._send_release(hold)
-        if self.fast_reacquire and r.pending_waiters == 0 and self._published == before + 1:
+        if self._claims and r.pending_waiters == 0 and self._published == before + 1:
             self._claim = _Claim(after_seq=seq, epoch=r.epoch + 1)  # nothing else was published after it
         return ReleaseResult(self.group_id, self.job_id, r.epoch, r.pending_waiters, r.snapshot_deferred)
 
