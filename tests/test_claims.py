@@ -13,6 +13,7 @@ from timeslice_client.protocol import Acquire, Granted, decode_input, decode_not
 from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
+from .agent_harness import queued
 from .helpers import eventually, running
 from .workers import read_stream
 
@@ -27,9 +28,9 @@ async def _acquires(url: str, group: str, job: str) -> list[Acquire]:
             and isinstance(ev := decode_input(data), Acquire)]
 
 
-async def _checked(url: str) -> StreamChecker:
+async def _checked(url: str, stream: list[tuple[int, int, str, bytes]] | None = None) -> StreamChecker:
     checker = StreamChecker()
-    checker.feed_all(await read_stream(url))
+    checker.feed_all(stream if stream is not None else await read_stream(url))
     return checker
 
 
@@ -51,9 +52,9 @@ async def test_reacquire_after_an_unwaited_release_is_granted_by_the_stream_alon
             assert rec.state is GroupState.LOCKED
             r2 = await a.release()
             assert (r2.epoch, r2.pending_waiters) == (2, 0)
-        checker = await _checked(nats_url)
-        assert checker.stats["gc1"].grants == 2 and checker.unpublished_grants() == []
         stream = await read_stream(nats_url)
+        checker = await _checked(nats_url, stream)
+        assert checker.stats["gc1"].grants == 2 and checker.unpublished_grants() == []
         grants = [n for _, _, subj, data in stream if subj == subjects.notice("gc1", "job-a")
                   and isinstance(n := decode_notice(data), Granted)]
         assert [(n.epoch, n.request_id) for n in grants][-1] == (2, claim.request_id)
@@ -74,7 +75,7 @@ async def test_a_claim_superseded_by_another_jobs_request_waits_its_turn(nats_ur
             gb = await b.acquire(timeout=10)  # ... but b's request comes first
             assert gb.epoch == 2
             ta = asyncio.create_task(a.acquire(timeout=10))
-            await eventually(lambda: _waiting(a, ["a"]))  # the stream refused the claim: a waits
+            await eventually(queued(a, "gc2", "a"))  # the stream refused the claim: a waits
             assert not ta.done()
             await b.release()
             ga = await ta
@@ -85,11 +86,6 @@ async def test_a_claim_superseded_by_another_jobs_request_waits_its_turn(nats_ur
             await b.close()
     assert [x.claim_epoch for x in await _acquires(nats_url, "gc2", "a")] == [None, None]  # refused, not stored
     await _checked(nats_url)
-
-
-async def _waiting(c: AsyncTimeSliceClient, jobs: list[str]):  # type: ignore[no-untyped-def]
-    rec = await c.status()
-    return rec if [w.job for w in rec.queue] == jobs else None
 
 
 async def test_no_claim_after_a_phase_event_or_when_turned_off(nats_url: str) -> None:
