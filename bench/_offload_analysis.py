@@ -1,5 +1,5 @@
 """``bench/offload.py``'s figures from its records: the workers' handler calls and grant/release times, and
-the monitor's ``OpStarted``/``OpResult`` arrivals (all CLOCK_MONOTONIC ns on one machine)."""
+the times the stream stored the agent's ``OpStarted``/``OpResult`` events (all CLOCK_MONOTONIC ns on one machine)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def switches(a: dict[str, Any], b: dict[str, Any], ops: list[dict[str, Any]], gr
         op_ms = sum(o["elapsed_ms"] for o in mine if o["type"] == "op_result")
         at = {(o["type"], o["kind"]): o["t"] for o in mine}
         overlapped = any(o["type"] == "op_started" and o.get("overlapped") for o in mine)
-        # Hops as the monitor saw them: release -> snapshot starts; snapshot result -> restore starts (a restore
+        # Hops by the stream's times: release -> snapshot starts; snapshot result -> restore starts (a restore
         # that waited for the snapshot; none when it overlapped); the last result -> grant returns.
         results = [t for (typ, _), t in at.items() if typ == "op_result"]
         marks = [t_rel, at.get(("op_started", "snapshot")), at.get(("op_result", "snapshot")),

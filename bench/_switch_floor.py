@@ -11,9 +11,12 @@ this bus and this agent design can be faster than the same hops with nothing don
 5. the orchestrator stand-in, consuming the results, publishes the grant to a stored subject;
 6. B receives it. Latency = A's release call → B's grant callback (CLOCK_MONOTONIC, one host).
 
-Four processes (orchestrator and agent stand-ins, A and B) and the server, as in ``bench/offload.py``. Each
-switch is preceded by the same idle gap as the bench's hold. Used by ``bench/offload.py``; private to
-``bench/``. Run alone: ``python bench/_switch_floor.py --url nats://... [--n 60] [--gap-ms 200]``.
+Four processes (orchestrator and agent stand-ins, A and B) and the server, as in ``bench/offload.py
+--agent-process``. ``colocated`` (the bench's default, as ``timeslice up`` runs the agent): the agent stand-in
+runs in the orchestrator stand-in's process, which stores the command and goes on to step 3 itself, and
+consumes its own result (three processes). Each switch is preceded by the same idle gap as the bench's hold.
+Used by ``bench/offload.py``; private to ``bench/``. Run alone:
+``python bench/_switch_floor.py --url nats://... [--n 60] [--gap-ms 200] [--colocated]``.
 """
 
 from __future__ import annotations
@@ -51,7 +54,12 @@ async def _consumer(nc: Any, js: Any, durable: str, subject: str, cb: Any) -> No
                                                  ack_policy=AckPolicy.EXPLICIT, filter_subject=subject))
 
 
-async def _orchestrator(url: str, ready: str) -> None:
+async def _ask_workloads(nc: Any) -> None:
+    await asyncio.gather(nc.request(_workload("A"), b"suspend", timeout=10),
+                         nc.request(_workload("B"), b"resume", timeout=10))
+
+
+async def _orchestrator(url: str, ready: str, colocated: bool) -> None:
     from nats.js.api import StreamConfig
     from nats.js.errors import NotFoundError
     from timeslice_client.bus import connect
@@ -65,6 +73,9 @@ async def _orchestrator(url: str, ready: str) -> None:
     async def on_release(msg: Any) -> None:
         await nc.publish(CMD, msg.data)
         await msg.ack()
+        if colocated:
+            await _ask_workloads(nc)
+            await js.publish(RESULT, msg.data)
 
     async def on_result(msg: Any) -> None:
         await nc.publish(GRANT, msg.data)
@@ -84,8 +95,7 @@ async def _agent(url: str, ready: str) -> None:
 
     async def on_cmd(msg: Any) -> None:
         await msg.ack()
-        await asyncio.gather(nc.request(_workload("A"), b"suspend", timeout=10),
-                             nc.request(_workload("B"), b"resume", timeout=10))
+        await _ask_workloads(nc)
         await js.publish(RESULT, msg.data)
 
     await _consumer(nc, js, "agent", CMD, on_cmd)
@@ -136,7 +146,7 @@ async def _job(url: str, ready: str, who: str, n: int, gap: float, out: str) -> 
     Path(out).write_text(json.dumps(rows))
 
 
-def measure(url: str, n: int, gap_ms: float) -> dict[str, Any]:
+def measure(url: str, n: int, gap_ms: float, colocated: bool = True) -> dict[str, Any]:
     """Run ``n`` floor switches against the server at ``url``; their latency percentiles in ms."""
     tmp = Path(tempfile.mkdtemp(prefix="ts-bench-swfloor-"))
     procs: list[subprocess.Popen[bytes]] = []
@@ -147,9 +157,10 @@ def measure(url: str, n: int, gap_ms: float) -> dict[str, Any]:
         return p
 
     try:
-        for role in ("orchestrator", "agent"):
+        for role in ("orchestrator",) if colocated else ("orchestrator", "agent"):
             ready = tmp / f"{role}.ready"
-            _common.wait_file(ready, spawn("--role", role, "--ready", str(ready)), 60, f"switch floor {role}")
+            flags = ["--colocated"] if colocated else []
+            _common.wait_file(ready, spawn("--role", role, "--ready", str(ready), *flags), 60, f"switch floor {role}")
         outs = {}
         jobs = []
         for who in ("B", "A"):
@@ -166,8 +177,8 @@ def measure(url: str, n: int, gap_ms: float) -> dict[str, Any]:
     finally:
         _common.stop_procs(procs)
     lat = [(t1 - t0) / 1e6 for t0, t1 in zip(a, b, strict=True)][max(1, n // 10):]  # the first switches warm up
-    return {"n": len(lat), "gap_ms": gap_ms, "p50_ms": _common.pct(lat, 50), "p90_ms": _common.pct(lat, 90),
-            "p99_ms": _common.pct(lat, 99)}
+    return {"n": len(lat), "gap_ms": gap_ms, "colocated": colocated, "p50_ms": _common.pct(lat, 50),
+            "p90_ms": _common.pct(lat, 90), "p99_ms": _common.pct(lat, 99)}
 
 
 def main() -> None:
@@ -175,19 +186,20 @@ def main() -> None:
     p.add_argument("--url", required=True)
     p.add_argument("--n", type=int, default=60)
     p.add_argument("--gap-ms", type=float, default=200.0)
+    p.add_argument("--colocated", action="store_true", help="the agent stand-in in the orchestrator stand-in's process")
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--who", help=argparse.SUPPRESS)
     p.add_argument("--ready", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.role == "orchestrator":
-        _common.loop_run(_orchestrator(a.url, a.ready))
+        _common.loop_run(_orchestrator(a.url, a.ready, a.colocated))
     elif a.role == "agent":
         _common.loop_run(_agent(a.url, a.ready))
     elif a.role == "job":
         _common.loop_run(_job(a.url, a.ready, a.who, a.n, a.gap_ms / 1000, a.out))
     else:
-        print(json.dumps(measure(a.url, a.n, a.gap_ms)))
+        print(json.dumps(measure(a.url, a.n, a.gap_ms, a.colocated)))
 
 
 if __name__ == "__main__":

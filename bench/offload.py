@@ -1,7 +1,8 @@
 """Offload and restore of 1, 2 and 4 GiB of tensors through the ``app_channel`` torch handler, end to end.
 
-Starts a private nats-server, the orchestrator and the node agent, each as its own process (as
-``timeslice up`` deploys them), then for each size two job processes share one group:
+Starts a private nats-server and the orchestrator with the node agent in its process (as ``timeslice up``
+deploys them; ``--agent-process``: the agent as a process of its own, as on a node without the
+orchestrator), then for each size two job processes share one group:
 
 * job A holds the state: ``N_TENSORS`` float32 tensors (parameters of one module) of ``size`` GiB in
   all, behind :class:`TorchOffloadHandler`; job B holds 8 MiB the same way. Both register with the
@@ -17,8 +18,8 @@ Starts a private nats-server, the orchestrator and the node agent, each as its o
   their spans, since a restore the agent overlaps with the snapshot runs beside it); the agent's
   ``OpResult`` events split it into agent-side (the time beyond its handler call of each operation on the
   critical path, i.e. both, or of two overlapped ones the one that ended last: RPC to the workload, thread
-  hand-off) and orchestrator + bus (the rest), and a bus monitor's arrival times of
-  ``OpStarted``/``OpResult`` give the hops between;
+  hand-off) and orchestrator + bus (the rest), and the times the stream stored ``OpStarted``/``OpResult``
+  (read back after the run: nothing extra runs during the switches) give the hops between;
 * baselines, in the same run, in the driver process, for the same bytes in the same tensor shapes,
   before that size's workers start and again after they exited (never beside their memory):
   (1) ``dst.copy_(src)`` into a preallocated, already-touched buffer (source and destination advised
@@ -30,9 +31,10 @@ Starts a private nats-server, the orchestrator and the node agent, each as its o
   Medians throughout; the first cycle and the first fresh copy are also shown: they can be far
   slower (cold memory, see docs/benchmarks.md);
 * the switch floor, on the same server after the sizes (``bench/_switch_floor.py``): the switch's bus
-  hops (release through the stream, a stored command to a push consumer, core requests to both
-  workloads, the result through the stream, a stored grant) between four processes with no timeslice
-  code, each after the same idle gap as the hold; the switch overhead is also given as a multiple of it.
+  hops (release through the stream, a stored command, core requests to both workloads, the result through
+  the stream, a stored grant) with no timeslice code, in the same layout as the stack (the agent stand-in
+  in the orchestrator stand-in's process, or with ``--agent-process`` in its own, reached through a push
+  consumer), each after the same idle gap as the hold; the switch overhead is also given as a multiple of it.
 
 With CUDA (``--device cuda``, the default when available) A's state lives on the GPU and the handler
 copies to and from a pinned host buffer; without, the "device" is CPU memory (see ``torch_offload``)
@@ -171,7 +173,7 @@ async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, hold: f
         await c.release()
 
     async with AsyncTimeSliceClient(job, group, url, lease_seconds=60, acquire_timeout=300) as c:
-        # Once: the agent is up (the monitor saw it). A failed register_workload leaves its subscription on the
+        # Once: the agent is up (the driver saw it answer). A failed register_workload leaves its subscription on the
         # client's connection, so retrying would run every later suspend once per failed try.
         await c.register_workload(_Timed(inner, calls), node_id=NODE, op_timeout=300)
         if leader:
@@ -199,35 +201,56 @@ async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, hold: f
                                      "device_bytes": inner.device_bytes()}))
 
 
-async def _monitor(url: str, ready: str, out: str) -> None:
-    """Write NODE's agent events (``OpResult``, with ``elapsed_ms``) and operation starts (``OpStarted``) to
-    ``out``, one JSON a line with the time they arrived here (CLOCK_MONOTONIC ns). Ready once the agent answers."""
+async def _wait_agent(url: str, timeout: float = 30.0) -> None:
+    """Until NODE's agent answers its status request (the workers register with it)."""
     from timeslice_client.bus import connect
     from timeslice_client.protocol import subjects
 
     nc = await connect(url)
-    f = open(out, "a", encoding="utf-8")  # noqa: SIM115 - open until this process is terminated
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                await nc.request(subjects.agent_rpc(NODE, "status"), b"", timeout=1)
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+    finally:
+        await nc.close()
 
-    async def cb(msg: Any) -> None:
-        t = time.monotonic_ns()
-        f.write(json.dumps({"t": t, **json.loads(msg.data)}) + "\n")
-        f.flush()
 
-    await nc.subscribe(subjects.agent_event(NODE, "x").rsplit(".", 1)[0] + ".>", cb=cb)
-    await nc.subscribe(subjects.agent_op(NODE), cb=cb)
-    await asyncio.sleep(0)
-    await nc.flush()
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            await nc.request(subjects.agent_rpc(NODE, "status"), b"", timeout=1)
-            break
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.05)
-    Path(ready).write_text("ok")
-    await asyncio.Event().wait()
+async def _stored_ops(url: str, group: str) -> list[dict[str, Any]]:
+    """NODE's ``OpStarted``/``OpResult`` events of ``group``, read back from the stream once the workers are done
+    (a live subscriber would be one more process woken during every switch; measured, it added 0.6-0.8 ms to the
+    overhead). ``t`` is when the stream stored the event, on CLOCK_MONOTONIC as the workers record theirs."""
+    from timeslice_client.bus import connect
+    from timeslice_client.protocol import STREAM, subjects
+
+    nc = await connect(url)
+    ops: list[dict[str, Any]] = []
+    try:
+        js = nc.jetstream()
+        sub = await js.subscribe(f"ts.v1.agent.{NODE}.>", stream=STREAM, ordered_consumer=True)
+        to_monotonic = time.monotonic_ns() - time.time_ns()  # the same host: one offset between the two clocks
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=2)
+            except TimeoutError:
+                break
+            if msg.subject.endswith(".op") or msg.subject == subjects.agent_event(NODE, group):
+                o = json.loads(msg.data)
+                if o.get("group") == group and o.get("type") in ("op_result", "op_started"):
+                    stored = msg.metadata.timestamp  # datetime, microseconds
+                    o["t"] = int(stored.timestamp() * 1e6) * 1000 + to_monotonic
+                    ops.append(o)
+            if msg.metadata.num_pending == 0:
+                break
+        await sub.unsubscribe()
+    finally:
+        await nc.close()
+    return ops
 
 
 # ---------------------------------------------------------------------- baselines (driver process)
@@ -325,7 +348,8 @@ def _spawn(*args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, __file__, *args], cwd=ROOT)
 
 
-def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str, floor_n: int) -> dict[str, Any]:
+def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str, floor_n: int,
+        agent_process: bool = False) -> dict[str, Any]:
     import torch
     from timeslice_orchestrator.embedded import NatsServer
 
@@ -335,19 +359,16 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str,
     server = NatsServer(tmp / "nats")
     url = server.start()
     env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
+    orchestrator = [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url]
     procs: list[subprocess.Popen[bytes]] = [
-        subprocess.Popen([sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url], env=env),
+        subprocess.Popen(orchestrator, env=env),
         subprocess.Popen([sys.executable, "-m", "timeslice_agent", "--node-id", NODE, "--nats-url", url], env=env,
                          stderr=subprocess.DEVNULL),
-    ]
-    ops_path = tmp / "ops.jsonl"
+    ] if agent_process else [subprocess.Popen([*orchestrator, "--with-agent", NODE], env=env)]
     results = []
     floor: dict[str, Any] | None = None
     try:
-        ready = tmp / "monitor.ready"
-        mon = _spawn("--role", "monitor", "--url", url, "--ready", str(ready), "--out", str(ops_path))
-        procs.append(mon)
-        _common.wait_file(ready, mon, 30)
+        _loop_run(_wait_agent(url))
         for i, size in enumerate(sizes):
             nbytes = int(size * GiB) // (4 * N_TENSORS) * (4 * N_TENSORS)
             group = f"offload-{i}"
@@ -370,16 +391,14 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str,
                 raise RuntimeError(f"a worker failed (A: {a.returncode}, B: {b.returncode})")
             after = _baselines(nbytes, reps, device)
             base = {k: v + after[k] for k, v in before.items()}
-            time.sleep(0.2)  # the last OpResult events reach the monitor
-            ops = [json.loads(line) for line in ops_path.read_text().splitlines() if line.strip()]
-            ops = [o for o in ops if o.get("type") in ("op_result", "op_started")]
+            ops = _loop_run(_stored_ops(url, group))
             r = _size_result(nbytes, json.loads(a_out.read_text()), json.loads(b_out.read_text()), ops, group, base)
             for when, b_ in (("before", before), ("after", after)):
                 r[f"base_copy_{when}_gbps"] = nbytes / 1e9 / _med(b_["copy"])
                 r[f"base_fresh_{when}_gbps"] = nbytes / 1e9 / _med(b_["fresh"])
             r["loadavg_1m_after"] = os.getloadavg()[0]
             results.append(r)
-        floor = _switch_floor.measure(url, floor_n, hold_ms) if floor_n else None
+        floor = _switch_floor.measure(url, floor_n, hold_ms, colocated=not agent_process) if floor_n else None
         for r in results:
             r["overhead_vs_floor"] = r["overhead_ms"] / floor["p50_ms"] if floor else None
     finally:
@@ -393,6 +412,7 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
         "cycles": cycles, "hold_ms": hold_ms, "baseline_reps": reps, "memory": _memory_setup(),
+        "agent": "own process" if agent_process else "in the orchestrator's process",
         "sizes": results, "switch_floor": floor, "wall_s": time.monotonic() - started,
     }
 
@@ -407,6 +427,7 @@ def _print(res: dict[str, Any]) -> None:
     rep = {True: "ON (freed memory goes back to the host; touching it again is slow)", False: "off", None: "no balloon"}
     print(f"  transparent huge pages: enabled {m['thp_enabled']}, defrag {m['thp_defrag']}; virtio-balloon free page "
           f"reporting: {rep[m['free_page_reporting']]}")
+    print(f"  the node agent runs {res.get('agent', 'in its own process')}")
     print(f"  {res['cycles']} cycles per size, medians; host buffers prepared (allocated and touched) before "
           "timing, so their first touch is not counted")
     print("  bandwidth = bytes / the handler's own time, timed inside the worker; GB = 1e9 bytes")
@@ -444,7 +465,7 @@ def _print(res: dict[str, Any]) -> None:
               f"orchestrator+bus {r['orchestrator_bus_ms']:.2f} ms; restore beside the snapshot in "
               f"{r.get('overlapped_switches', 0)} of {2 * r['cycles']} switches")
         h = r["hops_ms"]
-        print("    hops (medians, by arrival at a monitor process, whose own delays can shorten a hop): "
+        print("    hops (medians, by the times the stream stored the agent's events): "
               f"release -> snapshot starts {_ms(h['release_to_snapshot_start'])}, snapshot result -> restore "
               f"starts {_ms(h['snapshot_result_to_restore_start'])} (restores that waited), last result -> "
               f"acquire returns {_ms(h['last_result_to_grant'])}")
@@ -452,7 +473,9 @@ def _print(res: dict[str, Any]) -> None:
             print(f"  ERRORS: {r['errors']}")
     if (f := res.get("switch_floor")) is not None:
         ratios = ", ".join(f"{r['gib']:g} GiB {r['overhead_vs_floor']:.2f}x" for r in res["sizes"])
-        print(f"switch floor (the switch's bus hops with no timeslice code, bench/_switch_floor.py; {f['n']} switches, "
+        where = "agent stand-in in the orchestrator's process" if f.get("colocated") else "agent stand-in apart"
+        print(f"switch floor (the switch's bus hops with no timeslice code, bench/_switch_floor.py, {where}; "
+              f"{f['n']} switches, "
               f"{f['gap_ms']:g} ms gap): p50 {f['p50_ms']:.2f} ms, p90 {f['p90_ms']:.2f} ms, p99 {f['p99_ms']:.2f} ms; "
               f"switch overhead median = {ratios} the floor p50")
     off = min(r["offload_vs_copy"] for r in res["sizes"])
@@ -481,6 +504,9 @@ def main() -> None:
     p.add_argument("--floor-switches", type=int, default=40,
                    help="switches of the same-run switch floor (bench/_switch_floor.py), each after a --hold-ms gap; "
                         "0: none")
+    p.add_argument("--agent-process", action="store_true",
+                   help="run the node agent as a process of its own (default: in the orchestrator's process, as "
+                        "`timeslice up` runs it)")
     p.add_argument("--quick", action="store_true",
                    help="a short run (0.25 GiB, 2 cycles, 1 baseline rep, 10 floor switches)")
     p.add_argument("--role", help=argparse.SUPPRESS)
@@ -498,9 +524,6 @@ def main() -> None:
         _loop_run(_job(a.url, a.group, a.job, a.bytes, a.cycles, a.hold, a.out, a.ready, a.done, a.leader,
                        a.device))
         return
-    if a.role == "monitor":
-        _loop_run(_monitor(a.url, a.ready, a.out))
-        return
     if a.quick:
         a.sizes, a.cycles, a.baseline_reps, a.floor_switches = "0.25", min(a.cycles, 2), 1, min(a.floor_switches, 10)
     sizes = [float(s) for s in a.sizes.split(",") if s.strip()]
@@ -511,7 +534,7 @@ def main() -> None:
 
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     machine = _common.machine_facts()  # when the run starts: its time and load are those of the start
-    res = run(sizes, a.cycles, a.hold_ms, a.baseline_reps, a.device, a.floor_switches)
+    res = run(sizes, a.cycles, a.hold_ms, a.baseline_reps, a.device, a.floor_switches, a.agent_process)
     if a.json_out:
         _common.write_json(a.json_out, {"bench": "offload", "command": _common.command_line(),
                                         "machine": machine, **res})

@@ -1,4 +1,8 @@
-"""Orchestrator + agent + registered workloads in one event loop: the switch choreography."""
+"""Orchestrator + agent + registered workloads in one event loop: the switch choreography.
+
+Every test runs in both layouts: the agent apart (its own connection, commands through its durable consumer,
+as ``timeslice agent`` on a node) and beside the orchestrator (on the orchestrator's connection, commands
+handed over directly, as ``timeslice up`` runs it)."""
 
 from __future__ import annotations
 
@@ -14,18 +18,42 @@ from timeslice_client import AsyncTimeSliceClient, HandlerResult, JobFaulted, Jo
 from timeslice_client.bus import connect
 from timeslice_client.protocol import OpResult, decode_input, subjects
 from timeslice_orchestrator.invariants import StreamChecker
-from timeslice_orchestrator.service import Orchestrator
+from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .helpers import eventually, running
 from .workers import read_stream
 
-pytestmark = pytest.mark.usefixtures("orchestrator")
+LAYOUTS = ["apart", "beside"]
+
+
+@contextlib.asynccontextmanager
+async def stack(nats_url: str, layout: str, cfg: AgentConfig | None = None) -> AsyncIterator[Agent]:
+    """The orchestrator and node-1's agent, in ``layout``; yields the agent."""
+    cfg = cfg or AgentConfig(node_id="node-1", nats_url=nats_url)
+    orch_cfg = OrchestratorConfig(nats_url=nats_url)
+    if layout == "apart":
+        async with running(Orchestrator(orch_cfg)), running(Agent(cfg)) as agent:
+            yield agent
+        return
+    orch = Orchestrator(orch_cfg, local_agent=lambda nc: Agent(cfg, nc=nc))
+    async with running(orch):
+        assert isinstance(orch.local_agent, Agent) and orch.local_agent.ready.is_set()
+        yield orch.local_agent
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture
-async def agent(nats_url: str) -> AsyncIterator[Agent]:
-    async with running(Agent(AgentConfig(node_id="node-1", nats_url=nats_url))) as a:
+async def agent(nats_url: str, layout: str) -> AsyncIterator[Agent]:
+    async with stack(nats_url, layout) as a:
         yield a
+
+
+def _commands(agent: Agent) -> dict[str, float]:
+    return {via: agent.metrics.commands.labels(via)._value.get() for via in ("direct", "stream")}
 
 
 class Recorder:
@@ -43,7 +71,7 @@ class Recorder:
         return HandlerResult(bytes_moved=100, device_bytes_freed=0)
 
 
-async def test_switch_snapshots_then_restores_then_grants(nats_url: str, agent: Agent) -> None:
+async def test_switch_snapshots_then_restores_then_grants(nats_url: str, agent: Agent, layout: str) -> None:
     log: list[str] = []
     nc = await connect(nats_url)
     results = await nc.subscribe(subjects.agent_event("node-1", "gs"))
@@ -84,6 +112,34 @@ async def test_switch_snapshots_then_restores_then_grants(nats_url: str, agent: 
     assert any(o.kind == "snapshot" and o.ok and o.bytes_moved == 100 and o.backend == "app_channel"
                for o in outcomes)
     await nc.close()
+    # Each command reached the agent once: beside the orchestrator directly (its stream copy only acknowledged),
+    # apart through the stream.
+    n = len({o.op_id for o in outcomes})
+    assert n >= 4
+    assert _commands(agent) == ({"direct": n, "stream": 0} if layout == "beside" else {"direct": 0, "stream": n})
+    # The stream stores each command before anything the agent writes about it, and the agent acknowledges
+    # every delivered copy.
+    first: dict[tuple[str, str], int] = {}
+    kinds = {subjects.agent_cmd("node-1"): "cmd", subjects.agent_op("node-1"): "op",
+             subjects.agent_event("node-1", "gs"): "evt"}
+    for seq, _, subj, data in await read_stream(nats_url):
+        op_id = msgspec.json.decode(data).get("op_id") if subj in kinds else None  # None: not an operation's
+        if op_id is not None:
+            first.setdefault((op_id, kinds[subj]), seq)
+    for op_id in {o.op_id for o in outcomes}:
+        cmd = first[(op_id, "cmd")]
+        assert cmd < first[(op_id, "evt")] and cmd < first.get((op_id, "op"), cmd + 1), (op_id, first)
+    js = (nc2 := await connect(nats_url)).jetstream()
+    try:
+        info = await eventually(lambda: _settled(js))
+        assert info.num_pending == 0 and info.num_ack_pending == 0
+    finally:
+        await nc2.close()
+
+
+async def _settled(js):  # type: ignore[no-untyped-def]
+    info = await js.consumer_info("TIMESLICE", "agent-node-1")
+    return info if info.num_pending == 0 and info.num_ack_pending == 0 else None
 
 
 async def _queued(c: AsyncTimeSliceClient, job: str):  # type: ignore[no-untyped-def]
@@ -91,7 +147,7 @@ async def _queued(c: AsyncTimeSliceClient, job: str):  # type: ignore[no-untyped
     return rec if job in [w.job for w in rec.queue] else None
 
 
-async def test_failed_snapshot_faults_only_that_job(nats_url: str, agent: Agent, orchestrator: Orchestrator) -> None:
+async def test_failed_snapshot_faults_only_that_job(nats_url: str, agent: Agent) -> None:
     log: list[str] = []
     async with AsyncTimeSliceClient("a", "gf", nats_url) as a, AsyncTimeSliceClient("b", "gf", nats_url) as b:
         await a.register_workload(Recorder("a", log, fail_suspend=True), node_id="node-1")
@@ -130,9 +186,10 @@ class Blocking(Recorder):
         return super().suspend(mode, tags)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
 async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node_unless_there_is_room(
-        nats_url: str, overlap: bool) -> None:
+        nats_url: str, overlap: bool, layout: str) -> None:
     """The orchestrator sends b's restore together with a's snapshot (``Restore.after``). With overlap off the
     agent runs the restore only once the snapshot on its node has ended; with it on (the default) and room on
     the node, the restore runs beside the snapshot. Either way b is granted only once both ended."""
@@ -141,7 +198,7 @@ async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node_unless_th
     nc = await connect(nats_url)
     cfg = AgentConfig(node_id="node-1", nats_url=nats_url, overlap_restores=overlap)
     try:
-        async with running(Agent(cfg)) as agent, AsyncTimeSliceClient("a", "gp", nats_url) as a, \
+        async with stack(nats_url, layout, cfg) as agent, AsyncTimeSliceClient("a", "gp", nats_url) as a, \
                 AsyncTimeSliceClient("b", "gp", nats_url) as b:
             await a.register_workload(Blocking("a", log, go), node_id="node-1")
             await b.register_workload(Recorder("b", log), node_id="node-1")

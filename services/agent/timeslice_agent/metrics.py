@@ -55,6 +55,11 @@ class AgentMetrics:
             "having room for both contexts (Restore.after; see AgentConfig.overlap_restores).",
             ["backend"], registry=r)
 
+        self.commands = Counter(
+            "timeslice_agent_commands", "Commands received: from the stream (the agent's durable consumer), or "
+            "handed over directly by the orchestrator this agent runs beside (its stream copy is then only "
+            "acknowledged).", ["via"], registry=r)
+
     def operation(self, result: OpResult, outcome: str) -> None:
         """Record one answered operation; duration and bytes only for operations that ran."""
         if outcome not in OUTCOMES:

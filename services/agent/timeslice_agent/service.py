@@ -7,7 +7,9 @@
 * runs snapshot/restore commands from the orchestrator (``ts.v1.agent.<node>.cmd``, a durable
   consumer, so commands sent while it restarts are not lost): idempotent per op id, fenced by the
   group epoch, bounded by the command's deadline, rolled back where the backend can; every start
-  and outcome goes to the event stream;
+  and outcome goes to the event stream. An agent that runs in the orchestrator's process on its
+  connection (``timeslice up``) is also handed its commands directly (:meth:`Agent.take`), one bus
+  hop sooner; the stream's copy then only gets its acknowledgement;
 * notices registered processes that died and unregisters them.
 """
 
@@ -118,6 +120,7 @@ class Agent:
         self._subs: list[Any] = []
         self._started_ms = _now_ms()
         self._standalone: dict[str, float] = {}  # running standalone op id -> start (monotonic s)
+        self._taken: collections.OrderedDict[str, None] = collections.OrderedDict()  # op ids handed over by take()
 
     @property
     def ready(self) -> asyncio.Event:
@@ -290,17 +293,39 @@ class Agent:
 
     # ------------------------------------------------------------------ operations
 
+    def take(self, cmd: Snapshot | Restore) -> bool:
+        """Run a command that a co-located orchestrator hands over directly, right after publishing it on
+        this agent's connection (so the stream stores the command before anything this agent writes about
+        it). Its copy from the stream, delivered later, is then only acknowledged. False when not taken (not
+        this node's, or this agent is not ready: its durable consumer then delivers the command)."""
+        if cmd.node != self.node or self._tg is None or not self._ready.is_set() or self._stop.is_set():
+            return False
+        self._taken[cmd.op_id] = None
+        while len(self._taken) > self.config.max_results:
+            self._taken.popitem(last=False)
+        self.metrics.commands.labels("direct").inc()
+        self._start(cmd)
+        return True
+
+    def _start(self, cmd: Snapshot | Restore) -> None:
+        assert self._tg is not None
+        # Registered before the next command is read: a restore that follows this operation (Restore.after)
+        # finds it running, since commands arrive in the order the orchestrator sent them.
+        owner = self._running.start(cmd.op_id)
+        self._tg.create_task(self._run(cmd, owner))
+
     async def _on_command(self, msg: Msg) -> None:
         try:
             cmd: Snapshot | Restore | None = _command_decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("undecodable command: %s", exc, extra={"node": self.node})
             cmd = None
+        if cmd is not None and cmd.op_id in self._taken:
+            del self._taken[cmd.op_id]  # handed over by take() already: only the acknowledgement is left
+            cmd = None
         if cmd is not None and cmd.node == self.node and self._tg is not None:
-            # Registered before the next command is read: a restore that follows this operation (Restore.after)
-            # finds it running, since commands arrive in the order the orchestrator sent them.
-            owner = self._running.start(cmd.op_id)
-            self._tg.create_task(self._run(cmd, owner))
+            self.metrics.commands.labels("stream").inc()
+            self._start(cmd)
         # Acknowledged after the operation's task is scheduled: that task then runs before the connection's
         # flusher, so its first writes (the TRANSITIONING mark, OpStarted, the request to the workload) leave in
         # the same socket write as this acknowledgement instead of one write later.

@@ -18,10 +18,11 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from timeslice_client._metrics_http import serve_metrics
+from timeslice_client._metrics_http import MetricsEndpoint, serve_metrics
 from timeslice_client._runner import run
 
 from . import _events_cmd, _status_cmd
+from ._beside import AgentBeside
 from .demo import register as _register_demo
 from .replay import _cli as _replay_cli
 
@@ -47,9 +48,11 @@ async def _orchestrator(args: argparse.Namespace) -> int:
     from .service import Orchestrator, OrchestratorConfig
 
     cfg = OrchestratorConfig(nats_url=args.nats_url) if args.nats_url else OrchestratorConfig()
-    orch = Orchestrator(cfg, metrics=OrchestratorMetrics(_metrics_registry()))
+    beside = AgentBeside(args.with_agent, cfg.nats_url, _metrics_registry()) if args.with_agent else None
+    orch = Orchestrator(cfg, metrics=OrchestratorMetrics(_metrics_registry()), local_agent=beside)
     _install_stop(orch.shutdown)
-    async with serve_metrics(orch.metrics.registry, args.metrics_port, args.metrics_host):
+    async with serve_metrics(orch.metrics.registry, args.metrics_port, args.metrics_host), \
+            _beside_metrics(beside, args.agent_metrics_port, args.metrics_host):
         if _grpc_wanted(args):
             # imported only when asked for: without --grpc-port the orchestrator needs no gRPC packages
             from . import grpc_shim
@@ -58,6 +61,14 @@ async def _orchestrator(args: argparse.Namespace) -> int:
         else:
             await orch.run()
     return 0
+
+
+def _beside_metrics(beside: AgentBeside | None, port: int,
+                    host: str) -> contextlib.AbstractAsyncContextManager[MetricsEndpoint | None]:
+    """The in-process agent's metrics endpoint; nothing without one (an agent process serves its own)."""
+    if beside is None:
+        return contextlib.nullcontext(None)
+    return serve_metrics(beside.metrics.registry, port, host)
 
 
 def _grpc_wanted(args: argparse.Namespace) -> bool:
@@ -94,23 +105,30 @@ async def _up(args: argparse.Namespace) -> int:
     advert = url_file()
     agent: asyncio.subprocess.Process | None = None
     try:
-        orch = Orchestrator(OrchestratorConfig(nats_url=url), metrics=OrchestratorMetrics(_metrics_registry()))
+        # The agent runs in this process unless asked otherwise: its commands then skip a bus hop (_beside.py).
+        beside = None if args.no_agent or args.agent_process else AgentBeside(args.node_id, url, _metrics_registry())
+        orch = Orchestrator(OrchestratorConfig(nats_url=url), metrics=OrchestratorMetrics(_metrics_registry()),
+                            local_agent=beside)
         shim = grpc_shim.from_args(args, url, host=args.host) if _grpc_wanted(args) else None
         _install_stop(orch.shutdown)
         async with serve_metrics(orch.metrics.registry, args.metrics_port, args.host) as metrics, \
+                _beside_metrics(beside, args.agent_metrics_port, args.host) as beside_metrics, \
                 asyncio.TaskGroup() as tg:
             run = tg.create_task(grpc_shim.run_beside(orch, shim))
             ready = tg.create_task(grpc_shim.ready(orch, shim))
             await asyncio.wait({run, ready}, return_when=asyncio.FIRST_COMPLETED)
             if ready.done():
                 node = "-"
-                if not args.no_agent:
+                port = args.agent_metrics_port
+                agent_metrics = "-" if port < 0 else f"http://{args.host}:{port or '<logged>'}/metrics"
+                if beside is not None:
+                    node = f"{beside.node} (in this process)"
+                    agent_metrics = beside_metrics.url if beside_metrics else "-"
+                elif not args.no_agent:
                     agent, node = await _start_agent(url, args.node_id, orch.shutdown,
                                                      metrics=(args.agent_metrics_port, args.host))
                 advert.parent.mkdir(parents=True, exist_ok=True)
                 advert.write_text(url + "\n")
-                port = args.agent_metrics_port
-                agent_metrics = "-" if port < 0 else f"http://{args.host}:{port or '<logged>'}/metrics"
                 print(f"timeslice up: nats={url} orchestrator=ready grpc={shim.address if shim else '-'} "
                       f"agent={node} data={data_dir} metrics={metrics.url if metrics else '-'} "
                       f"agent-metrics={agent_metrics} url-file={advert} (Ctrl-C to stop)", flush=True)
@@ -203,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--node-id", default=None, help="the agent's node id (default: $TIMESLICE_NODE_ID or host name)")
     up.add_argument("--no-agent", action="store_true", help="run NATS and the orchestrator only")
+    up.add_argument("--agent-process", action="store_true",
+                    help="run the agent as a process of its own (default: in the orchestrator's process, where its "
+                         "commands skip a bus hop)")
     _grpc_flags(up, default_port=50051)
     up.add_argument("--metrics-port", type=int, default=9464,
                     help="the orchestrator's Prometheus metrics on this port at --host (default 9464; 0: any; -1: off)")
@@ -216,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--metrics-port", type=int, default=-1,
                       help="serve Prometheus metrics at /metrics on this port (0: any free port; default -1: off)")
     orch.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics endpoint listens on")
+    orch.add_argument("--with-agent", metavar="NODE_ID", default=None,
+                      help="also run this node's snapshot agent in this process, on the orchestrator's connection "
+                           "(its commands skip a bus hop; as `timeslice up` runs it)")
+    orch.add_argument("--agent-metrics-port", type=int, default=-1,
+                      help="with --with-agent: serve the agent's metrics on this port at --metrics-host (default -1: "
+                           "off)")
     orch.set_defaults(func=_orchestrator)
 
     _status_cmd.register(sub)

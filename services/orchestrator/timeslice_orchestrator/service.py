@@ -16,6 +16,14 @@ that reflects the caught-up events is stored does the durable move past them (th
 
 Expiries enter as ``Tick`` events this shell publishes at each record's next deadline, so ``now`` is
 always an event's stream timestamp.
+
+A node agent can run in this process on the orchestrator's connection (``local_agent``; ``timeslice up``
+does this). Its node's commands are then handed to it directly, right after they are published, instead of
+reaching it through the stream one bus hop later. Sharing the connection keeps the stream's order: a command
+is stored before anything the agent writes about it. Everything else about the agent is unchanged: it still
+has its durable consumer (a command published before it was ready, or during a restart, arrives that way),
+its results still reach this orchestrator only through the stream, and it answers a command delivered twice
+once.
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ import functools
 import heapq
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -46,6 +55,8 @@ from timeslice_client.protocol import (
     GroupRecord,
     InputEvent,
     Refused,
+    Restore,
+    Snapshot,
     Tick,
     decode_input,
     decode_record,
@@ -58,7 +69,7 @@ from ._delivery import delivery, first, is_input, route
 from .core import Action, Command, Notify, Transition, apply, new_record, next_deadline
 from .metrics import OrchestratorMetrics
 
-__all__ = ["Orchestrator", "OrchestratorConfig", "OrchestratorError"]
+__all__ = ["LocalAgent", "Orchestrator", "OrchestratorConfig", "OrchestratorError"]
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -80,7 +91,26 @@ class OrchestratorConfig(BaseSettings):
     write_attempts: int = Field(default=8, ge=1)
     write_timeout_s: float = Field(default=5.0, gt=0)
     catch_up_idle_s: float = Field(default=10.0, gt=0)  # the catch-up fails when the bus is silent this long
+    local_agent_ready_s: float = Field(default=60.0, gt=0)  # the agent run beside this one must be ready by then
     bus: BusConfig = BusConfig()
+
+
+class LocalAgent(Protocol):
+    """A node agent run by the orchestrator in its own process, on its connection (``timeslice_agent.Agent``)."""
+
+    node: str
+
+    @property
+    def ready(self) -> asyncio.Event: ...
+
+    async def run(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def take(self, cmd: Snapshot | Restore) -> bool:
+        """Start a command just published on the shared connection; False when not taken (the stream
+        delivers it then)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -97,11 +127,16 @@ class Orchestrator:
     """Run with ``await Orchestrator(config).run()``; stop with ``shutdown()`` (idempotent)."""
 
     def __init__(self, config: OrchestratorConfig | None = None, *, nc: NATS | None = None,
-                 metrics: OrchestratorMetrics | None = None) -> None:
+                 metrics: OrchestratorMetrics | None = None,
+                 local_agent: Callable[[NATS], LocalAgent] | None = None) -> None:
+        """``local_agent``: builds the node agent this orchestrator runs beside itself, on the connection it
+        is given (the orchestrator's); it starts once the orchestrator consumes and stops before it drains."""
         self.config = config or OrchestratorConfig()
         self.metrics = metrics if metrics is not None else OrchestratorMetrics()
         self._nc = nc
         self._own_nc = nc is None
+        self._local_factory = local_agent
+        self.local_agent: LocalAgent | None = None
         self._js: JetStreamContext | None = None
         self._kv: KeyValue | None = None
         self._agents_kv: KeyValue | None = None
@@ -137,6 +172,7 @@ class Orchestrator:
         buckets = await ensure_bus(self._js, self.config.bus)
         self._kv = buckets.groups
         self._agents_kv = buckets.agents
+        local: asyncio.Task[None] | None = None
         try:
             await self._load_records()
             async with asyncio.TaskGroup() as tg:
@@ -150,9 +186,18 @@ class Orchestrator:
                 caught_up = await self._catch_up(floor)
                 if not self._stop.is_set() and await self._stored_all():
                     await self._subscribe(caught_up)
-                    log.info("orchestrator ready", extra={"groups": len(self._groups)})
-                    self._ready.set()
+                    if self._local_factory is not None:
+                        self.local_agent = self._local_factory(nc)
+                        local = tg.create_task(self._run_local(self.local_agent))
+                    if await self._local_ready():
+                        log.info("orchestrator ready", extra={"groups": len(self._groups)})
+                        self._ready.set()
                 await self._stop.wait()
+                if local is not None and self.local_agent is not None:
+                    self.local_agent.shutdown()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(30):
+                            await asyncio.wait({local})
                 await self._drain()
                 raise _Stopped
         except* _Stopped:
@@ -166,6 +211,30 @@ class Orchestrator:
                     await nc.drain()
         if self._fatal is not None:
             raise OrchestratorError(str(self._fatal)) from self._fatal
+
+    async def _run_local(self, agent: LocalAgent) -> None:
+        """The agent beside this orchestrator, until it stops; its failure or exit stops the orchestrator."""
+        try:
+            await agent.run()
+        except Exception as exc:
+            log.exception("the agent running beside the orchestrator failed", extra={"node": agent.node})
+            self._die(exc)
+            return
+        if not self._stop.is_set():
+            self._die(RuntimeError(f"the agent of node {agent.node!r} running beside the orchestrator stopped"))
+
+    async def _local_ready(self) -> bool:
+        """Until the agent beside this orchestrator (if any) is ready; False when stopping instead."""
+        agent, timeout_s = self.local_agent, self.config.local_agent_ready_s
+        if agent is None:
+            return True
+        try:
+            async with asyncio.timeout(timeout_s):
+                await first(agent.ready.wait(), self._stop.wait())
+        except TimeoutError:
+            self._die(TimeoutError(f"the agent of node {agent.node!r} was not ready within {timeout_s:.0f} s"))
+            return False
+        return not self._stop.is_set()
 
     def shutdown(self) -> None:
         """Ask ``run()`` to finish: stop consuming, store what was decided, return. Safe to call twice."""
@@ -396,6 +465,14 @@ class Orchestrator:
     async def _publish(self, group: str, actions: list[Action]) -> None:
         nc = self._nc
         assert nc is not None
+        if (local := self.local_agent) is not None:
+            # Handed over before the publishes below, with no await in between: take() only schedules the
+            # operation, whose first step runs once this callback yields, after everything here is buffered
+            # (so the stream stores the command first). Its writes (the job's mark, OpStarted, the request to the
+            # workload) then join these in the connection's next socket write instead of one write later.
+            for a in actions:
+                if isinstance(a, Command) and a.command.node == local.node:
+                    local.take(a.command)
         # In the core's order: a Released/Revoked always precedes the next Granted, so the stream alone
         # shows that holds never overlap (invariants.StreamChecker checks it).
         for a in actions:

@@ -1,0 +1,150 @@
+"""The node agent beside the orchestrator (``Orchestrator(local_agent=...)``, ``timeslice up``): its lifecycle
+follows the orchestrator's, a failure of it stops the orchestrator with the reason, it takes only its own
+node's commands once ready, and ``timeslice up`` runs it in its process (or apart with ``--agent-process``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client as NATS
+from timeslice_agent import Agent, AgentConfig
+from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
+from timeslice_client.protocol import Restore, Snapshot
+from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig, OrchestratorError
+
+from .helpers import eventually, running
+from .workers import read_stream
+
+
+class FailingAgent:
+    """A ``LocalAgent`` whose ``run`` fails at once, or (``hang``) never becomes ready."""
+
+    node = "n1"
+
+    def __init__(self, *, hang: bool = False) -> None:
+        self.hang = hang
+        self._ready = asyncio.Event()
+        self._stop = asyncio.Event()
+
+    @property
+    def ready(self) -> asyncio.Event:
+        return self._ready
+
+    async def run(self) -> None:
+        if not self.hang:
+            raise RuntimeError("no device here")
+        await self._stop.wait()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+
+    def take(self, cmd: Snapshot | Restore) -> bool:
+        return False
+
+
+async def test_a_failing_agent_beside_stops_the_orchestrator_with_its_reason(nats_url: str) -> None:
+    orch = Orchestrator(OrchestratorConfig(nats_url=nats_url), local_agent=lambda nc: FailingAgent())
+    async with asyncio.timeout(20):
+        with pytest.raises(OrchestratorError, match="no device here"):
+            await orch.run()
+    assert not orch.ready.is_set()
+
+
+async def test_an_agent_beside_that_never_gets_ready_stops_the_orchestrator(nats_url: str) -> None:
+    cfg = OrchestratorConfig(nats_url=nats_url, local_agent_ready_s=0.5)
+    orch = Orchestrator(cfg, local_agent=lambda nc: FailingAgent(hang=True))
+    async with asyncio.timeout(20):
+        with pytest.raises(OrchestratorError, match="not ready within"):
+            await orch.run()
+
+
+async def test_an_agent_takes_only_its_own_nodes_commands_and_only_once_ready(nats_url: str) -> None:
+    snap = Snapshot(group="g", job="a", node="n1", op_id="g:2:snapshot:n1", epoch=2, deadline_ms=2**41)
+    built: list[Agent] = []
+
+    def build(nc: NATS) -> Agent:
+        built.append(Agent(AgentConfig(node_id="n1", nats_url=nats_url), nc=nc))
+        assert not built[-1].take(snap)  # not running yet: the stream delivers it
+        return built[-1]
+
+    async with running(Orchestrator(OrchestratorConfig(nats_url=nats_url), local_agent=build)) as orch:
+        (agent,) = built
+        assert orch.local_agent is agent and agent.ready.is_set()
+        other = Snapshot(group="g", job="a", node="n2", op_id="g:2:snapshot:n2", epoch=2, deadline_ms=2**41)
+        assert not agent.take(other)
+        assert agent.take(snap)  # a job it does not know: answered (refused) like any command
+        await eventually(lambda: agent.operation(snap.op_id) is not None and agent.operation(snap.op_id).done)
+    assert agent._stop.is_set()  # stopped with the orchestrator
+
+
+class Recorder:
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        self.log.append(f"{self.name}:suspend")
+        return HandlerResult(bytes_moved=10, device_bytes_freed=10)
+
+    def resume(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        self.log.append(f"{self.name}:resume")
+        return HandlerResult(bytes_moved=10)
+
+
+def _fields(line: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in line.split() if "=" in part)
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["agent-in-process", "agent-process"])
+async def test_timeslice_up_runs_the_agent_in_its_process_unless_asked(tmp_path: Path, apart: bool) -> None:
+    env = dict(os.environ, TIMESLICE_URL_FILE=str(tmp_path / "nats.url"), TIMESLICE_LOG_LEVEL="warning")
+    args = [sys.executable, "-m", "timeslice_orchestrator", "up", "--data-dir", str(tmp_path / "data"),
+            "--node-id", "n-up", "--grpc-port", "-1", "--metrics-port", "-1", "--agent-metrics-port",
+            "-1" if apart else "0", *(["--agent-process"] if apart else [])]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+        assert line.startswith(b"timeslice up: nats="), (line, proc.poll())
+        fields = _fields(line.decode())
+        url = fields["nats"]
+        assert (tmp_path / "nats.url").read_text().strip() == url
+        assert ("(in this process)" in line.decode()) is not apart
+        log: list[str] = []
+        async with AsyncTimeSliceClient("a", "g-up", url) as a, AsyncTimeSliceClient("b", "g-up", url) as b:
+            await a.register_workload(Recorder("a", log), node_id="n-up")
+            await b.register_workload(Recorder("b", log), node_id="n-up")
+            await a.acquire(timeout=10)
+            tb = asyncio.create_task(b.acquire(timeout=10))
+            await eventually(lambda: _waiting(a, "b"))
+            await a.release()
+            gb = await tb
+            assert gb.context_restored and log == ["a:suspend"]
+            await b.release()
+        if not apart:  # the agent's metrics, served by the `up` process: every command was handed over (a's first
+            # restore, which has nothing to move, then a's snapshot and b's restore)
+            with urllib.request.urlopen(fields["agent-metrics"], timeout=10) as r:
+                text = r.read().decode()
+            assert 'timeslice_agent_commands_total{via="direct"} 3.0' in text, text
+            assert 'via="stream"' not in text
+        stream = await read_stream(url)
+        assert any(subj == "ts.v1.agent.n-up.cmd" for _, _, subj, _ in stream)
+        proc.send_signal(signal.SIGTERM)
+        out, err = await asyncio.wait_for(asyncio.to_thread(proc.communicate), 60)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        assert b"timeslice up: stopped" in out
+        assert not (tmp_path / "nats.url").exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+async def _waiting(c: AsyncTimeSliceClient, job: str) -> bool:
+    return job in [w.job for w in (await c.status()).queue]
