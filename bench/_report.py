@@ -125,7 +125,8 @@ def _offload(r: dict[str, Any]) -> list[str]:
     over = max((s["overhead_ms"] for s in sizes), default=None)
     return [
         "Offload and restore through the `app_channel` torch handler, end to end through the orchestrator and "
-        f"the node agent (device: {r.get('device', '?')}); GB/s = bytes over the handler's own time, medians of "
+        f"the node agent ({r.get('agent', 'in its own process')}; device: {r.get('device', '?')}); GB/s = bytes "
+        "over the handler's own time, medians of "
         f"{r.get('cycles', '?')} cycles. Baselines in the same run for the same bytes: copy(1) = `dst.copy_(src)` "
         "into a preallocated buffer; fresh(2) = allocate + copy (memory re-obtained from the OS, as a CPU restore "
         "must). Switch overhead = release → the other job's `acquire()` returns, minus the handler calls.", "",
@@ -146,10 +147,13 @@ def _switch_floor(r: dict[str, Any]) -> list[str]:
     if not f:
         return []
     ratios = ", ".join(f"{_n(s.get('overhead_vs_floor'))}{X} at {s.get('gib', '?'):g} GiB" for s in r.get("sizes", []))
+    layout = ("the agent stand-in in the orchestrator stand-in's process, which stores the command and asks the "
+              "workloads itself, three processes" if f.get("colocated") else
+              "the agent stand-in apart, reached through a push consumer, four processes")
     return [
         "Switch floor, same run and server (`bench/_switch_floor.py`): the switch's bus hops with no timeslice "
-        "code in them (release through the stream → a stored command to a push consumer → core requests to both "
-        "workloads, answered at once → the result through the stream → a stored grant), four processes, "
+        "code in them (release through the stream → a stored command → core requests to both workloads, "
+        f"answered at once → the result through the stream → a stored grant), {layout}, "
         f"{f.get('n', '?')} switches after a {_n(f.get('gap_ms'), 0)} ms idle gap each: p50 "
         f"{_n(f.get('p50_ms'), 2, ' ms')}, p90 {_n(f.get('p90_ms'), 2, ' ms')}, p99 {_n(f.get('p99_ms'), 2, ' ms')}. "
         f"Switch overhead median, as a multiple of this floor's p50: {ratios}.", "",

@@ -141,9 +141,13 @@ async def test_timeslice_up_runs_the_agent_in_its_process_unless_asked(tmp_path:
         assert b"timeslice up: stopped" in out
         assert not (tmp_path / "nats.url").exists()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc.poll() is None:  # a failed test: stop it gracefully first, so that it stops its nats-server
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(proc.wait, 30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 async def _waiting(c: AsyncTimeSliceClient, job: str) -> bool:

@@ -131,12 +131,16 @@ def test_run_all_writes_the_document(results: tuple[Path, dict[str, str]], tmp_p
     assert "ratio 0.70" in text and "`timeslice demo` not run" not in text
 
 
-def test_switch_floor_times_its_hops_between_four_processes(nats_url: str) -> None:
+@pytest.mark.parametrize("colocated", [False, True], ids=["four-processes", "agent-stand-in-beside"])
+def test_switch_floor_times_its_hops(nats_url: str, colocated: bool) -> None:
     """``bench/_switch_floor.py`` (the offload bench's same-run floor) passes its switches through the real
-    server: one latency per switch after the warm-up, ordered percentiles, twice on one server."""
+    server, in either layout: one latency per switch after the warm-up, ordered percentiles, twice on one
+    server."""
+    flags = ["--colocated"] if colocated else []
     for _ in range(2):  # a second measurement on the same server replaces the first one's stream
-        data = json.loads(_run("_switch_floor.py", "--url", nats_url, "--n", "12", "--gap-ms", "5", timeout=90))
-        assert data["n"] == 11 and data["gap_ms"] == 5.0
+        data = json.loads(_run("_switch_floor.py", "--url", nats_url, "--n", "12", "--gap-ms", "5", *flags,
+                               timeout=90))
+        assert data["n"] == 11 and data["gap_ms"] == 5.0 and data["colocated"] is colocated
         assert 0 < data["p50_ms"] <= data["p90_ms"] <= data["p99_ms"] < 1000
 
 
@@ -145,11 +149,14 @@ def test_offload_report_shows_the_switch_floor(tmp_path: Path) -> None:
             "restore_vs_copy": 0.7, "base_copy_gbps": 11.0, "base_fresh_gbps": 9.0, "overhead_ms": 7.5,
             "overhead_vs_floor": 1.875}
     offload = {"bench": "offload", "command": "python bench/offload.py --sizes 1", "machine": {"cores": 2},
-               "device": "cpu", "cycles": 5, "sizes": [size],
-               "switch_floor": {"n": 36, "gap_ms": 200.0, "p50_ms": 4.0, "p90_ms": 4.5, "p99_ms": 6.0}}
+               "device": "cpu", "cycles": 5, "sizes": [size], "agent": "in the orchestrator's process",
+               "switch_floor": {"n": 36, "gap_ms": 200.0, "colocated": True, "p50_ms": 4.0, "p90_ms": 4.5,
+                                "p99_ms": 6.0}}
     (tmp_path / "offload.json").write_text(json.dumps(offload))
     doc = tmp_path / "benchmarks.md"
     _run("run_all.py", "--no-run", "--results", str(tmp_path), "--doc", str(doc))
     text = doc.read_text()
     assert "Switch floor, same run and server" in text and "p50 4.00 ms" in text
+    assert "the node agent (in the orchestrator's process; device: cpu)" in text
+    assert "the agent stand-in in the orchestrator stand-in's process" in text
     assert "Switch overhead median, as a multiple of this floor's p50: 1.88\u00d7 at 1 GiB." in text
