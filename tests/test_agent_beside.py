@@ -69,18 +69,25 @@ async def test_an_agent_takes_only_its_own_nodes_commands_and_only_once_ready(na
     snap = Snapshot(group="g", job="a", node="n1", op_id="g:2:snapshot:n1", epoch=2, deadline_ms=2**41)
     built: list[Agent] = []
 
+    published = asyncio.Event()
+
     def build(nc: NATS) -> Agent:
         built.append(Agent(AgentConfig(node_id="n1", nats_url=nats_url), nc=nc))
-        assert not built[-1].take(snap)  # not running yet: the stream delivers it
+        assert not built[-1].take(snap, published)  # not running yet: the stream delivers it
         return built[-1]
 
     async with running(Orchestrator(OrchestratorConfig(nats_url=nats_url), local_agent=build)) as orch:
         (agent,) = built
         assert orch.local_agent is agent and agent.ready.is_set()
         other = Snapshot(group="g", job="a", node="n2", op_id="g:2:snapshot:n2", epoch=2, deadline_ms=2**41)
-        assert not agent.take(other)
-        assert agent.take(snap)  # a job it does not know: answered (refused) like any command
+        assert not agent.take(other, published)
+        assert agent.take(snap, published)  # a job it does not know: answered (refused) like any command
+        for _ in range(50):  # loop turns enough to answer it (no I/O comes first), had it not waited
+            await asyncio.sleep(0)
+        assert agent.operation(snap.op_id) is None  # nothing done before the command is published
+        published.set()
         await eventually(lambda: agent.operation(snap.op_id) is not None and agent.operation(snap.op_id).done)
+        assert "not registered" in (agent.operation(snap.op_id).result.error or "")
     assert agent._stop.is_set()  # stopped with the orchestrator
 
 

@@ -293,26 +293,27 @@ class Agent:
 
     # ------------------------------------------------------------------ operations
 
-    def take(self, cmd: Snapshot | Restore) -> bool:
-        """Run a command that a co-located orchestrator hands over directly, right after publishing it on
-        this agent's connection (so the stream stores the command before anything this agent writes about
-        it). Its copy from the stream, delivered later, is then only acknowledged. False when not taken (not
-        this node's, or this agent is not ready: its durable consumer then delivers the command)."""
+    def take(self, cmd: Snapshot | Restore, published: asyncio.Event) -> bool:
+        """Run a command that the orchestrator this agent runs beside hands over directly, as it publishes it
+        on this agent's connection. The operation writes nothing before ``published`` is set (the command is
+        buffered by then), so the stream stores the command before anything this agent writes about it. The
+        stream's copy, delivered later, is then only acknowledged. False when not taken (not this node's, or
+        this agent is not ready or stopping: its durable consumer then delivers the command)."""
         if cmd.node != self.node or self._tg is None or not self._ready.is_set() or self._stop.is_set():
             return False
         self._taken[cmd.op_id] = None
         while len(self._taken) > self.config.max_results:
             self._taken.popitem(last=False)
         self.metrics.commands.labels("direct").inc()
-        self._start(cmd)
+        self._start(cmd, published)
         return True
 
-    def _start(self, cmd: Snapshot | Restore) -> None:
+    def _start(self, cmd: Snapshot | Restore, published: asyncio.Event | None = None) -> None:
         assert self._tg is not None
         # Registered before the next command is read: a restore that follows this operation (Restore.after)
         # finds it running, since commands arrive in the order the orchestrator sent them.
         owner = self._running.start(cmd.op_id)
-        self._tg.create_task(self._run(cmd, owner))
+        self._tg.create_task(self._run(cmd, owner, gate=published))
 
     async def _on_command(self, msg: Msg) -> None:
         try:
@@ -332,7 +333,12 @@ class Agent:
         with contextlib.suppress(Exception):
             await msg.ack()
 
-    async def _run(self, cmd: Snapshot | Restore, owner: bool) -> None:
+    async def _run(self, cmd: Snapshot | Restore, owner: bool, gate: asyncio.Event | None = None) -> None:
+        """``gate``: the command's publish by the orchestrator this agent runs beside (see ``take``)."""
+        if gate is not None and not gate.is_set():  # normally set already
+            with contextlib.suppress(TimeoutError):  # set in a finally by the orchestrator: this bound is never hit
+                async with asyncio.timeout(10):
+                    await gate.wait()
         kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
         fresh = cmd.op_id not in self._results  # a redelivered command is answered from memory: not counted again
         try:

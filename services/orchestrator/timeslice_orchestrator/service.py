@@ -18,9 +18,9 @@ Expiries enter as ``Tick`` events this shell publishes at each record's next dea
 always an event's stream timestamp.
 
 A node agent can run in this process on the orchestrator's connection (``local_agent``; ``timeslice up``
-does this). Its node's commands are then handed to it directly, right after they are published, instead of
-reaching it through the stream one bus hop later. Sharing the connection keeps the stream's order: a command
-is stored before anything the agent writes about it. Everything else about the agent is unchanged: it still
+does this). Its node's commands are then handed to it directly as they are published, instead of reaching
+it through the stream one bus hop later. Sharing the connection keeps the stream's order: a command is
+stored before anything the agent writes about it. Everything else about the agent is unchanged: it still
 has its durable consumer (a command published before it was ready, or during a restart, arrives that way),
 its results still reach this orchestrator only through the stream, and it answers a command delivered twice
 once.
@@ -107,9 +107,9 @@ class LocalAgent(Protocol):
 
     def shutdown(self) -> None: ...
 
-    def take(self, cmd: Snapshot | Restore) -> bool:
-        """Start a command just published on the shared connection; False when not taken (the stream
-        delivers it then)."""
+    def take(self, cmd: Snapshot | Restore, published: asyncio.Event) -> bool:
+        """Start a command that is about to be published on the shared connection: the operation writes
+        nothing before ``published`` is set. False when not taken (the stream delivers it then)."""
         ...
 
 
@@ -465,23 +465,28 @@ class Orchestrator:
     async def _publish(self, group: str, actions: list[Action]) -> None:
         nc = self._nc
         assert nc is not None
+        published = asyncio.Event()
         if (local := self.local_agent) is not None:
-            # Handed over before the publishes below, with no await in between: take() only schedules the
-            # operation, whose first step runs once this callback yields, after everything here is buffered
-            # (so the stream stores the command first). Its writes (the job's mark, OpStarted, the request to the
-            # workload) then join these in the connection's next socket write instead of one write later.
+            # Handed over before the publishes below: the operation's first step runs once this callback yields
+            # (normally after everything here is buffered, so that step finds ``published`` set and goes on at
+            # once), and it writes nothing before ``published`` is set, so the stream stores the command first.
+            # Its writes (the job's mark, OpStarted, the request to the workload) then join these in the
+            # connection's next socket write instead of one write later.
             for a in actions:
                 if isinstance(a, Command) and a.command.node == local.node:
-                    local.take(a.command)
+                    local.take(a.command, published)
         # In the core's order: a Released/Revoked always precedes the next Granted, so the stream alone
         # shows that holds never overlap (invariants.StreamChecker checks it).
-        for a in actions:
-            if isinstance(a, Notify):
-                await nc.publish(_notice_subject(group, a.notice.job), encode(a.notice))
-            elif isinstance(a, Command):
-                await nc.publish(subjects.agent_cmd(a.command.node), encode(a.command))
-            elif isinstance(a, Transition):
-                await nc.publish(subjects.group_state(group), encode(a.change))
+        try:
+            for a in actions:
+                if isinstance(a, Notify):
+                    await nc.publish(_notice_subject(group, a.notice.job), encode(a.notice))
+                elif isinstance(a, Command):
+                    await nc.publish(subjects.agent_cmd(a.command.node), encode(a.command))
+                elif isinstance(a, Transition):
+                    await nc.publish(subjects.group_state(group), encode(a.change))
+        finally:
+            published.set()
 
     async def _reject(self, msg: Msg, group: str, job: str | None, exc: BaseException, *, live: bool) -> None:
         self.events_rejected += 1
