@@ -45,16 +45,18 @@ async def orchestrator(nats_url: str) -> AsyncIterator[Orchestrator]:
 class OrchestratorProcess:
     """``timeslice orchestrator`` as a real process, for crash tests."""
 
-    def __init__(self, nats_url: str, log_path: Path, *, blocked_imports: tuple[str, ...] = ()) -> None:
+    def __init__(self, nats_url: str, log_path: Path, *, blocked_imports: tuple[str, ...] = (),
+                 args: tuple[str, ...] = ()) -> None:
         self.nats_url = nats_url
         self.log_path = log_path
         self.blocked_imports = blocked_imports  # modules made unimportable in the process
+        self.args = args  # more flags, e.g. ("--with-agent", "n1")
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()/kill()
-        argv = ["orchestrator", "--nats-url", self.nats_url]
+        argv = ["orchestrator", "--nats-url", self.nats_url, *self.args]
         if self.blocked_imports:
             code = (f"import sys; sys.modules.update(dict.fromkeys({list(self.blocked_imports)!r})); "
                     f"from timeslice_orchestrator.cli import main; sys.exit(main({argv!r}))")

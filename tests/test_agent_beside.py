@@ -9,6 +9,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -17,8 +19,11 @@ from nats.aio.client import Client as NATS
 from timeslice_agent import Agent, AgentConfig
 from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
 from timeslice_client.protocol import Restore, Snapshot
+from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig, OrchestratorError
 
+from .agent_harness import AGENT_TTL
+from .conftest import OrchestratorProcess
 from .helpers import eventually, running
 from .workers import read_stream
 
@@ -159,3 +164,61 @@ async def test_timeslice_up_runs_the_agent_in_its_process_unless_asked(tmp_path:
 
 async def _waiting(c: AsyncTimeSliceClient, job: str) -> bool:
     return job in [w.job for w in (await c.status()).queue]
+
+
+class Blocking(Recorder):
+    """Its suspend holds (in the handler's worker thread) until ``go`` is set."""
+
+    def __init__(self, name: str, log: list[str], go: threading.Event) -> None:
+        super().__init__(name, log)
+        self.go = go
+
+    def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        self.log.append(f"{self.name}:suspend start")
+        if not self.go.wait(60):
+            raise RuntimeError("the test never let the suspend finish")
+        return super().suspend(mode, tags)
+
+
+async def test_killed_mid_snapshot_and_restarted_the_stack_moves_on_at_once(nats_url: str, tmp_path: Path) -> None:
+    """``kill -9`` of the process that runs the orchestrator and the agent while a snapshot runs, then a restart
+    (as a supervisor does). The restarted agent recovers the cut job as FAULTED and announces its jobs; the
+    orchestrator sends it the switch's pending operations again (the restarted agent had forgotten them): the
+    cut snapshot fails, b's restore runs. So the waiter gets the group within seconds, not at the operations'
+    deadline (60 s here, when b would have been faulted too), and only the cut job is faulted."""
+    orch = OrchestratorProcess(nats_url, tmp_path / "orchestrator.log", args=("--with-agent", "n1"))
+    orch.start()
+    await asyncio.to_thread(orch.wait_ready, 60)
+    log: list[str] = []
+    go = threading.Event()
+    try:
+        async with AsyncTimeSliceClient("a", "g-cut", nats_url) as a, \
+                AsyncTimeSliceClient("b", "g-cut", nats_url) as b:
+            await a.register_workload(Blocking("a", log, go), node_id="n1", op_timeout=60)
+            await b.register_workload(Recorder("b", log), node_id="n1", op_timeout=60)
+            await a.acquire(timeout=10)
+            tb = asyncio.create_task(b.acquire(timeout=90))
+            await eventually(lambda: _waiting(a, "b"))
+            await a.release()
+            await eventually(lambda: "a:suspend start" in log, what="a's snapshot running")
+            t_kill = time.monotonic()
+            await asyncio.to_thread(orch.kill)
+            orch.start()
+            await asyncio.to_thread(orch.wait_ready, 60)
+            gb = await asyncio.wait_for(tb, 60)
+            delay = time.monotonic() - t_kill
+            assert delay < 2 * AGENT_TTL + 10, f"b waited {delay:.1f} s after the crash"
+            rec = await b.status()
+            assert rec.holder is not None and rec.holder.job == "b" and gb.epoch == rec.holder.epoch
+            # The restarted agent's answer (or, had the restart outlived the agents' TTL, the lost agent)
+            why = rec.faulted.get("a", "")
+            assert "restarted during an operation" in why or "lost" in why, rec.faulted
+            assert "b" not in rec.faulted
+            go.set()  # a's late suspend ends; its answer has nobody to go to
+            await b.release()
+        checker = StreamChecker()
+        checker.feed_all(await read_stream(nats_url))
+        assert checker.unpublished_grants() == []
+    finally:
+        go.set()
+        orch.stop()

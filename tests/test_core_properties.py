@@ -148,7 +148,16 @@ class CoreMachine(RuleBasedStateMachine):
             sw = new.switch
             assert sw is not None and c.epoch == sw.epoch == new.epoch, (c, sw)
             assert c.op_id in {op.op_id for op in sw.ops}
-            assert c.op_id not in self.ops, f"operation id {c.op_id} reused"
+            if c.op_id in self.ops:  # sent again: only to the node's agent announcing that very job, unchanged
+                first, result = self.ops[c.op_id]
+                assert isinstance(ev, JobRegistered) and (ev.job, ev.node) == (c.job, c.node), (ev, c)
+                assert result == [None], f"operation {c.op_id} sent again after its result"
+                assert type(c) is type(first) and (c.job, c.node, c.epoch, c.deadline_ms) == (
+                    first.job, first.node, first.epoch, first.deadline_ms), (c, first)
+                if isinstance(c, Restore):
+                    assert isinstance(first, Restore) and set(c.after) <= set(first.after), (c, first)
+                event("operation sent again")
+                continue
             if isinstance(c, Restore):
                 assert sw.to is not None and c.job == sw.to.job and c.node in new.placements[c.job]
             else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from timeslice_client.protocol import (
     Acquire,
     AgentLost,
@@ -438,6 +439,27 @@ def test_agent_lost_while_a_restore_waits_behind_a_snapshot_there() -> None:
     before = sim.rec
     sim.result(restore)  # a late answer is fenced off
     assert sim.rec is before
+
+
+def test_an_agent_announcing_a_job_mid_switch_is_sent_its_pending_operations_again() -> None:
+    """A restarted agent announces its jobs and has forgotten the commands it had taken: the switch's operations
+    still pending for the announced job on that node go out again, unchanged (the restore still after the
+    snapshot pending there), and the switch ends with the answers to them as usual."""
+    sim = Sim()
+    for job in ("a", "b"):
+        sim.register(job, "n1")
+    sim.hold("a")
+    sim.acquire("b")
+    snap, restore = commands(sim.release("a"))
+    assert isinstance(snap, Snapshot) and isinstance(restore, Restore) and restore.after == (snap.op_id,)
+    assert commands(sim.register("a", "n1")) == [snap]
+    assert commands(sim.register("b", "n1")) == [restore]
+    assert commands(sim.register("a", "n2")) == []  # a node with nothing pending for the job
+    sim.result(snap, ok=False)  # the restarted agent recovered a as FAULTED: its snapshot fails
+    assert commands(sim.register("b", "n1")) == [msgspec.structs.replace(restore, after=())]  # nothing before it
+    (g,) = notices(sim.result(restore), Granted)
+    assert g.job == "b" and "b" not in sim.rec.faulted and "a" in sim.rec.faulted
+    assert commands(sim.register("b", "n1")) == []  # no switch: nothing to send
 
 
 def test_agent_lost_while_a_restore_waits_there_faults_a_job_whose_context_is_saved_there() -> None:

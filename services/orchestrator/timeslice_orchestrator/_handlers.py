@@ -243,6 +243,12 @@ def _on_registered(w: Work, ev: JobRegistered) -> None:
     if w.active_job == ev.job and ev.node not in w.loaded:
         w.loaded[ev.node] = ev.job
     sw = w.switch
+    # The job's operations still pending on that node are sent again: an agent announces its jobs when it
+    # restarts, and a restarted agent has forgotten the commands it had taken. Without this, the switch would
+    # wait for their deadline, and then fault their jobs (the incoming one too) for the agent's restart.
+    for op in sw.ops if sw is not None else ():
+        if op.node == ev.node and op.job == ev.job:
+            w.resend(op)
     if (sw is not None and sw.phase is OpKind.RESTORE and sw.to is not None and sw.to.job == ev.job
             and w.loaded.get(ev.node) != ev.job
             and not any(op.node == ev.node and op.kind is OpKind.RESTORE for op in sw.ops)):

@@ -321,6 +321,22 @@ class Work:
         self.switch = msgspec.structs.replace(sw, phase=OpKind.RESTORE, ops=(*sw.ops, *ops))
         self.touch("restoring")
 
+    def resend(self, op: OpRecord) -> None:
+        """Send an operation of the running switch again, as it was sent (a restore after the snapshots still
+        pending on its node). For an agent that registered the job anew: one that restarted has forgotten the
+        commands it had taken; one that still runs the operation answers the same op id as before."""
+        sw = self.switch
+        assert sw is not None
+        cmd: AgentCommand
+        if op.kind is OpKind.SNAPSHOT:
+            cmd = Snapshot(op_id=op.op_id, group=self.group, job=op.job, node=op.node, epoch=sw.epoch,
+                           deadline_ms=op.deadline_ms)
+        else:
+            after = tuple(o.op_id for o in sw.ops if o.node == op.node and o.kind is OpKind.SNAPSHOT)
+            cmd = Restore(op_id=op.op_id, group=self.group, job=op.job, node=op.node, epoch=sw.epoch,
+                          deadline_ms=op.deadline_ms, after=after)
+        self.actions.append(Command(cmd))
+
     def restore_op(self, sw: SwitchRecord, node: str, job: str, suffix: str = "") -> OpRecord:
         """A restore of ``job`` on ``node``, after the switch's snapshots still pending there; its deadline
         counts from when they are due at the latest."""

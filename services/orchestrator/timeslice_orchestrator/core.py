@@ -22,7 +22,10 @@ Semantics, per group:
   incoming job where it is registered, and grants only when every restore succeeded; a failed
   operation faults that job only, and the group moves on. The restores are sent together with the
   snapshots: each names the snapshots on its node that the agent finishes first (``Restore.after``),
-  so no round trip through the orchestrator sits between a snapshot and the restore after it.
+  so no round trip through the orchestrator sits between a snapshot and the restore after it;
+* a node's agent that announces a job (``JobRegistered``; a restarted agent announces all of its jobs) is sent
+  again the running switch's operations still pending for that job on that node, unchanged: a restarted agent
+  has forgotten the commands it had taken, and one that did not restart answers the same op id as before.
 """
 
 from __future__ import annotations
