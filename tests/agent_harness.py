@@ -7,12 +7,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
-from timeslice_client import AsyncTimeSliceClient, GroupRecord
+from timeslice_client import AsyncTimeSliceClient, GroupRecord, HandlerResult, SuspendMode
 from timeslice_client.bus import connect
 from timeslice_client.protocol import OpResult, OpStarted, decode_input, subjects
 from timeslice_orchestrator.invariants import StreamChecker
@@ -209,3 +210,38 @@ async def op_events(nats_url: str, group: str) -> tuple[list[OpResult], list[OpS
 def one(items: list[Any], what: str) -> Any:
     assert len(items) == 1, f"expected one {what}, got {items}"
     return items[0]
+
+
+# --------------------------------------------------------------------------- in-process workload handlers
+
+
+class Recorder:
+    """A workload handler that appends ``<name>:suspend`` / ``<name>:resume`` to ``log`` (``fail_suspend``: its
+    suspend raises instead, having moved nothing)."""
+
+    def __init__(self, name: str, log: list[str], fail_suspend: bool = False) -> None:
+        self.name, self.log, self.fail_suspend = name, log, fail_suspend
+
+    def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        if self.fail_suspend:
+            raise RuntimeError("cannot offload right now")
+        self.log.append(f"{self.name}:suspend")
+        return HandlerResult(bytes_moved=100, device_bytes_freed=100)
+
+    def resume(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        self.log.append(f"{self.name}:resume")
+        return HandlerResult(bytes_moved=100, device_bytes_freed=0)
+
+
+class Blocking(Recorder):
+    """Its suspend holds (in the handler's worker thread) until the test sets ``go``."""
+
+    def __init__(self, name: str, log: list[str], go: threading.Event, wait_s: float = 30.0) -> None:
+        super().__init__(name, log)
+        self.go, self.wait_s = go, wait_s
+
+    def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        self.log.append(f"{self.name}:suspend start")
+        if not self.go.wait(self.wait_s):
+            raise RuntimeError("the test never let the suspend finish")
+        return super().suspend(mode, tags)

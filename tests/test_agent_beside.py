@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NATS
 from timeslice_agent import Agent, AgentConfig
-from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
+from timeslice_client import AsyncTimeSliceClient
 from timeslice_client.protocol import Restore, Snapshot
 from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig, OrchestratorError
 
-from .agent_harness import AGENT_TTL
+from .agent_harness import AGENT_TTL, Blocking, Recorder
 from .conftest import OrchestratorProcess
 from .helpers import eventually, running
 from .workers import read_stream
@@ -96,19 +96,6 @@ async def test_an_agent_takes_only_its_own_nodes_commands_and_only_once_ready(na
     assert agent._stop.is_set()  # stopped with the orchestrator
 
 
-class Recorder:
-    def __init__(self, name: str, log: list[str]) -> None:
-        self.name, self.log = name, log
-
-    def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
-        self.log.append(f"{self.name}:suspend")
-        return HandlerResult(bytes_moved=10, device_bytes_freed=10)
-
-    def resume(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
-        self.log.append(f"{self.name}:resume")
-        return HandlerResult(bytes_moved=10)
-
-
 def _fields(line: str) -> dict[str, str]:
     return dict(part.split("=", 1) for part in line.split() if "=" in part)
 
@@ -166,20 +153,6 @@ async def _waiting(c: AsyncTimeSliceClient, job: str) -> bool:
     return job in [w.job for w in (await c.status()).queue]
 
 
-class Blocking(Recorder):
-    """Its suspend holds (in the handler's worker thread) until ``go`` is set."""
-
-    def __init__(self, name: str, log: list[str], go: threading.Event) -> None:
-        super().__init__(name, log)
-        self.go = go
-
-    def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
-        self.log.append(f"{self.name}:suspend start")
-        if not self.go.wait(60):
-            raise RuntimeError("the test never let the suspend finish")
-        return super().suspend(mode, tags)
-
-
 async def test_killed_mid_snapshot_and_restarted_the_stack_moves_on_at_once(nats_url: str, tmp_path: Path) -> None:
     """``kill -9`` of the process that runs the orchestrator and the agent while a snapshot runs, then a restart
     (as a supervisor does). The restarted agent recovers the cut job as FAULTED and announces its jobs; the
@@ -194,7 +167,7 @@ async def test_killed_mid_snapshot_and_restarted_the_stack_moves_on_at_once(nats
     try:
         async with AsyncTimeSliceClient("a", "g-cut", nats_url) as a, \
                 AsyncTimeSliceClient("b", "g-cut", nats_url) as b:
-            await a.register_workload(Blocking("a", log, go), node_id="n1", op_timeout=60)
+            await a.register_workload(Blocking("a", log, go, wait_s=60), node_id="n1", op_timeout=60)
             await b.register_workload(Recorder("b", log), node_id="n1", op_timeout=60)
             await a.acquire(timeout=10)
             tb = asyncio.create_task(b.acquire(timeout=90))

@@ -14,12 +14,13 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 from timeslice_agent import Agent, AgentConfig
-from timeslice_client import AsyncTimeSliceClient, HandlerResult, JobFaulted, JobState, SuspendMode
+from timeslice_client import AsyncTimeSliceClient, JobFaulted, JobState
 from timeslice_client.bus import connect
 from timeslice_client.protocol import OpResult, decode_input, subjects
 from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
+from .agent_harness import Blocking, Recorder
 from .helpers import eventually, running
 from .workers import read_stream
 
@@ -54,21 +55,6 @@ async def agent(nats_url: str, layout: str) -> AsyncIterator[Agent]:
 
 def _commands(agent: Agent) -> dict[str, float]:
     return {via: agent.metrics.commands.labels(via)._value.get() for via in ("direct", "stream")}
-
-
-class Recorder:
-    def __init__(self, name: str, log: list[str], fail_suspend: bool = False) -> None:
-        self.name, self.log, self.fail_suspend = name, log, fail_suspend
-
-    def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
-        if self.fail_suspend:
-            raise RuntimeError("cannot offload right now")
-        self.log.append(f"{self.name}:suspend")
-        return HandlerResult(bytes_moved=100, device_bytes_freed=100)
-
-    def resume(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
-        self.log.append(f"{self.name}:resume")
-        return HandlerResult(bytes_moved=100, device_bytes_freed=0)
 
 
 async def test_switch_snapshots_then_restores_then_grants(nats_url: str, agent: Agent, layout: str) -> None:
@@ -170,20 +156,6 @@ async def test_failed_snapshot_faults_only_that_job(nats_url: str, agent: Agent)
 async def _faulted(c: AsyncTimeSliceClient, job: str):  # type: ignore[no-untyped-def]
     rec = await c.status()
     return rec if job in rec.faulted else None
-
-
-class Blocking(Recorder):
-    """Its suspend holds (in the handler's worker thread) until the test sets ``go``."""
-
-    def __init__(self, name: str, log: list[str], go: threading.Event) -> None:
-        super().__init__(name, log)
-        self.go = go
-
-    def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
-        self.log.append(f"{self.name}:suspend start")
-        if not self.go.wait(30):
-            raise RuntimeError("the test never let the suspend finish")
-        return super().suspend(mode, tags)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

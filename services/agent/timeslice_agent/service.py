@@ -19,7 +19,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,7 +36,6 @@ from timeslice_client.protocol import (
     JOBS_BUCKET,
     STREAM,
     AgentCommand,
-    AgentInfo,
     AgentReply,
     ClearFault,
     ClearJobFault,
@@ -63,7 +61,8 @@ from timeslice_client.workload import default_node_id
 from ._app_endpoint import check_endpoints
 from ._compose import perform, until_exited
 from ._config import AgentConfig
-from ._host import alive, host_memory
+from ._heartbeat import Heartbeat
+from ._host import alive
 from ._ordering import RunningOps
 from ._room import RestoreOrder
 from ._standalone import standalone_context
@@ -105,7 +104,7 @@ class Agent:
         self._own_nc = nc is None
         self._js: JetStreamContext | None = None
         self._jobs_kv: KeyValue | None = None
-        self._agents_kv: KeyValue | None = None
+        self._heartbeat: Heartbeat | None = None  # once connected
         self._jobs: dict[str, JobContext] = {}
         self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._epochs: dict[str, int] = {}
@@ -140,17 +139,18 @@ class Agent:
             nc = self._nc = await connect(self.config.nats_url, name=f"timeslice-agent-{self.node}")
         self._js = nc.jetstream()
         buckets = await ensure_bus(self._js, self.config.bus)
-        self._jobs_kv, self._agents_kv = buckets.jobs, buckets.agents
+        self._jobs_kv = buckets.jobs
+        heartbeat = self._heartbeat = Heartbeat(self.node, buckets.agents, self._started_ms)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
-                await self._heartbeat_once()
+                await heartbeat.once()
                 await self._recover()
                 for verb, cb in (("register", self._on_rpc), ("unregister", self._on_rpc),
                                  ("clear_fault", self._on_rpc), ("status", self._on_status)):
                     self._subs.append(await nc.subscribe(subjects.agent_rpc(self.node, verb), cb=cb))
                 await self._subscribe_commands()
-                tg.create_task(self._heartbeat_loop())
+                tg.create_task(heartbeat.loop(self.config.heartbeat_s, self._stop))
                 tg.create_task(self._pid_loop())
                 log.info("agent ready", extra={"node": self.node})
                 self._ready.set()
@@ -571,41 +571,9 @@ class Agent:
 
     async def devices(self) -> tuple[DeviceInfo, ...]:
         """This node's accelerators as its last heartbeat reported them."""
-        if self._agents_kv is None:
-            return ()
-        try:
-            entry = await self._agents_kv.get(self.node)
-        except Exception:
-            return ()
-        return msgspec.json.decode(entry.value, type=AgentInfo).devices if entry.value else ()
+        return await self._heartbeat.devices() if self._heartbeat is not None else ()
 
     # ------------------------------------------------------------------ liveness
-
-    async def _heartbeat_once(self) -> None:
-        assert self._agents_kv is not None
-        total, avail = host_memory()
-        from ._nvml import node_devices
-        from .backends import available_backends
-
-        # In threads: the first call loads cuda-python / NVML where they are installed.
-        backends = await asyncio.to_thread(available_backends)
-        devices = await asyncio.to_thread(node_devices)
-        info = AgentInfo(node=self.node, pid=os.getpid(), started_at_ms=self._started_ms,
-                         backends=backends, devices=devices, host_memory_total_bytes=total,
-                         host_memory_available_bytes=avail)
-        await self._agents_kv.put(self.node, encode(info))
-
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.heartbeat_s):
-                    await self._stop.wait()
-            if self._stop.is_set():
-                return
-            try:
-                await self._heartbeat_once()
-            except Exception as exc:
-                log.warning("heartbeat failed: %r", exc, extra={"node": self.node})
 
     async def _pid_loop(self) -> None:
         while True:

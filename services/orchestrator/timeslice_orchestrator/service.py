@@ -36,7 +36,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -55,8 +55,6 @@ from timeslice_client.protocol import (
     GroupRecord,
     InputEvent,
     Refused,
-    Restore,
-    Snapshot,
     Tick,
     decode_input,
     decode_record,
@@ -65,17 +63,16 @@ from timeslice_client.protocol import (
     validate_id,
 )
 
-from ._delivery import delivery, first, is_input, route
+from ._beside import LocalAgent
+from ._catch_up import catch_up
+from ._delivery import delivery, first, route
+from ._errors import OrchestratorError
 from .core import Action, Command, Notify, Transition, apply, new_record, next_deadline
 from .metrics import OrchestratorMetrics
 
 __all__ = ["LocalAgent", "Orchestrator", "OrchestratorConfig", "OrchestratorError"]
 
 log = logging.getLogger("timeslice.orchestrator")
-
-
-class OrchestratorError(RuntimeError):
-    """The orchestrator cannot go on safely (for example another instance writes the same records)."""
 
 
 class OrchestratorConfig(BaseSettings):
@@ -93,24 +90,6 @@ class OrchestratorConfig(BaseSettings):
     catch_up_idle_s: float = Field(default=10.0, gt=0)  # the catch-up fails when the bus is silent this long
     local_agent_ready_s: float = Field(default=60.0, gt=0)  # the agent run beside this one must be ready by then
     bus: BusConfig = BusConfig()
-
-
-class LocalAgent(Protocol):
-    """A node agent run by the orchestrator in its own process, on its connection (``timeslice_agent.Agent``)."""
-
-    node: str
-
-    @property
-    def ready(self) -> asyncio.Event: ...
-
-    async def run(self) -> None: ...
-
-    def shutdown(self) -> None: ...
-
-    def take(self, cmd: Snapshot | Restore, published: asyncio.Event) -> bool:
-        """Start a command that is about to be published on the shared connection: the operation writes
-        nothing before ``published`` is set. False when not taken (the stream delivers it then)."""
-        ...
 
 
 @dataclass(slots=True)
@@ -296,63 +275,12 @@ class Orchestrator:
         return info.ack_floor.stream_seq if info.ack_floor and info.ack_floor.stream_seq else 0
 
     async def _catch_up(self, floor: int) -> int:
-        """Apply the inputs after ``floor`` up to the stream's current end; returns the last sequence read.
-
-        Reads with an ordered consumer (no acks, flow control, gaps detected and re-read) filtered on one
-        subject, ``subjects.all_events``, which holds every input: nats-server reads stored messages for a
-        consumer with several filter subjects (the durable's ``subjects.inputs``) about 10x slower than for
-        one (measured with 2.15.1: ~4k vs ~45k messages/s), and this backlog is what delays the first grant
-        after a crash. Other subjects (notices, commands) are dropped here. Nothing is acknowledged: the
-        durable stays at ``floor`` until ``_subscribe`` moves it past what this read, after the records are
-        stored; a crash before that catches up from ``floor`` again.
-        """
-        js = self._js
-        assert js is not None
-        head = (await js.stream_info(STREAM)).state.last_seq
-        if head <= floor:
-            return floor
-        last = floor
-        done = asyncio.Event()
-        progress = asyncio.Event()
-
-        async def on_msg(msg: Msg) -> None:
-            nonlocal last
-            if done.is_set():
-                return  # read past the end: the durable delivers it again
-            try:
-                seq, _, pending = delivery(msg.reply)
-            except (ValueError, IndexError):
-                return
-            if seq <= last:
-                return  # read again after the ordered consumer restarted at a gap: already applied
-            if is_input(msg.subject):
-                await self._on_input(msg, live=False)
-            last = seq
-            progress.set()
-            if seq >= head or pending == 0:
-                done.set()
-
-        t0 = time.perf_counter()
-        sub = await js.subscribe(subjects.all_events, stream=STREAM, cb=on_msg, ordered_consumer=True,
-                                 config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                                                       opt_start_seq=floor + 1),
-                                 pending_msgs_limit=self.config.write_queue)
-        try:
-            while not done.is_set() and not self._stop.is_set():
-                progress.clear()
-                try:
-                    async with asyncio.timeout(self.config.catch_up_idle_s):
-                        await first(progress.wait(), done.wait(), self._stop.wait())
-                except TimeoutError:
-                    raise OrchestratorError(
-                        f"catching up from stream sequence {floor + 1} stalled at {last} (the stream's end was "
-                        f"{head}): nothing arrived for {self.config.catch_up_idle_s} s; is nats-server healthy?"
-                    ) from None
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        log.info("caught up from stream sequence %d to %d in %.3f s", floor + 1, last, time.perf_counter() - t0)
-        return last
+        """Apply the inputs after ``floor`` up to the stream's current end (``_catch_up.catch_up``); returns the
+        last sequence read. Nothing is acknowledged: the durable stays at ``floor`` until ``_subscribe`` moves it
+        past what this read, after the records are stored; a crash before that catches up from ``floor`` again."""
+        assert self._js is not None
+        return await catch_up(self._js, floor, functools.partial(self._on_input, live=False), self._stop,
+                              idle_s=self.config.catch_up_idle_s, pending_limit=self.config.write_queue)
 
     async def _stored_all(self) -> bool:
         """Wait until every decided record is stored; False when stopping instead (or a write failed)."""
