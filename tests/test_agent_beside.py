@@ -1,6 +1,8 @@
 """The node agent beside the orchestrator (``Orchestrator(local_agent=...)``, ``timeslice up``): its lifecycle
 follows the orchestrator's, a failure of it stops the orchestrator with the reason, it takes only its own
-node's commands once ready, and ``timeslice up`` runs it in its process (or apart with ``--agent-process``)."""
+node's commands once ready and acts on one only once it is published, ``timeslice up`` runs it in its process
+(or apart with ``--agent-process``), and a ``kill -9`` of the combined process during a snapshot, then a restart,
+hands the group on at once."""
 
 from __future__ import annotations
 
