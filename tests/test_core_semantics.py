@@ -424,15 +424,22 @@ def test_waiter_leaving_mid_switch_lets_its_issued_restore_finish_without_a_gran
     assert (snap_b.job, restore_c.job, restore_c.after) == ("b", "c", (snap_b.op_id,))  # type: ignore[union-attr]
 
 
-def test_agent_lost_while_a_restore_waits_behind_a_snapshot_there() -> None:
-    """A restore queued behind a snapshot on a node whose agent is then lost never started: nothing of its
-    job is saved there, so the job is not faulted and is granted (nothing restored)."""
+def _one_node_switch(out: str = "a", incoming: str = "b") -> tuple[Sim, Snapshot | Restore, Snapshot | Restore]:
+    """Jobs a and b registered on n1; ``out`` holds, ``incoming`` waits, ``out`` releases: the switch's snapshot
+    and restore (queued after it on n1)."""
     sim = Sim()
     for job in ("a", "b"):
         sim.register(job, "n1")
-    sim.hold("a")
-    sim.acquire("b")
-    _snap, restore = commands(sim.release("a"))
+    sim.hold(out)
+    sim.acquire(incoming)
+    snap, restore = commands(sim.release(out))
+    return sim, snap, restore
+
+
+def test_agent_lost_while_a_restore_waits_behind_a_snapshot_there() -> None:
+    """A restore queued behind a snapshot on a node whose agent is then lost never started: nothing of its
+    job is saved there, so the job is not faulted and is granted (nothing restored)."""
+    sim, _snap, restore = _one_node_switch()
     (g,) = notices(sim(AgentLost(group=G, node="n1")), Granted)
     assert g.job == "b" and not g.context_restored
     assert "b" not in sim.rec.faulted and "lost" in sim.rec.faulted["a"]
@@ -445,12 +452,7 @@ def test_an_agent_announcing_a_job_mid_switch_is_sent_its_pending_operations_aga
     """A restarted agent announces its jobs and has forgotten the commands it had taken: the switch's operations
     still pending for the announced job on that node go out again, unchanged (the restore still after the
     snapshot pending there), and the switch ends with the answers to them as usual."""
-    sim = Sim()
-    for job in ("a", "b"):
-        sim.register(job, "n1")
-    sim.hold("a")
-    sim.acquire("b")
-    snap, restore = commands(sim.release("a"))
+    sim, snap, restore = _one_node_switch()
     assert isinstance(snap, Snapshot) and isinstance(restore, Restore) and restore.after == (snap.op_id,)
     assert commands(sim.register("a", "n1")) == [snap]
     assert commands(sim.register("b", "n1")) == [restore]
@@ -463,12 +465,7 @@ def test_an_agent_announcing_a_job_mid_switch_is_sent_its_pending_operations_aga
 
 
 def test_agent_lost_while_a_restore_waits_there_faults_a_job_whose_context_is_saved_there() -> None:
-    sim = Sim()
-    for job in ("a", "b"):
-        sim.register(job, "n1")
-    sim.hold("b")
-    sim.acquire("a")
-    snap, restore = commands(sim.release("b"))
+    sim, snap, restore = _one_node_switch("b", "a")
     sim.result(snap)
     sim.result(restore)  # a holds; b's context is saved on n1
     sim.renew("a")

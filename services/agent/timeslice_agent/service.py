@@ -305,15 +305,15 @@ class Agent:
         while len(self._taken) > self.config.max_results:
             self._taken.popitem(last=False)
         self.metrics.commands.labels("direct").inc()
-        self._start(cmd, published)
+        self._start(cmd, gate=published)
         return True
 
-    def _start(self, cmd: Snapshot | Restore, published: asyncio.Event | None = None) -> None:
+    def _start(self, cmd: Snapshot | Restore, *, gate: asyncio.Event | None = None) -> None:
         assert self._tg is not None
         # Registered before the next command is read: a restore that follows this operation (Restore.after)
         # finds it running, since commands arrive in the order the orchestrator sent them.
         owner = self._running.start(cmd.op_id)
-        self._tg.create_task(self._run(cmd, owner, gate=published))
+        self._tg.create_task(self._run(cmd, owner, gate=gate))
 
     async def _on_command(self, msg: Msg) -> None:
         try:

@@ -53,10 +53,8 @@ class AgentBeside:
                                                                                          nats_url=nats_url)
         self.node: str = self.config.node_id
         self.metrics = AgentMetrics(registry)
-        self.agent: Agent | None = None
 
     def __call__(self, nc: NATS) -> Agent:
         from timeslice_agent import Agent
 
-        self.agent = Agent(self.config, nc=nc, metrics=self.metrics)
-        return self.agent
+        return Agent(self.config, nc=nc, metrics=self.metrics)

@@ -172,7 +172,8 @@ class Orchestrator:
                         log.info("orchestrator ready", extra={"groups": len(self._groups)})
                         self._ready.set()
                 await self._stop.wait()
-                if local is not None and self.local_agent is not None:
+                if local is not None:
+                    assert self.local_agent is not None
                     self.local_agent.shutdown()
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(30):
@@ -393,8 +394,9 @@ class Orchestrator:
     async def _publish(self, group: str, actions: list[Action]) -> None:
         nc = self._nc
         assert nc is not None
-        published = asyncio.Event()
+        published: asyncio.Event | None = None  # only with an agent beside: nothing more per batch without one
         if (local := self.local_agent) is not None:
+            published = asyncio.Event()
             # Handed over before the publishes below: the operation's first step runs once this callback yields
             # (normally after everything here is buffered, so that step finds ``published`` set and goes on at
             # once), and it writes nothing before ``published`` is set, so the stream stores the command first.
@@ -414,7 +416,8 @@ class Orchestrator:
                 elif isinstance(a, Transition):
                     await nc.publish(subjects.group_state(group), encode(a.change))
         finally:
-            published.set()
+            if published is not None:
+                published.set()
 
     async def _reject(self, msg: Msg, group: str, job: str | None, exc: BaseException, *, live: bool) -> None:
         self.events_rejected += 1
