@@ -171,30 +171,59 @@ async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, leader:
 
 
 class Stack:
-    """nats-server (embedded), orchestrator and agent processes."""
+    """nats-server (embedded) and the orchestrator with the node agent in its process, as ``timeslice up`` runs
+    them; ``agent_process``: the agent as a process of its own (as on a node without the orchestrator)."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *, agent_process: bool = False) -> None:
         from timeslice_orchestrator.embedded import NatsServer
 
         self.server = NatsServer(tmp / "nats")
         self.procs: list[subprocess.Popen[bytes]] = []
         self.tmp = tmp
+        self.agent_process = agent_process
+
+    @property
+    def services(self) -> tuple[str, ...]:
+        """What the first processes of ``procs`` are, in order."""
+        return ("orchestrator", "agent") if self.agent_process else ("orchestrator (with the agent)",)
 
     def start(self) -> str:
         url = self.server.start()
         env = _child_env()
-        self.procs += [
-            subprocess.Popen([sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url],
-                             env=env, cwd=ROOT),
-            subprocess.Popen([sys.executable, "-m", "timeslice_agent", "--node-id", NODE, "--nats-url", url],
-                             env=env, cwd=ROOT),
-        ]
+        orchestrator = [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url]
+        if not self.agent_process:
+            orchestrator += ["--with-agent", NODE]
+        self.procs.append(subprocess.Popen(orchestrator, env=env, cwd=ROOT))
+        if self.agent_process:
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "timeslice_agent", "--node-id", NODE,
+                                                "--nats-url", url], env=env, cwd=ROOT))
         self.url = url
+        asyncio.run(self._wait_agent(url))
         return url
 
+    async def _wait_agent(self, url: str, timeout: float = 60.0) -> None:
+        """Until NODE's agent answers its status request (the jobs register with it at once)."""
+        from timeslice_client.bus import connect
+        from timeslice_client.protocol import subjects
+
+        nc = await connect(url)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                self.check()
+                try:
+                    await nc.request(subjects.agent_rpc(NODE, "status"), b"", timeout=1)
+                    return
+                except Exception as exc:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"node {NODE!r}'s agent did not answer within {timeout:.0f} s") from exc
+                    await asyncio.sleep(0.05)
+        finally:
+            await nc.close()
+
     def check(self) -> None:
-        """Raise when the orchestrator or the agent has exited (a job would otherwise wait out its timeout)."""
-        for name, p in zip(("orchestrator", "agent"), self.procs[:2], strict=True):
+        """Raise when a service process has exited (a job would otherwise wait out its timeout)."""
+        for name, p in zip(self.services, self.procs, strict=False):
             if p.poll() is not None:
                 raise RuntimeError(f"the {name} process exited with {p.returncode} (its traceback is above)")
 

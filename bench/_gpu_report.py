@@ -53,6 +53,8 @@ def format_report(rep: Report) -> list[str]:
     if e:
         lines.append(f"  device {e.get('device')}, driver {e.get('driver')}, torch {e.get('torch')}, "
                      f"cuda-python {e.get('cuda_python')}, nvml {e.get('nvml')}, nats-server {e.get('nats_server')}")
+        if "agent" in e:
+            lines.append(f"  the node agent runs {e['agent']}")
     b = rep.baseline
     if b:
         lines.append(f"baseline (plain torch copies, pinned host buffer, {b['bytes'] / GB:g} GB, median of "

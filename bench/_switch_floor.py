@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -176,6 +177,7 @@ def measure(url: str, n: int, gap_ms: float, colocated: bool = True) -> dict[str
         a, b = (json.loads(outs[w].read_text()) for w in ("A", "B"))
     finally:
         _common.stop_procs(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
     lat = [(t1 - t0) / 1e6 for t0, t1 in zip(a, b, strict=True)][max(1, n // 10):]  # the first switches warm up
     return {"n": len(lat), "gap_ms": gap_ms, "colocated": colocated, "p50_ms": _common.pct(lat, 50),
             "p90_ms": _common.pct(lat, 90), "p99_ms": _common.pct(lat, 99)}

@@ -5,13 +5,13 @@ It measures and prints, and writes as JSON (``--out``):
 1. ``baseline``: pinned host <-> device bandwidth with plain torch copies (``dst.copy_(src)`` between a
    device tensor and a preallocated pinned host tensor), each way, and both ways at once on two streams;
 2. ``offload``: torch-offload snapshot and restore through the full stack, for 4, 16 and 40 GB: a private
-   nats-server, the orchestrator and the agent (each its own process, as ``timeslice up`` runs them) and
-   two workload processes in one group; job A holds the state on the GPU behind ``TorchOffloadHandler``,
-   job B a little; A releases -> the agent suspends A (device -> pinned host), B runs; B releases -> A is
-   restored. Per size: GB/s each way (bytes over the handler's own time, timed in A), the ratio to the
-   baseline, device memory before/after from ``torch.cuda.memory_allocated`` and from NVML (A's process),
-   bit-exactness (per-chunk checksums of every tensor after the last restore) and tensor identity
-   (this section and the helpers the sections share are in ``bench/_gpu_offload.py``);
+   nats-server, the orchestrator with the node agent in its process (as ``timeslice up`` runs them;
+   ``--agent-process``: the agent as a process of its own) and two workload processes in one group; job A holds
+   the state on the GPU behind ``TorchOffloadHandler``, job B a little; A releases -> the agent suspends A (device
+   -> pinned host), B runs; B releases -> A is restored. Per size: GB/s each way (bytes over the handler's own
+   time, timed in A), the ratio to the baseline, device memory before/after from ``torch.cuda.memory_allocated``
+   and from NVML (A's process), bit-exactness (per-chunk checksums of every tensor after the last restore) and
+   tensor identity (this section and the helpers the sections share are in ``bench/_gpu_offload.py``);
 3. ``duplex``: two handlers on the same GPU in one process swapped with ``torch_swap.swap``,
    sequentially and overlapped (outgoing device -> host beside incoming host -> device), bit-exact;
 4. ``cuda``: the ``cuda`` backend (the driver's checkpoint API through cuda-python) on a separate process
@@ -309,17 +309,18 @@ def _section(rep: Report, name: str, fn: Callable[[], None]) -> None:
     print(f"[{name} done in {time.monotonic() - t0:.0f} s]", flush=True)
 
 
-def run(plan: Plan, only: set[str], device: str = "cuda") -> Report:
+def run(plan: Plan, only: set[str], device: str = "cuda", agent_process: bool = False) -> Report:
     rep = Report(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), plan=asdict(plan))
     t0 = time.monotonic()
     rep.env = _env(device)
+    rep.env["agent"] = "own process" if agent_process else "in the orchestrator's process"
 
     def do_baseline() -> None:
         rep.baseline = baseline(plan.baseline_bytes, plan.reps)
 
     def do_offload() -> None:
         tmp = Path(tempfile.mkdtemp(prefix="ts-gpu-check-"))
-        stack = Stack(tmp)
+        stack = Stack(tmp, agent_process=agent_process)
         try:
             stack.start()
             for i, nbytes in enumerate(plan.offload_sizes):
@@ -358,6 +359,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="write the report as JSON to this file")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: run the offload section's plumbing on CPU tensors (a test of the script, no figures)")
+    p.add_argument("--agent-process", action="store_true",
+                   help="offload section: run the node agent as a process of its own, not in the orchestrator's")
     p.add_argument("--role", help=argparse.SUPPRESS)
     for hidden in ("--url", "--group", "--job", "--ready", "--done", "--cycles", "--bytes"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
@@ -416,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(format_report(rep)))
         write_json(args.out, rep)
         return 2
-    rep = run(args.plan, args.sections, args.device)
+    rep = run(args.plan, args.sections, args.device, args.agent_process)
     rep.command = " ".join(["python bench/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
     print("\n".join(format_report(rep)), flush=True)
     write_json(args.out, rep)

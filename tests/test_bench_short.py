@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 
 
-def _run(script: str, *args: str, timeout: float = 120) -> str:
+def _run(script: str, *args: str, timeout: float = 120, tmpdir: Path | None = None) -> str:
     env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout, check=False)
     assert proc.returncode == 0, f"{script} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
@@ -132,16 +134,17 @@ def test_run_all_writes_the_document(results: tuple[Path, dict[str, str]], tmp_p
 
 
 @pytest.mark.parametrize("colocated", [False, True], ids=["four-processes", "agent-stand-in-beside"])
-def test_switch_floor_times_its_hops(nats_url: str, colocated: bool) -> None:
+def test_switch_floor_times_its_hops(nats_url: str, colocated: bool, tmp_path: Path) -> None:
     """``bench/_switch_floor.py`` (the offload bench's same-run floor) passes its switches through the real
     server, in either layout: one latency per switch after the warm-up, ordered percentiles, twice on one
-    server."""
+    server; its processes' files are removed afterwards."""
     flags = ["--colocated"] if colocated else []
     for _ in range(2):  # a second measurement on the same server replaces the first one's stream
         data = json.loads(_run("_switch_floor.py", "--url", nats_url, "--n", "12", "--gap-ms", "5", *flags,
-                               timeout=90))
+                               timeout=90, tmpdir=tmp_path))  # (the server's own files are here too)
         assert data["n"] == 11 and data["gap_ms"] == 5.0 and data["colocated"] is colocated
         assert 0 < data["p50_ms"] <= data["p90_ms"] <= data["p99_ms"] < 1000
+        assert list(tmp_path.glob("ts-bench-swfloor-*")) == []
 
 
 def test_offload_report_shows_the_switch_floor(tmp_path: Path) -> None:

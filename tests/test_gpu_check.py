@@ -88,14 +88,18 @@ def test_without_cuda_it_refuses_and_still_writes_its_result(gc: ModuleType, tmp
     assert any("CUDA is not available" in s for s in res["skipped"]) and res["offload"] == []
 
 
-def test_offload_plumbing_on_cpu(tmp_path: Path) -> None:
-    """The offload section end to end (nats-server, orchestrator, agent, two job processes) on CPU tensors."""
+@pytest.mark.parametrize("flags", [(), ("--agent-process",)], ids=["agent-beside", "agent-process"])
+def test_offload_plumbing_on_cpu(tmp_path: Path, flags: tuple[str, ...]) -> None:
+    """The offload section end to end (nats-server, orchestrator, agent, two job processes) on CPU tensors, with
+    the agent in the orchestrator's process (as ``timeslice up`` runs it) and in its own."""
     pytest.importorskip("torch")
     out = tmp_path / "cpu.json"
     run = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--only", "offload", "--sizes", "0.02",
-                          "--out", str(out)], capture_output=True, text=True, timeout=180, check=False)
+                          "--out", str(out), *flags], capture_output=True, text=True, timeout=180, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     res = json.loads(out.read_text())
+    layout = "own process" if flags else "in the orchestrator's process"
+    assert res["env"]["agent"] == layout and f"the node agent runs {layout}" in run.stdout
     (r,) = res["offload"]
     assert r["bit_exact"] is True and r["same_tensors"] is True
     assert r["offload_gbps"] > 0 and r["restore_gbps"] > 0 and len(r["offload_s"]) == r["cycles"] == 2
@@ -104,20 +108,26 @@ def test_offload_plumbing_on_cpu(tmp_path: Path) -> None:
 
 
 def test_stack_check_names_a_dead_service(gc: ModuleType, tmp_path: Path) -> None:
-    """A job waiting on a dead orchestrator fails at once with the component named, not after its timeout."""
-    stack = gc.Stack(tmp_path)
+    """A job waiting on a dead orchestrator or agent fails at once with the process named, not after its timeout."""
     dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     dead.wait(30)
     alive = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
-        stack.procs = [dead, alive]
+        beside = gc.Stack(tmp_path)  # the layout `timeslice up` runs: the agent in the orchestrator's process
+        beside.procs = [dead]
+        with pytest.raises(RuntimeError, match=r"orchestrator \(with the agent\) process exited with 3"):
+            beside.check()
+        beside.procs = [alive, dead]  # a job process after the service: not the stack's to report
+        beside.check()
+        apart = gc.Stack(tmp_path, agent_process=True)
+        apart.procs = [dead, alive]
         with pytest.raises(RuntimeError, match="orchestrator process exited with 3"):
-            stack.check()
-        stack.procs = [alive, dead]
+            apart.check()
+        apart.procs = [alive, dead]
         with pytest.raises(RuntimeError, match="agent process exited with 3"):
-            stack.check()
-        stack.procs = [alive, alive]
-        stack.check()
+            apart.check()
+        apart.procs = [alive, alive]
+        apart.check()
     finally:
         assert alive.stdin is not None
         alive.stdin.close()
