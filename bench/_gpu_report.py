@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GB", "GOAL", "Report", "format_report"]
+__all__ = ["GB", "GOAL", "SWITCH_GOAL_MS", "Report", "format_report"]
 
 GB = 1_000_000_000
 GOAL = 0.8  # torch offload vs the same-run pinned copy, each way (issue 7)
+SWITCH_GOAL_MS = 5.0  # a switch adds at most this beyond the handler calls (issue 3)
 
 
 @dataclass
@@ -24,6 +25,7 @@ class Report:
     offload: list[dict[str, Any]] = field(default_factory=list)
     duplex: dict[str, Any] = field(default_factory=dict)
     cuda: dict[str, Any] = field(default_factory=dict)
+    switch: dict[str, Any] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     wall_s: float = 0.0
@@ -38,8 +40,13 @@ class Report:
                     out.append((f"{k} {r['bytes'] / GB:g} GB", ratio, ratio >= GOAL))
         return out
 
+    def switch_goals(self) -> list[tuple[str, float, bool]]:
+        """(what, median overhead in ms, met) for the switch section's sizes."""
+        return [(f"{r['gib']:g} GiB", r["overhead_ms"], r["overhead_ms"] <= SWITCH_GOAL_MS)
+                for r in self.switch.get("sizes", ()) if r.get("overhead_ms") is not None]
+
     def ok(self) -> bool:
-        return not self.errors and not self.skipped and all(met for _, _, met in self.goals())
+        return not self.errors and not self.skipped and all(met for _, _, met in [*self.goals(), *self.switch_goals()])
 
 
 def _fmt_gbps(x: float | None) -> str:
@@ -82,8 +89,21 @@ def format_report(rep: Report) -> list[str]:
                          f"(freed {_gb(c.get('device_bytes_freed'))} GB by NVML), restore {c['restore_s']:.2f} s; "
                          f"NVML {_gb(c.get('nvml_before'))} -> {_gb(c.get('nvml_checkpointed'))} -> "
                          f"{_gb(c.get('nvml_restored'))} GB; data intact {c.get('intact')}")
+    sw = rep.switch
+    if sw:
+        floor = sw.get("floor_p50_ms")
+        lines.append(f"switch through the stack (`{sw['command']}`; the node agent runs {sw['agent']}; {sw['cycles']} "
+                     f"cycles, medians; same-run floor p50 " + (f"{floor:.2f} ms)" if floor else "not measured)"))
+        for r in sw.get("sizes", ()):
+            lines.append(f"  {r['gib']:g} GiB: overhead {r['overhead_ms']:.2f} ms (A->B {r['overhead_ab_ms']:.2f}, "
+                         f"B->A {r['overhead_ba_ms']:.2f}, max {r['overhead_max_ms']:.2f}; agent-side "
+                         f"{r['agent_side_ms']:.2f}, orchestrator+bus {r['orchestrator_bus_ms']:.2f}); offload "
+                         f"{r['offload_vs_copy']:.2f}x, restore {r['restore_vs_copy']:.2f}x the same-run copy")
     for what, ratio, met in rep.goals():
         lines.append(f"goal {what}: {ratio:.0%} of the pinned copy, {'met' if met else 'NOT met'} (>= {GOAL:.0%})")
+    for what, ms, met in rep.switch_goals():
+        lines.append(f"goal switch overhead {what}: {ms:.2f} ms, {'met' if met else 'NOT met'} "
+                     f"(<= {SWITCH_GOAL_MS:g} ms)")
     for s in rep.skipped:
         lines.append(f"skipped: {s}")
     for err in rep.errors:

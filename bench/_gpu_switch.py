@@ -1,0 +1,48 @@
+"""The GPU check's switch section (section 5 of ``bench/gpu_check.py``): ``bench/offload.py`` on the GPU.
+
+It runs ``bench/offload.py --device cuda`` (the same stack and workloads as the offload bench on the
+development machine, with its same-run switch floor) and keeps, per size, what issue 3 asks of a switch:
+the overhead beyond the handler calls (goal: ``_gpu_report.SWITCH_GOAL_MS``), and the offload and restore
+bandwidth against the same-run copy. The offload bench's own JSON is kept beside the check's (``raw_out``).
+
+Private to ``bench/``; ``gpu_check.py`` puts ``bench/`` on the path before importing it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from _gpu_offload import ROOT, _child_env
+
+__all__ = ["switch"]
+
+_KEPT = ("gib", "overhead_ms", "overhead_ab_ms", "overhead_ba_ms", "overhead_max_ms", "agent_side_ms",
+         "orchestrator_bus_ms", "offload_gbps", "restore_gbps", "offload_vs_copy", "restore_vs_copy",
+         "restore_vs_fresh", "overlapped_switches")
+
+
+def switch(sizes_gib: Sequence[float], cycles: int, floor_switches: int, device: str, agent_process: bool,
+           raw_out: Path | None = None, timeout_s: float = 900.0) -> dict[str, Any]:
+    """Run the offload bench on ``device``; its figures per size, the floor and the command (raises when it fails)."""
+    with tempfile.TemporaryDirectory(prefix="ts-gpu-switch-") as tmp:
+        out = raw_out or Path(tmp) / "offload.json"
+        args = ["--device", device, "--sizes", ",".join(f"{g:g}" for g in sizes_gib), "--cycles", str(cycles),
+                "--floor-switches", str(floor_switches), *(["--agent-process"] if agent_process else [])]
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "offload.py"), *args, "--json-out", str(out)],
+                              env=_child_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                              check=False)
+        print(proc.stdout, end="", flush=True)
+        if proc.returncode:
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+            raise RuntimeError(f"bench/offload.py exited with {proc.returncode}: {tail}")
+        res = json.loads(out.read_text())
+    floor = res.get("switch_floor") or {}
+    return {"command": " ".join(["python bench/offload.py", *args]), "device": res["device"], "agent": res["agent"],
+            "cycles": res["cycles"], "floor_p50_ms": floor.get("p50_ms"),
+            "sizes": [{k: r.get(k) for k in _KEPT} for r in res["sizes"]]}
