@@ -50,7 +50,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from timeslice_client.bus import BusConfig, connect, ensure_bus
 from timeslice_client.protocol import (
     STREAM,
-    AgentLost,
     ErrorCode,
     GroupRecord,
     InputEvent,
@@ -63,6 +62,7 @@ from timeslice_client.protocol import (
     validate_id,
 )
 
+from ._agents_watch import watch_agents
 from ._beside import LocalAgent
 from ._catch_up import catch_up
 from ._delivery import delivery, first, route
@@ -539,59 +539,10 @@ class Orchestrator:
 
     async def _watch_agents(self, known: asyncio.Event) -> None:
         """An agent whose key expired (TTL) or was deleted is lost: its pending operations are resolved
-        and its placements dropped, through ``AgentLost`` events in the stream."""
-        kv = self._agents_kv
-        assert kv is not None
-        alive: set[str] = set()
-        status = await kv.status()
-        watcher = await kv.watchall()
-        initial = status.values > 0
-        try:
-            if not initial:
-                known.set()
-            while not self._stop.is_set():
-                try:
-                    entry = await watcher.updates(timeout=1)  # type: ignore[no-untyped-call]
-                except Exception:  # the nats-py watcher raises its own timeout type
-                    entry = None
-                if entry is None:
-                    continue
-                if entry.operation in ("DEL", "PURGE") or not entry.value:
-                    if entry.key in alive or initial is False:
-                        alive.discard(entry.key)
-                        await self._agent_lost(entry.key)
-                else:
-                    alive.add(entry.key)
-                if initial and entry.delta == 0:
-                    initial = False
-                    for node in self._referenced_nodes() - alive:
-                        await self._agent_lost(node)
-                    known.set()
-        finally:
-            known.set()
-            with contextlib.suppress(Exception):
-                await watcher.stop()  # type: ignore[no-untyped-call]
-
-    def _referenced_nodes(self) -> set[str]:
-        nodes: set[str] = set()
-        for e in self._groups.values():
-            for ns in e.rec.placements.values():
-                nodes.update(ns)
-            nodes.update(e.rec.loaded)
-        return nodes
-
-    async def _agent_lost(self, node: str) -> None:
-        js = self._js
-        assert js is not None
-        for g, e in list(self._groups.items()):
-            rec = e.rec
-            pending = rec.switch is not None and any(op.node == node for op in rec.switch.ops)
-            if pending or node in rec.loaded or any(node in ns for ns in rec.placements.values()):
-                log.warning("agent lost", extra={"node": node, "group": g})
-                try:
-                    await js.publish(subjects.ctl(g, "agent_lost"), encode(AgentLost(group=g, node=node)), timeout=5)
-                except Exception:
-                    log.exception("could not publish agent_lost", extra={"node": node, "group": g})
+        and its placements dropped, through ``AgentLost`` events in the stream (``_agents_watch``)."""
+        assert self._agents_kv is not None and self._js is not None
+        await watch_agents(self._agents_kv, self._js, lambda: {g: e.rec for g, e in self._groups.items()},
+                           self._stop, known)
 
 
 class _Stopped(Exception):
