@@ -8,15 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import os
 import threading
 from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
+from nats.js.errors import KeyNotFoundError
 from timeslice_agent import Agent, AgentConfig
 from timeslice_client import AsyncTimeSliceClient, JobFaulted, JobState
 from timeslice_client.bus import connect
-from timeslice_client.protocol import OpResult, decode_input, subjects
+from timeslice_client.protocol import (
+    JOBS_BUCKET,
+    OpKind,
+    OpResult,
+    RegisterJob,
+    UnregisterJob,
+    decode_input,
+    encode,
+    subjects,
+)
 from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
@@ -226,4 +238,47 @@ async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node_unless_th
         checker.feed_all(await read_stream(nats_url))  # the stream passes the invariant checker
         assert checker.records["gp"].holder is None
     finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("again", [None, "same group", "other group"])
+async def test_a_job_unregistered_mid_operation_stays_gone(nats_url: str, again: str | None) -> None:
+    """A job that unregisters while its snapshot runs is not brought back when the snapshot ends: no context in
+    the agent, no key in KV ``jobs``. Registered again meanwhile, in its group, it keeps the new registration
+    (the operation's outcome lands on it); in another group, the old group's operation leaves it alone."""
+    cfg = AgentConfig(node_id="node-1", nats_url=nats_url)
+    log: list[str] = []
+    go = threading.Event()
+    nc = await connect(nats_url)
+    try:
+        async with running(Agent(cfg)) as agent, AsyncTimeSliceClient("x", "g1", nats_url) as x:
+            await x.register_workload(Blocking("x", log, go), node_id="node-1")
+            op_id = await agent.run_standalone("x", OpKind.SNAPSHOT)
+            await eventually(lambda: log == ["x:suspend start"], what="x's suspend started")
+            rpc = functools.partial(nc.request, timeout=5)
+            await rpc(subjects.agent_rpc("node-1", "unregister"), encode(UnregisterJob(group="g1", job="x")))
+            assert "x" not in agent.jobs()
+            if again is not None:
+                group = "g1" if again == "same group" else "g2"
+                reg = RegisterJob(group=group, job="x", backends=("app_channel",), pids=(os.getpid(),),
+                                  tags=("fresh",))
+                await rpc(subjects.agent_rpc("node-1", "register"), encode(reg))
+                assert agent.jobs()["x"].group == group
+            go.set()
+            status = await eventually(lambda: (s := agent.operation(op_id)) is not None and s.done and s,
+                                      what="the snapshot's end")
+            assert status.result is not None and status.result.ok
+            kv = await nc.jetstream().key_value(JOBS_BUCKET)
+            if again is None:
+                assert "x" not in agent.jobs()
+                with pytest.raises(KeyNotFoundError):  # deleted at the unregistration and not written again
+                    await kv.get("node-1.x")
+            else:
+                ctx = agent.jobs()["x"]
+                assert ctx.tags == ("fresh",)  # the registration made during the operation, not the old one
+                assert ctx.state is (JobState.SAVED if again == "same group" else JobState.IDLE), ctx
+                stored = msgspec.json.decode((await kv.get("node-1.x")).value)
+                assert stored["tags"] == ["fresh"] and stored["state"] == ctx.state.value
+    finally:
+        go.set()  # a failed assertion must not leave the handler waiting
         await nc.close()

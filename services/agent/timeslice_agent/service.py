@@ -434,7 +434,8 @@ class Agent:
                 # The job's processes ended mid-operation: nothing is left to move. Unregister it first, so
                 # the orchestrator ends the operation as "job gone" (no fault), then answer the command.
                 error = f"the job's processes exited during the {kind}"
-                await self._unregister(ctx, error)
+                if (current := self._registration(ctx)) is not None:
+                    await self._unregister(current, error)
                 result = self._result(cmd, kind, backend, ok=False, error=error, elapsed_ms=elapsed)
                 await self._publish_result(result)
                 return self._remember(result), True
@@ -446,8 +447,12 @@ class Agent:
             # the stream's answer to the result, nor for the KV write below.
             self._running.answered(cmd.op_id)
             await self._publish_result(result)  # the orchestrator waits on this; the KV write can follow
+            if (current := self._registration(ctx)) is None:  # unregistered meanwhile: not brought back
+                log.info("job unregistered during the %s: its outcome is not stored", kind,
+                         extra={"node": self.node, "job": cmd.job, "group": cmd.group, "op_id": cmd.op_id})
+                return self._remember(result), True
             await self._save(msgspec.structs.replace(
-                ctx, state=state, reason=failure if state is JobState.FAULTED else None, last_op_id=cmd.op_id,
+                current, state=state, reason=failure if state is JobState.FAULTED else None, last_op_id=cmd.op_id,
                 last_op_ok=failure is None, last_op_error=failure, bytes_moved=outcome.bytes_moved,
                 device_bytes_freed=outcome.device_bytes_freed, elapsed_ms=elapsed))
             return self._remember(result), True
@@ -464,6 +469,16 @@ class Agent:
             log.warning("job's processes exited during a %s", kind, extra={"node": node, "job": ctx.job,
                                                                            "op_id": op.op_id})
         return outcome
+
+    def _registration(self, ctx: JobContext) -> JobContext | None:
+        """The job's registration now, when it is still the one ``ctx`` was taken from: the same group and
+        processes (it may have registered again meanwhile, as ``_register`` keeps the state of the same
+        process). None when the job unregistered, or registered again in another group or as other processes:
+        an operation that ends then must not write its outcome over that."""
+        current = self._jobs.get(ctx.job)
+        if current is None or (current.group, current.pids, current.pgid) != (ctx.group, ctx.pids, ctx.pgid):
+            return None
+        return current
 
     def _remember(self, result: OpResult) -> OpResult:
         self._results[result.op_id] = result
