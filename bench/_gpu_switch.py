@@ -35,12 +35,9 @@ def switch(sizes_gib: Sequence[float], cycles: int, floor_switches: int, device:
         args = ["--device", device, "--sizes", ",".join(f"{g:g}" for g in sizes_gib), "--cycles", str(cycles),
                 "--floor-switches", str(floor_switches), *(["--agent-process"] if agent_process else [])]
         proc = subprocess.run([sys.executable, str(ROOT / "bench" / "offload.py"), *args, "--json-out", str(out)],
-                              env=_child_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
-                              check=False)
-        print(proc.stdout, end="", flush=True)
+                              env=_child_env(), cwd=ROOT, timeout=timeout_s, check=False)  # its report streams out
         if proc.returncode:
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
-            raise RuntimeError(f"bench/offload.py exited with {proc.returncode}: {tail}")
+            raise RuntimeError(f"bench/offload.py exited with {proc.returncode} (its output is above)")
         res = json.loads(out.read_text())
     floor = res.get("switch_floor") or {}
     return {"command": " ".join(["python bench/offload.py", *args]), "device": res["device"], "agent": res["agent"],
