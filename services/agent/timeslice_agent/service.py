@@ -29,11 +29,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import KeyNotFoundError, NotFoundError
-from nats.js.kv import KeyValue
-from timeslice_client.bus import connect, ensure_bus, kv_keys
+from nats.js.errors import NotFoundError
+from timeslice_client.bus import connect, ensure_bus
 from timeslice_client.protocol import (
-    JOBS_BUCKET,
     STREAM,
     AgentCommand,
     AgentReply,
@@ -41,9 +39,7 @@ from timeslice_client.protocol import (
     ClearJobFault,
     DeviceInfo,
     JobContext,
-    JobRegistered,
     JobState,
-    JobUnregistered,
     OpKind,
     OpResult,
     OpStarted,
@@ -58,11 +54,11 @@ from timeslice_client.protocol import (
 )
 from timeslice_client.workload import default_node_id
 
-from ._app_endpoint import check_endpoints
 from ._compose import perform, until_exited
 from ._config import AgentConfig
 from ._heartbeat import Heartbeat
 from ._host import alive
+from ._jobbook import JobBook, now_ms
 from ._ordering import RunningOps
 from ._room import RestoreOrder
 from ._standalone import standalone_context
@@ -75,11 +71,6 @@ log = logging.getLogger("timeslice.agent")
 
 _command_decoder = msgspec.json.Decoder(AgentCommand)
 _rpc_decoder = msgspec.json.Decoder(RegisterJob | UnregisterJob | ClearJobFault)
-_ctx_decoder = msgspec.json.Decoder(JobContext)
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +94,8 @@ class Agent:
         self._nc = nc
         self._own_nc = nc is None
         self._js: JetStreamContext | None = None
-        self._jobs_kv: KeyValue | None = None
         self._heartbeat: Heartbeat | None = None  # once connected
-        self._jobs: dict[str, JobContext] = {}
+        self._book = JobBook(self.node)  # this node's job contexts, stored in KV ``jobs``
         self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._epochs: dict[str, int] = {}
         self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()
@@ -117,7 +107,7 @@ class Agent:
         self._ready = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
         self._subs: list[Any] = []
-        self._started_ms = _now_ms()
+        self._started_ms = now_ms()
         self._standalone: dict[str, float] = {}  # running standalone op id -> start (monotonic s)
         self._taken: collections.OrderedDict[str, None] = collections.OrderedDict()  # op ids handed over by take()
 
@@ -126,7 +116,7 @@ class Agent:
         return self._ready
 
     def jobs(self) -> dict[str, JobContext]:
-        return dict(self._jobs)
+        return dict(self._book.jobs)
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -139,13 +129,13 @@ class Agent:
             nc = self._nc = await connect(self.config.nats_url, name=f"timeslice-agent-{self.node}")
         self._js = nc.jetstream()
         buckets = await ensure_bus(self._js, self.config.bus)
-        self._jobs_kv = buckets.jobs
+        self._book.bind(nc, self._js, buckets.jobs)
         heartbeat = self._heartbeat = Heartbeat(self.node, buckets.agents, self._started_ms)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 await heartbeat.once()
-                await self._recover()
+                await self._book.recover()
                 for verb, cb in (("register", self._on_rpc), ("unregister", self._on_rpc),
                                  ("clear_fault", self._on_rpc), ("status", self._on_status)):
                     self._subs.append(await nc.subscribe(subjects.agent_rpc(self.node, verb), cb=cb))
@@ -194,40 +184,17 @@ class Agent:
             max_ack_pending=1024, filter_subject=subjects.agent_cmd(self.node),
         ))
 
-    async def _recover(self) -> None:
-        """Read this node's job states back; an operation cut short by a restart leaves the job FAULTED."""
-        kv, nc = self._jobs_kv, self._nc
-        assert kv is not None and nc is not None
-        for key in await kv_keys(nc, JOBS_BUCKET, under=self.node):  # not kv.keys(): it can miss keys
-            try:
-                entry = await kv.get(key)
-            except KeyNotFoundError:  # unregistered (deleted) since
-                continue
-            if entry.value:
-                ctx = _ctx_decoder.decode(entry.value)
-                self._jobs[ctx.job] = ctx
-        for ctx in list(self._jobs.values()):
-            if ctx.pids and not any(alive(p) for p in ctx.pids):
-                await self._unregister(ctx, "its processes are gone")
-                continue
-            if ctx.state is JobState.TRANSITIONING:
-                await self._save(msgspec.structs.replace(
-                    ctx, state=JobState.FAULTED, reason="the agent restarted during an operation; state unknown"))
-            await self._announce(ctx)
-        if self._jobs:
-            log.info("recovered %d jobs", len(self._jobs), extra={"node": self.node})
-
     # ------------------------------------------------------------------ registration
 
     async def _on_rpc(self, msg: Msg) -> None:
         try:
             req = _rpc_decoder.decode(msg.data)
             if isinstance(req, RegisterJob):
-                reply = await self._register(req)
+                reply = await self._book.register(req)
             elif isinstance(req, UnregisterJob):
-                ctx = self._jobs.get(req.job)
+                ctx = self._book.jobs.get(req.job)
                 if ctx is not None:
-                    await self._unregister(ctx, "unregistered by the job")
+                    await self._book.unregister(ctx, "unregistered by the job")
                 reply = AgentReply(ok=True)
             else:
                 reply = await self._clear_fault(req.job)
@@ -239,57 +206,21 @@ class Agent:
         if msg.reply:
             await msg.respond(encode(reply))
 
-    async def _register(self, req: RegisterJob) -> AgentReply:
-        validate_id("group", req.group)
-        validate_id("job", req.job)
-        assert self._nc is not None
-        for b in req.backends:
-            make_backend(b, self._nc, self.node)  # raises for an unknown backend
-        if "app_endpoint" in req.backends:
-            check_endpoints(req.endpoints)  # ValueError: which endpoint is wrong and how to write it
-        old = self._jobs.get(req.job)
-        if old is not None and old.group != req.group:
-            return AgentReply(ok=False, error=f"job {req.job!r} is registered in group {old.group!r} on this node")
-        same_process = old is not None and old.pids == req.pids and old.pgid == req.pgid
-        state = old.state if (old is not None and same_process) else JobState.IDLE
-        ctx = JobContext(node=self.node, job=req.job, group=req.group, state=state, backends=req.backends,
-                         pids=req.pids, pgid=req.pgid, mode=req.mode, tags=req.tags, op_timeout_ms=req.op_timeout_ms,
-                         endpoints=req.endpoints, reason=old.reason if same_process and old else None)
-        ctx = await self._save(ctx)
-        await self._announce(ctx)
-        log.info("registered job", extra={"node": self.node, "job": req.job, "group": req.group})
-        return AgentReply(ok=True, state=ctx.state)
-
-    async def _announce(self, ctx: JobContext) -> None:
-        assert self._js is not None
-        ev = JobRegistered(group=ctx.group, job=ctx.job, node=self.node, backend="+".join(ctx.backends),
-                           op_timeout_ms=ctx.op_timeout_ms)
-        await self._js.publish(subjects.agent_event(self.node, ctx.group), encode(ev))
-
-    async def _unregister(self, ctx: JobContext, why: str) -> None:
-        assert self._js is not None and self._jobs_kv is not None
-        self._jobs.pop(ctx.job, None)
-        with contextlib.suppress(Exception):
-            await self._jobs_kv.delete(f"{self.node}.{ctx.job}")
-        await self._js.publish(subjects.agent_event(self.node, ctx.group),
-                               encode(JobUnregistered(group=ctx.group, job=ctx.job, node=self.node)))
-        log.info("unregistered job: %s", why, extra={"node": self.node, "job": ctx.job, "group": ctx.group})
-
     async def _clear_fault(self, job: str) -> AgentReply:
-        ctx = self._jobs.get(job)
+        ctx = self._book.jobs.get(job)
         if ctx is None:
             return AgentReply(ok=False, error=f"job {job!r} is not registered on node {self.node!r}")
         async with self._locks[job]:
             if ctx.state is JobState.FAULTED:
                 # Its state is unknown: treat it as saved, so the next grant resumes it (resume is idempotent).
-                ctx = await self._save(msgspec.structs.replace(ctx, state=JobState.SAVED, reason=None))
+                ctx = await self._book.save(msgspec.structs.replace(ctx, state=JobState.SAVED, reason=None))
         assert self._js is not None
         await self._js.publish(subjects.ctl(ctx.group, "clear_fault"), encode(ClearFault(group=ctx.group, job=job)))
         return AgentReply(ok=True, state=ctx.state)
 
     async def _on_status(self, msg: Msg) -> None:
         if msg.reply:
-            await msg.respond(msgspec.json.encode(sorted(self._jobs.values(), key=lambda c: c.job)))
+            await msg.respond(msgspec.json.encode(sorted(self._book.jobs.values(), key=lambda c: c.job)))
 
     # ------------------------------------------------------------------ operations
 
@@ -364,7 +295,7 @@ class Agent:
         elif result.ok:
             outcome = "ok"
         else:
-            ctx = self._jobs.get(result.job)
+            ctx = self._book.jobs.get(result.job)
             outcome = "failed" if ctx is None or ctx.state is JobState.FAULTED else "rolled_back"
         self.metrics.operation(result, outcome)
 
@@ -381,8 +312,8 @@ class Agent:
             return done, False  # the same op id gets the same answer
         if not isinstance(cmd, Restore) or not cmd.after:
             return await self._execute_now(cmd, kind, overlapped=False)
-        others = [j for j in self._jobs.values() if j.group == cmd.group and j.job != cmd.job]
-        async with self._order.turn(cmd, self._jobs.get(cmd.job), others) as turn:
+        others = [j for j in self._book.jobs.values() if j.group == cmd.group and j.job != cmd.job]
+        async with self._order.turn(cmd, self._book.jobs.get(cmd.job), others) as turn:
             if turn.error is not None:
                 return self._remember(self._result(cmd, kind, "none", ok=False, error=turn.error)), False
             return await self._execute_now(cmd, kind, overlapped=turn.overlapped)
@@ -393,7 +324,7 @@ class Agent:
         async with self._locks[cmd.job]:
             if (done := self._results.get(cmd.op_id)) is not None:
                 return done, False
-            ctx = self._jobs.get(cmd.job)
+            ctx = self._book.jobs.get(cmd.job)
             if ctx is None:
                 error = f"job {cmd.job!r} is not registered on node {self.node!r}"
                 return self._remember(self._result(cmd, kind, "none", ok=False, error=error)), False
@@ -411,7 +342,7 @@ class Agent:
             ):
                 # Nothing to move: already saved, already running, or never ran (nothing was saved).
                 if ctx.state is JobState.IDLE:
-                    await self._save(msgspec.structs.replace(ctx, state=JobState.RUNNING, epoch=cmd.epoch))
+                    await self._book.save(msgspec.structs.replace(ctx, state=JobState.RUNNING, epoch=cmd.epoch))
                 return self._remember(self._result(cmd, kind, backend, ok=True)), False
             remaining = cmd.deadline_ms / 1000 - time.time()
             if remaining <= 0:
@@ -419,7 +350,7 @@ class Agent:
                 return self._remember(self._result(cmd, kind, backend, ok=False, error=error)), False
             op = OpContext(op_id=cmd.op_id, epoch=cmd.epoch, deadline=time.monotonic() + remaining)
             before = ctx.state
-            ctx = await self._save(msgspec.structs.replace(ctx, state=JobState.TRANSITIONING, epoch=cmd.epoch),
+            ctx = await self._book.save(msgspec.structs.replace(ctx, state=JobState.TRANSITIONING, epoch=cmd.epoch),
                                    wait=False)
             assert self._nc is not None
             await self._nc.publish(subjects.agent_op(self.node), encode(OpStarted(
@@ -434,8 +365,8 @@ class Agent:
                 # The job's processes ended mid-operation: nothing is left to move. Unregister it first, so
                 # the orchestrator ends the operation as "job gone" (no fault), then answer the command.
                 error = f"the job's processes exited during the {kind}"
-                if (current := self._registration(ctx)) is not None:
-                    await self._unregister(current, error)
+                if (current := self._book.registration(ctx)) is not None:
+                    await self._book.unregister(current, error)
                 result = self._result(cmd, kind, backend, ok=False, error=error, elapsed_ms=elapsed)
                 await self._publish_result(result)
                 return self._remember(result), True
@@ -447,11 +378,11 @@ class Agent:
             # the stream's answer to the result, nor for the KV write below.
             self._running.answered(cmd.op_id)
             await self._publish_result(result)  # the orchestrator waits on this; the KV write can follow
-            if (current := self._registration(ctx)) is None:  # unregistered meanwhile: not brought back
+            if (current := self._book.registration(ctx)) is None:  # unregistered meanwhile: not brought back
                 log.info("job unregistered during the %s: its outcome is not stored", kind,
                          extra={"node": self.node, "job": cmd.job, "group": cmd.group, "op_id": cmd.op_id})
                 return self._remember(result), True
-            await self._save(msgspec.structs.replace(
+            await self._book.save(msgspec.structs.replace(
                 current, state=state, reason=failure if state is JobState.FAULTED else None, last_op_id=cmd.op_id,
                 last_op_ok=failure is None, last_op_error=failure, bytes_moved=outcome.bytes_moved,
                 device_bytes_freed=outcome.device_bytes_freed, elapsed_ms=elapsed))
@@ -470,16 +401,6 @@ class Agent:
                                                                            "op_id": op.op_id})
         return outcome
 
-    def _registration(self, ctx: JobContext) -> JobContext | None:
-        """The job's registration now, when it is still the one ``ctx`` was taken from: the same group and
-        processes (it may have registered again meanwhile, as ``_register`` keeps the state of the same
-        process). None when the job unregistered, or registered again in another group or as other processes:
-        an operation that ends then must not write its outcome over that."""
-        current = self._jobs.get(ctx.job)
-        if current is None or (current.group, current.pids, current.pgid) != (ctx.group, ctx.pids, ctx.pgid):
-            return None
-        return current
-
     def _remember(self, result: OpResult) -> OpResult:
         self._results[result.op_id] = result
         while len(self._results) > self.config.max_results:
@@ -490,20 +411,6 @@ class Agent:
         assert self._js is not None
         await self._js.publish(subjects.agent_event(self.node, result.group), encode(result),
                                headers={"Nats-Msg-Id": f"{result.op_id}:result"})
-
-    async def _save(self, ctx: JobContext, *, wait: bool = True) -> JobContext:
-        """Store a job's state. ``wait=False`` publishes the write without waiting for JetStream's answer
-        (it is stored in order with this connection's later writes): for the TRANSITIONING mark on the
-        switch's critical path."""
-        assert self._jobs_kv is not None and self._nc is not None
-        ctx = msgspec.structs.replace(ctx, updated_ms=_now_ms())
-        self._jobs[ctx.job] = ctx
-        key = f"{self.node}.{ctx.job}"
-        if wait:
-            await self._jobs_kv.put(key, encode(ctx))
-        else:
-            await self._nc.publish(f"$KV.{JOBS_BUCKET}.{key}", encode(ctx))
-        return ctx
 
     # ------------------------------------------------------------------ standalone operations
 
@@ -539,16 +446,16 @@ class Agent:
         for b in backends or ():
             make_backend(b, self._nc, self.node)  # raises BackendUnavailable
         async with self._locks[job]:
-            current = self._jobs.get(job)
+            current = self._book.jobs.get(job)
             ctx = standalone_context(current, self.node, job, kind, group=group, backends=backends, pids=pids,
                                      mode=mode, tags=tags, endpoints=endpoints)
             if ctx is not current:
-                ctx = await self._save(ctx)
+                ctx = await self._book.save(ctx)
         op_id = f"standalone-{uuid.uuid4().hex}"
         budget_ms = int(timeout_s * 1000) if timeout_s else ctx.op_timeout_ms
         cls = Snapshot if kind is OpKind.SNAPSHOT else Restore
         cmd = cls(op_id=op_id, group=ctx.group, job=job, node=self.node, epoch=self._epochs.get(ctx.group, 0),
-                  deadline_ms=_now_ms() + budget_ms)
+                  deadline_ms=now_ms() + budget_ms)
         self._standalone[op_id] = time.monotonic()
         nothing_to_move = (kind is OpKind.SNAPSHOT and ctx.state is JobState.SAVED) or (
             kind is OpKind.RESTORE and ctx.state in (JobState.RUNNING, JobState.IDLE))
@@ -597,12 +504,12 @@ class Agent:
                     await self._stop.wait()
             if self._stop.is_set():
                 return
-            for ctx in list(self._jobs.values()):
+            for ctx in list(self._book.jobs.values()):
                 if ctx.pids and not any(alive(p) for p in ctx.pids):
                     async with self._locks[ctx.job]:
-                        if self._jobs.get(ctx.job) is ctx:
+                        if self._book.jobs.get(ctx.job) is ctx:
                             try:
-                                await self._unregister(ctx, "its processes are gone")
+                                await self._book.unregister(ctx, "its processes are gone")
                             except Exception as exc:
                                 log.warning("unregistering failed: %r", exc, extra={"job": ctx.job})
 

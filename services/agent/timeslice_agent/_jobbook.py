@@ -1,0 +1,139 @@
+"""This node's job contexts: the agent's table of them, stored in KV ``jobs`` (key ``<node>.<job>``), and the
+events that tell the orchestrator a job came (``JobRegistered``) or went (``JobUnregistered``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+from timeslice_client.bus import kv_keys
+from timeslice_client.protocol import (
+    JOBS_BUCKET,
+    AgentReply,
+    JobContext,
+    JobRegistered,
+    JobState,
+    JobUnregistered,
+    RegisterJob,
+    encode,
+    subjects,
+    validate_id,
+)
+
+from ._app_endpoint import check_endpoints
+from ._host import alive
+from .backends import make_backend
+
+__all__ = ["JobBook", "now_ms"]
+
+log = logging.getLogger("timeslice.agent")
+
+_ctx_decoder = msgspec.json.Decoder(JobContext)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class JobBook:
+    """The job contexts of one node (``jobs``, by job id); usable once ``bind`` gave it the agent's connection."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.jobs: dict[str, JobContext] = {}
+        self._nc: NATS | None = None
+        self._js: JetStreamContext | None = None
+        self._kv: KeyValue | None = None
+
+    def bind(self, nc: NATS, js: JetStreamContext, kv: KeyValue) -> None:
+        self._nc, self._js, self._kv = nc, js, kv
+
+    async def save(self, ctx: JobContext, *, wait: bool = True) -> JobContext:
+        """Store a job's state. ``wait=False`` publishes the write without waiting for JetStream's answer
+        (it is stored in order with this connection's later writes): for the TRANSITIONING mark on the
+        switch's critical path."""
+        assert self._kv is not None and self._nc is not None
+        ctx = msgspec.structs.replace(ctx, updated_ms=now_ms())
+        self.jobs[ctx.job] = ctx
+        key = f"{self.node}.{ctx.job}"
+        if wait:
+            await self._kv.put(key, encode(ctx))
+        else:
+            await self._nc.publish(f"$KV.{JOBS_BUCKET}.{key}", encode(ctx))
+        return ctx
+
+    async def register(self, req: RegisterJob) -> AgentReply:
+        """A job registers (again): the same process keeps its state, another one starts IDLE."""
+        validate_id("group", req.group)
+        validate_id("job", req.job)
+        assert self._nc is not None
+        for b in req.backends:
+            make_backend(b, self._nc, self.node)  # raises for an unknown backend
+        if "app_endpoint" in req.backends:
+            check_endpoints(req.endpoints)  # ValueError: which endpoint is wrong and how to write it
+        old = self.jobs.get(req.job)
+        if old is not None and old.group != req.group:
+            return AgentReply(ok=False, error=f"job {req.job!r} is registered in group {old.group!r} on this node")
+        same_process = old is not None and old.pids == req.pids and old.pgid == req.pgid
+        state = old.state if (old is not None and same_process) else JobState.IDLE
+        ctx = JobContext(node=self.node, job=req.job, group=req.group, state=state, backends=req.backends,
+                         pids=req.pids, pgid=req.pgid, mode=req.mode, tags=req.tags, op_timeout_ms=req.op_timeout_ms,
+                         endpoints=req.endpoints, reason=old.reason if same_process and old else None)
+        ctx = await self.save(ctx)
+        await self.announce(ctx)
+        log.info("registered job", extra={"node": self.node, "job": req.job, "group": req.group})
+        return AgentReply(ok=True, state=ctx.state)
+
+    async def announce(self, ctx: JobContext) -> None:
+        assert self._js is not None
+        ev = JobRegistered(group=ctx.group, job=ctx.job, node=self.node, backend="+".join(ctx.backends),
+                           op_timeout_ms=ctx.op_timeout_ms)
+        await self._js.publish(subjects.agent_event(self.node, ctx.group), encode(ev))
+
+    async def unregister(self, ctx: JobContext, why: str) -> None:
+        assert self._js is not None and self._kv is not None
+        self.jobs.pop(ctx.job, None)
+        with contextlib.suppress(Exception):
+            await self._kv.delete(f"{self.node}.{ctx.job}")
+        await self._js.publish(subjects.agent_event(self.node, ctx.group),
+                               encode(JobUnregistered(group=ctx.group, job=ctx.job, node=self.node)))
+        log.info("unregistered job: %s", why, extra={"node": self.node, "job": ctx.job, "group": ctx.group})
+
+    def registration(self, ctx: JobContext) -> JobContext | None:
+        """The job's registration now, when it is still the one ``ctx`` was taken from: the same group and
+        processes (it may have registered again meanwhile, as ``register`` keeps the state of the same
+        process). None when the job unregistered, or registered again in another group or as other processes:
+        an operation that ends then must not write its outcome over that."""
+        current = self.jobs.get(ctx.job)
+        if current is None or (current.group, current.pids, current.pgid) != (ctx.group, ctx.pids, ctx.pgid):
+            return None
+        return current
+
+    async def recover(self) -> None:
+        """Read this node's job states back; an operation cut short by a restart leaves the job FAULTED."""
+        kv, nc = self._kv, self._nc
+        assert kv is not None and nc is not None
+        for key in await kv_keys(nc, JOBS_BUCKET, under=self.node):  # not kv.keys(): it can miss keys
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:  # unregistered (deleted) since
+                continue
+            if entry.value:
+                ctx = _ctx_decoder.decode(entry.value)
+                self.jobs[ctx.job] = ctx
+        for ctx in list(self.jobs.values()):
+            if ctx.pids and not any(alive(p) for p in ctx.pids):
+                await self.unregister(ctx, "its processes are gone")
+                continue
+            if ctx.state is JobState.TRANSITIONING:
+                await self.save(msgspec.structs.replace(
+                    ctx, state=JobState.FAULTED, reason="the agent restarted during an operation; state unknown"))
+            await self.announce(ctx)
+        if self.jobs:
+            log.info("recovered %d jobs", len(self.jobs), extra={"node": self.node})
