@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -213,6 +213,29 @@ async def wait_procs(procs: Sequence[subprocess.Popen[bytes]], timeout: float, w
             rc = await asyncio.to_thread(p.wait)
             if rc != 0:
                 raise RuntimeError(f"{what} exited with {rc} (args: {p.args!r})")
+
+
+async def wait_agent(url: str, node: str, timeout: float = 30.0, check: Callable[[], None] | None = None) -> None:
+    """Until ``node``'s agent answers its status request (workers register with it at once). ``check`` runs
+    before each try: it raises when a service process has exited, so the wait ends at once."""
+    from timeslice_client.bus import connect
+    from timeslice_client.protocol import subjects
+
+    nc = await connect(url)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if check is not None:
+                check()
+            try:
+                await nc.request(subjects.agent_rpc(node, "status"), b"", timeout=1)
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"node {node!r}'s agent did not answer within {timeout:.0f} s") from exc
+                await asyncio.sleep(0.05)
+    finally:
+        await nc.close()
 
 
 def stop_procs(procs: Sequence[subprocess.Popen[bytes]]) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import _common
 from _gpu_report import GB
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,28 +199,8 @@ class Stack:
             self.procs.append(subprocess.Popen([sys.executable, "-m", "timeslice_agent", "--node-id", NODE,
                                                 "--nats-url", url], env=env, cwd=ROOT))
         self.url = url
-        asyncio.run(self._wait_agent(url))
+        asyncio.run(_common.wait_agent(url, NODE, 60.0, self.check))
         return url
-
-    async def _wait_agent(self, url: str, timeout: float = 60.0) -> None:
-        """Until NODE's agent answers its status request (the jobs register with it at once)."""
-        from timeslice_client.bus import connect
-        from timeslice_client.protocol import subjects
-
-        nc = await connect(url)
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                self.check()
-                try:
-                    await nc.request(subjects.agent_rpc(NODE, "status"), b"", timeout=1)
-                    return
-                except Exception as exc:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"node {NODE!r}'s agent did not answer within {timeout:.0f} s") from exc
-                    await asyncio.sleep(0.05)
-        finally:
-            await nc.close()
 
     def check(self) -> None:
         """Raise when a service process has exited (a job would otherwise wait out its timeout)."""

@@ -201,26 +201,6 @@ async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, hold: f
                                      "device_bytes": inner.device_bytes()}))
 
 
-async def _wait_agent(url: str, timeout: float = 30.0) -> None:
-    """Until NODE's agent answers its status request (the workers register with it)."""
-    from timeslice_client.bus import connect
-    from timeslice_client.protocol import subjects
-
-    nc = await connect(url)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                await nc.request(subjects.agent_rpc(NODE, "status"), b"", timeout=1)
-                return
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.05)
-    finally:
-        await nc.close()
-
-
 async def _stored_ops(url: str, group: str) -> list[dict[str, Any]]:
     """NODE's ``OpStarted``/``OpResult`` events of ``group``, read back from the stream once the workers are done
     (a live subscriber would be one more process woken during every switch; measured, it added 0.6-0.8 ms to the
@@ -368,7 +348,7 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str,
     results = []
     floor: dict[str, Any] | None = None
     try:
-        _loop_run(_wait_agent(url))
+        _loop_run(_common.wait_agent(url, NODE))
         for i, size in enumerate(sizes):
             nbytes = int(size * GiB) // (4 * N_TENSORS) * (4 * N_TENSORS)
             group = f"offload-{i}"

@@ -69,7 +69,7 @@ def referenced_nodes(records: Iterable[GroupRecord]) -> set[str]:
 
 async def publish_agent_lost(js: JetStreamContext, records: Mapping[str, GroupRecord], node: str) -> None:
     """``AgentLost`` into every group that still refers to ``node``."""
-    for g, rec in list(records.items()):
+    for g, rec in records.items():
         pending = rec.switch is not None and any(op.node == node for op in rec.switch.ops)
         if pending or node in rec.loaded or any(node in ns for ns in rec.placements.values()):
             log.warning("agent lost", extra={"node": node, "group": g})
