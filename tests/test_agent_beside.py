@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Literal
 
 import pytest
 from nats.aio.client import Client as NATS
@@ -72,11 +73,23 @@ async def test_an_agent_beside_that_never_gets_ready_stops_the_orchestrator(nats
             await orch.run()
 
 
+class _Gate(asyncio.Event):
+    """An event that tells when somebody first waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = asyncio.Event()
+
+    async def wait(self) -> Literal[True]:
+        self.waited.set()
+        return await super().wait()
+
+
 async def test_an_agent_takes_only_its_own_nodes_commands_and_only_once_ready(nats_url: str) -> None:
     snap = Snapshot(group="g", job="a", node="n1", op_id="g:2:snapshot:n1", epoch=2, deadline_ms=2**41)
     built: list[Agent] = []
 
-    published = asyncio.Event()
+    published = _Gate()
 
     def build(nc: NATS) -> Agent:
         built.append(Agent(AgentConfig(node_id="n1", nats_url=nats_url), nc=nc))
@@ -89,9 +102,12 @@ async def test_an_agent_takes_only_its_own_nodes_commands_and_only_once_ready(na
         other = Snapshot(group="g", job="a", node="n2", op_id="g:2:snapshot:n2", epoch=2, deadline_ms=2**41)
         assert not agent.take(other, published)
         assert agent.take(snap, published)  # a job it does not know: answered (refused) like any command
-        for _ in range(50):  # loop turns enough to answer it (no I/O comes first), had it not waited
-            await asyncio.sleep(0)
-        assert agent.operation(snap.op_id) is None  # nothing done before the command is published
+        try:
+            async with asyncio.timeout(5):
+                await published.waited.wait()  # the operation stopped at the gate…
+        except TimeoutError:
+            pytest.fail(f"the operation did not wait for its command's publish: {agent.operation(snap.op_id)}")
+        assert agent.operation(snap.op_id) is None  # …and did nothing before the command is published
         published.set()
         await eventually(lambda: agent.operation(snap.op_id) is not None and agent.operation(snap.op_id).done)
         assert "not registered" in (agent.operation(snap.op_id).result.error or "")

@@ -145,6 +145,21 @@ async def _queued(c: AsyncTimeSliceClient, job: str):  # type: ignore[no-untyped
     return rec if job in [w.job for w in rec.queue] else None
 
 
+async def _pending(sub) -> list[dict[str, object]]:  # type: ignore[no-untyped-def]
+    """The messages ``sub`` has received already, without waiting for more."""
+    out = []
+    while sub.pending_msgs:
+        out.append(msgspec.json.decode((await sub.next_msg(timeout=1)).data))
+    return out
+
+
+async def _switching(c: AsyncTimeSliceClient, *, restored: bool):  # type: ignore[no-untyped-def]
+    """The group's record once its switch is (or is not yet) ``restored``, or once somebody holds the group."""
+    rec = await c.status()
+    done = rec.switch is not None and rec.switch.restored is restored
+    return rec if done or rec.holder is not None else None
+
+
 async def test_failed_snapshot_faults_only_that_job(nats_url: str, agent: Agent) -> None:
     log: list[str] = []
     async with AsyncTimeSliceClient("a", "gf", nats_url) as a, AsyncTimeSliceClient("b", "gf", nats_url) as b:
@@ -197,6 +212,7 @@ async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node_unless_th
             cmds = await nc.subscribe(subjects.agent_cmd("node-1"))
             ops = await nc.subscribe(subjects.agent_op("node-1"))
             await nc.flush()
+            taken = sum(_commands(agent).values())
             await a.release()
 
             restore = None
@@ -207,15 +223,28 @@ async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node_unless_th
             snapshot_id = f"gp:{restore['epoch']}:snapshot:node-1"
             assert restore["after"] == [snapshot_id]
             await eventually(lambda: "a:suspend start" in log, what="a's suspend running")
+            started: list[dict[str, object]] = []
             if overlap:
                 await eventually(lambda: "b:resume" in log, what="b's resume beside a's suspend")
             else:
-                await asyncio.sleep(0.5)  # a sampling window: an agent that ignored `after` would resume b now
+                # Both commands reached the agent, so the restore's task ran its first step: one that ignored
+                # `after` would have sent OpStarted, and the request to b, before anything it answers later.
+                # A round trip through the agent's connection then shows whether it did.
+                await eventually(lambda: sum(_commands(agent).values()) >= taken + 2, what="both commands taken")
+                await nc.request(subjects.agent_rpc("node-1", "status"), b"", timeout=5)
+                started += await _pending(ops)
+                assert restore["op_id"] not in [s["op_id"] for s in started], started
             if overlap:  # side by side: which handler starts first is up to the two workloads' threads
                 assert log[0] == "b:suspend" and sorted(log[1:]) == ["a:suspend start", "b:resume"], log
             else:
                 assert log == ["b:suspend", "a:suspend start"]
-            await asyncio.sleep(0.2)  # a sampling window: a grant before a's snapshot ended would show now
+            # The record that took b's restore result (overlapped), or the one the switch is at (in order):
+            # the orchestrator grants in the same step that takes the last result, so a grant before a's
+            # snapshot ended would show in it.
+            rec = await eventually(lambda: _switching(b, restored=overlap), what="the switch's record")
+            assert rec.holder is None and rec.switch is not None, rec
+            pending = sorted(o.kind.value for o in rec.switch.ops)
+            assert pending == (["snapshot"] if overlap else ["restore", "snapshot"]), rec.switch
             assert not tb.done()
             go.set()
             gb = await tb
@@ -227,7 +256,6 @@ async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node_unless_th
             await b.release()
             overlapped = agent.metrics.overlapped.labels("app_channel")._value.get()
             assert overlapped == (1 if overlap else 0)
-        started = []
         with contextlib.suppress(TimeoutError):
             while True:
                 started.append(msgspec.json.decode((await ops.next_msg(timeout=0.5)).data))
