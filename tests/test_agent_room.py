@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from timeslice_agent._host import host_memory
+from timeslice_agent._host import _kib, host_memory
 from timeslice_agent._ordering import RunningOps
 from timeslice_agent._room import RestoreOrder, fits, free_device_bytes, restore_size
 from timeslice_client.protocol import JobContext, JobState, Restore
@@ -95,6 +95,20 @@ def test_waiting_restore_gets_an_error_when_its_snapshot_outlives_the_deadline()
             assert not turn.overlapped and turn.error is not None and SNAP in turn.error
 
     asyncio.run(go())
+
+
+def test_host_memory_reads_both_figures_of_proc_meminfo() -> None:
+    from pathlib import Path
+
+    text = Path("/proc/meminfo").read_text()
+    kib = {line.split(":")[0]: int(line.split()[1]) for line in text.splitlines() if line.split()[1:2]}
+    total, available = host_memory()
+    assert total == kib["MemTotal"] * 1024
+    assert abs(available - kib["MemAvailable"] * 1024) < GiB  # read a moment apart
+    assert _kib(b"MemFree: 7 kB\nMemAvailable:   42 kB\n", b"\nMemAvailable:") == 42
+    assert _kib(b"MemTotal:  9 kB\n", b"\nMemTotal:") == 9  # the first line too
+    assert _kib(b"MemTotal:  9 kB\n", b"\nMemAvailable:") == 0  # absent (old kernels)
+    assert _kib(b"MemTotal:\n", b"\nMemTotal:") == 0
 
 
 def test_free_device_bytes_on_this_host() -> None:

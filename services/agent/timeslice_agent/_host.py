@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 __all__ = ["alive", "host_memory"]
@@ -24,12 +23,25 @@ def alive(pid: int) -> bool:
 
 
 def host_memory() -> tuple[int, int]:
-    """(total, available) bytes of host memory, from /proc/meminfo (zeros where it cannot be read)."""
-    total = avail = 0
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                total = int(line.split()[1]) * 1024
-            elif line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    return total, avail
+    """(total, available) bytes of host memory, from /proc/meminfo (zeros where it cannot be read).
+
+    Read on a switch's critical path (``_room``): one read of the bytes and two searches, about half the
+    time of parsing it line by line."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            text = f.read()
+    except OSError:
+        return 0, 0
+    return _kib(text, b"\nMemTotal:") * 1024, _kib(text, b"\nMemAvailable:") * 1024
+
+
+def _kib(text: bytes, key: bytes) -> int:
+    """The number after ``key`` in /proc/meminfo's text (0 when absent)."""
+    start = (b"\n" + text).find(key)
+    if start < 0:
+        return 0
+    line = text[start + len(key) - 1 :].split(b"\n", 1)[0]
+    try:
+        return int(line.split()[0])
+    except (IndexError, ValueError):
+        return 0
