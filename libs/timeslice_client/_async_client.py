@@ -21,6 +21,7 @@ from nats.js.kv import KeyValue
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from ._grants import Grant, ReleaseResult, _Claim, _Hold, _Superseded
+from ._prompt import DEFAULT_SWITCH_INTERVAL
 from .bus import connect, default_nats_url, kv_keys
 from .errors import (
     AcquireCancelled,
@@ -327,15 +328,19 @@ class AsyncTimeSliceClient:
         pgid: int | None = None,
         op_timeout: float = 120.0,
         endpoints: Iterable[str] = (),
+        switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
     ) -> WorkloadChannel:
         """Register this process with its node's agent so a switch moves its state (see ``handlers``).
         ``endpoints`` name the serving engines of backend ``app_endpoint`` (``"vllm+http://host:port"``,
-        ``"sglang+http://host:port"``). The channel is closed (unregistered) with the client."""
+        ``"sglang+http://host:port"``). ``switch_interval``: the process's GIL switch interval (seconds, at
+        most) while it answers a suspend or resume, so a main thread busy in Python does not hold up the
+        handler (``None``: left alone). The channel is closed (unregistered) with the client."""
         await self.connect()
         assert self._nc is not None
         channel = WorkloadChannel(self._nc, self.job_id, self.group_id, handler, node_id=node_id, mode=mode,
                                   tags=tags, backends=backends, pids=pids, pgid=pgid, op_timeout=op_timeout,
-                                  request_timeout=self.request_timeout, endpoints=endpoints)
+                                  request_timeout=self.request_timeout, endpoints=endpoints,
+                                  switch_interval=switch_interval)
         await channel.start()
         self._channels.append(channel)
         return channel

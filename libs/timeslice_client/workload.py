@@ -25,6 +25,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from ._prompt import DEFAULT_SWITCH_INTERVAL, prompt_threads
 from .bus import connect
 from .errors import InvalidRequest, TimeSliceError, Unavailable
 from .handlers import HandlerResult, WorkloadHandler
@@ -77,6 +78,7 @@ class WorkloadChannel:
         request_timeout: float = 5.0,
         own_connection: bool = False,
         endpoints: Iterable[str] = (),
+        switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
     ) -> None:
         if not isinstance(handler, WorkloadHandler):
             raise InvalidRequest("handler must have suspend(mode, tags) and resume(mode, tags) methods")
@@ -95,6 +97,9 @@ class WorkloadChannel:
         self.op_timeout = op_timeout
         self.request_timeout = request_timeout
         self.endpoints = tuple(endpoints)  # app_endpoint servers, e.g. "vllm+http://127.0.0.1:8000"
+        if switch_interval is not None and switch_interval <= 0:
+            raise InvalidRequest(f"switch_interval must be positive seconds or None, not {switch_interval}")
+        self.switch_interval = switch_interval  # the GIL switch interval while a command runs (None: as it is)
         self._own = own_connection
         self._sub: object | None = None
         self._lock = asyncio.Lock()
@@ -140,12 +145,15 @@ class WorkloadChannel:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             await msg.respond(encode(WorkloadReply(op_id="", ok=False, error=f"bad command: {exc}")))
             return
-        async with self._lock:
-            answer = self._answers.get(cmd.op_id)
-            if answer is None:
-                answer = await self._handle(cmd)
-                self._answers = {cmd.op_id: answer}  # only the latest: a retry repeats the latest op
-        await msg.respond(encode(answer))
+        # A main thread busy in Python would make each step below wait up to 5 ms for the GIL (see _prompt).
+        with prompt_threads(self.switch_interval):
+            async with self._lock:
+                answer = self._answers.get(cmd.op_id)
+                if answer is None:
+                    answer = await self._handle(cmd)
+                    self._answers = {cmd.op_id: answer}  # only the latest: a retry repeats the latest op
+            await msg.respond(encode(answer))
+            await asyncio.sleep(0)  # the connection's flusher, woken by the reply, writes it before we go on
 
     async def _handle(self, cmd: WorkloadCommand) -> WorkloadReply:
         fn = self.handler.suspend if cmd.action == "suspend" else self.handler.resume
@@ -204,16 +212,19 @@ async def register_workload(
     pgid: int | None = None,
     op_timeout: float = 120.0,
     endpoints: Iterable[str] = (),
+    switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
 ) -> WorkloadChannel:
     """Register this process with its node's agent; its own NATS connection, closed by ``close()``.
 
     ``pids``/``pgid`` name the processes a process-level backend (``freeze``) stops; they default to
     this process, which suits ``app_channel`` (liveness) but not ``freeze`` of the process that calls
-    ``acquire``."""
+    ``acquire``. ``switch_interval``: the process's GIL switch interval (seconds, at most) while it answers
+    a suspend or resume, so a main thread busy in Python does not hold up the handler; ``None`` leaves it
+    alone."""
     nc = await connect(nats_url, name=f"timeslice-workload-{job_id}")
     channel = WorkloadChannel(nc, job_id, group_id, handler, node_id=node_id, mode=mode, tags=tags,
                               backends=backends, pids=pids, pgid=pgid, op_timeout=op_timeout,
-                              own_connection=True, endpoints=endpoints)
+                              own_connection=True, endpoints=endpoints, switch_interval=switch_interval)
     try:
         return await channel.start()
     except BaseException:
