@@ -247,33 +247,47 @@ def test_discard_frees_without_copying_and_resume_zero_fills(trained: tuple[Net,
 
 
 class FailingCopy(TorchOffloadHandler):
-    """Raises on the n-th storage copied out (each storage is one ``_copy_bytes`` call)."""
+    """Raises on the n-th storage copied out: each storage is one ``_copy_bytes`` call (per storage, as on
+    CUDA), or one pair of the one ``_copy_all`` call (batched, as on CPU)."""
 
-    def __init__(self, *args: Any, fail_at: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fail_at: int, batched: bool, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._batched = batched
         self.fail_at = fail_at
         self.calls = 0
         self.freed_before_failure = 0
         self.tracked: list[Any] = []
 
-    def _copy_bytes(self, dst: Any, src: Any) -> None:
-        self.calls += 1
-        if self.calls == self.fail_at:
+    def _fail(self, n: int) -> None:
+        self.calls += n
+        if self.fail_at and self.calls >= self.fail_at:
+            self.fail_at = 0
             self.freed_before_failure = sum(t.untyped_storage().nbytes() == 0 for t in self.tracked)
             raise RuntimeError("injected copy failure")
+
+    def _copy_bytes(self, dst: Any, src: Any) -> None:
+        self._fail(1)
         super()._copy_bytes(dst, src)
 
+    def _copy_all(self, pairs: list[tuple[Any, Any]]) -> None:
+        self._fail(len(pairs))
+        super()._copy_all(pairs)
 
-def test_failed_suspend_rolls_back_every_tensor(trained: tuple[Net, Any]) -> None:
+
+@pytest.mark.parametrize("batched", [False, True], ids=["per-storage", "batched"])
+def test_failed_suspend_rolls_back_every_tensor(trained: tuple[Net, Any], batched: bool) -> None:
     model, opt = trained
-    handler = FailingCopy(model, opt, fail_at=3)
+    handler = FailingCopy(model, opt, fail_at=3, batched=batched)
     tensors = state_tensors(model, opt)
     handler.tracked = list(tensors.values())
     before = snapshot(tensors)
     total = handler.device_bytes()
     with pytest.raises(RuntimeError, match="injected"):
         handler.suspend(OFFLOAD, ALL)
-    assert handler.freed_before_failure >= 2  # the rollback had something to put back
+    if batched:
+        assert handler.freed_before_failure == 0  # every copy comes before the first free
+    else:
+        assert handler.freed_before_failure >= 2  # the rollback had something to put back
     assert all(t.untyped_storage().nbytes() > 0 for t in tensors.values())
     assert snapshot(tensors) == before
     assert handler.device_bytes() == total and handler.suspended_tags == frozenset()
@@ -284,19 +298,28 @@ def test_failed_suspend_rolls_back_every_tensor(trained: tuple[Net, Any]) -> Non
     assert snapshot(tensors) == before
 
 
-def test_failed_resume_stays_suspended_and_can_retry(trained: tuple[Net, Any]) -> None:
+@pytest.mark.parametrize("batched", [False, True], ids=["per-storage", "batched"])
+def test_failed_resume_stays_suspended_and_can_retry(trained: tuple[Net, Any], batched: bool) -> None:
     model, opt = trained
 
     class FailOnce(TorchOffloadHandler):
         armed = False
 
-        def _copy_bytes(self, dst: Any, src: Any) -> None:
+        def _arm(self) -> None:
             if self.armed:
                 self.armed = False
                 raise RuntimeError("injected restore failure")
+
+        def _copy_bytes(self, dst: Any, src: Any) -> None:
+            self._arm()
             super()._copy_bytes(dst, src)
 
+        def _copy_all(self, pairs: list[tuple[Any, Any]]) -> None:
+            self._arm()
+            super()._copy_all(pairs)
+
     handler = FailOnce(model, opt)
+    handler._batched = batched
     tensors = state_tensors(model, opt)
     before = snapshot(tensors)
     handler.suspend(OFFLOAD, ALL)
@@ -335,9 +358,11 @@ def test_repeated_cycles_reuse_host_buffers(trained: tuple[Net, Any]) -> None:
 
 
 def test_large_tensor_is_copied_in_chunks_bit_exact() -> None:
+    """Per storage (as on CUDA): ``_copy_bytes`` splits the storage into chunks."""
     big = torch.randn(100_003)  # 400 012 bytes, not a multiple of the chunk
     view = big[17:]
     handler = TorchOffloadHandler(big, chunk_bytes=4096)
+    handler._batched = False
     before = bits(big)
     copies: list[int] = []
     original = handler._copy_bytes
@@ -350,6 +375,31 @@ def test_large_tensor_is_copied_in_chunks_bit_exact() -> None:
     assert handler.suspend(OFFLOAD, ALL).bytes_moved == 400_012
     assert handler.resume(OFFLOAD, ALL).bytes_moved == 400_012
     assert copies == [400_012, 400_012] and bits(big) == before and view.data_ptr() == big.data_ptr() + 17 * 4
+
+
+def test_batched_copies_go_in_one_call_of_chunks_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batched (CPU): every storage's chunks in one ``torch._foreach_copy_`` call each way."""
+    from timeslice_client import torch_offload
+
+    big = torch.randn(100_003)  # 400 012 bytes: 97 chunks of 4096 and one of 2700
+    small = [torch.randn(10) for _ in range(3)]
+    handler = TorchOffloadHandler(tensors={"t": [big, *small]}, chunk_bytes=4096)
+    before = [bits(t) for t in (big, *small)]
+    calls: list[list[int]] = []
+    original = torch_offload._FOREACH_COPY
+    assert original is not None  # torch >= 2.1 here
+
+    def spy(dst: list[Any], src: list[Any]) -> None:
+        calls.append([int(s.numel()) for s in src])
+        original(dst, src)
+
+    monkeypatch.setattr(torch_offload, "_FOREACH_COPY", spy)
+    assert handler.suspend(OFFLOAD, ALL).bytes_moved == 400_012 + 3 * 40
+    assert all(t.untyped_storage().nbytes() == 0 for t in (big, *small))
+    assert handler.resume(OFFLOAD, ALL).bytes_moved == 400_012 + 3 * 40
+    assert [bits(t) for t in (big, *small)] == before
+    assert len(calls) == 2 and calls[0] == calls[1]
+    assert sorted(calls[0]) == sorted([4096] * 97 + [2700] + [40] * 3)
 
 
 def test_callable_source_and_worker_thread() -> None:

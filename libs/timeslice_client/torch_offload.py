@@ -99,6 +99,9 @@ def _huge_page_size() -> int:
 
 
 _MADVISE: Final = _load_libc()
+# One call for many copies or fills (torch >= 2.1); underscored in torch, as its optimizers use them.
+_FOREACH_COPY: Final = getattr(torch, "_foreach_copy_", None)
+_FOREACH_ZERO: Final = getattr(torch, "_foreach_zero_", None)
 _HUGE: Final = _huge_page_size()
 
 
@@ -216,6 +219,9 @@ class TorchOffloadHandler:
         self.chunk_bytes = chunk_bytes or (CUDA_CHUNK_BYTES if device == "cuda" else CPU_CHUNK_BYTES)
         self.empty_cache = empty_cache  # CUDA: return freed blocks to the driver after a suspend
         self._cuda = device == "cuda"
+        # CPU: all copies in one call, then all frees (``_copy_all``); CUDA: per storage on a side stream, each
+        # freed once its copy is done. Tests run the per-storage path on CPU tensors too.
+        self._batched = not self._cuda
         self._device_type = device
         self._groups: dict[str, _Group] = {}
         self._streams: dict[int, Any] = {}
@@ -479,8 +485,35 @@ class TorchOffloadHandler:
         storage.resize_(nbytes)
         _advise_huge_pages(int(storage.data_ptr()), nbytes)
 
+    def _copy_all(self, pairs: list[tuple[Any, Any]]) -> None:
+        """Copy each ``(dst, src)`` pair of flat uint8 tensors, all in one call (chunks of at most
+        ``chunk_bytes``). Each torch call hands the GIL over and takes it back; one call for all the copies,
+        not one per storage, keeps a model of many tensors fast when another thread runs Python."""
+        dst: list[Any] = []
+        src: list[Any] = []
+        step = self.chunk_bytes
+        for d, s in pairs:
+            n = int(s.numel())
+            if n <= step:
+                dst.append(d)
+                src.append(s)
+                continue
+            for start in range(0, n, step):
+                dst.append(d[start : start + step])
+                src.append(s[start : start + step])
+        if not dst:
+            return
+        if _FOREACH_COPY is None:  # torch < 2.1
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s)
+            return
+        _FOREACH_COPY(dst, src)
+
     def _free_all(self, slots: list[_Slot], offload: bool) -> None:
         """Copy out (if ``offload``) and free every slot; on any failure put back what was freed and raise."""
+        if self._batched:
+            self._free_all_batched(slots, offload)
+            return
         freed: list[_Slot] = []
         pending: list[tuple[_Slot, Any]] = []  # CUDA: copied out once its event has fired
         try:
@@ -508,6 +541,19 @@ class TorchOffloadHandler:
             for done, _ in pending:
                 done.storage.resize_(0)
                 freed.append(done)
+        except BaseException as exc:
+            self._put_back(freed, exc)
+            raise
+
+    def _free_all_batched(self, slots: list[_Slot], offload: bool) -> None:
+        """``_free_all`` batched (CPU): every copy first, in one call (``_copy_all``), then every free."""
+        freed: list[_Slot] = []
+        try:
+            if offload:
+                self._copy_all([(slot.host, _bytes_of(slot.storage)) for slot in slots])
+            for slot in slots:
+                slot.storage.resize_(0)
+                freed.append(slot)
         except BaseException as exc:
             self._put_back(freed, exc)
             raise
@@ -551,6 +597,15 @@ class TorchOffloadHandler:
         if self._cuda:  # the memory came from the current stream's pool: copy only once that stream is past it
             for index in sorted({slot.storage.device.index or 0 for slot in slots}):
                 self._stream(torch.device("cuda", index)).wait_stream(torch.cuda.current_stream(index))
+        if self._batched:
+            self._copy_all([(_bytes_of(slot.storage), slot.host) for slot in slots if slot.host is not None])
+            dropped = [_bytes_of(slot.storage) for slot in slots if slot.host is None]
+            if dropped and _FOREACH_ZERO is not None:
+                _FOREACH_ZERO(dropped)
+            else:
+                for t in dropped:
+                    t.zero_()
+            return
         for slot in slots:
             with self._on_stream(slot.storage):
                 if slot.host is not None:
