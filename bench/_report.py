@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTES = Path(__file__).resolve().parent / "NOTES.md"
 X, NA = "\u00d7", "\u2013"  # the times sign and the dash for "no value", in the document
 BUSY_LOAD = 1.0  # a run that started above this 1-min load average was not on a quiet machine
-ORDER = ("handoff", "offload", "scale", "recovery", "trace_replay")
+ORDER = ("handoff", "offload", "busy_suspend", "scale", "recovery", "trace_replay")
 
 
 def load_results(results: Path) -> dict[str, dict[str, Any]]:
@@ -139,6 +139,23 @@ def _offload(r: dict[str, Any]) -> list[str]:
         f"copy(1) — {_met(rst1 is not None and rst1 >= 0.8)}; switch adds ≤ 5 ms beyond the copies: worst "
         f"{_n(over, 2, ' ms')} — {_met(over is not None and over <= 5)}.", "",
         *_switch_floor(r),
+    ]
+
+
+def _busy_suspend(r: dict[str, Any]) -> list[str]:
+    rows = [[name, _n(x.get("suspend_ms"), 1, " ms"), _n(x.get("suspend_x_idle"), 1, X),
+             _n(x.get("resume_ms"), 1, " ms"), _n(x.get("resume_x_idle"), 1, X)]
+            for name, x in r.get("conditions", {}).items()]
+    return [
+        f"The torch handler over {r.get('tensors', '?')} CPU tensors of {r.get('tensor_kib', '?')} KiB "
+        f"({_n(r.get('mb'), 0, ' MB')}), called from a worker thread as the workload channel calls it, while "
+        "another thread of the job runs Python (a job scoring rewards after it yielded). Medians of "
+        f"{r.get('reps', '?')} cycles; baseline (idle: that thread sleeps) in the same run. \"per storage\": one "
+        "copy call per storage (the CUDA path); \"batched\": every copy in one call (the CPU path); \"prompt\": "
+        f"the GIL switch interval at {_n((r.get('prompt_interval_s') or 0) * 1e3, 1, ' ms')} while the command "
+        "runs, as the workload channel sets it.", "",
+        *_cmd(r),
+        *_table(["condition", "suspend", f"{X}idle", "resume", f"{X}idle"], rows),
     ]
 
 
@@ -361,6 +378,7 @@ def _demo_lock(lock: dict[str, Any] | None) -> list[str]:
 SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]]]] = {
     "handoff": ("Handoff (bench/handoff.py)", _handoff),
     "offload": ("Offload (bench/offload.py)", _offload),
+    "busy_suspend": ("Suspend beside a busy thread (bench/busy_suspend.py)", _busy_suspend),
     "scale": ("Scale (bench/scale.py)", _scale),
     "recovery": ("Recovery (bench/recovery.py)", _recovery),
     "trace_replay": ("Trace replay (bench/trace_replay.py)", _trace),

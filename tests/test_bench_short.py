@@ -39,6 +39,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, s
                       "1", "--json-out", str(out / "scale.json")),
         "recovery": _run("recovery.py", "--kv-groups", "20", "--busy", "10", "--pre", "1", "--post", "2",
                          "--cold-reps", "1", "--json-out", str(out / "recovery.json")),
+        "busy_suspend": _run("busy_suspend.py", "--tensors", "40", "--tensor-kib", "64", "--reps", "1",
+                             "--json-out", str(out / "busy_suspend.json")),
         "trace_replay": _run("trace_replay.py", "--mode", "both", "--profiles", "grpo_sync", "--steps", "2",
                              "--sim-steps", "4", "--compression", "400", "--json-out",
                              str(out / "trace_replay.json")),
@@ -93,6 +95,17 @@ def test_trace_replay_real_and_sim(results: tuple[Path, dict[str, str]]) -> None
     assert prof["real"]["handler_s"]["suspend"] > 0  # the agent really asked the jobs to move their state
 
 
+def test_busy_suspend_compares_each_condition_to_idle(results: tuple[Path, dict[str, str]]) -> None:
+    folder, printed = results
+    data = _load(folder, "busy_suspend")
+    conds = data["conditions"]
+    assert list(conds) == ["idle", "busy, per storage", "busy, batched", "busy, batched, prompt"]
+    assert conds["idle"]["suspend_x_idle"] == 1.0 and all(x["suspend_ms"] > 0 for x in conds.values())
+    # Left at 5 ms, one storage at a time: each copy waits for the GIL (40 storages, several calls each).
+    assert conds["busy, per storage"]["suspend_ms"] > 40 * 1.0
+    assert "busy, batched, prompt" in printed["busy_suspend"] and "x idle" in printed["busy_suspend"]
+
+
 def test_run_all_writes_the_document(results: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
     folder, _ = results
     doc = tmp_path / "benchmarks.md"
@@ -109,7 +122,8 @@ def test_run_all_writes_the_document(results: tuple[Path, dict[str, str]], tmp_p
     assert "1.25\u00d7 JetStream publish" in text
     assert "| P2 through the orchestrator (`fast_reacquire=False`) | 1.400 ms | 2.500 ms |" in text
     assert "| of it: the JetStream publish until its PubAck (a claim's floor) | 0.880 ms | 1.500 ms |" in text
-    for section in ("## Handoff", "## Offload", "## Scale", "## Recovery", "## Trace replay", "## GPU", "## Demo"):
+    for section in ("## Handoff", "## Offload", "## Suspend beside a busy thread", "## Scale", "## Recovery",
+                    "## Trace replay", "## GPU", "## Demo"):
         assert section in text
     assert "python bench/handoff.py --n 10" in text and "python bench/scale.py --groups 2" in text
     assert "Not measured in this pass (no `bench/results/offload.json`)" in text

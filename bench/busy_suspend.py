@@ -1,0 +1,138 @@
+"""Suspend and resume of the torch handler while another thread of the job runs Python (GIL contention).
+
+A job often scores rewards or prepares data in Python right after it yields the group, which is when its
+suspend runs. CPython hands the GIL back to a thread that released it (every torch call does) only every
+switch interval, 5 ms by default, while another thread runs Python. So a handler that makes a few torch
+calls per tensor waits about that long per call.
+
+Each condition below uses the same ``TorchOffloadHandler`` over ``--tensors`` CPU tensors of ``--tensor-kib``
+KiB each, called from a worker thread as the workload channel calls it. The conditions are:
+
+* idle: the job's other thread sleeps. This is the baseline, measured in the same run;
+* busy, per storage: a thread spins in Python, and the handler copies one storage at a time (its CUDA path,
+  and its CPU path before batching). The interval is left at the default;
+* busy, batched: the same thread, with the handler's CPU path: every copy in one ``torch._foreach_copy_``.
+  The interval is left at the default;
+* busy, batched, prompt: the same, inside ``prompt_threads(DEFAULT_SWITCH_INTERVAL)``, as the workload
+  channel runs every command (0.1 ms).
+
+Each condition prints the suspend and resume medians of ``--reps`` cycles, and the ratio to idle.
+Run: ``python bench/busy_suspend.py [--tensors 300] [--tensor-kib 256] [--reps 3] [--quick] [--json-out F]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import _common as c
+
+CONDITIONS = ("idle", "busy, per storage", "busy, batched", "busy, batched, prompt")
+
+
+@contextmanager
+def _spinning(on: bool) -> Iterator[None]:
+    stop = threading.Event()
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            for i in range(1000):
+                x += i * i
+
+    t = threading.Thread(target=spin, daemon=True)
+    if on:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if on:
+            t.join(10)
+
+
+def _in_thread(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn`` takes in a worker thread (as the workload channel runs a handler)."""
+    out: dict[str, float] = {}
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        fn()
+        out["s"] = time.perf_counter() - t0
+
+    w = threading.Thread(target=run)
+    w.start()
+    w.join()
+    return out["s"]
+
+
+def measure(tensors: int, tensor_kib: int, reps: int) -> dict[str, Any]:
+    import torch
+    from timeslice_client import SuspendMode
+    from timeslice_client._prompt import DEFAULT_SWITCH_INTERVAL, prompt_threads
+    from timeslice_client.torch_offload import TorchOffloadHandler
+
+    per = tensor_kib * 1024 // 4
+    state = [torch.full((per,), float(i)) for i in range(tensors)]
+    handler = TorchOffloadHandler(tensors={"state": state}, device="cpu")
+    handler.prepare()
+    all_tags: frozenset[str] = frozenset()
+    out: dict[str, Any] = {}
+    for name in CONDITIONS:
+        handler._batched = name != "busy, per storage"
+        prompt = prompt_threads(DEFAULT_SWITCH_INTERVAL if name.endswith("prompt") else None)
+        sus: list[float] = []
+        res: list[float] = []
+        with _spinning(name != "idle"), prompt:
+            for _ in range(reps):
+                sus.append(_in_thread(lambda: handler.suspend(SuspendMode.OFFLOAD, all_tags)))
+                res.append(_in_thread(lambda: handler.resume(SuspendMode.OFFLOAD, all_tags)))
+        out[name] = {"suspend_ms": statistics.median(sus) * 1e3, "resume_ms": statistics.median(res) * 1e3,
+                     "suspend_all_ms": [x * 1e3 for x in sus], "resume_all_ms": [x * 1e3 for x in res]}
+    for i, t in enumerate(state):
+        if float(t[0]) != float(i) or float(t[-1]) != float(i):
+            raise SystemExit(f"tensor {i} came back wrong")
+    idle = out["idle"]
+    for r in out.values():
+        r["suspend_x_idle"] = r["suspend_ms"] / idle["suspend_ms"]
+        r["resume_x_idle"] = r["resume_ms"] / idle["resume_ms"]
+    return {"tensors": tensors, "tensor_kib": tensor_kib, "reps": reps, "mb": tensors * tensor_kib * 1024 / 1e6,
+            "torch": torch.__version__, "switch_interval_default_s": sys.getswitchinterval(),
+            "prompt_interval_s": DEFAULT_SWITCH_INTERVAL, "conditions": out}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tensors", type=int, default=300, help="tensors in the job's state")
+    p.add_argument("--tensor-kib", type=int, default=256, help="KiB per tensor")
+    p.add_argument("--reps", type=int, default=3, help="suspend+resume cycles per condition")
+    p.add_argument("--quick", action="store_true", help="100 tensors, 2 reps")
+    p.add_argument("--json-out", help="also write the figures as JSON here")
+    a = p.parse_args()
+    if a.quick:
+        a.tensors, a.reps = 100, 2
+    t0 = time.monotonic()
+    r = measure(a.tensors, a.tensor_kib, a.reps)
+    print(f"torch handler beside a thread running Python: {r['tensors']} CPU tensors x {r['tensor_kib']} KiB "
+          f"({r['mb']:.0f} MB), {r['reps']} cycles per condition, medians; torch {r['torch']}")
+    print(f"  command: {c.command_line()}")
+    print(f"  GIL switch interval {r['switch_interval_default_s'] * 1e3:g} ms, the channel's "
+          f"{r['prompt_interval_s'] * 1e3:g} ms")
+    for name, x in r["conditions"].items():
+        print(f"  {name:24s} suspend {x['suspend_ms']:8.1f} ms ({x['suspend_x_idle']:6.1f}x idle)   "
+              f"resume {x['resume_ms']:8.1f} ms ({x['resume_x_idle']:6.1f}x idle)")
+    r["wall_s"] = time.monotonic() - t0
+    print(f"wall time {r['wall_s']:.0f} s")
+    if a.json_out:
+        c.write_json(a.json_out, {"bench": "busy_suspend", "command": c.command_line(),
+                                  "machine": c.machine_facts(), **r})
+
+
+if __name__ == "__main__":
+    main()
