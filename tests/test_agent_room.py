@@ -4,6 +4,7 @@ the reservation of memory while overlapped restores run, and the free-memory rea
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from timeslice_agent._host import _kib, host_memory
@@ -72,9 +73,19 @@ def test_overlap_reserves_its_size_while_it_runs() -> None:
         async with order.turn(_restore(), _ctx(), [other]) as turn:
             assert turn.overlapped and turn.error is None and order.reserved == 4 * GiB
             # a second restore of the same size no longer fits beside the first one: it waits its turn
+            waiting = asyncio.Event()
+            wait = ops.wait
+
+            async def noted_wait(after: Any, deadline_s: float) -> str | None:
+                waiting.set()
+                return await wait(after, deadline_s)
+
+            ops.wait = noted_wait  # type: ignore[method-assign]
             second = asyncio.ensure_future(_second(order))
-            await asyncio.sleep(0.05)  # a sampling window: a second overlap would have entered by now
-            assert not second.done()
+            noted = asyncio.ensure_future(waiting.wait())
+            await asyncio.wait({second, noted}, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+            noted.cancel()
+            assert waiting.is_set() and not second.done()  # it waits for the snapshot, not beside it
             ops.answered(SNAP)
             assert await asyncio.wait_for(second, 5) == (False, None)
         assert order.reserved == 0
