@@ -248,7 +248,7 @@ def _baselines(nbytes: int, reps: int, device: str) -> dict[str, list[float]]:
     ``src.to("cpu")`` (fresh pageable host memory).
     """
     import torch
-    from timeslice_client.torch_offload import _advise_huge_pages
+    from timeslice_client._huge_pages import advise_huge_pages
 
     cuda = device == "cuda"
 
@@ -256,7 +256,7 @@ def _baselines(nbytes: int, reps: int, device: str) -> dict[str, list[float]]:
         if cuda:
             return torch.empty(n, pin_memory=True)
         t = torch.empty(n)
-        _advise_huge_pages(int(t.data_ptr()), n * 4)
+        advise_huge_pages(int(t.data_ptr()), n * 4)
         return t
 
     def dev(n: int) -> Any:

@@ -47,8 +47,6 @@ is refused (rolled back, the job faulted). A storage shared between groups belon
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -56,6 +54,7 @@ from typing import Any, Final
 
 import torch
 
+from ._huge_pages import advise_huge_pages
 from .errors import HandlerError
 from .handlers import HandlerResult
 from .protocol import SuspendMode
@@ -71,54 +70,9 @@ OPTIMIZER: Final = "optimizer"  # tag of optimizers passed positionally
 TENSORS: Final = "tensors"  # tag of tensors passed positionally
 
 _SMALL: Final = 1 << 20  # storages below this are packed at 64-byte alignment, larger ones at 4 KiB
-_MADV_HUGEPAGE: Final = 14
-
-
-# --------------------------------------------------------------------------- CPU memory advice
-
-
-def _load_libc() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise
-
-
-def _huge_page_size() -> int:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size", encoding="ascii") as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return 2 << 20
-
-
-_MADVISE: Final = _load_libc()
 # One call for many copies or fills (torch >= 2.1); underscored in torch, as its optimizers use them.
 _FOREACH_COPY: Final = getattr(torch, "_foreach_copy_", None)
 _FOREACH_ZERO: Final = getattr(torch, "_foreach_zero_", None)
-_HUGE: Final = _huge_page_size()
-
-
-def _advise_huge_pages(ptr: int, nbytes: int) -> None:
-    """Ask for transparent huge pages on the whole huge pages inside ``[ptr, ptr + nbytes)``.
-
-    CPU only, before the memory is first touched. Fresh memory from ``resize_`` costs one page fault
-    per 4 KiB page on first touch (several times slower than the copy itself, worse in a VM); with huge
-    pages that is one fault per 2 MiB and freeing is cheap too. Only whole huge pages inside the
-    allocation are advised, so no neighbouring allocation is affected. Advisory: errors are ignored.
-    """
-    if _MADVISE is None or nbytes < 2 * _HUGE:
-        return
-    start = (ptr + _HUGE - 1) // _HUGE * _HUGE
-    end = (ptr + nbytes) // _HUGE * _HUGE
-    if end > start:
-        _MADVISE(start, end - start, _MADV_HUGEPAGE)
 
 
 # --------------------------------------------------------------------------- state
@@ -436,7 +390,7 @@ class TorchOffloadHandler:
             host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         else:
             host = torch.empty(nbytes, dtype=torch.uint8)
-            _advise_huge_pages(int(host.data_ptr()), nbytes)
+            advise_huge_pages(int(host.data_ptr()), nbytes)
         group.host = host
         return host
 
@@ -483,7 +437,7 @@ class TorchOffloadHandler:
                 storage.resize_(nbytes)
             return
         storage.resize_(nbytes)
-        _advise_huge_pages(int(storage.data_ptr()), nbytes)
+        advise_huge_pages(int(storage.data_ptr()), nbytes)
 
     def _copy_all(self, pairs: list[tuple[Any, Any]]) -> None:
         """Copy each ``(dst, src)`` pair of flat uint8 tensors, all in one call (chunks of at most
