@@ -156,6 +156,21 @@ def _busy_suspend(r: dict[str, Any]) -> list[str]:
         "runs, as the workload channel sets it.", "",
         *_cmd(r),
         *_table(["condition", "suspend", f"{X}idle", "resume", f"{X}idle"], rows),
+        *_busy_channel(r.get("channel") or {}),
+    ]
+
+
+def _busy_channel(channel: dict[str, Any]) -> list[str]:
+    if not channel:
+        return []
+    rows = [[name, _n(x.get("p50_ms"), 2, " ms"), _n(x.get("x_idle"), 1, X), _n(x.get("p90_ms"), 2, " ms")]
+            for name, x in channel.items()]
+    return [
+        "Through the workload channel: a job process with a do-nothing handler (and, when busy, a thread spinning "
+        "in Python), commands sent as the agent sends them, round trip timed by the sender. \"lowered per "
+        "command\": the interval goes down once the command is read; \"armed\": it is down already, as after "
+        "the job's release.", "",
+        *_table(["condition", "round trip p50", f"{X}idle", "p90"], rows),
     ]
 
 

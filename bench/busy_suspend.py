@@ -17,13 +17,24 @@ KiB each, called from a worker thread as the workload channel calls it. The cond
   channel runs every command (0.1 ms).
 
 Each condition prints the suspend and resume medians of ``--reps`` cycles, and the ratio to idle.
-Run: ``python bench/busy_suspend.py [--tensors 300] [--tensor-kib 256] [--reps 3] [--quick] [--json-out F]``.
+
+Then the channel itself: a job process registers a do-nothing handler with a node agent (a private
+nats-server, the agent in this process), and this process sends it ``--requests`` suspend/resume commands
+as the agent does, 20 ms apart, timing each round trip. Conditions: idle; busy with the interval left alone
+(``switch_interval=None``); busy with the interval lowered only while a command runs; busy with the channel
+armed as the client arms it at every release (``WorkloadChannel.arm()``, so the interval is already low
+when the command is read). Baseline: idle, same run.
+
+Run: ``python bench/busy_suspend.py [--tensors 300] [--tensor-kib 256] [--reps 3] [--requests 30] [--quick]
+[--json-out F]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -107,18 +118,105 @@ def measure(tensors: int, tensor_kib: int, reps: int) -> dict[str, Any]:
             "prompt_interval_s": DEFAULT_SWITCH_INTERVAL, "conditions": out}
 
 
+CHANNEL_CONDITIONS = ("idle", "busy, left alone", "busy, lowered per command", "busy, armed")
+
+
+async def _job(url: str, busy: bool, condition: str) -> None:
+    """A job process: a do-nothing handler behind the workload channel, a thread spinning in Python if ``busy``."""
+    from timeslice_client import HandlerResult
+    from timeslice_client._prompt import DEFAULT_SWITCH_INTERVAL
+    from timeslice_client.workload import register_workload
+
+    class Nothing:
+        def suspend(self, mode: Any, tags: frozenset[str]) -> HandlerResult:
+            return HandlerResult()
+
+        def resume(self, mode: Any, tags: frozenset[str]) -> HandlerResult:
+            return HandlerResult()
+
+    interval = None if condition == "busy, left alone" else DEFAULT_SWITCH_INTERVAL
+    channel = await register_workload("busy-job", "busy-group", Nothing(), node_id="busy-node", nats_url=url,
+                                      switch_interval=interval)
+    with _spinning(busy):
+        print("ready", flush=True)
+        while True:  # until killed
+            if condition == "busy, armed":
+                channel.arm()  # as AsyncTimeSliceClient.release() does; the answer to the next command disarms
+            await asyncio.sleep(0.005)
+
+
+async def _channel(requests: int) -> dict[str, Any]:
+    from timeslice_agent import Agent, AgentConfig
+    from timeslice_client.bus import connect
+    from timeslice_client.protocol import WorkloadCommand, encode, subjects
+    from timeslice_orchestrator.embedded import NatsServer
+
+    tmp = c.scratch_dir("ts-bench-busy-")
+    server = NatsServer(tmp / "nats")
+    url = server.start()
+    agent = Agent(AgentConfig(node_id="busy-node", nats_url=url))
+    out: dict[str, Any] = {}
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(agent.run())
+            async with asyncio.timeout(30):
+                await agent.ready.wait()
+            nc = await connect(url)
+            try:
+                for condition in CHANNEL_CONDITIONS:
+                    busy = condition != "idle"
+                    proc = subprocess.Popen([sys.executable, __file__, "--role", "job", "--url", url, "--condition",
+                                             condition, *(["--busy"] if busy else [])], stdout=subprocess.PIPE,
+                                            text=True)
+                    try:
+                        async with asyncio.timeout(60):
+                            line = await asyncio.to_thread(proc.stdout.readline)  # type: ignore[union-attr]
+                        if line.strip() != "ready":
+                            raise RuntimeError(f"the job process did not start ({proc.poll()})")
+                        rts = []
+                        for i in range(requests):
+                            cmd = WorkloadCommand(op_id=f"{condition}-{i}", action="resume" if i % 2 else "suspend",
+                                                  epoch=1)
+                            t0 = time.perf_counter()
+                            await nc.request(subjects.workload_rpc("busy-node", "busy-job"), encode(cmd), timeout=10)
+                            rts.append((time.perf_counter() - t0) * 1e3)
+                            await asyncio.sleep(0.02)
+                    finally:
+                        proc.kill()
+                        proc.wait(10)
+                    out[condition] = {"p50_ms": statistics.median(rts), "p90_ms": c.pct(rts, 90), "max_ms": max(rts)}
+            finally:
+                await nc.close()
+                agent.shutdown()
+    finally:
+        server.stop()
+        c.remove_dir(tmp)
+    for r in out.values():
+        r["x_idle"] = r["p50_ms"] / out["idle"]["p50_ms"]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tensors", type=int, default=300, help="tensors in the job's state")
     p.add_argument("--tensor-kib", type=int, default=256, help="KiB per tensor")
     p.add_argument("--reps", type=int, default=3, help="suspend+resume cycles per condition")
-    p.add_argument("--quick", action="store_true", help="100 tensors, 2 reps")
+    p.add_argument("--requests", type=int, default=30, help="commands per condition through the channel")
+    p.add_argument("--quick", action="store_true", help="100 tensors, 2 reps, 10 requests")
     p.add_argument("--json-out", help="also write the figures as JSON here")
+    p.add_argument("--role", help=argparse.SUPPRESS)
+    p.add_argument("--url", help=argparse.SUPPRESS)
+    p.add_argument("--condition", help=argparse.SUPPRESS)
+    p.add_argument("--busy", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.role == "job":
+        asyncio.run(_job(a.url, a.busy, a.condition))
+        return
     if a.quick:
-        a.tensors, a.reps = 100, 2
+        a.tensors, a.reps, a.requests = 100, 2, 10
     t0 = time.monotonic()
     r = measure(a.tensors, a.tensor_kib, a.reps)
+    r["channel"] = asyncio.run(_channel(a.requests))
     print(f"torch handler beside a thread running Python: {r['tensors']} CPU tensors x {r['tensor_kib']} KiB "
           f"({r['mb']:.0f} MB), {r['reps']} cycles per condition, medians; torch {r['torch']}")
     print(f"  command: {c.command_line()}")
@@ -127,6 +225,11 @@ def main() -> None:
     for name, x in r["conditions"].items():
         print(f"  {name:24s} suspend {x['suspend_ms']:8.1f} ms ({x['suspend_x_idle']:6.1f}x idle)   "
               f"resume {x['resume_ms']:8.1f} ms ({x['resume_x_idle']:6.1f}x idle)")
+    print(f"  the workload channel, {a.requests} commands per condition (a do-nothing handler in a job process), "
+          "round trip from this process:")
+    for name, x in r["channel"].items():
+        print(f"  {name:26s} p50 {x['p50_ms']:6.2f} ms ({x['x_idle']:5.1f}x idle), p90 {x['p90_ms']:6.2f} ms, "
+              f"max {x['max_ms']:6.2f} ms")
     r["wall_s"] = time.monotonic() - t0
     print(f"wall time {r['wall_s']:.0f} s")
     if a.json_out:

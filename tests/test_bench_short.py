@@ -40,7 +40,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, s
         "recovery": _run("recovery.py", "--kv-groups", "20", "--busy", "10", "--pre", "1", "--post", "2",
                          "--cold-reps", "1", "--json-out", str(out / "recovery.json")),
         "busy_suspend": _run("busy_suspend.py", "--tensors", "40", "--tensor-kib", "64", "--reps", "1",
-                             "--json-out", str(out / "busy_suspend.json")),
+                             "--requests", "4", "--json-out", str(out / "busy_suspend.json")),
         "trace_replay": _run("trace_replay.py", "--mode", "both", "--profiles", "grpo_sync", "--steps", "2",
                              "--sim-steps", "4", "--compression", "400", "--json-out",
                              str(out / "trace_replay.json")),
@@ -104,6 +104,9 @@ def test_busy_suspend_compares_each_condition_to_idle(results: tuple[Path, dict[
     # Left at 5 ms, one storage at a time: each copy waits for the GIL (40 storages, several calls each).
     assert conds["busy, per storage"]["suspend_ms"] > 40 * 1.0
     assert "busy, batched, prompt" in printed["busy_suspend"] and "x idle" in printed["busy_suspend"]
+    channel = data["channel"]
+    assert list(channel) == ["idle", "busy, left alone", "busy, lowered per command", "busy, armed"]
+    assert all(x["p50_ms"] > 0 for x in channel.values()) and channel["idle"]["x_idle"] == 1.0
 
 
 def test_run_all_writes_the_document(results: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
@@ -125,6 +128,7 @@ def test_run_all_writes_the_document(results: tuple[Path, dict[str, str]], tmp_p
     for section in ("## Handoff", "## Offload", "## Suspend beside a busy thread", "## Scale", "## Recovery",
                     "## Trace replay", "## GPU", "## Demo"):
         assert section in text
+    assert "| busy, armed |" in text and "| busy, batched, prompt |" in text
     assert "python bench/handoff.py --n 10" in text and "python bench/scale.py --groups 2" in text
     assert "Not measured in this pass (no `bench/results/offload.json`)" in text
     assert "No GPU run was made" in text and "`timeslice demo` not run" in text

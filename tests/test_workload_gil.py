@@ -6,6 +6,7 @@ the interval for the length of a command, so each such step waits about 0.1 ms i
 
 from __future__ import annotations
 
+import asyncio
 import select
 import sys
 import threading
@@ -14,13 +15,14 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 from timeslice_agent import Agent, AgentConfig
-from timeslice_client import HandlerResult, SuspendMode
+from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
 from timeslice_client._prompt import DEFAULT_SWITCH_INTERVAL, prompt_threads
 from timeslice_client.bus import connect
 from timeslice_client.protocol import WorkloadCommand, WorkloadReply, encode, subjects
 from timeslice_client.workload import register_workload
+from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
-from .helpers import running
+from .helpers import eventually, running
 
 RELEASES = 200  # GIL releases in one handler call
 
@@ -117,3 +119,38 @@ async def test_a_suspend_beside_a_busy_main_thread_is_not_held_up(nats_url: str,
     print(f"handler time beside a busy thread: {slow:.1f} ms left alone, {fast:.1f} ms prompt")
     assert slow > RELEASES * before * 1000 / 2, (slow, fast)
     assert fast < slow / 4, (slow, fast)
+
+
+async def test_a_job_that_yields_is_armed_until_its_suspend_is_answered_or_it_acquires(nats_url: str) -> None:
+    """Reading the suspend would itself wait up to 5 ms for the GIL beside a busy main thread, so the channel
+    lowers the interval from the job's release on: until its next command is answered, or it acquires again."""
+    before = sys.getswitchinterval()
+    low = pytest.approx(DEFAULT_SWITCH_INTERVAL)
+    handler = _Releasing()
+    async with running(Orchestrator(OrchestratorConfig(nats_url=nats_url))), \
+            running(Agent(AgentConfig(node_id="n-arm", nats_url=nats_url))) as agent, \
+            AsyncTimeSliceClient("a", "g-arm", nats_url) as a, AsyncTimeSliceClient("b", "g-arm", nats_url) as b, \
+            AsyncTimeSliceClient("c", "g-arm", nats_url) as c:
+        await a.register_workload(handler, node_id="n-arm")
+        await c.register_workload(_Releasing(), node_id="n-arm", switch_interval=None)
+        await a.acquire(timeout=10)
+        assert sys.getswitchinterval() == before
+        await a.release()  # nobody waits: a keeps its context, and its channel stays armed
+        assert sys.getswitchinterval() == low
+        await a.acquire(timeout=10)
+        assert sys.getswitchinterval() == before
+        tb = asyncio.create_task(b.acquire(timeout=10))
+        await eventually(lambda: _queued(a, "b"))
+        await a.release()  # b waits: a's suspend comes, and once it is answered the interval goes back
+        await tb
+        await eventually(lambda: agent.jobs()["a"].state.value == "SAVED")
+        await eventually(lambda: sys.getswitchinterval() == before, what="the interval put back")
+        assert handler.intervals == [low]
+        await b.release()
+        await c.acquire(timeout=10)
+        await c.release()  # a job that asked for no interval is not armed
+        assert sys.getswitchinterval() == before
+
+
+async def _queued(c: AsyncTimeSliceClient, job: str) -> bool:
+    return job in [w.job for w in (await c.status()).queue]

@@ -201,6 +201,8 @@ class AsyncTimeSliceClient:
         waits for its turn as usual."""
         if self._sub is None or self._closed:
             await self.connect()
+        for ch in self._channels:
+            ch.disarm()  # armed since this job's release (its main thread waits here now)
         timeout = self.acquire_timeout if timeout is None else timeout
         claim, self._claim = self._claim, None
         if claim is not None:
@@ -294,7 +296,14 @@ class AsyncTimeSliceClient:
         if hold.lost is not None:
             raise LeaseExpired(self.group_id, self.job_id, hold.epoch, hold.lost)
         before = self._published
-        r, seq = await self._send_release(hold)
+        for ch in self._channels:
+            ch.arm()  # the suspend may come while this job's main thread runs Python (see WorkloadChannel.arm)
+        try:
+            r, seq = await self._send_release(hold)
+        except BaseException:
+            for ch in self._channels:
+                ch.disarm()
+            raise
         if self._claims and r.pending_waiters == 0 and self._published == before + 1:
             self._claim = _Claim(after_seq=seq, epoch=r.epoch + 1)  # nothing else was published after it
         return ReleaseResult(self.group_id, self.job_id, r.epoch, r.pending_waiters, r.snapshot_deferred)

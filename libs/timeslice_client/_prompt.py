@@ -8,8 +8,9 @@ one can wait up to 5 ms. Measured here with the torch handler alone (300 tensors
 took 3.2 to 4.1 s beside a thread spinning in Python instead of 20 to 40 ms; with the interval at 0.1 ms,
 0.13 to 0.17 s (the busy thread still gets its share of the CPU).
 
-The interval is the process's: the first command in flight lowers it, the last one to end puts back what
-was there before, unless somebody else changed it meanwhile (theirs is kept).
+The interval is the process's: the first user lowers it (a command in flight, or a channel armed because its
+job yielded the group), the last one to end puts back what was there before, unless somebody else changed it
+meanwhile (theirs is kept).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-__all__ = ["DEFAULT_SWITCH_INTERVAL", "prompt_threads"]
+__all__ = ["DEFAULT_SWITCH_INTERVAL", "lower", "prompt_threads", "restore"]
 
 DEFAULT_SWITCH_INTERVAL = 1e-4  # seconds
 
@@ -29,13 +30,9 @@ _saved = 0.0  # the interval before the first user lowered it
 _ours = 0.0  # the interval we set
 
 
-@contextlib.contextmanager
-def prompt_threads(interval: float | None) -> Iterator[None]:
-    """Within the block the switch interval is at most ``interval`` seconds (``None``: left alone)."""
+def lower(interval: float) -> None:
+    """One more user: the interval is at most ``interval`` seconds until the matching ``restore()``."""
     global _users, _saved, _ours
-    if interval is None:
-        yield
-        return
     if interval <= 0:
         raise ValueError(f"switch interval must be positive, not {interval}")
     with _lock:
@@ -44,10 +41,27 @@ def prompt_threads(interval: float | None) -> Iterator[None]:
             sys.setswitchinterval(min(_saved, interval))
             _ours = sys.getswitchinterval()  # as the interpreter keeps it (whole microseconds)
         _users += 1
+
+
+def restore() -> None:
+    """One user fewer (one call per ``lower()``): the last one puts back the interval from before."""
+    global _users
+    with _lock:
+        if _users == 0:
+            raise RuntimeError("restore() without lower()")
+        _users -= 1
+        if _users == 0 and sys.getswitchinterval() == _ours:
+            sys.setswitchinterval(_saved)
+
+
+@contextlib.contextmanager
+def prompt_threads(interval: float | None) -> Iterator[None]:
+    """Within the block the switch interval is at most ``interval`` seconds (``None``: left alone)."""
+    if interval is None:
+        yield
+        return
+    lower(interval)
     try:
         yield
     finally:
-        with _lock:
-            _users -= 1
-            if _users == 0 and sys.getswitchinterval() == _ours:
-                sys.setswitchinterval(_saved)
+        restore()

@@ -25,6 +25,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from . import _prompt
 from ._prompt import DEFAULT_SWITCH_INTERVAL, prompt_threads
 from .bus import connect
 from .errors import InvalidRequest, TimeSliceError, Unavailable
@@ -101,6 +102,7 @@ class WorkloadChannel:
             raise InvalidRequest(f"switch_interval must be positive seconds or None, not {switch_interval}")
         self.switch_interval = switch_interval  # the GIL switch interval while a command runs (None: as it is)
         self._own = own_connection
+        self._armed = False  # the interval is lowered until the next command is answered (see arm())
         self._sub: object | None = None
         self._lock = asyncio.Lock()
         self._answers: dict[str, WorkloadReply] = {}
@@ -154,6 +156,21 @@ class WorkloadChannel:
                     self._answers = {cmd.op_id: answer}  # only the latest: a retry repeats the latest op
             await msg.respond(encode(answer))
             await asyncio.sleep(0)  # the connection's flusher, woken by the reply, writes it before we go on
+            self.disarm()
+
+    def arm(self) -> None:
+        """The job yielded the group: its suspend may come while its main thread runs Python, and reading it
+        would wait up to a default switch interval for the GIL. So the interval is lowered now, until the next
+        command is answered or ``disarm()`` (the client calls both: on release, and on acquire or close)."""
+        if self.switch_interval is not None and not self._armed and not self._closed:
+            _prompt.lower(self.switch_interval)
+            self._armed = True
+
+    def disarm(self) -> None:
+        """Undo ``arm()`` (idempotent)."""
+        if self._armed:
+            self._armed = False
+            _prompt.restore()
 
     async def _handle(self, cmd: WorkloadCommand) -> WorkloadReply:
         fn = self.handler.suspend if cmd.action == "suspend" else self.handler.resume
@@ -174,6 +191,7 @@ class WorkloadChannel:
         if self._closed:
             return
         self._closed = True
+        self.disarm()
         # Let a suspend/resume in flight finish and answer first: the agent is waiting on it.
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.op_timeout):
