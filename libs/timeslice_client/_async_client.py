@@ -342,8 +342,9 @@ class AsyncTimeSliceClient:
         """Register this process with its node's agent so a switch moves its state (see ``handlers``).
         ``endpoints`` name the serving engines of backend ``app_endpoint`` (``"vllm+http://host:port"``,
         ``"sglang+http://host:port"``). ``switch_interval``: the process's GIL switch interval (seconds, at
-        most) while it answers a suspend or resume, so a main thread busy in Python does not hold up the
-        handler (``None``: left alone). The channel is closed (unregistered) with the client."""
+        most) from this job's release until its next command is answered (or it acquires again), so a main
+        thread busy in Python does not hold up the suspend (``None``: left alone; see docs/backends.md). The
+        channel is closed (unregistered) with the client."""
         await self.connect()
         assert self._nc is not None
         channel = WorkloadChannel(self._nc, self.job_id, self.group_id, handler, node_id=node_id, mode=mode,

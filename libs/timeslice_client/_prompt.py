@@ -4,9 +4,10 @@ A job's main thread often runs pure Python (reward scoring, data preparation) ri
 group, which is when its suspend runs. CPython then hands the GIL to a thread that wants it back (after a
 socket read, a copy that released it) only every ``sys.getswitchinterval()`` seconds, 5 ms by default. The
 workload channel's event loop and the handler's thread take the GIL back after every such call, so each
-one can wait up to 5 ms. Measured here with the torch handler alone (300 tensors, 79 MB, CPU): a suspend
-took 3.2 to 4.1 s beside a thread spinning in Python instead of 20 to 40 ms; with the interval at 0.1 ms,
-0.13 to 0.17 s (the busy thread still gets its share of the CPU).
+one can wait up to 5 ms. Measured here (``bench/busy_suspend.py``: the torch handler, 300 CPU tensors, 79 MB),
+a suspend copying storage by storage took 2.7 to 3.1 s beside a thread spinning in Python instead of 22 to
+36 ms; with the handler's batched copies and the interval at 0.1 ms, 38 to 58 ms (the busy thread still gets
+its share of the CPU).
 
 The interval is the process's: the first user lowers it (a command in flight, or a channel armed because its
 job yielded the group), the last one to end puts back what was there before, unless somebody else changed it

@@ -237,8 +237,8 @@ async def register_workload(
     ``pids``/``pgid`` name the processes a process-level backend (``freeze``) stops; they default to
     this process, which suits ``app_channel`` (liveness) but not ``freeze`` of the process that calls
     ``acquire``. ``switch_interval``: the process's GIL switch interval (seconds, at most) while it answers
-    a suspend or resume, so a main thread busy in Python does not hold up the handler; ``None`` leaves it
-    alone."""
+    a suspend or resume (and, through a client, from the job's release until then), so a main thread busy in
+    Python does not hold up the handler; ``None`` leaves it alone."""
     nc = await connect(nats_url, name=f"timeslice-workload-{job_id}")
     channel = WorkloadChannel(nc, job_id, group_id, handler, node_id=node_id, mode=mode, tags=tags,
                               backends=backends, pids=pids, pgid=pgid, op_timeout=op_timeout,
