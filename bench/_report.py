@@ -147,7 +147,8 @@ def _busy_suspend(r: dict[str, Any]) -> list[str]:
              _n(x.get("resume_ms"), 1, " ms"), _n(x.get("resume_x_idle"), 1, X)]
             for name, x in r.get("conditions", {}).items()]
     return [
-        f"The torch handler over {r.get('tensors', '?')} CPU tensors of {r.get('tensor_kib', '?')} KiB "
+        f"The torch handler over {r.get('tensors', '?')} {r.get('device', 'cpu')} tensors of "
+        f"{r.get('tensor_kib', '?')} KiB "
         f"({_n(r.get('mb'), 0, ' MB')}), called from a worker thread as the workload channel calls it, while "
         "another thread of the job runs Python (a job scoring rewards after it yielded). Medians of "
         f"{r.get('reps', '?')} cycles; baseline (idle: that thread sleeps) in the same run. \"per storage\": one "

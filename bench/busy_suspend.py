@@ -5,16 +5,18 @@ suspend runs. CPython hands the GIL back to a thread that released it (every tor
 switch interval, 5 ms by default, while another thread runs Python. So a handler that makes a few torch
 calls per tensor waits about that long per call.
 
-Each condition below uses the same ``TorchOffloadHandler`` over ``--tensors`` CPU tensors of ``--tensor-kib``
-KiB each, called from a worker thread as the workload channel calls it. The conditions are:
+Each condition below uses the same ``TorchOffloadHandler`` over ``--tensors`` tensors of ``--tensor-kib`` KiB
+each (``--device cpu``, the default, or ``cuda``), called from a worker thread as the workload channel calls
+it. The conditions are:
 
 * idle: the job's other thread sleeps. This is the baseline, measured in the same run;
 * busy, per storage: a thread spins in Python, and the handler copies one storage at a time (its CUDA path,
   and its CPU path before batching). The interval is left at the default;
-* busy, batched: the same thread, with the handler's CPU path: every copy in one ``torch._foreach_copy_``.
-  The interval is left at the default;
-* busy, batched, prompt: the same, inside ``prompt_threads(DEFAULT_SWITCH_INTERVAL)``, as the workload
-  channel runs every command (0.1 ms).
+* busy, per storage, prompt: the same, inside ``prompt_threads(DEFAULT_SWITCH_INTERVAL)``, as the workload
+  channel runs every command (0.1 ms): the CUDA path as it ships;
+* busy, batched: every copy in one ``torch._foreach_copy_`` call, the handler's CPU path (on CUDA: that path
+  tried on device tensors, synchronous copies). The interval is left at the default;
+* busy, batched, prompt: the same with the channel's interval: the CPU path as it ships.
 
 Each condition prints the suspend and resume medians of ``--reps`` cycles, and the ratio to idle.
 
@@ -25,8 +27,8 @@ as the agent does, 20 ms apart, timing each round trip. Conditions: idle; busy w
 armed as the client arms it at every release (``WorkloadChannel.arm()``, so the interval is already low
 when the command is read). Baseline: idle, same run.
 
-Run: ``python bench/busy_suspend.py [--tensors 300] [--tensor-kib 256] [--reps 3] [--requests 30] [--quick]
-[--json-out F]``.
+Run: ``python bench/busy_suspend.py [--device cpu|cuda] [--tensors 300] [--tensor-kib 256] [--reps 3]
+[--requests 30] [--quick] [--json-out F]``.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from typing import Any
 
 import _common as c
 
-CONDITIONS = ("idle", "busy, per storage", "busy, batched", "busy, batched, prompt")
+CONDITIONS = ("idle", "busy, per storage", "busy, per storage, prompt", "busy, batched", "busy, batched, prompt")
 
 
 @contextmanager
@@ -83,20 +85,21 @@ def _in_thread(fn: Callable[[], Any]) -> float:
     return out["s"]
 
 
-def measure(tensors: int, tensor_kib: int, reps: int) -> dict[str, Any]:
+def measure(tensors: int, tensor_kib: int, reps: int, device: str = "cpu") -> dict[str, Any]:
     import torch
     from timeslice_client import SuspendMode
     from timeslice_client._prompt import DEFAULT_SWITCH_INTERVAL, prompt_threads
     from timeslice_client.torch_offload import TorchOffloadHandler
 
     per = tensor_kib * 1024 // 4
-    state = [torch.full((per,), float(i)) for i in range(tensors)]
-    handler = TorchOffloadHandler(tensors={"state": state}, device="cpu")
+    state = [torch.full((per,), float(i), device=device) for i in range(tensors)]
+    handler = TorchOffloadHandler(tensors={"state": state}, device=device)
     handler.prepare()
     all_tags: frozenset[str] = frozenset()
     out: dict[str, Any] = {}
     for name in CONDITIONS:
-        handler._batched = name != "busy, per storage"
+        # Idle: the path that ships for the device (batched on CPU only); the others as named.
+        handler._batched = device == "cpu" if name == "idle" else "batched" in name
         prompt = prompt_threads(DEFAULT_SWITCH_INTERVAL if name.endswith("prompt") else None)
         sus: list[float] = []
         res: list[float] = []
@@ -113,7 +116,8 @@ def measure(tensors: int, tensor_kib: int, reps: int) -> dict[str, Any]:
     for r in out.values():
         r["suspend_x_idle"] = r["suspend_ms"] / idle["suspend_ms"]
         r["resume_x_idle"] = r["resume_ms"] / idle["resume_ms"]
-    return {"tensors": tensors, "tensor_kib": tensor_kib, "reps": reps, "mb": tensors * tensor_kib * 1024 / 1e6,
+    return {"device": device, "tensors": tensors, "tensor_kib": tensor_kib, "reps": reps,
+            "mb": tensors * tensor_kib * 1024 / 1e6,
             "torch": torch.__version__, "switch_interval_default_s": sys.getswitchinterval(),
             "prompt_interval_s": DEFAULT_SWITCH_INTERVAL, "conditions": out}
 
@@ -201,6 +205,7 @@ def main() -> None:
     p.add_argument("--tensors", type=int, default=300, help="tensors in the job's state")
     p.add_argument("--tensor-kib", type=int, default=256, help="KiB per tensor")
     p.add_argument("--reps", type=int, default=3, help="suspend+resume cycles per condition")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the job's tensors live")
     p.add_argument("--requests", type=int, default=30, help="commands per condition through the channel")
     p.add_argument("--quick", action="store_true", help="100 tensors, 2 reps, 10 requests")
     p.add_argument("--json-out", help="also write the figures as JSON here")
@@ -215,15 +220,15 @@ def main() -> None:
     if a.quick:
         a.tensors, a.reps, a.requests = 100, 2, 10
     t0 = time.monotonic()
-    r = measure(a.tensors, a.tensor_kib, a.reps)
+    r = measure(a.tensors, a.tensor_kib, a.reps, a.device)
     r["channel"] = asyncio.run(_channel(a.requests))
-    print(f"torch handler beside a thread running Python: {r['tensors']} CPU tensors x {r['tensor_kib']} KiB "
+    print(f"torch handler beside a thread running Python: {r['tensors']} {r['device']} tensors x {r['tensor_kib']} KiB "
           f"({r['mb']:.0f} MB), {r['reps']} cycles per condition, medians; torch {r['torch']}")
     print(f"  command: {c.command_line()}")
     print(f"  GIL switch interval {r['switch_interval_default_s'] * 1e3:g} ms, the channel's "
           f"{r['prompt_interval_s'] * 1e3:g} ms")
     for name, x in r["conditions"].items():
-        print(f"  {name:24s} suspend {x['suspend_ms']:8.1f} ms ({x['suspend_x_idle']:6.1f}x idle)   "
+        print(f"  {name:26s} suspend {x['suspend_ms']:8.1f} ms ({x['suspend_x_idle']:6.1f}x idle)   "
               f"resume {x['resume_ms']:8.1f} ms ({x['resume_x_idle']:6.1f}x idle)")
     print(f"  the workload channel, {a.requests} commands per condition (a do-nothing handler in a job process), "
           "round trip from this process:")

@@ -99,7 +99,9 @@ def test_busy_suspend_compares_each_condition_to_idle(results: tuple[Path, dict[
     folder, printed = results
     data = _load(folder, "busy_suspend")
     conds = data["conditions"]
-    assert list(conds) == ["idle", "busy, per storage", "busy, batched", "busy, batched, prompt"]
+    assert list(conds) == ["idle", "busy, per storage", "busy, per storage, prompt", "busy, batched",
+                           "busy, batched, prompt"]
+    assert data["device"] == "cpu"
     assert conds["idle"]["suspend_x_idle"] == 1.0 and all(x["suspend_ms"] > 0 for x in conds.values())
     # Left at 5 ms, one storage at a time: each copy waits for the GIL (40 storages, several calls each).
     assert conds["busy, per storage"]["suspend_ms"] > 40 * 1.0
