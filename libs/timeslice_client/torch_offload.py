@@ -420,16 +420,20 @@ class TorchOffloadHandler:
         with torch.cuda.device(storage.device), torch.cuda.stream(self._stream(storage.device)):
             yield
 
-    def _copy_bytes(self, dst: Any, src: Any) -> None:
-        """Copy the flat uint8 tensor ``src`` into ``dst`` in chunks (queued, not waited for, on CUDA)."""
+    def _chunks(self, dst: Any, src: Any) -> Iterator[tuple[Any, Any]]:
+        """``(dst, src)`` pieces of two flat uint8 tensors, at most ``chunk_bytes`` each."""
         n = int(src.numel())
         step = self.chunk_bytes
-        non_blocking = self._cuda
         if n <= step:
-            dst.copy_(src, non_blocking=non_blocking)
+            yield dst, src
             return
         for start in range(0, n, step):
-            dst[start : start + step].copy_(src[start : start + step], non_blocking=non_blocking)
+            yield dst[start : start + step], src[start : start + step]
+
+    def _copy_bytes(self, dst: Any, src: Any) -> None:
+        """Copy the flat uint8 tensor ``src`` into ``dst`` in chunks (queued, not waited for, on CUDA)."""
+        for d, s in self._chunks(dst, src):
+            d.copy_(s, non_blocking=self._cuda)
 
     def _allocate(self, storage: Any, nbytes: int) -> None:
         if self._cuda:
@@ -443,20 +447,11 @@ class TorchOffloadHandler:
         """Copy each ``(dst, src)`` pair of flat uint8 tensors, all in one call (chunks of at most
         ``chunk_bytes``). Each torch call hands the GIL over and takes it back; one call for all the copies,
         not one per storage, keeps a model of many tensors fast when another thread runs Python."""
-        dst: list[Any] = []
-        src: list[Any] = []
-        step = self.chunk_bytes
-        for d, s in pairs:
-            n = int(s.numel())
-            if n <= step:
-                dst.append(d)
-                src.append(s)
-                continue
-            for start in range(0, n, step):
-                dst.append(d[start : start + step])
-                src.append(s[start : start + step])
-        if not dst:
+        pieces = [piece for d, s in pairs for piece in self._chunks(d, s)]
+        if not pieces:
             return
+        dst = [d for d, _ in pieces]
+        src = [s for _, s in pieces]
         if _FOREACH_COPY is None:  # torch < 2.1
             for d, s in zip(dst, src, strict=True):
                 d.copy_(s)
