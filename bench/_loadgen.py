@@ -42,6 +42,7 @@ from nats.aio.msg import Msg
 from timeslice_client.bus import connect
 from timeslice_client.protocol import (
     Acquire,
+    Dequeued,
     Granted,
     Refused,
     Release,
@@ -133,7 +134,7 @@ class LoadGen:
             self.c.refused += 1
         elif isinstance(n, Revoked):
             self.c.revoked += 1
-        else:
+        elif isinstance(n, Dequeued):
             self.c.dequeued += 1
 
     async def _on_grant(self, n: Granted) -> None:

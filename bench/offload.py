@@ -146,7 +146,7 @@ async def _wait_waiter(c: Any) -> None:
 
 
 async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, hold: float, out: str, ready: str,
-               done: str, leader: bool, device: str) -> None:
+               done: str, leader: bool, device: str, early: bool = True) -> None:
     """A (leader: the big state, holds first) or B (the small state); writes its timeline to ``out``.
 
     A writes ``done`` once it holds the group after the last switch; B closes (unregisters) only then:
@@ -175,7 +175,7 @@ async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, hold: f
     async with AsyncTimeSliceClient(job, group, url, lease_seconds=60, acquire_timeout=300) as c:
         # Once: the agent is up (the driver saw it answer). A failed register_workload leaves its subscription on the
         # client's connection, so retrying would run every later suspend once per failed try.
-        await c.register_workload(_Timed(inner, calls), node_id=NODE, op_timeout=300)
+        await c.register_workload(_Timed(inner, calls), node_id=NODE, op_timeout=300, early_suspend=early)
         if leader:
             await grant(c)
         Path(ready).write_text("ok")
@@ -329,7 +329,7 @@ def _spawn(*args: str) -> subprocess.Popen[bytes]:
 
 
 def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str, floor_n: int,
-        agent_process: bool = False) -> dict[str, Any]:
+        agent_process: bool = False, early: bool = True) -> dict[str, Any]:
     import torch
     from timeslice_orchestrator.embedded import NatsServer
 
@@ -356,7 +356,7 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str,
             common = ["--url", url, "--group", group, "--cycles", str(cycles), "--hold", str(hold_ms / 1000),
                       "--device", device]
             a_out, b_out, a_ready, b_ready = (tmp / f"{i}-{n}" for n in ("a.json", "b.json", "a.ready", "b.ready"))
-            common += ["--done", str(tmp / f"{i}-a.done")]
+            common += ["--done", str(tmp / f"{i}-a.done")] + ([] if early else ["--no-early-suspend"])
             # Job ids differ per size: the agent keys jobs by id alone (see docs/benchmarks.md).
             a = _spawn("--role", "job", "--job", f"job-a{i}", "--bytes", str(nbytes), "--leader", "--out", str(a_out),
                        "--ready", str(a_ready), *common)
@@ -393,6 +393,7 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str,
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
         "cycles": cycles, "hold_ms": hold_ms, "baseline_reps": reps, "memory": _memory_setup(),
         "agent": "own process" if agent_process else "in the orchestrator's process",
+        "early_suspend": early,
         "sizes": results, "switch_floor": floor, "wall_s": time.monotonic() - started,
     }
 
@@ -489,6 +490,8 @@ def main() -> None:
                         "`timeslice up` runs it)")
     p.add_argument("--quick", action="store_true",
                    help="a short run (0.25 GiB, 2 cycles, 1 baseline rep, 10 floor switches)")
+    p.add_argument("--no-early-suspend", action="store_true",
+                   help="workloads suspend only at the agent's command, not at a release another job waits for")
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--group", help=argparse.SUPPRESS)
@@ -502,7 +505,7 @@ def main() -> None:
     a = p.parse_args()
     if a.role == "job":
         _loop_run(_job(a.url, a.group, a.job, a.bytes, a.cycles, a.hold, a.out, a.ready, a.done, a.leader,
-                       a.device))
+                       a.device, not a.no_early_suspend))
         return
     if a.quick:
         a.sizes, a.cycles, a.baseline_reps, a.floor_switches = "0.25", min(a.cycles, 2), 1, min(a.floor_switches, 10)
@@ -514,7 +517,8 @@ def main() -> None:
 
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     machine = _common.machine_facts()  # when the run starts: its time and load are those of the start
-    res = run(sizes, a.cycles, a.hold_ms, a.baseline_reps, a.device, a.floor_switches, a.agent_process)
+    res = run(sizes, a.cycles, a.hold_ms, a.baseline_reps, a.device, a.floor_switches, a.agent_process,
+              not a.no_early_suspend)
     if a.json_out:
         _common.write_json(a.json_out, {"bench": "offload", "command": _common.command_line(),
                                         "machine": machine, **res})

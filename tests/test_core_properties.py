@@ -25,6 +25,7 @@ from timeslice_client.protocol import (
     AgentLost,
     Cancel,
     ClearFault,
+    Contended,
     Dequeued,
     ErrorCode,
     Granted,
@@ -183,6 +184,7 @@ class CoreMachine(RuleBasedStateMachine):
             else:
                 self.entries[job] = (next(self.order), rid)
 
+        contended = [n for n in ns if isinstance(n, Contended)]
         for i, n in enumerate(ns):
             assert n.group == G
             event(f"notice {tag(n)}" + (f" {n.code}" if isinstance(n, Refused) else ""))
@@ -217,10 +219,17 @@ class CoreMachine(RuleBasedStateMachine):
                 loaded_here = {node for node, j in new.loaded.items() if j == n.job}
                 assert placed == loaded_here, f"granted {n.job} with its context on {loaded_here}, not {placed}"
                 assert n.lease_deadline_ms > self.now
+                assert n.waiters == len(new.queue), f"a grant counts the jobs still waiting: {n}, {new.queue}"
                 self.holder = (n.job, n.epoch, n.request_id)
                 self.max_epoch = n.epoch
                 self.grants += 1
                 event("grant after restores" if restores else "grant without restore")
+            elif isinstance(n, Contended):
+                assert isinstance(ev, Acquire) and pending is not None and not resolved, (ev, n)
+                assert self.holder is not None and self.holder[:2] == (n.job, n.epoch), (n, self.holder)
+                assert n.job != ev.job, n
+                assert n.waiters == 1 and new.queue[0].request_id == ev.request_id, (n, new.queue)
+                assert pending[0] not in self.entries, f"a waiter's second acquire is no new contention: {n}"
             elif isinstance(n, Released | Revoked):
                 assert self.holder is not None and self.holder[:2] == (n.job, n.epoch), (n, self.holder)
                 self.holder = None
@@ -252,7 +261,14 @@ class CoreMachine(RuleBasedStateMachine):
         if not resolved:
             assert pending is not None
             assert self.holder is None or self.holder[0] != pending[0], "holder's acquire went unanswered"
+            # The first job to wait while another holds tells the holder (WorkloadChannel.suspend_early). (A
+            # grant that the same event makes after the enqueue counts the new waiter in Granted.waiters.)
+            fresh = pending[0] not in self.entries and not any(isinstance(n, Granted) for n in ns)
+            first = fresh and self.holder is not None and len(new.queue) == 1
+            assert len(contended) == (1 if first else 0), (ev, ns, self.holder, new.queue)
             enqueue_pending()
+        else:
+            assert not contended, f"contention notice without a new waiter: {ns}"
 
     def reconcile(self) -> None:
         rec = self.rec

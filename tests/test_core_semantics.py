@@ -8,6 +8,7 @@ from timeslice_client.protocol import (
     AgentLost,
     Cancel,
     ClearFault,
+    Contended,
     Dequeued,
     ErrorCode,
     Granted,
@@ -55,6 +56,33 @@ def test_zero_cost_reacquire_after_release_with_no_waiter() -> None:
     assert commands(actions) == [], "no snapshot and no restore when the job is alone"
     assert g.epoch == first.epoch + 1 and not g.context_restored
     assert sim.rec.state is GroupState.LOCKED and sim.rec.loaded == {"n1": "a"}
+
+
+def test_the_holder_is_told_of_each_new_waiter_and_a_grant_counts_those_left() -> None:
+    """``Contended`` goes to the holder when the first job starts waiting (not for later waiters, not when a
+    waiter asks again, not during a switch, when nobody holds); a grant says how many still wait. Workloads use
+    it to suspend at their release (WorkloadChannel.suspend_early)."""
+    sim = Sim()
+    for job in ("a", "b", "c"):
+        sim.register(job, "n1")
+    sim.hold("a")
+    assert notices(sim.acquire("b")) == [Contended(group=G, job="a", epoch=1, waiters=1)]
+    assert notices(sim.acquire("b", dt=5)) == [], "a waiter's second acquire is not news"
+    snap, restore = commands(sim.release("a"))
+    assert notices(sim.acquire("c")) == [], "nobody holds during a switch"
+    sim.result(snap)
+    (g,) = notices(sim.result(restore), Granted)
+    assert (g.job, g.waiters) == ("b", 1)
+    assert notices(sim.acquire("a")) == [], "b was granted while c waited: it knows"
+    (again,) = notices(sim.acquire("b"), Granted)
+    assert (again.epoch, again.waiters) == (2, 2), "the holder's re-acquire counts them too"
+    snap, restore = commands(sim.release("b"))
+    assert sim.rec.switch is not None and sim.rec.switch.to is not None and sim.rec.switch.to.job == "c"
+    sim.result(snap)
+    (g,) = notices(sim.result(restore), Granted)
+    assert (g.job, g.waiters) == ("c", 1)
+    sim(Cancel(group=G, job="a", request_id=sim.rec.queue[0].request_id))
+    assert notices(sim.acquire("b")) == [Contended(group=G, job="c", epoch=3, waiters=1)], "a new first waiter"
 
 
 def test_holder_reacquire_gets_the_same_epoch_back() -> None:
@@ -118,7 +146,7 @@ def test_switch_snapshots_then_restores_and_grants_only_after_every_restore() ->
             sim.register(job, node)
     sim.hold("a")
     assert sim.rec.loaded == {"n1": "a", "n2": "a"}
-    assert notices(sim.acquire("b")) == []
+    assert notices(sim.acquire("b")) == [Contended(group=G, job="a", epoch=1, waiters=1)]
     actions = sim.release("a")
     (rel,) = notices(actions, Released)
     assert rel.pending_waiters == 1 and not rel.snapshot_deferred
@@ -157,7 +185,8 @@ def test_failed_snapshot_faults_that_job_and_the_waiter_still_gets_the_group() -
     assert r.code is ErrorCode.JOB_FAULTED and r.message == "backend said no"
     sim(ClearFault(group=G, job="a"))
     assert sim.rec.faulted == {}
-    assert notices(sim.acquire("a")) == [] and [w.job for w in sim.rec.queue] == ["a"]
+    assert notices(sim.acquire("a")) == [Contended(group=G, job="b", epoch=2, waiters=1)]
+    assert [w.job for w in sim.rec.queue] == ["a"]
 
 
 def test_failed_restore_faults_the_incoming_job_which_is_refused() -> None:
@@ -401,7 +430,8 @@ def test_job_leaving_mid_snapshot_ends_the_operation_without_faulting_it() -> No
     sim.result(snap, ok=False)
     assert sim.rec is before
     sim.register("a", "n1")
-    assert notices(sim.acquire("a")) == [] and [w.job for w in sim.rec.queue] == ["a"]
+    assert notices(sim.acquire("a")) == [Contended(group=G, job="b", epoch=2, waiters=1)]
+    assert [w.job for w in sim.rec.queue] == ["a"]
 
 
 def test_waiter_leaving_mid_switch_lets_its_issued_restore_finish_without_a_grant() -> None:

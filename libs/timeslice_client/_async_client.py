@@ -39,6 +39,7 @@ from .protocol import (
     GROUPS_BUCKET,
     Acquire,
     Cancel,
+    Contended,
     Dequeued,
     ErrorCode,
     Granted,
@@ -121,6 +122,7 @@ class AsyncTimeSliceClient:
         self._claims = fast_reacquire  # and the server can check a claim (set on connect)
         self._published = 0  # job inputs published (a claim is only offered when none came after the release)
         self._claim_filter = subjects.job_inputs(self.group_id)
+        self._contended_epoch = 0  # the latest epoch of this job's at which another job was seen waiting
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -185,13 +187,25 @@ class AsyncTimeSliceClient:
         return self._hold is not None and self._hold.lost is None
 
     @property
+    def contended(self) -> bool:
+        """Another job waits for the group this job holds (as the orchestrator has said): a good moment to
+        release. False when this job does not hold the group."""
+        hold = self._hold
+        return hold is not None and hold.lost is None and self._contended_epoch == hold.epoch
+
+    @property
     def epoch(self) -> int | None:
         return self._hold.epoch if self._hold else None
 
     # ------------------------------------------------------------------ the lock
 
     async def acquire(self, timeout: float | None = None) -> Grant:
-        """Wait for the group. Raises AcquireTimeout (the wait is withdrawn), JobFaulted, Unavailable.
+        """Wait for the group. Raises AcquireTimeout (the wait is withdrawn), JobFaulted, Unavailable, and
+        HandlerError when a workload suspended at this job's last release could not be resumed (the group is
+        released again then).
+
+        A workload channel of this client that suspended early at the release (see ``release()``) and was not
+        switched out meanwhile is resumed before this returns.
 
         Right after a release that nobody waited for, the acquire is a *claim* (unless ``fast_reacquire`` is
         off): it is published with the stream's sequence check (the group's last job input must still be that
@@ -199,6 +213,19 @@ class AsyncTimeSliceClient:
         stream alone), so it returns at the PubAck, one round trip to the server, without waiting for the
         orchestrator. When another job's request came in between, the stream refuses it and the acquire
         waits for its turn as usual."""
+        grant = await self._acquire(timeout)
+        try:
+            for ch in self._channels:
+                await ch.settle()
+        except BaseException:
+            hold, self._hold = self._hold, None
+            if hold is not None:
+                with contextlib.suppress(Exception):
+                    await self._send_release(hold)
+            raise
+        return grant
+
+    async def _acquire(self, timeout: float | None) -> Grant:
         if self._sub is None or self._closed:
             await self.connect()
         for ch in self._channels:
@@ -251,6 +278,8 @@ class AsyncTimeSliceClient:
             self._withdrawn.discard(rid)
         first = min(self.confirm_ms, self.lease_ms) / 3000
         self._hold = _Hold(epoch=g.epoch, request_id=rid, lease_ms=self.lease_ms, next_renew=time.monotonic() + first)
+        if g.waiters:
+            self._contended_epoch = max(self._contended_epoch, g.epoch)
         self._wake.set()
         return Grant(self.group_id, self.job_id, g.epoch, g.waited_ms, g.context_restored)
 
@@ -288,7 +317,11 @@ class AsyncTimeSliceClient:
                 Cancel(group=self.group_id, job=self.job_id, request_id=rid, reason="timeout or cancel")))
 
     async def release(self) -> ReleaseResult:
-        """Give the group back. Raises NotHolder, StaleEpoch or LeaseExpired when you no longer hold it."""
+        """Give the group back. Raises NotHolder, StaleEpoch or LeaseExpired when you no longer hold it.
+
+        When another job was seen waiting (the orchestrator says so: ``Contended``, ``Granted.waiters``), this
+        job's workload channels begin their suspend as soon as the stream has stored the release, instead of
+        when the agent's command arrives a few bus hops later (``WorkloadChannel.suspend_early``)."""
         hold = self._hold
         if hold is None:
             raise NotHolder(self.group_id, self.job_id, holder=await self._holder_or_none(), epoch=0)
@@ -298,8 +331,9 @@ class AsyncTimeSliceClient:
         before = self._published
         for ch in self._channels:
             ch.arm()  # the suspend may come while this job's main thread runs Python (see WorkloadChannel.arm)
+        early = self._contended_epoch == hold.epoch
         try:
-            r, seq = await self._send_release(hold)
+            r, seq = await self._send_release(hold, stored=self._suspend_early if early else None)
         except BaseException:
             for ch in self._channels:
                 ch.disarm()
@@ -308,14 +342,24 @@ class AsyncTimeSliceClient:
             self._claim = _Claim(after_seq=seq, epoch=r.epoch + 1)  # nothing else was published after it
         return ReleaseResult(self.group_id, self.job_id, r.epoch, r.pending_waiters, r.snapshot_deferred)
 
-    async def _send_release(self, hold: _Hold) -> tuple[Released, int]:
-        """The answer, and the release's stream sequence."""
+    def _settle_budget(self) -> float:
+        """The longest ``acquire()`` may spend after the grant, resuming what suspended early (seconds)."""
+        return sum(ch.op_timeout for ch in self._channels if ch.early_suspend)
+
+    def _suspend_early(self) -> None:
+        for ch in self._channels:
+            ch.suspend_early()
+
+    async def _send_release(self, hold: _Hold, stored: Callable[[], None] | None = None) -> tuple[Released, int]:
+        """The answer, and the release's stream sequence; ``stored`` is called once the stream has the release."""
         rid = _request_id()
         fut: asyncio.Future[Released] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:
             seq = await self._publish(
                 Release(group=self.group_id, job=self.job_id, request_id=rid, epoch=hold.epoch), msg_id=rid)
+            if stored is not None:
+                stored()
             try:
                 async with asyncio.timeout(self.request_timeout):
                     return await fut, seq
@@ -338,19 +382,22 @@ class AsyncTimeSliceClient:
         op_timeout: float = 120.0,
         endpoints: Iterable[str] = (),
         switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
+        early_suspend: bool = True,
     ) -> WorkloadChannel:
         """Register this process with its node's agent so a switch moves its state (see ``handlers``).
         ``endpoints`` name the serving engines of backend ``app_endpoint`` (``"vllm+http://host:port"``,
         ``"sglang+http://host:port"``). ``switch_interval``: the process's GIL switch interval (seconds, at
         most) from this job's release until its next command is answered (or it acquires again), so a main
-        thread busy in Python does not hold up the suspend (``None``: left alone; see docs/backends.md). The
-        channel is closed (unregistered) with the client."""
+        thread busy in Python does not hold up the suspend (``None``: left alone; see docs/backends.md).
+        ``early_suspend``: begin the suspend at a release that another job waits for, rather than at the agent's
+        command (see ``release()``; docs/backends.md, "Early suspend"). The channel is closed (unregistered)
+        with the client."""
         await self.connect()
         assert self._nc is not None
         channel = WorkloadChannel(self._nc, self.job_id, self.group_id, handler, node_id=node_id, mode=mode,
                                   tags=tags, backends=backends, pids=pids, pgid=pgid, op_timeout=op_timeout,
                                   request_timeout=self.request_timeout, endpoints=endpoints,
-                                  switch_interval=switch_interval)
+                                  switch_interval=switch_interval, early_suspend=early_suspend)
         await channel.start()
         self._channels.append(channel)
         return channel
@@ -474,6 +521,9 @@ class AsyncTimeSliceClient:
             n = decode_notice(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.warning("undecodable notice on %s", msg.subject)
+            return
+        if isinstance(n, Contended):
+            self._contended_epoch = max(self._contended_epoch, n.epoch)
             return
         if isinstance(n, Revoked):
             if self._hold is not None and self._hold.epoch == n.epoch:

@@ -59,6 +59,11 @@ class TimeSliceClient:
     def holding(self) -> bool:
         return self._client.holding
 
+    @property
+    def contended(self) -> bool:
+        """See :attr:`AsyncTimeSliceClient.contended`."""
+        return self._client.contended
+
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
         if self._closed:
             coro.close()
@@ -85,7 +90,8 @@ class TimeSliceClient:
 
     def acquire(self, timeout: float | None = None) -> Grant:
         t = self._client.acquire_timeout if timeout is None else timeout
-        return self._run(self._client.acquire(timeout), self._margin(t))
+        # A workload suspended at the last release may have to be resumed before the grant is returned.
+        return self._run(self._client.acquire(timeout), self._margin(t) + self._client._settle_budget())
 
     def release(self) -> ReleaseResult:
         return self._run(self._client.release(), self._margin(self._client.request_timeout))

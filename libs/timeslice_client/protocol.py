@@ -12,7 +12,7 @@ Subjects (all versioned under ``ts.v1``; the ``TIMESLICE`` stream captures ``ts.
                                     agent_lost
 ``ts.v1.agent.<node>.evt.<group>``  agent → orchestrator: job registered, operation outcome
 ``ts.v1.notice.<group>.<job>``      orchestrator → job: granted, released, refused, revoked,
-                                    dequeued
+                                    dequeued, contended
 ``ts.v1.agent.<node>.cmd``          orchestrator → agent: snapshot / restore commands
 ``ts.v1.group.<group>.state``       orchestrator: group state transitions (for people and replay)
 ==================================  ==========================================================
@@ -47,6 +47,7 @@ __all__ = [
     "Cancel",
     "ClearFault",
     "ClearJobFault",
+    "Contended",
     "ControlEvent",
     "Dequeued",
     "DeviceInfo",
@@ -264,6 +265,7 @@ class Granted(_Msg, frozen=True, tag="granted"):
     waited_ms: int
     context_restored: bool
     lease_deadline_ms: int
+    waiters: int = 0  # jobs still waiting for the group at this grant (see Contended)
 
 
 class Released(_Msg, frozen=True, tag="released"):
@@ -299,7 +301,18 @@ class Dequeued(_Msg, frozen=True, tag="dequeued"):
     reason: str
 
 
-Notice = Granted | Released | Refused | Revoked | Dequeued
+class Contended(_Msg, frozen=True, tag="contended"):
+    """A job began to wait for the group that ``job`` holds at ``epoch``, where nobody waited before (a grant
+    made while others wait says so in ``Granted.waiters`` instead). A hint, never a decision: the holder's
+    workloads may begin their suspend at its release instead of at the agent's command."""
+
+    group: str
+    job: str
+    epoch: int
+    waiters: int
+
+
+Notice = Granted | Released | Refused | Revoked | Dequeued | Contended
 
 
 # --------------------------------------------------------------------------- orchestrator → agent

@@ -9,6 +9,12 @@
 The agent then snapshots this job by asking it (``ts.rpc.workload.<node>.<job>``) to ``suspend``
 and restores it with ``resume``; the handler runs in a worker thread so this process's event loop
 keeps answering.
+
+Early suspend: a channel registered through a client (``AsyncTimeSliceClient.register_workload``) begins its
+suspend at the job's release when the orchestrator has told the job that another job waits (``Contended``),
+instead of a few bus hops later when the agent's command arrives; the command then takes that suspend's
+outcome. If no command comes (the waiter left before the release was applied), the job's next ``acquire()``
+resumes the state before it returns (:meth:`WorkloadChannel.settle`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from types import TracebackType
 
 import msgspec
@@ -28,7 +35,7 @@ from nats.aio.msg import Msg
 from . import _prompt
 from ._prompt import DEFAULT_SWITCH_INTERVAL, prompt_threads
 from .bus import connect
-from .errors import InvalidRequest, TimeSliceError, Unavailable
+from .errors import HandlerError, InvalidRequest, TimeSliceError, Unavailable
 from .handlers import HandlerResult, WorkloadHandler
 from .protocol import (
     AgentReply,
@@ -48,6 +55,15 @@ log = logging.getLogger("timeslice.workload")
 
 _cmd_decoder = msgspec.json.Decoder(WorkloadCommand)
 _reply_decoder = msgspec.json.Decoder(AgentReply)
+
+
+@dataclass(frozen=True, slots=True)
+class _Early:
+    """A suspend begun at the job's release, done: its result, or its error (the state is then as it was)."""
+
+    result: HandlerResult | None
+    error: str | None
+    elapsed_ms: float
 
 
 def default_node_id() -> str:
@@ -80,6 +96,7 @@ class WorkloadChannel:
         own_connection: bool = False,
         endpoints: Iterable[str] = (),
         switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
+        early_suspend: bool = True,
     ) -> None:
         if not isinstance(handler, WorkloadHandler):
             raise InvalidRequest("handler must have suspend(mode, tags) and resume(mode, tags) methods")
@@ -107,8 +124,12 @@ class WorkloadChannel:
         self._lock = asyncio.Lock()
         self._answers: dict[str, WorkloadReply] = {}
         self._closed = False
+        self.early_suspend = early_suspend  # begin the suspend at a contended release (see suspend_early())
+        self._early: asyncio.Task[_Early] | None = None  # always awaited: by a command, settle() or close()
         self.suspended = False
         self.last_result: HandlerResult | None = None
+        self.early_taken = 0  # early suspends a command took
+        self.early_resumed = 0  # early suspends no command took, resumed by settle()
 
     async def start(self) -> WorkloadChannel:
         self._sub = await self.nc.subscribe(subjects.workload_rpc(self.node_id, self.job_id), cb=self._on_command)
@@ -172,7 +193,91 @@ class WorkloadChannel:
             self._armed = False
             _prompt.restore()
 
+    def suspend_early(self) -> bool:
+        """The job released the group while another job waits for it, so the agent's suspend is on its way:
+        begin it now in the worker thread, with the registered mode and tags (those the agent sends), instead
+        of a few bus hops later. The client calls this once the stream has stored the release. Returns whether
+        it began (not when switched off, closed, already suspended or answering a command, nor when the job's
+        backends leave out ``app_channel``: then the agent never asks this handler to suspend).
+
+        The suspend command then takes this outcome, a failure too (the handler rolled back, so the agent
+        rolls the job back to RUNNING as for any failed snapshot). If no command comes, the job's next acquire
+        resumes it (:meth:`settle`)."""
+        if (not self.early_suspend or "app_channel" not in self.backends or self._closed or self._early is not None
+                or self.suspended or self._lock.locked()):
+            return False
+        self._early = asyncio.get_running_loop().create_task(self._run_early(),
+                                                             name=f"timeslice-early-suspend-{self.job_id}")
+        return True
+
+    async def _run_early(self) -> _Early:
+        t0 = time.perf_counter()
+        with prompt_threads(self.switch_interval):
+            try:
+                result = await asyncio.to_thread(self.handler.suspend, self.mode, frozenset(self.tags))
+            except Exception as exc:  # the handler left the state as it was (its contract)
+                log.warning("suspend at release failed: %r", exc, extra={"job": self.job_id, "group": self.group_id})
+                return _Early(None, f"{exc.__class__.__name__}: {exc}", (time.perf_counter() - t0) * 1000)
+        self.suspended = True
+        self.last_result = result
+        return _Early(result, None, (time.perf_counter() - t0) * 1000)
+
+    async def _take_early(self) -> _Early | None:
+        """The early suspend's outcome, once (None: none began). Call with the lock held."""
+        task, self._early = self._early, None
+        if task is None:
+            return None
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                self._early = task  # only our wait was cancelled: whoever comes next takes it
+            raise
+
+    async def settle(self) -> bool:
+        """The job holds the group again: resume a suspend begun at its release that no command took (the
+        orchestrator did not switch: the waiter left before the release was applied). The client calls this
+        before ``acquire()`` returns. Returns whether it resumed; raises HandlerError when the resume fails."""
+        if self._early is None:
+            return False
+        why = f"job {self.job_id!r} suspended at its release and no switch followed, but resuming it"
+        with prompt_threads(self.switch_interval):
+            try:
+                async with asyncio.timeout(self.op_timeout), self._lock:
+                    early = await self._take_early()
+                    if early is None or early.result is None:  # none, or it failed and changed nothing
+                        return False
+                    await asyncio.to_thread(self.handler.resume, self.mode, frozenset(self.tags))
+            except TimeoutError:
+                raise HandlerError(f"{why} took over op_timeout={self.op_timeout:g} s; its state may not be back: "
+                                   f"restart the job") from None
+            except Exception as exc:
+                raise HandlerError(f"{why} failed ({exc.__class__.__name__}: {exc}); its state is not back where "
+                                   f"it was: restart the job") from exc
+        self.suspended = False
+        self.early_resumed += 1
+        log.info("suspended at release, but no switch followed: resumed", extra={"job": self.job_id,
+                                                                                  "group": self.group_id})
+        return True
+
     async def _handle(self, cmd: WorkloadCommand) -> WorkloadReply:
+        early = await self._take_early()
+        if early is not None:
+            if cmd.action == "suspend" and (cmd.mode, frozenset(cmd.tags)) == (self.mode, frozenset(self.tags)):
+                self.early_taken += 1
+                if early.result is None:
+                    return WorkloadReply(op_id=cmd.op_id, ok=False, error=early.error, elapsed_ms=early.elapsed_ms)
+                return WorkloadReply(op_id=cmd.op_id, ok=True, bytes_moved=early.result.bytes_moved,
+                                     device_bytes_freed=early.result.device_bytes_freed, elapsed_ms=early.elapsed_ms)
+            # Otherwise a resume finds the state suspended, as it expects, and a failed early suspend changed
+            # nothing. A suspend in another mode or of other tags than registered puts the state back first.
+            if early.result is not None and cmd.action == "suspend":
+                try:
+                    await asyncio.to_thread(self.handler.resume, self.mode, frozenset(self.tags))
+                except Exception as exc:
+                    return WorkloadReply(op_id=cmd.op_id, ok=False, error=f"resuming the suspend begun at release "
+                                         f"failed: {exc.__class__.__name__}: {exc}")
+                self.suspended = False
         fn = self.handler.suspend if cmd.action == "suspend" else self.handler.resume
         t0 = time.perf_counter()
         try:
@@ -192,11 +297,11 @@ class WorkloadChannel:
             return
         self._closed = True
         self.disarm()
-        # Let a suspend/resume in flight finish and answer first: the agent is waiting on it.
+        # Let a suspend/resume in flight finish and answer first: the agent is waiting on it. An early suspend
+        # nobody took is waited for too (its thread must not outlive the channel), and left as it is.
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.op_timeout):
-                await self._lock.acquire()
-                self._lock.release()
+            async with asyncio.timeout(self.op_timeout), self._lock:
+                await self._take_early()
         if self.nc.is_connected:
             with contextlib.suppress(Exception):
                 await self._agent("unregister", encode(UnregisterJob(group=self.group_id, job=self.job_id)))
@@ -238,7 +343,8 @@ async def register_workload(
     this process, which suits ``app_channel`` (liveness) but not ``freeze`` of the process that calls
     ``acquire``. ``switch_interval``: the process's GIL switch interval (seconds, at most) while it answers
     a suspend or resume (and, through a client, from the job's release until then), so a main thread busy in
-    Python does not hold up the handler; ``None`` leaves it alone."""
+    Python does not hold up the handler; ``None`` leaves it alone. A channel registered here never suspends
+    early: only a client knows when its job releases (see ``AsyncTimeSliceClient.register_workload``)."""
     nc = await connect(nats_url, name=f"timeslice-workload-{job_id}")
     channel = WorkloadChannel(nc, job_id, group_id, handler, node_id=node_id, mode=mode, tags=tags,
                               backends=backends, pids=pids, pgid=pgid, op_timeout=op_timeout,

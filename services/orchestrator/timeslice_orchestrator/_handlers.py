@@ -11,6 +11,7 @@ from timeslice_client.protocol import (
     AgentLost,
     Cancel,
     ClearFault,
+    Contended,
     Dequeued,
     ErrorCode,
     Granted,
@@ -53,7 +54,7 @@ def _on_acquire(w: Work, ev: Acquire) -> None:
             h, request_id=ev.request_id, confirmed=True, lease_ms=ev.lease_ms, lease_deadline_ms=now + ev.lease_ms
         )
         w.notify(Granted(group=w.group, job=ev.job, request_id=ev.request_id, epoch=h.epoch, waited_ms=0,
-                         context_restored=False, lease_deadline_ms=now + ev.lease_ms))
+                         context_restored=False, lease_deadline_ms=now + ev.lease_ms, waiters=len(w.queue)))
         w.touch("re-acquired by holder")
         return
     wr = WaiterRecord(
@@ -85,6 +86,11 @@ def _on_acquire(w: Work, ev: Acquire) -> None:
         return
     w.queue.append(wr)
     w.touch("enqueued")
+    if h is not None and len(w.queue) == 1:
+        # The first waiter: the holder's workloads may begin their suspend at its release (see
+        # WorkloadChannel.suspend_early). Later waiters are no news to it, nor to a holder granted while others
+        # waited (Granted.waiters).
+        w.notify(Contended(group=w.group, job=h.job, epoch=h.epoch, waiters=len(w.queue)))
 
 
 def _invalid(ev: Acquire) -> str | None:

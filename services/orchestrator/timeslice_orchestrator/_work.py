@@ -198,6 +198,7 @@ class Work:
                 waited_ms=max(0, self.now - wr.enqueued_at_ms),
                 context_restored=restored,
                 lease_deadline_ms=self.holder.lease_deadline_ms,
+                waiters=len(self.queue),
             )
         )
         self.touch("granted")

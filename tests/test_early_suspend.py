@@ -1,0 +1,256 @@
+"""Early suspend: a job that releases a group another job waits for begins its workloads' suspend at once, and
+the agent's snapshot command takes that outcome; when no switch follows, its next acquire resumes it.
+
+The agent's snapshot can be held at a gate (a test backend wrapping ``app_channel``), so what the workload
+did before the agent's command reached it is seen without timing windows."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from timeslice_agent import Agent
+from timeslice_agent.backends import AppChannelBackend, register_backend
+from timeslice_client import (
+    AsyncTimeSliceClient,
+    HandlerError,
+    HandlerResult,
+    JobState,
+    SuspendMode,
+    WorkloadChannel,
+)
+from timeslice_client.bus import connect
+from timeslice_client.protocol import JobContext, WorkloadCommand
+
+from .agent_harness import Recorder
+from .helpers import eventually
+from .test_agent_flow import stack
+
+NODE = "node-1"
+
+
+class _Gated(AppChannelBackend):
+    """``app_channel`` whose snapshots wait for the test's gate before the command goes to the workload."""
+
+    gate: asyncio.Event | None = None
+
+    async def snapshot(self, ctx: JobContext, op):  # type: ignore[no-untyped-def]
+        assert _Gated.gate is not None
+        async with asyncio.timeout(20):
+            await _Gated.gate.wait()
+        return await super().snapshot(ctx, op)
+
+
+@pytest.fixture
+def gate() -> Iterator[asyncio.Event]:
+    _Gated.gate = ev = asyncio.Event()
+    register_backend("app_channel", _Gated)
+    try:
+        yield ev
+    finally:
+        _Gated.gate = None
+        register_backend("app_channel", AppChannelBackend)
+
+
+@pytest.fixture(params=["apart", "beside"])
+async def agent(nats_url: str, request: pytest.FixtureRequest) -> AsyncIterator[Agent]:
+    async with stack(nats_url, str(request.param)) as a:
+        yield a
+
+
+async def _waiting(c: AsyncTimeSliceClient, job: str) -> bool:
+    return job in [w.job for w in (await c.status()).queue]
+
+
+async def test_a_contended_release_suspends_at_once_and_the_agents_command_takes_it(
+        nats_url: str, gate: asyncio.Event, agent: Agent) -> None:
+    log: list[str] = []
+    async with AsyncTimeSliceClient("a", "ge", nats_url) as a, AsyncTimeSliceClient("b", "ge", nats_url) as b:
+        ch = await a.register_workload(Recorder("a", log), node_id=NODE)
+        await b.register_workload(Recorder("b", log), node_id=NODE)
+        await a.acquire(timeout=10)
+        assert not a.contended
+        tb = asyncio.create_task(b.acquire(timeout=30))
+        await eventually(lambda: a.contended, what="the orchestrator tells a that b waits")
+        await a.release()
+        assert not a.contended
+        # The agent's snapshot is held at the gate, so nothing but a's own release began this suspend.
+        await eventually(lambda: ch.suspended, what="a suspended")
+        assert log == ["a:suspend"] and ch.early_taken == 0 and not tb.done()
+        gate.set()
+        gb = await tb
+        assert gb.context_restored and gb.epoch == 2
+        assert log == ["a:suspend"] and ch.early_taken == 1, "the command took the early suspend, not a second one"
+        assert agent.jobs()["a"].state is JobState.SAVED
+        # Back to a: b suspends early too (a waits), the agent resumes a as usual.
+        ta = asyncio.create_task(a.acquire(timeout=30))
+        await eventually(lambda: _waiting(b, "a"), what="a waits")
+        await eventually(lambda: b.contended, what="the orchestrator tells b that a waits")
+        await b.release()
+        ga = await ta
+        assert ga.context_restored and not ch.suspended and ch.early_resumed == 0
+        assert log[0] == "a:suspend" and sorted(log[1:]) == ["a:resume", "b:suspend"]
+        assert agent.jobs()["a"].state is JobState.RUNNING
+        await a.release()
+
+
+async def test_with_early_suspend_off_the_workload_waits_for_the_agents_command(
+        nats_url: str, gate: asyncio.Event) -> None:
+    log: list[str] = []
+    async with stack(nats_url, "apart"), AsyncTimeSliceClient("a", "go", nats_url) as a, \
+            AsyncTimeSliceClient("b", "go", nats_url) as b:
+        ch = await a.register_workload(Recorder("a", log), node_id=NODE, early_suspend=False)
+        await b.register_workload(Recorder("b", log), node_id=NODE)
+        await a.acquire(timeout=10)
+        tb = asyncio.create_task(b.acquire(timeout=30))
+        await eventually(lambda: a.contended, what="the orchestrator tells a that b waits")
+        await a.release()
+        assert ch._early is None and log == [], "an early suspend begins inside release(), before it returns"
+        gate.set()
+        await tb
+        assert log == ["a:suspend"] and ch.early_taken == 0 and ch.suspended
+
+
+async def _alone_again(nats_url: str, a_handler: Recorder) -> tuple[AsyncTimeSliceClient, WorkloadChannel]:
+    """a holds, b starts waiting (a is told), b gives up, a releases: nobody waits any more, so no switch."""
+    a = AsyncTimeSliceClient("a", "gw", nats_url)
+    ch = await a.register_workload(a_handler, node_id=NODE)
+    await a.acquire(timeout=10)
+    async with AsyncTimeSliceClient("b", "gw", nats_url) as b:
+        tb = asyncio.create_task(b.acquire(timeout=30))
+        await eventually(lambda: a.contended, what="the orchestrator tells a that b waits")
+        tb.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await tb
+        await eventually(lambda: _gone(a), what="b's wait withdrawn")
+    r = await a.release()
+    assert r.pending_waiters == 0 and r.snapshot_deferred
+    return a, ch
+
+
+async def _gone(c: AsyncTimeSliceClient) -> bool:
+    return not (await c.status()).queue
+
+
+async def test_no_switch_after_an_early_suspend_resumes_it_before_the_next_acquire_returns(
+        nats_url: str, agent: Agent) -> None:
+    log: list[str] = []
+    a, ch = await _alone_again(nats_url, Recorder("a", log))
+    try:
+        g = await a.acquire(timeout=10)
+        assert not g.context_restored, "alone: the orchestrator granted without a restore"
+        assert log == ["a:suspend", "a:resume"] and ch.early_resumed == 1 and ch.early_taken == 0
+        assert not ch.suspended
+        assert agent.jobs()["a"].state is JobState.RUNNING, "the agent never moved a"
+        await a.release()
+    finally:
+        await a.close()
+
+
+class _ResumeFails(Recorder):
+    def resume(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        raise RuntimeError("no device memory")
+
+
+async def test_a_failed_resume_after_an_early_suspend_fails_the_acquire_and_gives_the_group_back(
+        nats_url: str, agent: Agent) -> None:
+    log: list[str] = []
+    a, _ = await _alone_again(nats_url, _ResumeFails("a", log))
+    try:
+        with pytest.raises(HandlerError, match="no device memory") as exc:
+            await a.acquire(timeout=10)
+        assert "restart the job" in str(exc.value)
+        assert not a.holding
+        rec = await a.status()
+        assert rec.holder is None, "the grant was given back"
+    finally:
+        await a.close()
+
+
+# --------------------------------------------------------------------------- the channel's side, command by command
+
+
+class _Log:
+    """A handler that logs (action, tags) and fails its next suspend when told to."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[str, ...]]] = []
+        self.fail_next_suspend = False
+
+    def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        if self.fail_next_suspend:
+            self.fail_next_suspend = False
+            raise RuntimeError("injected")
+        self.calls.append(("suspend", tuple(sorted(tags))))
+        return HandlerResult(bytes_moved=7, device_bytes_freed=7)
+
+    def resume(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        self.calls.append(("resume", tuple(sorted(tags))))
+        return HandlerResult(bytes_moved=7)
+
+
+def _cmd(action: str, n: int, tags: tuple[str, ...] = ("weights",)) -> WorkloadCommand:
+    return WorkloadCommand(op_id=f"op-{n}", action=action, mode=SuspendMode.OFFLOAD, tags=tags, epoch=n)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def channel(nats_url: str) -> AsyncIterator[tuple[WorkloadChannel, _Log]]:
+    """A channel that is never started (no agent): its commands are handed to it directly."""
+    nc = await connect(nats_url)
+    h = _Log()
+    ch = WorkloadChannel(nc, "j", "g", h, node_id=NODE, tags=("weights",))
+    try:
+        yield ch, h
+    finally:
+        ch._closed = True
+        await nc.close()
+
+
+async def test_the_suspend_command_takes_the_early_outcome_failure_included(
+        channel: tuple[WorkloadChannel, _Log]) -> None:
+    ch, h = channel
+    assert ch.suspend_early() and not ch.suspend_early(), "one at a time"
+    reply = await ch._handle(_cmd("suspend", 1))
+    assert reply.ok and reply.bytes_moved == 7 and h.calls == [("suspend", ("weights",))] and ch.suspended
+    assert not ch.suspend_early(), "already suspended"
+    assert (await ch._handle(_cmd("resume", 2))).ok and not ch.suspended
+    h.fail_next_suspend = True
+    assert ch.suspend_early()
+    reply = await ch._handle(_cmd("suspend", 3))
+    assert not reply.ok and reply.error == "RuntimeError: injected", "the early failure is the command's answer"
+    assert h.calls == [("suspend", ("weights",)), ("resume", ("weights",))] and not ch.suspended
+    assert ch.early_taken == 2
+
+
+async def test_a_command_other_than_the_registered_suspend_finds_the_state_as_it_expects(
+        channel: tuple[WorkloadChannel, _Log]) -> None:
+    ch, h = channel
+    assert ch.suspend_early()
+    reply = await ch._handle(_cmd("suspend", 1, tags=("kv_cache",)))
+    assert reply.ok and ch.suspended
+    assert h.calls == [("suspend", ("weights",)), ("resume", ("weights",)), ("suspend", ("kv_cache",))]
+    assert (await ch._handle(_cmd("resume", 2, tags=("kv_cache",)))).ok
+    h.calls.clear()
+    assert ch.suspend_early()
+    assert (await ch._handle(_cmd("resume", 3))).ok and not ch.suspended
+    assert h.calls == [("suspend", ("weights",)), ("resume", ("weights",))], "a resume resumes the early suspend"
+    assert ch.early_taken == 0 and not await ch.settle()
+
+
+async def test_suspend_early_is_refused_when_switched_off_closed_or_not_the_agents_to_drive(nats_url: str) -> None:
+    nc = await connect(nats_url)
+    try:
+        off = WorkloadChannel(nc, "j", "g", _Log(), node_id=NODE, early_suspend=False)
+        assert not off.suspend_early() and off._early is None
+        for other in (("app_endpoint",), ("noop",), ("freeze",), ("cuda",)):
+            assert not WorkloadChannel(nc, "j", "g", _Log(), node_id=NODE, backends=other).suspend_early(), other
+        both = WorkloadChannel(nc, "j", "g", _Log(), node_id=NODE, backends=("app_channel", "freeze"))
+        assert both.suspend_early()
+        early = await both._take_early()
+        assert early is not None and early.result is not None and both.suspended
+        closed = WorkloadChannel(nc, "k", "g", _Log(), node_id=NODE)
+        closed._closed = True
+        assert not closed.suspend_early()
+    finally:
+        await nc.close()
