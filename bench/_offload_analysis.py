@@ -66,13 +66,21 @@ def switches(a: dict[str, Any], b: dict[str, Any], ops: list[dict[str, Any]], gr
             if marks[i] is not None and marks[j] is not None:
                 hops[name] = (marks[j] - marks[i]) / 1e6
         # The agent's share of the critical path: each operation's time beyond its handler call, of both
-        # operations one after the other, or, when they overlapped, of the one whose result came last.
+        # operations one after the other, or, when they overlapped, of the one whose result came last. Only the
+        # part of the call inside the operation counts: a suspend begun at the release (early suspend) started
+        # before the agent's operation did. The operation's start: its result's stored time less its elapsed.
         kinds = ["snapshot", "restore"]
         if overlapped:
             kinds = [max(kinds, key=lambda k: at.get(("op_result", k), 0))]
         call_of = {"snapshot": "suspend", "restore": "resume"}
         crit_ops = sum(o["elapsed_ms"] for o in mine if o["type"] == "op_result" and o["kind"] in kinds)
-        crit_calls = sum(c[3] - c[2] for c in inside if c[1] in {call_of[k] for k in kinds}) / 1e6
+        crit_calls = 0.0
+        for o in mine:
+            if o["type"] != "op_result" or o["kind"] not in kinds:
+                continue
+            end, start = o["t"], o["t"] - o["elapsed_ms"] * 1e6
+            crit_calls += sum(max(0.0, min(c[3], end) - max(c[2], start)) for c in inside
+                              if c[1] == call_of[o["kind"]]) / 1e6
         out.append({
             "dir": f"{who}->{other}", "epoch": epoch + 1, "switch_ms": (t_grant - t_rel) / 1e6,
             "handler_ms": handler_ms, "handler_sum_ms": handler_sum_ms, "agent_ops_ms": op_ms, "hops_ms": hops,

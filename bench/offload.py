@@ -8,8 +8,10 @@ orchestrator), then for each size two job processes share one group:
   all, behind :class:`TorchOffloadHandler`; job B holds 8 MiB the same way. Both register with the
   agent (``register_workload``), and call ``prepare()`` before anything is timed, so the first touch of
   the host buffers is not counted;
-* cycle, first half: A releases while B waits → the agent asks A to suspend (A's offload), B is
-  resumed (nothing to move on the first cycle) and B's acquire returns;
+* cycle, first half: A releases while B waits → A's offload (begun by A's client at its release, as
+  the orchestrator told A that B waits; the agent's suspend command takes it: docs/backends.md, "Early
+  suspend"; ``--no-early-suspend``: begun by the command), B is resumed (nothing to move on the first
+  cycle) and B's acquire returns;
   second half: B releases while A waits → B's suspend, A's restore, A's acquire returns;
 * inside each worker every handler call is timed (CLOCK_MONOTONIC): offload / restore bandwidth is
   A's bytes over its handler's own time;
@@ -18,7 +20,7 @@ orchestrator), then for each size two job processes share one group:
   their spans, since a restore the agent overlaps with the snapshot runs beside it); the agent's
   ``OpResult`` events split it into agent-side (the time beyond its handler call of each operation on the
   critical path, i.e. both, or of two overlapped ones the one that ended last: RPC to the workload, thread
-  hand-off) and orchestrator + bus (the rest), and the times the stream stored ``OpStarted``/``OpResult``
+  hand-off; only the part of a call inside its operation counts) and orchestrator + bus (the rest), and the times the stream stored ``OpStarted``/``OpResult``
   (read back after the run: nothing extra runs during the switches) give the hops between;
 * baselines, in the same run, in the driver process, for the same bytes in the same tensor shapes,
   before that size's workers start and again after they exited (never beside their memory):

@@ -66,3 +66,14 @@ def test_overlapped_switch_counts_the_copies_once_and_the_last_operation_only(an
     assert sw["agent_critical_ms"] == pytest.approx(1.0)  # the snapshot, whose result came last
     assert "snapshot_result_to_restore_start" not in sw["hops_ms"]
     assert sw["hops_ms"]["last_result_to_grant"] == 7
+
+
+def test_a_suspend_begun_at_the_release_counts_only_inside_the_agents_operation(an: ModuleType) -> None:
+    """Early suspend: A's suspend runs 0.5-20.5 ms, the agent's snapshot 4-22 ms (elapsed 18 ms, stored at
+    22): the agent's share is what the operation took beyond the call, 1.5 ms, not 18 - 20 ms."""
+    a, b, ops = _records(overlapped=True)
+    a["calls"] = [["suspend", MS // 2, 20 * MS + MS // 2, 100, 0]]
+    ops[0]["t"], ops[2]["t"], ops[2]["elapsed_ms"] = 3 * MS, 22 * MS, 18.0
+    (sw,) = an.switches(a, b, ops, "g")
+    assert sw["handler_ms"] == 20
+    assert sw["agent_critical_ms"] == pytest.approx(1.5)
