@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from timeslice_client import TimeSliceClient
 
@@ -27,3 +29,19 @@ def test_sync_client_round_trip(nats_url: str) -> None:
             eventually_sync(lambda: (h := a.status().holder) is not None and h.job == "b")
         eventually_sync(lambda: b.status().active_job == "b" and b.status().holder is None)
         assert "g10" in a.list_groups()
+
+
+def test_sync_client_says_when_another_job_waits(nats_url: str) -> None:
+    """``contended``: the orchestrator's word that another job waits (and the cue for an early suspend)."""
+    with TimeSliceClient("a", "g11", nats_url) as a, TimeSliceClient("b", "g11", nats_url) as b:
+        a.acquire(timeout=10)
+        assert a.holding and not a.contended
+        got: list[int] = []
+        waiter = threading.Thread(target=lambda: got.append(b.acquire(timeout=20).epoch))
+        waiter.start()
+        eventually_sync(lambda: a.contended, what="a is told that b waits")
+        a.release()
+        assert not a.contended
+        waiter.join(20)
+        assert got == [2] and not b.contended
+        b.release()
