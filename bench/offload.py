@@ -20,8 +20,9 @@ orchestrator), then for each size two job processes share one group:
   their spans, since a restore the agent overlaps with the snapshot runs beside it); the agent's
   ``OpResult`` events split it into agent-side (the time beyond its handler call of each operation on the
   critical path, i.e. both, or of two overlapped ones the one that ended last: RPC to the workload, thread
-  hand-off; only the part of a call inside its operation counts) and orchestrator + bus (the rest), and the times the stream stored ``OpStarted``/``OpResult``
-  (read back after the run: nothing extra runs during the switches) give the hops between;
+  hand-off; only the part of a call inside its operation counts) and orchestrator + bus (the rest), and
+  the times the stream stored ``OpStarted``/``OpResult`` (read back after the run: nothing extra runs
+  during the switches) give the hops between;
 * baselines, in the same run, in the driver process, for the same bytes in the same tensor shapes,
   before that size's workers start and again after they exited (never beside their memory):
   (1) ``dst.copy_(src)`` into a preallocated, already-touched buffer (source and destination advised

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import math
-import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -21,7 +19,9 @@ from nats.js.kv import KeyValue
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from ._grants import Grant, ReleaseResult, _Claim, _Hold, _Superseded
+from ._hold_scope import AsyncHold
 from ._prompt import DEFAULT_SWITCH_INTERVAL
+from ._publish_rules import request_id, superseded, transient
 from .bus import connect, default_nats_url, kv_keys
 from .errors import (
     AcquireCancelled,
@@ -62,9 +62,6 @@ from .workload import WorkloadChannel
 __all__ = ["AsyncTimeSliceClient", "Grant", "ReleaseResult"]
 
 log = logging.getLogger("timeslice.client")
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 
 class AsyncTimeSliceClient:
@@ -236,7 +233,7 @@ class AsyncTimeSliceClient:
             grant = await self._try_claim(claim)
             if grant is not None:
                 return grant
-        rid = _request_id()
+        rid = request_id()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Granted] = loop.create_future()
         self._pending[rid] = fut
@@ -289,7 +286,7 @@ class AsyncTimeSliceClient:
         The stream checks the sequence before duplicates, so a retry of a claim that was stored (its PubAck
         lost) is refused too; the plain acquire that follows then finds this job holding and gets the same
         epoch back, so that case ends right as well."""
-        rid = _request_id()
+        rid = request_id()
         check = {"Nats-Expected-Last-Subject-Sequence": str(claim.after_seq),
                  "Nats-Expected-Last-Subject-Sequence-Subject": self._claim_filter}
         try:
@@ -352,7 +349,7 @@ class AsyncTimeSliceClient:
 
     async def _send_release(self, hold: _Hold, stored: Callable[[], None] | None = None) -> tuple[Released, int]:
         """The answer, and the release's stream sequence; ``stored`` is called once the stream has the release."""
-        rid = _request_id()
+        rid = request_id()
         fut: asyncio.Future[Released] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:
@@ -402,9 +399,9 @@ class AsyncTimeSliceClient:
         self._channels.append(channel)
         return channel
 
-    def on_accelerators(self, timeout: float | None = None) -> _AsyncHold:
+    def on_accelerators(self, timeout: float | None = None) -> AsyncHold:
         """``async with client.on_accelerators():`` or ``@client.on_accelerators()`` on an async function."""
-        return _AsyncHold(self, timeout)
+        return AsyncHold(self, timeout)
 
     @contextlib.asynccontextmanager
     async def phase(self, name: str) -> AsyncIterator[None]:
@@ -477,16 +474,16 @@ class AsyncTimeSliceClient:
             ack = await self._js.publish(subject, data, timeout=self.request_timeout, headers=headers)
             return int(ack.seq)
         except Exception as exc:
-            if _superseded(exc):
+            if superseded(exc):
                 raise _Superseded from exc
-            if not _transient(exc):
+            if not transient(exc):
                 raise Unavailable(f"publishing {subject} failed ({exc.__class__.__name__}: {exc})",
                                   nats_url=self.nats_url) from exc
         try:
             async for attempt in AsyncRetrying(
                 stop=stop_after_delay(self.request_timeout * 3),
                 wait=wait_exponential(multiplier=0.05, max=1.0),
-                retry=retry_if_exception(_transient),
+                retry=retry_if_exception(transient),
                 reraise=True,
             ):
                 with attempt:
@@ -495,7 +492,7 @@ class AsyncTimeSliceClient:
         except TimeSliceError:
             raise
         except Exception as exc:
-            if _superseded(exc):
+            if superseded(exc):
                 raise _Superseded from exc
             raise Unavailable(f"publishing {subject} failed ({exc.__class__.__name__})", nats_url=self.nats_url,
                               after_s=self.request_timeout * 3) from exc
@@ -570,7 +567,7 @@ class AsyncTimeSliceClient:
             if hold is not None and hold.lost is None:
                 if hold.next_renew <= now:
                     hold.next_renew = now + hold.lease_ms / 3000
-                    rid = _request_id()
+                    rid = request_id()
                     hold.renew_ids.append(rid)
                     await self._renew(Renew(group=self.group_id, job=self.job_id, request_id=rid, epoch=hold.epoch))
                 nxt = min(nxt, hold.next_renew)
@@ -583,53 +580,3 @@ class AsyncTimeSliceClient:
             await self._publish(msg)
         except Unavailable as exc:
             log.warning("renewal not delivered: %s", exc, extra={"group": self.group_id, "job": self.job_id})
-
-
-def _request_id() -> str:
-    """A random 128-bit id in hex, like ``uuid4().hex`` at a seventh of its cost."""
-    return os.urandom(16).hex()
-
-
-_WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed Nats-Expected-Last-*-Sequence check
-
-
-def _superseded(exc: BaseException) -> bool:
-    return getattr(exc, "err_code", None) == _WRONG_LAST_SEQUENCE
-
-
-def _transient(exc: BaseException) -> bool:
-    """Errors worth retrying with the same message id: timeouts and connection trouble."""
-    return isinstance(exc, TimeoutError | OSError | ConnectionError) or exc.__class__.__name__ in (
-        "NoRespondersError", "NoStreamResponseError", "ConnectionClosedError", "ConnectionReconnectingError",
-        "OutboundBufferLimitError")
-
-
-class _AsyncHold:
-    """Acquire on entry, release on exit (also on exceptions, never masking the body's exception)."""
-
-    def __init__(self, client: AsyncTimeSliceClient, timeout: float | None) -> None:
-        self._client = client
-        self._timeout = timeout
-        self.grant: Grant | None = None
-
-    async def __aenter__(self) -> Grant:
-        self.grant = await self._client.acquire(self._timeout)
-        return self.grant
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        try:
-            await self._client.release()
-        except TimeSliceError:
-            if exc is None:
-                raise
-            log.warning("release after a failed block did not succeed", exc_info=True)
-
-    def __call__(self, fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
-        @functools.wraps(fn)
-        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            async with _AsyncHold(self._client, self._timeout):
-                return await fn(*args, **kwargs)
-
-        return wrapper
