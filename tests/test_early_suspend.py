@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from timeslice_agent import Agent
+from timeslice_agent._backend_api import Outcome
 from timeslice_agent.backends import AppChannelBackend, register_backend
 from timeslice_client import (
     AsyncTimeSliceClient,
@@ -21,11 +22,14 @@ from timeslice_client import (
     WorkloadChannel,
 )
 from timeslice_client.bus import connect
-from timeslice_client.protocol import JobContext, WorkloadCommand
+from timeslice_client.protocol import JobContext, OpKind, OpResult, WorkloadCommand, decode_input, subjects
+from timeslice_orchestrator.replay._model import OpBar
+from timeslice_orchestrator.replay._summary import _op_figures
 
 from .agent_harness import Recorder
 from .helpers import eventually
 from .test_agent_flow import stack
+from .workers import read_stream
 
 NODE = "node-1"
 
@@ -83,6 +87,13 @@ async def test_a_contended_release_suspends_at_once_and_the_agents_command_takes
         assert gb.context_restored and gb.epoch == 2
         assert log == ["a:suspend"] and ch.early_taken == 1, "the command took the early suspend, not a second one"
         assert agent.jobs()["a"].state is JobState.SAVED
+        # The agent's result says so: its elapsed time covers only the end of the suspend, work_ms all of it.
+        results = {r.kind: r for _, _, subj, data in await read_stream(nats_url)
+                   if subj == subjects.agent_event(NODE, "ge") and isinstance(r := decode_input(data), OpResult)
+                   and r.epoch == 2}
+        snap, restore = results[OpKind.SNAPSHOT], results[OpKind.RESTORE]
+        assert snap.ok and snap.began_at_release and snap.bytes_moved == 100 and snap.work_ms is not None
+        assert not restore.began_at_release and restore.work_ms is None, "b never ran: nothing for it to do"
         # Back to a: b suspends early too (a waits), the agent resumes a as usual.
         ta = asyncio.create_task(a.acquire(timeout=30))
         await eventually(lambda: _waiting(b, "a"), what="a waits")
@@ -213,12 +224,15 @@ async def test_the_suspend_command_takes_the_early_outcome_failure_included(
     assert ch.suspend_early() and not ch.suspend_early(), "one at a time"
     reply = await ch._handle(_cmd("suspend", 1))
     assert reply.ok and reply.bytes_moved == 7 and h.calls == [("suspend", ("weights",))] and ch.suspended
+    assert reply.began_at_release
     assert not ch.suspend_early(), "already suspended"
-    assert (await ch._handle(_cmd("resume", 2))).ok and not ch.suspended
+    resumed = await ch._handle(_cmd("resume", 2))
+    assert resumed.ok and not resumed.began_at_release and not ch.suspended
     h.fail_next_suspend = True
     assert ch.suspend_early()
     reply = await ch._handle(_cmd("suspend", 3))
     assert not reply.ok and reply.error == "RuntimeError: injected", "the early failure is the command's answer"
+    assert reply.began_at_release
     assert h.calls == [("suspend", ("weights",)), ("resume", ("weights",))] and not ch.suspended
     assert ch.early_taken == 2
 
@@ -254,3 +268,21 @@ async def test_suspend_early_is_refused_when_switched_off_closed_or_not_the_agen
         assert not closed.suspend_early()
     finally:
         await nc.close()
+
+
+def test_outcomes_compose_their_work_time_and_whether_it_began_at_release() -> None:
+    app = Outcome(100, 100, 40.0, True)
+    assert app + Outcome() == Outcome(100, 100, 40.0, True), "freeze after app_channel reports no time of its own"
+    assert Outcome() + Outcome() == Outcome(), "no backend reported a time: none"
+    assert Outcome(1, 0, 2.0) + Outcome(2, 0, 3.0) == Outcome(3, 0, 5.0, False)
+
+
+def test_replay_rates_a_suspend_begun_at_release_by_the_workloads_whole_call() -> None:
+    """The agent saw 2 ms of a 40 ms copy of 400 MB: 10 GB/s, not 200 GB/s."""
+    early = OpBar(op_id="o1", kind="snapshot", epoch=2, start_ms=0, end_ms=2, bytes=400_000_000, elapsed_ms=2.0,
+                  work_ms=40.0, began_at_release=True, ok=True)
+    plain = OpBar(op_id="o2", kind="snapshot", epoch=4, start_ms=0, end_ms=40, bytes=400_000_000, elapsed_ms=40.0,
+                  work_ms=39.0, ok=True)
+    assert early.copy_ms == 40.0 and early.duration_ms == 2.0 and plain.copy_ms == 40.0
+    assert _op_figures([early]) == (2.0, pytest.approx(10.0))
+    assert _op_figures([plain]) == (40.0, pytest.approx(10.0))

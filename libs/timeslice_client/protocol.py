@@ -246,6 +246,10 @@ class OpResult(_Msg, frozen=True, tag="op_result"):
     bytes_moved: int = 0
     device_bytes_freed: int = 0
     elapsed_ms: float = 0.0
+    # The workload's suspend began at the job's release, before this operation (early suspend): elapsed_ms
+    # covers only its end, work_ms the workload's whole call.
+    began_at_release: bool = False
+    work_ms: float | None = None
 
 
 InputEvent = (
@@ -416,7 +420,8 @@ class WorkloadReply(_Msg, frozen=True, tag="workload_reply"):
     error: str | None = None
     bytes_moved: int = 0
     device_bytes_freed: int = 0
-    elapsed_ms: float = 0.0
+    elapsed_ms: float = 0.0  # the handler's own call
+    began_at_release: bool = False  # the suspend began at the job's release, before the command came
 
 
 # --------------------------------------------------------------------------- KV records

@@ -266,9 +266,11 @@ class WorkloadChannel:
             if cmd.action == "suspend" and (cmd.mode, frozenset(cmd.tags)) == (self.mode, frozenset(self.tags)):
                 self.early_taken += 1
                 if early.result is None:
-                    return WorkloadReply(op_id=cmd.op_id, ok=False, error=early.error, elapsed_ms=early.elapsed_ms)
+                    return WorkloadReply(op_id=cmd.op_id, ok=False, error=early.error, elapsed_ms=early.elapsed_ms,
+                                         began_at_release=True)
                 return WorkloadReply(op_id=cmd.op_id, ok=True, bytes_moved=early.result.bytes_moved,
-                                     device_bytes_freed=early.result.device_bytes_freed, elapsed_ms=early.elapsed_ms)
+                                     device_bytes_freed=early.result.device_bytes_freed, elapsed_ms=early.elapsed_ms,
+                                     began_at_release=True)
             # Otherwise a resume finds the state suspended, as it expects, and a failed early suspend changed
             # nothing. A suspend in another mode or of other tags than registered puts the state back first.
             if early.result is not None and cmd.action == "suspend":

@@ -38,9 +38,13 @@ class OpContext:
 class Outcome:
     bytes_moved: int = 0
     device_bytes_freed: int = 0
+    work_ms: float | None = None  # the backend's own time, where it reports one (app_channel: the handler's call)
+    began_at_release: bool = False  # that work began before the operation (a workload's early suspend)
 
     def __add__(self, other: Outcome) -> Outcome:
-        return Outcome(self.bytes_moved + other.bytes_moved, self.device_bytes_freed + other.device_bytes_freed)
+        work = None if self.work_ms is None and other.work_ms is None else (self.work_ms or 0) + (other.work_ms or 0)
+        return Outcome(self.bytes_moved + other.bytes_moved, self.device_bytes_freed + other.device_bytes_freed,
+                       work, self.began_at_release or other.began_at_release)
 
 
 class Backend(Protocol):

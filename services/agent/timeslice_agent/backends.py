@@ -124,7 +124,7 @@ class AppChannelBackend:
             # The handler contract: a failed suspend rolled itself back; a failed resume did not.
             raise BackendError(f"workload {ctx.job!r} failed to {action}: {reply.error}",
                                rolled_back=action == "suspend")
-        return Outcome(reply.bytes_moved, reply.device_bytes_freed)
+        return Outcome(reply.bytes_moved, reply.device_bytes_freed, reply.elapsed_ms, reply.began_at_release)
 
 
 BackendFactory = Callable[[NATS, str], Backend]

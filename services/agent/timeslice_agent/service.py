@@ -304,7 +304,8 @@ class Agent:
         out = outcome or Outcome()
         return OpResult(group=cmd.group, op_id=cmd.op_id, node=self.node, job=cmd.job, kind=kind, epoch=cmd.epoch,
                         ok=ok, error=error, backend=backend, bytes_moved=out.bytes_moved,
-                        device_bytes_freed=out.device_bytes_freed, elapsed_ms=elapsed_ms)
+                        device_bytes_freed=out.device_bytes_freed, elapsed_ms=elapsed_ms,
+                        began_at_release=out.began_at_release, work_ms=out.work_ms)
 
     async def _execute(self, cmd: Snapshot | Restore, kind: OpKind) -> tuple[OpResult, bool]:
         """Run one operation; returns its result and whether it was published already."""

@@ -358,6 +358,7 @@ class _Folder:
             bar.error = bar.error or f"answered after the core gave up (ok={ev.ok})"
         bar.bytes, bar.device_bytes_freed = ev.bytes_moved, ev.device_bytes_freed
         bar.elapsed_ms, bar.backend = ev.elapsed_ms, ev.backend
+        bar.work_ms, bar.began_at_release = ev.work_ms, ev.began_at_release
 
     def _phase(self, ts: int, ev: Phase) -> None:
         key = (ev.group, ev.job, ev.name)

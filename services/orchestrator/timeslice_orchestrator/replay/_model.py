@@ -132,6 +132,8 @@ class OpBar:
     bytes: int = 0
     device_bytes_freed: int = 0
     elapsed_ms: float | None = None  # as the agent measured it
+    work_ms: float | None = None  # the workload's own call, where reported; see began_at_release
+    began_at_release: bool = False  # a suspend begun at the job's release: elapsed_ms is only its end
     backend: str = ""
     ok: bool | None = None
     error: str | None = None
@@ -141,6 +143,14 @@ class OpBar:
         if self.elapsed_ms is not None and self.elapsed_ms > 0:
             return self.elapsed_ms
         return None if self.end_ms is None else float(self.end_ms - self.start_ms)
+
+    @property
+    def copy_ms(self) -> float | None:
+        """The time its bytes took to move: the workload's whole call when its suspend began at the release
+        (the operation saw only the end of it), else the operation's duration."""
+        if self.began_at_release and self.work_ms:
+            return self.work_ms
+        return self.duration_ms
 
 
 @dataclass

@@ -33,9 +33,10 @@ def _median(values: Sequence[float]) -> float | None:
 
 
 def _op_figures(ops: Sequence[OpBar]) -> tuple[float | None, float | None]:
-    """Median duration (ms) and median throughput (GB/s, over operations that moved bytes) of ``ops``."""
+    """Median duration (ms) and median throughput (GB/s, over operations that moved bytes, by the time the
+    bytes took: see ``OpBar.copy_ms``) of ``ops``."""
     durations = [d for o in ops if o.ok and (d := o.duration_ms) is not None]
-    rates = [o.bytes / (d / 1000) / 1e9 for o in ops if o.ok and o.bytes > 0 and (d := o.duration_ms)]
+    rates = [o.bytes / (d / 1000) / 1e9 for o in ops if o.ok and o.bytes > 0 and (d := o.copy_ms)]
     return _median(durations), _median(rates)
 
 
