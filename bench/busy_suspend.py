@@ -51,9 +51,10 @@ CONDITIONS = ("idle", "busy, per storage", "busy, per storage, prompt", "busy, b
 
 @contextmanager
 def _spinning(on: bool) -> Iterator[None]:
-    stop = threading.Event()
+    stop, spinning = threading.Event(), threading.Event()
 
     def spin() -> None:
+        spinning.set()
         x = 0
         while not stop.is_set():
             for i in range(1000):
@@ -62,6 +63,8 @@ def _spinning(on: bool) -> Iterator[None]:
     t = threading.Thread(target=spin, daemon=True)
     if on:
         t.start()
+        if not spinning.wait(10):  # a new thread needs the GIL to begin: measure only once it holds it too
+            raise RuntimeError("the spinning thread did not start within 10 s")
     try:
         yield
     finally:

@@ -66,12 +66,13 @@ class OrchestratorProcess:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 20.0) -> None:
-        """Ready when its durable consumer is bound (it creates the stream and buckets before that)."""
+        """Ready when its durable consumer is bound (it creates the stream and buckets before that) and, with
+        ``--with-agent``, its agent answers."""
         asyncio.run(self._wait_ready(timeout))
 
     async def _wait_ready(self, timeout: float) -> None:
         from timeslice_client.bus import connect
-        from timeslice_client.protocol import STREAM
+        from timeslice_client.protocol import STREAM, subjects
 
         from .helpers import eventually
 
@@ -86,8 +87,20 @@ class OrchestratorProcess:
                 return False
             return bool(info.push_bound)
 
+        node = self.args[self.args.index("--with-agent") + 1] if "--with-agent" in self.args else None
+
+        async def agent_answers() -> bool:  # the agent beside it subscribes after the consumer is bound
+            assert node is not None
+            try:
+                await nc.request(subjects.agent_rpc(node, "status"), b"", timeout=1)
+            except Exception:
+                return False
+            return True
+
         try:
             await eventually(bound, timeout=timeout, interval=0.02, what="orchestrator process ready")
+            if node is not None:
+                await eventually(agent_answers, timeout=timeout, interval=0.02, what=f"its agent {node} answers")
         finally:
             await nc.close()
 

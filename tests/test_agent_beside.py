@@ -17,11 +17,12 @@ import urllib.request
 from pathlib import Path
 from typing import Literal
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 from timeslice_agent import Agent, AgentConfig
-from timeslice_client import AsyncTimeSliceClient
-from timeslice_client.protocol import Restore, Snapshot
+from timeslice_client import AsyncTimeSliceClient, GroupRecord
+from timeslice_client.protocol import OpKind, OpStarted, Restore, Snapshot, subjects
 from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig, OrchestratorError
 
@@ -171,6 +172,19 @@ async def _waiting(c: AsyncTimeSliceClient, job: str) -> bool:
     return job in [w.job for w in (await c.status()).queue]
 
 
+async def _held_by(c: AsyncTimeSliceClient, job: str) -> GroupRecord | None:
+    rec = await c.status()
+    return rec if rec.holder is not None and rec.holder.job == job else None
+
+
+async def _snapshot_started(nats_url: str, job: str) -> bool:
+    """The agent on n1 has started a snapshot of ``job`` (its OpStarted is in the stream)."""
+    subject = subjects.agent_op("n1")
+    started = [msgspec.json.decode(data, type=OpStarted) for _, _, subj, data in await read_stream(nats_url)
+               if subj == subject]
+    return any(o.job == job and o.kind is OpKind.SNAPSHOT for o in started)
+
+
 async def test_killed_mid_snapshot_and_restarted_the_stack_moves_on_at_once(nats_url: str, tmp_path: Path) -> None:
     """``kill -9`` of the process that runs the orchestrator and the agent while a snapshot runs, then a restart
     (as a supervisor does). The restarted agent recovers the cut job as FAULTED and announces its jobs; the
@@ -191,7 +205,10 @@ async def test_killed_mid_snapshot_and_restarted_the_stack_moves_on_at_once(nats
             tb = asyncio.create_task(b.acquire(timeout=90))
             await eventually(lambda: _waiting(a, "b"))
             await a.release()
-            await eventually(lambda: "a:suspend start" in log, what="a's snapshot running")
+            # a's suspend begins at its release (early suspend); the kill must come once the agent's operation
+            # runs too, and the stream shows when it does.
+            await eventually(lambda: "a:suspend start" in log, what="a's suspend running")
+            await eventually(lambda: _snapshot_started(nats_url, "a"), what="the agent's snapshot of a running")
             t_kill = time.monotonic()
             await asyncio.to_thread(orch.kill)
             orch.start()
@@ -199,8 +216,9 @@ async def test_killed_mid_snapshot_and_restarted_the_stack_moves_on_at_once(nats
             gb = await asyncio.wait_for(tb, 60)
             delay = time.monotonic() - t_kill
             assert delay < 2 * AGENT_TTL + 10, f"b waited {delay:.1f} s after the crash"
-            rec = await b.status()
-            assert rec.holder is not None and rec.holder.job == "b" and gb.epoch == rec.holder.epoch
+            # The grant goes out before the record is written (DESIGN: the CAS follows the publish).
+            rec = await eventually(lambda: _held_by(b, "b"), what="the record shows b holding")
+            assert rec.holder is not None and gb.epoch == rec.holder.epoch
             # The restarted agent's answer (or, had the restart outlived the agents' TTL, the lost agent)
             why = rec.faulted.get("a", "")
             assert "restarted during an operation" in why or "lost" in why, rec.faulted

@@ -49,9 +49,10 @@ class _Releasing:
 @pytest.fixture
 def busy_thread() -> Iterator[None]:
     """Another thread of this process runs Python without pause (a job scoring rewards after it yielded)."""
-    stop = threading.Event()
+    stop, spinning = threading.Event(), threading.Event()
 
     def spin() -> None:
+        spinning.set()
         x = 0
         while not stop.is_set():
             for i in range(1000):
@@ -59,6 +60,7 @@ def busy_thread() -> Iterator[None]:
 
     t = threading.Thread(target=spin, daemon=True)
     t.start()
+    assert spinning.wait(10), "the spinning thread did not start"
     try:
         yield
     finally:
