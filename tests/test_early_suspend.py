@@ -15,6 +15,7 @@ from timeslice_agent._backend_api import Outcome
 from timeslice_agent.backends import AppChannelBackend, register_backend
 from timeslice_client import (
     AsyncTimeSliceClient,
+    GroupRecord,
     HandlerError,
     HandlerResult,
     JobState,
@@ -102,7 +103,7 @@ async def test_a_contended_release_suspends_at_once_and_the_agents_command_takes
         ga = await ta
         assert ga.context_restored and not ch.suspended and ch.early_resumed == 0
         assert log[0] == "a:suspend" and sorted(log[1:]) == ["a:resume", "b:suspend"]
-        assert agent.jobs()["a"].state is JobState.RUNNING
+        await eventually(lambda: agent.jobs()["a"].state is JobState.RUNNING, what="a running on the agent")
         await a.release()
 
 
@@ -144,6 +145,11 @@ async def _gone(c: AsyncTimeSliceClient) -> bool:
     return not (await c.status()).queue
 
 
+async def _nobody_holds(c: AsyncTimeSliceClient) -> GroupRecord | None:
+    rec = await c.status()
+    return rec if rec.holder is None else None
+
+
 async def test_no_switch_after_an_early_suspend_resumes_it_before_the_next_acquire_returns(
         nats_url: str, agent: Agent) -> None:
     log: list[str] = []
@@ -173,8 +179,9 @@ async def test_a_failed_resume_after_an_early_suspend_fails_the_acquire_and_give
             await a.acquire(timeout=10)
         assert "restart the job" in str(exc.value)
         assert not a.holding
-        rec = await a.status()
-        assert rec.holder is None, "the grant was given back"
+        # The orchestrator answered the release; its record is written after the answer.
+        rec = await eventually(lambda: _nobody_holds(a), what="the grant was given back")
+        assert rec.holder is None and rec.epoch == 2
     finally:
         await a.close()
 
