@@ -27,7 +27,7 @@ from timeslice_client.protocol import JobContext, OpKind, OpResult, WorkloadComm
 from timeslice_orchestrator.replay._model import OpBar
 from timeslice_orchestrator.replay._summary import _op_figures
 
-from .agent_harness import Recorder
+from .agent_harness import Recorder, timeslice
 from .helpers import eventually
 from .test_agent_flow import stack
 from .workers import read_stream
@@ -95,6 +95,10 @@ async def test_a_contended_release_suspends_at_once_and_the_agents_command_takes
         snap, restore = results[OpKind.SNAPSHOT], results[OpKind.RESTORE]
         assert snap.ok and snap.began_at_release and snap.bytes_moved == 100 and snap.work_ms is not None
         assert not restore.began_at_release and restore.work_ms is None, "b never ran: nothing for it to do"
+        rc, out = await timeslice(nats_url, "events", "--group", "ge")
+        assert rc == 0, out
+        (line,) = [ln for ln in out.splitlines() if " op_result " in ln and "op=snapshot" in ln and "epoch=2" in ln]
+        assert "began_at_release work_ms=" in line, line
         # Back to a: b suspends early too (a waits), the agent resumes a as usual.
         ta = asyncio.create_task(a.acquire(timeout=30))
         await eventually(lambda: _waiting(b, "a"), what="a waits")

@@ -190,6 +190,8 @@ async def test_events_json_lists_what_was_published(nats_url: str) -> None:
     assert len(lines) == len(mine)
     granted = [ln for ln in lines if " granted " in ln]
     assert len(granted) == 2 and "job=a epoch=1" in granted[0] and "job=b epoch=2" in granted[1], granted
+    (contended,) = [ln for ln in lines if " contended " in ln]  # b began to wait while a held the group
+    assert "job=a epoch=1 waiters=1" in contended, contended
     assert all(" gev " in ln for ln in lines), lines
 
 

@@ -98,6 +98,10 @@ def _details(d: dict[str, Any]) -> list[str]:
         out.append(f"bytes={_bytes(int(d['bytes_moved']))}")
     if d.get("elapsed_ms"):
         out.append(f"ms={float(d['elapsed_ms']):.1f}")
+    if d.get("began_at_release"):  # an early suspend: the agent's ms are its end, work_ms all of it
+        out.append("began_at_release" + (f" work_ms={float(d['work_ms']):.1f}" if d.get("work_ms") else ""))
+    if d.get("waiters"):
+        out.append(f"waiters={d['waiters']}")
     if "waited_ms" in d:
         out.append(f"waited_ms={d['waited_ms']}")
     if d.get("context_restored"):
