@@ -103,8 +103,10 @@ def test_busy_suspend_compares_each_condition_to_idle(results: tuple[Path, dict[
                            "busy, batched, prompt"]
     assert data["device"] == "cpu"
     assert conds["idle"]["suspend_x_idle"] == 1.0 and all(x["suspend_ms"] > 0 for x in conds.values())
-    # Left at 5 ms, one storage at a time: each copy waits for the GIL (40 storages, several calls each).
-    assert conds["busy, per storage"]["suspend_ms"] > 40 * 1.0
+    # Left at 5 ms, one storage at a time: the copies wait for the GIL (40 storages each way, several calls each).
+    # Both directions together: one alone can get lucky on a loaded machine (33 ms once, against 133 alone).
+    busy, idle = conds["busy, per storage"], conds["idle"]
+    assert busy["suspend_ms"] + busy["resume_ms"] > max(40 * 1.0, 3 * (idle["suspend_ms"] + idle["resume_ms"])), conds
     assert "busy, batched, prompt" in printed["busy_suspend"] and "x idle" in printed["busy_suspend"]
     channel = data["channel"]
     assert list(channel) == ["idle", "busy, left alone", "busy, lowered per command", "busy, armed"]
