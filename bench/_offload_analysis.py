@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["med", "ms", "size_result", "switches", "union_ns"]
+__all__ = ["HANDED_BACK_GIB", "handed_back", "med", "ms", "size_result", "switches", "union_ns"]
 
 GiB = 1 << 30
+HANDED_BACK_GIB = 1 / 16  # a call during which the guest handed at least this much memory back to its host
 
 
 def med(xs: list[float]) -> float:
@@ -85,9 +87,27 @@ def switches(a: dict[str, Any], b: dict[str, Any], ops: list[dict[str, Any]], gr
             "dir": f"{who}->{other}", "epoch": epoch + 1, "switch_ms": (t_grant - t_rel) / 1e6,
             "handler_ms": handler_ms, "handler_sum_ms": handler_sum_ms, "agent_ops_ms": op_ms, "hops_ms": hops,
             "agent_critical_ms": crit_ops - crit_calls, "overlapped": overlapped,
-            "a_call": [big[0][1], (big[0][3] - big[0][2]) / 1e9, big[0][5]] if big else None,
+            "a_call": [big[0][1], (big[0][3] - big[0][2]) / 1e9, big[0][5], _gib_back(big[0])] if big else None,
         })
     return out
+
+
+def _gib_back(call: Sequence[Any]) -> float | None:
+    """GiB the guest handed back to its host during one handler call (the worker's ``[who, kind, t0, t1, bytes,
+    device bytes, reported KiB before, after]``); None where the kernel does not count it."""
+    k0, k1 = (call[6], call[7]) if len(call) >= 8 else (None, None)
+    return None if k0 is None or k1 is None else (k1 - k0) / (1 << 20)
+
+
+def handed_back(seconds: list[float], back: list[float | None] | None) -> dict[str, Any] | None:
+    """Splits calls by whether the guest handed at least ``HANDED_BACK_GIB`` back to its host during them: how many
+    did, and the median time (ms) of those that did and of the others. None where that was not counted."""
+    if not back or len(back) != len(seconds) or any(b is None for b in back):
+        return None
+    hit = [t * 1e3 for t, b in zip(seconds, back, strict=True) if b is not None and b >= HANDED_BACK_GIB]
+    rest = [t * 1e3 for t, b in zip(seconds, back, strict=True) if b is not None and b < HANDED_BACK_GIB]
+    return {"calls": len(seconds), "during": len(hit), "during_ms": med(hit), "others_ms": med(rest),
+            "gib": [round(b, 3) for b in back if b is not None]}
 
 
 def size_result(nbytes: int, a: dict[str, Any], b: dict[str, Any], ops: list[dict[str, Any]], group: str,
@@ -123,6 +143,10 @@ def size_result(nbytes: int, a: dict[str, Any], b: dict[str, Any], ops: list[dic
         * (len(a["calls"]) != 2 * n or len(b["calls"]) != 2 * n - 1),
         "host_prepared_bytes": a["prepared"],
     }
+    for k, kind in (("offload", "suspend"), ("restore", "resume")):
+        mine = [s["a_call"] for s in sw if s["a_call"] and s["a_call"][0] == kind]
+        # The first call of each kind is left out: the first restore of a process is cold whatever the host does.
+        r[f"{k}_handed_back"] = handed_back([c[1] for c in mine[1:]], [c[3] if len(c) > 3 else None for c in mine[1:]])
     for k in ("offload", "restore"):
         r[f"{k}_vs_copy"] = r[f"{k}_gbps"] / r["base_copy_gbps"]
         r[f"{k}_vs_fresh"] = r[f"{k}_gbps"] / r["base_fresh_gbps"]

@@ -138,8 +138,28 @@ def _offload(r: dict[str, Any]) -> list[str]:
         f"restore ≥ 80%: worst {_n(rst)}{X} fresh(2) — {_met(rst is not None and rst >= 0.8)}, worst {_n(rst1)}{X} "
         f"copy(1) — {_met(rst1 is not None and rst1 >= 0.8)}; switch adds ≤ 5 ms beyond the copies: worst "
         f"{_n(over, 2, ' ms')} — {_met(over is not None and over <= 5)}.", "",
+        *_handed_back(sizes),
         *_switch_floor(r),
     ]
+
+
+def _handed_back(sizes: list[dict[str, Any]]) -> list[str]:
+    """Where the kernel counts it: the calls during which the guest handed free memory back to its host."""
+    parts = []
+    for s in sizes:
+        rst, off = s.get("restore_handed_back"), s.get("offload_handed_back")
+        if rst is None or off is None:
+            return []
+        part = f"{s.get('gib', '?'):g} GiB: {rst['during']} of {rst['calls']} restores"  # the first cycle left out
+        if rst["during"]:
+            part += f" ({_n(rst['during_ms'], 0, ' ms')} median, the others {_n(rst['others_ms'], 0, ' ms')})"
+        part += f", {off['during']} of {off['calls']} offloads"
+        if off["during"]:
+            part += f" ({_n(off['during_ms'], 0, ' ms')} median, the others {_n(off['others_ms'], 0, ' ms')})"
+        parts.append(part)
+    return ["Calls during which this VM's guest handed free memory back to its host (virtio-balloon free page "
+            "reporting, counted by its kernel; the first cycle of each size left out): " + "; ".join(parts) + ".",
+            ""] if parts else []
 
 
 def _busy_suspend(r: dict[str, Any]) -> list[str]:

@@ -41,7 +41,7 @@ orchestrator), then for each size two job processes share one group:
 
 With CUDA (``--device cuda``, the default when available) A's state lives on the GPU and the handler
 copies to and from a pinned host buffer; without, the "device" is CPU memory (see ``torch_offload``)
-and both directions are host-to-host copies. Run: ``python bench/offload.py [--sizes 1,2,4] [--cycles 5] [--json]``.
+and both directions are host-to-host copies. Run: ``python bench/offload.py [--sizes 1,2,4] [--cycles 9] [--json]``.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ from typing import Any
 
 import _common
 import _switch_floor
+from _offload_analysis import HANDED_BACK_GIB
 from _offload_analysis import med as _med
 from _offload_analysis import ms as _ms
 from _offload_analysis import size_result as _size_result
@@ -87,21 +88,49 @@ def _loop_run(coro: Any) -> Any:
 # ---------------------------------------------------------------------- worker roles
 
 
+# The KiB of free memory this guest has handed back to its host so far (virtio-balloon free page reporting), where
+# the kernel exposes that count (some VM kernels do; upstream Linux does not). Memory handed back costs far more
+# to touch again, and the reporting itself competes with a copy (docs/benchmarks.md).
+REPORTED_KIB = "/sys/module/page_reporting/parameters/reported_kib"
+
+
+class _ReportedCounter:
+    """Reads ``REPORTED_KIB`` in about 2 µs (one ``pread`` of a descriptor kept open); ``None`` without it."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open(REPORTED_KIB, os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def read(self) -> int | None:
+        if self._fd is None:
+            return None
+        try:
+            return int(os.pread(self._fd, 32, 0))
+        except (OSError, ValueError):
+            return None
+
+
 class _Timed:
-    """The handler the agent drives: the torch handler, each call timed inside this worker."""
+    """The handler the agent drives: the torch handler, each call timed inside this worker, with the guest's
+    reported-memory count just before and after it (``None`` where the kernel has no such count)."""
 
     def __init__(self, inner: Any, calls: list[list[Any]]) -> None:
         self.inner = inner
         self.calls = calls
         self._lock = threading.Lock()
+        self._reported = _ReportedCounter()
 
     def _call(self, kind: str, mode: Any, tags: frozenset[str]) -> Any:
         fn = self.inner.suspend if kind == "suspend" else self.inner.resume
+        k0 = self._reported.read()
         t0 = time.monotonic_ns()
         r = fn(mode, tags)
         t1 = time.monotonic_ns()
+        k1 = self._reported.read()
         with self._lock:
-            self.calls.append([kind, t0, t1, r.bytes_moved, self.inner.device_bytes()])
+            self.calls.append([kind, t0, t1, r.bytes_moved, self.inner.device_bytes(), k0, k1])
         return r
 
     def suspend(self, mode: Any, tags: frozenset[str]) -> Any:
@@ -401,6 +430,21 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str,
     }
 
 
+def _handed_back_line(r: dict[str, Any]) -> str | None:
+    """Which of A's calls ran while the guest handed free memory back to its host (where the kernel counts it)."""
+    parts = []
+    for k, calls in (("restore", "restores"), ("offload", "offloads")):
+        h = r.get(f"{k}_handed_back")
+        if h is None:
+            return None
+        part = f"{h['during']} of the {h['calls']} later {calls}"
+        if h["during"]:
+            part += f" (median {h['during_ms']:.0f} ms; the others {h['others_ms']:.0f} ms)"
+        parts.append(part)
+    return ("  the guest handed memory back to its host (free page reporting, >= "
+            f"{HANDED_BACK_GIB * 1024:.0f} MiB) during {parts[0]}, {parts[1]} (the first cycle left out)")
+
+
 def _print(res: dict[str, Any]) -> None:
     la, le = res["loadavg_start"], res["loadavg_end"]
     print(f"offload/restore through the app_channel torch handler, end to end; {res['date']}")
@@ -436,6 +480,8 @@ def _print(res: dict[str, Any]) -> None:
             print(f"  {k} {r[f'{k}_gbps']:5.2f} GB/s = {r[f'{k}_vs_copy']:.2f} x copy(1), "
                   f"{r[f'{k}_vs_fresh']:.2f} x fresh(2); switch {what} {r[f'switch_{sw}_ms']:.0f} ms; "
                   f"per cycle [{per}] ms: first {r[f'{k}_first_gbps']:.2f}, best {r[f'{k}_best_gbps']:.2f} GB/s")
+        if (line := _handed_back_line(r)) is not None:
+            print(line)
         print(f"  baselines: copy(1) {r['base_copy_gbps']:.2f} GB/s (before {r['base_copy_before_gbps']:.2f}, after "
               f"{r['base_copy_after_gbps']:.2f}), fresh(2) {r['base_fresh_gbps']:.2f} GB/s (before "
               f"{r['base_fresh_before_gbps']:.2f}, after {r['base_fresh_after_gbps']:.2f}, first "
@@ -477,7 +523,9 @@ def _print(res: dict[str, Any]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1,2,4", help="GiB of state in job A, comma-separated")
-    p.add_argument("--cycles", type=int, default=5, help="offload+restore cycles per size")
+    p.add_argument("--cycles", type=int, default=9,
+                   help="offload+restore cycles per size (medians: this VM makes a minority of cycles several times "
+                        "slower, see docs/benchmarks.md)")
     p.add_argument("--hold-ms", type=float, default=200.0, help="each holder holds this long before releasing")
     p.add_argument("--baseline-reps", type=int, default=2,
                    help="baseline copies per kind and size, before the switches and again after them")

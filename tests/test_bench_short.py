@@ -185,3 +185,12 @@ def test_offload_report_shows_the_switch_floor(tmp_path: Path) -> None:
     assert "the node agent (in the orchestrator's process; device: cpu)" in text
     assert "the agent stand-in in the orchestrator stand-in's process" in text
     assert "Switch overhead median, as a multiple of this floor's p50: 1.88\u00d7 at 1 GiB." in text
+    assert "handed free memory back" not in text  # no count in this record: nothing said
+
+    size["restore_handed_back"] = {"calls": 9, "during": 2, "during_ms": 2134.0, "others_ms": 410.0, "gib": []}
+    size["offload_handed_back"] = {"calls": 9, "during": 0, "during_ms": float("nan"), "others_ms": 330.0, "gib": []}
+    (tmp_path / "offload.json").write_text(json.dumps(offload))
+    _run("run_all.py", "--no-run", "--results", str(tmp_path), "--doc", str(doc))
+    assert ("guest handed free memory back to its host (virtio-balloon free page reporting, counted by its kernel; "
+            "the first cycle of each size left out): 1 GiB: 2 of 9 restores (2,134 ms median, the others 410 ms), "
+            "0 of 9 offloads.") in doc.read_text()

@@ -77,3 +77,23 @@ def test_a_suspend_begun_at_the_release_counts_only_inside_the_agents_operation(
     (sw,) = an.switches(a, b, ops, "g")
     assert sw["handler_ms"] == 20
     assert sw["agent_critical_ms"] == pytest.approx(1.5)
+
+
+def test_calls_during_which_the_guest_handed_memory_back(an: ModuleType) -> None:
+    """The worker records the guest's reported-KiB count before and after each call; the analysis tells which
+    calls ran while the guest handed memory back to its host, and where the kernel has no count, says nothing."""
+    a, b, ops = _records(overlapped=True)
+    a["calls"] = [["suspend", 2 * MS, 22 * MS, 100, 0, 1_000, 1_000 + 512 * 1024]]  # 0.5 GiB handed back
+    (sw,) = an.switches(a, b, ops, "g")
+    assert sw["a_call"][3] == pytest.approx(0.5)
+    a["calls"] = [["suspend", 2 * MS, 22 * MS, 100, 0, None, None]]
+    assert an.switches(a, b, ops, "g")[0]["a_call"][3] is None
+    a["calls"] = [["suspend", 2 * MS, 22 * MS, 100, 0]]  # a worker that did not record it
+    assert an.switches(a, b, ops, "g")[0]["a_call"][3] is None
+
+    split = an.handed_back([0.4, 2.1, 0.5, 1.6], [0.0, 0.9, 0.01, 0.12])
+    assert split["calls"] == 4 and split["during"] == 2
+    assert split["during_ms"] == pytest.approx(1850) and split["others_ms"] == pytest.approx(450)
+    assert an.handed_back([0.4, 2.1], [0.0, None]) is None
+    assert an.handed_back([], []) is None
+    assert an.handed_back([0.4], [0.0])["during_ms"] != an.handed_back([0.4], [0.0])["during_ms"]  # NaN: none did
