@@ -145,7 +145,8 @@ def size_result(nbytes: int, a: dict[str, Any], b: dict[str, Any], ops: list[dic
     }
     for k, kind in (("offload", "suspend"), ("restore", "resume")):
         mine = [s["a_call"] for s in sw if s["a_call"] and s["a_call"][0] == kind]
-        # The first call of each kind is left out: the first restore of a process is cold whatever the host does.
+        # The first call of each kind is left out: the first restore of a size is cold in every run, whether or not
+        # the count moves during it (bench/NOTES.md).
         r[f"{k}_handed_back"] = handed_back([c[1] for c in mine[1:]], [c[3] if len(c) > 3 else None for c in mine[1:]])
     for k in ("offload", "restore"):
         r[f"{k}_vs_copy"] = r[f"{k}_gbps"] / r["base_copy_gbps"]
