@@ -15,8 +15,9 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -307,3 +308,29 @@ async def stop_loadgens(nc: Any, after_next_grant: float | None = None) -> None:
     await nc.publish(STOP_SUBJECT, b"" if after_next_grant is None else
                      json.dumps({"after_next_grant": after_next_grant}).encode())
     await nc.flush()
+
+
+@contextlib.contextmanager
+def python_spinning(on: bool = True) -> Iterator[None]:
+    """While inside, another thread of this process runs Python without pause (a job scoring rewards after it
+    yielded), once it runs: a new thread needs the GIL to begin, so this waits until it holds it once."""
+    stop, spinning = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        spinning.set()
+        x = 0
+        while not stop.is_set():
+            for i in range(1000):
+                x += i * i
+
+    t = threading.Thread(target=spin, daemon=True)
+    if on:
+        t.start()
+        if not spinning.wait(10):
+            raise RuntimeError("the spinning thread did not start within 10 s")
+    try:
+        yield
+    finally:
+        stop.set()
+        if on:
+            t.join(10)

@@ -40,37 +40,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import _common as c
 
 CONDITIONS = ("idle", "busy, per storage", "busy, per storage, prompt", "busy, batched", "busy, batched, prompt")
-
-
-@contextmanager
-def _spinning(on: bool) -> Iterator[None]:
-    stop, spinning = threading.Event(), threading.Event()
-
-    def spin() -> None:
-        spinning.set()
-        x = 0
-        while not stop.is_set():
-            for i in range(1000):
-                x += i * i
-
-    t = threading.Thread(target=spin, daemon=True)
-    if on:
-        t.start()
-        if not spinning.wait(10):  # a new thread needs the GIL to begin: measure only once it holds it too
-            raise RuntimeError("the spinning thread did not start within 10 s")
-    try:
-        yield
-    finally:
-        stop.set()
-        if on:
-            t.join(10)
 
 
 def _in_thread(fn: Callable[[], Any]) -> float:
@@ -106,7 +81,7 @@ def measure(tensors: int, tensor_kib: int, reps: int, device: str = "cpu") -> di
         prompt = prompt_threads(DEFAULT_SWITCH_INTERVAL if name.endswith("prompt") else None)
         sus: list[float] = []
         res: list[float] = []
-        with _spinning(name != "idle"), prompt:
+        with c.python_spinning(name != "idle"), prompt:
             for _ in range(reps):
                 sus.append(_in_thread(lambda: handler.suspend(SuspendMode.OFFLOAD, all_tags)))
                 res.append(_in_thread(lambda: handler.resume(SuspendMode.OFFLOAD, all_tags)))
@@ -144,7 +119,7 @@ async def _job(url: str, busy: bool, condition: str) -> None:
     interval = None if condition == "busy, left alone" else DEFAULT_SWITCH_INTERVAL
     channel = await register_workload("busy-job", "busy-group", Nothing(), node_id="busy-node", nats_url=url,
                                       switch_interval=interval)
-    with _spinning(busy):
+    with c.python_spinning(busy):
         print("ready", flush=True)
         while True:  # until killed
             if condition == "busy, armed":

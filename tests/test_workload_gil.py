@@ -7,10 +7,12 @@ the interval for the length of a command, so each such step waits about 0.1 ms i
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import select
 import sys
-import threading
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 
 import msgspec
 import pytest
@@ -46,26 +48,21 @@ class _Releasing:
         return self._work()
 
 
+def _bench_common() -> ModuleType:
+    """``bench/_common.py``, whose spinning thread ``bench/busy_suspend.py`` measures beside too."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "_common.py"
+    spec = importlib.util.spec_from_file_location("_bench_common_for_tests", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture
 def busy_thread() -> Iterator[None]:
     """Another thread of this process runs Python without pause (a job scoring rewards after it yielded)."""
-    stop, spinning = threading.Event(), threading.Event()
-
-    def spin() -> None:
-        spinning.set()
-        x = 0
-        while not stop.is_set():
-            for i in range(1000):
-                x += i * i
-
-    t = threading.Thread(target=spin, daemon=True)
-    t.start()
-    assert spinning.wait(10), "the spinning thread did not start"
-    try:
+    with _bench_common().python_spinning():
         yield
-    finally:
-        stop.set()
-        t.join(10)
 
 
 def test_prompt_threads_lowers_the_interval_and_puts_it_back() -> None:
