@@ -12,11 +12,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from nats.aio.msg import Msg
 from timeslice_agent import Agent, AgentConfig
 from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
 from timeslice_client.bus import connect, kv_keys
 from timeslice_client.protocol import GROUPS_BUCKET, JOBS_BUCKET, GroupRecord, encode
-from timeslice_orchestrator._events_cmd import parse_since
+from timeslice_orchestrator._events_cmd import Event, format_line, parse_since, to_json
 
 from .agent_harness import ROOT, queued, timeslice
 from .helpers import eventually, running
@@ -245,3 +246,13 @@ def test_parse_since() -> None:
     for bad in ("", "10", "m10", "10 minutes", "yesterday"):
         with pytest.raises(Exception, match="duration"):
             parse_since(bad)
+
+
+@pytest.mark.parametrize("ns", [1796117798340999700, 1796117798340000000, 1796117798340999999])
+def test_event_time_is_the_servers_millisecond(ns: int) -> None:
+    """The stream's nanoseconds floored to ms, in integers: through nats-py's float metadata a time just
+    before a millisecond boundary (…340.9997 ms) read as the next one (…341)."""
+    msg = Msg(None, "ts.v1.notice.g.b", f"$JS.ACK.TIMESLICE.c.1.10.10.{ns}.0", b'{"type": "released"}')  # type: ignore[arg-type]
+    ev = Event.of(msg)
+    assert json.loads(to_json(ev))["time_ms"] == ns // 1_000_000 == 1796117798340
+    assert format_line(ev).startswith(f"{ev.time:%Y-%m-%dT%H:%M:%S}.340Z      10 released")

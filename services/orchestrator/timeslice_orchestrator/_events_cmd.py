@@ -29,9 +29,12 @@ from nats.js.errors import NotFoundError
 from timeslice_client.errors import Unavailable
 from timeslice_client.protocol import STREAM, subjects, validate_id
 
+from ._delivery import seq_and_time
+
 __all__ = ["Event", "format_line", "parse_since", "register", "to_json"]
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
@@ -51,23 +54,30 @@ def parse_since(text: str, now: datetime | None = None) -> datetime:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One stream message: where it sits, when it was stored, and its payload (decoded, untyped)."""
+    """One stream message: where it sits, when it was stored (ms since the epoch, exactly as the server
+    stamped it), and its payload (decoded, untyped)."""
 
     seq: int
-    time: datetime
+    time_ms: int
     subject: str
     data: dict[str, Any]
 
+    @property
+    def time(self) -> datetime:
+        return _EPOCH + timedelta(milliseconds=self.time_ms)
+
     @classmethod
     def of(cls, msg: Msg) -> Event:
-        md = msg.metadata
+        # from the reply subject's nanoseconds, in integers: nats-py's metadata goes through a float
+        # and a datetime, which can land a millisecond early (1796117798341 ms read as ...340)
+        seq, time_ms = seq_and_time(msg.reply)
         try:
             data = msgspec.json.decode(msg.data)
         except msgspec.DecodeError:
             data = {"type": "?", "raw": msg.data.decode(errors="replace")}
         if not isinstance(data, dict):
             data = {"type": "?", "raw": data}
-        return cls(md.sequence.stream, md.timestamp, msg.subject, data)
+        return cls(seq, time_ms, msg.subject, data)
 
     @property
     def group(self) -> str | None:
@@ -124,8 +134,7 @@ def format_line(ev: Event) -> str:
 
 
 def to_json(ev: Event) -> str:
-    time_ms = int(ev.time.timestamp() * 1000)
-    return json.dumps({"seq": ev.seq, "time_ms": time_ms, "subject": ev.subject, "data": ev.data})
+    return json.dumps({"seq": ev.seq, "time_ms": ev.time_ms, "subject": ev.subject, "data": ev.data})
 
 
 async def stream_events(nc: NATS, out: TextIO, *, group: str | None, since: datetime | None, follow: bool,

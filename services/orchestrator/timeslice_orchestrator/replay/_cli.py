@@ -22,6 +22,7 @@ from ._text import render_summary
 __all__ = ["parse_time", "register"]
 
 _AGO = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
 
@@ -41,7 +42,9 @@ def parse_time(text: str, now_ms: int) -> int:
     except ValueError:
         raise ValueError(f"cannot read the time {text!r}: give a duration ago (10m, 90s, 2h, 1d), 'now', milliseconds "
                          "since the epoch, or an ISO 8601 date-time such as 2026-11-30T10:00:00Z") from None
-    return int(when.timestamp() * 1000)  # a time without a zone is local time (as ``timeslice events``)
+    if when.tzinfo is None:
+        when = when.astimezone()  # a time without a zone is local time (as ``timeslice events``)
+    return (when - _EPOCH) // dt.timedelta(milliseconds=1)  # in integers: a float can land 1 ms early
 
 
 async def _replay(args: argparse.Namespace) -> int:
