@@ -115,6 +115,8 @@ async def test_switch_snapshots_then_restores_then_grants(nats_url: str, agent: 
     n = len({o.op_id for o in outcomes})
     assert n >= 4
     assert _commands(agent) == ({"direct": n, "stream": 0} if layout == "beside" else {"direct": 0, "stream": n})
+    # Every operation has ended (its KV write follows its result): the agent keeps no per-job lock after it.
+    await eventually(lambda: len(agent._locks) == 0, what="the agent's per-job locks dropped")
     # The stream stores each command before anything the agent writes about it, and the agent acknowledges
     # every delivered copy.
     first: dict[tuple[str, str], int] = {}

@@ -58,6 +58,7 @@ from ._compose import perform, until_exited
 from ._config import AgentConfig
 from ._heartbeat import Heartbeat
 from ._host import alive
+from ._job_locks import JobLocks
 from ._jobbook import JobBook, now_ms
 from ._ordering import RunningOps
 from ._room import RestoreOrder
@@ -96,7 +97,7 @@ class Agent:
         self._js: JetStreamContext | None = None
         self._heartbeat: Heartbeat | None = None  # once connected
         self._book = JobBook(self.node)  # this node's job contexts, stored in KV ``jobs``
-        self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self._locks = JobLocks()  # one per job id, while in use
         self._epochs: dict[str, int] = {}
         self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()
         self._running = RunningOps()  # a restore waits for the snapshots it follows (Restore.after)…
@@ -210,7 +211,7 @@ class Agent:
         ctx = self._book.jobs.get(job)
         if ctx is None:
             return AgentReply(ok=False, error=f"job {job!r} is not registered on node {self.node!r}")
-        async with self._locks[job]:
+        async with self._locks.hold(job):
             if ctx.state is JobState.FAULTED:
                 # Its state is unknown: treat it as saved, so the next grant resumes it (resume is idempotent).
                 ctx = await self._book.save(msgspec.structs.replace(ctx, state=JobState.SAVED, reason=None))
@@ -322,7 +323,7 @@ class Agent:
     async def _execute_now(self, cmd: Snapshot | Restore, kind: OpKind, *, overlapped: bool
                            ) -> tuple[OpResult, bool]:
         """``_execute`` once the operation's turn has come (``overlapped``: a restore beside its snapshots)."""
-        async with self._locks[cmd.job]:
+        async with self._locks.hold(cmd.job):
             if (done := self._results.get(cmd.op_id)) is not None:
                 return done, False
             ctx = self._book.jobs.get(cmd.job)
@@ -446,7 +447,7 @@ class Agent:
             raise RuntimeError(f"the agent on node {self.node!r} is not running")
         for b in backends or ():
             make_backend(b, self._nc, self.node)  # raises BackendUnavailable
-        async with self._locks[job]:
+        async with self._locks.hold(job):
             current = self._book.jobs.get(job)
             ctx = standalone_context(current, self.node, job, kind, group=group, backends=backends, pids=pids,
                                      mode=mode, tags=tags, endpoints=endpoints)
@@ -507,7 +508,7 @@ class Agent:
                 return
             for ctx in list(self._book.jobs.values()):
                 if ctx.pids and not any(alive(p) for p in ctx.pids):
-                    async with self._locks[ctx.job]:
+                    async with self._locks.hold(ctx.job):
                         if self._book.jobs.get(ctx.job) is ctx:
                             try:
                                 await self._book.unregister(ctx, "its processes are gone")
