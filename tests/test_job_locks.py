@@ -8,60 +8,57 @@ import asyncio
 import pytest
 from timeslice_agent._job_locks import JobLocks
 
+from .helpers import eventually
+
+
+async def _hold(locks: JobLocks, job: str, held: asyncio.Event, release: asyncio.Event, log: list[str]) -> None:
+    async with locks.hold(job):
+        log.append("first")
+        held.set()
+        await release.wait()
+        log.append("first out")
+
 
 async def test_one_job_at_a_time_and_nothing_kept() -> None:
     locks = JobLocks()
-    inside: list[str] = []
-    first_in = asyncio.Event()
-    let_go = asyncio.Event()
-
-    async def first() -> None:
-        async with locks.hold("a"):
-            inside.append("first")
-            first_in.set()
-            await let_go.wait()
-            inside.append("first out")
+    log: list[str] = []
+    held, release = asyncio.Event(), asyncio.Event()
 
     async def second() -> None:
         async with locks.hold("a"):
-            inside.append("second")
+            log.append("second")
 
     async with asyncio.timeout(5), asyncio.TaskGroup() as tg:
-        tg.create_task(first())
-        await first_in.wait()
-        t2 = tg.create_task(second())
+        tg.create_task(_hold(locks, "a", held, release, log))
+        await held.wait()
+        tg.create_task(second())
+        await eventually(lambda: locks.users("a") == 2, what="the second waits for the lock")
         async with locks.hold("b"):  # another job is not held up
-            assert len(locks) == 2
-        await asyncio.sleep(0)
-        assert not t2.done() and inside == ["first"]
-        let_go.set()
-    assert inside == ["first", "first out", "second"]
-    assert len(locks) == 0
+            assert len(locks) == 2 and locks.users("b") == 1
+        assert log == ["first"]
+        release.set()
+    assert log == ["first", "first out", "second"]
+    assert len(locks) == 0 and locks.users("a") == 0
 
 
 async def test_a_cancelled_waiter_leaves_nothing_behind() -> None:
     locks = JobLocks()
-    held = asyncio.Event()
-    release = asyncio.Event()
-
-    async def holder() -> None:
-        async with locks.hold("a"):
-            held.set()
-            await release.wait()
+    log: list[str] = []
+    held, release = asyncio.Event(), asyncio.Event()
 
     async def waiter() -> None:
         async with locks.hold("a"):
             pytest.fail("the waiter was cancelled before the lock was free")
 
     async with asyncio.timeout(5), asyncio.TaskGroup() as tg:
-        tg.create_task(holder())
+        tg.create_task(_hold(locks, "a", held, release, log))
         await held.wait()
         w = tg.create_task(waiter())
-        await asyncio.sleep(0)
+        await eventually(lambda: locks.users("a") == 2, what="the waiter waits for the lock")
         w.cancel()
         with pytest.raises(asyncio.CancelledError):
             await w
-        assert len(locks) == 1  # the holder's
+        assert locks.users("a") == 1  # the holder's
         release.set()
     assert len(locks) == 0
 

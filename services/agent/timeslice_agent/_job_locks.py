@@ -20,6 +20,10 @@ class JobLocks:
         """Job ids with a lock now: those held or awaited."""
         return len(self._locks)
 
+    def users(self, job: str) -> int:
+        """How many hold or await ``job``'s lock (0: it has none)."""
+        return self._locks.get(job, (None, 0))[1]
+
     @contextlib.asynccontextmanager
     async def hold(self, job: str) -> AsyncIterator[None]:
         lock, users = self._locks.get(job, (None, 0))
