@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["HANDED_BACK_GIB", "handed_back", "med", "ms", "size_result", "switches", "union_ns"]
+__all__ = ["HANDED_BACK_GIB", "handed_back", "med", "ms", "paired", "size_result", "switches", "union_ns"]
 
 GiB = 1 << 30
 HANDED_BACK_GIB = 1 / 16  # a call during which the guest handed at least this much memory back to its host
@@ -156,4 +156,15 @@ def size_result(nbytes: int, a: dict[str, Any], b: dict[str, Any], ops: list[dic
     r["offload_best_gbps"] = gb / min(off) if off else float("nan")
     r["restore_best_gbps"] = gb / min(res) if res else float("nan")
     r["base_fresh_first_gbps"] = gb / base["fresh"][0]
+    r.update(paired(gb, off, a.get("paired_copies", [])))
     return r
+
+
+def paired(gb: float, offloads: list[float], spans: list[list[int]]) -> dict[str, Any]:
+    """The offloads against job A's copy of the same tensors at the start of the hold before each (one per cycle,
+    in order): the median of the per-cycle ratios, and the copies' median GB/s. None where not recorded."""
+    copies = [(t1 - t0) / 1e9 for t0, t1 in spans]
+    if not copies or len(copies) != len(offloads):
+        return {"pair_copy_s": copies, "pair_copy_gbps": None, "offload_vs_pair": None}
+    return {"pair_copy_s": copies, "pair_copy_gbps": gb / med(copies),
+            "offload_vs_pair": med([c / o for c, o in zip(copies, offloads, strict=True)])}

@@ -138,9 +138,22 @@ def _offload(r: dict[str, Any]) -> list[str]:
         f"restore ≥ 80%: worst {_n(rst)}{X} fresh(2) — {_met(rst is not None and rst >= 0.8)}, worst {_n(rst1)}{X} "
         f"copy(1) — {_met(rst1 is not None and rst1 >= 0.8)}; switch adds ≤ 5 ms beyond the copies: worst "
         f"{_n(over, 2, ' ms')} — {_met(over is not None and over <= 5)}.", "",
+        *_paired(sizes),
         *_handed_back(sizes),
         *_switch_floor(r),
     ]
+
+
+def _paired(sizes: list[dict[str, Any]]) -> list[str]:
+    """Where recorded: each offload against job A's own copy of the same tensors at the start of the hold before it."""
+    parts = [f"{s.get('gib', '?'):g} GiB {_n(s['offload_vs_pair'])}{X} (the copy {_n(s.get('pair_copy_gbps'))} GB/s)"
+             for s in sizes if s.get("offload_vs_pair") is not None]
+    if not parts:
+        return []
+    return ["Offload against the copy paired with it (job A's plain copy of the same tensors into a touched buffer "
+            "of its own, timed at the start of the hold before each offload; median of the per-cycle ratios), "
+            "which the host's memory-bandwidth drift between the baselines before and after a size does not move: "
+            + "; ".join(parts) + ".", ""]
 
 
 def _handed_back(sizes: list[dict[str, Any]]) -> list[str]:

@@ -186,6 +186,13 @@ def test_offload_report_shows_the_switch_floor(tmp_path: Path) -> None:
     assert "the agent stand-in in the orchestrator stand-in's process" in text
     assert "Switch overhead median, as a multiple of this floor's p50: 1.88\u00d7 at 1 GiB." in text
     assert "handed free memory back" not in text  # no count in this record: nothing said
+    assert "the copy paired with it" not in text  # not recorded: nothing said
+
+    size.update(offload_vs_pair=0.93, pair_copy_gbps=10.75)
+    (tmp_path / "offload.json").write_text(json.dumps(offload))
+    _run("run_all.py", "--no-run", "--results", str(tmp_path), "--doc", str(doc))
+    assert "Offload against the copy paired with it" in doc.read_text()
+    assert "1 GiB 0.93\u00d7 (the copy 10.75 GB/s)." in doc.read_text()
 
     size["restore_handed_back"] = {"calls": 9, "during": 2, "during_ms": 2134.0, "others_ms": 410.0, "gib": []}
     size["offload_handed_back"] = {"calls": 9, "during": 0, "during_ms": float("nan"), "others_ms": 330.0, "gib": []}

@@ -97,3 +97,16 @@ def test_calls_during_which_the_guest_handed_memory_back(an: ModuleType) -> None
     assert an.handed_back([0.4, 2.1], [0.0, None]) is None
     assert an.handed_back([], []) is None
     assert an.handed_back([0.4], [0.0])["during_ms"] != an.handed_back([0.4], [0.0])["during_ms"]  # NaN: none did
+
+
+def test_offloads_against_the_copy_paired_with_each(an: ModuleType) -> None:
+    """Job A times a plain copy of its tensors at the start of each hold; each offload is set against the copy
+    before it (the median of the per-cycle ratios), so a host whose bandwidth drifts between cycles moves both."""
+    spans = [[0, 100 * MS], [1_000 * MS, 1_200 * MS], [5_000 * MS, 5_110 * MS]]  # copies of 0.10, 0.20, 0.11 s
+    p = an.paired(1.0, [0.125, 0.25, 0.11], spans)
+    assert p["pair_copy_s"] == pytest.approx([0.1, 0.2, 0.11])
+    assert p["offload_vs_pair"] == pytest.approx(0.8)  # ratios 0.8, 0.8, 1.0
+    assert p["pair_copy_gbps"] == pytest.approx(1 / 0.11)
+    # not recorded (a worker without it), or not one per offload: no ratio claimed
+    assert an.paired(1.0, [0.1], [])["offload_vs_pair"] is None
+    assert an.paired(1.0, [0.1, 0.2], spans[:1])["offload_vs_pair"] is None
