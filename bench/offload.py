@@ -32,7 +32,7 @@ orchestrator), then for each size two job processes share one group:
   that advice. On CPU a restore must re-obtain the memory its offload freed (page faults + zeroing),
   which (1) never pays; an offload frees memory, which no copy pays (the time to free is printed).
   Also, paired with each offload, (1p): job A's own plain copy of the same tensors into a touched buffer
-  of its own, timed at the start of the hold before it (``_PairedCopy``), printed as the median of the
+  of its own, timed at the start of the hold before it (``bench/_offload_baselines.py``), printed as the median of the
   per-cycle ratios; the goal stays on (1)).
   Medians throughout; the first cycle and the first fresh copy are also shown: they can be far
   slower (cold memory, see docs/benchmarks.md);
@@ -69,11 +69,12 @@ from _offload_analysis import HANDED_BACK_GIB
 from _offload_analysis import med as _med
 from _offload_analysis import ms as _ms
 from _offload_analysis import size_result as _size_result
+from _offload_baselines import N_TENSORS, PairedCopy
+from _offload_baselines import baselines as _baselines
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 NODE = "bench"
-N_TENSORS = 4  # A's state: this many equal float32 tensors
 B_BYTES = 8 << 20  # B's state
 GOAL_BW_RATIO = 0.8
 GOAL_OVERHEAD_MS = 5.0
@@ -154,36 +155,6 @@ def _state(nbytes: int, pieces: int, device: str) -> tuple[Any, list[Any]]:
     return module, list(module.params)
 
 
-class _PairedCopy:
-    """Job A's plain copy of its own tensors into a buffer of its own (touched, advised to huge pages; pinned on
-    CUDA), timed once per cycle at the start of each hold, so each offload has a baseline taken seconds before it
-    on the same memory: a ratio to it does not move with the host's memory bandwidth between the baselines
-    taken before and after the size (which moved by up to a quarter within one run, bench/NOTES.md)."""
-
-    def __init__(self, tensors: list[Any], device: str) -> None:
-        import torch
-        from timeslice_client._huge_pages import advise_huge_pages
-
-        self.tensors, self.cuda = tensors, device == "cuda"
-        self.dst = []
-        for t in tensors:
-            d = torch.empty(t.numel(), dtype=t.dtype, pin_memory=self.cuda)
-            if not self.cuda:
-                advise_huge_pages(int(d.data_ptr()), d.numel() * d.element_size())
-            self.dst.append(d.zero_())  # touched: every page is there before the timed copies
-        self.spans: list[list[int]] = []
-
-    def run(self) -> None:
-        import torch
-
-        t0 = time.monotonic_ns()
-        for d, t in zip(self.dst, self.tensors, strict=True):
-            d.copy_(t.detach().reshape(-1))
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.spans.append([t0, time.monotonic_ns()])
-
-
 def _check(tensors: list[Any], full: bool) -> str | None:
     """None when every tensor holds its value again (all elements when ``full``, else both ends)."""
     for i, t in enumerate(tensors):
@@ -222,7 +193,7 @@ async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, hold: f
     module, tensors = _state(nbytes, N_TENSORS if leader else 1, device)
     inner = TorchOffloadHandler(module, device=device)
     prepared = inner.prepare()  # allocate and touch the host buffer now, not during the first offload
-    paired = _PairedCopy(tensors, device) if leader else None
+    paired = PairedCopy(tensors, device) if leader else None
     calls: list[list[Any]] = []
     rows: list[list[Any]] = []
     errors: list[str] = []
@@ -300,74 +271,6 @@ async def _stored_ops(url: str, group: str) -> list[dict[str, Any]]:
     finally:
         await nc.close()
     return ops
-
-
-# ---------------------------------------------------------------------- baselines (driver process)
-
-
-def _baselines(nbytes: int, reps: int, device: str) -> dict[str, list[float]]:
-    """Seconds per copy of ``nbytes`` in A's tensor shapes, ``reps`` times each kind, one kind after another.
-
-    ``copy``: device tensors into a preallocated, touched host buffer, as the handler's (pinned on CUDA; on CPU
-    advised to transparent huge pages, as the handler advises its buffers: a copy between huge pages is faster
-    than between 4 KiB pages, and the baseline must not be the weaker one). ``fresh``: host buffer into newly
-    allocated device memory, freed again each rep (as offload/restore cycles free and re-allocate; on CUDA
-    with ``empty_cache()``, as the handler does); ``free``: the time to free it (an offload pays that, the
-    copies do not). ``clone``: CPU ``src.clone()`` (fresh memory without huge-page advice); CUDA
-    ``src.to("cpu")`` (fresh pageable host memory).
-    """
-    import torch
-    from timeslice_client._huge_pages import advise_huge_pages
-
-    cuda = device == "cuda"
-
-    def host(n: int) -> Any:
-        if cuda:
-            return torch.empty(n, pin_memory=True)
-        t = torch.empty(n)
-        advise_huge_pages(int(t.data_ptr()), n * 4)
-        return t
-
-    def dev(n: int) -> Any:
-        return torch.empty(n, device="cuda") if cuda else host(n)
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    per = nbytes // N_TENSORS // 4
-    src = [dev(per).fill_(float(i + 1)) for i in range(N_TENSORS)]
-    out: dict[str, list[float]] = {"copy": [], "fresh": [], "clone": [], "free": []}
-    dst = [host(per).zero_() for _ in src]  # touched: every page is there before the timed copies
-    sync()
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for s, d in zip(src, dst, strict=True):
-            d.copy_(s)
-        sync()
-        out["copy"].append(time.perf_counter() - t0)
-    hsrc = dst if cuda else src  # the restore's source: the host buffer
-    del dst
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fresh = []
-        for s in hsrc:
-            d = dev(per)
-            fresh.append(d.copy_(s))
-        sync()
-        out["fresh"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        del fresh, d
-        if cuda:
-            torch.cuda.empty_cache()
-        out["free"].append(time.perf_counter() - t0)
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        clones = [s.to("cpu") if cuda else s.clone() for s in src]
-        sync()
-        out["clone"].append(time.perf_counter() - t0)
-        del clones
-    return out
 
 
 # ---------------------------------------------------------------------- driver

@@ -4,6 +4,7 @@ outlives its last holder or waiter (an agent sees job ids come and go for weeks)
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 from timeslice_agent._job_locks import JobLocks
@@ -11,55 +12,56 @@ from timeslice_agent._job_locks import JobLocks
 from .helpers import eventually
 
 
-async def _hold(locks: JobLocks, job: str, held: asyncio.Event, release: asyncio.Event, log: list[str]) -> None:
-    async with locks.hold(job):
-        log.append("first")
-        held.set()
-        await release.wait()
-        log.append("first out")
+class _Held:
+    """Job "a" held by one task until ``release`` is set; ``queue`` starts another that waits for it."""
+
+    def __init__(self, locks: JobLocks, tg: asyncio.TaskGroup) -> None:
+        self.locks, self.tg = locks, tg
+        self.log: list[str] = []
+        self.held, self.release = asyncio.Event(), asyncio.Event()
+        tg.create_task(self._hold())
+
+    async def _hold(self) -> None:
+        async with self.locks.hold("a"):
+            self.log.append("first")
+            self.held.set()
+            await self.release.wait()
+            self.log.append("first out")
+
+    async def queue(self, body: Callable[[], None]) -> asyncio.Task[None]:
+        async def second() -> None:
+            async with self.locks.hold("a"):
+                body()
+
+        await self.held.wait()
+        task = self.tg.create_task(second())
+        await eventually(lambda: self.locks.users("a") == 2, what="the second waits for the lock")
+        return task
 
 
 async def test_one_job_at_a_time_and_nothing_kept() -> None:
     locks = JobLocks()
-    log: list[str] = []
-    held, release = asyncio.Event(), asyncio.Event()
-
-    async def second() -> None:
-        async with locks.hold("a"):
-            log.append("second")
-
     async with asyncio.timeout(5), asyncio.TaskGroup() as tg:
-        tg.create_task(_hold(locks, "a", held, release, log))
-        await held.wait()
-        tg.create_task(second())
-        await eventually(lambda: locks.users("a") == 2, what="the second waits for the lock")
+        a = _Held(locks, tg)
+        await a.queue(lambda: a.log.append("second"))
         async with locks.hold("b"):  # another job is not held up
             assert len(locks) == 2 and locks.users("b") == 1
-        assert log == ["first"]
-        release.set()
-    assert log == ["first", "first out", "second"]
+        assert a.log == ["first"]
+        a.release.set()
+    assert a.log == ["first", "first out", "second"]
     assert len(locks) == 0 and locks.users("a") == 0
 
 
 async def test_a_cancelled_waiter_leaves_nothing_behind() -> None:
     locks = JobLocks()
-    log: list[str] = []
-    held, release = asyncio.Event(), asyncio.Event()
-
-    async def waiter() -> None:
-        async with locks.hold("a"):
-            pytest.fail("the waiter was cancelled before the lock was free")
-
     async with asyncio.timeout(5), asyncio.TaskGroup() as tg:
-        tg.create_task(_hold(locks, "a", held, release, log))
-        await held.wait()
-        w = tg.create_task(waiter())
-        await eventually(lambda: locks.users("a") == 2, what="the waiter waits for the lock")
-        w.cancel()
+        a = _Held(locks, tg)
+        waiter = await a.queue(lambda: pytest.fail("the waiter was cancelled before the lock was free"))
+        waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await w
+            await waiter
         assert locks.users("a") == 1  # the holder's
-        release.set()
+        a.release.set()
     assert len(locks) == 0
 
 
