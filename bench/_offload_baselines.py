@@ -12,6 +12,19 @@ __all__ = ["N_TENSORS", "PairedCopy", "baselines"]
 N_TENSORS = 4  # A's state: this many equal float32 tensors
 
 
+def _host(n: int, cuda: bool) -> Any:
+    """``n`` float32 of host memory as the handler's host buffer is: pinned on CUDA; on CPU advised to transparent
+    huge pages (a copy between huge pages is faster than between 4 KiB pages: the baseline must not be the weaker)."""
+    import torch
+    from timeslice_client._huge_pages import advise_huge_pages
+
+    if cuda:
+        return torch.empty(n, pin_memory=True)
+    t = torch.empty(n)
+    advise_huge_pages(int(t.data_ptr()), n * 4)
+    return t
+
+
 class PairedCopy:
     """Job A's plain copy of its own tensors into a buffer of its own (touched, advised to huge pages; pinned on
     CUDA), timed once per cycle at the start of each hold, so each offload has a baseline taken seconds before it
@@ -19,16 +32,8 @@ class PairedCopy:
     taken before and after the size (which moved by up to a quarter within one run, bench/NOTES.md)."""
 
     def __init__(self, tensors: list[Any], device: str) -> None:
-        import torch
-        from timeslice_client._huge_pages import advise_huge_pages
-
-        self.tensors, self.cuda = tensors, device == "cuda"
-        self.dst = []
-        for t in tensors:
-            d = torch.empty(t.numel(), dtype=t.dtype, pin_memory=self.cuda)
-            if not self.cuda:
-                advise_huge_pages(int(d.data_ptr()), d.numel() * d.element_size())
-            self.dst.append(d.zero_())  # touched: every page is there before the timed copies
+        self.tensors, self.cuda = tensors, device == "cuda"  # A's float32 tensors
+        self.dst = [_host(t.numel(), self.cuda).zero_() for t in tensors]  # touched before the timed copies
         self.spans: list[list[int]] = []
 
     def run(self) -> None:
@@ -45,28 +50,18 @@ class PairedCopy:
 def baselines(nbytes: int, reps: int, device: str) -> dict[str, list[float]]:
     """Seconds per copy of ``nbytes`` in A's tensor shapes, ``reps`` times each kind, one kind after another.
 
-    ``copy``: device tensors into a preallocated, touched host buffer, as the handler's (pinned on CUDA; on CPU
-    advised to transparent huge pages, as the handler advises its buffers: a copy between huge pages is faster
-    than between 4 KiB pages, and the baseline must not be the weaker one). ``fresh``: host buffer into newly
-    allocated device memory, freed again each rep (as offload/restore cycles free and re-allocate; on CUDA
-    with ``empty_cache()``, as the handler does); ``free``: the time to free it (an offload pays that, the
-    copies do not). ``clone``: CPU ``src.clone()`` (fresh memory without huge-page advice); CUDA
-    ``src.to("cpu")`` (fresh pageable host memory).
+    ``copy``: device tensors into a preallocated, touched host buffer, as the handler's (``_host``).
+    ``fresh``: host buffer into newly allocated device memory, freed again each rep (as offload/restore cycles
+    free and re-allocate; on CUDA with ``empty_cache()``, as the handler does); ``free``: the time to free it
+    (an offload pays that, the copies do not). ``clone``: CPU ``src.clone()`` (fresh memory without huge-page
+    advice); CUDA ``src.to("cpu")`` (fresh pageable host memory).
     """
     import torch
-    from timeslice_client._huge_pages import advise_huge_pages
 
     cuda = device == "cuda"
 
-    def host(n: int) -> Any:
-        if cuda:
-            return torch.empty(n, pin_memory=True)
-        t = torch.empty(n)
-        advise_huge_pages(int(t.data_ptr()), n * 4)
-        return t
-
     def dev(n: int) -> Any:
-        return torch.empty(n, device="cuda") if cuda else host(n)
+        return torch.empty(n, device="cuda") if cuda else _host(n, cuda)
 
     def sync() -> None:
         if cuda:
@@ -75,7 +70,7 @@ def baselines(nbytes: int, reps: int, device: str) -> dict[str, list[float]]:
     per = nbytes // N_TENSORS // 4
     src = [dev(per).fill_(float(i + 1)) for i in range(N_TENSORS)]
     out: dict[str, list[float]] = {"copy": [], "fresh": [], "clone": [], "free": []}
-    dst = [host(per).zero_() for _ in src]  # touched: every page is there before the timed copies
+    dst = [_host(per, cuda).zero_() for _ in src]  # touched: every page is there before the timed copies
     sync()
     for _ in range(reps):
         t0 = time.perf_counter()

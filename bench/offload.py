@@ -32,8 +32,8 @@ orchestrator), then for each size two job processes share one group:
   that advice. On CPU a restore must re-obtain the memory its offload freed (page faults + zeroing),
   which (1) never pays; an offload frees memory, which no copy pays (the time to free is printed).
   Also, paired with each offload, (1p): job A's own plain copy of the same tensors into a touched buffer
-  of its own, timed at the start of the hold before it (``bench/_offload_baselines.py``), printed as the median of the
-  per-cycle ratios; the goal stays on (1)).
+  of its own, timed at the start of the hold before it (``bench/_offload_baselines.py``), printed as the
+  median of the per-cycle ratios; the goal stays on (1).
   Medians throughout; the first cycle and the first fresh copy are also shown: they can be far
   slower (cold memory, see docs/benchmarks.md);
 * the switch floor, on the same server after the sizes (``bench/_switch_floor.py``): the switch's bus
