@@ -6,7 +6,7 @@ switch interval, 5 ms by default, while another thread runs Python. So a handler
 calls per tensor waits about that long per call.
 
 Each condition below uses the same ``TorchOffloadHandler`` over ``--tensors`` tensors of ``--tensor-kib`` KiB
-each (``--device cpu``, the default, or ``cuda``), called from a worker thread as the workload channel calls
+each (``--device cpu``, the default, or ``cuda``), called from a thread of its own as the workload channel calls
 it. The conditions are:
 
 * idle: the job's other thread sleeps. This is the baseline, measured in the same run;
@@ -49,7 +49,7 @@ CONDITIONS = ("idle", "busy, per storage", "busy, per storage, prompt", "busy, b
 
 
 def _in_thread(fn: Callable[[], Any]) -> float:
-    """Seconds ``fn`` takes in a worker thread (as the workload channel runs a handler)."""
+    """Seconds ``fn`` takes in a thread of its own (as the workload channel runs a handler)."""
     out: dict[str, float] = {}
 
     def run() -> None:

@@ -212,8 +212,7 @@ async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, hold: f
         await c.release()
 
     async with AsyncTimeSliceClient(job, group, url, lease_seconds=60, acquire_timeout=300) as c:
-        # Once: the agent is up (the driver saw it answer). A failed register_workload leaves its subscription on the
-        # client's connection, so retrying would run every later suspend once per failed try.
+        # Once, without retries: the agent is up (the driver saw it answer).
         await c.register_workload(_Timed(inner, calls), node_id=NODE, op_timeout=300, early_suspend=early)
         if leader:
             await grant(c)

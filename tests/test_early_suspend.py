@@ -23,7 +23,15 @@ from timeslice_client import (
     WorkloadChannel,
 )
 from timeslice_client.bus import connect
-from timeslice_client.protocol import JobContext, OpKind, OpResult, WorkloadCommand, decode_input, subjects
+from timeslice_client.protocol import (
+    JobContext,
+    OpKind,
+    OpResult,
+    WorkloadCommand,
+    WorkloadReply,
+    decode_input,
+    subjects,
+)
 from timeslice_orchestrator.replay._model import OpBar
 from timeslice_orchestrator.replay._summary import _op_figures
 
@@ -218,30 +226,36 @@ def _cmd(action: str, n: int, tags: tuple[str, ...] = ("weights",)) -> WorkloadC
 
 @pytest.fixture
 async def channel(nats_url: str) -> AsyncIterator[tuple[WorkloadChannel, _Log]]:
-    """A channel that is never started (no agent): its commands are handed to it directly."""
+    """A channel whose thread runs but that never registers (no agent): its commands are handed to it directly."""
     nc = await connect(nats_url)
     h = _Log()
     ch = WorkloadChannel(nc, "j", "g", h, node_id=NODE, tags=("weights",))
+    await ch._open()
     try:
         yield ch, h
     finally:
-        ch._closed = True
+        await ch.close()
         await nc.close()
+
+
+async def _handle(ch: WorkloadChannel, cmd: WorkloadCommand) -> WorkloadReply:
+    """The command's answer, worked out on the channel's thread as a command from the agent would be."""
+    return await ch._on_thread(ch._answer(cmd))
 
 
 async def test_the_suspend_command_takes_the_early_outcome_failure_included(
         channel: tuple[WorkloadChannel, _Log]) -> None:
     ch, h = channel
     assert ch.suspend_early() and not ch.suspend_early(), "one at a time"
-    reply = await ch._handle(_cmd("suspend", 1))
+    reply = await _handle(ch, _cmd("suspend", 1))
     assert reply.ok and reply.bytes_moved == 7 and h.calls == [("suspend", ("weights",))] and ch.suspended
     assert reply.began_at_release
     assert not ch.suspend_early(), "already suspended"
-    resumed = await ch._handle(_cmd("resume", 2))
+    resumed = await _handle(ch, _cmd("resume", 2))
     assert resumed.ok and not resumed.began_at_release and not ch.suspended
     h.fail_next_suspend = True
     assert ch.suspend_early()
-    reply = await ch._handle(_cmd("suspend", 3))
+    reply = await _handle(ch, _cmd("suspend", 3))
     assert not reply.ok and reply.error == "RuntimeError: injected", "the early failure is the command's answer"
     assert reply.began_at_release
     assert h.calls == [("suspend", ("weights",)), ("resume", ("weights",))] and not ch.suspended
@@ -252,13 +266,13 @@ async def test_a_command_other_than_the_registered_suspend_finds_the_state_as_it
         channel: tuple[WorkloadChannel, _Log]) -> None:
     ch, h = channel
     assert ch.suspend_early()
-    reply = await ch._handle(_cmd("suspend", 1, tags=("kv_cache",)))
+    reply = await _handle(ch, _cmd("suspend", 1, tags=("kv_cache",)))
     assert reply.ok and ch.suspended
     assert h.calls == [("suspend", ("weights",)), ("resume", ("weights",)), ("suspend", ("kv_cache",))]
-    assert (await ch._handle(_cmd("resume", 2, tags=("kv_cache",)))).ok
+    assert (await _handle(ch, _cmd("resume", 2, tags=("kv_cache",)))).ok
     h.calls.clear()
     assert ch.suspend_early()
-    assert (await ch._handle(_cmd("resume", 3))).ok and not ch.suspended
+    assert (await _handle(ch, _cmd("resume", 3))).ok and not ch.suspended
     assert h.calls == [("suspend", ("weights",)), ("resume", ("weights",))], "a resume resumes the early suspend"
     assert ch.early_taken == 0 and not await ch.settle()
 
@@ -271,12 +285,15 @@ async def test_suspend_early_is_refused_when_switched_off_closed_or_not_the_agen
         for other in (("app_endpoint",), ("noop",), ("freeze",), ("cuda",)):
             assert not WorkloadChannel(nc, "j", "g", _Log(), node_id=NODE, backends=other).suspend_early(), other
         both = WorkloadChannel(nc, "j", "g", _Log(), node_id=NODE, backends=("app_channel", "freeze"))
-        assert both.suspend_early()
-        early = await both._take_early()
-        assert early is not None and early.result is not None and both.suspended
-        closed = WorkloadChannel(nc, "k", "g", _Log(), node_id=NODE)
-        closed._closed = True
-        assert not closed.suspend_early()
+        assert not both.suspend_early(), "not started: the channel's thread does not run yet"
+        await both._open()
+        try:
+            assert both.suspend_early()
+            early = await both._on_thread(both._take_early())
+            assert early is not None and early.result is not None and both.suspended
+        finally:
+            await both.close()
+        assert not both.suspend_early(), "closed"
     finally:
         await nc.close()
 

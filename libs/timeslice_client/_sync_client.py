@@ -103,7 +103,7 @@ class TimeSliceClient:
         return self._run(self._client.list_groups(), self._margin(self._client.request_timeout))
 
     def register_workload(self, handler: WorkloadHandler, **kwargs: Any) -> WorkloadChannel:
-        """See :meth:`AsyncTimeSliceClient.register_workload`; the handler runs in a worker thread."""
+        """See :meth:`AsyncTimeSliceClient.register_workload`; the handler runs on the channel's own thread."""
         return self._run(self._client.register_workload(handler, **kwargs),
                          self._margin(self._client.request_timeout))
 

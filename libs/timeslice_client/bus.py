@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,10 +67,12 @@ async def _quiet_error_cb(exc: Exception) -> None:
 
 
 async def connect(
-    url: str | None = None, *, name: str = "timeslice", connect_timeout: float = 5.0, **kwargs: Any
+    url: str | Sequence[str] | None = None, *, name: str = "timeslice", connect_timeout: float = 5.0, **kwargs: Any
 ) -> NATS:
-    """Connect to NATS with reconnects on, a quiet error callback and a clear error when nobody answers."""
-    url = url or default_nats_url()
+    """Connect to NATS with reconnects on, a quiet error callback and a clear error when nobody answers.
+    ``url``: one server, or several (tried in turn, and again on reconnect); default ``default_nats_url()``."""
+    servers: str | list[str] = (url if isinstance(url, str) else list(url)) if url else default_nats_url()
+    url = servers if isinstance(servers, str) else ",".join(servers)
     opts: dict[str, Any] = {
         "name": name,
         "connect_timeout": connect_timeout,
@@ -82,7 +85,7 @@ async def connect(
     try:
         # With unlimited reconnects nats-py retries a first connection forever: bound it here.
         async with asyncio.timeout(connect_timeout * 2):
-            return await nats.connect(url, **opts)
+            return await nats.connect(servers, **opts)
     except TimeoutError as exc:
         raise Unavailable("cannot connect to NATS", nats_url=url, after_s=connect_timeout * 2) from exc
     except Exception as exc:

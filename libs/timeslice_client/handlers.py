@@ -1,8 +1,8 @@
 """What a workload does when its node's agent suspends or resumes it.
 
 A handler is any object with ``suspend(mode, tags)`` and ``resume(mode, tags)`` returning a
-:class:`HandlerResult`. They are plain (blocking) methods: the workload channel runs them in a
-worker thread, so the job's event loop keeps answering while tensors move.
+:class:`HandlerResult`. They are plain (blocking) methods: the workload channel runs them on a thread
+of its own, one call at a time, so the job's event loop and threads go on while tensors move.
 
 Contract: ``suspend`` either completes or raises with the state left as it was (roll back what it
 already moved), so a failed snapshot leaves the job RUNNING. ``resume`` after ``suspend`` restores

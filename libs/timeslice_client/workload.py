@@ -7,8 +7,9 @@
     await channel.close()
 
 The agent then snapshots this job by asking it (``ts.rpc.workload.<node>.<job>``) to ``suspend``
-and restores it with ``resume``; the handler runs in a worker thread so this process's event loop
-keeps answering.
+and restores it with ``resume``. The channel answers on a thread of its own, with its own event loop and
+NATS connection (``_responder``), and runs the handler there: the job's own event loop and threads are
+not involved, and the reply leaves as soon as the handler returns.
 
 Early suspend: a channel registered through a client (``AsyncTimeSliceClient.register_workload``) begins its
 suspend at the job's release when the orchestrator has told the job that another job waits (``Contended``),
@@ -20,13 +21,16 @@ resumes the state before it returns (:meth:`WorkloadChannel.settle`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any, TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -34,6 +38,7 @@ from nats.aio.msg import Msg
 
 from . import _prompt
 from ._prompt import DEFAULT_SWITCH_INTERVAL, prompt_threads
+from ._responder import Responder
 from .bus import connect
 from .errors import HandlerError, InvalidRequest, TimeSliceError, Unavailable
 from .handlers import HandlerResult, WorkloadHandler
@@ -56,6 +61,8 @@ log = logging.getLogger("timeslice.workload")
 _cmd_decoder = msgspec.json.Decoder(WorkloadCommand)
 _reply_decoder = msgspec.json.Decoder(AgentReply)
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True, slots=True)
 class _Early:
@@ -75,8 +82,20 @@ def default_node_id() -> str:
     return validate_id("node", name or "node")
 
 
+def _servers_of(nc: NATS) -> list[str]:
+    """The servers ``nc`` knows, the one it is connected to first (none when it is not connected)."""
+    current = nc.connected_url
+    if current is None:
+        return []
+    first = current.geturl()
+    return [first, *(u for u in (s.geturl() for s in nc.servers) if u != first)]
+
+
 class WorkloadChannel:
-    """One registered workload. ``close()`` unregisters it (idempotent)."""
+    """One registered workload. ``close()`` unregisters it (idempotent).
+
+    ``nc`` carries the registration. The commands come on a connection of the channel's own, made on its
+    thread to ``nats_url`` (default: the server ``nc`` is connected to, then the others it knows)."""
 
     def __init__(
         self,
@@ -97,6 +116,7 @@ class WorkloadChannel:
         endpoints: Iterable[str] = (),
         switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
         early_suspend: bool = True,
+        nats_url: str | None = None,
     ) -> None:
         if not isinstance(handler, WorkloadHandler):
             raise InvalidRequest("handler must have suspend(mode, tags) and resume(mode, tags) methods")
@@ -118,36 +138,79 @@ class WorkloadChannel:
         if switch_interval is not None and switch_interval <= 0:
             raise InvalidRequest(f"switch_interval must be positive seconds or None, not {switch_interval}")
         self.switch_interval = switch_interval  # the GIL switch interval while a command runs (None: as it is)
+        self.nats_url = nats_url
         self._own = own_connection
-        self._armed = False  # the interval is lowered until the next command is answered (see arm())
-        self._sub: object | None = None
+        self._responder: Responder | None = None  # the channel's thread, once opened
+        self._rnc: NATS | None = None  # the channel's own connection, used on its thread only
+        self._registered = False
+        # The state below is shared by the caller's thread (suspend_early, arm/disarm, close) and the channel's
+        # (commands, settle): ``_gate`` guards it. ``_lock`` (on the channel's loop only) lets one command,
+        # settle or close work at a time; ``_busy`` says one does, to the caller's thread.
+        self._gate = threading.Lock()
         self._lock = asyncio.Lock()
+        self._busy = False
+        self._armed = False  # the interval is lowered until the next command is answered (see arm())
         self._answers: dict[str, WorkloadReply] = {}
         self._closed = False
         self.early_suspend = early_suspend  # begin the suspend at a contended release (see suspend_early())
-        self._early: asyncio.Task[_Early] | None = None  # always awaited: by a command, settle() or close()
+        self._early: concurrent.futures.Future[_Early] | None = None  # always awaited: by a command, settle, close
         self.suspended = False
         self.last_result: HandlerResult | None = None
         self.early_taken = 0  # early suspends a command took
         self.early_resumed = 0  # early suspends no command took, resumed by settle()
 
+    # ------------------------------------------------------------------ lifecycle (the caller's loop)
+
     async def start(self) -> WorkloadChannel:
-        self._sub = await self.nc.subscribe(subjects.workload_rpc(self.node_id, self.job_id), cb=self._on_command)
-        await asyncio.sleep(0)  # NATS_NOTES trap 2
-        await self.nc.flush()
+        await self._open()
         req = RegisterJob(group=self.group_id, job=self.job_id, backends=self.backends, pids=self.pids,
                           pgid=self.pgid, mode=self.mode, tags=self.tags, op_timeout_ms=int(self.op_timeout * 1000),
                           endpoints=self.endpoints)
         try:
             reply = await self._agent("register", encode(req))
         except BaseException:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
+            await self._shut()
             raise
+        self._registered = True
         log.info("registered with agent %s (state %s)", self.node_id, reply.state,
                  extra={"job": self.job_id, "group": self.group_id, "node": self.node_id})
         return self
+
+    async def _open(self) -> None:
+        """Start the channel's thread, connect there and subscribe to this workload's commands."""
+        if self._responder is not None:
+            raise TimeSliceError(f"the workload channel of job {self.job_id!r} was started already")
+        servers = [self.nats_url] if self.nats_url else _servers_of(self.nc)
+        if not servers:
+            raise Unavailable("the connection given to the workload channel is not connected, and no nats_url "
+                              "was given")
+        self._lock = asyncio.Lock()  # used on the new thread's loop only
+        self._responder = Responder(f"timeslice-workload-{self.job_id}")
+        self._responder.start()
+        try:
+            self._rnc = await self._responder.call(self._subscribe(servers))
+        except BaseException:
+            await self._shut()
+            raise
+
+    async def _subscribe(self, servers: list[str]) -> NATS:
+        nc = await connect(servers, name=f"timeslice-workload-{self.job_id}", connect_timeout=self.request_timeout,
+                           dont_randomize=True)
+        try:
+            await nc.subscribe(subjects.workload_rpc(self.node_id, self.job_id), cb=self._on_command)
+            await asyncio.sleep(0)  # NATS_NOTES trap 2
+            await nc.flush(timeout=max(1, int(self.request_timeout)))
+        except BaseException:
+            await nc.close()
+            raise
+        return nc
+
+    async def _on_thread(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the channel's thread and wait for its outcome."""
+        if self._responder is None:
+            coro.close()
+            raise TimeSliceError(f"the workload channel of job {self.job_id!r} is not started")
+        return await self._responder.call(coro)
 
     async def _agent(self, verb: str, data: bytes) -> AgentReply:
         subject = subjects.agent_rpc(self.node_id, verb)
@@ -162,77 +225,84 @@ class WorkloadChannel:
             raise TimeSliceError(f"agent on node {self.node_id!r} refused {verb}: {reply.error}")
         return reply
 
-    async def _on_command(self, msg: Msg) -> None:
-        try:
-            cmd = _cmd_decoder.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            await msg.respond(encode(WorkloadReply(op_id="", ok=False, error=f"bad command: {exc}")))
+    async def close(self) -> None:
+        with self._gate:
+            if self._closed:
+                return
+            self._closed = True  # no early suspend begins from now on
+        self.disarm()
+        # Let a suspend/resume in flight finish and answer first: the agent is waiting on it. An early suspend
+        # nobody took is waited for too (its call must not outlive the channel), and left as it is.
+        if self._responder is not None and self._responder.running:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.op_timeout):
+                    await self._on_thread(self._quiesce())
+        if self._registered and self.nc.is_connected:
+            with contextlib.suppress(Exception):
+                await self._agent("unregister", encode(UnregisterJob(group=self.group_id, job=self.job_id)))
+        await self._shut()
+        if self._own:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+
+    async def _shut(self) -> None:
+        """Close the channel's connection and stop its thread (idempotent)."""
+        responder, self._responder = self._responder, None
+        if responder is None:
             return
-        # A main thread busy in Python would make each step below wait up to 5 ms for the GIL (see _prompt).
-        with prompt_threads(self.switch_interval):
-            async with self._lock:
-                answer = self._answers.get(cmd.op_id)
-                if answer is None:
-                    answer = await self._handle(cmd)
-                    self._answers = {cmd.op_id: answer}  # only the latest: a retry repeats the latest op
-            await msg.respond(encode(answer))
-            await asyncio.sleep(0)  # the connection's flusher, woken by the reply, writes it before we go on
-            self.disarm()
+        rnc, self._rnc = self._rnc, None
+        if rnc is not None and responder.running:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.request_timeout):
+                    await responder.call(rnc.drain())
+        await responder.stop(timeout=self.request_timeout)
+
+    async def __aenter__(self) -> WorkloadChannel:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ the job's release and acquire (caller)
 
     def arm(self) -> None:
         """The job yielded the group: its suspend may come while its main thread runs Python, and reading it
         would wait up to a default switch interval for the GIL. So the interval is lowered now, until the next
         command is answered or ``disarm()`` (the client calls both: on release, and on acquire or close)."""
-        if self.switch_interval is not None and not self._armed and not self._closed:
+        with self._gate:
+            if self.switch_interval is None or self._armed or self._closed:
+                return
             _prompt.lower(self.switch_interval)
             self._armed = True
 
     def disarm(self) -> None:
-        """Undo ``arm()`` (idempotent)."""
-        if self._armed:
-            self._armed = False
-            _prompt.restore()
+        """Undo ``arm()`` (idempotent; any thread)."""
+        with self._gate:
+            if self._armed:
+                self._armed = False
+                _prompt.restore()
 
     def suspend_early(self) -> bool:
         """The job released the group while another job waits for it, so the agent's suspend is on its way:
-        begin it now in the worker thread, with the registered mode and tags (those the agent sends), instead
+        begin it now on the channel's thread, with the registered mode and tags (those the agent sends), instead
         of a few bus hops later. The client calls this once the stream has stored the release. Returns whether
-        it began (not when switched off, closed, already suspended or answering a command, nor when the job's
-        backends leave out ``app_channel``: then the agent never asks this handler to suspend).
+        it began (not when switched off, not started or closed, already suspended or answering a command, nor
+        when the job's backends leave out ``app_channel``: then the agent never asks this handler to suspend).
 
         The suspend command then takes this outcome, a failure too (the handler rolled back, so the agent
         rolls the job back to RUNNING as for any failed snapshot). If no command comes, the job's next acquire
         resumes it (:meth:`settle`)."""
-        if (not self.early_suspend or "app_channel" not in self.backends or self._closed or self._early is not None
-                or self.suspended or self._lock.locked()):
+        if not self.early_suspend or "app_channel" not in self.backends:
             return False
-        self._early = asyncio.get_running_loop().create_task(self._run_early(),
-                                                             name=f"timeslice-early-suspend-{self.job_id}")
+        with self._gate:
+            if (self._closed or self._responder is None or self._early is not None or self.suspended
+                    or self._busy):
+                return False
+            # Set under the gate: a command that starts after this takes it (see _exclusive).
+            self._early = self._responder.submit(self._run_early())
         return True
-
-    async def _run_early(self) -> _Early:
-        t0 = time.perf_counter()
-        with prompt_threads(self.switch_interval):
-            try:
-                result = await asyncio.to_thread(self.handler.suspend, self.mode, frozenset(self.tags))
-            except Exception as exc:  # the handler left the state as it was (its contract)
-                log.warning("suspend at release failed: %r", exc, extra={"job": self.job_id, "group": self.group_id})
-                return _Early(None, f"{exc.__class__.__name__}: {exc}", (time.perf_counter() - t0) * 1000)
-        self.suspended = True
-        self.last_result = result
-        return _Early(result, None, (time.perf_counter() - t0) * 1000)
-
-    async def _take_early(self) -> _Early | None:
-        """The early suspend's outcome, once (None: none began). Call with the lock held."""
-        task, self._early = self._early, None
-        if task is None:
-            return None
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if not task.cancelled():
-                self._early = task  # only our wait was cancelled: whoever comes next takes it
-            raise
 
     async def settle(self) -> bool:
         """The job holds the group again: resume a suspend begun at its release that no command took (the
@@ -241,26 +311,96 @@ class WorkloadChannel:
         if self._early is None:
             return False
         why = f"job {self.job_id!r} suspended at its release and no switch followed, but resuming it"
+        try:
+            async with asyncio.timeout(self.op_timeout):
+                resumed = await self._on_thread(self._settle())
+        except TimeoutError:
+            raise HandlerError(f"{why} took over op_timeout={self.op_timeout:g} s; its state may not be back: "
+                               f"restart the job") from None
+        except Exception as exc:
+            raise HandlerError(f"{why} failed ({exc.__class__.__name__}: {exc}); its state is not back where "
+                               f"it was: restart the job") from exc
+        if resumed:
+            log.info("suspended at release, but no switch followed: resumed", extra={"job": self.job_id,
+                                                                                      "group": self.group_id})
+        return resumed
+
+    # ------------------------------------------------------------------ the channel's thread
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self) -> AsyncIterator[None]:
+        """Hold the channel's state: one command, settle or close at a time."""
+        async with self._lock:
+            with self._gate:
+                self._busy = True
+            try:
+                yield
+            finally:
+                with self._gate:
+                    self._busy = False
+
+    async def _take_early(self) -> _Early | None:
+        """The early suspend's outcome, once (None: none began). Call within ``_exclusive``."""
+        with self._gate:
+            future, self._early = self._early, None
+        if future is None:
+            return None
+        return await asyncio.wrap_future(future)
+
+    async def _run_early(self) -> _Early:
+        t0 = time.perf_counter()
         with prompt_threads(self.switch_interval):
             try:
-                async with asyncio.timeout(self.op_timeout), self._lock:
-                    early = await self._take_early()
-                    if early is None or early.result is None:  # none, or it failed and changed nothing
-                        return False
-                    await asyncio.to_thread(self.handler.resume, self.mode, frozenset(self.tags))
-            except TimeoutError:
-                raise HandlerError(f"{why} took over op_timeout={self.op_timeout:g} s; its state may not be back: "
-                                   f"restart the job") from None
-            except Exception as exc:
-                raise HandlerError(f"{why} failed ({exc.__class__.__name__}: {exc}); its state is not back where "
-                                   f"it was: restart the job") from exc
-        self.suspended = False
-        self.early_resumed += 1
-        log.info("suspended at release, but no switch followed: resumed", extra={"job": self.job_id,
-                                                                                  "group": self.group_id})
+                result = self.handler.suspend(self.mode, frozenset(self.tags))
+            except Exception as exc:  # the handler left the state as it was (its contract)
+                log.warning("suspend at release failed: %r", exc, extra={"job": self.job_id, "group": self.group_id})
+                return _Early(None, f"{exc.__class__.__name__}: {exc}", (time.perf_counter() - t0) * 1000)
+        with self._gate:
+            self.suspended = True
+        self.last_result = result
+        return _Early(result, None, (time.perf_counter() - t0) * 1000)
+
+    async def _settle(self) -> bool:
+        with prompt_threads(self.switch_interval):
+            async with self._exclusive():
+                early = await self._take_early()
+                if early is None or early.result is None:  # none, or it failed and changed nothing
+                    return False
+                self.handler.resume(self.mode, frozenset(self.tags))
+                with self._gate:
+                    self.suspended = False
+                self.early_resumed += 1
         return True
 
+    async def _quiesce(self) -> None:
+        """Wait for a command in flight, and for an early suspend nobody took (left as it is)."""
+        async with self._exclusive():
+            await self._take_early()
+
+    async def _on_command(self, msg: Msg) -> None:
+        try:
+            cmd = _cmd_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            await msg.respond(encode(WorkloadReply(op_id="", ok=False, error=f"bad command: {exc}")))
+            return
+        # A main thread busy in Python would make each step below wait up to 5 ms for the GIL (see _prompt).
+        with prompt_threads(self.switch_interval):
+            answer = await self._answer(cmd)
+            await msg.respond(encode(answer))
+            await asyncio.sleep(0)  # the connection's flusher, woken by the reply, writes it before we go on
+            self.disarm()
+
+    async def _answer(self, cmd: WorkloadCommand) -> WorkloadReply:
+        """One command's answer: the same for the same op id (a retry repeats the latest op)."""
+        async with self._exclusive():
+            answer = self._answers.get(cmd.op_id)
+            if answer is None:
+                answer = await self._handle(cmd)
+                self._answers = {cmd.op_id: answer}  # only the latest
+            return answer
+
     async def _handle(self, cmd: WorkloadCommand) -> WorkloadReply:
+        """Run one command. Call within ``_exclusive``, on the channel's thread."""
         early = await self._take_early()
         if early is not None:
             if cmd.action == "suspend" and (cmd.mode, frozenset(cmd.tags)) == (self.mode, frozenset(self.tags)):
@@ -275,54 +415,26 @@ class WorkloadChannel:
             # nothing. A suspend in another mode or of other tags than registered puts the state back first.
             if early.result is not None and cmd.action == "suspend":
                 try:
-                    await asyncio.to_thread(self.handler.resume, self.mode, frozenset(self.tags))
+                    self.handler.resume(self.mode, frozenset(self.tags))
                 except Exception as exc:
                     return WorkloadReply(op_id=cmd.op_id, ok=False, error=f"resuming the suspend begun at release "
                                          f"failed: {exc.__class__.__name__}: {exc}")
-                self.suspended = False
+                with self._gate:
+                    self.suspended = False
         fn = self.handler.suspend if cmd.action == "suspend" else self.handler.resume
         t0 = time.perf_counter()
         try:
-            result = await asyncio.to_thread(fn, cmd.mode, frozenset(cmd.tags))
+            result = fn(cmd.mode, frozenset(cmd.tags))
         except Exception as exc:
             log.warning("%s failed: %r", cmd.action, exc, extra={"job": self.job_id, "epoch": cmd.epoch})
             return WorkloadReply(op_id=cmd.op_id, ok=False, error=f"{exc.__class__.__name__}: {exc}",
                                  elapsed_ms=(time.perf_counter() - t0) * 1000)
-        self.suspended = cmd.action == "suspend"
+        with self._gate:
+            self.suspended = cmd.action == "suspend"
         self.last_result = result
         return WorkloadReply(op_id=cmd.op_id, ok=True, bytes_moved=result.bytes_moved,
                              device_bytes_freed=result.device_bytes_freed,
                              elapsed_ms=(time.perf_counter() - t0) * 1000)
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.disarm()
-        # Let a suspend/resume in flight finish and answer first: the agent is waiting on it. An early suspend
-        # nobody took is waited for too (its thread must not outlive the channel), and left as it is.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.op_timeout), self._lock:
-                await self._take_early()
-        if self.nc.is_connected:
-            with contextlib.suppress(Exception):
-                await self._agent("unregister", encode(UnregisterJob(group=self.group_id, job=self.job_id)))
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()  # type: ignore[attr-defined]
-        if self._own:
-            with contextlib.suppress(Exception):
-                await self.nc.drain()
-
-    async def __aenter__(self) -> WorkloadChannel:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
-
-
 async def register_workload(
     job_id: str,
     group_id: str,
