@@ -182,7 +182,7 @@ def _busy_suspend(r: dict[str, Any]) -> list[str]:
     return [
         f"The torch handler over {r.get('tensors', '?')} {r.get('device', 'cpu')} tensors of "
         f"{r.get('tensor_kib', '?')} KiB "
-        f"({_n(r.get('mb'), 0, ' MB')}), called from a worker thread as the workload channel calls it, while "
+        f"({_n(r.get('mb'), 0, ' MB')}), called from a thread of its own as the workload channel calls it, while "
         "another thread of the job runs Python (a job scoring rewards after it yielded). Medians of "
         f"{r.get('reps', '?')} cycles; baseline (idle: that thread sleeps) in the same run. \"per storage\": one "
         "copy call per storage (the CUDA path); \"batched\": every copy in one call (the CPU path); \"prompt\": "
