@@ -16,6 +16,8 @@ from timeslice_client._responder import Responder
 from timeslice_client.bus import connect
 from timeslice_client.protocol import WorkloadCommand, WorkloadReply, encode, subjects
 
+from .helpers import eventually
+
 NODE = "node-t"
 WAIT = 10.0  # bound on every wait for the handler's thread
 
@@ -56,10 +58,13 @@ async def nc(nats_url: str) -> AsyncIterator[NATS]:
         await conn.close()
 
 
+def _encoded(action: str, op: str) -> bytes:
+    return encode(WorkloadCommand(op_id=op, action=action, mode=SuspendMode.OFFLOAD, tags=(), epoch=1))  # type: ignore[arg-type]
+
+
 async def _command(nc: NATS, job: str, action: str, op: str) -> WorkloadReply:
     """What the agent sends: a request on the workload's subject."""
-    cmd = WorkloadCommand(op_id=op, action=action, mode=SuspendMode.OFFLOAD, tags=(), epoch=1)  # type: ignore[arg-type]
-    msg = await nc.request(subjects.workload_rpc(NODE, job), encode(cmd), timeout=WAIT)
+    msg = await nc.request(subjects.workload_rpc(NODE, job), _encoded(action, op), timeout=WAIT)
     return msgspec.json.decode(msg.data, type=WorkloadReply)
 
 
@@ -95,12 +100,11 @@ async def test_a_command_that_comes_during_an_early_suspend_takes_it_once_it_is_
     try:
         assert ch.suspend_early()
         assert await asyncio.to_thread(h.entered.wait, WAIT)
-        suspend = asyncio.create_task(_command(nc, "j2", "suspend", "op-1"))
-        await asyncio.sleep(0)  # the request is buffered...
-        await nc.flush()  # ...and the server has it, while the handler still runs
-        assert not suspend.done()
+        answers = await nc.subscribe(inbox := nc.new_inbox(), max_msgs=1)
+        await nc.publish(subjects.workload_rpc(NODE, "j2"), _encoded("suspend", "op-1"), reply=inbox)
+        await nc.flush()  # the server has the command while the handler still runs
         h.go.set()
-        reply = await suspend
+        reply = msgspec.json.decode((await answers.next_msg(timeout=WAIT)).data, type=WorkloadReply)
         assert reply.ok and reply.began_at_release and reply.bytes_moved == 3
         assert h.threads == ["timeslice-workload-j2"] and not h.overlapped and ch.suspended
         assert ch.early_taken == 1 and not await ch.settle(), "taken by the command: nothing to settle"
@@ -115,8 +119,7 @@ async def test_close_waits_for_an_early_suspend_nobody_took_and_is_idempotent(nc
     assert ch.suspend_early()
     assert await asyncio.to_thread(h.entered.wait, WAIT)
     closing = asyncio.create_task(ch.close())
-    for _ in range(20):  # let close() run as far as it can: it must stop at the handler
-        await asyncio.sleep(0)
+    await eventually(lambda: ch._closed, what="close() began")
     assert not closing.done(), "close() returned while the handler still ran"
     h.go.set()
     async with asyncio.timeout(WAIT):
