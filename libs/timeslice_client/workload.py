@@ -186,8 +186,8 @@ class WorkloadChannel:
                               "was given")
         self._lock = asyncio.Lock()  # used on the new thread's loop only
         self._responder = Responder(f"timeslice-workload-{self.job_id}")
-        self._responder.start()
         try:
+            self._responder.start()
             self._rnc = await self._responder.call(self._subscribe(servers))
         except BaseException:
             await self._shut()
