@@ -1,4 +1,5 @@
-"""A thread with an event loop of its own, where a workload channel answers its node's agent.
+"""A thread with an event loop of its own: a workload channel answers its node's agent there, and the blocking
+``TimeSliceClient`` runs its asyncio client there (on asyncio's own loop, ``fast=False``, as it always did).
 
 The channel's commands arrive on this thread's own NATS connection and its handler runs right here, so a
 reply leaves as soon as the handler returns: no hand-off to a worker thread and back to the job's loop, each
@@ -24,7 +25,9 @@ log = logging.getLogger("timeslice.workload")
 T = TypeVar("T")
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
+def _new_loop(fast: bool) -> asyncio.AbstractEventLoop:
+    if not fast:
+        return asyncio.new_event_loop()
     try:
         import uvloop
     except ImportError:
@@ -34,12 +37,14 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 
 class Responder:
-    """One thread running one event loop until :meth:`stop`. Coroutines are handed to it with :meth:`call`
-    (from another loop) or :meth:`submit` (from any thread)."""
+    """One thread running one event loop until :meth:`stop` (or :meth:`stop_blocking`). Coroutines are handed
+    to it with :meth:`call` (from another loop) or :meth:`submit` (from any thread). ``fast``: uvloop's loop
+    when it is installed, else asyncio's own."""
 
-    def __init__(self, name: str, *, start_timeout: float = 5.0) -> None:
+    def __init__(self, name: str, *, start_timeout: float = 5.0, fast: bool = True) -> None:
         self.name = name
         self.start_timeout = start_timeout
+        self.fast = fast
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -59,7 +64,7 @@ class Responder:
             raise RuntimeError(f"the thread of {self.name!r} did not start within {self.start_timeout:g} s")
 
     def _main(self, ready: threading.Event) -> None:
-        loop = _new_loop()
+        loop = _new_loop(self.fast)
         asyncio.set_event_loop(loop)
         self._loop = loop
         loop.call_soon(ready.set)
@@ -90,14 +95,26 @@ class Responder:
     async def stop(self, timeout: float = 10.0) -> bool:
         """Stop the loop (its tasks are cancelled) and join the thread, waiting at most ``timeout`` s (it ends
         only once a handler call running there returns). Idempotent; returns whether the thread ended."""
-        loop, thread = self._loop, self._thread
+        self._request_stop()
+        return await asyncio.to_thread(self._join, timeout)
+
+    def stop_blocking(self, timeout: float = 10.0) -> bool:
+        """:meth:`stop`, for a caller that runs no event loop."""
+        self._request_stop()
+        return self._join(timeout)
+
+    def _request_stop(self) -> None:
+        loop = self._loop
         if not self._stopped and loop is not None:
             self._stopped = True
             with contextlib.suppress(RuntimeError):  # closed already
                 loop.call_soon_threadsafe(loop.stop)
+
+    def _join(self, timeout: float) -> bool:
+        thread = self._thread
         if thread is None or thread is threading.current_thread():
             return True
-        await asyncio.to_thread(thread.join, timeout)
+        thread.join(timeout)
         if thread.is_alive():
             log.warning("the thread of %s is still busy %g s after it was asked to stop", self.name, timeout)
             return False

@@ -1,17 +1,16 @@
-"""``TimeSliceClient``: a blocking facade over ``AsyncTimeSliceClient`` with its own loop thread."""
+"""``TimeSliceClient``: a blocking facade over ``AsyncTimeSliceClient`` with its own loop thread (``_responder``)."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import threading
 from collections.abc import Callable, Coroutine, Iterator
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from ._async_client import AsyncTimeSliceClient, Grant, ReleaseResult
+from ._responder import Responder
 from .errors import TimeSliceError, Unavailable
 from .handlers import WorkloadHandler
 from .protocol import GroupRecord
@@ -42,9 +41,8 @@ class TimeSliceClient:
         **kwargs: Any,
     ) -> None:
         self._client = AsyncTimeSliceClient(job_id, group_id, nats_url, lease_seconds, **kwargs)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"timeslice-{job_id}", daemon=True)
-        self._thread.start()
+        self._loop_thread = Responder(f"timeslice-{job_id}", fast=False)
+        self._loop_thread.start()
         self._closed = False
 
     @property
@@ -68,7 +66,7 @@ class TimeSliceClient:
         if self._closed:
             coro.close()
             raise TimeSliceError("this client is closed; make a new one")
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        fut = self._loop_thread.submit(coro)
         # Wait without fut.result(timeout): its TimeoutError would be indistinguishable from the
         # coroutine's own (AcquireTimeout is a TimeoutError too).
         try:
@@ -131,10 +129,7 @@ class TimeSliceClient:
             self._run(self._client.close(), self._margin(self._client.request_timeout))
         finally:
             self._closed = True
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            if not self._loop.is_running():
-                self._loop.close()
+            self._loop_thread.stop_blocking(10)
 
     def __enter__(self) -> TimeSliceClient:
         return self.connect()
