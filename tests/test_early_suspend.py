@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterator
 
+import msgspec
 import pytest
 from timeslice_agent import Agent
 from timeslice_agent._backend_api import Outcome
@@ -20,6 +21,7 @@ from timeslice_client import (
     HandlerResult,
     JobState,
     SuspendMode,
+    Unavailable,
     WorkloadChannel,
 )
 from timeslice_client.bus import connect
@@ -27,9 +29,11 @@ from timeslice_client.protocol import (
     JobContext,
     OpKind,
     OpResult,
+    Release,
     WorkloadCommand,
     WorkloadReply,
     decode_input,
+    encode,
     subjects,
 )
 from timeslice_orchestrator.replay._model import OpBar
@@ -134,6 +138,45 @@ async def test_with_early_suspend_off_the_workload_waits_for_the_agents_command(
         gate.set()
         await tb
         assert log == ["a:suspend"] and ch.early_taken == 0 and ch.suspended
+
+
+async def test_the_suspend_begins_before_the_stream_answers_and_a_failed_release_is_resumed_by_the_next_acquire(
+        nats_url: str, gate: asyncio.Event) -> None:
+    """The early suspend begins once the release is written, not at the stream's answer: here the stream's
+    answer never comes (the release goes out and its publish fails only after the suspend began), so the job
+    still holds the group, and its next acquire (the same grant) resumes its state before it returns."""
+    log: list[str] = []
+    async with stack(nats_url, "apart"), AsyncTimeSliceClient("a", "gf", nats_url) as a, \
+            AsyncTimeSliceClient("b", "gf", nats_url) as b:
+        ch = await a.register_workload(Recorder("a", log), node_id=NODE)
+        await b.register_workload(Recorder("b", log), node_id=NODE)
+        g = await a.acquire(timeout=10)
+        tb = asyncio.create_task(b.acquire(timeout=30))
+        await eventually(lambda: a.contended, what="the orchestrator tells a that b waits")
+        real = a._publish
+
+        async def lost(msg: msgspec.Struct, msg_id: str | None = None,
+                       headers: dict[str, str] | None = None) -> int:
+            if not isinstance(msg, Release):
+                return await real(msg, msg_id, headers)
+            assert a._nc is not None
+            await a._nc.publish("test.lost.release", encode(msg))  # written, like the real one; never stored
+            await eventually(lambda: ch.suspended, what="the suspend began before the stream's answer")
+            raise Unavailable("the stream did not answer the release (test)", nats_url=nats_url)
+
+        a._publish = lost  # type: ignore[method-assign]
+        with pytest.raises(Unavailable):
+            await a.release()
+        a._publish = real  # type: ignore[method-assign]
+        assert log == ["a:suspend"] and ch.suspended and ch.early_taken == 0
+        g2 = await a.acquire(timeout=10)
+        assert g2.epoch == g.epoch and not g2.context_restored, "a still held the group: the same grant"
+        assert log == ["a:suspend", "a:resume"] and ch.early_resumed == 1 and not ch.suspended
+        assert not tb.done()
+        gate.set()
+        await a.release()
+        gb = await tb
+        assert gb.epoch == g.epoch + 1 and ch.early_taken == 1 and log[-1] == "a:suspend"
 
 
 async def _alone_again(nats_url: str, a_handler: Recorder) -> tuple[AsyncTimeSliceClient, WorkloadChannel]:

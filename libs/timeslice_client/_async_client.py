@@ -7,7 +7,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -62,6 +62,11 @@ from .workload import WorkloadChannel
 __all__ = ["AsyncTimeSliceClient", "Grant", "ReleaseResult"]
 
 log = logging.getLogger("timeslice.client")
+
+# Loop turns a contended release waits for its bytes to be written before its workloads' suspend begins: the
+# send's first step queues the release, the connection's flusher writes it in a later one. Bounded, so a
+# connection that cannot write (reconnecting) delays the suspend by a few turns only.
+_WRITE_TURNS = 4
 
 
 class AsyncTimeSliceClient:
@@ -317,8 +322,9 @@ class AsyncTimeSliceClient:
         """Give the group back. Raises NotHolder, StaleEpoch or LeaseExpired when you no longer hold it.
 
         When another job was seen waiting (the orchestrator says so: ``Contended``, ``Granted.waiters``), this
-        job's workload channels begin their suspend as soon as the stream has stored the release, instead of
-        when the agent's command arrives a few bus hops later (``WorkloadChannel.suspend_early``)."""
+        job's workload channels begin their suspend as soon as the release has left for the stream, instead of
+        when the agent's command arrives a few bus hops later (``WorkloadChannel.suspend_early``). If the release
+        then fails (raises), they stay suspended until this job's next ``acquire()`` resumes them."""
         hold = self._hold
         if hold is None:
             raise NotHolder(self.group_id, self.job_id, holder=await self._holder_or_none(), epoch=0)
@@ -330,7 +336,7 @@ class AsyncTimeSliceClient:
             ch.arm()  # the suspend may come while this job's main thread runs Python (see WorkloadChannel.arm)
         early = self._contended_epoch == hold.epoch
         try:
-            r, seq = await self._send_release(hold, stored=self._suspend_early if early else None)
+            r, seq = await (self._release_suspending(hold) if early else self._send_release(hold))
         except BaseException:
             for ch in self._channels:
                 ch.disarm()
@@ -347,16 +353,37 @@ class AsyncTimeSliceClient:
         for ch in self._channels:
             ch.suspend_early()
 
-    async def _send_release(self, hold: _Hold, stored: Callable[[], None] | None = None) -> tuple[Released, int]:
-        """The answer, and the release's stream sequence; ``stored`` is called once the stream has the release."""
+    async def _release_suspending(self, hold: _Hold) -> tuple[Released, int]:
+        """``_send_release``, beginning the workload channels' suspend once the release is written to the
+        socket: a round trip before the stream's answer, and after the release's own way out, which the copy
+        would otherwise hold up on a machine with few cores (bench/NOTES.md, "Early suspend at the release's
+        write")."""
+        assert self._nc is not None
+        nc, sent = self._nc, self._nc.stats["out_msgs"]
+        send = asyncio.ensure_future(self._send_release(hold))
+        try:
+            for _ in range(_WRITE_TURNS):
+                if send.done() or (nc.stats["out_msgs"] > sent and nc.pending_data_size == 0):
+                    break
+                await asyncio.sleep(0)  # one loop turn: the send queues the release, the connection's flusher writes it
+            if not send.done() or (not send.cancelled() and send.exception() is None):
+                self._suspend_early()
+            return await send
+        except BaseException:
+            if not send.done():
+                send.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await send
+            raise
+
+    async def _send_release(self, hold: _Hold) -> tuple[Released, int]:
+        """The answer, and the release's stream sequence."""
         rid = request_id()
         fut: asyncio.Future[Released] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:
             seq = await self._publish(
                 Release(group=self.group_id, job=self.job_id, request_id=rid, epoch=hold.epoch), msg_id=rid)
-            if stored is not None:
-                stored()
             try:
                 async with asyncio.timeout(self.request_timeout):
                     return await fut, seq

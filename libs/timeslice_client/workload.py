@@ -287,7 +287,7 @@ class WorkloadChannel:
     def suspend_early(self) -> bool:
         """The job released the group while another job waits for it, so the agent's suspend is on its way:
         begin it now on the channel's thread, with the registered mode and tags (those the agent sends), instead
-        of a few bus hops later. The client calls this once the stream has stored the release. Returns whether
+        of a few bus hops later. The client calls this once its release is written to the bus. Returns whether
         it began (not when switched off, not started or closed, already suspended or answering a command, nor
         when the job's backends leave out ``app_channel``: then the agent never asks this handler to suspend).
 
