@@ -334,7 +334,7 @@ class AsyncTimeSliceClient:
         before = self._published
         for ch in self._channels:
             ch.arm()  # the suspend may come while this job's main thread runs Python (see WorkloadChannel.arm)
-        early = self._contended_epoch == hold.epoch
+        early = self._contended_epoch == hold.epoch and bool(self._channels)
         try:
             r, seq = await (self._release_suspending(hold) if early else self._send_release(hold))
         except BaseException:
