@@ -16,12 +16,11 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from ._grants import Grant, ReleaseResult, _Claim, _Hold, _Superseded
 from ._hold_scope import AsyncHold
 from ._prompt import DEFAULT_SWITCH_INTERVAL
-from ._publish_rules import request_id, superseded, transient
+from ._publish_rules import publish_stored, request_id
 from .bus import connect, default_nats_url, kv_keys
 from .errors import (
     AcquireCancelled,
@@ -497,33 +496,8 @@ class AsyncTimeSliceClient:
             headers = {**(headers or {}), "Nats-Msg-Id": msg_id}
         self._claim = None  # a job input after the release: the stream would refuse the claim
         self._published += 1
-        try:  # the common case first, without the retry machinery on the hot path
-            ack = await self._js.publish(subject, data, timeout=self.request_timeout, headers=headers)
-            return int(ack.seq)
-        except Exception as exc:
-            if superseded(exc):
-                raise _Superseded from exc
-            if not transient(exc):
-                raise Unavailable(f"publishing {subject} failed ({exc.__class__.__name__}: {exc})",
-                                  nats_url=self.nats_url) from exc
-        try:
-            async for attempt in AsyncRetrying(
-                stop=stop_after_delay(self.request_timeout * 3),
-                wait=wait_exponential(multiplier=0.05, max=1.0),
-                retry=retry_if_exception(transient),
-                reraise=True,
-            ):
-                with attempt:
-                    ack = await self._js.publish(subject, data, timeout=self.request_timeout, headers=headers)
-                    return int(ack.seq)
-        except TimeSliceError:
-            raise
-        except Exception as exc:
-            if superseded(exc):
-                raise _Superseded from exc
-            raise Unavailable(f"publishing {subject} failed ({exc.__class__.__name__})", nats_url=self.nats_url,
-                              after_s=self.request_timeout * 3) from exc
-        raise AssertionError("unreachable: the retry loop returns or raises")
+        return await publish_stored(self._js, subject, data, headers=headers, timeout=self.request_timeout,
+                                    nats_url=self.nats_url)
 
     def _subject(self, msg: msgspec.Struct) -> str:
         tag: str = msg.__struct_config__.tag  # type: ignore[assignment]

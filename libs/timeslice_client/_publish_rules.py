@@ -1,11 +1,18 @@
-"""What the client's stream publishes rest on: request ids, and which errors are worth a retry with the same
-message id (the stream drops duplicates within its window) or mean a claim was superseded."""
+"""What the client's stream publishes rest on: request ids, which errors are worth a retry with the same
+message id (the stream drops duplicates within its window) or mean a claim was superseded, and the publish that
+retries by those rules."""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["request_id", "superseded", "transient"]
+from nats.js import JetStreamContext
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
+
+from ._grants import _Superseded
+from .errors import TimeSliceError, Unavailable
+
+__all__ = ["publish_stored", "request_id", "superseded", "transient"]
 
 
 def request_id() -> str:
@@ -25,3 +32,37 @@ def transient(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError | OSError | ConnectionError) or exc.__class__.__name__ in (
         "NoRespondersError", "NoStreamResponseError", "ConnectionClosedError", "ConnectionReconnectingError",
         "OutboundBufferLimitError")
+
+
+async def publish_stored(js: JetStreamContext, subject: str, data: bytes, *, headers: dict[str, str] | None,
+                         timeout: float, nats_url: str) -> int:
+    """Publish into the stream and wait for its PubAck, retrying transient errors for ``3 * timeout`` with the
+    same message id (``Nats-Msg-Id`` in ``headers``); returns the message's stream sequence. Raises
+    ``_Superseded`` when the stream refuses it for a sequence check in ``headers``, else ``Unavailable``."""
+    try:  # the common case first, without the retry machinery on the hot path
+        ack = await js.publish(subject, data, timeout=timeout, headers=headers)
+        return int(ack.seq)
+    except Exception as exc:
+        if superseded(exc):
+            raise _Superseded from exc
+        if not transient(exc):
+            raise Unavailable(f"publishing {subject} failed ({exc.__class__.__name__}: {exc})",
+                              nats_url=nats_url) from exc
+    try:
+        async for attempt in AsyncRetrying(
+            stop=stop_after_delay(timeout * 3),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            retry=retry_if_exception(transient),
+            reraise=True,
+        ):
+            with attempt:
+                ack = await js.publish(subject, data, timeout=timeout, headers=headers)
+                return int(ack.seq)
+    except TimeSliceError:
+        raise
+    except Exception as exc:
+        if superseded(exc):
+            raise _Superseded from exc
+        raise Unavailable(f"publishing {subject} failed ({exc.__class__.__name__})", nats_url=nats_url,
+                          after_s=timeout * 3) from exc
+    raise AssertionError("unreachable: the retry loop returns or raises")
