@@ -147,7 +147,7 @@ class WorkloadChannel:
         # (commands, settle): ``_gate`` guards it. ``_lock`` (on the channel's loop only) lets one command,
         # settle or close work at a time; ``_busy`` says one does, to the caller's thread.
         self._gate = threading.Lock()
-        self._lock = asyncio.Lock()
+        self._lock: asyncio.Lock  # made by _open(), on the channel's loop
         self._busy = False
         self._armed = False  # the interval is lowered until the next command is answered (see arm())
         self._answers: dict[str, WorkloadReply] = {}
@@ -184,7 +184,7 @@ class WorkloadChannel:
         if not servers:
             raise Unavailable("the connection given to the workload channel is not connected, and no nats_url "
                               "was given")
-        self._lock = asyncio.Lock()  # used on the new thread's loop only
+        self._lock = asyncio.Lock()  # for this start's thread and loop only
         self._responder = Responder(f"timeslice-workload-{self.job_id}")
         try:
             self._responder.start()
