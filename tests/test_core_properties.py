@@ -191,6 +191,14 @@ class CoreMachine(RuleBasedStateMachine):
             if isinstance(n, Granted):
                 assert self.rid_job.get(n.request_id) == n.job, f"grant for a request {n.job} never made: {n}"
                 assert n.request_id not in self.departed, f"grant to a request that had left: {n}"
+                if (isinstance(ev, Renew) and ev.epoch is None and self.holder == (n.job, n.epoch, n.request_id)
+                        and (ev.job, ev.request_id) == (n.job, n.request_id)):
+                    # The grantee still renews its wait: it has not heard of its grant, which is sent again as it was.
+                    assert len(ns) == 1 and not cmds, f"a re-sent grant comes alone: {ns}"
+                    assert new.holder is not None and not new.holder.confirmed, "only an unconfirmed grant is re-sent"
+                    assert (n.waited_ms, n.context_restored) == (new.holder.waited_ms, new.holder.restored)
+                    event("grant re-sent")
+                    continue
                 if self.holder is not None and self.holder[:2] == (n.job, n.epoch):
                     assert pending == (n.job, n.request_id), f"re-grant without the holder asking: {n}"
                     assert not n.context_restored and n.waited_ms == 0

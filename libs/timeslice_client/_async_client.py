@@ -124,6 +124,7 @@ class AsyncTimeSliceClient:
         self._published = 0  # job inputs published (a claim is only offered when none came after the release)
         self._claim_filter = subjects.job_inputs(self.group_id)
         self._contended_epoch = 0  # the latest epoch of this job's at which another job was seen waiting
+        self._renew_now = False  # the keeper renews every wait and the hold at once (set on reconnect)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -135,7 +136,7 @@ class AsyncTimeSliceClient:
                 return self
             if self._nc is None:
                 self._nc = await connect(self.nats_url, name=f"timeslice-job-{self.job_id}",
-                                         connect_timeout=self.connect_timeout)
+                                         connect_timeout=self.connect_timeout, reconnected_cb=self._on_reconnected)
             self._js = self._nc.jetstream(timeout=self.request_timeout)
             v = self._nc.connected_server_version
             # The sequence check's -Subject header came with nats-server 2.11; an older server would check the
@@ -552,21 +553,30 @@ class AsyncTimeSliceClient:
             return JobFaulted(n.group, n.job, n.message)
         return InvalidRequest(n.message, group_id=n.group, job_id=n.job)
 
+    async def _on_reconnected(self) -> None:
+        """The connection is back after a cut: notices sent meanwhile are lost (core NATS, at most once). Renew
+        every wait and the hold at once: the orchestrator answers a wait it has granted meanwhile with the grant
+        again, and a renewal of a hold it revoked meanwhile with a refusal, so this job learns of either within a
+        round trip instead of at its next renewal."""
+        self._renew_now = True
+        self._wake.set()
+
     async def _keep(self) -> None:
         """Renew waiters' places and the holder's lease, each a third of its window ahead."""
         while True:
             self._wake.clear()  # before looking, so a wake-up during the renewals below is not lost
             now = time.monotonic()
             nxt = now + 3600
+            force, self._renew_now = self._renew_now, False
             for rid, due in list(self._waiting.items()):
                 next_due = due
-                if due <= now:
+                if due <= now or force:
                     self._waiting[rid] = next_due = now + self.waiter_ttl_ms / 3000
                     await self._renew(Renew(group=self.group_id, job=self.job_id, request_id=rid))
                 nxt = min(nxt, next_due)
             hold = self._hold
             if hold is not None and hold.lost is None:
-                if hold.next_renew <= now:
+                if hold.next_renew <= now or force:
                     hold.next_renew = now + hold.lease_ms / 3000
                     rid = request_id()
                     hold.renew_ids.append(rid)

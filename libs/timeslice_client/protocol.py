@@ -440,6 +440,8 @@ class HolderRecord(_Rec, frozen=True):
     lease_deadline_ms: int
     confirmed: bool = False
     waiter_ttl_ms: int = 0  # an unconfirmed grant lives this long after each renewal of the wait
+    waited_ms: int = 0  # what the grant said, so that a re-sent grant says the same
+    restored: bool = False
 
 
 class WaiterRecord(_Rec, frozen=True):

@@ -194,13 +194,18 @@ def _on_renew(w: Work, ev: Renew) -> None:
         w.touch("waiter renewed")
         return
     h = w.holder
-    if h is not None and h.request_id == ev.request_id:
-        # Granted meanwhile; the grant notice is on its way. Until the grant is confirmed it is still the
-        # waiter's place, kept alive by the waiter's renewals like any place in the queue: a grant decided
-        # at an old stream time (a release made while the orchestrator was down) is not revoked on arrival.
-        if not h.confirmed and now + h.waiter_ttl_ms > h.lease_deadline_ms:
-            w.holder = msgspec.structs.replace(h, lease_deadline_ms=now + h.waiter_ttl_ms)
-            w.touch("granted waiter renewed")
+    if h is not None and h.request_id == ev.request_id and h.job == ev.job:
+        # Granted, but the grantee still renews its wait: it has not heard of the grant (the notice is on its
+        # way, or it was lost: notices are at most once, and a client cut off at the grant misses it). So the
+        # grant is sent again, and until it is confirmed it is still the waiter's place, kept alive by the
+        # waiter's renewals like any place in the queue: a grant decided at an old stream time (a release made
+        # while the orchestrator was down) is not revoked on arrival. A duplicate grant is harmless: the client
+        # takes the first one for its request id and ignores the others.
+        if not h.confirmed:
+            if now + h.waiter_ttl_ms > h.lease_deadline_ms:
+                w.holder = h = msgspec.structs.replace(h, lease_deadline_ms=now + h.waiter_ttl_ms)
+                w.touch("granted waiter renewed")
+            w.notify_grant(h)
         return
     w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason="not waiting"))
 

@@ -187,21 +187,28 @@ class Work:
             lease_ms=wr.lease_ms,
             lease_deadline_ms=self.now + min(wr.confirm_ms, wr.lease_ms),
             waiter_ttl_ms=wr.waiter_ttl_ms,
+            waited_ms=max(0, self.now - wr.enqueued_at_ms),
+            restored=restored,
         )
         self.active_job = wr.job
+        self.notify_grant(self.holder)
+        self.touch("granted")
+
+    def notify_grant(self, h: HolderRecord) -> None:
+        """Tell the holder of its grant: at the grant, and again whenever the grantee shows that it has not heard
+        of it yet (a renewal of its wait: notices are at most once, a grant notice can be lost)."""
         self.notify(
             Granted(
                 group=self.group,
-                job=wr.job,
-                request_id=wr.request_id,
-                epoch=epoch,
-                waited_ms=max(0, self.now - wr.enqueued_at_ms),
-                context_restored=restored,
-                lease_deadline_ms=self.holder.lease_deadline_ms,
+                job=h.job,
+                request_id=h.request_id,
+                epoch=h.epoch,
+                waited_ms=h.waited_ms,
+                context_restored=h.restored,
+                lease_deadline_ms=h.lease_deadline_ms,
                 waiters=len(self.queue),
             )
         )
-        self.touch("granted")
 
     def drop_waiter(self, i: int, reason: str) -> None:
         wr = self.queue.pop(i)

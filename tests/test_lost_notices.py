@@ -1,0 +1,92 @@
+"""Notices are core NATS (at most once): a job cut off from the bus when its grant is published never gets that
+notice. The grant must reach it all the same once it hears again, and the group must not stall meanwhile.
+
+Each client's connection runs through a TCP proxy on 127.0.0.1 whose ``cut()`` drops it (the server sees the
+client go, the client reconnects once the proxy lets it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from timeslice_client import AsyncTimeSliceClient
+
+from .helpers import eventually
+from .tcp_proxy import tcp_proxy
+
+pytestmark = pytest.mark.usefixtures("orchestrator")
+
+CUT_S = 1.0  # how long the connection stays cut (the fault's duration, not a wait for something)
+
+
+async def test_a_waiter_cut_off_at_its_grant_is_granted_once_it_hears_again(nats_url: str) -> None:
+    async with tcp_proxy(nats_url) as proxy:
+        a = await AsyncTimeSliceClient("a", "lost1", nats_url).connect()
+        b = await AsyncTimeSliceClient("b", "lost1", proxy.url, acquire_timeout=40).connect()
+        try:
+            ga = await a.acquire(timeout=10)
+            wait = asyncio.create_task(b.acquire(timeout=40))
+
+            async def b_waits() -> bool:
+                return any(w.job == "b" for w in (await a.status()).queue)
+
+            await eventually(b_waits, what="b waits for the group")
+            assert b._nc is not None
+            proxy.cut()
+            await eventually(lambda: not b._nc.is_connected, what="b's connection is cut")  # type: ignore[union-attr]
+            await a.release()
+
+            async def granted_to_b() -> bool:
+                rec = await a.status()
+                return rec.holder is not None and rec.holder.job == "b"
+
+            await eventually(granted_to_b, what="the orchestrator granted b (its notice went to nobody)")
+            await asyncio.sleep(CUT_S)
+            assert not wait.done()
+            proxy.restore()
+            t0 = time.monotonic()
+            gb = await asyncio.wait_for(wait, 5)
+            took = time.monotonic() - t0
+            print(f"\nb granted {took * 1000:.0f} ms after its connection came back")
+            assert gb.epoch == ga.epoch + 1
+            assert b.holding
+            await b.release()
+            # The group works on: a gets it back at once.
+            g = await a.acquire(timeout=10)
+            assert g.epoch == gb.epoch + 1
+            await a.release()
+        finally:
+            await b.close()
+            await a.close()
+
+
+async def test_a_holder_cut_off_while_its_lease_is_revoked_learns_it_once_it_hears_again(nats_url: str) -> None:
+    """The same for ``Revoked``: the holder's lease runs out while it is cut off (the next job is granted), and the
+    holder learns that it lost the group within a round trip of its connection coming back (its renewal, sent at
+    once on reconnect, is refused)."""
+    async with tcp_proxy(nats_url) as proxy:
+        a = await AsyncTimeSliceClient("a", "lost2", proxy.url, lease_seconds=2, confirm_seconds=1).connect()
+        b = await AsyncTimeSliceClient("b", "lost2", nats_url).connect()
+        try:
+            ga = await a.acquire(timeout=10)
+            wait = asyncio.create_task(b.acquire(timeout=40))
+
+            async def b_waits() -> bool:
+                return any(w.job == "b" for w in (await b.status()).queue)
+
+            await eventually(b_waits, what="b waits for the group")
+            proxy.cut()
+            await eventually(lambda: not a._nc.is_connected, what="a's connection is cut")  # type: ignore[union-attr]
+            gb = await asyncio.wait_for(wait, 10)  # a's lease (2 s) ran out while it could not renew
+            assert gb.epoch == ga.epoch + 1
+            assert a.holding  # its Revoked went to nobody: it has not heard yet
+            proxy.restore()
+            t0 = time.monotonic()
+            await eventually(lambda: not a.holding, timeout=5, interval=0.01, what="a learns it lost the group")
+            took = time.monotonic() - t0
+            print(f"\na learnt it lost the group {took * 1000:.0f} ms after its connection came back")
+            await b.release()
+        finally:
+            await b.close()
+            await a.close()
