@@ -1,0 +1,598 @@
+"""Leader election for a hot-standby orchestrator: one lease key in the KV bucket ``leader``.
+
+The leader holds ``$KV.leader.orchestrator``: a ``LeaderRecord`` written with a per-message TTL
+(``Nats-TTL``, whole seconds) and renewed every ``renew_s`` by a compare-and-swap on its own revision.
+A standby watches the key. When the record disappears (the leader resigned: a PURGE; it died: the
+server expires the record after ``ttl_s`` and, with ``limit_marker_ttl``, writes a ``MaxAge`` marker
+that watchers see at once) the standby campaigns: a write that succeeds only if nothing at all was
+written to the bucket since it looked.
+
+The term rule. A term is the stream sequence of the write that won the election: the campaign
+publishes with ``Nats-Expected-Last-Sequence: S`` (the bucket's last sequence when it looked) and the
+record says ``term = S + 1``, which is then exactly that write's sequence. JetStream sequences only
+grow and each is given to one message, so terms are unique and strictly increasing, across expiries,
+purges and markers (which a value-derived ``previous + 1`` would lose: an expired record takes its
+term with it). Terms are therefore increasing but not consecutive. They restart only if the bucket
+itself is deleted (see ``LeadershipError``).
+
+Safety. ``is_leader()`` is true only while a local validity window holds:
+``valid_until = (clock when the last successful write was SENT) + ttl_s - margin_s``. The server
+stores that write no earlier than it was sent and expires it ``ttl_s`` after storing it (measured:
+1.001-1.002 s for a 1 s TTL), so nobody else can win before the window has closed. The clock is
+``CLOCK_BOOTTIME`` where there is one (it keeps counting through SIGSTOP and through a suspend of
+the machine), else ``time.monotonic``. A paused process that resumes sees the window closed before
+any other callback can publish, and its next write (a CAS on its old revision) is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import nats.errors
+from nats.js import JetStreamContext
+from nats.js.api import Header, KeyValueConfig, StorageType
+from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
+
+from ._errors import OrchestratorError
+
+__all__ = [
+    "LEADER_BUCKET",
+    "LEADER_KEY",
+    "LeaderRecord",
+    "LeaderWaitTimeout",
+    "Leadership",
+    "LeadershipChange",
+    "LeadershipError",
+    "NotLeader",
+    "ensure_leader_bucket",
+    "read_leader",
+]
+
+log = logging.getLogger("timeslice.orchestrator.leadership")
+
+LEADER_BUCKET = "leader"
+LEADER_KEY = "orchestrator"
+_STREAM = f"KV_{LEADER_BUCKET}"
+_SUBJECT = f"$KV.{LEADER_BUCKET}.{LEADER_KEY}"
+_WRONG_LAST_SEQ = (10071, 10164)  # JSStreamWrongLastSequenceErrF / ...ConstantErr (trap 3)
+_STREAM_NOT_FOUND = 10059
+
+if hasattr(time, "CLOCK_BOOTTIME"):
+    _BOOTTIME = time.CLOCK_BOOTTIME
+
+    def _clock() -> float:
+        return time.clock_gettime(_BOOTTIME)
+else:  # pragma: no cover - not Linux
+    _clock = time.monotonic
+
+
+class LeadershipError(OrchestratorError):
+    """Leader election cannot go on safely; the message says what to do."""
+
+
+class NotLeader(LeadershipError):
+    """A fenced write was refused: this instance does not hold the lease (any more)."""
+
+    def __init__(self, instance: str, term: int | None, reason: str) -> None:
+        super().__init__(f"instance {instance} is not the leader (term {term}): {reason}; "
+                         "stop publishing decisions and wait for the next election")
+        self.instance = instance
+        self.term = term
+        self.reason = reason
+
+
+class LeaderWaitTimeout(LeadershipError, TimeoutError):
+    """``wait_leader`` gave up."""
+
+    def __init__(self, instance: str, timeout: float, holder: str | None) -> None:
+        super().__init__(f"instance {instance} did not become leader within {timeout} s "
+                         f"(current holder: {holder or 'none'}); another instance may hold the lease")
+        self.instance = instance
+        self.timeout = timeout
+        self.holder = holder
+
+
+class LeaderRecord(msgspec.Struct, frozen=True):
+    """The value of the lease key."""
+
+    holder: str  # the instance id: host/pid/random
+    term: int
+    since_ms: int  # wall clock when this term began
+    label: str = ""  # e.g. the instance's status URL
+
+
+@dataclass(frozen=True, slots=True)
+class LeadershipChange:
+    """What ``on_change`` receives: ``leading`` True when elected, False when the lease is lost."""
+
+    leading: bool
+    term: int
+    instance: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """One state of the key: ``record`` None when absent (deleted, purged, expired)."""
+
+    rev: int  # 0: no message at all
+    record: LeaderRecord | None
+    ttl_s: float | None  # the record's Nats-TTL
+    at: float  # _clock() when observed
+
+
+def _parse_ttl(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return float(value[:-1]) if value.endswith("s") else float(value)
+    except ValueError:
+        return None
+
+
+def _seen_from(rev: int, headers: dict[str, str] | None, data: bytes | None) -> _Seen:
+    h = headers or {}
+    if h.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in h or not data:
+        return _Seen(rev, None, None, _clock())
+    try:
+        record = msgspec.json.decode(data, type=LeaderRecord)
+    except msgspec.DecodeError as exc:
+        # Not ours to judge: someone wrote the key. Treat it as held (safe) until it goes away.
+        log.error(  # noqa: TRY400 - the value, not a traceback, explains it
+            "undecodable leader record at revision %d (%s): %r", rev, exc, data[:200])
+        record = LeaderRecord(holder="<undecodable>", term=0, since_ms=0)
+    return _Seen(rev, record, _parse_ttl(h.get(Header.MSG_TTL.value)), _clock())
+
+
+def _is_wrong_last(exc: BaseException) -> bool:
+    return isinstance(exc, APIError) and exc.err_code in _WRONG_LAST_SEQ
+
+
+async def ensure_leader_bucket(js: JetStreamContext, *, replicas: int = 1, timeout: float = 5.0) -> None:
+    """Create the ``leader`` bucket if it is missing (history 1, TTL markers, file storage, direct gets).
+
+    An existing bucket is used as it is when it allows per-message TTLs; otherwise ``LeadershipError``."""
+    async with asyncio.timeout(timeout):
+        try:
+            info = await js.stream_info(_STREAM)
+        except NotFoundError:
+            try:
+                await js.create_key_value(KeyValueConfig(
+                    bucket=LEADER_BUCKET, history=1, replicas=replicas, storage=StorageType.FILE, direct=True,
+                    limit_marker_ttl=1, description="timeslice orchestrator leader lease"))
+            except BucketNotFoundError:  # pragma: no cover - defensive
+                raise
+            except APIError as exc:  # created by another instance at the same moment (10058)
+                log.debug("leader bucket creation raced: %r", exc)
+            info = await js.stream_info(_STREAM)
+    if not info.config.allow_msg_ttl:
+        raise LeadershipError(f"the KV bucket {LEADER_BUCKET!r} exists without per-message TTLs (allow_msg_ttl); "
+                              f"delete it (`nats kv del {LEADER_BUCKET}`) while no orchestrator runs, then restart")
+    if not info.config.subject_delete_marker_ttl:
+        log.warning("the KV bucket %r has no TTL markers (limit_marker_ttl): standbys notice a dead leader "
+                    "only by re-reading after the TTL", LEADER_BUCKET)
+
+
+async def _read(js: JetStreamContext, timeout: float) -> _Seen:
+    async with asyncio.timeout(timeout):
+        try:
+            try:
+                msg = await js.get_msg(_STREAM, subject=_SUBJECT, direct=True)
+            except nats.errors.NoRespondersError:  # no such stream, or one without direct gets: ask the API
+                msg = await js.get_msg(_STREAM, subject=_SUBJECT)
+        except NotFoundError as exc:
+            if exc.err_code == _STREAM_NOT_FOUND:
+                raise
+            return _Seen(0, None, None, _clock())
+    return _seen_from(msg.seq or 0, msg.headers, msg.data)
+
+
+async def read_leader(js: JetStreamContext, *, timeout: float = 2.0) -> LeaderRecord | None:
+    """The current leader's record, or None when nobody holds the lease (or the bucket does not exist)."""
+    try:
+        return (await _read(js, timeout)).record
+    except NotFoundError:
+        return None
+
+
+def default_instance_id() -> str:
+    return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}"
+
+
+class Leadership:
+    """Campaign for, hold and give up the orchestrator lease. Run ``run(stop)`` as one task.
+
+    ``is_leader()`` is the hot-path check. ``on_change`` (called in the event loop, must not block) and
+    ``wait_leader`` report elections and losses; ``metrics(name, value)`` receives ``elected`` (term),
+    ``lost`` (term), ``renew_s`` (latency of a renewal), ``renew_unknown``, ``window_lapsed``,
+    ``campaign_lost`` and ``takeover_s`` (from seeing the key gone to holding it).
+    """
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        *,
+        instance_id: str | None = None,
+        label: str = "",
+        ttl_s: int = 1,
+        renew_s: float = 0.25,
+        margin_s: float = 0.2,
+        op_timeout_s: float = 0.5,
+        replicas: int = 1,
+        resign_on_stop: bool = True,
+        on_change: Callable[[LeadershipChange], None] | None = None,
+        metrics: Callable[[str, float], None] | None = None,
+    ) -> None:
+        if int(ttl_s) != ttl_s or ttl_s < 1:
+            raise LeadershipError(f"ttl_s={ttl_s}: the server takes whole seconds, at least 1; pass 1, 2, ...")
+        if not 0 < margin_s < ttl_s:
+            raise LeadershipError(f"margin_s={margin_s} must be in (0, ttl_s={ttl_s})")
+        if not 0 < renew_s < ttl_s - margin_s:
+            raise LeadershipError(f"renew_s={renew_s} must be in (0, ttl_s - margin_s = {ttl_s - margin_s}): "
+                                  "the lease would lapse between renewals")
+        self._js = js
+        self.instance_id = instance_id or default_instance_id()
+        self.label = label
+        self.ttl_s = int(ttl_s)
+        self.renew_s = renew_s
+        self.margin_s = margin_s
+        self.op_timeout_s = op_timeout_s
+        self.replicas = replicas
+        self.resign_on_stop = resign_on_stop
+        self._on_change = on_change
+        self._metrics = metrics
+        self._lock = asyncio.Lock()  # one write to the key at a time
+        self._wake = asyncio.Event()  # the watch saw something, resign() ran or stop was set
+        self._waiters: list[asyncio.Future[None]] = []  # wait_leader()s, woken on every change of state
+        self._leading = False
+        self._term: int | None = None
+        self._since_ms = 0
+        self._rev = 0  # revision of our last confirmed write
+        self._valid_until = 0.0
+        self._last_sent = 0.0
+        self._unconfirmed_since: float | None = None  # first send of a renewal whose outcome is unknown
+        self._seen: _Seen | None = None
+        self._gone_at: float | None = None  # when this standby first saw the key empty
+        self._holdoff_until = 0.0
+        self._retired = False
+        self._running = False
+
+    # ---- the hot path ----------------------------------------------------------------------------------
+
+    def is_leader(self) -> bool:
+        """True only while this instance holds the lease and its validity window has not passed."""
+        return self._leading and _clock() < self._valid_until
+
+    @property
+    def term(self) -> int | None:
+        """The term held (None when not leading)."""
+        return self._term if self._leading else None
+
+    @property
+    def holder(self) -> LeaderRecord | None:
+        """The latest record this instance saw (its own when leading)."""
+        return self._seen.record if self._seen else None
+
+    def _extra(self) -> dict[str, Any]:
+        return {"term": self._term, "instance": self.instance_id}
+
+    def _metric(self, name: str, value: float = 1.0) -> None:
+        if self._metrics is not None:
+            try:
+                self._metrics(name, value)
+            except Exception:
+                log.exception("leadership metrics hook failed", extra=self._extra())
+
+    # ---- state changes ---------------------------------------------------------------------------------
+
+    def _become_leader(self, term: int, rev: int, sent: float, record: LeaderRecord) -> None:
+        self._leading = True
+        self._term = term
+        self._rev = rev
+        self._valid_until = sent + self.ttl_s - self.margin_s
+        self._last_sent = sent
+        self._unconfirmed_since = None
+        self._since_ms = record.since_ms
+        self._seen = _Seen(rev, record, float(self.ttl_s), _clock())
+        self._pulse()
+        if self._gone_at is not None:
+            self._metric("takeover_s", _clock() - self._gone_at)
+        self._gone_at = None
+        log.info("became leader", extra=self._extra())
+        self._metric("elected", term)
+        self._notify(True, term, "elected")
+
+    def _step_down(self, reason: str) -> None:
+        if not self._leading:
+            return
+        term = self._term or 0
+        self._leading = False
+        self._valid_until = 0.0
+        self._unconfirmed_since = None
+        self._pulse()
+        log.warning("lost leadership: %s", reason, extra=self._extra())
+        self._metric("lost", term)
+        self._notify(False, term, reason)
+
+    def _notify(self, leading: bool, term: int, reason: str) -> None:
+        if self._on_change is not None:
+            try:
+                self._on_change(LeadershipChange(leading, term, self.instance_id, reason))
+            except Exception:
+                log.exception("leadership on_change callback failed", extra=self._extra())
+
+    def _pulse(self) -> None:
+        for f in self._waiters:
+            if not f.done():
+                f.set_result(None)
+        self._waiters.clear()
+
+    def _observe(self, seen: _Seen) -> None:
+        """A newer state of the key (from the watch or a read)."""
+        old = self._seen
+        if old is not None and (seen.rev < old.rev or (seen.rev == old.rev and seen.record == old.record)):
+            return  # stale, or the same message again (keep when it was first seen: its expiry runs from then)
+        self._seen = seen
+        if seen.record is None:
+            if self._gone_at is None:
+                self._gone_at = seen.at
+        else:
+            self._gone_at = None
+        if self._leading and seen.rev > self._rev:
+            r = seen.record
+            if r is None or r.holder != self.instance_id or r.term != self._term:
+                self._step_down(f"the key changed under us at revision {seen.rev}: "
+                                f"{'gone' if r is None else f'held by {r.holder} term {r.term}'}")
+        self._wake.set()
+
+    # ---- writes ----------------------------------------------------------------------------------------
+
+    def _record(self) -> LeaderRecord:
+        assert self._term is not None
+        return LeaderRecord(self.instance_id, self._term, self._since_ms, self.label)
+
+    async def _publish(self, data: bytes, headers: dict[str, str]) -> int:
+        pa = await self._js.publish(_SUBJECT, data, timeout=self.op_timeout_s, headers=headers)
+        return int(pa.seq)
+
+    async def _campaign(self) -> None:
+        async with self._lock:
+            if self._leading or self._retired:
+                return
+            async with asyncio.timeout(self.op_timeout_s):
+                last_seq = int((await self._js.stream_info(_STREAM)).state.last_seq)
+            seen = await _read(self._js, self.op_timeout_s)
+            self._observe(seen)
+            if seen.record is not None:
+                return
+            term = last_seq + 1
+            record = LeaderRecord(self.instance_id, term, int(time.time() * 1000), self.label)
+            headers = {Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(seen.rev),
+                       Header.EXPECTED_LAST_SEQUENCE.value: str(last_seq),
+                       Header.MSG_TTL.value: f"{self.ttl_s}s"}
+            sent = _clock()
+            try:
+                rev = await self._publish(msgspec.json.encode(record), headers)
+            except APIError as exc:
+                if not _is_wrong_last(exc):
+                    raise
+                log.debug("campaign for term %d lost: %s", term, exc.description, extra=self._extra())
+                self._metric("campaign_lost")
+                return
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
+                # Unknown outcome (trap 10): the record, if it landed, says whether we won.
+                seen = await _read(self._js, self.op_timeout_s)
+                if seen.record == record:
+                    rev = seen.rev
+                else:
+                    self._observe(seen)
+                    return
+            if rev != term:  # pragma: no cover - the expected-last-sequence header makes this impossible
+                raise LeadershipError(f"campaign write landed at revision {rev}, expected {term}: "
+                                      "the server ignored Nats-Expected-Last-Sequence; upgrade nats-server")
+            self._become_leader(term, rev, sent, record)
+
+    async def _renew(self) -> None:
+        async with self._lock:
+            if not self._leading:
+                return
+            if _clock() >= self._valid_until:
+                self._metric("window_lapsed")
+            sent = _clock()
+            if self._unconfirmed_since is None:
+                self._unconfirmed_since = sent
+            self._last_sent = sent
+            headers = {Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(self._rev),
+                       Header.MSG_TTL.value: f"{self.ttl_s}s"}
+            try:
+                rev = await self._publish(msgspec.json.encode(self._record()), headers)
+            except APIError as exc:
+                if _is_wrong_last(exc):
+                    self._step_down(f"deposed: renewal of revision {self._rev} refused ({exc.description})")
+                    return
+                raise
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
+                self._metric("renew_unknown")
+                await self._reconcile()
+                return
+            self._confirmed(rev, self._unconfirmed_since)
+            self._metric("renew_s", _clock() - sent)
+
+    def _confirmed(self, rev: int, sent: float) -> None:
+        self._rev = rev
+        self._valid_until = sent + self.ttl_s - self.margin_s
+        self._unconfirmed_since = None
+        self._pulse()
+
+    async def _reconcile(self) -> None:
+        """After a renewal with unknown outcome: read the key and believe what it says."""
+        try:
+            seen = await _read(self._js, self.op_timeout_s)
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("leader key unreadable after an unanswered renewal: %r", exc, extra=self._extra())
+            return  # the window runs out unless a later renewal succeeds
+        r = seen.record
+        if r is not None and r.holder == self.instance_id and r.term == self._term and seen.rev >= self._rev:
+            if seen.rev > self._rev and self._unconfirmed_since is not None:
+                self._confirmed(seen.rev, self._unconfirmed_since)  # the write landed; its earliest send counts
+            return
+        self._observe(seen)
+        self._step_down(f"after an unanswered renewal the key is at revision {seen.rev}, not ours")
+
+    async def confirm(self) -> int:
+        """A fenced write: renew now and return the term, or raise ``NotLeader``."""
+        await self._renew()
+        if not self.is_leader():
+            raise NotLeader(self.instance_id, self._term, "the renewal was refused or the lease lapsed")
+        assert self._term is not None
+        return self._term
+
+    async def resign(self, *, rejoin: bool = False, timeout: float = 2.0) -> bool:
+        """Give up the lease at once (a PURGE, CAS on our revision) so a standby takes over.
+
+        Without ``rejoin`` this instance never campaigns again and ``run`` returns; with it, it becomes a
+        standby that holds off for ``ttl_s``. True when the purge was written."""
+        self._retired = self._retired or not rejoin
+        if rejoin:
+            self._holdoff_until = _clock() + self.ttl_s
+        self._wake.set()
+        async with asyncio.timeout(timeout), self._lock:
+            if not self._leading:
+                return False
+            rev, term = self._rev, self._term
+            self._step_down("resigned")  # believe it before telling anyone
+            headers = {"KV-Operation": "PURGE", Header.ROLLUP.value: "sub",
+                       Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(rev)}
+            try:
+                await self._publish(b"", headers)
+            except APIError as exc:
+                if not _is_wrong_last(exc):
+                    raise
+                log.info("resign: the lease was already gone", extra={"term": term, "instance": self.instance_id})
+                return False
+            log.info("resigned", extra={"term": term, "instance": self.instance_id})
+            return True
+
+    # ---- waiting ---------------------------------------------------------------------------------------
+
+    async def wait_leader(self, timeout: float) -> int:
+        """Wait until this instance leads; its term. ``LeaderWaitTimeout`` after ``timeout`` s."""
+        deadline = _clock() + timeout
+        while not self.is_leader():
+            left = deadline - _clock()
+            if left <= 0:
+                raise LeaderWaitTimeout(self.instance_id, timeout, self.holder.holder if self.holder else None)
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                async with asyncio.timeout(left):
+                    await waiter
+            except TimeoutError:
+                pass
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        assert self._term is not None
+        return self._term
+
+    async def _sleep_until(self, at: float) -> None:
+        """Wait for the watch, resign or stop, at most until ``at`` on ``_clock()``."""
+        left = at - _clock()
+        if left <= 0 or self._wake.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(left):
+                await self._wake.wait()
+
+    # ---- the loop --------------------------------------------------------------------------------------
+
+    async def _on_msg(self, msg: Any) -> None:
+        self._observe(_seen_from(msg.metadata.sequence.stream, msg.headers, msg.data))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Campaign, lead and stand by until ``stop`` is set (then resign if leading) or ``resign()``."""
+        if self._running:
+            raise LeadershipError(f"Leadership.run() of {self.instance_id} is already running; run it once")
+        self._running = True
+        await ensure_leader_bucket(self._js, replicas=self.replicas)
+        from nats.js.api import DeliverPolicy
+
+        sub = await self._js.subscribe(_SUBJECT, stream=_STREAM, cb=self._on_msg, ordered_consumer=True,
+                                       deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, inactive_threshold=60.0)
+
+        async def relay_stop() -> None:
+            await stop.wait()
+            self._wake.set()
+
+        stopper = asyncio.get_running_loop().create_task(relay_stop())
+        try:
+            while not stop.is_set() and not self._retired:
+                self._wake.clear()
+                try:
+                    if self._leading:
+                        await self._lead_once()
+                    else:
+                        await self._follow_once()
+                except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                        nats.js.errors.NoStreamResponseError) as exc:
+                    log.warning("leader key unreachable: %r", exc, extra=self._extra())
+                    await self._sleep_until(_clock() + min(self.renew_s, 0.1))
+                except NotFoundError as exc:
+                    if exc.err_code != _STREAM_NOT_FOUND:
+                        raise
+                    self._step_down("the leader bucket was deleted")
+                    raise LeadershipError(
+                        f"the KV bucket {LEADER_BUCKET!r} was deleted while running: terms would restart from 1. "
+                        "Stop every orchestrator, then start them again") from exc
+        except nats.errors.ConnectionClosedError as exc:
+            self._step_down("the NATS connection closed")
+            raise LeadershipError(f"instance {self.instance_id}: the NATS connection closed; "
+                                  "Leadership.run() needs an open connection") from exc
+        finally:
+            stopper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stopper
+            if self._leading and self.resign_on_stop:
+                try:
+                    await self.resign(timeout=self.op_timeout_s * 2)
+                except (TimeoutError, nats.errors.Error) as exc:
+                    log.warning("resign on stop failed: %r (the lease expires in %d s)", exc, self.ttl_s,
+                                extra=self._extra())
+            self._step_down("stopped")
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.op_timeout_s):
+                    await sub.unsubscribe()
+            self._running = False
+
+    async def _lead_once(self) -> None:
+        await self._sleep_until(self._last_sent + self.renew_s)
+        if self._wake.is_set() or not self._leading:
+            return  # the watch or stop woke us: the loop looks again
+        await self._renew()
+
+    async def _follow_once(self) -> None:
+        now = _clock()
+        seen = self._seen
+        if now < self._holdoff_until:
+            await self._sleep_until(self._holdoff_until)
+            return
+        if seen is None or seen.record is None:
+            await self._campaign()
+            if not self._leading:  # lost the race: the winner's record arrives on the watch
+                await self._sleep_until(_clock() + self.renew_s)
+            return
+        # Held by someone: the watch tells us when it goes; re-read if nothing came by its expiry.
+        ttl = seen.ttl_s if seen.ttl_s is not None else float(self.ttl_s)
+        await self._sleep_until(max(seen.at + ttl + 0.1, now + 0.05))
+        if not self._wake.is_set():
+            self._observe(await _read(self._js, self.op_timeout_s))
