@@ -1,18 +1,24 @@
 """Connecting to NATS and laying out the JetStream resources timeslice uses.
 
 ``ensure_bus`` is idempotent: it creates the ``TIMESLICE`` stream and the ``groups``, ``agents`` and
-``jobs`` key-value buckets when they are missing, and leaves existing ones as they are.
+``jobs`` key-value buckets when they are missing, and leaves existing ones as they are (it logs a warning when
+one has another replica count than ``BusConfig.replicas`` asks for).
+
+A NATS URL is one server or several, comma-separated (``nats://a:4222,nats://b:4222``): ``parse_servers``
+reads and checks it, and every command, service and client goes through it (via ``connect``).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import nats
 from nats.aio.client import Client as NATS
@@ -22,10 +28,21 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, Field
 
-from .errors import Unavailable
+from .errors import TimeSliceError, Unavailable
 from .protocol import AGENTS_BUCKET, GROUPS_BUCKET, JOBS_BUCKET, STREAM, STREAM_SUBJECTS
 
-__all__ = ["Buckets", "BusConfig", "connect", "default_nats_url", "ensure_bus", "kv_keys", "url_file"]
+__all__ = [
+    "Buckets",
+    "BusConfig",
+    "InvalidNatsUrl",
+    "connect",
+    "default_nats_url",
+    "ensure_bus",
+    "kv_keys",
+    "nats_url_arg",
+    "parse_servers",
+    "url_file",
+]
 
 log = logging.getLogger("timeslice.bus")
 
@@ -40,15 +57,86 @@ def url_file() -> Path:
 
 
 def default_nats_url() -> str:
-    """``$TIMESLICE_NATS_URL``, else the URL ``timeslice up`` advertised, else ``nats://127.0.0.1:4222``."""
+    """``$TIMESLICE_NATS_URL``, else the URL ``timeslice up`` advertised, else ``nats://127.0.0.1:4222``.
+    Either may name several servers, comma-separated (the file: also one a line); ``parse_servers`` reads it."""
     env = os.environ.get("TIMESLICE_NATS_URL")
-    if env:
-        return env
+    if env and env.strip():
+        return env.strip()
     try:
-        text = url_file().read_text().strip()
+        lines = url_file().read_text().split()
     except OSError:
         return _DEFAULT_URL
+    text = ",".join(x.strip(",") for x in lines if x.strip(","))
     return text or _DEFAULT_URL
+
+
+_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+class InvalidNatsUrl(TimeSliceError, ValueError):
+    """A NATS URL (one of a comma-separated list) that cannot name a server."""
+
+    def __init__(self, entry: str, reason: str, text: str) -> None:
+        self.entry = entry
+        self.reason = reason
+        self.text = text
+        whole = f" (in {text!r})" if text.strip() != entry else ""
+        super().__init__(
+            f"invalid NATS server {entry!r}{whole}: {reason}; give one URL or several, comma-separated, such as "
+            "nats://10.0.0.1:4222,nats://10.0.0.2:4222 (schemes: nats, tls, ws, wss; a bare host:port means nats://)"
+        )
+
+
+def parse_servers(text: str | Sequence[str]) -> list[str]:
+    """The servers named by ``text``: one NATS URL or several, comma-separated (a sequence: each item so).
+
+    Each entry needs a scheme ``nats``, ``tls``, ``ws`` or ``wss`` (none: ``nats://``), a host and, if given, a
+    port in 1..65535 (none: the client's default, 4222 for nats/tls); ``nats``/``tls`` and ``ws``/``wss`` do not
+    mix. Raises ``InvalidNatsUrl`` naming the first bad entry. Credentials in an entry are kept as they are."""
+    items = [text] if isinstance(text, str) else list(text)
+    whole = ",".join(items)
+    out: list[str] = []
+    for item in items:
+        for raw in item.split(","):
+            out.append(_check_server(raw.strip(), whole))
+    if not out:
+        raise InvalidNatsUrl("", "no server given", whole)
+    kinds = {urlsplit(u).scheme in ("ws", "wss") for u in out}
+    if len(kinds) > 1:
+        raise InvalidNatsUrl(next(u for u in out if urlsplit(u).scheme in ("ws", "wss")),
+                             "websocket and plain (nats/tls) servers cannot be mixed in one list", whole)
+    return out
+
+
+def _check_server(entry: str, whole: str) -> str:
+    if not entry:
+        raise InvalidNatsUrl(entry, "empty entry (two commas in a row, or one at an end)", whole)
+    url = entry if "://" in entry else f"nats://{entry}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError when it is not a number in 0..65535
+    except ValueError as exc:
+        raise InvalidNatsUrl(entry, f"cannot read it ({exc})", whole) from None
+    scheme = parts.scheme.lower()
+    if scheme not in _SCHEMES:
+        raise InvalidNatsUrl(entry, f"unknown scheme {parts.scheme!r} (use nats, tls, ws or wss)", whole)
+    if not parts.hostname:
+        raise InvalidNatsUrl(entry, "no host", whole)
+    if port == 0 or (port is None and parts.netloc.endswith(":")):
+        raise InvalidNatsUrl(entry, "the port must be 1..65535", whole)
+    if scheme in ("nats", "tls") and parts.path not in ("", "/"):
+        raise InvalidNatsUrl(entry, f"a {scheme}:// URL has no path (got {parts.path!r})", whole)
+    if parts.query or parts.fragment:
+        raise InvalidNatsUrl(entry, "a NATS URL has no query or fragment", whole)
+    return url
+
+
+def nats_url_arg(text: str) -> str:
+    """``argparse`` type of ``--nats-url``: the servers checked by ``parse_servers``, joined with commas again."""
+    try:
+        return ",".join(parse_servers(text))
+    except InvalidNatsUrl as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class BusConfig(BaseModel):
@@ -56,7 +144,9 @@ class BusConfig(BaseModel):
 
     stream_max_age_s: float = Field(default=7 * 24 * 3600, gt=0)
     stream_max_bytes: int = Field(default=8 * 1024**3, gt=0)
-    replicas: int = Field(default=1, ge=1, le=5)
+    # Copies of the stream and of each bucket on a NATS cluster: when creating them (None: 1), and what an existing
+    # one is compared with (None: any count is fine). The stream and buckets stay as they are; a mismatch is logged.
+    replicas: int | None = Field(default=None, ge=1, le=5)
     file_storage: bool = True
     duplicate_window_s: float = Field(default=120, gt=0)
     agent_ttl_s: float = Field(default=6, ge=1)
@@ -70,9 +160,10 @@ async def connect(
     url: str | Sequence[str] | None = None, *, name: str = "timeslice", connect_timeout: float = 5.0, **kwargs: Any
 ) -> NATS:
     """Connect to NATS with reconnects on, a quiet error callback and a clear error when nobody answers.
-    ``url``: one server, or several (tried in turn, and again on reconnect); default ``default_nats_url()``."""
-    servers: str | list[str] = (url if isinstance(url, str) else list(url)) if url else default_nats_url()
-    url = servers if isinstance(servers, str) else ",".join(servers)
+    ``url``: one server, or several (comma-separated, or a sequence; tried in turn, and again on reconnect), read
+    by ``parse_servers`` (``InvalidNatsUrl`` names a bad one); default ``default_nats_url()``."""
+    servers = parse_servers(url if url else default_nats_url())
+    url = ",".join(servers)
     opts: dict[str, Any] = {
         "name": name,
         "connect_timeout": connect_timeout,
@@ -104,21 +195,21 @@ class Buckets:
 async def ensure_bus(js: JetStreamContext, config: BusConfig | None = None) -> Buckets:
     cfg = config or BusConfig()
     storage = StorageType.FILE if cfg.file_storage else StorageType.MEMORY
+    replicas = cfg.replicas or 1
     try:
-        await js.stream_info(STREAM)
+        info = await js.stream_info(STREAM)
+        _check_replicas(f"stream {STREAM}", STREAM, info.config.num_replicas, cfg.replicas)
     except NotFoundError:
-        await js.add_stream(
-            StreamConfig(
+        await _creating(f"stream {STREAM}", replicas, js.add_stream(StreamConfig(
                 name=STREAM,
                 description="timeslice events: every request, decision and agent operation",
                 subjects=list(STREAM_SUBJECTS),
                 storage=storage,
-                num_replicas=cfg.replicas,
+                num_replicas=replicas,
                 max_age=cfg.stream_max_age_s,
                 max_bytes=cfg.stream_max_bytes,
                 duplicate_window=cfg.duplicate_window_s,
-            )
-        )
+        )))
     groups = await _bucket(js, GROUPS_BUCKET, "timeslice group lock records", storage, cfg.replicas, None)
     # The limit marker makes an expired agent visible to watchers (as a PURGE), see NATS_NOTES trap 5.
     agents = await _bucket(js, AGENTS_BUCKET, "timeslice agents (liveness)", storage, cfg.replicas, cfg.agent_ttl_s,
@@ -127,26 +218,65 @@ async def ensure_bus(js: JetStreamContext, config: BusConfig | None = None) -> B
     return Buckets(groups, agents, jobs)
 
 
+def _check_replicas(what: str, stream: str, has: int | None, wanted: int | None) -> bool:
+    """Log a warning when an existing stream has another replica count than configured; True when it matches (or
+    nothing was asked for). The stream is left alone: changing it moves data and is the operator's call."""
+    has = has or 1
+    if wanted is None or has == wanted:
+        return True
+    log.warning(
+        "%s has %d replica(s) but %d were asked for (--replicas / BusConfig.replicas); it stays at %d. To change it: "
+        "`nats stream edit %s --replicas %d` (the servers copy the data; needs a cluster of at least %d nodes), or "
+        "run with --replicas %d to match it",
+        what, has, wanted, has, stream, wanted, wanted, has,
+        extra={"stream": stream, "replicas": has, "wanted_replicas": wanted},
+    )
+    return False
+
+
 async def _bucket(
-    js: JetStreamContext, name: str, description: str, storage: StorageType, replicas: int, ttl: float | None,
-    marker_ttl: float | None = None,
+    js: JetStreamContext, name: str, description: str, storage: StorageType, replicas: int | None,
+    ttl: float | None, marker_ttl: float | None = None,
 ) -> KeyValue:
     try:
-        return await js.key_value(name)
+        kv = await js.key_value(name)
     except Exception:  # nats-py raises BucketNotFoundError (a NotFoundError) here
         pass
-    return await js.create_key_value(
-        KeyValueConfig(
-            bucket=name,
-            description=description,
-            history=1,
-            ttl=ttl,
-            storage=storage,
-            replicas=replicas,
-            direct=True,
-            limit_marker_ttl=marker_ttl,
-        )
-    )
+    else:
+        if replicas is not None:
+            info = await js.stream_info(f"KV_{name}")
+            _check_replicas(f"bucket {name}", f"KV_{name}", info.config.num_replicas, replicas)
+        return kv
+    return await _creating(f"bucket {name}", replicas or 1, js.create_key_value(KeyValueConfig(
+        bucket=name,
+        description=description,
+        history=1,
+        ttl=ttl,
+        storage=storage,
+        replicas=replicas or 1,
+        direct=True,
+        limit_marker_ttl=marker_ttl,
+    )))
+
+
+_T = TypeVar("_T")
+_NOT_CLUSTERED = 10074  # JetStream: "replicas > 1 not supported in non-clustered mode"
+_NO_RESOURCES = 10005  # JetStream: "insufficient resources" (fewer servers than replicas)
+
+
+async def _creating(what: str, replicas: int, make: Awaitable[_T]) -> _T:
+    """``make`` (creating ``what``), its refusal of a replica count explained."""
+    try:
+        return await make
+    except Exception as exc:
+        code = getattr(exc, "err_code", None)
+        if replicas > 1 and code in (_NOT_CLUSTERED, _NO_RESOURCES):
+            why = ("this NATS server is not part of a cluster" if code == _NOT_CLUSTERED
+                   else "the cluster has fewer JetStream servers than that")
+            raise TimeSliceError(
+                f"cannot create {what} with {replicas} replicas: {why} ({getattr(exc, 'description', exc)}); run "
+                "with --replicas 1, or on a NATS cluster of at least that many servers (docs/cluster.md)") from exc
+        raise
 
 
 async def kv_keys(nc: NATS, bucket: str, *, under: str | None = None, timeout: float = 5.0) -> list[str]:

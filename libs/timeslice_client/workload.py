@@ -39,7 +39,7 @@ from nats.aio.msg import Msg
 from . import _prompt
 from ._prompt import DEFAULT_SWITCH_INTERVAL, prompt_threads
 from ._responder import Responder
-from .bus import connect
+from .bus import connect, parse_servers
 from .errors import HandlerError, InvalidRequest, TimeSliceError, Unavailable
 from .handlers import HandlerResult, WorkloadHandler
 from .protocol import (
@@ -95,7 +95,8 @@ class WorkloadChannel:
     """One registered workload. ``close()`` unregisters it (idempotent).
 
     ``nc`` carries the registration. The commands come on a connection of the channel's own, made on its
-    thread to ``nats_url`` (default: the server ``nc`` is connected to, then the others it knows)."""
+    thread to ``nats_url`` (one server or several, comma-separated; default: the server ``nc`` is connected to, then
+    the others it knows)."""
 
     def __init__(
         self,
@@ -138,7 +139,7 @@ class WorkloadChannel:
         if switch_interval is not None and switch_interval <= 0:
             raise InvalidRequest(f"switch_interval must be positive seconds or None, not {switch_interval}")
         self.switch_interval = switch_interval  # the GIL switch interval while a command runs (None: as it is)
-        self.nats_url = nats_url
+        self.nats_url = ",".join(parse_servers(nats_url)) if nats_url else None  # checked now, not at start()
         self._own = own_connection
         self._responder: Responder | None = None  # the channel's thread, once opened
         self._rnc: NATS | None = None  # the channel's own connection, used on its thread only
@@ -180,7 +181,7 @@ class WorkloadChannel:
         """Start the channel's thread, connect there and subscribe to this workload's commands."""
         if self._responder is not None:
             raise TimeSliceError(f"the workload channel of job {self.job_id!r} was started already")
-        servers = [self.nats_url] if self.nats_url else _servers_of(self.nc)
+        servers = parse_servers(self.nats_url) if self.nats_url else _servers_of(self.nc)
         if not servers:
             raise Unavailable("the connection given to the workload channel is not connected, and no nats_url "
                               "was given")

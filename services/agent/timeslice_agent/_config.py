@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from timeslice_client.bus import BusConfig
+from timeslice_client.bus import BusConfig, parse_servers
 from timeslice_client.workload import default_node_id
 
 __all__ = ["AgentConfig"]
@@ -16,7 +16,7 @@ class AgentConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TIMESLICE_AGENT_", extra="ignore")
 
     node_id: str = Field(default_factory=default_node_id)
-    nats_url: str | None = None
+    nats_url: str | None = None  # one server or several, comma-separated (checked by ``parse_servers``)
     heartbeat_s: float = Field(default=2.0, gt=0)
     pid_check_s: float = Field(default=1.0, gt=0)
     max_results: int = Field(default=4096, ge=16)
@@ -25,3 +25,8 @@ class AgentConfig(BaseSettings):
     overlap_margin_bytes: int = Field(default=1 << 30, ge=0)
     overlap_margin_fraction: float = Field(default=0.1, ge=0)
     bus: BusConfig = BusConfig()
+
+    @field_validator("nats_url")
+    @classmethod
+    def _servers(cls, v: str | None) -> str | None:
+        return ",".join(parse_servers(v)) if v else None

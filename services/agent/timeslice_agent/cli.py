@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 from timeslice_client._runner import run
+from timeslice_client.bus import nats_url_arg
 
 __all__ = ["main", "register"]
 
@@ -91,7 +92,8 @@ async def _clear(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p = sub.add_parser("agent", help="run the node-local snapshot agent")
     p.add_argument("--node-id", default=None, help="default: $TIMESLICE_NODE_ID or the host name")
-    p.add_argument("--nats-url", default=None)
+    p.add_argument("--nats-url", type=nats_url_arg, default=None,
+                   help="NATS server(s), comma-separated (default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)")
     p.add_argument("--grpc-port", type=int, default=None,
                    help="serve the standalone SnapshotAgentService on this port (off unless given; 0: any free port)")
     p.add_argument("--grpc-host", default=None, help="address of the gRPC API (default 127.0.0.1: node-local)")
@@ -108,18 +110,18 @@ def register(sub: Any) -> None:
     p.set_defaults(func=_run_agent)
     s = sub.add_parser("agent-status", help="jobs on one node and their context states")
     s.add_argument("--node-id", default=None)
-    s.add_argument("--nats-url", default=None)
+    s.add_argument("--nats-url", type=nats_url_arg, default=None, help="NATS server(s), comma-separated")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_status)
     c = sub.add_parser("agent-clear-fault", help="clear a job's FAULTED state on one node (and in its group)")
     c.add_argument("--node-id", default=None)
     c.add_argument("--job", required=True)
-    c.add_argument("--nats-url", default=None)
+    c.add_argument("--nats-url", type=nats_url_arg, default=None, help="NATS server(s), comma-separated")
     c.set_defaults(func=_clear)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m timeslice_agent [--node-id N] [--nats-url URL]``: the agent alone."""
+    """``python -m timeslice_agent [--node-id N] [--nats-url URL[,URL...]]``: the agent alone."""
     parser = argparse.ArgumentParser(prog="timeslice-agent")
     sub = parser.add_subparsers(dest="command")
     register(sub)

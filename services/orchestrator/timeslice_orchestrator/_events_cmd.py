@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
+from timeslice_client.bus import nats_url_arg
 from timeslice_client.errors import Unavailable
 from timeslice_client.protocol import STREAM, subjects, validate_id
 
@@ -207,5 +208,6 @@ def register(sub: Any) -> None:
                     help="a duration back from now (30s, 10m, 2h, 1d) or an ISO time (default: the whole stream)")
     ev.add_argument("--follow", "-f", action="store_true", help="keep printing new events until Ctrl-C")
     ev.add_argument("--json", action="store_true", help="each message raw, one JSON object per line")
-    ev.add_argument("--nats-url", default=None)
+    ev.add_argument("--nats-url", type=nats_url_arg, default=None,
+                    help="NATS server(s), comma-separated (default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)")
     ev.set_defaults(func=run)

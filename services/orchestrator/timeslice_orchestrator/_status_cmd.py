@@ -24,7 +24,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
-from timeslice_client.bus import kv_keys
+from timeslice_client.bus import kv_keys, nats_url_arg
 from timeslice_client.errors import Unavailable
 from timeslice_client.protocol import GROUPS_BUCKET, JOBS_BUCKET, GroupRecord, JobContext, OpKind, decode_record
 
@@ -257,5 +257,6 @@ def register(sub: Any) -> None:
     st.add_argument("--json", action="store_true", help="the stored records and job states as JSON")
     st.add_argument("--watch", action="store_true", help="refresh live as the records change (Ctrl-C to stop)")
     st.add_argument("--max-rate", type=_rate, default=4.0, help="with --watch: at most this many refreshes a second")
-    st.add_argument("--nats-url", default=None)
+    st.add_argument("--nats-url", type=nats_url_arg, default=None,
+                    help="NATS server(s), comma-separated (default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)")
     st.set_defaults(func=run)

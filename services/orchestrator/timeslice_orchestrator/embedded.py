@@ -3,6 +3,9 @@
 Used by ``timeslice up`` and by the test suite: a free port (``-p -1``) unless one is given, a data
 directory of its own, "ready" when the server writes its ports file and says ``Server is ready``,
 never after a sleep. ``stop()`` is graceful (SIGTERM, then SIGKILL after a timeout) and idempotent.
+
+With ``cluster=ClusterOptions(...)`` the server joins a NATS cluster (routes to its peers, JetStream clustered);
+``wait_jetstream()`` then waits until the cluster has elected its JetStream meta leader (a quorum of peers is up).
 """
 
 from __future__ import annotations
@@ -20,11 +23,29 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["EmbeddedNatsError", "NatsServer", "find_nats_server"]
+from pydantic import BaseModel, Field
+from timeslice_client.bus import parse_servers
+
+__all__ = ["ClusterOptions", "EmbeddedNatsError", "NatsServer", "find_nats_server"]
 
 
 class EmbeddedNatsError(RuntimeError):
     """The embedded nats-server could not be found or did not start."""
+
+
+class ClusterOptions(BaseModel):
+    """How an embedded server joins a NATS cluster: its route port and the routes of all peers (its own may be
+    among them). Every peer needs the same ``name`` and a ``server_name`` of its own that stays across restarts."""
+
+    port: int = Field(ge=1, le=65535)
+    routes: list[str] = Field(min_length=1)
+    name: str = Field(default="timeslice", pattern=r"^[A-Za-z0-9_-]+$")
+    host: str | None = None  # where the route port listens (default: the server's host)
+
+    def args(self, host: str) -> tuple[str, ...]:
+        routes = ",".join(parse_servers(",".join(self.routes)))
+        return ("--cluster_name", self.name, "--cluster", f"nats://{self.host or host}:{self.port}",
+                "--routes", routes)
 
 
 def find_nats_server() -> str:
@@ -57,6 +78,8 @@ class NatsServer:
         jetstream: bool = True,
         extra_args: tuple[str, ...] = (),
         binary: str | None = None,
+        server_name: str | None = None,
+        cluster: ClusterOptions | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.port = port
@@ -64,6 +87,8 @@ class NatsServer:
         self.jetstream = jetstream
         self.extra_args = extra_args
         self.binary = binary or find_nats_server()
+        self.server_name = server_name
+        self.cluster = cluster
         self.proc: subprocess.Popen[bytes] | None = None
         self.url: str = ""
         self.log_path = self.data_dir / "nats-server.log"
@@ -88,6 +113,8 @@ class NatsServer:
             "--ports_file_dir", str(ports_dir),
             "-l", str(self.log_path),
             *(["-js", "-sd", str(self.data_dir / "jetstream")] if self.jetstream else []),
+            *(["--server_name", self.server_name] if self.server_name else []),
+            *(self.cluster.args(self.host) if self.cluster else ()),
             *self.extra_args,
         ]
         self.log_path.unlink(missing_ok=True)
@@ -143,6 +170,30 @@ class NatsServer:
             self.proc.kill()
             self.proc.wait(10)
         self.proc = None
+
+    async def wait_jetstream(self, timeout: float = 60.0) -> None:
+        """Until this server's JetStream answers account requests: at once alone; in a cluster, once a meta leader
+        was elected (which needs a quorum of the peers). Raises ``EmbeddedNatsError`` after ``timeout``."""
+        from timeslice_client.bus import connect
+
+        nc = await connect(self.url, name="timeslice-embedded-check")
+        last = ""
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    reply = await nc.request("$JS.API.INFO", b"", timeout=1.0)
+                    err = json.loads(reply.data).get("error")
+                except Exception as exc:  # a timeout while there is no meta leader
+                    err = {"description": exc.__class__.__name__}
+                if not err:
+                    return
+                last = str(err.get("description", err))
+                await asyncio.sleep(0.05)  # polling the server's answer, bounded by the deadline
+        finally:
+            await nc.close()
+        raise EmbeddedNatsError(f"JetStream at {self.url} not ready within {timeout} s ({last}); in a cluster, a "
+                                "majority of the servers must be up")
 
     async def astart(self, timeout: float = 15.0) -> str:
         return await asyncio.to_thread(self.start, timeout)

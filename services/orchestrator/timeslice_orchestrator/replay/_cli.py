@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from timeslice_client.bus import nats_url_arg
 from timeslice_client.protocol import validate_id
 
 from ._fold import fold_events
@@ -91,6 +92,7 @@ def register(sub: Any) -> None:
     p.add_argument("--html", default=None, metavar="FILE", help="write the interactive timeline to FILE")
     p.add_argument("--json", default=None, metavar="FILE|-", help="write the reconstructed intervals as JSON "
                                                                   "('-': to stdout, instead of the summary)")
-    p.add_argument("--nats-url", default=None, help="default: $TIMESLICE_NATS_URL or what `timeslice up` wrote")
+    p.add_argument("--nats-url", type=nats_url_arg, default=None,
+                   help="NATS server(s), comma-separated (default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for reading the stream")
     p.set_defaults(func=_replay)
