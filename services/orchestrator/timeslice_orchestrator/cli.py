@@ -16,15 +16,21 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from timeslice_client._metrics_http import MetricsEndpoint, serve_metrics
 from timeslice_client._runner import run
+from timeslice_client.bus import nats_url_arg, parse_servers
+from timeslice_client.errors import TimeSliceError
 
 from . import _events_cmd, _status_cmd
 from ._beside import AgentBeside
 from .demo import register as _register_demo
 from .replay import _cli as _replay_cli
+
+if TYPE_CHECKING:
+    from .embedded import ClusterOptions
+    from .service import OrchestratorConfig
 
 __all__ = ["main"]
 
@@ -47,7 +53,8 @@ async def _orchestrator(args: argparse.Namespace) -> int:
     from .metrics import OrchestratorMetrics
     from .service import Orchestrator, OrchestratorConfig
 
-    cfg = OrchestratorConfig(nats_url=args.nats_url) if args.nats_url else OrchestratorConfig()
+    cfg = _replicated(OrchestratorConfig(nats_url=args.nats_url) if args.nats_url else OrchestratorConfig(),
+                      args.replicas)
     beside = AgentBeside(args.with_agent, cfg.nats_url, _metrics_registry()) if args.with_agent else None
     orch = Orchestrator(cfg, metrics=OrchestratorMetrics(_metrics_registry()), local_agent=beside)
     _install_stop(orch.shutdown)
@@ -87,12 +94,27 @@ def _metrics_registry() -> Any:
     return registry
 
 
+def _replicated(cfg: OrchestratorConfig, replicas: int | None) -> OrchestratorConfig:
+    """``cfg`` with the stream and buckets at ``replicas`` copies (None: as configured, e.g. ``$TIMESLICE_BUS``)."""
+    if replicas is None:
+        return cfg
+    return cfg.model_copy(update={"bus": cfg.bus.model_copy(update={"replicas": replicas})})
+
+
+def _replicas(text: str) -> int:
+    n = int(text)
+    if not 1 <= n <= 5:
+        raise argparse.ArgumentTypeError(f"--replicas {n}: give 1 to 5 (at most the number of NATS servers)")
+    return n
+
+
 def _data_dir(given: str | None) -> Path:
     return Path(given).expanduser() if given else Path.home() / ".timeslice" / "data"
 
 
 async def _up(args: argparse.Namespace) -> int:
     from timeslice_client.bus import url_file
+    from timeslice_client.workload import default_node_id
 
     from . import grpc_shim
     from .embedded import NatsServer
@@ -100,15 +122,23 @@ async def _up(args: argparse.Namespace) -> int:
     from .service import Orchestrator, OrchestratorConfig
 
     data_dir = _data_dir(args.data_dir)
-    server = NatsServer(data_dir, port=args.port, host=args.host)
+    cluster = _cluster(args)
+    server = NatsServer(data_dir, port=args.port, host=args.host, cluster=cluster,
+                        server_name=args.server_name or (default_node_id() if cluster else None))
     url = await server.astart()
+    if cluster is not None:
+        try:
+            await server.wait_jetstream(args.cluster_wait)
+        except BaseException:
+            await server.astop()
+            raise
     advert = url_file()
     agent: asyncio.subprocess.Process | None = None
     try:
         # The agent runs in this process unless asked otherwise: its commands then skip a bus hop (_beside.py).
         beside = None if args.no_agent or args.agent_process else AgentBeside(args.node_id, url, _metrics_registry())
-        orch = Orchestrator(OrchestratorConfig(nats_url=url), metrics=OrchestratorMetrics(_metrics_registry()),
-                            local_agent=beside)
+        orch = Orchestrator(_replicated(OrchestratorConfig(nats_url=url), args.replicas),
+                            metrics=OrchestratorMetrics(_metrics_registry()), local_agent=beside)
         shim = grpc_shim.from_args(args, url, host=args.host) if _grpc_wanted(args) else None
         _install_stop(orch.shutdown)
         async with serve_metrics(orch.metrics.registry, args.metrics_port, args.host) as metrics, \
@@ -148,6 +178,20 @@ async def _up(args: argparse.Namespace) -> int:
         await server.astop()
     print("timeslice up: stopped", flush=True)
     return 0
+
+
+def _cluster(args: argparse.Namespace) -> ClusterOptions | None:
+    """The embedded server's cluster, from ``up``'s flags (None: a server alone)."""
+    from .embedded import ClusterOptions
+
+    if args.routes is None:
+        if args.replicas is not None and args.replicas > 1:
+            raise TimeSliceError(f"--replicas {args.replicas} needs a NATS cluster: give --routes and --cluster-port "
+                                 "to join the embedded server to one (docs/cluster.md)")
+        return None
+    if args.cluster_port is None:
+        raise TimeSliceError("--routes needs --cluster-port (the port this server's routes listen on)")
+    return ClusterOptions(port=args.cluster_port, routes=parse_servers(args.routes), name=args.cluster_name)
 
 
 async def _start_agent(
@@ -210,6 +254,13 @@ def _grpc_flags(parser: argparse.ArgumentParser, default_port: int | None) -> No
                         help="PEM CA certificate: mutual TLS, clients must present a certificate it signed")
 
 
+def _replicas_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", type=_replicas, default=None, metavar="N",
+                        help="copies of the stream and buckets on a NATS cluster, 1..5, when they are created "
+                             "(default: $TIMESLICE_BUS's, else 1); an existing one with another count is kept, "
+                             "with a warning (docs/cluster.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="timeslice", description="Cooperative GPU time-slicing for RL jobs")
     p.add_argument("--log-level", default=os.environ.get("TIMESLICE_LOG_LEVEL", "info"))
@@ -221,6 +272,17 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--node-id", default=None, help="the agent's node id (default: $TIMESLICE_NODE_ID or host name)")
     up.add_argument("--no-agent", action="store_true", help="run NATS and the orchestrator only")
+    _replicas_flag(up)
+    up.add_argument("--routes", default=None, metavar="URL[,URL...]",
+                    help="join the embedded NATS server to a cluster: the route URLs of all its servers, e.g. "
+                         "nats://10.0.0.1:6222,nats://10.0.0.2:6222,nats://10.0.0.3:6222 (docs/cluster.md)")
+    up.add_argument("--cluster-port", type=int, default=None, help="with --routes: the port this server's routes "
+                                                                   "listen on (at --host)")
+    up.add_argument("--cluster-name", default="timeslice", help="with --routes: the cluster's name (default timeslice)")
+    up.add_argument("--server-name", default=None, help="with --routes: this server's name in the cluster, stable "
+                                                        "across restarts (default: the node id)")
+    up.add_argument("--cluster-wait", type=float, default=120.0,
+                    help="with --routes: seconds to wait for a majority of the cluster's servers (default 120)")
     up.add_argument("--agent-process", action="store_true",
                     help="run the agent as a process of its own (default: in the orchestrator's process, where its "
                          "commands skip a bus hop)")
@@ -232,7 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_up)
 
     orch = sub.add_parser("orchestrator", help="run the orchestrator against a NATS server")
-    orch.add_argument("--nats-url", default=None, help="default: $TIMESLICE_NATS_URL or what `timeslice up` wrote")
+    orch.add_argument("--nats-url", type=nats_url_arg, default=None,
+                      help="NATS server(s), comma-separated, e.g. nats://a:4222,nats://b:4222,nats://c:4222 "
+                           "(default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)")
+    _replicas_flag(orch)
     _grpc_flags(orch, default_port=None)
     orch.add_argument("--metrics-port", type=int, default=-1,
                       help="serve Prometheus metrics at /metrics on this port (0: any free port; default -1: off)")
@@ -253,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     cf = sub.add_parser("clear-fault", help="clear a job's fault in a group")
     cf.add_argument("--group", required=True)
     cf.add_argument("--job", required=True)
-    cf.add_argument("--nats-url", default=None)
+    cf.add_argument("--nats-url", type=nats_url_arg, default=None, help="NATS server(s), comma-separated")
     cf.set_defaults(func=_clear_fault)
 
     for ep in entry_points(group="timeslice.cli"):
