@@ -21,6 +21,8 @@ from ._sync_client import TimeSliceClient
 from .errors import (
     AcquireCancelled,
     AcquireTimeout,
+    GroupFull,
+    GroupQuarantined,
     HandlerError,
     InvalidId,
     InvalidRequest,
@@ -56,6 +58,8 @@ __all__ = [
     "AsyncTimeSliceClient",
     "CallbackHandler",
     "Grant",
+    "GroupFull",
+    "GroupQuarantined",
     "GroupRecord",
     "GroupState",
     "HandlerError",

@@ -25,6 +25,8 @@ from .bus import connect, default_nats_url, kv_keys
 from .errors import (
     AcquireCancelled,
     AcquireTimeout,
+    GroupFull,
+    GroupQuarantined,
     InvalidRequest,
     JobFaulted,
     LeaseExpired,
@@ -551,6 +553,10 @@ class AsyncTimeSliceClient:
             return StaleEpoch(n.group, n.job, n.holder, n.epoch, your)
         if n.code is ErrorCode.JOB_FAULTED:
             return JobFaulted(n.group, n.job, n.message)
+        if n.code is ErrorCode.QUEUE_FULL:
+            return GroupFull(n.group, n.job, n.limit)
+        if n.code is ErrorCode.QUARANTINED:
+            return GroupQuarantined(n.group, n.message)
         return InvalidRequest(n.message, group_id=n.group, job_id=n.job)
 
     async def _on_reconnected(self) -> None:

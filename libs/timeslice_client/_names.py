@@ -48,6 +48,12 @@ class _Subjects:
     def group_state(self, group: str) -> str:
         return f"ts.v1.group.{validate_id('group', group)}.state"
 
+    def group_quarantine(self, group: str) -> str:
+        """The orchestrator stopped (or resumed) serving a group whose record is unusable (``Quarantined``)."""
+        return f"ts.v1.group.{validate_id('group', group)}.quarantine"
+
+    quarantines: Final = "ts.v1.group.*.quarantine"
+
     def agent_op(self, node: str) -> str:
         """Agent operation starts (facts for people and replay; not an orchestrator input)."""
         return f"ts.v1.agent.{validate_id('node', node)}.op"

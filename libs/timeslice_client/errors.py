@@ -5,6 +5,8 @@
     TimeSliceError
     ├── InvalidId            an id that can never be put into a subject or key
     ├── InvalidRequest       a request the orchestrator refused as malformed
+    │   └── GroupFull        the group's queue is at its bound; try again later or use another group
+    ├── GroupQuarantined     the group's record is unusable; an operator must repair it (other groups work)
     ├── Unavailable          the bus (or the orchestrator behind it) did not answer in time
     ├── AcquireTimeout       the group was not granted before the acquire's timeout
     ├── AcquireCancelled     the wait was cancelled, or the orchestrator dropped the waiter
@@ -23,6 +25,8 @@ from __future__ import annotations
 __all__ = [
     "AcquireCancelled",
     "AcquireTimeout",
+    "GroupFull",
+    "GroupQuarantined",
     "HandlerError",
     "InvalidId",
     "InvalidRequest",
@@ -53,6 +57,25 @@ class InvalidRequest(TimeSliceError, ValueError):
         self.group_id = group_id
         self.job_id = job_id
         super().__init__(message)
+
+
+class GroupFull(InvalidRequest):
+    """The group already has as many waiters as a record can hold (``max_waiters``)."""
+
+    def __init__(self, group_id: str, job_id: str, max_waiters: int) -> None:
+        self.max_waiters = max_waiters
+        super().__init__(f"group {group_id!r} already has {max_waiters} waiters, the most it takes; try again once "
+                         "some have been served, or spread the jobs over more groups", group_id=group_id, job_id=job_id)
+
+
+class GroupQuarantined(TimeSliceError):
+    """The orchestrator could not load, decode or store the group's record and stopped serving that group alone."""
+
+    def __init__(self, group_id: str, reason: str) -> None:
+        self.group_id = group_id
+        self.reason = reason
+        super().__init__(f"group {group_id!r} is quarantined by the orchestrator ({reason}); every other group works "
+                         "on. `timeslice status` shows it; see docs/operations.md to repair the record")
 
 
 class Unavailable(TimeSliceError):

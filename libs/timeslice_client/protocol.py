@@ -27,7 +27,7 @@ message is a new tag. Consumers of an older version reject unknown tags loudly.
 from __future__ import annotations
 
 import enum
-from typing import Final, Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -68,6 +68,7 @@ __all__ = [
     "OpResult",
     "OpStarted",
     "Phase",
+    "Quarantined",
     "Refused",
     "RegisterJob",
     "Release",
@@ -98,6 +99,19 @@ GROUPS_BUCKET: Final = "groups"
 AGENTS_BUCKET: Final = "agents"
 JOBS_BUCKET: Final = "jobs"
 
+# Bounds on every client-chosen field, enforced when a message is decoded (before anything acts on it), so that
+# no input can grow a record or a log line without limit. Ids (group, job, node) follow ``validate_id`` (at most
+# 64 characters); the orchestrator checks durations against its ``Limits`` and refuses them with a reason.
+Id = Annotated[str, msgspec.Meta(max_length=64)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+OpId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Name = Annotated[str, msgspec.Meta(max_length=64)]  # phase and backend names, tags
+Reason = Annotated[str, msgspec.Meta(max_length=256)]
+Text = Annotated[str, msgspec.Meta(max_length=2048)]  # error texts
+Ms = Annotated[int, msgspec.Meta(ge=-(2**53), le=2**53)]  # any time or duration in ms: far from int64's edge
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+Elapsed = Annotated[float, msgspec.Meta(ge=0, le=1e12)]  # no NaN, no infinity
+
 
 
 class GroupState(enum.StrEnum):
@@ -114,6 +128,8 @@ class ErrorCode(enum.StrEnum):
     STALE_EPOCH = "STALE_EPOCH"
     JOB_FAULTED = "JOB_FAULTED"
     INVALID = "INVALID"
+    QUEUE_FULL = "QUEUE_FULL"  # the group has ``Limits.max_queue`` waiters already
+    QUARANTINED = "QUARANTINED"  # the group's record is unusable; the orchestrator serves every other group
 
 
 class OpKind(enum.StrEnum):
@@ -151,46 +167,46 @@ class Acquire(_Msg, frozen=True, tag="acquire"):
     the PubAck without waiting for the notice; the orchestrator grants it like any acquire and must decide
     exactly that (``StreamChecker`` checks it; a claim it cannot honour is revoked)."""
 
-    group: str
-    job: str
-    request_id: str
-    lease_ms: int = 30_000
-    timeout_ms: int = 300_000
-    waiter_ttl_ms: int = 5_000
-    confirm_ms: int = 3_000
-    claim_epoch: int | None = None
+    group: Id
+    job: Id
+    request_id: RequestId
+    lease_ms: Ms = 30_000
+    timeout_ms: Ms = 300_000
+    waiter_ttl_ms: Ms = 5_000
+    confirm_ms: Ms = 3_000
+    claim_epoch: Count | None = None
 
 
 class Release(_Msg, frozen=True, tag="release"):
-    group: str
-    job: str
-    request_id: str
-    epoch: int
+    group: Id
+    job: Id
+    request_id: RequestId
+    epoch: Count
 
 
 class Renew(_Msg, frozen=True, tag="renew"):
     """Keeps a holder's lease (``epoch`` set) or a waiter's place (``epoch`` None) alive."""
 
-    group: str
-    job: str
-    request_id: str
-    epoch: int | None = None
+    group: Id
+    job: Id
+    request_id: RequestId
+    epoch: Count | None = None
 
 
 class Cancel(_Msg, frozen=True, tag="cancel"):
-    group: str
-    job: str
-    request_id: str
-    reason: str = "cancelled"
+    group: Id
+    job: Id
+    request_id: RequestId
+    reason: Reason = "cancelled"
 
 
 class Phase(_Msg, frozen=True, tag="phase"):
-    group: str
-    job: str
-    name: str
+    group: Id
+    job: Id
+    name: Name
     edge: Literal["start", "end"]
-    epoch: int | None = None
-    error: str | None = None
+    epoch: Count | None = None
+    error: Text | None = None
 
 
 JobEvent = Acquire | Release | Renew | Cancel | Phase
@@ -200,17 +216,17 @@ JobEvent = Acquire | Release | Renew | Cancel | Phase
 
 
 class Tick(_Msg, frozen=True, tag="tick"):
-    group: str
+    group: Id
 
 
 class ClearFault(_Msg, frozen=True, tag="clear_fault"):
-    group: str
-    job: str
+    group: Id
+    job: Id
 
 
 class AgentLost(_Msg, frozen=True, tag="agent_lost"):
-    group: str
-    node: str
+    group: Id
+    node: Id
 
 
 ControlEvent = Tick | ClearFault | AgentLost
@@ -220,36 +236,36 @@ ControlEvent = Tick | ClearFault | AgentLost
 
 
 class JobRegistered(_Msg, frozen=True, tag="job_registered"):
-    group: str
-    job: str
-    node: str
-    backend: str = "noop"
-    op_timeout_ms: int = 120_000
+    group: Id
+    job: Id
+    node: Id
+    backend: Name = "noop"
+    op_timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=7 * 24 * 3600 * 1000)] = 120_000
 
 
 class JobUnregistered(_Msg, frozen=True, tag="job_unregistered"):
-    group: str
-    job: str
-    node: str
+    group: Id
+    job: Id
+    node: Id
 
 
 class OpResult(_Msg, frozen=True, tag="op_result"):
-    group: str
-    op_id: str
-    node: str
-    job: str
+    group: Id
+    op_id: OpId
+    node: Id
+    job: Id
     kind: OpKind
-    epoch: int
+    epoch: Count
     ok: bool
-    error: str | None = None
-    backend: str = "noop"
-    bytes_moved: int = 0
-    device_bytes_freed: int = 0
-    elapsed_ms: float = 0.0
+    error: Text | None = None
+    backend: Name = "noop"
+    bytes_moved: Count = 0
+    device_bytes_freed: Count = 0
+    elapsed_ms: Elapsed = 0.0
     # The workload's suspend began at the job's release, before this operation (early suspend): elapsed_ms
     # covers only its end, work_ms the workload's whole call.
     began_at_release: bool = False
-    work_ms: float | None = None
+    work_ms: Elapsed | None = None
 
 
 InputEvent = (
@@ -289,6 +305,7 @@ class Refused(_Msg, frozen=True, tag="refused"):
     message: str
     holder: str | None = None
     epoch: int = 0
+    limit: int = 0  # with QUEUE_FULL: the bound that was reached
 
 
 class Revoked(_Msg, frozen=True, tag="revoked"):
@@ -323,12 +340,12 @@ Notice = Granted | Released | Refused | Revoked | Dequeued | Contended
 
 
 class Snapshot(_Msg, frozen=True, tag="snapshot"):
-    op_id: str
-    group: str
-    job: str
-    node: str
-    epoch: int
-    deadline_ms: int
+    op_id: OpId
+    group: Id
+    job: Id
+    node: Id
+    epoch: Count
+    deadline_ms: Ms
 
 
 class Restore(_Msg, frozen=True, tag="restore"):
@@ -336,13 +353,13 @@ class Restore(_Msg, frozen=True, tag="restore"):
     snapshots; ``after`` names the snapshot operations on this node that the agent finishes first (whatever
     their outcome), so a restore never waits for a round trip through the orchestrator."""
 
-    op_id: str
-    group: str
-    job: str
-    node: str
-    epoch: int
-    deadline_ms: int
-    after: tuple[str, ...] = ()
+    op_id: OpId
+    group: Id
+    job: Id
+    node: Id
+    epoch: Count
+    deadline_ms: Ms
+    after: Annotated[tuple[OpId, ...], msgspec.Meta(max_length=64)] = ()
 
 
 AgentCommand = Snapshot | Restore
@@ -356,6 +373,16 @@ class StateChanged(_Msg, frozen=True, tag="state_changed"):
     holder: str | None
     active_job: str | None
     reason: str
+
+
+class Quarantined(_Msg, frozen=True, tag="quarantined"):
+    """The orchestrator stopped serving ``group``: its record cannot be loaded, decoded or stored (``reason``).
+    Every other group goes on. ``lifted``: the record is usable again (repaired, then the orchestrator restarted).
+    On ``ts.v1.group.<group>.quarantine``; ``timeslice status`` shows the latest one of each group."""
+
+    group: str
+    reason: str
+    lifted: bool = False
 
 
 class OpStarted(_Msg, frozen=True, tag="op_started"):
@@ -378,24 +405,24 @@ class OpStarted(_Msg, frozen=True, tag="op_started"):
 class RegisterJob(_Msg, frozen=True, tag="register"):
     """A job asks its node's agent to manage its context (``ts.rpc.agent.<node>.register``)."""
 
-    group: str
-    job: str
-    backends: tuple[str, ...] = ("app_channel",)
-    pids: tuple[int, ...] = ()
-    pgid: int | None = None
+    group: Id
+    job: Id
+    backends: Annotated[tuple[Name, ...], msgspec.Meta(max_length=8)] = ("app_channel",)
+    pids: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=2**31)], ...], msgspec.Meta(max_length=4096)] = ()
+    pgid: Annotated[int, msgspec.Meta(ge=0, le=2**31)] | None = None
     mode: SuspendMode = SuspendMode.OFFLOAD
-    tags: tuple[str, ...] = ()
-    op_timeout_ms: int = 120_000
-    endpoints: tuple[str, ...] = ()
+    tags: Annotated[tuple[Name, ...], msgspec.Meta(max_length=32)] = ()
+    op_timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=7 * 24 * 3600 * 1000)] = 120_000
+    endpoints: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=512)], ...], msgspec.Meta(max_length=16)] = ()
 
 
 class UnregisterJob(_Msg, frozen=True, tag="unregister"):
-    group: str
-    job: str
+    group: Id
+    job: Id
 
 
 class ClearJobFault(_Msg, frozen=True, tag="clear_job_fault"):
-    job: str
+    job: Id
 
 
 class AgentReply(_Msg, frozen=True, tag="agent_reply"):
@@ -415,12 +442,12 @@ class WorkloadCommand(_Msg, frozen=True, tag="workload_command"):
 
 
 class WorkloadReply(_Msg, frozen=True, tag="workload_reply"):
-    op_id: str
+    op_id: OpId
     ok: bool
-    error: str | None = None
-    bytes_moved: int = 0
-    device_bytes_freed: int = 0
-    elapsed_ms: float = 0.0  # the handler's own call
+    error: Text | None = None
+    bytes_moved: Count = 0
+    device_bytes_freed: Count = 0
+    elapsed_ms: Elapsed = 0.0  # the handler's own call
     began_at_release: bool = False  # the suspend began at the job's release, before the command came
 
 

@@ -82,7 +82,8 @@ def _on_acquire(w: Work, ev: Acquire) -> None:
         w.grant(wr, w.epoch + 1, restored=False)
         return
     if len(w.queue) >= lim.max_queue:
-        w.refuse(ev.job, ev.request_id, ErrorCode.INVALID, f"group queue is full ({lim.max_queue} waiters)")
+        w.refuse(ev.job, ev.request_id, ErrorCode.QUEUE_FULL, f"group queue is full ({lim.max_queue} waiters)",
+                 limit=lim.max_queue)
         return
     w.queue.append(wr)
     w.touch("enqueued")
@@ -247,6 +248,8 @@ def _on_clear_fault(w: Work, ev: ClearFault) -> None:
 def _on_registered(w: Work, ev: JobRegistered) -> None:
     nodes = w.placements.get(ev.job, ())
     if ev.node not in nodes:
+        if sum(len(n) for n in w.placements.values()) >= LIMITS.max_placements:
+            return  # the record is at its bound: the job runs on that node with the lock alone (no switch there)
         w.placements[ev.job] = (*nodes, ev.node)
     w.op_timeouts[f"{ev.node}/{ev.job}"] = ev.op_timeout_ms
     if ev.node in w.lost_nodes:  # the agent is back
@@ -314,7 +317,7 @@ def _on_agent_lost(w: Work, ev: AgentLost) -> None:
                   error=(f"its context is saved on node {ev.node}, whose agent was lost; restart the agent there, "
                          "then clear the fault") if stranded else f"agent on node {ev.node} was lost")
     if ev.node not in w.lost_nodes:
-        w.lost_nodes = (*w.lost_nodes, ev.node)
+        w.lost_nodes = (*w.lost_nodes, ev.node)[-LIMITS.max_lost_nodes :]  # the oldest loss is forgotten first
         w.touch("agent lost")
     for job, nodes in list(w.placements.items()):
         if ev.node in nodes and ev.node not in w.saved.get(job, ()):

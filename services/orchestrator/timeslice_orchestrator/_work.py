@@ -44,14 +44,21 @@ Action = Notify | Command | Transition
 
 
 class Limits(msgspec.Struct, frozen=True):
-    """Bounds on client-chosen durations; requests outside them are refused as INVALID."""
+    """Bounds on what inputs can put into a record. Requests with durations outside them are refused as INVALID;
+    an acquire past ``max_queue`` waiters is refused as QUEUE_FULL; registrations past ``max_placements``
+    (job, node) pairs are not recorded. With the wire types' own bounds on every field (``protocol``), a record at
+    every one of these limits at once stays far below NATS's 1 MiB payload limit (``tests/test_input_bounds.py``
+    builds that record): a record the orchestrator cannot store would stop its group."""
 
     min_lease_ms: int = 1_000
     max_lease_ms: int = 24 * 3600 * 1000
     min_ttl_ms: int = 300
     max_ttl_ms: int = 600_000
     max_timeout_ms: int = 7 * 24 * 3600 * 1000
-    max_queue: int = 10_000
+    max_queue: int = 512
+    max_placements: int = 256  # (job, node) pairs a group records, and so at most this many faulted jobs
+    max_lost_nodes: int = 64
+    max_reason: int = 256  # characters of a fault reason kept in the record
 
 
 LIMITS = Limits()
@@ -154,7 +161,7 @@ class Work:
     def notify(self, notice: Notice) -> None:
         self.actions.append(Notify(notice))
 
-    def refuse(self, job: str, request_id: str, code: ErrorCode, message: str) -> None:
+    def refuse(self, job: str, request_id: str, code: ErrorCode, message: str, *, limit: int = 0) -> None:
         self.notify(
             Refused(
                 group=self.group,
@@ -164,6 +171,7 @@ class Work:
                 message=message,
                 holder=self.holder.job if self.holder else None,
                 epoch=self.epoch,
+                limit=limit,
             )
         )
 
@@ -223,6 +231,8 @@ class Work:
             self.saved.pop(job, None)
 
     def fault(self, job: str, reason: str) -> None:
+        if len(reason) > LIMITS.max_reason:
+            reason = reason[: LIMITS.max_reason - 1] + "…"
         self.faulted[job] = reason
         self.touch("job faulted")
         i = self.waiter_index(job)

@@ -105,6 +105,7 @@ class OrchestratorMetrics(Collector):
         self._events: dict[type[msgspec.Struct], int] = {}
         self._tags: dict[type[msgspec.Struct], str] = {}
         self.rejected = 0
+        self.quarantined = 0  # groups whose record is unusable (not served; every other group is)
         self.apply_latency = _Hist(APPLY_BUCKETS)
         self.registry.register(self)
 
@@ -210,12 +211,15 @@ class OrchestratorMetrics(Collector):
                                       labels=["type"])
         for tag, n in sorted(events.items()):
             applied.add_metric([tag], n)
+        quarantined = GaugeMetricFamily("timeslice_groups_quarantined", "Groups not served because their record "
+                                        "cannot be loaded, decoded or stored (alarm on > 0; `timeslice status` "
+                                        "shows which and why).", value=self.quarantined)
         rejected = CounterMetricFamily("timeslice_events_rejected", "Events refused before the core (malformed or "
                                        "on an unknown subject).", value=self.rejected)
         latency = HistogramMetricFamily("timeslice_apply_seconds", "Time spent in the pure core per event.",
                                         buckets=self.apply_latency.buckets(), sum_value=self.apply_latency.sum)
         yield from (wait, handoff, depth, epoch, grants, releases, expiries, cancelled, faults, applied, rejected,
-                    latency)
+                    quarantined, latency)
 
 
 def _depth(rec: GroupRecord) -> int:

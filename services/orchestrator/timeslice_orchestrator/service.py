@@ -43,17 +43,21 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from timeslice_client.bus import BusConfig, connect, ensure_bus
 from timeslice_client.protocol import (
     STREAM,
+    Acquire,
     ErrorCode,
     GroupRecord,
     InputEvent,
     Refused,
+    Release,
+    Renew,
+    StateChanged,
     Tick,
     decode_input,
     decode_record,
@@ -67,6 +71,8 @@ from ._beside import LocalAgent
 from ._catch_up import catch_up
 from ._delivery import delivery, first, route
 from ._errors import OrchestratorError
+from ._quarantine import Quarantine
+from ._records import RecordStore, Unusable
 from .core import Action, Command, Notify, Transition, apply, new_record, next_deadline
 from .metrics import OrchestratorMetrics
 
@@ -87,6 +93,7 @@ class OrchestratorConfig(BaseSettings):
     tick_retry_ms: int = Field(default=500, ge=10)
     write_attempts: int = Field(default=8, ge=1)
     write_timeout_s: float = Field(default=5.0, gt=0)
+    max_record_bytes: int = Field(default=768 * 1024, ge=64 * 1024)  # and at most 3/4 of the server's max_payload
     catch_up_idle_s: float = Field(default=10.0, gt=0)  # the catch-up fails when the bus is silent this long
     local_agent_ready_s: float = Field(default=60.0, gt=0)  # the agent run beside this one must be ready by then
     bus: BusConfig = BusConfig()
@@ -100,6 +107,7 @@ class _Entry:
     dirty: bool = False
     queued: bool = False
     armed: int | None = None  # the earliest deadline this group has in the timer heap
+    quarantined: str | None = None  # why this group is not served (its record is unusable)
 
 
 class Orchestrator:
@@ -118,6 +126,8 @@ class Orchestrator:
         self.local_agent: LocalAgent | None = None
         self._js: JetStreamContext | None = None
         self._kv: KeyValue | None = None
+        self._store: RecordStore | None = None
+        self._quarantined: Quarantine | None = None
         self._agents_kv: KeyValue | None = None
         self._groups: dict[str, _Entry] = {}
         self._write_q: asyncio.Queue[str] = asyncio.Queue(self.config.write_queue)
@@ -130,7 +140,6 @@ class Orchestrator:
         self._queued = 0  # groups waiting for (or in) a write
         self._writes_idle = asyncio.Event()
         self._writes_idle.set()
-        self.events_applied = 0
         self.events_rejected = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -138,10 +147,6 @@ class Orchestrator:
     @property
     def ready(self) -> asyncio.Event:
         return self._ready
-
-    def records(self) -> dict[str, GroupRecord]:
-        """The in-memory records (what has been decided, possibly not yet stored)."""
-        return {g: e.rec for g, e in self._groups.items()}
 
     async def run(self) -> None:
         nc = self._nc
@@ -151,9 +156,15 @@ class Orchestrator:
         buckets = await ensure_bus(self._js, self.config.bus)
         self._kv = buckets.groups
         self._agents_kv = buckets.agents
+        # A record stays far below the server's payload limit (core.Limits); a larger one is never written.
+        self._store = RecordStore(self._kv, attempts=self.config.write_attempts, timeout_s=self.config.write_timeout_s,
+                                  max_bytes=min(self.config.max_record_bytes, nc.max_payload * 3 // 4))
+        self._quarantined = Quarantine(nc, self.metrics)
         local: asyncio.Task[None] | None = None
         try:
             await self._load_records()
+            assert self._quarantined is not None
+            await self._quarantined.lift_stale({g for g, e in self._groups.items() if e.quarantined is None})
             async with asyncio.TaskGroup() as tg:
                 for _ in range(self.config.writers):
                     tg.create_task(self._writer())
@@ -162,6 +173,7 @@ class Orchestrator:
                 tg.create_task(self._watch_agents(agents_known))
                 await agents_known.wait()
                 floor = await self._ack_floor()
+                await self._distrust_future_records(floor)
                 caught_up = await self._catch_up(floor)
                 if not self._stop.is_set() and await self._stored_all():
                     await self._subscribe(caught_up)
@@ -256,14 +268,35 @@ class Orchestrator:
                 if entry is None:
                     continue
                 if entry.operation is None and entry.value:
-                    rec = decode_record(entry.value)
-                    self._groups[entry.key] = _Entry(rec=rec, rev=entry.revision)
-                    self._arm(entry.key, rec)
-                    self.metrics.loaded(rec)
+                    try:
+                        rec = decode_record(entry.value)
+                        if rec.group != entry.key:
+                            raise ValueError(f"the record names group {rec.group[:64]!r}")
+                    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+                        self._groups[entry.key] = _Entry(rec=new_record(entry.key), rev=entry.revision)
+                        await self._quarantine(entry.key, f"its stored record does not decode ({str(exc)[:200]})")
+                    else:
+                        self._groups[entry.key] = _Entry(rec=rec, rev=entry.revision)
+                        self._arm(entry.key, rec)
+                        self.metrics.loaded(rec)
                 if entry.delta == 0:
                     break
         finally:
             await watcher.stop()  # type: ignore[no-untyped-call]
+
+    async def _distrust_future_records(self, floor: int) -> None:
+        """A record that claims to reflect stream sequences beyond the stream's end was written against another
+        stream (the stream was deleted and created again) or forged: with it, every event up to that sequence
+        would be skipped and the group frozen. It is caught up from the ack floor instead (its epoch kept, so no
+        epoch is handed out twice)."""
+        assert self._js is not None
+        head = (await self._js.stream_info(STREAM)).state.last_seq
+        for group, entry in self._groups.items():
+            if entry.rec.last_seq > head:
+                log.warning("group %s: its record reflects stream sequence %d, beyond the stream's end %d (was the "
+                            "stream recreated?); catching it up from %d", group, entry.rec.last_seq, head, floor + 1,
+                            extra={"group": group, "epoch": entry.rec.epoch})
+                entry.rec = msgspec.structs.replace(entry.rec, last_seq=floor)
 
     async def _ack_floor(self) -> int:
         """The stream sequence up to which every input is acknowledged (0: no durable consumer yet)."""
@@ -356,7 +389,10 @@ class Orchestrator:
         """Apply one input; ``backlog``: the consumer has more inputs waiting behind this one."""
         entry = self._groups.get(group)
         if entry is None:
-            entry = self._groups[group] = _Entry(rec=new_record(group), rev=None)
+            entry = self._groups[group] = _Entry(rec=await self._fresh_record(group), rev=None)
+        if entry.quarantined is not None:
+            await self._refuse_quarantined(msg, group, ev, entry.quarantined, live=live)
+            return
         t0 = time.perf_counter()
         try:
             new, actions = apply(entry.rec, ev, now_ms, seq)
@@ -365,7 +401,6 @@ class Orchestrator:
             await self._reject(msg, group, getattr(ev, "job", None), exc, live=live)
             return
         elapsed = time.perf_counter() - t0
-        self.events_applied += 1
         if actions:
             await self._publish(group, actions)
             if live and not backlog:
@@ -390,6 +425,30 @@ class Orchestrator:
             self._queued += 1
             self._writes_idle.clear()
             await self._write_q.put(group)
+
+    async def _fresh_record(self, group: str) -> GroupRecord:
+        """The record of a group that has none stored: a new group, or one whose record was deleted (by hand, or
+        after a quarantine). Its epochs go on above the last one the stream shows for it (a group's state changes
+        carry the epoch), so that no epoch is ever handed out twice; the rest of its state starts afresh."""
+        rec = new_record(group)
+        js = self._js
+        assert js is not None
+        try:
+            async with asyncio.timeout(self.config.write_timeout_s):
+                last = await js.get_last_msg(STREAM, subjects.group_state(group))
+        except NotFoundError:
+            return rec  # nothing in the stream: a new group
+        except Exception as exc:
+            log.warning("group %s: could not read its last state from the stream (%r)", group, exc,
+                        extra={"group": group})
+            return rec
+        try:
+            change = _state_decoder.decode(last.data or b"")
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return rec
+        log.warning("group %s has no stored record but the stream shows it at epoch %d: it starts afresh from there",
+                    group, change.epoch, extra={"group": group, "epoch": change.epoch})
+        return msgspec.structs.replace(rec, epoch=change.epoch)
 
     async def _publish(self, group: str, actions: list[Action]) -> None:
         nc = self._nc
@@ -436,11 +495,37 @@ class Orchestrator:
         if live:
             await msg.ack()
 
+    # ------------------------------------------------------------------ quarantine
+
+    async def _quarantine(self, group: str, reason: str) -> None:
+        """Stop serving ``group`` alone: its record cannot be loaded, decoded or stored. Its inputs are refused
+        (``ErrorCode.QUARANTINED``) until an operator repairs the record and restarts the orchestrator; the fact is
+        in the stream, in the metrics and in ``timeslice status``; every other group goes on."""
+        entry = self._groups[group]
+        if entry.quarantined is not None:
+            return
+        entry.quarantined = reason
+        entry.dirty = False
+        assert self._quarantined is not None
+        await self._quarantined.add(group, reason)
+
+    async def _refuse_quarantined(self, msg: Msg, group: str, ev: InputEvent, reason: str, *, live: bool) -> None:
+        job = getattr(ev, "job", None)
+        request_id = getattr(ev, "request_id", None)
+        if job is not None and request_id is not None and isinstance(ev, Acquire | Release | Renew):
+            assert self._nc is not None
+            await self._nc.publish(_notice_subject(group, job), encode(Refused(
+                group=group, job=job, request_id=request_id, code=ErrorCode.QUARANTINED, message=reason)))
+        self.events_rejected += 1
+        self.metrics.rejected += 1
+        if live:
+            await msg.ack()
+
     # ------------------------------------------------------------------ persistence
 
     async def _writer(self) -> None:
-        kv = self._kv
-        assert kv is not None
+        store = self._store
+        assert store is not None
         while True:
             group = await self._write_q.get()
             entry = self._groups[group]
@@ -449,7 +534,10 @@ class Orchestrator:
                     entry.dirty = False
                     rec, acks = entry.rec, entry.acks
                     entry.acks = []
-                    entry.rev = await self._store(kv, group, rec, entry.rev)
+                    try:
+                        entry.rev = await store.store(group, rec, entry.rev)
+                    except Unusable as exc:
+                        await self._quarantine(group, exc.reason)
                     for m in acks:
                         await m.ack()
             except Exception as exc:
@@ -460,38 +548,6 @@ class Orchestrator:
                 self._queued -= 1
                 if self._queued == 0:
                     self._writes_idle.set()
-
-    async def _store(self, kv: KeyValue, group: str, rec: GroupRecord, rev: int | None) -> int:
-        data = encode(rec)
-        for attempt in range(self.config.write_attempts):
-            try:
-                async with asyncio.timeout(self.config.write_timeout_s):
-                    return await kv.update(group, data, last=rev)
-            except KeyWrongLastSequenceError:
-                conflict = True
-            except Exception as exc:  # a timeout is "unknown", not "failed" (NATS_NOTES trap 10)
-                conflict = False
-                log.warning("storing group %s failed (%r), attempt %d", group, exc, attempt + 1)
-            stored = await self._read(kv, group)
-            if stored is not None and stored[0].last_seq == rec.last_seq:
-                return stored[1]  # our own write, whose answer was lost
-            if conflict:
-                raise OrchestratorError(
-                    f"group {group!r} was written by someone else (expected revision {rev}); "
-                    "is a second orchestrator running against the same bus?"
-                )
-            await asyncio.sleep(min(0.05 * 2**attempt, 1.0))  # back off before the next attempt
-        raise OrchestratorError(f"could not store group {group!r} after {self.config.write_attempts} attempts")
-
-    @staticmethod
-    async def _read(kv: KeyValue, group: str) -> tuple[GroupRecord, int] | None:
-        try:
-            entry = await kv.get(group)
-        except Exception:
-            return None
-        if not entry.value:
-            return None
-        return decode_record(entry.value), entry.revision or 0
 
     # ------------------------------------------------------------------ time
 
@@ -548,6 +604,8 @@ class Orchestrator:
 class _Stopped(Exception):
     pass
 
+
+_state_decoder = msgspec.json.Decoder(StateChanged)
 
 # On the hot path: the same few subjects again and again, each validated once.
 _notice_subject = functools.lru_cache(maxsize=16_384)(subjects.notice)
