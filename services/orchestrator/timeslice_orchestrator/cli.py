@@ -23,7 +23,7 @@ from timeslice_client._runner import run
 from timeslice_client.bus import nats_url_arg, parse_servers
 from timeslice_client.errors import TimeSliceError
 
-from . import _events_cmd, _status_cmd
+from . import _check_cmd, _events_cmd, _status_cmd
 from ._beside import AgentBeside
 from .demo import register as _register_demo
 from .replay import _cli as _replay_cli
@@ -313,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     _status_cmd.register(sub)
     _events_cmd.register(sub)
     _replay_cli.register(sub)
+    _check_cmd.register(sub)
     _register_demo(sub)
 
     cf = sub.add_parser("clear-fault", help="clear a job's fault in a group")

@@ -1,0 +1,383 @@
+"""Checks of a ``TIMESLICE`` stream from what it shows alone, for ``timeslice check``.
+
+:class:`~timeslice_orchestrator.invariants.StreamChecker` folds the stream through the pure core and checks
+that the orchestrator's notices agree with the fold. :class:`StreamChecks` here trusts neither: it reads the
+notices the orchestrator published (grants, hold ends, dequeues), the jobs' inputs and the agents'
+operation events, and reports, per group:
+
+* ``overlapping-holds``: a new grant while another job's hold was not yet ended (Released / Revoked);
+* ``epoch-duplicate`` / ``epoch-regression``: a new grant at an epoch already granted to another job, or
+  below the group's highest granted epoch;
+* ``grant-to-departed``: a grant to a request that had left: cancelled (``Cancel``), dequeued
+  (``Dequeued``: timeout, lost waiter, released before grant), or decided after its acquire's deadline;
+* ``stuck-group``: a job waiting while nothing moves (no grant, no hold ending, no dequeue, no agent
+  operation starting or ending, no renewal by the holder) for longer than a threshold, in stream time; an
+  agent operation still running within its timeout counts as moving;
+* ``grant-while-loaded``: a new grant to job B while the stream shows job A's context possibly still on a
+  node of the group: A's snapshot there started (``OpStarted``) with no ``OpResult`` yet, or ended
+  ``ok=False`` while A was neither unregistered from that node nor faulted (the fold's record says whether
+  it is).
+
+A grant that repeats a (job, epoch) already granted (the holder's re-acquire, a grant re-sent to a waiter
+that had not heard it, a restarted orchestrator re-publishing) is not a new grant and is not checked again.
+Every rule is keyed on message types, enums and ids, never on message text.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Final
+
+import msgspec
+from timeslice_client.protocol import (
+    Acquire,
+    Cancel,
+    Dequeued,
+    ErrorCode,
+    Granted,
+    InputEvent,
+    JobRegistered,
+    JobUnregistered,
+    Notice,
+    OpKind,
+    OpResult,
+    OpStarted,
+    Refused,
+    Released,
+    Renew,
+    Revoked,
+    decode_input,
+    decode_notice,
+)
+
+from .replay._model import StreamEvent
+
+__all__ = ["DEFAULT_LEASE_MS", "STUCK_MARGIN_MS", "Kind", "StreamChecks", "Violation"]
+
+DEFAULT_LEASE_MS: Final = 30_000  # Acquire.lease_ms's default: the threshold's base before any acquire
+STUCK_MARGIN_MS: Final = 10_000  # added to the lease (and to an operation's timeout) before a group is stuck
+_DEFAULT_OP_TIMEOUT_MS: Final = 120_000  # JobRegistered.op_timeout_ms's default
+_LEAVING_CODES: Final = frozenset({ErrorCode.INVALID, ErrorCode.JOB_FAULTED})  # a refused acquire never waited
+
+_op_started: Final = msgspec.json.Decoder(OpStarted)
+
+
+class Kind(enum.StrEnum):
+    """What a violation is."""
+
+    OVERLAPPING_HOLDS = "overlapping-holds"
+    EPOCH_REGRESSION = "epoch-regression"
+    EPOCH_DUPLICATE = "epoch-duplicate"
+    GRANT_TO_DEPARTED = "grant-to-departed"
+    STUCK_GROUP = "stuck-group"
+    GRANT_WHILE_LOADED = "grant-while-loaded"
+    INVARIANT = "invariant"  # a rule of the fold (invariants.StreamChecker); ``rules`` names it
+
+
+# The fold's rules that say what one of the stream-only kinds says (reported once, under the kind).
+FOLD_RULE_KIND: Final[Mapping[str, Kind]] = {
+    "grant-exclusive": Kind.OVERLAPPING_HOLDS,
+    "fold-grant-exclusive": Kind.OVERLAPPING_HOLDS,
+    "grant-epoch-unique": Kind.EPOCH_DUPLICATE,
+    "grant-epoch-rising": Kind.EPOCH_REGRESSION,
+    "fold-grant-epoch": Kind.EPOCH_REGRESSION,
+}
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One violation: where it shows (``seq``, ``ts_ms``), the epochs and jobs it is about, and the stream
+    events that show it, in stream order."""
+
+    kind: Kind
+    group: str
+    seq: int
+    ts_ms: int
+    detail: str
+    epochs: tuple[int, ...] = ()
+    jobs: tuple[str, ...] = ()
+    events: tuple[StreamEvent, ...] = ()
+    rules: tuple[str, ...] = ()  # the fold's rules that saw it too (Kind.INVARIANT: the rule itself)
+
+
+@dataclass
+class _Snap:
+    failed: bool
+    events: list[StreamEvent]
+
+
+@dataclass
+class _Op:
+    started: StreamEvent
+    node: str
+    job: str
+
+
+@dataclass
+class _Group:
+    holder: tuple[str, int, StreamEvent] | None = None  # job, epoch, its Granted, as the notices tell it
+    owners: dict[int, tuple[str, StreamEvent]] = field(default_factory=dict)  # epoch -> job, its first Granted
+    max_epoch: int = 0
+    max_event: StreamEvent | None = None
+    acquires: dict[str, tuple[Acquire, StreamEvent]] = field(default_factory=dict)  # request id -> latest
+    departed: dict[str, StreamEvent] = field(default_factory=dict)  # request id -> the event it left by
+    waiters: dict[str, tuple[str, StreamEvent]] = field(default_factory=dict)  # job -> request id, its Acquire
+    stall_from: int = 0  # stream ms since which nothing moved (valid while waiters)
+    last_progress: StreamEvent | None = None
+    stuck_reported: bool = False
+    max_lease_ms: int = 0
+    snapshots: dict[tuple[str, str], _Snap] = field(default_factory=dict)  # (node, job) -> unfinished snapshot
+    ops: dict[str, _Op] = field(default_factory=dict)  # op id -> started and not ended
+    op_timeouts: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, job) -> ms
+
+
+class StreamChecks:
+    """Feed every stream message in order with :meth:`feed`; :attr:`violations` collects what was found.
+
+    ``stuck_after_ms`` None: a group is stuck after its largest acquire lease plus :data:`STUCK_MARGIN_MS`.
+    ``faulted(group)``: the jobs the fold's record says are faulted (a failed snapshot of a faulted job is
+    not a context left loaded). ``since_seq``/``since_ms``: report only what shows at or after them (the
+    messages before are still read, to know the state there).
+    """
+
+    def __init__(self, *, stuck_after_ms: int | None = None,
+                 faulted: Callable[[str], Mapping[str, str]] = lambda _g: {},
+                 since_seq: int = 0, since_ms: int | None = None) -> None:
+        self.stuck_after_ms = stuck_after_ms
+        self._faulted = faulted
+        self._since_seq = since_seq
+        self._since_ms = since_ms
+        self.violations: list[Violation] = []
+        self._groups: dict[str, _Group] = {}
+        self._waiting: set[str] = set()  # groups with waiters
+        self._decided_at: dict[tuple[str, str, int, str], int] = {}  # the fold: grant -> stream ms decided
+
+    # ------------------------------------------------------------------ inputs from the command
+
+    def decided(self, grant: Granted, ts_ms: int) -> None:
+        """The fold decided ``grant`` at the input event of stream time ``ts_ms`` (the time the core judged it)."""
+        self._decided_at.setdefault((grant.group, grant.job, grant.epoch, grant.request_id), ts_ms)
+
+    def feed(self, ev: StreamEvent) -> None:
+        t = ev.subject.split(".")
+        if len(t) >= 5 and t[:3] == ["ts", "v1", "notice"]:
+            try:
+                notice = decode_notice(ev.data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                notice = None
+            if notice is not None:
+                self._notice(ev, notice)
+        elif len(t) == 5 and t[:2] == ["ts", "v1"] and t[2] == "agent" and t[4] == "op":
+            try:
+                op = _op_started.decode(ev.data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                op = None
+            if op is not None:
+                self._op_started(ev, op)
+        elif len(t) >= 4 and t[:2] == ["ts", "v1"] and t[2] in ("job", "ctl", "agent"):
+            try:
+                inp = decode_input(ev.data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                inp = None
+            if inp is not None:
+                self._input(ev, inp)
+        self._check_stuck(ev)
+
+    # ------------------------------------------------------------------ the rules
+
+    def _group(self, name: str) -> _Group:
+        g = self._groups.get(name)
+        if g is None:
+            g = self._groups[name] = _Group()
+        return g
+
+    def _report(self, v: Violation) -> None:
+        if v.seq >= self._since_seq and (self._since_ms is None or v.ts_ms >= self._since_ms):
+            self.violations.append(v)
+
+    def _progress(self, g: _Group, ev: StreamEvent) -> None:
+        g.stall_from = ev.ts_ms
+        g.last_progress = ev
+        g.stuck_reported = False
+
+    def _wait(self, name: str, g: _Group, job: str, rid: str, ev: StreamEvent) -> None:
+        if not g.waiters:
+            g.stall_from = ev.ts_ms
+            g.stuck_reported = False
+            self._waiting.add(name)
+        g.waiters[job] = (rid, ev)
+
+    def _unwait(self, name: str, g: _Group, job: str, rid: str | None = None) -> None:
+        w = g.waiters.get(job)
+        if w is not None and (rid is None or w[0] == rid):
+            del g.waiters[job]
+            if not g.waiters:
+                self._waiting.discard(name)
+
+    def _input(self, ev: StreamEvent, inp: InputEvent) -> None:
+        name = inp.group
+        g = self._group(name)
+        if isinstance(inp, Acquire):
+            g.acquires[inp.request_id] = (inp, ev)
+            g.departed.pop(inp.request_id, None)
+            g.max_lease_ms = max(g.max_lease_ms, inp.lease_ms)
+            if g.holder is not None and g.holder[0] == inp.job:
+                self._progress(g, ev)  # the holder asks again: proof of life
+            else:
+                self._wait(name, g, inp.job, inp.request_id, ev)
+        elif isinstance(inp, Cancel):
+            g.departed.setdefault(inp.request_id, ev)
+            self._unwait(name, g, inp.job, inp.request_id)
+        elif isinstance(inp, Renew):
+            if inp.epoch is not None and g.holder is not None and g.holder[:2] == (inp.job, inp.epoch):
+                self._progress(g, ev)  # a live hold
+        elif isinstance(inp, OpResult):
+            g.ops.pop(inp.op_id, None)
+            self._progress(g, ev)
+            key = (inp.node, inp.job)
+            if inp.kind is OpKind.SNAPSHOT:
+                if inp.ok:
+                    g.snapshots.pop(key, None)
+                else:
+                    snap = g.snapshots.setdefault(key, _Snap(failed=True, events=[]))
+                    snap.failed = True
+                    snap.events.append(ev)
+        elif isinstance(inp, JobUnregistered):
+            g.snapshots.pop((inp.node, inp.job), None)  # the job's process left the node, its context with it
+            g.op_timeouts.pop((inp.node, inp.job), None)
+        elif isinstance(inp, JobRegistered):
+            g.op_timeouts[(inp.node, inp.job)] = inp.op_timeout_ms
+
+    def _op_started(self, ev: StreamEvent, op: OpStarted) -> None:
+        g = self._group(op.group)
+        g.ops[op.op_id] = _Op(ev, op.node, op.job)
+        self._progress(g, ev)
+        if op.kind is OpKind.SNAPSHOT:
+            g.snapshots[(op.node, op.job)] = _Snap(failed=False, events=[ev])
+
+    def _notice(self, ev: StreamEvent, n: Notice) -> None:
+        name = n.group
+        g = self._group(name)
+        if isinstance(n, Granted):
+            self._progress(g, ev)
+            self._unwait(name, g, n.job)
+            owner = g.owners.get(n.epoch)
+            if owner is None or owner[0] != n.job:
+                self._new_grant(name, g, ev, n)
+        elif isinstance(n, Released | Revoked):
+            self._progress(g, ev)
+            if g.holder is not None and g.holder[:2] == (n.job, n.epoch):
+                g.holder = None
+        elif isinstance(n, Dequeued):
+            self._progress(g, ev)
+            g.departed.setdefault(n.request_id, ev)
+            self._unwait(name, g, n.job, n.request_id)
+        elif isinstance(n, Refused) and n.code in _LEAVING_CODES:
+            self._unwait(name, g, n.job, n.request_id)
+
+    def _new_grant(self, name: str, g: _Group, ev: StreamEvent, n: Granted) -> None:
+        owner = g.owners.get(n.epoch)
+        if owner is not None:
+            self._report(Violation(Kind.EPOCH_DUPLICATE, name, ev.seq, ev.ts_ms,
+                                   f"epoch {n.epoch} granted to job {n.job!r} was granted to job {owner[0]!r} "
+                                   f"before (seq {owner[1].seq})", (n.epoch,), (owner[0], n.job),
+                                   (owner[1], ev)))
+        elif n.epoch <= g.max_epoch and g.max_event is not None:
+            self._report(Violation(Kind.EPOCH_REGRESSION, name, ev.seq, ev.ts_ms,
+                                   f"job {n.job!r} was granted epoch {n.epoch}, below epoch {g.max_epoch} granted "
+                                   f"before (seq {g.max_event.seq})", (g.max_epoch, n.epoch),
+                                   (_job_of(g.max_event), n.job), (g.max_event, ev)))
+        h = g.holder
+        if h is not None and h[0] != n.job:
+            self._report(Violation(Kind.OVERLAPPING_HOLDS, name, ev.seq, ev.ts_ms,
+                                   f"job {n.job!r} was granted epoch {n.epoch} while job {h[0]!r} still held epoch "
+                                   f"{h[1]} (granted at seq {h[2].seq}, never released or revoked)",
+                                   (h[1], n.epoch), (h[0], n.job), (h[2], ev)))
+        self._departed(name, g, ev, n)
+        self._loaded(name, g, ev, n)
+        if owner is None:
+            g.owners[n.epoch] = (n.job, ev)
+        if n.epoch > g.max_epoch:
+            g.max_epoch, g.max_event = n.epoch, ev
+        g.holder = (n.job, n.epoch, ev)
+
+    def _departed(self, name: str, g: _Group, ev: StreamEvent, n: Granted) -> None:
+        left = g.departed.get(n.request_id)
+        acq = g.acquires.get(n.request_id)
+        decided = self._decided_at.pop((name, n.job, n.epoch, n.request_id), ev.ts_ms)
+        if left is not None:
+            how = "cancelled" if left.subject.startswith("ts.v1.job.") else "dequeued"
+            shown = (acq[1], left, ev) if acq is not None and acq[1].seq < left.seq else (left, ev)
+            self._report(Violation(Kind.GRANT_TO_DEPARTED, name, ev.seq, ev.ts_ms,
+                                   f"job {n.job!r} was granted epoch {n.epoch} for request {n.request_id!r}, which "
+                                   f"had {how} (seq {left.seq}) and did not acquire again",
+                                   (n.epoch,), (n.job,), shown))
+        elif acq is not None and acq[0].claim_epoch is None:
+            a, aev = acq
+            deadline = aev.ts_ms + a.timeout_ms
+            if decided >= deadline and decided > aev.ts_ms:
+                self._report(Violation(Kind.GRANT_TO_DEPARTED, name, ev.seq, ev.ts_ms,
+                                       f"job {n.job!r} was granted epoch {n.epoch} for request {n.request_id!r} at "
+                                       f"stream time {decided}, {decided - deadline} ms after its acquire's "
+                                       f"deadline (timeout_ms={a.timeout_ms}): the waiter had timed out",
+                                       (n.epoch,), (n.job,), (aev, ev)))
+
+    def _loaded(self, name: str, g: _Group, ev: StreamEvent, n: Granted) -> None:
+        faulted = self._faulted(name)
+        for (node, job), snap in sorted(g.snapshots.items()):
+            if job == n.job or (snap.failed and job in faulted):
+                continue
+            why = (f"its snapshot there failed (seq {snap.events[-1].seq}) and the job was neither unregistered "
+                   "from the node nor faulted") if snap.failed else \
+                f"its snapshot there started (seq {snap.events[0].seq}) and had not ended"
+            self._report(Violation(Kind.GRANT_WHILE_LOADED, name, ev.seq, ev.ts_ms,
+                                   f"job {n.job!r} was granted epoch {n.epoch} while job {job!r}'s context may still "
+                                   f"be loaded on node {node!r}: {why}", (n.epoch,), (job, n.job),
+                                   (*snap.events, ev)))
+        for key in [k for k in g.snapshots if k[1] == n.job]:
+            del g.snapshots[key]  # the grantee's own context is where it belongs
+
+    def _threshold(self, g: _Group) -> int:
+        if self.stuck_after_ms is not None:
+            return self.stuck_after_ms
+        return (g.max_lease_ms or DEFAULT_LEASE_MS) + STUCK_MARGIN_MS
+
+    def _check_stuck(self, ev: StreamEvent) -> None:
+        now = ev.ts_ms
+        for name in sorted(self._waiting):
+            g = self._groups[name]
+            if g.stuck_reported or now - g.stall_from <= self._threshold(g):
+                continue
+            if any(now <= op.started.ts_ms + g.op_timeouts.get((op.node, op.job), _DEFAULT_OP_TIMEOUT_MS)
+                   + STUCK_MARGIN_MS for op in g.ops.values()):
+                continue  # an operation still runs within its timeout: the switch is moving
+            g.stuck_reported = True
+            waiting = sorted(g.waiters.items(), key=lambda kv: kv[1][1].seq)
+            shown = [w[1] for _, w in waiting]
+            if g.last_progress is not None:
+                shown.append(g.last_progress)
+            if ev not in shown:
+                shown.append(ev)
+            holder = f"job {g.holder[0]!r} holds epoch {g.holder[1]}" if g.holder else "nobody holds it"
+            since = f"seq {g.last_progress.seq}" if g.last_progress is not None else "the first waiter"
+            self._report(Violation(
+                Kind.STUCK_GROUP, name, ev.seq, ev.ts_ms,
+                f"{len(waiting)} job(s) waited ({', '.join(j for j, _ in waiting)}) for "
+                f"{(now - g.stall_from) / 1000:.1f} s of stream time with nothing moving since {since} (no grant, "
+                f"no hold ending, no dequeue, no agent operation, no renewal by a holder; threshold "
+                f"{self._threshold(g) / 1000:.1f} s); {holder}",
+                (g.holder[1],) if g.holder else ((g.max_epoch,) if g.max_epoch else ()),
+                tuple(j for j, _ in waiting), tuple(sorted(shown, key=lambda e: e.seq))))
+
+    # ------------------------------------------------------------------ results
+
+    @property
+    def groups(self) -> list[str]:
+        return sorted(self._groups)
+
+
+def _job_of(ev: StreamEvent) -> str:
+    t = ev.subject.split(".")
+    return t[4] if len(t) > 4 else "?"
