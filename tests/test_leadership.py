@@ -17,7 +17,7 @@ from typing import Any
 
 import nats
 import pytest
-from nats.js.api import StreamConfig
+from nats.js.api import KeyValueConfig, StreamConfig
 from timeslice_orchestrator._leadership import (
     LEADER_BUCKET,
     LeaderRecord,
@@ -194,6 +194,24 @@ async def test_terms_strictly_increase_over_many_handovers(nats_url: str) -> Non
         terms.append(await fresh.lead.wait_leader(timeout=3))
     assert len(terms) == 20
     assert all(b > a for a, b in itertools.pairwise(terms)), terms
+
+
+async def test_takeover_without_ttl_markers(nats_url: str) -> None:
+    """A bucket made without ``limit_marker_ttl``: an expiry writes nothing, the standby's re-read finds it."""
+    nc = await nats.connect(nats_url, error_cb=_quiet)
+    try:
+        await nc.jetstream().create_key_value(KeyValueConfig(bucket=LEADER_BUCKET, history=1, direct=True))
+    finally:
+        await nc.close()
+    async with instances(nats_url, "a", "b") as xs:
+        first = (await eventually(lambda: leaders(xs), timeout=5, what="a leader"))[0]
+        other = next(i for i in xs if i is not first)
+        old = first.lead.term
+        assert old is not None
+        t0 = time.monotonic()
+        await first.crash()
+        assert await other.lead.wait_leader(timeout=3) > old
+        assert time.monotonic() - t0 < TTL + 0.5
 
 
 async def test_wait_leader_times_out_while_another_leads(nats_url: str) -> None:

@@ -40,23 +40,13 @@ from typing import Any
 import msgspec
 import nats.errors
 from nats.js import JetStreamContext
-from nats.js.api import Header, KeyValueConfig, StorageType
-from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
+from nats.js.api import DeliverPolicy, Header, KeyValueConfig, StorageType
+from nats.js.errors import APIError, NotFoundError
 
 from ._errors import OrchestratorError
 
-__all__ = [
-    "LEADER_BUCKET",
-    "LEADER_KEY",
-    "LeaderRecord",
-    "LeaderWaitTimeout",
-    "Leadership",
-    "LeadershipChange",
-    "LeadershipError",
-    "NotLeader",
-    "ensure_leader_bucket",
-    "read_leader",
-]
+__all__ = ["LEADER_BUCKET", "LEADER_KEY", "LeaderRecord", "LeaderWaitTimeout", "Leadership", "LeadershipChange",
+           "LeadershipError", "NotLeader", "ensure_leader_bucket", "read_leader"]
 
 log = logging.getLogger("timeslice.orchestrator.leadership")
 
@@ -66,6 +56,8 @@ _STREAM = f"KV_{LEADER_BUCKET}"
 _SUBJECT = f"$KV.{LEADER_BUCKET}.{LEADER_KEY}"
 _WRONG_LAST_SEQ = (10071, 10164)  # JSStreamWrongLastSequenceErrF / ...ConstantErr (trap 3)
 _STREAM_NOT_FOUND = 10059
+# A write that got no answer: its outcome is unknown (trap 10) until the key is read again.
+_UNANSWERED = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError)
 
 if hasattr(time, "CLOCK_BOOTTIME"):
     _BOOTTIME = time.CLOCK_BOOTTIME
@@ -132,10 +124,8 @@ class _Seen:
 
 
 def _parse_ttl(value: str | None) -> float | None:
-    if not value:
-        return None
     try:
-        return float(value[:-1]) if value.endswith("s") else float(value)
+        return float(value.removesuffix("s")) if value else None
     except ValueError:
         return None
 
@@ -170,14 +160,15 @@ async def ensure_leader_bucket(js: JetStreamContext, *, replicas: int = 1, timeo
                 await js.create_key_value(KeyValueConfig(
                     bucket=LEADER_BUCKET, history=1, replicas=replicas, storage=StorageType.FILE, direct=True,
                     limit_marker_ttl=1, description="timeslice orchestrator leader lease"))
-            except BucketNotFoundError:  # pragma: no cover - defensive
-                raise
             except APIError as exc:  # created by another instance at the same moment (10058)
                 log.debug("leader bucket creation raced: %r", exc)
             info = await js.stream_info(_STREAM)
     if not info.config.allow_msg_ttl:
         raise LeadershipError(f"the KV bucket {LEADER_BUCKET!r} exists without per-message TTLs (allow_msg_ttl); "
                               f"delete it (`nats kv del {LEADER_BUCKET}`) while no orchestrator runs, then restart")
+    if info.config.num_replicas != replicas:
+        log.warning("the KV bucket %r has %s replicas, not the %d asked for: it is used as it is",
+                    LEADER_BUCKET, info.config.num_replicas, replicas)
     if not info.config.subject_delete_marker_ttl:
         log.warning("the KV bucket %r has no TTL markers (limit_marker_ttl): standbys notice a dead leader "
                     "only by re-reading after the TTL", LEADER_BUCKET)
@@ -267,7 +258,6 @@ class Leadership:
         self._retired = False
         self._running = False
 
-    # ---- the hot path ----------------------------------------------------------------------------------
 
     def is_leader(self) -> bool:
         """True only while this instance holds the lease and its validity window has not passed."""
@@ -293,9 +283,8 @@ class Leadership:
             except Exception:
                 log.exception("leadership metrics hook failed", extra=self._extra())
 
-    # ---- state changes ---------------------------------------------------------------------------------
 
-    def _become_leader(self, term: int, rev: int, sent: float, record: LeaderRecord) -> None:
+    def _become_leader(self, term: int, rev: int, sent: float, record: LeaderRecord, gone_at: float | None) -> None:
         self._leading = True
         self._term = term
         self._rev = rev
@@ -305,9 +294,9 @@ class Leadership:
         self._since_ms = record.since_ms
         self._seen = _Seen(rev, record, float(self.ttl_s), _clock())
         self._pulse()
-        if self._gone_at is not None:
-            self._metric("takeover_s", _clock() - self._gone_at)
         self._gone_at = None
+        if gone_at is not None:
+            self._metric("takeover_s", _clock() - gone_at)
         log.info("became leader", extra=self._extra())
         self._metric("elected", term)
         self._notify(True, term, "elected")
@@ -320,7 +309,8 @@ class Leadership:
         self._valid_until = 0.0
         self._unconfirmed_since = None
         self._pulse()
-        log.warning("lost leadership: %s", reason, extra=self._extra())
+        log.log(logging.INFO if reason in ("resigned", "stopped") else logging.WARNING, "lost leadership: %s", reason,
+                extra=self._extra())
         self._metric("lost", term)
         self._notify(False, term, reason)
 
@@ -340,22 +330,23 @@ class Leadership:
     def _observe(self, seen: _Seen) -> None:
         """A newer state of the key (from the watch or a read)."""
         old = self._seen
-        if old is not None and (seen.rev < old.rev or (seen.rev == old.rev and seen.record == old.record)):
-            return  # stale, or the same message again (keep when it was first seen: its expiry runs from then)
+        if old is not None and seen.rev == old.rev and seen.record == old.record:
+            return  # the same state again: keep when it was first seen (its expiry runs from then)
+        if old is not None and 0 < seen.rev < old.rev:
+            return  # stale (rev 0 is a read that found no message at all: an expiry without a marker)
         self._seen = seen
         if seen.record is None:
             if self._gone_at is None:
                 self._gone_at = seen.at
         else:
             self._gone_at = None
-        if self._leading and seen.rev > self._rev:
+        if self._leading and (seen.rev > self._rev or seen.rev == 0):
             r = seen.record
             if r is None or r.holder != self.instance_id or r.term != self._term:
                 self._step_down(f"the key changed under us at revision {seen.rev}: "
                                 f"{'gone' if r is None else f'held by {r.holder} term {r.term}'}")
         self._wake.set()
 
-    # ---- writes ----------------------------------------------------------------------------------------
 
     def _record(self) -> LeaderRecord:
         assert self._term is not None
@@ -380,6 +371,7 @@ class Leadership:
             headers = {Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(seen.rev),
                        Header.EXPECTED_LAST_SEQUENCE.value: str(last_seq),
                        Header.MSG_TTL.value: f"{self.ttl_s}s"}
+            gone_at = self._gone_at  # (the watch may show our record before the answer comes)
             sent = _clock()
             try:
                 rev = await self._publish(msgspec.json.encode(record), headers)
@@ -389,8 +381,7 @@ class Leadership:
                 log.debug("campaign for term %d lost: %s", term, exc.description, extra=self._extra())
                 self._metric("campaign_lost")
                 return
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
-                # Unknown outcome (trap 10): the record, if it landed, says whether we won.
+            except _UNANSWERED:  # the record, if it landed, says whether we won
                 seen = await _read(self._js, self.op_timeout_s)
                 if seen.record == record:
                     rev = seen.rev
@@ -400,7 +391,7 @@ class Leadership:
             if rev != term:  # pragma: no cover - the expected-last-sequence header makes this impossible
                 raise LeadershipError(f"campaign write landed at revision {rev}, expected {term}: "
                                       "the server ignored Nats-Expected-Last-Sequence; upgrade nats-server")
-            self._become_leader(term, rev, sent, record)
+            self._become_leader(term, rev, sent, record, gone_at)
 
     async def _renew(self) -> None:
         async with self._lock:
@@ -417,11 +408,12 @@ class Leadership:
             try:
                 rev = await self._publish(msgspec.json.encode(self._record()), headers)
             except APIError as exc:
-                if _is_wrong_last(exc):
-                    self._step_down(f"deposed: renewal of revision {self._rev} refused ({exc.description})")
-                    return
-                raise
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
+                if not _is_wrong_last(exc):
+                    raise
+                # Deposed, unless an earlier renewal whose answer we never got had landed: the key says which.
+                await self._reconcile(refused=f"renewal of revision {self._rev} refused ({exc.description})")
+                return
+            except _UNANSWERED:
                 self._metric("renew_unknown")
                 await self._reconcile()
                 return
@@ -434,20 +426,23 @@ class Leadership:
         self._unconfirmed_since = None
         self._pulse()
 
-    async def _reconcile(self) -> None:
-        """After a renewal with unknown outcome: read the key and believe what it says."""
+    async def _reconcile(self, refused: str | None = None) -> None:
+        """After a renewal that was refused or not answered: read the key and believe what it says."""
         try:
             seen = await _read(self._js, self.op_timeout_s)
         except (TimeoutError, nats.errors.Error) as exc:
-            log.warning("leader key unreadable after an unanswered renewal: %r", exc, extra=self._extra())
-            return  # the window runs out unless a later renewal succeeds
+            log.warning("leader key unreadable after a renewal (%s): %r", refused or "unanswered", exc,
+                        extra=self._extra())
+            if refused:
+                self._step_down(refused)
+            return  # unanswered: the window runs out unless a later renewal succeeds
         r = seen.record
         if r is not None and r.holder == self.instance_id and r.term == self._term and seen.rev >= self._rev:
             if seen.rev > self._rev and self._unconfirmed_since is not None:
                 self._confirmed(seen.rev, self._unconfirmed_since)  # the write landed; its earliest send counts
             return
         self._observe(seen)
-        self._step_down(f"after an unanswered renewal the key is at revision {seen.rev}, not ours")
+        self._step_down(refused or f"after an unanswered renewal the key is at revision {seen.rev}, not ours")
 
     async def confirm(self) -> int:
         """A fenced write: renew now and return the term, or raise ``NotLeader``."""
@@ -483,7 +478,6 @@ class Leadership:
             log.info("resigned", extra={"term": term, "instance": self.instance_id})
             return True
 
-    # ---- waiting ---------------------------------------------------------------------------------------
 
     async def wait_leader(self, timeout: float) -> int:
         """Wait until this instance leads; its term. ``LeaderWaitTimeout`` after ``timeout`` s."""
@@ -514,7 +508,6 @@ class Leadership:
             async with asyncio.timeout(left):
                 await self._wake.wait()
 
-    # ---- the loop --------------------------------------------------------------------------------------
 
     async def _on_msg(self, msg: Any) -> None:
         self._observe(_seen_from(msg.metadata.sequence.stream, msg.headers, msg.data))
@@ -524,11 +517,13 @@ class Leadership:
         if self._running:
             raise LeadershipError(f"Leadership.run() of {self.instance_id} is already running; run it once")
         self._running = True
-        await ensure_leader_bucket(self._js, replicas=self.replicas)
-        from nats.js.api import DeliverPolicy
-
-        sub = await self._js.subscribe(_SUBJECT, stream=_STREAM, cb=self._on_msg, ordered_consumer=True,
-                                       deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, inactive_threshold=60.0)
+        try:
+            await ensure_leader_bucket(self._js, replicas=self.replicas)
+            sub = await self._js.subscribe(_SUBJECT, stream=_STREAM, cb=self._on_msg, ordered_consumer=True,
+                                           deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, inactive_threshold=60.0)
+        except BaseException:
+            self._running = False
+            raise
 
         async def relay_stop() -> None:
             await stop.wait()
@@ -543,8 +538,7 @@ class Leadership:
                         await self._lead_once()
                     else:
                         await self._follow_once()
-                except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError,
-                        nats.js.errors.NoStreamResponseError) as exc:
+                except (TimeoutError, *_UNANSWERED) as exc:
                     log.warning("leader key unreachable: %r", exc, extra=self._extra())
                     await self._sleep_until(_clock() + min(self.renew_s, 0.1))
                 except NotFoundError as exc:
