@@ -7,8 +7,14 @@ import os
 __all__ = ["alive", "host_memory"]
 
 
+_PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT on 64-bit Linux
+
+
 def alive(pid: int) -> bool:
-    """True unless the process is gone or a zombie."""
+    """True unless the process is gone or a zombie. Never a process group: 0, negatives and what no pid can be
+    (past PID_MAX: kill(2) would raise OverflowError) are not alive."""
+    if not 0 < pid <= _PID_MAX:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -23,11 +24,11 @@ from timeslice_client.protocol import (
     RegisterJob,
     encode,
     subjects,
-    validate_id,
 )
 
 from ._app_endpoint import check_endpoints
 from ._host import alive
+from ._untrusted import MAX_JOBS, Refusal, Refused, check_id, check_registration, shown
 from .backends import make_backend
 
 __all__ = ["JobBook", "now_ms"]
@@ -44,8 +45,9 @@ def now_ms() -> int:
 class JobBook:
     """The job contexts of one node (``jobs``, by job id); usable once ``bind`` gave it the agent's connection."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, *, refused: Callable[[Refusal], None] = lambda code: None) -> None:
         self.node = node
+        self._refused = refused  # counts a context read back from KV that is not used (see ``recover``)
         self.jobs: dict[str, JobContext] = {}
         self._nc: NATS | None = None
         self._js: JetStreamContext | None = None
@@ -70,9 +72,12 @@ class JobBook:
 
     async def register(self, req: RegisterJob) -> AgentReply:
         """A job registers (again): the same process keeps its state, another one starts IDLE."""
-        validate_id("group", req.group)
-        validate_id("job", req.job)
+        check_id("group", req.group)
+        check_id("job", req.job)
         assert self._nc is not None
+        if req.job not in self.jobs and len(self.jobs) >= MAX_JOBS:
+            raise Refused(Refusal.TOO_LARGE, f"node {self.node!r} has {len(self.jobs)} jobs registered (at most "
+                                             f"{MAX_JOBS}); unregister jobs that are gone")
         for b in req.backends:
             make_backend(b, self._nc, self.node)  # raises for an unknown backend
         if "app_endpoint" in req.backends:
@@ -124,8 +129,7 @@ class JobBook:
                 entry = await kv.get(key)
             except KeyNotFoundError:  # unregistered (deleted) since
                 continue
-            if entry.value:
-                ctx = _ctx_decoder.decode(entry.value)
+            if entry.value and (ctx := self._readable(key, entry.value)) is not None:
                 self.jobs[ctx.job] = ctx
         for ctx in list(self.jobs.values()):
             if ctx.pids and not any(alive(p) for p in ctx.pids):
@@ -137,3 +141,26 @@ class JobBook:
             await self.announce(ctx)
         if self.jobs:
             log.info("recovered %d jobs", len(self.jobs), extra={"node": self.node})
+
+    def _readable(self, key: str, value: bytes) -> JobContext | None:
+        """A job context read back from KV, when it is one this agent can use: decodable, this node's, under its
+        own key, with valid ids and processes (the checks of a registration). Else logged, counted and skipped,
+        never a reason not to start."""
+        try:
+            ctx = _ctx_decoder.decode(value)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            problem: Refused = Refused(Refusal.UNDECODABLE, f"undecodable: {shown(str(exc), 300)}")
+        else:
+            try:
+                if ctx.node != self.node or key != f"{self.node}.{ctx.job}":
+                    raise Refused(Refusal.WRONG_NODE, f"it names node {shown(ctx.node)} and job {shown(ctx.job)}")
+                check_registration(RegisterJob(group=ctx.group, job=ctx.job, backends=ctx.backends, pids=ctx.pids,
+                                               pgid=ctx.pgid, mode=ctx.mode, tags=ctx.tags, endpoints=ctx.endpoints,
+                                               op_timeout_ms=ctx.op_timeout_ms))
+                return ctx
+            except Refused as exc:
+                problem = exc
+        self._refused(problem.code)
+        log.warning("job context %s in KV %s not recovered: %s; delete the key or register the job again", key,
+                    JOBS_BUCKET, problem, extra={"node": self.node, "refusal": str(problem.code)})
+        return None

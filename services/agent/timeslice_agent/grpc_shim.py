@@ -39,9 +39,9 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from timeslice_client._grpc import snapshot_agent_pb2 as pb
 from timeslice_client._grpc.runtime import SERVER_OPTIONS, Handler, bind, server_credentials
-from timeslice_client.errors import InvalidId
-from timeslice_client.protocol import JobState, OpKind, SuspendMode, validate_id
+from timeslice_client.protocol import JobState, OpKind, SuspendMode
 
+from ._untrusted import Refused, check_id, check_op_id
 from .backends import BackendUnavailable, available_backends
 from .service import Agent
 
@@ -136,10 +136,10 @@ class AgentGrpcShim:
 
     async def _start(self, req: pb.SnapshotRequest | pb.RestoreRequest, ctx: Ctx, kind: OpKind) -> str:
         try:
-            job = validate_id("job", req.job_id)
-            group = validate_id("group", req.group) if req.group else None
-        except InvalidId as exc:
-            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            job = check_id("job", req.job_id)
+            group = check_id("group", req.group) if req.group else None
+        except Refused as exc:
+            await self._refuse(ctx, exc)
         plan = await self._plan(req, ctx)
         try:
             return await self.agent.run_standalone(job, kind, group=group, backends=plan.backends, pids=plan.pids,
@@ -148,6 +148,8 @@ class AgentGrpcShim:
             await self._unsupported(ctx, str(exc))
         except LookupError as exc:
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0] if exc.args else exc))
+        except Refused as exc:  # pids, tags, endpoints out of bounds
+            await self._refuse(ctx, exc)
         except ValueError as exc:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:
@@ -176,6 +178,11 @@ class AgentGrpcShim:
         ch = cfg.app_channel
         return _Plan(backends=(name,), mode=_MODES.get(ch.mode), tags=tuple(ch.tags) or None)
 
+    async def _refuse(self, ctx: Ctx, exc: Refused) -> NoReturn:
+        """A malformed request: counted (``timeslice_agent_refused{source="grpc"}``), INVALID_ARGUMENT."""
+        self.agent.metrics.refusal("grpc", exc.code)
+        await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
     async def _unsupported(self, ctx: Ctx, why: str) -> NoReturn:
         have = set(available_backends())
         configs = [f"BackendConfig.{c}" for c, b in _BACKENDS.items() if b and b in have]
@@ -184,6 +191,10 @@ class AgentGrpcShim:
                         f"unset to use a registered job's own backends (available here: {', '.join(sorted(have))})")
 
     async def _get_operation(self, req: pb.GetOperationRequest, ctx: Ctx) -> pb.GetOperationResponse:
+        try:
+            check_op_id(req.operation_id, "operation_id")
+        except Refused as exc:
+            await self._refuse(ctx, exc)
         op = self.agent.operation(req.operation_id)
         if op is None:
             await ctx.abort(grpc.StatusCode.NOT_FOUND,

@@ -13,7 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from timeslice_client._metrics_http import MetricsEndpoint, MetricsServerError, serve_metrics
 from timeslice_client.protocol import OpResult
 
-__all__ = ["DURATION_BUCKETS", "OUTCOMES", "AgentMetrics", "MetricsEndpoint", "MetricsServerError", "serve_metrics"]
+from ._untrusted import REFUSALS
+
+__all__ = ["DURATION_BUCKETS", "OUTCOMES", "REFUSALS", "SOURCES", "TASKS", "AgentMetrics", "MetricsEndpoint",
+           "MetricsServerError", "serve_metrics"]
 
 # Seconds. Three steps per decade (1-2.5-5) from 100 µs to 60 s: an operation with nothing to move (noop,
 # SIGSTOP of a few processes) takes well under a millisecond; an app_channel offload of a few GB to pinned
@@ -30,6 +33,9 @@ OUTCOMES: Final = (
     "failed",  # the operation failed; the job is FAULTED on this node
     "refused",  # not attempted: stale epoch, unknown or faulted job, deadline passed
 )
+
+SOURCES: Final = ("command", "rpc", "grpc", "kv")  # where a refused message came from (see REFUSALS for why)
+TASKS: Final = ("operation", "standalone", "pid_check", "rpc", "command")  # where an unexpected error was caught
 
 
 class AgentMetrics:
@@ -59,6 +65,26 @@ class AgentMetrics:
             "timeslice_agent_commands", "Commands received: from the stream (the agent's durable consumer), or "
             "handed over directly by the orchestrator this agent runs beside (its stream copy is then only "
             "acknowledged).", ["via"], registry=r)
+        self.refused = Counter(
+            "timeslice_agent_refused", "Messages refused as malformed (and acknowledged, for a command), by where "
+            "they came from (" + ", ".join(SOURCES) + ") and why (" + ", ".join(REFUSALS) + ").",
+            ["source", "reason"], registry=r)
+        self.task_errors = Counter(
+            "timeslice_agent_task_errors", "Unexpected exceptions caught in the agent's own tasks (" + ", ".join(TASKS)
+            + "): logged and answered where possible; the agent goes on.", ["task"], registry=r)
+
+    def refusal(self, source: str, reason: str) -> None:
+        """Count one refused message (both labels from fixed sets)."""
+        if source not in SOURCES or reason not in REFUSALS:
+            raise ValueError(f"unknown refusal {source!r}/{reason!r}; expected a source in {SOURCES} and a reason "
+                             f"in {REFUSALS}")
+        self.refused.labels(source, reason).inc()
+
+    def task_error(self, task: str) -> None:
+        """Count one unexpected exception caught in one of the agent's tasks."""
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+        self.task_errors.labels(task).inc()
 
     def operation(self, result: OpResult, outcome: str) -> None:
         """Record one answered operation; duration and bytes only for operations that ran."""

@@ -34,9 +34,6 @@ from timeslice_client.bus import connect, ensure_bus
 from timeslice_client.protocol import (
     STREAM,
     AgentCommand,
-    AgentReply,
-    ClearFault,
-    ClearJobFault,
     DeviceInfo,
     JobContext,
     JobState,
@@ -47,7 +44,6 @@ from timeslice_client.protocol import (
     Restore,
     Snapshot,
     SuspendMode,
-    UnregisterJob,
     encode,
     subjects,
     validate_id,
@@ -61,8 +57,10 @@ from ._host import alive
 from ._job_locks import JobLocks
 from ._jobbook import JobBook, now_ms
 from ._ordering import RunningOps
+from ._requests import Requests, log_refusal
 from ._room import RestoreOrder
 from ._standalone import standalone_context
+from ._untrusted import Refusal, Refused, cap, check_command, check_id, check_registration, refusal_result, shown
 from .backends import OpContext, Outcome, make_backend
 from .metrics import AgentMetrics
 
@@ -71,7 +69,6 @@ __all__ = ["Agent", "AgentConfig", "OperationStatus", "default_node_id"]
 log = logging.getLogger("timeslice.agent")
 
 _command_decoder = msgspec.json.Decoder(AgentCommand)
-_rpc_decoder = msgspec.json.Decoder(RegisterJob | UnregisterJob | ClearJobFault)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +93,9 @@ class Agent:
         self._own_nc = nc is None
         self._js: JetStreamContext | None = None
         self._heartbeat: Heartbeat | None = None  # once connected
-        self._book = JobBook(self.node)  # this node's job contexts, stored in KV ``jobs``
+        self._book = JobBook(self.node, refused=lambda code: self.metrics.refusal("kv", code))  # KV ``jobs``
         self._locks = JobLocks()  # one per job id, while in use
+        self._requests = Requests(self.node, self._book, self._locks, self.metrics)  # ts.rpc.agent.<node>.*
         self._epochs: dict[str, int] = {}
         self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()
         self._running = RunningOps()  # a restore waits for the snapshots it follows (Restore.after)…
@@ -131,14 +129,16 @@ class Agent:
         self._js = nc.jetstream()
         buckets = await ensure_bus(self._js, self.config.bus)
         self._book.bind(nc, self._js, buckets.jobs)
+        self._requests.bind(self._js)
         heartbeat = self._heartbeat = Heartbeat(self.node, buckets.agents, self._started_ms)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 await heartbeat.once()
                 await self._book.recover()
-                for verb, cb in (("register", self._on_rpc), ("unregister", self._on_rpc),
-                                 ("clear_fault", self._on_rpc), ("status", self._on_status)):
+                rpc = self._requests.on_rpc
+                for verb, cb in (("register", rpc), ("unregister", rpc), ("clear_fault", rpc),
+                                 ("status", self._requests.on_status)):
                     self._subs.append(await nc.subscribe(subjects.agent_rpc(self.node, verb), cb=cb))
                 await self._subscribe_commands()
                 tg.create_task(heartbeat.loop(self.config.heartbeat_s, self._stop))
@@ -185,44 +185,6 @@ class Agent:
             max_ack_pending=1024, filter_subject=subjects.agent_cmd(self.node),
         ))
 
-    # ------------------------------------------------------------------ registration
-
-    async def _on_rpc(self, msg: Msg) -> None:
-        try:
-            req = _rpc_decoder.decode(msg.data)
-            if isinstance(req, RegisterJob):
-                reply = await self._book.register(req)
-            elif isinstance(req, UnregisterJob):
-                ctx = self._book.jobs.get(req.job)
-                if ctx is not None:
-                    await self._book.unregister(ctx, "unregistered by the job")
-                reply = AgentReply(ok=True)
-            else:
-                reply = await self._clear_fault(req.job)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-            reply = AgentReply(ok=False, error=f"bad request: {exc}")
-        except Exception as exc:
-            log.exception("request failed", extra={"node": self.node})
-            reply = AgentReply(ok=False, error=f"{exc.__class__.__name__}: {exc}")
-        if msg.reply:
-            await msg.respond(encode(reply))
-
-    async def _clear_fault(self, job: str) -> AgentReply:
-        ctx = self._book.jobs.get(job)
-        if ctx is None:
-            return AgentReply(ok=False, error=f"job {job!r} is not registered on node {self.node!r}")
-        async with self._locks.hold(job):
-            if ctx.state is JobState.FAULTED:
-                # Its state is unknown: treat it as saved, so the next grant resumes it (resume is idempotent).
-                ctx = await self._book.save(msgspec.structs.replace(ctx, state=JobState.SAVED, reason=None))
-        assert self._js is not None
-        await self._js.publish(subjects.ctl(ctx.group, "clear_fault"), encode(ClearFault(group=ctx.group, job=job)))
-        return AgentReply(ok=True, state=ctx.state)
-
-    async def _on_status(self, msg: Msg) -> None:
-        if msg.reply:
-            await msg.respond(msgspec.json.encode(sorted(self._book.jobs.values(), key=lambda c: c.job)))
-
     # ------------------------------------------------------------------ operations
 
     def take(self, cmd: Snapshot | Restore, published: asyncio.Event) -> bool:
@@ -233,6 +195,10 @@ class Agent:
         this agent is not ready or stopping: its durable consumer then delivers the command)."""
         if cmd.node != self.node or self._tg is None or not self._ready.is_set() or self._stop.is_set():
             return False
+        try:
+            check_command(cmd, self.node, now_ms())
+        except Refused:
+            return False  # its stream copy comes to this agent's consumer, which refuses it (and answers)
         self._taken[cmd.op_id] = None
         while len(self._taken) > self.config.max_results:
             self._taken.popitem(last=False)
@@ -248,22 +214,52 @@ class Agent:
         self._tg.create_task(self._run(cmd, owner, gate=gate))
 
     async def _on_command(self, msg: Msg) -> None:
+        """A command from the durable consumer. Always acknowledged: a malformed one (poison) is refused, with an
+        ``OpResult(ok=False)`` where its ids can be put in a subject, and is never delivered again."""
         try:
-            cmd: Snapshot | Restore | None = _command_decoder.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("undecodable command: %s", exc, extra={"node": self.node})
-            cmd = None
-        if cmd is not None and cmd.op_id in self._taken:
-            del self._taken[cmd.op_id]  # handed over by take() already: only the acknowledgement is left
-            cmd = None
-        if cmd is not None and cmd.node == self.node and self._tg is not None:
-            self.metrics.commands.labels("stream").inc()
-            self._start(cmd)
+            await self._take_delivered(msg.data)
+        except Exception:  # not expected: a command must never end the agent, nor stay unacknowledged
+            self.metrics.task_error("command")
+            log.exception("command handling failed", extra={"node": self.node})
         # Acknowledged after the operation's task is scheduled: that task then runs before the connection's
         # flusher, so its first writes (the TRANSITIONING mark, OpStarted, the request to the workload) leave in
         # the same socket write as this acknowledgement instead of one write later.
         with contextlib.suppress(Exception):
             await msg.ack()
+
+    async def _take_delivered(self, data: bytes) -> None:
+        try:
+            cmd: Snapshot | Restore = _command_decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            why = shown(str(exc), 300)
+            log_refusal(self.metrics, self.node, "command", Refusal.UNDECODABLE, f"undecodable command: {why}")
+            return
+        if cmd.op_id in self._taken:
+            del self._taken[cmd.op_id]  # handed over by take() already: only the acknowledgement is left
+            return
+        try:
+            check_command(cmd, self.node, now_ms())
+        except Refused as exc:
+            await self._refuse(cmd, exc)
+            return
+        if self._tg is not None:
+            self.metrics.commands.labels("stream").inc()
+            self._start(cmd)
+
+    async def _refuse(self, cmd: Snapshot | Restore, exc: Refused) -> None:
+        """Log and count a refused command, and answer it when its group, job and op id are valid. The answer's
+        message id differs from a result's: a refusal never stands in for the outcome of a real command."""
+        result = refusal_result(cmd, self.node, exc)
+        ids = {"group": cmd.group, "job": cmd.job, "op_id": cmd.op_id} if result is not None else {}
+        log_refusal(self.metrics, self.node, "command", exc.code, f"refused a command: {exc}", **ids)
+        if result is None:
+            return
+        assert self._js is not None
+        try:
+            await self._js.publish(subjects.agent_event(self.node, cmd.group), encode(result), timeout=5,
+                                   headers={"Nats-Msg-Id": f"{cmd.op_id}:refused"})
+        except Exception as err:
+            log.warning("refusal not published: %r", err, extra={"node": self.node, **ids})
 
     async def _run(self, cmd: Snapshot | Restore, owner: bool, gate: asyncio.Event | None = None) -> None:
         """``gate``: the command's publish by the orchestrator this agent runs beside (see ``take``)."""
@@ -273,11 +269,13 @@ class Agent:
                     await gate.wait()
         kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
         fresh = cmd.op_id not in self._results  # a redelivered command is answered from memory: not counted again
+        ids = {"node": self.node, "group": cmd.group, "job": cmd.job, "op_id": cmd.op_id}
         try:
             try:
                 result, published = await self._execute(cmd, kind)
             except Exception as exc:  # never leave the orchestrator waiting on an answer
-                log.exception("operation crashed", extra={"node": self.node, "job": cmd.job, "op_id": cmd.op_id})
+                log.exception("operation crashed", extra=ids)
+                self.metrics.task_error("operation")
                 result, published = self._result(cmd, kind, "?", ok=False, error=f"agent error: {exc!r}"), False
                 fresh = False
                 self.metrics.operation(result, "failed")
@@ -285,6 +283,9 @@ class Agent:
                 self._count(result, performed=published)
             if not published:
                 await self._publish_result(result)
+        except Exception:  # an operation never ends the agent (its task group): logged, counted, dropped
+            log.exception("operation not answered", extra=ids)
+            self.metrics.task_error("operation")
         finally:
             if owner:
                 self._running.finish(cmd.op_id)
@@ -304,7 +305,7 @@ class Agent:
                 outcome: Outcome | None = None, elapsed_ms: float = 0.0) -> OpResult:
         out = outcome or Outcome()
         return OpResult(group=cmd.group, op_id=cmd.op_id, node=self.node, job=cmd.job, kind=kind, epoch=cmd.epoch,
-                        ok=ok, error=error, backend=backend, bytes_moved=out.bytes_moved,
+                        ok=ok, error=cap(error) if error else error, backend=backend, bytes_moved=out.bytes_moved,
                         device_bytes_freed=out.device_bytes_freed, elapsed_ms=elapsed_ms,
                         began_at_release=out.began_at_release, work_ms=out.work_ms)
 
@@ -440,9 +441,9 @@ class Agent:
         Raises ``LookupError`` (unknown job, nothing to restore), ``ValueError`` (bad ids, another
         group), ``BackendUnavailable`` (a backend this agent lacks), ``RuntimeError`` (not running).
         """
-        validate_id("job", job)
+        check_id("job", job)
         if group:
-            validate_id("group", group)
+            check_id("group", group)
         if self._tg is None or self._nc is None:
             raise RuntimeError(f"the agent on node {self.node!r} is not running")
         for b in backends or ():
@@ -452,6 +453,9 @@ class Agent:
             ctx = standalone_context(current, self.node, job, kind, group=group, backends=backends, pids=pids,
                                      mode=mode, tags=tags, endpoints=endpoints)
             if ctx is not current:
+                check_registration(RegisterJob(group=ctx.group, job=job, backends=ctx.backends, pids=ctx.pids,
+                                               pgid=ctx.pgid, mode=ctx.mode, tags=ctx.tags, endpoints=ctx.endpoints,
+                                               op_timeout_ms=ctx.op_timeout_ms))  # Refused: a ValueError
                 ctx = await self._book.save(ctx)
         op_id = f"standalone-{uuid.uuid4().hex}"
         budget_ms = int(timeout_s * 1000) if timeout_s else ctx.op_timeout_ms
@@ -468,11 +472,13 @@ class Agent:
         return op_id
 
     async def _standalone_op(self, cmd: Snapshot | Restore, kind: OpKind) -> None:
+        ids = {"node": self.node, "group": cmd.group, "job": cmd.job, "op_id": cmd.op_id}
         try:
             result, published = await self._execute(cmd, kind)
             self._count(result, performed=published)
         except Exception as exc:
-            log.exception("standalone operation crashed", extra={"node": self.node, "job": cmd.job, "op_id": cmd.op_id})
+            log.exception("standalone operation crashed", extra=ids)
+            self.metrics.task_error("standalone")
             result, published = self._result(cmd, kind, "?", ok=False, error=f"agent error: {exc!r}"), False
             self.metrics.operation(result, "failed")
         self._remember(result)
@@ -481,7 +487,7 @@ class Agent:
             try:
                 await self._publish_result(result)  # a fact for replay; the orchestrator ignores it
             except Exception as exc:
-                log.warning("standalone result not published: %r", exc, extra={"op_id": cmd.op_id})
+                log.warning("standalone result not published: %r", exc, extra=ids)
 
     def operation(self, op_id: str) -> OperationStatus | None:
         """An operation's state: running (``done`` False), finished (with its result), or None when this
@@ -507,13 +513,15 @@ class Agent:
             if self._stop.is_set():
                 return
             for ctx in list(self._book.jobs.values()):
-                if ctx.pids and not any(alive(p) for p in ctx.pids):
-                    async with self._locks.hold(ctx.job):
-                        if self._book.jobs.get(ctx.job) is ctx:
-                            try:
+                try:
+                    if ctx.pids and not any(alive(p) for p in ctx.pids):
+                        async with self._locks.hold(ctx.job):
+                            if self._book.jobs.get(ctx.job) is ctx:
                                 await self._book.unregister(ctx, "its processes are gone")
-                            except Exception as exc:
-                                log.warning("unregistering failed: %r", exc, extra={"job": ctx.job})
+                except Exception as exc:  # one job's check never ends the loop (nor the agent)
+                    self.metrics.task_error("pid_check")
+                    log.warning("checking the job's processes failed: %r", exc,
+                                extra={"node": self.node, "group": ctx.group, "job": ctx.job})
 
 
 class _Stopped(Exception):

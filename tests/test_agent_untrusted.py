@@ -1,0 +1,411 @@
+"""The snapshot agent treats every message it receives as untrusted (issue 23, finding 4).
+
+A command on ``ts.v1.agent.<node>.cmd`` or a request on ``ts.rpc.agent.<node>.*`` with a malformed field (an id
+that cannot go into a subject, another node, a negative or far-off deadline, an absurd op id, a pid that is not a
+job's) is refused: with an ``OpResult(ok=False)`` on the stream where the command's ids can be put in a subject,
+else only logged, counted (``timeslice_agent_refused``) and acknowledged. The agent process never ends because
+of one, and a poison command left in its durable consumer does not crash it again after a restart.
+
+The agent runs as a real process (``python -m timeslice_agent``) against a real nats-server; the commands are
+bytes built by hand, since a command that the wire structs would refuse to build is exactly what is tested.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError
+from timeslice_agent import Agent, AgentConfig
+from timeslice_client.bus import connect, ensure_bus
+from timeslice_client.protocol import (
+    STREAM,
+    AgentReply,
+    JobContext,
+    JobState,
+    OpResult,
+    RegisterJob,
+    Restore,
+    Snapshot,
+    encode,
+    subjects,
+)
+
+from .agent_harness import NODE, ROOT, AgentProcess
+from .helpers import eventually, running
+
+DURABLE = f"agent-{NODE}"
+PID_MAX = 1 << 22  # no process has this pid (Linux's pid_max is at most PID_MAX_LIMIT = 2**22)
+
+
+class OwnSessionAgent(AgentProcess):
+    """``python -m timeslice_agent`` in a session of its own: its process group is its pid, never this test's,
+    so no registration the tests make can name a group that holds the test process."""
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child holds it; closed right after the fork
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "timeslice_agent", "--node-id", self.node, "--nats-url", self.nats_url],
+                cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            log.close()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@pytest.fixture
+async def agent(nats_url: str, tmp_path: Path) -> AsyncIterator[OwnSessionAgent]:
+    a = OwnSessionAgent(nats_url, NODE, tmp_path / "agent.log")
+    a.start()
+    try:
+        await a.wait_ready()
+        assert os.getpgid(a.pid) == a.pid != os.getpgid(0)
+        yield a
+    finally:
+        a.stop()
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[NATS]:
+    c = await connect(nats_url)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def snapshot_bytes(**fields: Any) -> bytes:
+    """A ``Snapshot`` command as raw JSON: a valid one for node ``NODE``, with ``fields`` put over it."""
+    cmd: dict[str, Any] = {"type": "snapshot", "op_id": "op-1", "group": "g", "job": "j", "node": NODE,
+                           "epoch": 1, "deadline_ms": _now_ms() + 30_000}
+    cmd.update(fields)
+    return json.dumps(cmd).encode()
+
+
+async def publish_command(nc: NATS, data: bytes) -> int:
+    """Store ``data`` on this node's command subject; returns its stream sequence."""
+    ack = await nc.jetstream().publish(subjects.agent_cmd(NODE), data, timeout=5)
+    return int(ack.seq)
+
+
+async def all_acknowledged(nc: NATS, seq: int) -> None:
+    """Wait until the agent's durable consumer acknowledged every command up to ``seq``."""
+    js = nc.jetstream()
+
+    async def acked() -> bool:
+        try:
+            info = await js.consumer_info(STREAM, DURABLE)
+        except NotFoundError:  # a starting agent answers requests before it makes its consumer again
+            return False
+        return bool(info.ack_floor and info.ack_floor.stream_seq is not None and info.ack_floor.stream_seq >= seq
+                    and info.num_ack_pending == 0)
+
+    await eventually(acked, timeout=15, interval=0.05, what=f"the agent acknowledged its commands up to #{seq}")
+
+
+def assert_alive(agent: AgentProcess) -> None:
+    assert agent.proc is not None and agent.proc.poll() is None, f"the agent process ended: {agent.describe()}"
+
+
+async def rpc(nc: NATS, agent: AgentProcess, verb: str, payload: bytes) -> bytes:
+    """One request to the agent; a missing answer fails with the agent's exit status and log."""
+    try:
+        msg = await nc.request(subjects.agent_rpc(NODE, verb), payload, timeout=5)
+    except Exception as exc:
+        assert_alive(agent)
+        raise AssertionError(f"the agent did not answer {verb} ({exc!r}): {agent.describe()}") from exc
+    return bytes(msg.data)
+
+
+async def register(nc: NATS, agent: AgentProcess, payload: bytes) -> AgentReply:
+    return msgspec.json.decode(await rpc(nc, agent, "register", payload), type=AgentReply)
+
+
+async def serves_a_switch(nc: NATS, agent: AgentProcess, *, group: str = "ok", job: str = "fine",
+                          op_id: str = "op-valid") -> OpResult:
+    """A valid registration (this test process, ``noop`` backend) and a valid snapshot of it are served."""
+    req = RegisterJob(group=group, job=job, backends=("noop",), pids=(os.getpid(),))
+    reply = await register(nc, agent, encode(req))
+    assert reply.ok, reply
+    results = await nc.subscribe(subjects.agent_event(NODE, group))
+    try:
+        await publish_command(nc, snapshot_bytes(op_id=op_id, group=group, job=job))
+
+        async def answered() -> OpResult | None:
+            assert_alive(agent)
+            try:
+                msg = await results.next_msg(timeout=0.5)
+            except TimeoutError:
+                return None
+            ev = msgspec.json.decode(msg.data)
+            return msgspec.json.decode(msg.data, type=OpResult) if ev.get("type") == "op_result" else None
+
+        result = await eventually(answered, timeout=15, what=f"the result of {op_id}")
+    finally:
+        await results.unsubscribe()
+    assert (result.op_id, result.ok, result.job, result.group) == (op_id, True, job, group), result
+    await agent.wait_states({job: "SAVED"})
+    assert_alive(agent)
+    return result
+
+
+# --------------------------------------------------------------------------- (a) the repro
+
+
+@pytest.mark.parametrize("group", ["", "a.b"])
+async def test_snapshot_with_an_unsubjectable_group_does_not_end_the_agent(
+    agent: AgentProcess, nc: NATS, group: str
+) -> None:
+    seq = await publish_command(nc, snapshot_bytes(op_id=f"bad-group-{len(group)}", group=group))
+    await all_acknowledged(nc, seq)
+    assert_alive(agent)
+    await serves_a_switch(nc, agent)
+
+
+# --------------------------------------------------------------------------- (b) a bounded fuzz
+
+# Values a field may be swapped for: ids that cannot go into a subject, absurd numbers, wrong types. The pids
+# and process groups among them are never a live process other than the agent's own (refused for ``freeze``):
+# 0, 1 and negatives, PID_MAX and past it, values no pid_t holds, and the agent's pid (added per run).
+_JUNK: tuple[Any, ...] = (
+    "", "a.b", "a b", "*", ">", "x" * 65, "x" * 300, "\u00fc", "-lead", "ok\r\nNats-Msg-Id: x", "n2", NODE,
+    None, True, 1.5, 1e308, [], {}, ["x"], 0, 1, -1, -7, PID_MAX, PID_MAX + 1, 2**31, 2**53 + 1, 2**63 - 1,
+    2**63, 2**64, -(2**63), "1",
+)
+
+
+def _mutate(rng: random.Random, base: dict[str, Any], junk: tuple[Any, ...]) -> dict[str, Any]:
+    """``base`` with one to three fields swapped for junk, dropped, or an unknown field added."""
+    out = dict(base)
+    for _ in range(rng.randint(1, 3)):
+        field = rng.choice([*base, "type", "extra"])
+        action = rng.random()
+        if action < 0.1:
+            out.pop(field, None)
+        elif field == "extra":
+            out[rng.choice(["extra", "x" * 200])] = rng.choice(junk)
+        elif field in ("after", "pids", "tags", "backends", "endpoints") and action < 0.6:
+            out[field] = [rng.choice(junk) for _ in range(rng.choice([1, 2, 3, 300]))]
+        else:
+            out[field] = rng.choice(junk)
+    return out
+
+
+def _fuzzed(rng: random.Random, agent_pid: int) -> tuple[str, bytes]:
+    """One fuzzed message: (``"cmd"`` or an RPC verb, its bytes)."""
+    junk = (*_JUNK, agent_pid, "op-" + "9" * 300)
+    now = _now_ms()
+    pick = rng.random()
+    if pick < 0.08:
+        raw = rng.choice([b"", b"{", b"\xff\xfe", b"[]", b"null", b"1", b'{"type":"snapshot"}', b"x" * 5000])
+        return rng.choice(["cmd", "register", "unregister", "clear_fault", "status"]), raw
+    if pick < 0.55:
+        base: dict[str, Any] = {"type": rng.choice(["snapshot", "restore"]), "op_id": f"fz-{rng.randrange(10**6)}",
+                                "group": "fg", "job": "fz", "node": NODE, "epoch": rng.randint(0, 5),
+                                "deadline_ms": now + 20_000}
+        if base["type"] == "restore":
+            base["after"] = [f"fz-{rng.randrange(10)}"]
+        return "cmd", json.dumps(_mutate(rng, base, junk)).encode()
+    verb = rng.choice(["register", "register", "unregister", "clear_fault", "status"])
+    if verb == "register":
+        # No pid of a live process: a backend swapped for freeze never has a process to stop.
+        base = {"type": "register", "group": "fg", "job": f"fr{rng.randrange(4)}", "backends": ["noop"],
+                "pids": [], "pgid": None, "mode": "offload", "tags": [], "op_timeout_ms": 10_000,
+                "endpoints": []}
+        junk = (*junk, "freeze", "cuda", "app_endpoint", "app_channel", "bogus", "offload", "discard")
+    elif verb == "unregister":
+        base = {"type": "unregister", "group": "fg", "job": "fr0"}
+    elif verb == "clear_fault":
+        base = {"type": "clear_job_fault", "job": "fz"}
+    else:
+        return verb, rng.choice([b"", b"junk", json.dumps({"type": "status"}).encode()])
+    return verb, json.dumps(_mutate(rng, base, junk)).encode()
+
+
+async def test_fuzzed_commands_and_requests_never_end_the_agent(agent: OwnSessionAgent, nc: NATS) -> None:
+    # A registered job for the fuzzed commands that keep valid ids, so some run into the operation itself.
+    fz = RegisterJob(group="fg", job="fz", backends=("noop",), pids=(os.getpid(),))
+    assert (await register(nc, agent, encode(fz))).ok
+    rng = random.Random(20231)
+    counts = {"cmd": 0, "rpc": 0}
+    last_seq = 0
+    async with asyncio.timeout(120):
+        for i in range(200):
+            where, data = _fuzzed(rng, agent.pid)
+            if where == "cmd":
+                last_seq = await publish_command(nc, data)
+                counts["cmd"] += 1
+                continue
+            answer = await rpc(nc, agent, where, data)  # every request is answered
+            counts["rpc"] += 1
+            if where == "status":
+                assert isinstance(msgspec.json.decode(answer), list), answer
+            else:
+                reply = msgspec.json.decode(answer, type=AgentReply)
+                assert reply.ok or reply.error, (i, data, reply)
+            if i % 20 == 0:
+                assert_alive(agent)
+        assert counts["cmd"] >= 50 and counts["rpc"] >= 50, counts
+        await all_acknowledged(nc, last_seq)
+    assert_alive(agent)
+    assert isinstance(msgspec.json.decode(await rpc(nc, agent, "status", b"")), list)
+    await serves_a_switch(nc, agent)
+    text = agent.log_text()
+    assert "Traceback" not in text, f"an unexpected exception in the agent: {text[-4000:]}"
+    assert "refused a command" in text and "refused a request" in text
+
+
+# --------------------------------------------------------------------------- (c) poison across a restart
+
+
+async def test_a_poison_command_left_in_the_stream_does_not_crash_the_restarted_agent(
+    agent: OwnSessionAgent, nc: NATS
+) -> None:
+    agent.stop()  # its durable consumer stays: commands sent meanwhile wait there
+    poison = [snapshot_bytes(op_id="p-empty", group=""), snapshot_bytes(op_id="p-dot", group="a.b"),
+              snapshot_bytes(op_id="p" * 10_000), snapshot_bytes(op_id="p-node", node="n2"),
+              snapshot_bytes(op_id="p-deadline", deadline_ms=-1), snapshot_bytes(op_id="p-epoch", epoch=-3),
+              b"not json at all", json.dumps({"type": "restore", "op_id": "p-after", "group": "g", "job": "j",
+                                              "node": NODE, "epoch": 1, "deadline_ms": _now_ms() + 30_000,
+                                              "after": ["ok", "a b"]}).encode()]
+    seq = 0
+    for data in poison:
+        seq = await publish_command(nc, data)
+    for restart in range(2):  # the second start finds nothing left to redeliver
+        agent.start()
+        await agent.wait_ready()
+        await all_acknowledged(nc, seq)
+        assert_alive(agent)
+        await serves_a_switch(nc, agent, op_id=f"after-restart-{restart}")
+        agent.stop()
+        assert agent.proc is not None and agent.proc.returncode == 0, agent.describe()
+    assert "Traceback" not in agent.log_text(), agent.log_text()[-4000:]
+
+
+# --------------------------------------------------------------------------- (d) processes a job cannot be
+
+
+async def test_registration_naming_a_process_the_agent_must_not_touch_is_refused(
+    agent: OwnSessionAgent, nc: NATS
+) -> None:
+    mine = os.getpid()
+    # Each refusal names the value. Some values the wire decoder already refuses (protocol bounds), others only
+    # the agent's checks: either message is accepted, as long as it says what was wrong.
+    cases: list[tuple[dict[str, Any], tuple[str, ...]]] = [
+        ({"pids": (1,)}, ("pid 1 is not a job's process id",)),
+        ({"pids": (0,)}, ("pid 0 is not a job's process id",)),
+        ({"pids": (-1,)}, ("pid -1 is not a job's process id", "Expected `int` >= 0 - at `$.pids[0]`")),
+        ({"pids": (PID_MAX + 1,)}, (f"pid {PID_MAX + 1} is not a job's process id",)),
+        ({"pids": (2**40,)}, (f"pid {2**40} is not a job's process id", "at `$.pids[0]`")),
+        ({"pids": (), "pgid": 0}, ("pgid 0 is not a job's process group",)),
+        ({"pids": (), "pgid": 1}, ("pgid 1 is not a job's process group",)),
+        ({"pids": (mine,), "pgid": agent.pid}, (f"pgid {agent.pid} is the agent's own process group",)),
+        ({"pids": (agent.pid,), "backends": ("freeze",)}, (f"pid {agent.pid} is the agent's own process",)),
+        ({"pids": (agent.pid,), "backends": ("noop", "freeze")}, (f"pid {agent.pid} is the agent's own process",)),
+        ({"pids": tuple(range(2, 2000))}, ("1998 pids (at most 1024)",)),
+        ({"tags": ("t",) * 100}, ("100 tags (at most 64)", "at `$.tags`")),
+        ({"backends": ("noop",) * 3}, ("each at most once",)),
+        ({"op_timeout_ms": 0}, ("op_timeout_ms 0 is not in", "at `$.op_timeout_ms`")),
+        ({"op_timeout_ms": -5}, ("op_timeout_ms -5 is not in", "at `$.op_timeout_ms`")),
+        ({"group": "a.b"}, ("invalid group id 'a.b'",)),
+        ({"job": ""}, ("invalid job id ''",)),
+    ]
+    for i, (fields, expected) in enumerate(cases):
+        req: dict[str, Any] = {"group": "g", "job": f"r{i}", "backends": ("noop",), "pids": (mine,), **fields}
+        reply = await register(nc, agent, encode(RegisterJob(**req)))
+        assert not reply.ok and reply.error and any(e in reply.error for e in expected), (fields, reply)
+    assert await agent.jobs() == {}, "a refused registration was stored"
+    # The agent's own pid, for a backend that never acts on processes, only says the job lives while it does.
+    same = await register(nc, agent, encode(RegisterJob(group="g", job="beside", backends=("noop",),
+                                                        pids=(agent.pid,))))
+    assert same.ok, same
+    assert_alive(agent)
+    await serves_a_switch(nc, agent)
+
+
+# --------------------------------------------------------------------------- in process: answers and metrics
+
+
+def _value(agent: Agent, name: str, **labels: str) -> float:
+    got = agent.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if got is None else got
+
+
+async def test_refusals_are_answered_where_they_can_be_and_counted(nats_url: str, nc: NATS) -> None:
+    node = "node-u"
+    cfg = AgentConfig(node_id=node, nats_url=nats_url)
+    # Job contexts in KV that are not this agent's to use: read back at start, skipped and counted.
+    buckets = await ensure_bus(nc.jetstream(), cfg.bus)
+    await buckets.jobs.put(f"{node}.garbage", b"{not json")
+    elsewhere = JobContext(node="other-node", job="elsewhere", group="g", state=JobState.IDLE, backends=("noop",))
+    await buckets.jobs.put(f"{node}.elsewhere", encode(elsewhere))
+    frozen_self = JobContext(node=node, job="self", group="g", state=JobState.IDLE, backends=("freeze",), pgid=0)
+    await buckets.jobs.put(f"{node}.self", encode(frozen_self))
+    async with running(Agent(cfg)) as agent:
+        assert _value(agent, "timeslice_agent_refused_total", source="kv", reason="undecodable") == 1
+        assert _value(agent, "timeslice_agent_refused_total", source="kv", reason="wrong_node") == 1
+        assert _value(agent, "timeslice_agent_refused_total", source="kv", reason="forbidden_process") == 1
+        assert agent.jobs() == {}
+        results = await nc.subscribe(subjects.agent_event(node, "g"))
+        late = Snapshot(op_id="late-1", group="g", job="j", node=node, epoch=2, deadline_ms=-1)
+        # take() leaves a malformed command to the stream copy (which is refused there and answered).
+        assert agent.take(late, asyncio.Event()) is False
+        cmd = subjects.agent_cmd(node)
+        js = nc.jetstream()
+        await js.publish(cmd, encode(late))
+        await js.publish(cmd, json.dumps({"type": "snapshot", "op_id": "o", "group": "", "job": "j", "node": node,
+                                          "epoch": 1, "deadline_ms": _now_ms()}).encode())
+        await js.publish(cmd, encode(Restore(op_id="far-1", group="g", job="j", node=node, epoch=2,
+                                             deadline_ms=_now_ms() + 200 * 365 * 24 * 3600 * 1000)))
+        await js.publish(cmd, b"\x00garbage")
+        answers: dict[str, OpResult] = {}
+
+        async def answered() -> bool:
+            try:
+                msg = await results.next_msg(timeout=0.5)
+            except TimeoutError:
+                return False
+            r = msgspec.json.decode(msg.data, type=OpResult)
+            answers[r.op_id] = r
+            return set(answers) >= {"late-1", "far-1"}
+
+        await eventually(answered, timeout=10, what="the refusals answered")
+        assert not answers["late-1"].ok and "deadline_ms -1" in (answers["late-1"].error or ""), answers
+        assert not answers["far-1"].ok and "at most 100 years ahead" in (answers["far-1"].error or ""), answers
+        assert (answers["late-1"].epoch, answers["late-1"].node, answers["late-1"].backend) == (2, node, "none")
+
+        def counted() -> bool:
+            return (_value(agent, "timeslice_agent_refused_total", source="command", reason="out_of_range") == 2
+                    and _value(agent, "timeslice_agent_refused_total", source="command", reason="invalid_id") == 1
+                    and _value(agent, "timeslice_agent_refused_total", source="command", reason="undecodable") == 1)
+
+        await eventually(counted, timeout=10, what="the refusals counted")
+        bad = await nc.request(subjects.agent_rpc(node, "register"), encode(RegisterJob(group="g", job="j",
+                               backends=("noop",), pids=(1,))), timeout=5)
+        assert not msgspec.json.decode(bad.data, type=AgentReply).ok
+        assert _value(agent, "timeslice_agent_refused_total", source="rpc", reason="forbidden_process") == 1
+        assert _value(agent, "timeslice_agent_task_errors_total", task="operation") == 0
+        await results.unsubscribe()
+
