@@ -28,6 +28,7 @@ from pathlib import Path
 
 import nats
 from _common import ROOT, pct
+from nats.aio.client import Client as NATS
 from timeslice_orchestrator._leadership import Leadership
 from timeslice_orchestrator.embedded import NatsServer
 
@@ -58,7 +59,7 @@ def _summary(name: str, xs: list[float]) -> str:
 
 
 class _Standby:
-    def __init__(self, nc: nats.NATS, name: str, a: argparse.Namespace) -> None:
+    def __init__(self, nc: NATS, name: str, a: argparse.Namespace) -> None:
         self.detect: list[float] = []
         self.lead = Leadership(nc.jetstream(), instance_id=name, ttl_s=a.ttl, renew_s=a.renew,
                                metrics=lambda k, v: self.detect.append(v) if k == "takeover_s" else None)

@@ -162,7 +162,10 @@ async def test_terms_strictly_increase_over_many_handovers(nats_url: str) -> Non
             assert cur.lead.term is not None
             terms.append(cur.lead.term)
             assert await cur.lead.resign(rejoin=True)
-            await eventually(lambda c=cur: [i for i in leaders(xs) if i is not c], timeout=2, what="a new leader")
+            def new_leader(c: Instance = cur) -> list[Instance]:
+                return [i for i in leaders(xs) if i is not c]
+
+            await eventually(new_leader, timeout=2, what="a new leader")
         for _round in range(2):  # crashes: the record expires
             cur = (await eventually(lambda: leaders(xs), timeout=5, what="a leader"))[0]
             assert cur.lead.term is not None
