@@ -120,21 +120,22 @@ def check_events(events: Iterable[StreamEvent], *, stuck_after_ms: int | None = 
 
 
 def _merge(found: list[Violation], fold: list[tuple[InvariantViolation, StreamEvent]]) -> list[Violation]:
-    """The stream checks' violations with the fold's: a fold rule that says what a found violation at the same
-    message says is named on it instead of reported twice."""
+    """The stream checks' violations with the fold's. A fold rule broken at a message where a stream check found
+    a violation is named on that violation (``rules``: the same message, seen by the core) instead of reported
+    apart; the others are reported under the kind they tell of, else as ``invariant``."""
     out = list(found)
     for exc, ev in fold:
         kind = FOLD_RULE_KIND.get(exc.rule)
         group = exc.group or group_of(ev.subject, ev.data) or "?"
-        same = next((i for i, v in enumerate(out) if kind is not None and v.kind is kind and v.seq == ev.seq
-                     and v.group == group), None)
+        here = [i for i, v in enumerate(out) if v.seq == ev.seq and v.group == group and v.kind is not Kind.INVARIANT]
+        same = next((i for i in here if out[i].kind is kind), here[0] if here else None)
         if same is not None:
             out[same] = dataclasses.replace(out[same], rules=(*out[same].rules, exc.rule))
             continue
         epochs, jobs = _epochs_and_jobs(exc.values)
-        out.append(Violation(kind or Kind.INVARIANT, group, ev.seq, ev.ts_ms, f"{exc.rule}: {exc.detail}",
-                             epochs, jobs, (ev,), (exc.rule,)))
-    out.sort(key=lambda v: (v.seq, v.kind))
+        out.append(Violation(kind or Kind.INVARIANT, group, ev.seq, ev.ts_ms, exc.detail, epochs, jobs, (ev,),
+                             (exc.rule,)))
+    out.sort(key=lambda v: (v.seq, v.kind is Kind.INVARIANT, v.kind))
     return out
 
 
@@ -187,11 +188,12 @@ def render_text(report: CheckReport) -> str:
     for i, v in enumerate(report.violations, 1):
         epochs = ",".join(map(str, v.epochs)) or "-"
         jobs = ",".join(v.jobs) or "-"
-        lines.append(f"VIOLATION {i}/{len(report.violations)} {v.kind}  group={v.group}  epochs={epochs}  "
+        kind = f"{v.kind}[{','.join(v.rules)}]" if v.kind is Kind.INVARIANT else str(v.kind)
+        lines.append(f"VIOLATION {i}/{len(report.violations)} {kind}  group={v.group}  epochs={epochs}  "
                      f"jobs={jobs}  at seq {v.seq} ({_when(v.ts_ms)})")
         lines.append(f"  {v.detail}")
-        if v.rules:
-            lines.append(f"  fold rule{'s' if len(v.rules) > 1 else ''}: {', '.join(v.rules)}")
+        if v.rules and v.kind is not Kind.INVARIANT:
+            lines.append(f"  the fold broke here too: {', '.join(v.rules)}")
         lines.extend(f"    {format_line(_event(ev))}  [{ev.subject}]" for ev in v.events)
         lines.append("")
     lines.append(_summary(report))

@@ -287,7 +287,7 @@ class StreamChecks:
         elif n.epoch <= g.max_epoch and g.max_event is not None:
             self._report(Violation(Kind.EPOCH_REGRESSION, name, ev.seq, ev.ts_ms,
                                    f"job {n.job!r} was granted epoch {n.epoch}, below epoch {g.max_epoch} granted "
-                                   f"before (seq {g.max_event.seq})", (g.max_epoch, n.epoch),
+                                   f"before (seq {g.max_event.seq})", (n.epoch, g.max_epoch),
                                    (_job_of(g.max_event), n.job), (g.max_event, ev)))
         h = g.holder
         if h is not None and h[0] != n.job:
@@ -333,8 +333,8 @@ class StreamChecks:
                    "from the node nor faulted") if snap.failed else \
                 f"its snapshot there started (seq {snap.events[0].seq}) and had not ended"
             self._report(Violation(Kind.GRANT_WHILE_LOADED, name, ev.seq, ev.ts_ms,
-                                   f"job {n.job!r} was granted epoch {n.epoch} while job {job!r}'s context may still "
-                                   f"be loaded on node {node!r}: {why}", (n.epoch,), (job, n.job),
+                                   f"job {n.job!r} was granted epoch {n.epoch} while the context of job {job!r} may "
+                                   f"still be loaded on node {node!r}: {why}", (n.epoch,), (job, n.job),
                                    (*snap.events, ev)))
         for key in [k for k in g.snapshots if k[1] == n.job]:
             del g.snapshots[key]  # the grantee's own context is where it belongs
