@@ -12,7 +12,7 @@ import json
 import socket
 import sys
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import msgspec
@@ -361,14 +361,24 @@ async def test_group_and_since_filter(nats_url: str) -> None:
         assert (rc, out) == (0, f"no violation in {len(good.stream)} events (groups: g2)\n"), since
     assert [v["seq"] for v in await violations(nats_url, "--since", str(injected))][:1] == [injected]
 
-    # --since a time: the stream's own timestamps
-    stream = await read_stream(nats_url)
-    cut_ms = stream[injected][1]  # the first message after the injected grant
-    if stream[injected - 1][1] < cut_ms:  # (the same millisecond as the grant: that window holds the grant)
-        iso = datetime.fromtimestamp(cut_ms / 1000, UTC).isoformat()
-        rc, out = await check_here(nats_url, "--since", iso)
-        n = sum(1 for _, ms, _, _ in stream if ms >= cut_ms)
-        assert (rc, out) == (0, f"no violation in {n} events (groups: g2)\n"), out
+    # --since a time: the stream's own timestamps (a message of g2 a millisecond or more after the grant first)
+    async def after_the_grant() -> list[tuple[int, int, str, bytes]] | None:
+        stream = await read_stream(nats_url)
+        if stream[-1][1] > stream[injected - 1][1]:
+            return stream
+        await publish(nats_url, [(subjects.ctl("g2", "tick"), encode(Tick(group="g2")))])
+        return None
+
+    stream: list[tuple[int, int, str, bytes]] = await eventually(after_the_grant,  # type: ignore[arg-type]
+                                                                 what="a later message")
+    cut_ms = stream[injected - 1][1] + 1
+    iso = (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=cut_ms)).isoformat()
+    rc, out = await check_here(nats_url, "--since", iso)
+    n = sum(1 for _, ms, _, _ in stream if ms >= cut_ms)
+    assert (rc, out) == (0, f"no violation in {n} events (groups: g2)\n"), out
+    rc, out = await check_here(nats_url, "--since", str(stream[injected - 1][1]))  # ms: the grant's own
+    assert rc == 1, out
+    total = len(stream)
     rc, out = await check_here(nats_url, "--since", "1h")
     assert rc == 1 and f"in {total} events" in out, out
 
