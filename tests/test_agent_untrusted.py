@@ -186,62 +186,81 @@ async def test_snapshot_with_an_unsubjectable_group_does_not_end_the_agent(
 
 # --------------------------------------------------------------------------- (b) a bounded fuzz
 
-# Values a field may be swapped for: ids that cannot go into a subject, absurd numbers, wrong types. The pids
-# and process groups among them are never a live process other than the agent's own (refused for ``freeze``):
-# 0, 1 and negatives, PID_MAX and past it, values no pid_t holds, and the agent's pid (added per run).
-_JUNK: tuple[Any, ...] = (
-    "", "a.b", "a b", "*", ">", "x" * 65, "x" * 300, "\u00fc", "-lead", "ok\r\nNats-Msg-Id: x", "n2", NODE,
-    None, True, 1.5, 1e308, [], {}, ["x"], 0, 1, -1, -7, PID_MAX, PID_MAX + 1, 2**31, 2**53 + 1, 2**63 - 1,
-    2**63, 2**64, -(2**63), "1",
-)
+# Values a field may be swapped for: mostly of the field's own type, so the message still decodes and reaches the
+# agent's checks (ids that cannot go into a subject, numbers out of bounds), else of any type. The pids and
+# process groups among them are never a live process other than the agent's own (refused for ``freeze``): 0, 1
+# and negatives, PID_MAX and past it, values no pid_t holds, and the agent's pid (added per run).
+_BAD_STR: tuple[str, ...] = ("", "a.b", "a b", "*", ">", "a.>", ".", "x" * 65, "x" * 300, "\u00fc", "-lead",
+                             "ok\r\nNats-Msg-Id: x", "n2", "op id", "1")
+_BAD_INT: tuple[int, ...] = (-1, -7, 0, 1, PID_MAX, PID_MAX + 1, 2**31, 2**53 + 1, 2**63 - 1, -(2**63), 2**64)
+_WRONG: tuple[Any, ...] = (None, True, 1.5, 1e308, [], {}, ["x"], "1", 7)
+_ELEMENTS: dict[str, tuple[Any, ...]] = {  # what list fields may hold
+    "after": (*_BAD_STR, "fz-1", "fz-2"),
+    "pids": _BAD_INT,
+    "tags": (*_BAD_STR, "t"),
+    "backends": (*_BAD_STR, "freeze", "cuda", "app_endpoint", "app_channel", "noop", "bogus"),
+    "endpoints": (*_BAD_STR, "vllm+http://127.0.0.1:1", "nope+ftp://x", "vllm+"),
+}
 
 
-def _mutate(rng: random.Random, base: dict[str, Any], junk: tuple[Any, ...]) -> dict[str, Any]:
-    """``base`` with one to three fields swapped for junk, dropped, or an unknown field added."""
+def _junk(rng: random.Random, field: str, value: Any, agent_pid: int) -> Any:
+    if rng.random() < 0.2:
+        return rng.choice((*_WRONG, *_BAD_STR, *_BAD_INT))
+    if field in _ELEMENTS:
+        pool = (*_ELEMENTS[field], agent_pid) if field == "pids" else _ELEMENTS[field]
+        return [rng.choice(pool) for _ in range(rng.choice([1, 1, 2, 3, 300]))]
+    if field == "pgid":
+        return rng.choice((*_BAD_INT, agent_pid, None))
+    if isinstance(value, bool):
+        return rng.choice(_WRONG)
+    if isinstance(value, int):
+        return rng.choice((*_BAD_INT, agent_pid))
+    if field == "type":
+        return rng.choice(["snapshot", "restore", "register", "bogus", ""])
+    return rng.choice((*_BAD_STR, "op-" + "9" * 300))
+
+
+def _mutate(rng: random.Random, base: dict[str, Any], agent_pid: int) -> dict[str, Any]:
+    """``base`` with one or two fields swapped for junk, dropped, or an unknown field added."""
     out = dict(base)
-    for _ in range(rng.randint(1, 3)):
-        field = rng.choice([*base, "type", "extra"])
+    for _ in range(rng.choice([1, 1, 2])):
+        field = rng.choice([*base, "extra"])
         action = rng.random()
-        if action < 0.1:
+        if action < 0.07:
             out.pop(field, None)
         elif field == "extra":
-            out[rng.choice(["extra", "x" * 200])] = rng.choice(junk)
-        elif field in ("after", "pids", "tags", "backends", "endpoints") and action < 0.6:
-            out[field] = [rng.choice(junk) for _ in range(rng.choice([1, 2, 3, 300]))]
+            out[rng.choice(["extra", "x" * 200])] = rng.choice(_WRONG)
         else:
-            out[field] = rng.choice(junk)
+            out[field] = _junk(rng, field, base[field], agent_pid)
     return out
 
 
 def _fuzzed(rng: random.Random, agent_pid: int) -> tuple[str, bytes]:
     """One fuzzed message: (``"cmd"`` or an RPC verb, its bytes)."""
-    junk = (*_JUNK, agent_pid, "op-" + "9" * 300)
-    now = _now_ms()
     pick = rng.random()
-    if pick < 0.08:
+    if pick < 0.05:
         raw = rng.choice([b"", b"{", b"\xff\xfe", b"[]", b"null", b"1", b'{"type":"snapshot"}', b"x" * 5000])
         return rng.choice(["cmd", "register", "unregister", "clear_fault", "status"]), raw
     if pick < 0.55:
         base: dict[str, Any] = {"type": rng.choice(["snapshot", "restore"]), "op_id": f"fz-{rng.randrange(10**6)}",
                                 "group": "fg", "job": "fz", "node": NODE, "epoch": rng.randint(0, 5),
-                                "deadline_ms": now + 20_000}
+                                "deadline_ms": _now_ms() + 20_000}
         if base["type"] == "restore":
             base["after"] = [f"fz-{rng.randrange(10)}"]
-        return "cmd", json.dumps(_mutate(rng, base, junk)).encode()
+        return "cmd", json.dumps(_mutate(rng, base, agent_pid)).encode()
     verb = rng.choice(["register", "register", "unregister", "clear_fault", "status"])
     if verb == "register":
         # No pid of a live process: a backend swapped for freeze never has a process to stop.
         base = {"type": "register", "group": "fg", "job": f"fr{rng.randrange(4)}", "backends": ["noop"],
                 "pids": [], "pgid": None, "mode": "offload", "tags": [], "op_timeout_ms": 10_000,
                 "endpoints": []}
-        junk = (*junk, "freeze", "cuda", "app_endpoint", "app_channel", "bogus", "offload", "discard")
     elif verb == "unregister":
         base = {"type": "unregister", "group": "fg", "job": "fr0"}
     elif verb == "clear_fault":
         base = {"type": "clear_job_fault", "job": "fz"}
     else:
         return verb, rng.choice([b"", b"junk", json.dumps({"type": "status"}).encode()])
-    return verb, json.dumps(_mutate(rng, base, junk)).encode()
+    return verb, json.dumps(_mutate(rng, base, agent_pid)).encode()
 
 
 async def test_fuzzed_commands_and_requests_never_end_the_agent(agent: OwnSessionAgent, nc: NATS) -> None:
@@ -406,6 +425,20 @@ async def test_refusals_are_answered_where_they_can_be_and_counted(nats_url: str
                                backends=("noop",), pids=(1,))), timeout=5)
         assert not msgspec.json.decode(bad.data, type=AgentReply).ok
         assert _value(agent, "timeslice_agent_refused_total", source="rpc", reason="forbidden_process") == 1
-        assert _value(agent, "timeslice_agent_task_errors_total", task="operation") == 0
         await results.unsubscribe()
+
+        # A command naming a group its job is not registered in: refused, the job untouched.
+        own = await nc.request(subjects.agent_rpc(node, "register"), encode(RegisterJob(
+            group="g", job="j", backends=("noop",), pids=(os.getpid(),))), timeout=5)
+        assert msgspec.json.decode(own.data, type=AgentReply).ok
+        other = await nc.subscribe(subjects.agent_event(node, "h"))
+        await js.publish(cmd, encode(Snapshot(op_id="wrong-group", group="h", job="j", node=node, epoch=9,
+                                              deadline_ms=_now_ms() + 30_000)))
+        msg = await other.next_msg(timeout=10)
+        wrong = msgspec.json.decode(msg.data, type=OpResult)
+        assert (wrong.op_id, wrong.ok) == ("wrong-group", False), wrong
+        assert "registered in group 'g'" in (wrong.error or ""), wrong
+        assert agent.jobs()["j"].state is JobState.IDLE and agent.jobs()["j"].epoch == 0
+        await other.unsubscribe()
+        assert _value(agent, "timeslice_agent_task_errors_total", task="operation") == 0
 

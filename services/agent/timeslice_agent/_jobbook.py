@@ -28,7 +28,7 @@ from timeslice_client.protocol import (
 
 from ._app_endpoint import check_endpoints
 from ._host import alive
-from ._untrusted import MAX_JOBS, Refusal, Refused, check_id, check_registration, shown
+from ._untrusted import MAX_JOBS, Refusal, Refused, check_processes, check_registration, shown
 from .backends import make_backend
 
 __all__ = ["JobBook", "now_ms"]
@@ -72,14 +72,14 @@ class JobBook:
 
     async def register(self, req: RegisterJob) -> AgentReply:
         """A job registers (again): the same process keeps its state, another one starts IDLE."""
-        check_id("group", req.group)
-        check_id("job", req.job)
+        check_registration(req, processes=False)  # Refused: bad ids, sizes out of bounds
         assert self._nc is not None
         if req.job not in self.jobs and len(self.jobs) >= MAX_JOBS:
             raise Refused(Refusal.TOO_LARGE, f"node {self.node!r} has {len(self.jobs)} jobs registered (at most "
                                              f"{MAX_JOBS}); unregister jobs that are gone")
         for b in req.backends:
             make_backend(b, self._nc, self.node)  # raises for an unknown backend
+        check_processes(req.pids, req.pgid, req.backends)  # Refused: a process the agent must not act on
         if "app_endpoint" in req.backends:
             check_endpoints(req.endpoints)  # ValueError: which endpoint is wrong and how to write it
         old = self.jobs.get(req.job)

@@ -22,7 +22,8 @@ from timeslice_client.protocol import (
 
 from ._job_locks import JobLocks
 from ._jobbook import JobBook
-from ._untrusted import Refusal, Refused, cap, check_id, check_registration, shown
+from ._untrusted import Refusal, Refused, cap, check_id, shown
+from .backends import BackendUnavailable
 from .metrics import AgentMetrics
 
 __all__ = ["Requests", "log_refusal"]
@@ -59,8 +60,8 @@ class Requests:
             why = shown(str(exc), 300)
             log_refusal(self._metrics, self.node, "rpc", Refusal.UNDECODABLE, f"undecodable request: {why}")
             reply = AgentReply(ok=False, error=f"bad request: {why}")
-        except ValueError as exc:  # e.g. an app_endpoint endpoint written wrong: the message says how to write it
-            reply = AgentReply(ok=False, error=f"bad request: {exc}")
+        except (ValueError, BackendUnavailable) as exc:  # e.g. an endpoint written wrong, a backend not here: the
+            reply = AgentReply(ok=False, error=f"bad request: {exc}")  # message says what to write or install
         except Exception as exc:
             self._metrics.task_error("rpc")
             log.exception("request failed", extra={"node": self.node})
@@ -83,8 +84,7 @@ class Requests:
     async def _answer(self, data: bytes) -> AgentReply:
         req = _rpc_decoder.decode(data)
         if isinstance(req, RegisterJob):
-            check_registration(req)
-            return await self._book.register(req)
+            return await self._book.register(req)  # checked there (Refused)
         if isinstance(req, UnregisterJob):
             group, job = check_id("group", req.group), check_id("job", req.job)
             ctx = self._book.jobs.get(job)

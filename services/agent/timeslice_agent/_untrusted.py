@@ -157,14 +157,13 @@ def check_command(cmd: Snapshot | Restore, node: str, now_ms: int) -> None:
             check_op_id(op_id, "op id in after")
 
 
-def check_processes(pids: Iterable[int], pgid: int | None, backends: Iterable[str], *, own_pid: int,
-                    own_pgid: int) -> None:
+def check_processes(pids: Iterable[int], pgid: int | None, backends: Iterable[str]) -> None:
     """Refuse pids and a process group the agent must never act on: init (1), 0 and negatives (a kill(2) of
     those signals whole groups), past ``PID_MAX``, the agent's own process group and, for a backend that acts
     on processes (``PROCESS_ACTING``), the agent's own pid. The agent's pid is accepted for the other backends:
     a workload may run in the agent's process (an agent embedded beside its jobs), where the pid only says the
     job lives while the agent does."""
-    pids = tuple(pids)
+    pids, own_pid, own_pgid = tuple(pids), os.getpid(), os.getpgid(0)
     if len(pids) > MAX_PIDS:
         raise Refused(Refusal.TOO_LARGE, f"{len(pids)} pids (at most {MAX_PIDS}); register the job's process "
                                          "group (pgid) instead")
@@ -196,8 +195,8 @@ def _bounded(what: str, items: tuple[str, ...], count: int, length: int) -> None
                                              "characters")
 
 
-def check_registration(req: RegisterJob, *, own_pid: int | None = None, own_pgid: int | None = None) -> None:
-    """Refuse a registration with bad ids, absurd sizes or a process the agent must not act on."""
+def check_registration(req: RegisterJob, *, processes: bool = True) -> None:
+    """Refuse a registration with bad ids, absurd sizes or (``processes``) a process the agent must not act on."""
     check_id("group", req.group)
     check_id("job", req.job)
     if not req.backends:
@@ -212,5 +211,5 @@ def check_registration(req: RegisterJob, *, own_pid: int | None = None, own_pgid
     if not 0 < req.op_timeout_ms <= MAX_OP_TIMEOUT_MS:
         raise Refused(Refusal.OUT_OF_RANGE, f"op_timeout_ms {shown(req.op_timeout_ms)} is not in "
                                             f"1..{MAX_OP_TIMEOUT_MS} (24 h)")
-    check_processes(req.pids, req.pgid, req.backends, own_pid=os.getpid() if own_pid is None else own_pid,
-                    own_pgid=os.getpgid(0) if own_pgid is None else own_pgid)
+    if processes:
+        check_processes(req.pids, req.pgid, req.backends)

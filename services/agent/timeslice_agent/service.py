@@ -331,6 +331,9 @@ class Agent:
             if ctx is None:
                 error = f"job {cmd.job!r} is not registered on node {self.node!r}"
                 return self._remember(self._result(cmd, kind, "none", ok=False, error=error)), False
+            if ctx.group != cmd.group:  # neither moves this job nor the other group's epoch fence
+                error = f"job {cmd.job!r} is registered in group {ctx.group!r} on node {self.node!r}, not {cmd.group!r}"
+                return self._result(cmd, kind, "none", ok=False, error=error), False
             backend = "+".join(ctx.backends)
             newest = self._epochs.get(cmd.group, 0)
             if cmd.epoch < newest:
