@@ -442,3 +442,48 @@ async def test_refusals_are_answered_where_they_can_be_and_counted(nats_url: str
         await other.unsubscribe()
         assert _value(agent, "timeslice_agent_task_errors_total", task="operation") == 0
 
+
+
+# --------------------------------------------------------------------------- gRPC (SnapshotAgentService)
+
+
+async def test_malformed_grpc_calls_are_invalid_argument_and_counted(nats_url: str, nc: NATS) -> None:
+    import grpc
+    from timeslice_agent.grpc_shim import AgentGrpcConfig, AgentGrpcShim
+    from timeslice_client._grpc import snapshot_agent_pb2 as pb
+    from timeslice_client._grpc import snapshot_agent_pb2_grpc as pb_grpc
+
+    node = "node-rpc"
+    async with running(Agent(AgentConfig(node_id=node, nats_url=nats_url))) as agent:
+        reg = await nc.request(subjects.agent_rpc(node, "register"), encode(RegisterJob(
+            group="g", job="j", backends=("noop",), pids=(os.getpid(),))), timeout=5)
+        assert msgspec.json.decode(reg.data, type=AgentReply).ok
+        shim = AgentGrpcShim(agent, AgentGrpcConfig(host="127.0.0.1", port=0))
+        port = await shim.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.SnapshotAgentServiceStub(channel)
+                many = pb.BackendConfig(app_endpoint=pb.AppEndpointConfig(
+                    app=pb.APP_VLLM, endpoints=[f"http://127.0.0.1:{8000 + i}" for i in range(100)]))
+                calls: list[tuple[Any, str]] = [
+                    (stub.Snapshot(pb.SnapshotRequest(job_id="a.b"), timeout=5), "invalid job id 'a.b'"),
+                    (stub.Snapshot(pb.SnapshotRequest(job_id="j" * 10_000), timeout=5), "(10002 chars)"),
+                    (stub.Restore(pb.RestoreRequest(job_id="j", group="a b"), timeout=5), "invalid group id"),
+                    (stub.GetOperation(pb.GetOperationRequest(operation_id="o" * 10_000), timeout=5),
+                     "invalid operation_id"),
+                    (stub.Snapshot(pb.SnapshotRequest(job_id="j", backend_config=many), timeout=5),
+                     "100 endpoints (at most 16)"),
+                ]
+                for call, expected in calls:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await call
+                    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, err.value
+                    assert expected in (err.value.details() or ""), err.value.details()
+                    assert len(err.value.details() or "") < 1000
+                status = await stub.Status(pb.StatusRequest(), timeout=5)  # still serving
+                assert [j.job_id for j in status.job_statuses] == ["j"]
+        finally:
+            await shim.stop()
+        assert _value(agent, "timeslice_agent_refused_total", source="grpc", reason="invalid_id") == 4
+        assert _value(agent, "timeslice_agent_refused_total", source="grpc", reason="too_large") == 1
+        assert agent.jobs()["j"].backends == ("noop",), "a refused call changed the job's configuration"
