@@ -235,10 +235,10 @@ def test_the_orchestrator_process_takes_a_comma_separated_url(
 # --------------------------------------------------------------------------- sequence-checked publishes (claims)
 
 
-@pytest.mark.xfail(strict=False, reason="_publish_rules.superseded() knows err_code 10071 only: a cluster refuses a "
-                   "sequence check with 10164 ('wrong last sequence', no number) while another write of the subject "
-                   "is in flight, and publish_stored raises Unavailable for it (a claim then fails the acquire)")
 async def test_a_check_refused_for_a_write_in_flight_counts_as_superseded(cluster: NatsCluster) -> None:
+    """A cluster refuses a sequence check with err_code 10164 ('wrong last sequence', no number) while another
+    write of the subject is in flight: ``publish_stored`` counts it as superseded (a claim then falls back to a
+    plain acquire) instead of raising Unavailable (which failed the acquire)."""
     from nats.js.api import StreamConfig
     from timeslice_client._grants import _Superseded
     from timeslice_client._publish_rules import publish_stored

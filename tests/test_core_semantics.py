@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from timeslice_client.protocol import (
     Acquire,
@@ -199,23 +201,43 @@ def test_failed_restore_faults_the_incoming_job_which_is_refused() -> None:
     assert sim.rec.state is GroupState.IDLE and sim.rec.holder is None and "b" in sim.rec.faulted
 
 
-def test_agent_lost_mid_snapshot_resolves_the_operation() -> None:
+def test_agent_lost_mid_snapshot_grants_nothing_until_the_snapshot_is_known_or_its_deadline() -> None:
+    """The agent snapshotting the outgoing job dies: that job's context may still be on the device (its own
+    process may still be suspending it), so the incoming job is not granted on the agent's loss; the snapshot
+    stays pending until an agent on that node answers it, or until its deadline, which faults the outgoing job."""
     sim = Sim()
-    sim.register("a", "n1")
+    sim.register("a", "n1", op_timeout_ms=10_000)
     sim.register("b", "n2")
     sim.hold("a")
-    sim.acquire("b")
+    sim.acquire("b", timeout_ms=60_000, waiter_ttl_ms=600_000)
     snap, restore = commands(sim.release("a"))
     assert snap.node == "n1"
     assert (restore.job, restore.node, restore.after) == ("b", "n2", ())  # type: ignore[union-attr]
     assert commands(sim(AgentLost(group=G, node="n1"))) == []
-    assert "a" in sim.rec.faulted and "n1" in sim.rec.faulted["a"]
-    (g,) = notices(sim.result(restore), Granted)
+    assert "a" not in sim.rec.faulted and sim.rec.loaded.get("n1") == "a", "a's context may still be there"
+    assert notices(sim.result(restore), Granted) == [], "no grant while the outgoing state is unknown"
+    assert sim.rec.state is GroupState.SWITCHING
+    (g,) = notices(sim.tick(dt=10_000), Granted)  # the snapshot's deadline: a is faulted, b goes on
     assert g.job == "b" and sim.rec.loaded == {"n2": "b"}
+    assert "timed out" in sim.rec.faulted["a"]
     # The lost answer arriving after all changes nothing (fenced: the operation is gone).
     before = sim.rec
     sim.result(snap)
     assert sim.rec is before
+
+
+def test_agent_restarted_mid_snapshot_answers_it_and_only_then_the_incoming_job_is_granted() -> None:
+    sim = Sim()
+    sim.register("a", "n1")
+    sim.register("b", "n2")
+    sim.hold("a")
+    sim.acquire("b", timeout_ms=60_000, waiter_ttl_ms=600_000)
+    snap, restore = commands(sim.release("a"))
+    sim(AgentLost(group=G, node="n1"))
+    assert notices(sim.result(restore), Granted) == []
+    assert commands(sim.register("a", "n1")) == [snap], "the restarted agent is sent the snapshot again"
+    (g,) = notices(sim.result(snap), Granted)  # it answered once a's state was off the device
+    assert g.job == "b" and "a" not in sim.rec.faulted and sim.rec.saved == {"a": ("n1",)}
 
 
 def test_agent_lost_mid_restore_faults_the_incoming_job() -> None:
@@ -454,25 +476,29 @@ def test_waiter_leaving_mid_switch_lets_its_issued_restore_finish_without_a_gran
     assert (snap_b.job, restore_c.job, restore_c.after) == ("b", "c", (snap_b.op_id,))  # type: ignore[union-attr]
 
 
-def _one_node_switch(out: str = "a", incoming: str = "b") -> tuple[Sim, Snapshot | Restore, Snapshot | Restore]:
+def _one_node_switch(out: str = "a", incoming: str = "b",
+                     **acquire: Any) -> tuple[Sim, Snapshot | Restore, Snapshot | Restore]:
     """Jobs a and b registered on n1; ``out`` holds, ``incoming`` waits, ``out`` releases: the switch's snapshot
     and restore (queued after it on n1)."""
     sim = Sim()
     for job in ("a", "b"):
         sim.register(job, "n1")
     sim.hold(out)
-    sim.acquire(incoming)
+    sim.acquire(incoming, **acquire)
     snap, restore = commands(sim.release(out))
     return sim, snap, restore
 
 
 def test_agent_lost_while_a_restore_waits_behind_a_snapshot_there() -> None:
-    """A restore queued behind a snapshot on a node whose agent is then lost never started: nothing of its
-    job is saved there, so the job is not faulted and is granted (nothing restored)."""
-    sim, _snap, restore = _one_node_switch()
-    (g,) = notices(sim(AgentLost(group=G, node="n1")), Granted)
+    """A restore queued behind a snapshot on a node whose agent is then lost never started: nothing of its job is
+    saved there, so the job is not faulted. It is granted (nothing restored) once the snapshot before it is known,
+    here at the snapshot's deadline, which faults the outgoing job."""
+    sim, _snap, restore = _one_node_switch(timeout_ms=60_000, waiter_ttl_ms=600_000)
+    assert notices(sim(AgentLost(group=G, node="n1")), Granted) == []
+    assert "b" not in sim.rec.faulted and "a" not in sim.rec.faulted
+    (g,) = notices(sim.tick(dt=10_000), Granted)
     assert g.job == "b" and not g.context_restored
-    assert "b" not in sim.rec.faulted and "lost" in sim.rec.faulted["a"]
+    assert "b" not in sim.rec.faulted and "timed out" in sim.rec.faulted["a"]
     before = sim.rec
     sim.result(restore)  # a late answer is fenced off
     assert sim.rec is before
@@ -504,6 +530,8 @@ def test_agent_lost_while_a_restore_waits_there_faults_a_job_whose_context_is_sa
     assert sim.rec.saved == {"b": ("n1",)}
     (r,) = notices(sim(AgentLost(group=G, node="n1")), Refused)
     assert r.job == "b" and r.code is ErrorCode.JOB_FAULTED and "saved on node n1" in r.message
+    assert sim.rec.holder is None and sim.rec.switch is not None and sim.rec.switch.to is None
+    sim.tick(dt=10_000)  # a's snapshot is still pending (its state there is unknown) until its deadline
     assert sim.rec.holder is None and sim.rec.switch is None
 
 

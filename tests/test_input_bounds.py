@@ -28,6 +28,7 @@ from timeslice_client.protocol import (
 from timeslice_orchestrator.core import LIMITS
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
+from .agent_harness import timeslice
 from .helpers import eventually, running
 
 BIG_MS = 2**53
@@ -202,5 +203,7 @@ async def test_garbage_deleted_and_forged_records_never_stop_the_orchestrator(na
             assert await _epoch(nats_url, "deleted") > epoch_before
             assert orch._fatal is None
             assert orch.metrics.quarantined == 1
+            rc, out = await timeslice(nats_url, "status")
+            assert rc == 0 and "QUARANTINED garbage:" in out and "UNREADABLE record garbage" in out, out
     finally:
         await nc.close()

@@ -14,6 +14,7 @@ from timeslice_client import (
     StaleEpoch,
     Unavailable,
 )
+from timeslice_client._refusals import refusal_error
 from timeslice_client.bus import connect, kv_keys
 from timeslice_client.protocol import Refused, Release, decode_notice, encode, subjects
 from timeslice_orchestrator.service import Orchestrator
@@ -97,7 +98,7 @@ async def test_release_by_non_holder_and_stale_epoch_refused(nats_url: str, orch
                              encode(Release(group="g4", job="a", request_id="stale-1", epoch=g.epoch + 7)))
             notice = decode_notice((await sub.next_msg(timeout=5)).data)
             assert isinstance(notice, Refused) and notice.code == "STALE_EPOCH" and notice.epoch == g.epoch
-            err = a._refusal_error(notice)
+            err = refusal_error(notice, a.epoch)
             assert isinstance(err, StaleEpoch) and err.holder == "a"
         finally:
             await nc.close()

@@ -17,21 +17,18 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from ._grants import Grant, ReleaseResult, _Claim, _Hold, _Superseded
+from ._grants import Grant, ReleaseResult, _Claim, _Hold, _Superseded, _WaitLost
 from ._hold_scope import AsyncHold
 from ._prompt import DEFAULT_SWITCH_INTERVAL
 from ._publish_rules import publish_stored, request_id
+from ._refusals import refusal_error
 from .bus import connect, default_nats_url, kv_keys
 from .errors import (
     AcquireCancelled,
     AcquireTimeout,
-    GroupFull,
-    GroupQuarantined,
     InvalidRequest,
-    JobFaulted,
     LeaseExpired,
     NotHolder,
-    StaleEpoch,
     TimeSliceError,
     Unavailable,
 )
@@ -42,7 +39,6 @@ from .protocol import (
     Cancel,
     Contended,
     Dequeued,
-    ErrorCode,
     Granted,
     GroupRecord,
     Phase,
@@ -55,6 +51,7 @@ from .protocol import (
     decode_notice,
     decode_record,
     encode,
+    is_group_key,
     subjects,
     validate_id,
 )
@@ -240,25 +237,46 @@ class AsyncTimeSliceClient:
             grant = await self._try_claim(claim)
             if grant is not None:
                 return grant
-        rid = request_id()
+        deadline = time.monotonic() + timeout
+        while True:  # a wait the orchestrator dropped for want of renewals (a bus outage) is made again
+            rid = request_id()
+            with contextlib.suppress(_WaitLost):
+                g = await self._wait_for_grant(rid, timeout, deadline)
+                break
+            log.warning("the orchestrator dropped this wait (no renewal reached it in time); waiting again",
+                        extra={"group": self.group_id, "job": self.job_id})
+        first = min(self.confirm_ms, self.lease_ms) / 3000
+        self._hold = _Hold(epoch=g.epoch, request_id=rid, lease_ms=self.lease_ms, next_renew=time.monotonic() + first)
+        if g.waiters:
+            self._contended_epoch = max(self._contended_epoch, g.epoch)
+        self._wake.set()
+        return Grant(self.group_id, self.job_id, g.epoch, g.waited_ms, g.context_restored)
+
+    async def _wait_for_grant(self, rid: str, timeout: float, deadline: float) -> Granted:
+        """Publish one acquire and wait for its grant until ``deadline``. Raises ``_WaitLost`` when the orchestrator
+        dropped the wait for want of renewals (the caller asks again), AcquireTimeout at the deadline."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Granted] = loop.create_future()
         self._pending[rid] = fut
         renew_in = self.waiter_ttl_ms / 3000
-        self._waiting[rid] = time.monotonic() + renew_in
         # The keeper renews this wait once it is due; an alarm wakes it then, rather than now: waking it at
         # once would put its work in the window where the orchestrator is answering (most grants come first).
         alarm = loop.call_later(renew_in, self._wake.set)
         granted = False
         try:
+            if (left := deadline - time.monotonic()) <= 0:
+                raise AcquireTimeout(self.group_id, self.job_id, timeout, await self._holder_or_none())
             await self._publish(
                 Acquire(group=self.group_id, job=self.job_id, request_id=rid, lease_ms=self.lease_ms,
-                        timeout_ms=int(timeout * 1000), waiter_ttl_ms=self.waiter_ttl_ms, confirm_ms=self.confirm_ms),
+                        timeout_ms=int(left * 1000), waiter_ttl_ms=self.waiter_ttl_ms, confirm_ms=self.confirm_ms),
                 msg_id=rid,
             )
+            # Renewed only once the stream stored the acquire: a renewal stored before it (the acquire's publish
+            # retried through a cluster's election) would find no such wait and end it ("not waiting").
+            self._waiting[rid] = time.monotonic() + renew_in
             timed_out = False
             try:
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                     g = await fut
             except TimeoutError:
                 timed_out = True
@@ -273,6 +291,7 @@ class AsyncTimeSliceClient:
                 holder = await self._holder_or_none()
                 raise AcquireTimeout(self.group_id, self.job_id, timeout, holder) from None
             granted = True
+            return g
         finally:
             alarm.cancel()
             self._pending.pop(rid, None)
@@ -280,12 +299,6 @@ class AsyncTimeSliceClient:
             if not granted:
                 await self._withdraw(rid)
             self._withdrawn.discard(rid)
-        first = min(self.confirm_ms, self.lease_ms) / 3000
-        self._hold = _Hold(epoch=g.epoch, request_id=rid, lease_ms=self.lease_ms, next_renew=time.monotonic() + first)
-        if g.waiters:
-            self._contended_epoch = max(self._contended_epoch, g.epoch)
-        self._wake.set()
-        return Grant(self.group_id, self.job_id, g.epoch, g.waited_ms, g.context_restored)
 
     async def _try_claim(self, claim: _Claim) -> Grant | None:
         """Publish the acquire as a claim; the grant if the stream stored it, None if it was superseded.
@@ -465,7 +478,8 @@ class AsyncTimeSliceClient:
     async def list_groups(self) -> list[str]:
         await self._groups_kv()  # Unavailable, with what to do, when the bucket is missing
         assert self._nc is not None
-        return await kv_keys(self._nc, GROUPS_BUCKET, timeout=self.request_timeout)  # not kv.keys(): it can miss keys
+        keys = await kv_keys(self._nc, GROUPS_BUCKET, timeout=self.request_timeout)  # not kv.keys(): it can miss keys
+        return [k for k in keys if is_group_key(k)]
 
     async def _groups_kv(self) -> KeyValue:
         await self.connect()
@@ -541,29 +555,15 @@ class AsyncTimeSliceClient:
         if isinstance(n, Granted | Released):
             fut.set_result(n)
         elif isinstance(n, Refused):
-            fut.set_exception(self._refusal_error(n))
-        elif isinstance(n, Dequeued):  # includes "not waiting": the orchestrator dropped this wait earlier
+            fut.set_exception(refusal_error(n, self._hold.epoch if self._hold else None))
+        elif isinstance(n, Dequeued) and n.lost:
+            fut.set_exception(_WaitLost(n.reason))  # dropped for want of renewals: _acquire asks again
+        elif isinstance(n, Dequeued):
             fut.set_exception(AcquireCancelled(self.group_id, self.job_id, n.reason))
 
-    def _refusal_error(self, n: Refused) -> TimeSliceError:
-        your = self._hold.epoch if self._hold else None
-        if n.code is ErrorCode.NOT_HOLDER:
-            return NotHolder(n.group, n.job, n.holder, n.epoch, your)
-        if n.code is ErrorCode.STALE_EPOCH:
-            return StaleEpoch(n.group, n.job, n.holder, n.epoch, your)
-        if n.code is ErrorCode.JOB_FAULTED:
-            return JobFaulted(n.group, n.job, n.message)
-        if n.code is ErrorCode.QUEUE_FULL:
-            return GroupFull(n.group, n.job, n.limit)
-        if n.code is ErrorCode.QUARANTINED:
-            return GroupQuarantined(n.group, n.message)
-        return InvalidRequest(n.message, group_id=n.group, job_id=n.job)
-
     async def _on_reconnected(self) -> None:
-        """The connection is back after a cut: notices sent meanwhile are lost (core NATS, at most once). Renew
-        every wait and the hold at once: the orchestrator answers a wait it has granted meanwhile with the grant
-        again, and a renewal of a hold it revoked meanwhile with a refusal, so this job learns of either within a
-        round trip instead of at its next renewal."""
+        """Back after a cut, during which notices were lost (core NATS): renew every wait and the hold now. A wait
+        granted meanwhile is answered with the grant again, a hold revoked meanwhile with a refusal."""
         self._renew_now = True
         self._wake.set()
 

@@ -38,6 +38,10 @@ class _Claim:
     epoch: int  # the epoch the claim takes: the release's + 1
 
 
+class _WaitLost(Exception):
+    """The orchestrator dropped a wait because no renewal of it reached it in time (``Dequeued.lost``)."""
+
+
 class _Superseded(Exception):
     """The stream refused a claim: another job input for the group came after the release."""
 

@@ -20,11 +20,13 @@ def request_id() -> str:
     return os.urandom(16).hex()
 
 
-_WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed Nats-Expected-Last-*-Sequence check
+# JetStream's error codes for a failed Nats-Expected-Last-*-Sequence check: 10071, and 10164 from a clustered stream
+# while another write of the same subject is still in flight (seen on a 3-node cluster, docs/cluster.md).
+_WRONG_LAST_SEQUENCE = frozenset({10071, 10164})
 
 
 def superseded(exc: BaseException) -> bool:
-    return getattr(exc, "err_code", None) == _WRONG_LAST_SEQUENCE
+    return getattr(exc, "err_code", None) in _WRONG_LAST_SEQUENCE
 
 
 def transient(exc: BaseException) -> bool:

@@ -89,6 +89,7 @@ __all__ = [
     "decode_notice",
     "decode_record",
     "encode",
+    "is_group_key",
     "subjects",
     "validate_id",
 ]
@@ -98,6 +99,12 @@ STREAM_SUBJECTS: Final = ("ts.v1.>",)
 GROUPS_BUCKET: Final = "groups"
 AGENTS_BUCKET: Final = "agents"
 JOBS_BUCKET: Final = "jobs"
+
+
+def is_group_key(key: str) -> bool:
+    """Whether a key of KV ``groups`` is a group's record. Keys starting with ``_`` (never a group id) are the
+    orchestrator's own: ``_term``, the marker that fences the leader's writes."""
+    return not key.startswith("_")
 
 # Bounds on every client-chosen field, enforced when a message is decoded (before anything acts on it), so that
 # no input can grow a record or a log line without limit. Ids (group, job, node) follow ``validate_id`` (at most
@@ -320,6 +327,9 @@ class Dequeued(_Msg, frozen=True, tag="dequeued"):
     job: str
     request_id: str
     reason: str
+    # The wait ended because no renewal of it reached the orchestrator in time (the waiter died, or the bus was
+    # away longer than its TTL), or a renewal named a wait it does not know: a live client may simply ask again.
+    lost: bool = False
 
 
 class Contended(_Msg, frozen=True, tag="contended"):

@@ -121,7 +121,10 @@ class JobBook:
         return current
 
     async def recover(self) -> None:
-        """Read this node's job states back; an operation cut short by a restart leaves the job FAULTED."""
+        """Read this node's job states back. A job whose operation a restart cut short stays TRANSITIONING: its
+        state is unknown (its own process may still be suspending it), and the orchestrator sends the operation
+        again when this agent announces the job; running it again asks the job's backends once more (a workload
+        answers a repeated op id with the outcome of the call it is running or ran), which tells."""
         kv, nc = self._kv, self._nc
         assert kv is not None and nc is not None
         for key in await kv_keys(nc, JOBS_BUCKET, under=self.node):  # not kv.keys(): it can miss keys
@@ -137,7 +140,8 @@ class JobBook:
                 continue
             if ctx.state is JobState.TRANSITIONING:
                 await self.save(msgspec.structs.replace(
-                    ctx, state=JobState.FAULTED, reason="the agent restarted during an operation; state unknown"))
+                    ctx, reason="the agent restarted during an operation; it runs again when the orchestrator "
+                                "sends it again"))
             await self.announce(ctx)
         if self.jobs:
             log.info("recovered %d jobs", len(self.jobs), extra={"node": self.node})

@@ -356,6 +356,8 @@ class Agent:
                 return self._remember(self._result(cmd, kind, backend, ok=False, error=error)), False
             op = OpContext(op_id=cmd.op_id, epoch=cmd.epoch, deadline=time.monotonic() + remaining)
             before = ctx.state
+            if before is JobState.TRANSITIONING:  # cut short by a restart of this agent: where it started from
+                before = JobState.RUNNING if kind is OpKind.SNAPSHOT else JobState.SAVED
             ctx = await self._book.save(msgspec.structs.replace(ctx, state=JobState.TRANSITIONING, epoch=cmd.epoch),
                                    wait=False)
             assert self._nc is not None

@@ -14,16 +14,19 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 from timeslice_client.protocol import STREAM, subjects
 
 from ._delivery import delivery, first, is_input
 from ._errors import OrchestratorError
 
-__all__ = ["catch_up"]
+__all__ = ["bind_durable", "catch_up"]
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -78,3 +81,29 @@ async def catch_up(js: JetStreamContext, floor: int, on_input: Callable[[Msg], A
             await sub.unsubscribe()
     log.info("caught up from stream sequence %d to %d in %.3f s", floor + 1, last, time.perf_counter() - t0)
     return last
+
+
+async def bind_durable(js: JetStreamContext, nc: NATS, durable: str, after: int, cb: Callable[[Msg], Awaitable[None]],
+                       *, ack_wait_s: float, max_ack_pending: int) -> Any:
+    """(Re)create the orchestrator's durable push consumer at stream sequence ``after + 1`` (everything up to
+    ``after`` is acknowledged) delivering to ``cb``; returns the subscription."""
+    with contextlib.suppress(NotFoundError):
+        await js.delete_consumer(STREAM, durable)
+    deliver = nc.new_inbox()
+    sub = await nc.subscribe(deliver, cb=cb, pending_msgs_limit=max_ack_pending * 2)
+    await asyncio.sleep(0)  # let the SUB reach the socket before the flush (docs/nats.md: flush is no barrier)
+    await nc.flush()
+    cfg = ConsumerConfig(
+        durable_name=durable,
+        description="timeslice orchestrator inputs",
+        deliver_subject=deliver,
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE if after else DeliverPolicy.ALL,
+        opt_start_seq=after + 1 if after else None,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait_s,
+        max_ack_pending=max_ack_pending,
+        filter_subjects=list(subjects.inputs),
+    )
+    await js.add_consumer(STREAM, cfg)
+    log.info("consuming from stream sequence %d", after + 1)
+    return sub

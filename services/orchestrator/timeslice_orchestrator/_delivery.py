@@ -12,7 +12,7 @@ from timeslice_client.protocol import subjects
 
 from ._subjects import route, subject_matches
 
-__all__ = ["delivery", "first", "is_input", "route", "seq_and_time"]
+__all__ = ["delivery", "delivery_with_consumer_seq", "first", "is_input", "route", "seq_and_time"]
 
 
 def seq_and_time(reply: str) -> tuple[int, int]:
@@ -24,11 +24,18 @@ def seq_and_time(reply: str) -> tuple[int, int]:
 def delivery(reply: str) -> tuple[int, int, int]:
     """Stream sequence, stream timestamp (ms) and messages still pending after this one, from a
     JetStream delivery's reply subject."""
+    seq, ts, pending, _ = delivery_with_consumer_seq(reply)
+    return seq, ts, pending
+
+
+def delivery_with_consumer_seq(reply: str) -> tuple[int, int, int, int]:
+    """``delivery`` and the consumer's own sequence of the message (rising by one per message the consumer
+    delivers: a jump means deliveries that never arrived)."""
     t = reply.split(".")
     if len(t) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
-        return int(t[5]), int(t[7]) // 1_000_000, int(t[8])
+        return int(t[5]), int(t[7]) // 1_000_000, int(t[8]), int(t[6])
     # $JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[.<token>]
-    return int(t[7]), int(t[9]) // 1_000_000, int(t[10])
+    return int(t[7]), int(t[9]) // 1_000_000, int(t[10]), int(t[8])
 
 
 _INPUT_PREFIXES: tuple[str, ...] = tuple(f.split("*", 1)[0].removesuffix(">") for f in subjects.inputs)

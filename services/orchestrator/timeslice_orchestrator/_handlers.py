@@ -208,7 +208,7 @@ def _on_renew(w: Work, ev: Renew) -> None:
                 w.touch("granted waiter renewed")
             w.notify_grant(h)
         return
-    w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason="not waiting"))
+    w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason="not waiting", lost=True))
 
 
 def _on_cancel(w: Work, ev: Cancel) -> None:
@@ -303,13 +303,19 @@ def _on_op_result(w: Work, ev: OpResult) -> None:
 
 
 def _on_agent_lost(w: Work, ev: AgentLost) -> None:
-    # A restore still queued behind a snapshot on that node never started: nothing of its job moved there. It
-    # ends without faulting the job, unless the job's context is saved on that node (stranded with the agent).
+    """The node's agent is gone (its liveness key expired or was deleted).
+
+    A snapshot it was running stays pending: the outgoing job's context may still be on the device (its own
+    process may still be suspending it, with nobody left to say when it is done), and granting now would put two
+    contexts on it at once. The snapshot ends when an agent on that node answers it (a restarted agent announces
+    the job, is sent the snapshot again and answers once the job's state is off the device), or at its deadline,
+    which faults the job: its state could not be known. A restore on that node cannot run: it ends, faulting its
+    job unless it never started (queued behind a snapshot there) and nothing of the job is saved on that node."""
     sw = w.switch
     ops = sw.ops if sw is not None else ()
     snapshotting = {op.node for op in ops if op.kind is OpKind.SNAPSHOT}
     queued = [op for op in ops if op.node == ev.node and op.kind is OpKind.RESTORE and op.node in snapshotting]
-    _fail_ops(w, lambda op: op.node == ev.node and op not in queued,
+    _fail_ops(w, lambda op: op.node == ev.node and op.kind is OpKind.RESTORE and op not in queued,
               f"agent on node {ev.node} was lost during the operation")
     for op in queued:
         stranded = ev.node in w.saved.get(op.job, ())
@@ -319,9 +325,12 @@ def _on_agent_lost(w: Work, ev: AgentLost) -> None:
     if ev.node not in w.lost_nodes:
         w.lost_nodes = (*w.lost_nodes, ev.node)[-LIMITS.max_lost_nodes :]  # the oldest loss is forgotten first
         w.touch("agent lost")
+    sw = w.switch
+    snapshotting_jobs = {op.job for op in (sw.ops if sw is not None else ()) if op.node == ev.node}
     for job, nodes in list(w.placements.items()):
-        if ev.node in nodes and ev.node not in w.saved.get(job, ()):
-            # A job whose context is saved there keeps the placement: that context still has to come back.
+        if ev.node in nodes and ev.node not in w.saved.get(job, ()) and job not in snapshotting_jobs:
+            # A job whose context is saved there keeps the placement: that context still has to come back; so does
+            # one whose snapshot there is still pending.
             rest = tuple(n for n in nodes if n != ev.node)
             if rest:
                 w.placements[job] = rest
@@ -329,7 +338,8 @@ def _on_agent_lost(w: Work, ev: AgentLost) -> None:
                 del w.placements[job]
             w.op_timeouts.pop(f"{ev.node}/{job}", None)
             w.touch("agent lost")
-    if w.loaded.pop(ev.node, None) is not None:
+    if ev.node in w.loaded and w.loaded[ev.node] not in snapshotting_jobs:
+        del w.loaded[ev.node]
         w.touch("agent lost")
 
 

@@ -1,32 +1,50 @@
-"""The group records in KV ``groups``: reading them at start, storing them with compare-and-swap, and telling
+"""The group records in KV ``groups``: reading them at start, storing them fenced by the leader's term, and telling
 apart the ways a store can fail (private to the orchestrator's shell).
+
+Fencing. A leader begins its term by writing the bucket's term marker (key ``_term``, ``TermRecord``), with a
+compare-and-swap that fails if a later term wrote it already. Every record it stores afterwards is published with
+``Nats-Expected-Last-Subject-Sequence-Subject: $KV.groups._term`` and the marker's sequence: the server refuses the
+write as soon as another leader has begun its term (``Deposed``), whatever this process believes (it may have been
+paused past its lease), so a deposed leader can store nothing. Within a term one writer per group stores its
+records in order, so no per-key compare-and-swap is needed.
 
 A record the orchestrator cannot use must never stop it: every other group goes on. So a store or a read says
 *why* it failed, and the shell decides per group:
 
 * ``Unusable``: the stored value does not decode (garbage written into the key), or the record to store is
   larger than the bus takes. The group is quarantined (``Quarantine``), the others go on.
-* a record that was deleted under the orchestrator is written again from the orchestrator's own copy, which
-  reflects every event applied so far (``store`` recreates the key);
-* ``ForeignWriter``: a valid record with another history was written by someone else (a second orchestrator
-  writing without leadership). The shell stops: it must not write beside another writer.
-* anything else (a timeout, the server down): retried with back-off, then ``OrchestratorError``.
+* a record deleted or overwritten under the orchestrator is simply written again from the orchestrator's own copy
+  at its next change (the copy reflects every event applied so far);
+* ``Deposed``: another leader's term began; this one stops leading.
+* anything else (a timeout, the server down): retried with back-off, then ``OrchestratorError``. A write that timed
+  out may have landed (docs/cluster.md): the record is read again before it is written again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import msgspec
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import KeyValue
-from timeslice_client.protocol import GroupRecord, decode_record, encode
+from timeslice_client.protocol import (
+    GROUPS_BUCKET,
+    STREAM,
+    GroupRecord,
+    StateChanged,
+    decode_record,
+    encode,
+    is_group_key,
+    subjects,
+)
 
 from ._errors import OrchestratorError
 
-__all__ = ["ForeignWriter", "RecordStore", "Stored", "Unusable"]
+__all__ = ["TERM_KEY", "Deposed", "Loaded", "RecordStore", "Stored", "TermRecord", "Unusable", "last_epoch", "load_all"]
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -40,16 +58,25 @@ class Unusable(OrchestratorError):
         super().__init__(f"group {group!r}: {reason}")
 
 
-class ForeignWriter(OrchestratorError):
-    """Someone else wrote a valid record of the group: another orchestrator is writing without leadership."""
+class Deposed(OrchestratorError):
+    """Another leader's term began (the bucket's term marker moved): this instance may store nothing more."""
 
-    def __init__(self, group: str, expected_rev: int | None, stored_seq: int, own_seq: int) -> None:
-        self.group, self.expected_rev, self.stored_seq, self.own_seq = group, expected_rev, stored_seq, own_seq
-        super().__init__(
-            f"group {group!r} was written by someone else (expected revision {expected_rev}; the stored record "
-            f"reflects stream sequence {stored_seq}, this orchestrator's {own_seq}); is a second orchestrator "
-            "running against the same bus without leadership?"
-        )
+    def __init__(self, term: int, found: str) -> None:
+        self.term, self.found = term, found
+        super().__init__(f"term {term} is over: {found}; this orchestrator stands by again")
+
+
+class TermRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The value of the term marker ``_term`` in KV ``groups``: which leader's writes the server accepts."""
+
+    term: int
+    instance: str
+    since_ms: int
+
+
+TERM_KEY = "_term"  # not a group id: group ids start with a letter or digit
+_TERM_SUBJECT = f"$KV.{GROUPS_BUCKET}.{TERM_KEY}"
+_WRONG_LAST_SEQUENCE = 10071
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,46 +89,82 @@ class Stored:
 
 
 class RecordStore:
-    def __init__(self, kv: KeyValue, *, attempts: int, timeout_s: float, max_bytes: int) -> None:
+    def __init__(self, js: JetStreamContext, kv: KeyValue, *, attempts: int, timeout_s: float, max_bytes: int,
+                 deadline_s: float = 30.0) -> None:
+        self.js = js
         self.kv = kv
-        self.attempts = attempts
+        self.attempts = attempts  # at least this many tries, and more until ``deadline_s`` (a cluster's election
+        self.deadline_s = deadline_s  # stalls writes 4-9 s, with fast failures: a count alone runs out in 3.5 s)
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes  # the largest record stored; set well below the server's max_payload
+        self._term: int | None = None
+        self._fence: dict[str, str] = {}
 
-    async def store(self, group: str, rec: GroupRecord, rev: int | None) -> int:
-        """Store ``rec`` over revision ``rev`` (None: the key must not exist); returns the new revision."""
+    async def begin_term(self, term: int, instance: str) -> None:
+        """Write the term marker: from now on only this term's writes are accepted. ``Deposed`` when a later term
+        (or this one, from another instance) wrote it first."""
+        seq, found = await self._read_term()
+        if found is not None and (found.term, found.instance) == (term, instance):
+            self._begin(term, seq)  # this instance's own term, begun again (after it lapsed and was confirmed)
+            return
+        if found is not None and found.term >= term:
+            raise Deposed(term, f"the term marker names term {found.term} of {found.instance}")
+        data = msgspec.json.encode(TermRecord(term=term, instance=instance, since_ms=int(time.time() * 1000)))
+        try:
+            pa = await self.js.publish(_TERM_SUBJECT, data, timeout=self.timeout_s,
+                                       headers={"Nats-Expected-Last-Subject-Sequence": str(seq)})
+        except APIError as exc:
+            if exc.err_code == _WRONG_LAST_SEQUENCE:
+                raise Deposed(term, "another term marker was written first") from exc
+            raise
+        self._begin(term, int(pa.seq))
+
+    def _begin(self, term: int, marker_seq: int) -> None:
+        self._term = term
+        self._fence = {"Nats-Expected-Last-Subject-Sequence": str(marker_seq),
+                       "Nats-Expected-Last-Subject-Sequence-Subject": _TERM_SUBJECT}
+
+    async def _read_term(self) -> tuple[int, TermRecord | None]:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                msg = await self.js.get_last_msg(f"KV_{GROUPS_BUCKET}", _TERM_SUBJECT)
+        except NotFoundError:
+            return 0, None
+        seq = int(msg.seq or 0)
+        try:
+            return seq, msgspec.json.decode(msg.data or b"", type=TermRecord)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return seq, None  # garbage, or deleted: overwritten by this term's marker
+
+    async def store(self, group: str, rec: GroupRecord) -> int:
+        """Store ``rec`` within this term; returns the key's new revision."""
+        assert self._term is not None, "begin_term() first"
         data = encode(rec)
         if len(data) > self.max_bytes:
             raise Unusable(group, f"its record would take {len(data)} bytes, more than the {self.max_bytes} "
                                   "allowed")
-        for attempt in range(self.attempts):
+        subject = f"$KV.{GROUPS_BUCKET}.{group}"
+        deadline = time.monotonic() + self.deadline_s
+        attempt = 0
+        while attempt < self.attempts or time.monotonic() < deadline:
+            attempt += 1
             try:
-                async with asyncio.timeout(self.timeout_s):
-                    return await self.kv.update(group, data, last=rev)
-            except KeyWrongLastSequenceError:
-                conflict = True
+                pa = await self.js.publish(subject, data, timeout=self.timeout_s, headers=self._fence)
+                return int(pa.seq)
+            except APIError as exc:
+                if exc.err_code == _WRONG_LAST_SEQUENCE:
+                    raise Deposed(self._term, f"the server refused a write of group {group!r}: another leader's "
+                                              "term began") from exc
+                log.warning("storing group %s failed (%r), attempt %d", group, exc, attempt, extra={"group": group})
             except Exception as exc:  # a timeout is "unknown", not "failed" (docs/cluster.md): re-read below
-                conflict = False
-                log.warning("storing group %s failed (%r), attempt %d", group, exc, attempt + 1,
-                            extra={"group": group})
+                log.warning("storing group %s failed (%r), attempt %d", group, exc, attempt, extra={"group": group})
             stored = await self.read(group)
             if stored.record is not None and stored.record.last_seq == rec.last_seq:
                 assert stored.revision is not None
                 return stored.revision  # our own write, whose answer was lost
-            if conflict:
-                if stored.undecodable is not None or (stored.record is None and stored.revision is not None):
-                    # Garbage or a deletion written under us: this orchestrator's copy reflects every event
-                    # applied so far, so it is written over it (the next attempt, on the revision found).
-                    log.warning("group %s: the stored record was %s; writing it again from this orchestrator's "
-                                "copy", group, "garbage" if stored.undecodable else "deleted", extra={"group": group})
-                    rev = stored.revision
-                    continue
-                if stored.record is None:
-                    rev = None  # purged: no revision left to compare with
-                    continue
-                raise ForeignWriter(group, rev, stored.record.last_seq, rec.last_seq)
-            await asyncio.sleep(min(0.05 * 2**attempt, 1.0))  # back off before the next attempt
-        raise OrchestratorError(f"could not store group {group!r} after {self.attempts} attempts")
+            await asyncio.sleep(min(0.05 * 2 ** min(attempt, 5), 1.0))  # back off before the next attempt
+        raise OrchestratorError(f"could not store group {group!r} in {attempt} attempts over {self.deadline_s:.0f} s; "
+                                "is the NATS cluster up and does it have a stream leader?")
 
     async def read(self, group: str) -> Stored:
         """The stored record; a missing, deleted or unreadable key reads as no record."""
@@ -121,3 +184,65 @@ class RecordStore:
         if rec.group != group:
             return Stored(None, entry.revision, undecodable=f"the record names group {rec.group[:64]!r}")
         return Stored(rec, entry.revision)
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """One key read at start: its record, or why it cannot be used (``unusable``)."""
+
+    group: str
+    record: GroupRecord | None
+    revision: int
+    unusable: str | None = None
+
+
+async def load_all(kv: KeyValue, *, timeout_s: float = 10.0) -> list[Loaded]:
+    """Every group record in the bucket. Reads until the watcher's entry with no more pending (the "initial values
+    done" marker can come before the initial values: docs/nats.md)."""
+    status = await kv.status()
+    if status.values == 0:
+        return []
+    out: list[Loaded] = []
+    watcher = await kv.watchall()
+    try:
+        while True:
+            entry = await watcher.updates(timeout=timeout_s)  # type: ignore[no-untyped-call]
+            if entry is None:
+                continue
+            if entry.operation is None and entry.value and is_group_key(entry.key):
+                out.append(_loaded(entry.key, entry.value, entry.revision or 0))
+            if entry.delta == 0:
+                break
+    finally:
+        await watcher.stop()  # type: ignore[no-untyped-call]
+    return out
+
+
+def _loaded(key: str, value: bytes, revision: int) -> Loaded:
+    try:
+        rec = decode_record(value)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return Loaded(key, None, revision, f"its stored record does not decode ({str(exc)[:200]})")
+    if rec.group != key:
+        return Loaded(key, None, revision, f"its stored record names group {rec.group[:64]!r}")
+    return Loaded(key, rec, revision)
+
+
+async def last_epoch(js: JetStreamContext, group: str, *, timeout_s: float) -> int | None:
+    """The epoch of the group's last state change in the stream (None: the stream shows none, or it cannot be
+    read). A group whose record is missing starts above it, so that no epoch is ever handed out twice."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            last = await js.get_last_msg(STREAM, subjects.group_state(group))
+    except NotFoundError:
+        return None
+    except Exception as exc:
+        log.warning("group %s: could not read its last state from the stream (%r)", group, exc, extra={"group": group})
+        return None
+    try:
+        return _state_decoder.decode(last.data or b"").epoch
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+_state_decoder = msgspec.json.Decoder(StateChanged)

@@ -26,9 +26,20 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from timeslice_client.bus import kv_keys, nats_url_arg
 from timeslice_client.errors import Unavailable
-from timeslice_client.protocol import GROUPS_BUCKET, JOBS_BUCKET, GroupRecord, JobContext, OpKind, decode_record
+from timeslice_client.protocol import (
+    GROUPS_BUCKET,
+    JOBS_BUCKET,
+    GroupRecord,
+    JobContext,
+    OpKind,
+    decode_record,
+    is_group_key,
+)
 
-__all__ = ["View", "read_view", "register", "render_json", "render_table"]
+from ._leadership import LeaderRecord, read_leader
+from ._quarantine import read_quarantined
+
+__all__ = ["View", "read_control", "read_view", "register", "render_json", "render_table"]
 
 _ctx_decoder = msgspec.json.Decoder(JobContext)
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: plain ANSI, any terminal
@@ -40,6 +51,9 @@ class View:
 
     groups: dict[str, GroupRecord] = field(default_factory=dict)
     jobs: dict[str, JobContext] = field(default_factory=dict)
+    leader: LeaderRecord | None = None  # who leads the orchestrators (None: nobody, or not readable)
+    quarantined: dict[str, str] = field(default_factory=dict)  # group -> why the orchestrator does not serve it
+    unreadable: dict[str, str] = field(default_factory=dict)  # key -> why its stored record does not decode
 
     def selected(self, group: str | None) -> tuple[list[GroupRecord], list[JobContext]]:
         recs = [r for g, r in sorted(self.groups.items()) if group is None or g == group]
@@ -62,6 +76,8 @@ async def _bucket(nc: NATS, name: str) -> KeyValue:
 
 async def _entries(nc: NATS, kv: KeyValue, bucket: str, only: str | None = None) -> list[tuple[str, bytes]]:
     keys = [only] if only is not None else await kv_keys(nc, bucket)  # not kv.keys(): it can miss keys
+    if bucket == GROUPS_BUCKET:
+        keys = [k for k in keys if is_group_key(k)]  # not the orchestrator's own keys (the term marker)
     out = []
     for k in keys:
         try:
@@ -76,14 +92,36 @@ async def _entries(nc: NATS, kv: KeyValue, bucket: str, only: str | None = None)
 
 
 async def read_view(nc: NATS, group: str | None = None) -> View:
-    """One consistent-enough reading of both buckets (each key is read once, in no particular order)."""
+    """One consistent-enough reading of both buckets (each key is read once, in no particular order), and of who
+    leads and which groups are quarantined."""
     groups_kv, jobs_kv = await _bucket(nc, GROUPS_BUCKET), await _bucket(nc, JOBS_BUCKET)
     view = View()
     for key, value in await _entries(nc, groups_kv, GROUPS_BUCKET, group):
-        view.groups[key] = decode_record(value)
+        _put_group(view, key, value)
     for key, value in await _entries(nc, jobs_kv, JOBS_BUCKET):
-        view.jobs[key] = _ctx_decoder.decode(value)
+        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            view.jobs[key] = _ctx_decoder.decode(value)
+    await read_control(nc, view)
     return view
+
+
+def _put_group(view: View, key: str, value: bytes) -> None:
+    try:
+        view.groups[key] = decode_record(value)
+        view.unreadable.pop(key, None)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        view.groups.pop(key, None)
+        view.unreadable[key] = str(exc)[:200]
+
+
+async def read_control(nc: NATS, view: View, timeout_s: float = 2.0) -> None:
+    """Who leads, and the quarantined groups (from the stream); left as they were when they cannot be read."""
+    js = nc.jetstream()
+    with contextlib.suppress(Exception):
+        view.leader = await read_leader(js, timeout=timeout_s)
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(timeout_s):
+            view.quarantined = await read_quarantined(js)
 
 
 # ---------------------------------------------------------------------- rendering
@@ -116,12 +154,19 @@ def _nodes(rec: GroupRecord) -> list[str]:
     return sorted(nodes)
 
 
-def render_table(recs: Iterable[GroupRecord], jobs: Iterable[JobContext], now_ms: int) -> str:
-    """The human table: one line per group, then its nodes, job states and faults indented below."""
+def render_table(recs: Iterable[GroupRecord], jobs: Iterable[JobContext], now_ms: int, *,
+                 view: View | None = None) -> str:
+    """The human table: who leads, one line per group, then its nodes, job states and faults indented below;
+    quarantined groups and unreadable records last."""
     by_group: dict[str, list[JobContext]] = {}
     for c in jobs:
         by_group.setdefault(c.group, []).append(c)
-    lines = [f"{'GROUP':<20} {'STATE':<13} {'HOLDER':<16} {'EPOCH':>6} {'FOR':>8}  {'ACTIVE':<16} QUEUE (waited)"]
+    lines = []
+    if view is not None:
+        ld = view.leader
+        lines.append(f"leader: {ld.holder} (term {ld.term}, for {_dur(now_ms - ld.since_ms)})" if ld is not None
+                     else "leader: none (no orchestrator leads: start one, or wait for a standby to take over)")
+    lines.append(f"{'GROUP':<20} {'STATE':<13} {'HOLDER':<16} {'EPOCH':>6} {'FOR':>8}  {'ACTIVE':<16} QUEUE (waited)")
     recs = list(recs)
     if not recs:
         lines.append("(no groups yet: a group appears with its first acquire)")
@@ -142,12 +187,23 @@ def render_table(recs: Iterable[GroupRecord], jobs: Iterable[JobContext], now_ms
                 lines.append(pad + f"       {c.job}@{c.node}: {c.reason}")
         for job, why in sorted(r.faulted.items()):
             lines.append(pad + f"faulted: {job}: {why}")
+    if view is not None:
+        for g, why in sorted(view.quarantined.items()):
+            lines.append(f"QUARANTINED {g}: {why} (not served; every other group is)")
+        for g, why in sorted(view.unreadable.items()):
+            lines.append(f"UNREADABLE record {g}: {why}")
     return "\n".join(lines)
 
 
-def render_json(recs: list[GroupRecord], jobs: list[JobContext], now_ms: int, *, indent: int | None = 2) -> str:
-    """The records and job contexts exactly as stored (KV ``groups`` and ``jobs``), and the time of reading."""
-    doc = {"now_ms": now_ms, "groups": msgspec.to_builtins(recs), "jobs": msgspec.to_builtins(jobs)}
+def render_json(recs: list[GroupRecord], jobs: list[JobContext], now_ms: int, *, indent: int | None = 2,
+                view: View | None = None) -> str:
+    """The records and job contexts exactly as stored (KV ``groups`` and ``jobs``), and the time of reading; with
+    ``view``, also who leads, the quarantined groups and the records that do not decode."""
+    doc: dict[str, Any] = {"now_ms": now_ms, "groups": msgspec.to_builtins(recs), "jobs": msgspec.to_builtins(jobs)}
+    if view is not None:
+        doc["leader"] = msgspec.to_builtins(view.leader)
+        doc["quarantined"] = view.quarantined
+        doc["unreadable"] = view.unreadable
     return json.dumps(doc, indent=indent)
 
 
@@ -158,9 +214,9 @@ def _print(view: View, args: argparse.Namespace, out: TextIO, *, clear: bool) ->
     now_ms = int(time.time() * 1000)
     recs, jobs = view.selected(args.group)
     if args.json:
-        out.write(render_json(recs, jobs, now_ms, indent=None if args.watch else 2) + "\n")
+        out.write(render_json(recs, jobs, now_ms, indent=None if args.watch else 2, view=view) + "\n")
     else:
-        out.write((_CLEAR if clear else "") + render_table(recs, jobs, now_ms) + "\n")
+        out.write((_CLEAR if clear else "") + render_table(recs, jobs, now_ms, view=view) + "\n")
     out.flush()
 
 
@@ -197,10 +253,13 @@ async def _watch(nc: NATS, view: View, args: argparse.Namespace) -> None:
             loop.add_signal_handler(sig, on_stop)
 
     def on_group(key: str, value: bytes | None) -> None:
+        if not is_group_key(key):
+            return
         if value is None:
             view.groups.pop(key, None)
+            view.unreadable.pop(key, None)
         else:
-            view.groups[key] = decode_record(value)
+            _put_group(view, key, value)
 
     def on_job(key: str, value: bytes | None) -> None:
         if value is None:
@@ -214,6 +273,7 @@ async def _watch(nc: NATS, view: View, args: argparse.Namespace) -> None:
                      tg.create_task(_follow(jobs_kv, on_job, changed))]
         try:
             while not stop.is_set():
+                await read_control(nc, view, timeout_s=0.5)
                 _print(view, args, sys.stdout, clear=True)
                 changed.clear()
                 with contextlib.suppress(TimeoutError):

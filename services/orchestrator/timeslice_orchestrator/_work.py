@@ -218,9 +218,9 @@ class Work:
             )
         )
 
-    def drop_waiter(self, i: int, reason: str) -> None:
+    def drop_waiter(self, i: int, reason: str, *, lost: bool = False) -> None:
         wr = self.queue.pop(i)
-        self.notify(Dequeued(group=self.group, job=wr.job, request_id=wr.request_id, reason=reason))
+        self.notify(Dequeued(group=self.group, job=wr.job, request_id=wr.request_id, reason=reason, lost=lost))
         self.touch(f"waiter {reason}")
 
     def unsave(self, job: str, node: str) -> None:
@@ -259,14 +259,15 @@ class Work:
             if now >= wr.deadline_ms:
                 self.drop_waiter(i, "timeout")
             elif now >= wr.alive_until_ms:
-                self.drop_waiter(i, "waiter lost (no renewal)")
+                self.drop_waiter(i, "waiter lost (no renewal)", lost=True)
         sw = self.switch
         if sw is None:
             return
         if sw.to is not None and now >= min(sw.to.deadline_ms, sw.to.alive_until_ms):
             to = sw.to
             why = "timeout" if now >= to.deadline_ms else "waiter lost (no renewal)"
-            self.notify(Dequeued(group=self.group, job=to.job, request_id=to.request_id, reason=why))
+            self.notify(Dequeued(group=self.group, job=to.job, request_id=to.request_id, reason=why,
+                                 lost=now < to.deadline_ms))
             self.switch = sw = msgspec.structs.replace(sw, to=None)
             self.touch(f"waiter {why}")
         for op in sw.ops:

@@ -25,7 +25,16 @@ Semantics, per group:
   so no round trip through the orchestrator sits between a snapshot and the restore after it;
 * a node's agent that announces a job (``JobRegistered``; a restarted agent announces all of its jobs) is sent
   again the running switch's operations still pending for that job on that node, unchanged: a restarted agent
-  has forgotten the commands it had taken, and one that did not restart answers the same op id as before.
+  has forgotten the commands it had taken, and one that did not restart answers the same op id as before;
+* **no grant while an outgoing context may still be on the device**: a switch grants only once every snapshot
+  of it ended with an answer (the context is off the device, or it failed and was rolled back, faulting its
+  job), or its job left the node (unregistered: its processes are gone), or its deadline passed (its job is
+  faulted: its state could not be known). The loss of the agent running a snapshot ends nothing: the job's own
+  process may still be suspending it. ``timeslice check`` reports a grant made while a snapshot of another job
+  had started and not ended (``grant-while-loaded``);
+* a waiter that renews its wait after its grant has not heard of it (notices are at most once): the grant is
+  sent again, unchanged, until the grantee confirms it; a renewal of a wait the core does not know is answered
+  with ``Dequeued(lost=True)``, and the client waits again.
 """
 
 from __future__ import annotations

@@ -80,6 +80,7 @@ from timeslice_client.protocol import (
     JobContext,
     JobState,
     decode_record,
+    is_group_key,
     validate_id,
 )
 
@@ -315,7 +316,7 @@ class OrchestratorGrpcShim:
             await self._bus_up(ctx)
             assert self._nc is not None
             keys = await kv_keys(self._nc, GROUPS_BUCKET, timeout=self.config.request_timeout_s)  # not kv.keys()
-            return pb.ListGroupsResponse(group_ids=keys)
+            return pb.ListGroupsResponse(group_ids=[k for k in keys if is_group_key(k)])
         except TimeSliceError as exc:
             await self._abort(ctx, exc)
 

@@ -106,10 +106,25 @@ class OrchestratorMetrics(Collector):
         self._tags: dict[type[msgspec.Struct], str] = {}
         self.rejected = 0
         self.quarantined = 0  # groups whose record is unusable (not served; every other group is)
+        self.leading = 0  # 1 while this instance leads
+        self.term = 0  # the term of this instance's latest election
+        self.elections = 0
+        self.leader_losses = 0
+        self.takeover_s: float | None = None  # the latest takeover: from the old lease gone to this one's election
         self.apply_latency = _Hist(APPLY_BUCKETS)
         self.registry.register(self)
 
     # ------------------------------------------------------------------ the hot path
+
+    def leadership(self, name: str, value: float) -> None:
+        """The leader election's hook (``_leadership.Leadership(metrics=...)``)."""
+        if name == "elected":
+            self.elections += 1
+            self.term = int(value)
+        elif name == "lost":
+            self.leader_losses += 1
+        elif name == "takeover_s":
+            self.takeover_s = value
 
     def loaded(self, rec: GroupRecord) -> None:
         """A record read back at startup: the group's gauges start from it."""
@@ -214,12 +229,20 @@ class OrchestratorMetrics(Collector):
         quarantined = GaugeMetricFamily("timeslice_groups_quarantined", "Groups not served because their record "
                                         "cannot be loaded, decoded or stored (alarm on > 0; `timeslice status` "
                                         "shows which and why).", value=self.quarantined)
+        leading = GaugeMetricFamily("timeslice_orchestrator_leading", "1 while this orchestrator leads, 0 while it "
+                                    "stands by (exactly one instance should show 1).", value=self.leading)
+        term = GaugeMetricFamily("timeslice_orchestrator_term", "The leadership term of this instance's latest "
+                                 "election (terms only grow).", value=self.term)
+        elections = CounterMetricFamily("timeslice_orchestrator_elections", "Times this instance was elected "
+                                        "leader.", value=self.elections)
+        losses = CounterMetricFamily("timeslice_orchestrator_leadership_losses", "Times this instance lost or gave "
+                                     "up the leadership.", value=self.leader_losses)
         rejected = CounterMetricFamily("timeslice_events_rejected", "Events refused before the core (malformed or "
                                        "on an unknown subject).", value=self.rejected)
         latency = HistogramMetricFamily("timeslice_apply_seconds", "Time spent in the pure core per event.",
                                         buckets=self.apply_latency.buckets(), sum_value=self.apply_latency.sum)
         yield from (wait, handoff, depth, epoch, grants, releases, expiries, cancelled, faults, applied, rejected,
-                    quarantined, latency)
+                    quarantined, leading, term, elections, losses, latency)
 
 
 def _depth(rec: GroupRecord) -> int:

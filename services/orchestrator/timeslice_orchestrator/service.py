@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import heapq
 import logging
 import time
 from collections.abc import Callable
@@ -42,7 +41,6 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import Field
@@ -57,10 +55,7 @@ from timeslice_client.protocol import (
     Refused,
     Release,
     Renew,
-    StateChanged,
-    Tick,
     decode_input,
-    decode_record,
     encode,
     subjects,
     validate_id,
@@ -68,12 +63,14 @@ from timeslice_client.protocol import (
 
 from ._agents_watch import watch_agents
 from ._beside import LocalAgent
-from ._catch_up import catch_up
-from ._delivery import delivery, first, route
+from ._catch_up import bind_durable, catch_up
+from ._delivery import delivery_with_consumer_seq, first, route
 from ._errors import OrchestratorError
+from ._leadership import Leadership, LeadershipChange
 from ._quarantine import Quarantine
-from ._records import RecordStore, Unusable
-from .core import Action, Command, Notify, Transition, apply, new_record, next_deadline
+from ._records import Deposed, RecordStore, Unusable, last_epoch, load_all
+from ._timers import Timers
+from .core import Action, Command, Notify, Transition, apply, new_record
 from .metrics import OrchestratorMetrics
 
 __all__ = ["LocalAgent", "Orchestrator", "OrchestratorConfig", "OrchestratorError"]
@@ -96,6 +93,11 @@ class OrchestratorConfig(BaseSettings):
     max_record_bytes: int = Field(default=768 * 1024, ge=64 * 1024)  # and at most 3/4 of the server's max_payload
     catch_up_idle_s: float = Field(default=10.0, gt=0)  # the catch-up fails when the bus is silent this long
     local_agent_ready_s: float = Field(default=60.0, gt=0)  # the agent run beside this one must be ready by then
+    # Leader election (hot standby): every orchestrator campaigns; one leads, the others stand by.
+    instance_id: str | None = Field(default=None, max_length=128)  # default: host/pid/random
+    leader_ttl_s: int = Field(default=1, ge=1, le=60)  # the lease key's TTL: a dead leader is replaced after it
+    leader_renew_s: float = Field(default=0.25, gt=0)  # must be < leader_ttl_s minus the 0.2 s safety margin
+    leader_confirm_wait_s: float = Field(default=15.0, gt=0)  # a lapsed lease is confirmed again for this long
     bus: BusConfig = BusConfig()
 
 
@@ -106,7 +108,6 @@ class _Entry:
     acks: list[Msg] = field(default_factory=list)
     dirty: bool = False
     queued: bool = False
-    armed: int | None = None  # the earliest deadline this group has in the timer heap
     quarantined: str | None = None  # why this group is not served (its record is unusable)
 
 
@@ -131,12 +132,17 @@ class Orchestrator:
         self._agents_kv: KeyValue | None = None
         self._groups: dict[str, _Entry] = {}
         self._write_q: asyncio.Queue[str] = asyncio.Queue(self.config.write_queue)
-        self._timers: list[tuple[int, str]] = []
-        self._timer_wake = asyncio.Event()
+        self._timers = Timers(self.config.tick_retry_ms)
         self._stop = asyncio.Event()
+        self._halt = asyncio.Event()  # set by shutdown() or the end of a term: whatever runs in the term ends
+        self._term_over = asyncio.Event()  # this term's lease is lost: nothing more is published or stored
+        self._term_over.set()  # no term yet
         self._ready = asyncio.Event()
+        self._connected = asyncio.Event()
+        self.leadership: Leadership | None = None
         self._fatal: BaseException | None = None
         self._sub: Any = None
+        self._last_cseq = 0  # the durable consumer's sequence of the latest live delivery
         self._queued = 0  # groups waiting for (or in) a write
         self._writes_idle = asyncio.Event()
         self._writes_idle.set()
@@ -146,9 +152,18 @@ class Orchestrator:
 
     @property
     def ready(self) -> asyncio.Event:
+        """Set while this instance leads and serves (its durable consumer bound, its records caught up)."""
         return self._ready
 
+    @property
+    def connected(self) -> asyncio.Event:
+        """Set while this instance is connected and campaigning or leading: a standby has it, and not ``ready``."""
+        return self._connected
+
     async def run(self) -> None:
+        """Connect, stand by until elected, lead (``_term``) until the lease is lost or ``shutdown()``; a lost lease
+        makes this instance a standby again. On ``shutdown()`` a leader stores what it decided, then resigns, so
+        that a standby takes over at once."""
         nc = self._nc
         if nc is None:
             nc = self._nc = await connect(self.config.nats_url, name="timeslice-orchestrator")
@@ -157,52 +172,169 @@ class Orchestrator:
         self._kv = buckets.groups
         self._agents_kv = buckets.agents
         # A record stays far below the server's payload limit (core.Limits); a larger one is never written.
-        self._store = RecordStore(self._kv, attempts=self.config.write_attempts, timeout_s=self.config.write_timeout_s,
+        self._store = RecordStore(self._js, self._kv, attempts=self.config.write_attempts,
+                                  timeout_s=self.config.write_timeout_s,
                                   max_bytes=min(self.config.max_record_bytes, nc.max_payload * 3 // 4))
         self._quarantined = Quarantine(nc, self.metrics)
+        cfg = self.config
+        self.leadership = leader = Leadership(
+            self._js, instance_id=cfg.instance_id, ttl_s=cfg.leader_ttl_s, renew_s=cfg.leader_renew_s,
+            replicas=cfg.bus.replicas or 1, resign_on_stop=False, on_change=self._on_leadership,
+            metrics=self.metrics.leadership)
+        lead_stop = asyncio.Event()
         local: asyncio.Task[None] | None = None
         try:
-            await self._load_records()
-            assert self._quarantined is not None
-            await self._quarantined.lift_stale({g for g, e in self._groups.items() if e.quarantined is None})
             async with asyncio.TaskGroup() as tg:
-                for _ in range(self.config.writers):
-                    tg.create_task(self._writer())
-                tg.create_task(self._timer_loop())
-                agents_known = asyncio.Event()
-                tg.create_task(self._watch_agents(agents_known))
-                await agents_known.wait()
-                floor = await self._ack_floor()
-                await self._distrust_future_records(floor)
-                caught_up = await self._catch_up(floor)
-                if not self._stop.is_set() and await self._stored_all():
-                    await self._subscribe(caught_up)
-                    if self._local_factory is not None:
-                        self.local_agent = self._local_factory(nc)
-                        local = tg.create_task(self._run_local(self.local_agent))
-                    if await self._local_ready():
-                        log.info("orchestrator ready", extra={"groups": len(self._groups)})
-                        self._ready.set()
-                await self._stop.wait()
+                tg.create_task(self._run_leadership(leader, lead_stop))
+                if self._local_factory is not None:
+                    self.local_agent = self._local_factory(nc)
+                    local = tg.create_task(self._run_local(self.local_agent))
+                self._connected.set()
+                log.info("connected as %s: campaigning (a standby until elected)", leader.instance_id)
+                while not self._stop.is_set():
+                    await first(leader.wait_leader(3600.0), self._stop.wait())
+                    if self._stop.is_set():
+                        break
+                    if leader.is_leader():
+                        await self._term()
                 if local is not None:
                     assert self.local_agent is not None
                     self.local_agent.shutdown()
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(30):
                             await asyncio.wait({local})
-                await self._drain()
-                raise _Stopped
-        except* _Stopped:
-            pass
+                if leader.is_leader():
+                    with contextlib.suppress(Exception):
+                        await leader.resign(timeout=2.0)  # a standby takes over now, not at the lease's expiry
+                lead_stop.set()
         finally:
-            if self._sub is not None:
-                with contextlib.suppress(Exception):
-                    await self._sub.unsubscribe()
+            self._connected.clear()
             if self._own_nc and nc.is_connected:
                 with contextlib.suppress(Exception):
                     await nc.drain()
         if self._fatal is not None:
             raise OrchestratorError(str(self._fatal)) from self._fatal
+
+    async def _run_leadership(self, leader: Leadership, stop: asyncio.Event) -> None:
+        try:
+            await leader.run(stop)
+        except Exception as exc:
+            self._die(exc)
+
+    def _on_leadership(self, change: LeadershipChange) -> None:
+        self.metrics.leading = int(change.leading)
+        if not change.leading:
+            self._end_term(f"leadership lost: {change.reason}")
+
+    def _end_term(self, why: str) -> None:
+        """Stop acting as the leader at once: nothing more is published or stored in this term."""
+        if not self._term_over.is_set():
+            log.warning("orchestrator term ends: %s", why)
+            self._term_over.set()
+            self._halt.set()
+            self._timers.wake()
+
+    async def _deposed(self, exc: Deposed) -> None:
+        """The server refused this term's writes: another leader's term began (this one was paused past its lease,
+        or lost it). Stop, give the lease up if it is still held, and stand by."""
+        log.error("%s", exc)
+        self._end_term(str(exc))
+        if self.leadership is not None:
+            with contextlib.suppress(Exception):
+                await self.leadership.resign(rejoin=True)
+
+    async def _still_leading(self) -> bool:
+        """Whether this instance may publish or store a decision now. Its lease's validity window can lapse while
+        it still holds the lease (a stalled event loop, or a NATS cluster electing a stream leader, when writes
+        stall for seconds): then renewals (compare-and-swaps on its own revision, refused once anyone else took the
+        lease) are tried until one lands, for at most ``leader_confirm_wait_s``, before anything goes out. Events
+        wait meanwhile (this runs inside the consumer's callback), so the term goes on with nothing skipped."""
+        leader = self.leadership
+        if leader is None or self._term_over.is_set():
+            return False
+        if leader.is_leader():
+            return True
+        deadline = time.monotonic() + self.config.leader_confirm_wait_s
+        why = "the lease lapsed"
+        while not self._halt.is_set():
+            try:
+                async with asyncio.timeout(self.config.leader_ttl_s):
+                    await leader.confirm()
+            except Exception as exc:
+                why = f"the lease could not be confirmed ({exc!r})"
+            if leader.is_leader():
+                return True
+            if leader.term is None or time.monotonic() >= deadline:
+                break  # stepped down (someone else leads), or the bus stayed away too long
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.1):  # between renewals: a stop ends the wait at once
+                    await self._halt.wait()
+        self._end_term(why)
+        return False
+
+    async def _term(self) -> None:
+        """One term as the leader: load the records, catch up from the ack floor, consume, until the lease is lost
+        or ``shutdown()``. A standby that takes over does exactly what a restarted orchestrator does."""
+        self._term_over = asyncio.Event()
+        self._halt = asyncio.Event()
+        if self._stop.is_set():
+            return
+        self._groups, self._timers, self._queued = {}, Timers(self.config.tick_retry_ms), 0
+        self._write_q = asyncio.Queue(self.config.write_queue)
+        self._writes_idle.set()
+        assert self._quarantined is not None and self._store is not None and self._js is not None
+        self._quarantined.groups.clear()
+        leader = self.leadership
+        assert leader is not None
+        term = leader.term
+        log.info("orchestrator leads", extra={"term": term})
+        try:
+            if term is None:
+                return  # lost again already
+            try:
+                await self._store.begin_term(term, leader.instance_id)
+            except Deposed as exc:
+                await self._deposed(exc)
+                return
+            for loaded in await load_all(self._store.kv):
+                self._groups[loaded.group] = _Entry(rec=loaded.record or new_record(loaded.group), rev=loaded.revision)
+                if loaded.record is None:
+                    await self._quarantine(loaded.group, loaded.unusable or "unusable")
+                else:
+                    self._timers.arm(loaded.group, loaded.record)
+                    self.metrics.loaded(loaded.record)
+            await self._quarantined.lift_stale({g for g, e in self._groups.items() if e.quarantined is None})
+            async with asyncio.TaskGroup() as tg:
+                for _ in range(self.config.writers):
+                    tg.create_task(self._writer())
+                tg.create_task(self._timers.run(self._js, lambda g: self._groups[g].rec, self._halt))
+                agents_known = asyncio.Event()
+                tg.create_task(self._watch_agents(agents_known))
+                await first(agents_known.wait(), self._halt.wait())
+                floor = await self._ack_floor()
+                await self._distrust_future_records(floor)
+                caught_up = await self._catch_up(floor)
+                if not self._done() and await self._stored_all() and await self._still_leading():
+                    await self._subscribe(caught_up)
+                    if await self._local_ready():
+                        log.info("orchestrator ready", extra={"groups": len(self._groups)})
+                        self._ready.set()
+                await first(self._stop.wait(), self._term_over.wait())
+                if not self._term_over.is_set():
+                    await self._drain()
+                raise _Stopped
+        except* _Stopped:
+            pass
+        finally:
+            self._ready.clear()
+            self._term_over.set()
+            if self._sub is not None:
+                with contextlib.suppress(Exception):
+                    await self._sub.unsubscribe()
+                self._sub = None
+
+    def _done(self) -> bool:
+        return self._halt.is_set()
 
     async def _run_local(self, agent: LocalAgent) -> None:
         """The agent beside this orchestrator, until it stops; its failure or exit stops the orchestrator."""
@@ -222,16 +354,17 @@ class Orchestrator:
             return True
         try:
             async with asyncio.timeout(timeout_s):
-                await first(agent.ready.wait(), self._stop.wait())
+                await first(agent.ready.wait(), self._halt.wait())
         except TimeoutError:
             self._die(TimeoutError(f"the agent of node {agent.node!r} was not ready within {timeout_s:.0f} s"))
             return False
-        return not self._stop.is_set()
+        return not self._halt.is_set()
 
     def shutdown(self) -> None:
         """Ask ``run()`` to finish: stop consuming, store what was decided, return. Safe to call twice."""
         self._stop.set()
-        self._timer_wake.set()
+        self._halt.set()
+        self._timers.wake()
 
     def _die(self, exc: BaseException) -> None:
         if self._fatal is None:
@@ -252,37 +385,6 @@ class Orchestrator:
             await self._nc.flush(timeout=2)
 
     # ------------------------------------------------------------------ startup
-
-    async def _load_records(self) -> None:
-        """Read every group record. Reads until the watcher's entry with no more pending
-        (NATS_NOTES trap 1: the 'initial values done' marker can come early)."""
-        kv = self._kv
-        assert kv is not None
-        status = await kv.status()
-        if status.values == 0:
-            return
-        watcher = await kv.watchall()
-        try:
-            while True:
-                entry = await watcher.updates(timeout=10)  # type: ignore[no-untyped-call]
-                if entry is None:
-                    continue
-                if entry.operation is None and entry.value:
-                    try:
-                        rec = decode_record(entry.value)
-                        if rec.group != entry.key:
-                            raise ValueError(f"the record names group {rec.group[:64]!r}")
-                    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-                        self._groups[entry.key] = _Entry(rec=new_record(entry.key), rev=entry.revision)
-                        await self._quarantine(entry.key, f"its stored record does not decode ({str(exc)[:200]})")
-                    else:
-                        self._groups[entry.key] = _Entry(rec=rec, rev=entry.revision)
-                        self._arm(entry.key, rec)
-                        self.metrics.loaded(rec)
-                if entry.delta == 0:
-                    break
-        finally:
-            await watcher.stop()  # type: ignore[no-untyped-call]
 
     async def _distrust_future_records(self, floor: int) -> None:
         """A record that claims to reflect stream sequences beyond the stream's end was written against another
@@ -313,38 +415,21 @@ class Orchestrator:
         last sequence read. Nothing is acknowledged: the durable stays at ``floor`` until ``_subscribe`` moves it
         past what this read, after the records are stored; a crash before that catches up from ``floor`` again."""
         assert self._js is not None
-        return await catch_up(self._js, floor, functools.partial(self._on_input, live=False), self._stop,
+        return await catch_up(self._js, floor, functools.partial(self._on_input, live=False), self._halt,
                               idle_s=self.config.catch_up_idle_s, pending_limit=self.config.write_queue)
 
     async def _stored_all(self) -> bool:
         """Wait until every decided record is stored; False when stopping instead (or a write failed)."""
-        while not self._writes_idle.is_set() and not self._stop.is_set():
-            await first(self._writes_idle.wait(), self._stop.wait())
-        return self._fatal is None and not self._stop.is_set()
+        while not self._writes_idle.is_set() and not self._halt.is_set():
+            await first(self._writes_idle.wait(), self._halt.wait())
+        return self._fatal is None and not self._halt.is_set()
 
     async def _subscribe(self, after: int) -> None:
         """(Re)create the durable consumer at ``after + 1``: everything up to ``after`` is acknowledged."""
-        js, nc = self._js, self._nc
-        assert js is not None and nc is not None
-        with contextlib.suppress(NotFoundError):
-            await js.delete_consumer(STREAM, self.config.durable)
-        deliver = nc.new_inbox()
-        self._sub = await nc.subscribe(deliver, cb=self._on_msg, pending_msgs_limit=self.config.max_ack_pending * 2)
-        await asyncio.sleep(0)  # NATS_NOTES trap 2: let the SUB reach the socket before the server delivers
-        await nc.flush()
-        cfg = ConsumerConfig(
-            durable_name=self.config.durable,
-            description="timeslice orchestrator inputs",
-            deliver_subject=deliver,
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if after else DeliverPolicy.ALL,
-            opt_start_seq=after + 1 if after else None,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=self.config.ack_wait_s,
-            max_ack_pending=self.config.max_ack_pending,
-            filter_subjects=list(subjects.inputs),
-        )
-        await js.add_consumer(STREAM, cfg)
-        log.info("consuming from stream sequence %d", after + 1)
+        assert self._js is not None and self._nc is not None
+        self._last_cseq = 0
+        self._sub = await bind_durable(self._js, self._nc, self.config.durable, after, self._on_msg,
+                                       ack_wait_s=self.config.ack_wait_s, max_ack_pending=self.config.max_ack_pending)
 
     # ------------------------------------------------------------------ the hot path
 
@@ -354,12 +439,21 @@ class Orchestrator:
     async def _on_input(self, msg: Msg, *, live: bool) -> None:
         """One input; ``live``: from the durable consumer (acknowledged once its record is stored), else
         from the catch-up read (acknowledged by moving the durable past it)."""
-        if self._fatal is not None:
-            return
+        if self._fatal is not None or self._term_over.is_set():
+            return  # not leading: the next leader applies it (it is not acknowledged)
         try:
-            seq, now_ms, pending = delivery(msg.reply)
+            seq, now_ms, pending, cseq = delivery_with_consumer_seq(msg.reply)
         except (ValueError, IndexError):
             return  # not a JetStream delivery (flow control or a stray publish)
+        if live:
+            if cseq > self._last_cseq + 1:
+                # Deliveries in between never arrived (a clustered consumer's leader failed over with them in
+                # flight): applying this one now would apply the stream out of order. The term starts over, from
+                # the ack floor, in stream order.
+                self._end_term(f"deliveries {self._last_cseq + 1}..{cseq - 1} of the durable consumer never "
+                               "arrived; catching up again from the ack floor")
+                return
+            self._last_cseq = max(self._last_cseq, cseq)
         try:
             group, job = route(msg.subject)
         except ValueError as exc:
@@ -402,6 +496,9 @@ class Orchestrator:
             return
         elapsed = time.perf_counter() - t0
         if actions:
+            leader = self.leadership
+            if not (leader is not None and leader.is_leader()) and not await self._still_leading():
+                return  # deposed: decides nothing more (the next leader applies this event again)
             await self._publish(group, actions)
             if live and not backlog:
                 # nats-py's publish only buffers; its flusher task writes. Yield once so it writes the decisions
@@ -419,7 +516,7 @@ class Orchestrator:
         if live:
             entry.acks.append(msg)
         entry.dirty = True
-        self._arm(group, new)
+        self._timers.arm(group, new)
         if not entry.queued:
             entry.queued = True
             self._queued += 1
@@ -428,27 +525,14 @@ class Orchestrator:
 
     async def _fresh_record(self, group: str) -> GroupRecord:
         """The record of a group that has none stored: a new group, or one whose record was deleted (by hand, or
-        after a quarantine). Its epochs go on above the last one the stream shows for it (a group's state changes
-        carry the epoch), so that no epoch is ever handed out twice; the rest of its state starts afresh."""
-        rec = new_record(group)
-        js = self._js
-        assert js is not None
-        try:
-            async with asyncio.timeout(self.config.write_timeout_s):
-                last = await js.get_last_msg(STREAM, subjects.group_state(group))
-        except NotFoundError:
-            return rec  # nothing in the stream: a new group
-        except Exception as exc:
-            log.warning("group %s: could not read its last state from the stream (%r)", group, exc,
-                        extra={"group": group})
-            return rec
-        try:
-            change = _state_decoder.decode(last.data or b"")
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return rec
+        after a quarantine). Its epochs go on above the last one the stream shows for it; the rest starts afresh."""
+        assert self._js is not None
+        epoch = await last_epoch(self._js, group, timeout_s=self.config.write_timeout_s)
+        if epoch is None:
+            return new_record(group)
         log.warning("group %s has no stored record but the stream shows it at epoch %d: it starts afresh from there",
-                    group, change.epoch, extra={"group": group, "epoch": change.epoch})
-        return msgspec.structs.replace(rec, epoch=change.epoch)
+                    group, epoch, extra={"group": group, "epoch": epoch})
+        return msgspec.structs.replace(new_record(group), epoch=epoch)
 
     async def _publish(self, group: str, actions: list[Action]) -> None:
         nc = self._nc
@@ -534,10 +618,15 @@ class Orchestrator:
                     entry.dirty = False
                     rec, acks = entry.rec, entry.acks
                     entry.acks = []
+                    if not await self._still_leading():
+                        return  # deposed: nothing more is stored or acknowledged in this term
                     try:
-                        entry.rev = await store.store(group, rec, entry.rev)
+                        entry.rev = await store.store(group, rec)
                     except Unusable as exc:
                         await self._quarantine(group, exc.reason)
+                    except Deposed as exc:
+                        await self._deposed(exc)
+                        return
                     for m in acks:
                         await m.ack()
             except Exception as exc:
@@ -549,48 +638,6 @@ class Orchestrator:
                 if self._queued == 0:
                     self._writes_idle.set()
 
-    # ------------------------------------------------------------------ time
-
-    def _arm(self, group: str, rec: GroupRecord) -> None:
-        dl = next_deadline(rec)
-        entry = self._groups[group]
-        if dl is None or (entry.armed is not None and entry.armed <= dl):
-            return  # an earlier timer will look at this group again
-        entry.armed = dl
-        if not self._timers or dl < self._timers[0][0]:
-            self._timer_wake.set()
-        heapq.heappush(self._timers, (dl, group))
-
-    async def _timer_loop(self) -> None:
-        js = self._js
-        assert js is not None
-        while not self._stop.is_set():
-            now_ms = int(time.time() * 1000)
-            due: set[str] = set()
-            while self._timers and self._timers[0][0] <= now_ms:
-                t, g = heapq.heappop(self._timers)
-                if self._groups[g].armed == t:
-                    self._groups[g].armed = None
-                    due.add(g)
-            for g in due:
-                entry = self._groups[g]
-                dl = next_deadline(entry.rec)
-                if dl is not None and dl <= now_ms:
-                    try:
-                        await js.publish(subjects.ctl(g, "tick"), encode(Tick(group=g)), timeout=2)
-                    except Exception as exc:
-                        log.warning("tick for group %s not published: %r", g, exc)
-                    dl = now_ms + self.config.tick_retry_ms  # look again if the tick changed nothing
-                if dl is not None and (entry.armed is None or dl < entry.armed):
-                    entry.armed = dl
-                    heapq.heappush(self._timers, (dl, g))
-            self._timer_wake.clear()
-            delay = (self._timers[0][0] - now_ms) / 1000 if self._timers else 3600.0
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(delay, 0.001)):
-                    await self._timer_wake.wait()
-
-
     # ------------------------------------------------------------------ agents
 
     async def _watch_agents(self, known: asyncio.Event) -> None:
@@ -598,14 +645,12 @@ class Orchestrator:
         and its placements dropped, through ``AgentLost`` events in the stream (``_agents_watch``)."""
         assert self._agents_kv is not None and self._js is not None
         await watch_agents(self._agents_kv, self._js, lambda: {g: e.rec for g, e in self._groups.items()},
-                           self._stop, known)
+                           self._halt, known)
 
 
 class _Stopped(Exception):
     pass
 
-
-_state_decoder = msgspec.json.Decoder(StateChanged)
 
 # On the hot path: the same few subjects again and again, each validated once.
 _notice_subject = functools.lru_cache(maxsize=16_384)(subjects.notice)
