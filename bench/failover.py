@@ -46,10 +46,10 @@ GROUP = "failover"
 
 
 class Handoffs:
-    """Two jobs handing the group back and forth; ``grants`` holds the monotonic time of every grant."""
+    """Two jobs handing the group back and forth; ``grants`` holds (acquire sent, granted) monotonic times."""
 
     def __init__(self) -> None:
-        self.grants: list[float] = []
+        self.grants: list[tuple[float, float]] = []
         self.errors: list[str] = []
         self.stop = asyncio.Event()
         self.granted = asyncio.Event()
@@ -57,8 +57,9 @@ class Handoffs:
     async def job(self, client: AsyncTimeSliceClient) -> None:
         while not self.stop.is_set():
             try:
+                asked = time.monotonic()
                 await client.acquire(timeout=60)
-                self.grants.append(time.monotonic())
+                self.grants.append((asked, time.monotonic()))
                 self.granted.set()
                 await client.release()
             except TimeSliceError as exc:  # a release whose answer was lost in a failover: the next acquire tells
@@ -67,12 +68,13 @@ class Handoffs:
                     raise
 
     async def next_grant_after(self, t: float, timeout: float = 60.0) -> float:
-        """Seconds from ``t`` to the first grant after it."""
+        """Seconds from ``t`` to the first grant of an acquire sent after ``t`` (so decided after it: a grant decided
+        just before a kill and received just after does not count)."""
         deadline = time.monotonic() + timeout
         while True:
-            after = [g for g in self.grants if g > t]
+            after = [granted for asked, granted in self.grants if asked > t]
             if after:
-                return after[0] - t
+                return min(after) - t
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no grant within {timeout} s of the fault")
             self.granted.clear()
@@ -220,6 +222,7 @@ def _stats(xs: list[float]) -> str:
 
 def print_report(res: dict[str, Any]) -> None:
     cold, kills, terms = res["cold_restart_s"], res["standby_kill_s"], res["standby_term_s"]
+    print("resume = fault -> the first grant of an acquire sent after the fault")
     print(f"handoffs: {res['handoffs']} (stream: {res['stream']}); releases answered late: {res['release_errors']}")
     print(f"baseline, cold restart after kill -9 : {_stats(cold)}")
     print(f"standby takes over after kill -9     : {_stats(kills)}")

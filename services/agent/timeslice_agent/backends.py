@@ -14,13 +14,16 @@ GPU are). More plug in through :func:`register_backend`; a backend that may be m
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
 from collections.abc import Callable
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from timeslice_client.protocol import JobContext, WorkloadCommand, WorkloadReply, encode, subjects
 
 from ._app_endpoint import AppEndpointBackend, make_app_endpoint_backend
@@ -111,7 +114,7 @@ class AppChannelBackend:
                               epoch=op.epoch)
         subject = subjects.workload_rpc(self._node, ctx.job)
         try:
-            msg = await self._nc.request(subject, encode(cmd), timeout=op.remaining())
+            msg = await self._ask(subject, encode(cmd), op)
         except Exception as exc:
             kind = exc.__class__.__name__
             raise BackendError(f"workload {ctx.job!r} did not answer {action} ({kind})", rolled_back=False) from exc
@@ -126,6 +129,32 @@ class AppChannelBackend:
                                rolled_back=action == "suspend")
         return Outcome(reply.bytes_moved, reply.device_bytes_freed, reply.elapsed_ms, reply.began_at_release)
 
+
+    async def _ask(self, subject: str, data: bytes, op: OpContext) -> Msg:
+        """The workload's answer, asking again every ``_ASK_AGAIN_S`` until the operation's deadline: a connection
+        cut for a moment loses a request or its answer (core NATS), and a workload answers a repeated op id once
+        more with the outcome of the call it runs or ran, so asking again is safe and costs nothing."""
+        inbox = self._nc.new_inbox()
+        sub = await self._nc.subscribe(inbox)
+        try:
+            while (remaining := op.remaining()) > 0:
+                await self._nc.publish(subject, data, reply=inbox)
+                try:
+                    msg = await sub.next_msg(timeout=min(remaining, _ASK_AGAIN_S))
+                except nats.errors.TimeoutError:
+                    continue
+                if msg.headers and msg.headers.get("Status") == "503":  # nobody subscribed: its connection is away
+                    await asyncio.sleep(max(0.0, min(op.remaining(), _NO_RESPONDERS_WAIT_S)))  # back off, ask again
+                    continue
+                return msg
+            raise TimeoutError("the operation's deadline passed")
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+
+_ASK_AGAIN_S = 1.0
+_NO_RESPONDERS_WAIT_S = 0.2
 
 BackendFactory = Callable[[NATS, str], Backend]
 Probe = Callable[[], str | None]  # None: usable here; else why not

@@ -45,6 +45,7 @@ from timeslice_client.protocol import (
     OpResult,
     OpStarted,
     Refused,
+    Release,
     Released,
     Renew,
     Revoked,
@@ -233,6 +234,12 @@ class StreamChecks:
         elif isinstance(inp, Renew):
             if inp.epoch is not None and g.holder is not None and g.holder[:2] == (inp.job, inp.epoch):
                 self._progress(g, ev)  # a live hold
+        elif isinstance(inp, Release):
+            if g.holder is not None and g.holder[:2] == (inp.job, inp.epoch):
+                # The holder gave the group back (its request is in the stream). The orchestrator's Released answer
+                # may be missing: a notice published while a NATS cluster elected the stream's leader is not stored.
+                g.holder = None
+                self._progress(g, ev)
         elif isinstance(inp, OpResult):
             g.ops.pop(inp.op_id, None)
             self._progress(g, ev)

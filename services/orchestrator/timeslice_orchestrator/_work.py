@@ -335,7 +335,7 @@ class Work:
         ops = [
             self.restore_op(sw, node, job)
             for node in sorted(self.placements.get(job, ()))
-            if self.loaded.get(node) != job
+            if self.loaded.get(node) != job and node not in self.lost_nodes  # a lost node's agent restores nothing
         ]
         self.switch = msgspec.structs.replace(sw, phase=OpKind.RESTORE, ops=(*sw.ops, *ops))
         self.touch("restoring")
@@ -398,6 +398,14 @@ class Work:
             self.saved[op.job] = (*nodes, op.node)
         elif op.kind is OpKind.RESTORE and ok and op.node in nodes:
             self.unsave(op.job, op.node)
+        if op.node in self.lost_nodes and op.node not in self.saved.get(op.job, ()):
+            # The job's placement on a lost node was kept only while this operation was pending there.
+            rest = tuple(n for n in self.placements.get(op.job, ()) if n != op.node)
+            if rest:
+                self.placements[op.job] = rest
+            else:
+                self.placements.pop(op.job, None)
+            self.op_timeouts.pop(f"{op.node}/{op.job}", None)
         if not ok and fault:
             self.fault(op.job, error or f"{op.kind} failed on node {op.node}")
         self.touch(f"{op.kind} {'done' if ok else 'failed' if fault else 'ended: job gone'}")

@@ -196,7 +196,14 @@ class Orchestrator:
                     if self._stop.is_set():
                         break
                     if leader.is_leader():
-                        await self._term()
+                        try:
+                            await self._term()
+                        except Exception as exc:  # the bus failed under the term's start (a cluster electing)
+                            log.warning("the term could not go on (%r); starting it over", exc)
+                            self._end_term(f"failed: {exc!r}")
+                            with contextlib.suppress(TimeoutError):
+                                async with asyncio.timeout(0.5):  # back off before the next try; a stop ends it
+                                    await self._stop.wait()
                 if local is not None:
                     assert self.local_agent is not None
                     self.local_agent.shutdown()
