@@ -322,7 +322,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs) and say where")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--quick", action="store_true", help="one minute, a fault every 5 s (every kind once)")
     a = p.parse_args()
+    if a.quick:
+        a.minutes, a.every = 1.0, 5.0
     res = c.loop_run(run(a))
     ok = print_report(res)
     c.write_json(a.json_out, res)

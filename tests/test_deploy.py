@@ -1,7 +1,7 @@
 """The deployment files stay in step with the code and with the highly available control plane they describe:
 every command they run parses with today's CLI, the ports they publish are the ports those commands serve,
 NATS runs as three clustered JetStream servers, every client names them all, the orchestrator runs as a leader
-and a standby whose readiness is the leader-only gRPC health check, and the image copies paths that exist.
+and a standby that both serve the gRPC API (readiness: its health check), and the image copies paths that exist.
 (No Docker engine or cluster answers here or in CI, so this is what can be checked: the manifests are also
 rendered with `kubectl kustomize` and validated against the Kubernetes schemas where those tools are installed,
 and the NATS config is checked by nats-server itself.)"""
@@ -266,7 +266,7 @@ def test_k8s_orchestrator_is_a_leader_and_a_standby() -> None:
     argv = c["args"]
     assert _flag(argv, "--replicas") == str(kinds["StatefulSet/nats"]["spec"]["replicas"]) == str(NATS_SERVERS)
     grpc_port = int(_flag(argv, "--grpc-port") or 0)
-    # Ready only on the leader (gRPC health, service ""), so the Service routes gRPC to the leader alone ...
+    # Ready on leader and standby alike (gRPC health, service ""): both serve the API, which forwards to the bus ...
     assert c["readinessProbe"]["grpc"]["port"] == grpc_port and c["readinessProbe"]["grpc"].get("service", "") == ""
     svc = kinds["Service/orchestrator"]["spec"]
     assert _selects({"matchLabels": svc["selector"]}, deploy) and not svc.get("publishNotReadyAddresses")
@@ -277,16 +277,10 @@ def test_k8s_orchestrator_is_a_leader_and_a_standby() -> None:
     assert _prefers_spreading(pod)
     pdb = kinds["PodDisruptionBudget/orchestrator"]["spec"]
     assert pdb["minAvailable"] == 1 and _selects(pdb["selector"], deploy)
-    # A standby never becomes ready while the leader lives, so a rolling update that must keep
-    # replicas - maxUnavailable pods available waits for it forever: replace them all at once, or Recreate.
+    # Both replicas are ready, so a rolling update keeps one running: a new pod first, then the old one goes.
     strategy = spec["strategy"]
-    if strategy["type"] == "RollingUpdate":
-        unavailable = str(strategy["rollingUpdate"]["maxUnavailable"])
-        assert unavailable == "100%" or (unavailable.isdigit() and int(unavailable) >= spec["replicas"]), (
-            "a rolling update with maxUnavailable below the replica count never completes: the new pods stay "
-            "standbys (not ready) until the old leader is gone")
-    else:
-        assert strategy["type"] == "Recreate"
+    assert strategy["type"] == "RollingUpdate"
+    assert str(strategy["rollingUpdate"]["maxUnavailable"]) == "0", "a rollout must never stop both orchestrators"
 
 
 def test_k8s_manifests_build_with_kustomize() -> None:

@@ -185,3 +185,34 @@ def test_two_orchestrators_killed_paused_and_stopped_during_handoffs_never_break
                 if p.proc is not None and p.proc.poll() is None:
                     os.kill(p.proc.pid, signal.SIGCONT)
                 p.stop()
+
+
+async def test_the_standby_serves_the_grpc_api_too(nats_url: str) -> None:
+    """The gRPC API forwards to the bus, so a standby's serves calls as well as the leader's: every replica is
+    ready behind a load balancer (deploy/k8s), and a call that lands on the standby is decided by the leader."""
+    from timeslice_orchestrator.grpc_shim import GrpcConfig, OrchestratorGrpcShim, run_beside
+
+    from .grpc_proto_client import OrchestratorClient
+
+    leader = Orchestrator(OrchestratorConfig(nats_url=nats_url, instance_id="leader"))
+    standby = Orchestrator(OrchestratorConfig(nats_url=nats_url, instance_id="standby"))
+    shim = OrchestratorGrpcShim(GrpcConfig(host="127.0.0.1", port=0), nats_url=nats_url)
+    async with running(leader):
+        task = asyncio.get_running_loop().create_task(run_beside(standby, shim))
+        try:
+            await asyncio.wait_for(shim.started.wait(), 20)
+            assert standby.connected.is_set() and not standby.ready.is_set(), "it serves gRPC as a standby"
+            with OrchestratorClient(f"127.0.0.1:{shim.port}", group_id="sb-grpc") as c:
+                granted = await asyncio.to_thread(c.acquire, "job-g", "sb-grpc", 20)
+                assert granted is not None
+                rec = await eventually(lambda: _held(nats_url, "sb-grpc", "job-g"), what="the leader granted it")
+                assert rec
+        finally:
+            standby.shutdown()
+            await asyncio.wait_for(task, 20)
+
+
+async def _held(nats_url: str, group: str, job: str) -> bool:
+    async with AsyncTimeSliceClient("observer", group, nats_url) as obs:
+        rec = await obs.status()
+        return rec.holder is not None and rec.holder.job == job

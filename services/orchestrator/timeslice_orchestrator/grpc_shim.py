@@ -498,13 +498,15 @@ def from_args(args: argparse.Namespace, nats_url: str | None, *, host: str = "0.
 
 
 async def run_beside(orch: Orchestrator, shim: OrchestratorGrpcShim | None) -> None:
-    """``orch.run()``, with the gRPC API started once the orchestrator is ready and stopped when it ends."""
+    """``orch.run()``, with the gRPC API started once the orchestrator is connected and stopped when it ends. The
+    API forwards every call to the bus, so a standby serves it as well as the leader does: every replica is ready
+    and a load balancer may send calls to any of them."""
     if shim is None:
         await orch.run()
         return
     loop = asyncio.get_running_loop()
     run = loop.create_task(orch.run())
-    ready = loop.create_task(orch.ready.wait())
+    ready = loop.create_task(orch.connected.wait())
     await asyncio.wait({run, ready}, return_when=asyncio.FIRST_COMPLETED)
     if not ready.done():
         ready.cancel()
