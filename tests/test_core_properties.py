@@ -49,7 +49,7 @@ from timeslice_client.protocol import (
     encode,
     subjects,
 )
-from timeslice_orchestrator.core import Action, Transition, apply, new_record, next_deadline
+from timeslice_orchestrator.core import LIMITS, Action, Transition, apply, new_record, next_deadline
 from timeslice_orchestrator.invariants import StreamChecker, check_record
 
 from .core_sim import JOBS, NODES, SEQ_GAP, T0, G, action_message, commands, input_subject, notices, tag
@@ -84,6 +84,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.max_epoch = 0
         self.grants = 0
         self.ops: dict[str, tuple[Snapshot | Restore, list[bool | str | None]]] = {}  # op id -> (command, [result])
+        self.sent_at: dict[str, int] = {}  # op id -> the time its command last went out
         self.failed = False  # a step failed: teardown has nothing to add
         # (job, epoch) a client may claim: the last job input was its release, answered with nobody waiting
         self.claimable: tuple[str, int] | None = None
@@ -149,9 +150,11 @@ class CoreMachine(RuleBasedStateMachine):
             sw = new.switch
             assert sw is not None and c.epoch == sw.epoch == new.epoch, (c, sw)
             assert c.op_id in {op.op_id for op in sw.ops}
-            if c.op_id in self.ops:  # sent again: only to the node's agent announcing that very job, unchanged
-                first, result = self.ops[c.op_id]
-                assert isinstance(ev, JobRegistered) and (ev.job, ev.node) == (c.job, c.node), (ev, c)
+            if c.op_id in self.ops:  # sent again, unchanged: to the node's agent announcing that very job, or as
+                first, result = self.ops[c.op_id]  # unanswered for LIMITS.resend_ms since it last went out
+                announced = isinstance(ev, JobRegistered) and (ev.job, ev.node) == (c.job, c.node)
+                assert announced or self.now >= self.sent_at[c.op_id] + LIMITS.resend_ms, (ev, c)
+                self.sent_at[c.op_id] = self.now
                 assert result == [None], f"operation {c.op_id} sent again after its result"
                 assert type(c) is type(first) and (c.job, c.node, c.epoch, c.deadline_ms) == (
                     first.job, first.node, first.epoch, first.deadline_ms), (c, first)
@@ -164,6 +167,7 @@ class CoreMachine(RuleBasedStateMachine):
             else:
                 assert (sw.to is None or c.job != sw.to.job) and new.loaded.get(c.node) == c.job
             self.ops[c.op_id] = (c, [None])
+            self.sent_at[c.op_id] = self.now
         self.check_notices(new, ev, notices(actions), cmds)
         self.reconcile()
 

@@ -498,6 +498,10 @@ class OpRecord(_Rec, frozen=True):
     job: str
     kind: OpKind
     deadline_ms: int
+    # When the command goes out again while unanswered (0: never): a command published while the stream could not
+    # store it (a NATS cluster electing the stream's leader) never reaches the agent; the agent answers a repeated
+    # op id once, with the same outcome.
+    resend_at_ms: int = 0
 
 
 class SwitchRecord(_Rec, frozen=True):

@@ -336,6 +336,9 @@ class StreamChecks:
         for (node, job), snap in sorted(g.snapshots.items()):
             if job == n.job or (snap.failed and job in faulted):
                 continue
+            timeout = g.op_timeouts.get((node, job), _DEFAULT_OP_TIMEOUT_MS)
+            if not snap.failed and job in faulted and ev.ts_ms >= snap.events[0].ts_ms + timeout:
+                continue  # unanswered past its deadline: the job was faulted, its state unknown (the core's rule)
             why = (f"its snapshot there failed (seq {snap.events[-1].seq}) and the job was neither unregistered "
                    "from the node nor faulted") if snap.failed else \
                 f"its snapshot there started (seq {snap.events[0].seq}) and had not ended"

@@ -59,6 +59,7 @@ class Limits(msgspec.Struct, frozen=True):
     max_placements: int = 256  # (job, node) pairs a group records, and so at most this many faulted jobs
     max_lost_nodes: int = 64
     max_reason: int = 256  # characters of a fault reason kept in the record
+    resend_ms: int = 3_000  # an agent command still unanswered goes out again this often (see OpRecord)
 
 
 LIMITS = Limits()
@@ -340,12 +341,34 @@ class Work:
         self.switch = msgspec.structs.replace(sw, phase=OpKind.RESTORE, ops=(*sw.ops, *ops))
         self.touch("restoring")
 
+    def resend_due(self) -> None:
+        """Send again the running switch's commands that are unanswered for ``Limits.resend_ms`` (after the event's
+        own changes: only operations still pending go out). A command published while the stream could not store it
+        never reached its agent; one that did is answered once more with the same outcome."""
+        sw = self.switch
+        now = self.now
+        due = {op.op_id for op in (sw.ops if sw is not None else ()) if op.resend_at_ms and now >= op.resend_at_ms}
+        if sw is None or not due:
+            return
+        self.switch = msgspec.structs.replace(sw, ops=tuple(
+            msgspec.structs.replace(op, resend_at_ms=now + LIMITS.resend_ms) if op.op_id in due else op
+            for op in sw.ops))
+        for op in self.switch.ops:
+            if op.op_id in due:
+                self.resend(op)
+        self.touch("operations sent again")
+
     def resend(self, op: OpRecord) -> None:
         """Send an operation of the running switch again, as it was sent (a restore after the snapshots still
         pending on its node). For an agent that registered the job anew: one that restarted has forgotten the
-        commands it had taken; one that still runs the operation answers the same op id as before."""
+        commands it had taken; one that still runs the operation answers the same op id as before. Its next timed
+        resend (``resend_due``) counts from now."""
         sw = self.switch
         assert sw is not None
+        again = self.now + LIMITS.resend_ms
+        if op.resend_at_ms and op.resend_at_ms != again:
+            self.switch = sw = msgspec.structs.replace(sw, ops=tuple(
+                msgspec.structs.replace(o, resend_at_ms=again) if o.op_id == op.op_id else o for o in sw.ops))
         cmd: AgentCommand
         if op.kind is OpKind.SNAPSHOT:
             cmd = Snapshot(op_id=op.op_id, group=self.group, job=op.job, node=op.node, epoch=sw.epoch,
@@ -370,6 +393,7 @@ class Work:
         op = OpRecord(
             op_id=f"{self.group}:{epoch}:{kind}:{node}{suffix}", node=node, job=job, kind=kind,
             deadline_ms=(self.now if start_ms is None else start_ms) + timeout,
+            resend_at_ms=self.now + LIMITS.resend_ms,
         )
         if kind is OpKind.SNAPSHOT:
             cmd: AgentCommand = Snapshot(op_id=op.op_id, group=self.group, job=job, node=node, epoch=epoch,

@@ -70,6 +70,7 @@ def next_deadline(rec: GroupRecord) -> int | None:
     times.extend(min(w.deadline_ms, w.alive_until_ms) for w in rec.queue)
     if rec.switch is not None:
         times.extend(op.deadline_ms for op in rec.switch.ops)
+        times.extend(op.resend_at_ms for op in rec.switch.ops if op.resend_at_ms)
         if rec.switch.to is not None:
             to = rec.switch.to
             times.append(min(to.deadline_ms, to.alive_until_ms))
@@ -88,5 +89,6 @@ def apply(rec: GroupRecord, ev: InputEvent, now_ms: int, seq: int) -> tuple[Grou
     w.expire()
     HANDLERS[type(ev)](w, ev)
     w.advance()
+    w.resend_due()
     return w.finish(rec, seq)
 
