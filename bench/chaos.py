@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import itertools
 import json
@@ -137,7 +138,8 @@ def _stalls(logs: dict[str, list[Path]]) -> tuple[float, str]:
                 if e["ev"] != "granted":
                     continue
                 start, end = e["asked"], e["t"]
-                inside = [start] + [g for g in grants if start < g < end] + [end]
+                lo, hi = bisect.bisect_right(grants, start), bisect.bisect_left(grants, end)
+                inside = [start, *grants[lo:hi], end]
                 gap = max(b - a for a, b in itertools.pairwise(inside))
                 if gap > worst:
                     began = time.strftime("%H:%M:%S", time.gmtime(start))

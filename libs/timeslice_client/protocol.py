@@ -31,6 +31,7 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
+from ._bounds import Count, Elapsed, Id, Ms, Name, OpId, Reason, RequestId, Text
 from ._names import subjects, validate_id
 
 __all__ = [
@@ -106,18 +107,6 @@ def is_group_key(key: str) -> bool:
     orchestrator's own: ``_term``, the marker that fences the leader's writes."""
     return not key.startswith("_")
 
-# Bounds on every client-chosen field, enforced when a message is decoded (before anything acts on it), so that
-# no input can grow a record or a log line without limit. Ids (group, job, node) follow ``validate_id`` (at most
-# 64 characters); the orchestrator checks durations against its ``Limits`` and refuses them with a reason.
-Id = Annotated[str, msgspec.Meta(max_length=64)]
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-OpId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-Name = Annotated[str, msgspec.Meta(max_length=64)]  # phase and backend names, tags
-Reason = Annotated[str, msgspec.Meta(max_length=256)]
-Text = Annotated[str, msgspec.Meta(max_length=2048)]  # error texts
-Ms = Annotated[int, msgspec.Meta(ge=-(2**53), le=2**53)]  # any time or duration in ms: far from int64's edge
-Count = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
-Elapsed = Annotated[float, msgspec.Meta(ge=0, le=1e12)]  # no NaN, no infinity
 
 
 

@@ -16,7 +16,18 @@ import logging
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from timeslice_client.protocol import STREAM, Quarantined, encode, subjects
+from timeslice_client.protocol import (
+    STREAM,
+    Acquire,
+    ErrorCode,
+    InputEvent,
+    Quarantined,
+    Refused,
+    Release,
+    Renew,
+    encode,
+    subjects,
+)
 
 from .metrics import OrchestratorMetrics
 
@@ -38,6 +49,12 @@ class Quarantine:
         self._metrics.quarantined = len(self.groups)
         log.error("group %s quarantined: %s; every other group goes on", group, reason, extra={"group": group})
         await self._record(Quarantined(group=group, reason=reason[:512]))
+
+    async def refuse(self, group: str, ev: InputEvent, reason: str) -> None:
+        """Tell the job behind an input to a quarantined group why it is not served (``ErrorCode.QUARANTINED``)."""
+        if isinstance(ev, Acquire | Release | Renew):
+            await self._nc.publish(subjects.notice(group, ev.job), encode(Refused(
+                group=group, job=ev.job, request_id=ev.request_id, code=ErrorCode.QUARANTINED, message=reason)))
 
     async def lift_stale(self, loaded: set[str], timeout_s: float = 5.0) -> None:
         """Announce as lifted every group the stream shows quarantined that loaded fine this time."""

@@ -44,7 +44,19 @@ from timeslice_client.protocol import (
 
 from ._errors import OrchestratorError
 
-__all__ = ["TERM_KEY", "Deposed", "Loaded", "RecordStore", "Stored", "TermRecord", "Unusable", "last_epoch", "load_all"]
+__all__ = [
+    "TERM_KEY",
+    "Deposed",
+    "Loaded",
+    "RecordStore",
+    "Stored",
+    "TermRecord",
+    "Unusable",
+    "beyond_stream_end",
+    "fresh_record",
+    "last_epoch",
+    "load_all",
+]
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -246,3 +258,33 @@ async def last_epoch(js: JetStreamContext, group: str, *, timeout_s: float) -> i
 
 
 _state_decoder = msgspec.json.Decoder(StateChanged)
+
+
+async def fresh_record(js: JetStreamContext | None, group: str, *, timeout_s: float) -> GroupRecord:
+    """The record of a group that has none stored: a new group, or one whose record was deleted (by hand, or after
+    a quarantine). Its epochs go on above the last one the stream shows for it; the rest starts afresh."""
+    assert js is not None
+    epoch = await last_epoch(js, group, timeout_s=timeout_s)
+    if epoch is None:
+        return GroupRecord(group=group)
+    log.warning("group %s has no stored record but the stream shows it at epoch %d: it starts afresh from there",
+                group, epoch, extra={"group": group, "epoch": epoch})
+    return GroupRecord(group=group, epoch=epoch)
+
+
+async def beyond_stream_end(js: JetStreamContext, records: dict[str, GroupRecord],
+                            floor: int) -> dict[str, GroupRecord]:
+    """The records that claim to reflect stream sequences beyond the stream's end, each set back to ``floor``.
+
+    Such a record was written against another stream (the stream was deleted and created again) or forged: with
+    it, every event up to that sequence would be skipped and the group frozen. It is caught up from the ack floor
+    instead, its epoch kept, so that no epoch is handed out twice."""
+    head = (await js.stream_info(STREAM)).state.last_seq
+    out: dict[str, GroupRecord] = {}
+    for group, rec in records.items():
+        if rec.last_seq > head:
+            log.warning("group %s: its record reflects stream sequence %d, beyond the stream's end %d (was the stream "
+                        "recreated?); catching it up from %d", group, rec.last_seq, head, floor + 1,
+                        extra={"group": group, "epoch": rec.epoch})
+            out[group] = msgspec.structs.replace(rec, last_seq=floor)
+    return out

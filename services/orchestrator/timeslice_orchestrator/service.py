@@ -43,18 +43,13 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
-from timeslice_client.bus import BusConfig, connect, ensure_bus
+from timeslice_client.bus import connect, ensure_bus
 from timeslice_client.protocol import (
     STREAM,
-    Acquire,
     ErrorCode,
     GroupRecord,
     InputEvent,
     Refused,
-    Release,
-    Renew,
     decode_input,
     encode,
     subjects,
@@ -64,11 +59,13 @@ from timeslice_client.protocol import (
 from ._agents_watch import watch_agents
 from ._beside import LocalAgent
 from ._catch_up import bind_durable, catch_up
+from ._config import OrchestratorConfig
 from ._delivery import delivery_with_consumer_seq, first, route
 from ._errors import OrchestratorError
 from ._leadership import Leadership, LeadershipChange
+from ._lease_guard import confirm_lease
 from ._quarantine import Quarantine
-from ._records import Deposed, RecordStore, Unusable, last_epoch, load_all
+from ._records import Deposed, RecordStore, Unusable, beyond_stream_end, fresh_record, load_all
 from ._timers import Timers
 from .core import Action, Command, Notify, Transition, apply, new_record
 from .metrics import OrchestratorMetrics
@@ -76,29 +73,6 @@ from .metrics import OrchestratorMetrics
 __all__ = ["LocalAgent", "Orchestrator", "OrchestratorConfig", "OrchestratorError"]
 
 log = logging.getLogger("timeslice.orchestrator")
-
-
-class OrchestratorConfig(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TIMESLICE_", extra="ignore")
-
-    nats_url: str | None = None
-    durable: str = "orchestrator"
-    writers: int = Field(default=16, ge=1, le=1024)
-    write_queue: int = Field(default=65_536, ge=16)
-    max_ack_pending: int = Field(default=50_000, ge=100)
-    ack_wait_s: float = Field(default=30.0, gt=0)
-    tick_retry_ms: int = Field(default=500, ge=10)
-    write_attempts: int = Field(default=8, ge=1)
-    write_timeout_s: float = Field(default=5.0, gt=0)
-    max_record_bytes: int = Field(default=768 * 1024, ge=64 * 1024)  # and at most 3/4 of the server's max_payload
-    catch_up_idle_s: float = Field(default=10.0, gt=0)  # the catch-up fails when the bus is silent this long
-    local_agent_ready_s: float = Field(default=60.0, gt=0)  # the agent run beside this one must be ready by then
-    # Leader election (hot standby): every orchestrator campaigns; one leads, the others stand by.
-    instance_id: str | None = Field(default=None, max_length=128)  # default: host/pid/random
-    leader_ttl_s: int = Field(default=1, ge=1, le=60)  # the lease key's TTL: a dead leader is replaced after it
-    leader_renew_s: float = Field(default=0.25, gt=0)  # must be < leader_ttl_s minus the 0.2 s safety margin
-    leader_confirm_wait_s: float = Field(default=15.0, gt=0)  # a lapsed lease is confirmed again for this long
-    bus: BusConfig = BusConfig()
 
 
 @dataclass(slots=True)
@@ -251,31 +225,15 @@ class Orchestrator:
                 await self.leadership.resign(rejoin=True)
 
     async def _still_leading(self) -> bool:
-        """Whether this instance may publish or store a decision now. Its lease's validity window can lapse while
-        it still holds the lease (a stalled event loop, or a NATS cluster electing a stream leader, when writes
-        stall for seconds): then renewals (compare-and-swaps on its own revision, refused once anyone else took the
-        lease) are tried until one lands, for at most ``leader_confirm_wait_s``, before anything goes out. Events
-        wait meanwhile (this runs inside the consumer's callback), so the term goes on with nothing skipped."""
+        """Whether this instance may publish or store a decision now (``_lease_guard.confirm_lease``). Events wait
+        meanwhile (this runs inside the consumer's callback), so the term goes on with nothing skipped."""
         leader = self.leadership
         if leader is None or self._term_over.is_set():
             return False
-        if leader.is_leader():
+        why = await confirm_lease(leader, ttl_s=self.config.leader_ttl_s, wait_s=self.config.leader_confirm_wait_s,
+                                  halt=self._halt)
+        if why is None:
             return True
-        deadline = time.monotonic() + self.config.leader_confirm_wait_s
-        why = "the lease lapsed"
-        while not self._halt.is_set():
-            try:
-                async with asyncio.timeout(self.config.leader_ttl_s):
-                    await leader.confirm()
-            except Exception as exc:
-                why = f"the lease could not be confirmed ({exc!r})"
-            if leader.is_leader():
-                return True
-            if leader.term is None or time.monotonic() >= deadline:
-                break  # stepped down (someone else leads), or the bus stayed away too long
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(0.1):  # between renewals: a stop ends the wait at once
-                    await self._halt.wait()
         self._end_term(why)
         return False
 
@@ -394,18 +352,11 @@ class Orchestrator:
     # ------------------------------------------------------------------ startup
 
     async def _distrust_future_records(self, floor: int) -> None:
-        """A record that claims to reflect stream sequences beyond the stream's end was written against another
-        stream (the stream was deleted and created again) or forged: with it, every event up to that sequence
-        would be skipped and the group frozen. It is caught up from the ack floor instead (its epoch kept, so no
-        epoch is handed out twice)."""
+        """Records from beyond the stream's end are caught up from the ack floor (``_records.beyond_stream_end``)."""
         assert self._js is not None
-        head = (await self._js.stream_info(STREAM)).state.last_seq
-        for group, entry in self._groups.items():
-            if entry.rec.last_seq > head:
-                log.warning("group %s: its record reflects stream sequence %d, beyond the stream's end %d (was the "
-                            "stream recreated?); catching it up from %d", group, entry.rec.last_seq, head, floor + 1,
-                            extra={"group": group, "epoch": entry.rec.epoch})
-                entry.rec = msgspec.structs.replace(entry.rec, last_seq=floor)
+        for group, rec in (await beyond_stream_end(self._js, {g: e.rec for g, e in self._groups.items()},
+                                                   floor)).items():
+            self._groups[group].rec = rec
 
     async def _ack_floor(self) -> int:
         """The stream sequence up to which every input is acknowledged (0: no durable consumer yet)."""
@@ -490,7 +441,8 @@ class Orchestrator:
         """Apply one input; ``backlog``: the consumer has more inputs waiting behind this one."""
         entry = self._groups.get(group)
         if entry is None:
-            entry = self._groups[group] = _Entry(rec=await self._fresh_record(group), rev=None)
+            rec = await fresh_record(self._js, group, timeout_s=self.config.write_timeout_s)
+            entry = self._groups[group] = _Entry(rec=rec, rev=None)
         if entry.quarantined is not None:
             await self._refuse_quarantined(msg, group, ev, entry.quarantined, live=live)
             return
@@ -529,17 +481,6 @@ class Orchestrator:
             self._queued += 1
             self._writes_idle.clear()
             await self._write_q.put(group)
-
-    async def _fresh_record(self, group: str) -> GroupRecord:
-        """The record of a group that has none stored: a new group, or one whose record was deleted (by hand, or
-        after a quarantine). Its epochs go on above the last one the stream shows for it; the rest starts afresh."""
-        assert self._js is not None
-        epoch = await last_epoch(self._js, group, timeout_s=self.config.write_timeout_s)
-        if epoch is None:
-            return new_record(group)
-        log.warning("group %s has no stored record but the stream shows it at epoch %d: it starts afresh from there",
-                    group, epoch, extra={"group": group, "epoch": epoch})
-        return msgspec.structs.replace(new_record(group), epoch=epoch)
 
     async def _publish(self, group: str, actions: list[Action]) -> None:
         nc = self._nc
@@ -601,12 +542,8 @@ class Orchestrator:
         await self._quarantined.add(group, reason)
 
     async def _refuse_quarantined(self, msg: Msg, group: str, ev: InputEvent, reason: str, *, live: bool) -> None:
-        job = getattr(ev, "job", None)
-        request_id = getattr(ev, "request_id", None)
-        if job is not None and request_id is not None and isinstance(ev, Acquire | Release | Renew):
-            assert self._nc is not None
-            await self._nc.publish(_notice_subject(group, job), encode(Refused(
-                group=group, job=job, request_id=request_id, code=ErrorCode.QUARANTINED, message=reason)))
+        assert self._quarantined is not None
+        await self._quarantined.refuse(group, ev, reason)
         self.events_rejected += 1
         self.metrics.rejected += 1
         if live:
