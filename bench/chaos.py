@@ -45,7 +45,7 @@ import _common as c
 sys.path.insert(0, str(c.ROOT))  # the loopback cluster and the TCP proxy the tests use
 from timeslice_client.bus import connect
 from timeslice_client.protocol import STREAM, subjects
-from timeslice_orchestrator._leadership import read_leader
+from timeslice_orchestrator._leadership import holder_pid, read_leader
 
 from tests.cluster import NatsCluster
 from tests.tcp_proxy import TcpProxy
@@ -195,10 +195,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
         async def leader() -> Proc | None:
             with contextlib.suppress(Exception):
-                rec = await read_leader(js)
-                if rec is not None:
-                    pid = int(rec.holder.split("/")[1])
-                    return next((p for p in orch if p.proc is not None and p.proc.pid == pid), None)
+                pid = holder_pid(await read_leader(js))
+                return next((p for p in orch if p.proc is not None and p.proc.pid == pid), None)
             return None
 
         end = t_start + a.minutes * 60

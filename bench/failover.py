@@ -35,7 +35,7 @@ import _common as c
 from timeslice_client import AsyncTimeSliceClient
 from timeslice_client.bus import connect
 from timeslice_client.errors import TimeSliceError
-from timeslice_orchestrator._leadership import read_leader
+from timeslice_orchestrator._leadership import holder_pid, read_leader
 from timeslice_orchestrator.embedded import NatsServer
 from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.replay._read import read_window
@@ -96,8 +96,7 @@ class Handoffs:
 
 
 async def _leader_pid(js: Any) -> int | None:
-    rec = await read_leader(js)
-    return int(rec.holder.split("/")[1]) if rec is not None else None
+    return holder_pid(await read_leader(js))
 
 
 async def _wait_leader(js: Any, procs: list[c.Orchestrator], timeout: float = 30.0) -> c.Orchestrator:

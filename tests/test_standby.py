@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from timeslice_client import AsyncTimeSliceClient, GroupState, TimeSliceClient
 from timeslice_client.bus import connect
-from timeslice_orchestrator._leadership import read_leader
+from timeslice_orchestrator._leadership import holder_pid, read_leader
 from timeslice_orchestrator.invariants import InvariantViolation, StreamChecker
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
@@ -32,10 +32,9 @@ from .workers import Worker, check_exclusive_holds, holds, read_stream
 async def _leader_pid(nats_url: str) -> int | None:
     nc = await connect(nats_url)
     try:
-        rec = await read_leader(nc.jetstream())
+        return holder_pid(await read_leader(nc.jetstream()))
     finally:
         await nc.close()
-    return int(rec.holder.split("/")[1]) if rec is not None else None
 
 
 async def test_a_second_orchestrator_stands_by_and_takes_over_at_once_on_shutdown(nats_url: str) -> None:

@@ -46,7 +46,7 @@ from nats.js.errors import APIError, NotFoundError
 from ._errors import OrchestratorError
 
 __all__ = ["LEADER_BUCKET", "LEADER_KEY", "LeaderRecord", "LeaderWaitTimeout", "Leadership", "LeadershipChange",
-           "LeadershipError", "NotLeader", "ensure_leader_bucket", "read_leader"]
+           "LeadershipError", "NotLeader", "ensure_leader_bucket", "holder_pid", "read_leader"]
 
 log = logging.getLogger("timeslice.orchestrator.leadership")
 
@@ -198,6 +198,12 @@ async def read_leader(js: JetStreamContext, *, timeout: float = 2.0) -> LeaderRe
 
 def default_instance_id() -> str:
     return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}"
+
+
+def holder_pid(rec: LeaderRecord | None) -> int | None:
+    """The process id in a default instance id (``host/pid/random``); None for another form or no record."""
+    parts = rec.holder.split("/") if rec is not None else []
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
 
 
 class Leadership:
