@@ -125,9 +125,10 @@ def child_env() -> dict[str, str]:
 class Orchestrator:
     """``python -m timeslice_orchestrator orchestrator --nats-url URL`` as its own process."""
 
-    def __init__(self, url: str, log_path: Path) -> None:
+    def __init__(self, url: str, log_path: Path, args: Sequence[str] = ()) -> None:
         self.url = url
         self.log_path = log_path
+        self.args = tuple(args)  # more flags, e.g. ``("--replicas", "3")``
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0  # time.monotonic() just before the spawn
 
@@ -141,7 +142,7 @@ class Orchestrator:
         try:
             self.started_at = time.monotonic()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", self.url],
+                [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", self.url, *self.args],
                 cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         finally:
             log.close()

@@ -282,6 +282,11 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                                               for v in verdict.get("violations", [])][:20]}
         except ValueError:
             result["check"] = {"ok": False, "summary": (check.stdout + check.stderr)[-2000:]}
+        if a.keep and check.returncode != 0:  # the whole stream beside the logs, to read the violations' context
+            with (tmp / "events.jsonl").open("wb") as dump:
+                subprocess.run([py, "-m", "timeslice_orchestrator", "--log-level", "warning", "events", "--json",
+                                "--nats-url", url], cwd=c.ROOT, env=c.child_env(), stdout=dump, timeout=600,
+                               check=False)
         result["orchestrators_alive"] = sum(p.proc is not None and p.proc.poll() is None for p in orch)
     finally:
         stop_file.write_text("stop\n")

@@ -29,8 +29,16 @@ def superseded(exc: BaseException) -> bool:
     return getattr(exc, "err_code", None) in _WRONG_LAST_SEQUENCE
 
 
+# JetStream's error code for a publish whose message id a clustered stream is still storing from an earlier attempt
+# (seen on a 3-node cluster during an election): the same publish again gets the first one's answer.
+_DUPLICATE_IN_PROCESS = 10158
+
+
 def transient(exc: BaseException) -> bool:
-    """Errors worth retrying with the same message id: timeouts and connection trouble."""
+    """Errors worth retrying with the same message id: timeouts, connection trouble, and an earlier attempt of the
+    same message still in process."""
+    if getattr(exc, "err_code", None) == _DUPLICATE_IN_PROCESS:
+        return True
     return isinstance(exc, TimeoutError | OSError | ConnectionError) or exc.__class__.__name__ in (
         "NoRespondersError", "NoStreamResponseError", "ConnectionClosedError", "ConnectionReconnectingError",
         "OutboundBufferLimitError")

@@ -26,6 +26,7 @@ from timeslice_client.protocol import (
     subjects,
 )
 
+from . import _stored as stored
 from ._app_endpoint import check_endpoints
 from ._host import alive
 from ._untrusted import MAX_JOBS, Refusal, Refused, check_processes, check_registration, shown
@@ -65,7 +66,7 @@ class JobBook:
         self.jobs[ctx.job] = ctx
         key = f"{self.node}.{ctx.job}"
         if wait:
-            await self._kv.put(key, encode(ctx))
+            await stored.kv_put(self._kv, key, encode(ctx))  # through an election
         else:
             await self._nc.publish(f"$KV.{JOBS_BUCKET}.{key}", encode(ctx))
         return ctx
@@ -99,15 +100,16 @@ class JobBook:
         assert self._js is not None
         ev = JobRegistered(group=ctx.group, job=ctx.job, node=self.node, backend="+".join(ctx.backends),
                            op_timeout_ms=ctx.op_timeout_ms)
-        await self._js.publish(subjects.agent_event(self.node, ctx.group), encode(ev))
+        await stored.publish(self._js, subjects.agent_event(self.node, ctx.group), encode(ev))  # through an election
 
     async def unregister(self, ctx: JobContext, why: str) -> None:
         assert self._js is not None and self._kv is not None
         self.jobs.pop(ctx.job, None)
         with contextlib.suppress(Exception):
             await self._kv.delete(f"{self.node}.{ctx.job}")
-        await self._js.publish(subjects.agent_event(self.node, ctx.group),
-                               encode(JobUnregistered(group=ctx.group, job=ctx.job, node=self.node)))
+        # Through an election: the orchestrator ends the job's pending operations on this node only when it hears.
+        await stored.publish(self._js, subjects.agent_event(self.node, ctx.group),
+                             encode(JobUnregistered(group=ctx.group, job=ctx.job, node=self.node)))
         log.info("unregistered job: %s", why, extra={"node": self.node, "job": ctx.job, "group": ctx.group})
 
     def registration(self, ctx: JobContext) -> JobContext | None:

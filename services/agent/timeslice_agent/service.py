@@ -50,6 +50,7 @@ from timeslice_client.protocol import (
 )
 from timeslice_client.workload import default_node_id
 
+from . import _stored as stored
 from ._compose import perform, until_exited
 from ._config import AgentConfig
 from ._heartbeat import Heartbeat
@@ -279,6 +280,7 @@ class Agent:
                 result, published = self._result(cmd, kind, "?", ok=False, error=f"agent error: {exc!r}"), False
                 fresh = False
                 self.metrics.operation(result, "failed")
+                self._remember(result)  # the same op id gets the same answer: a command sent again does not run again
             if fresh:
                 self._count(result, performed=published)
             if not published:
@@ -416,9 +418,10 @@ class Agent:
         return result
 
     async def _publish_result(self, result: OpResult) -> None:
+        """The outcome, to the orchestrator: retried through an election (``_stored``), deduplicated by op id."""
         assert self._js is not None
-        await self._js.publish(subjects.agent_event(self.node, result.group), encode(result),
-                               headers={"Nats-Msg-Id": f"{result.op_id}:result"})
+        await stored.publish(self._js, subjects.agent_event(self.node, result.group), encode(result),
+                             headers={"Nats-Msg-Id": f"{result.op_id}:result"})
 
     # ------------------------------------------------------------------ standalone operations
 
