@@ -37,6 +37,7 @@ from timeslice_client.protocol import (
     OpKind,
     OpResult,
     OpStarted,
+    Release,
     Released,
     Revoked,
     decode_input,
@@ -436,6 +437,11 @@ class StreamChecker:
                 holder = (n.job, n.epoch)
             elif isinstance(n, Released | Revoked):
                 holder = None
+                if isinstance(n, Released) and isinstance(ev, Release) and view.stats.holder == (n.job, n.epoch):
+                    # The holder gave the group back itself (its request is in the stream), so it knows its hold
+                    # ended even when the Released answer is missing: a notice published while a NATS cluster
+                    # elected the stream's leader is not stored. A revocation has no such proof: its notice counts.
+                    view.stats.holder = None
         return actions
 
     @staticmethod
