@@ -19,6 +19,7 @@ from nats.js.kv import KeyValue
 
 from ._grants import Grant, ReleaseResult, _Claim, _Hold, _Superseded, _WaitLost
 from ._hold_scope import AsyncHold
+from ._keeper import keep
 from ._prompt import DEFAULT_SWITCH_INTERVAL
 from ._publish_rules import publish_stored, request_id
 from ._refusals import refusal_error
@@ -45,7 +46,6 @@ from .protocol import (
     Refused,
     Release,
     Released,
-    Renew,
     Revoked,
     SuspendMode,
     decode_notice,
@@ -144,7 +144,7 @@ class AsyncTimeSliceClient:
             self._sub = await self._nc.subscribe(self._notice_subject, cb=self._on_notice)
             await asyncio.sleep(0)  # NATS_NOTES trap 2
             await self._nc.flush(timeout=max(1, math.ceil(self.request_timeout)))
-            self._keeper = asyncio.get_running_loop().create_task(self._keep(), name=f"timeslice-keeper-{self.job_id}")
+            self._keeper = asyncio.get_running_loop().create_task(keep(self), name=f"timeslice-keeper-{self.job_id}")
             return self
 
     async def close(self) -> None:
@@ -152,7 +152,7 @@ class AsyncTimeSliceClient:
         if self._closed:
             return
         self._closed = True
-        if self._hold is not None and self._hold.lost is None and self._nc is not None and self._nc.is_connected:
+        if self._hold is not None and self._hold.alive() and self._nc is not None and self._nc.is_connected:
             with contextlib.suppress(Exception):
                 await self._send_release(self._hold)
         for rid in list(self._waiting):
@@ -185,14 +185,14 @@ class AsyncTimeSliceClient:
 
     @property
     def holding(self) -> bool:
-        return self._hold is not None and self._hold.lost is None
+        return self._hold is not None and self._hold.alive()
 
     @property
     def contended(self) -> bool:
         """Another job waits for the group this job holds (as the orchestrator has said): a good moment to
         release. False when this job does not hold the group."""
         hold = self._hold
-        return hold is not None and hold.lost is None and self._contended_epoch == hold.epoch
+        return hold is not None and hold.alive() and self._contended_epoch == hold.epoch
 
     @property
     def epoch(self) -> int | None:
@@ -245,8 +245,8 @@ class AsyncTimeSliceClient:
                 break
             log.warning("the orchestrator dropped this wait (no renewal reached it in time); waiting again",
                         extra={"group": self.group_id, "job": self.job_id})
-        first = min(self.confirm_ms, self.lease_ms) / 3000
-        self._hold = _Hold(epoch=g.epoch, request_id=rid, lease_ms=self.lease_ms, next_renew=time.monotonic() + first)
+        self._hold = _Hold.granted(g.epoch, rid, lease_ms=self.lease_ms, confirm_ms=self.confirm_ms,
+                                   now=time.monotonic())
         if g.waiters:
             self._contended_epoch = max(self._contended_epoch, g.epoch)
         self._wake.set()
@@ -306,7 +306,7 @@ class AsyncTimeSliceClient:
         The stream checks the sequence before duplicates, so a retry of a claim that was stored (its PubAck
         lost) is refused too; the plain acquire that follows then finds this job holding and gets the same
         epoch back, so that case ends right as well."""
-        rid = request_id()
+        rid, sent = request_id(), time.monotonic()
         check = {"Nats-Expected-Last-Subject-Sequence": str(claim.after_seq),
                  "Nats-Expected-Last-Subject-Sequence-Subject": self._claim_filter}
         try:
@@ -318,9 +318,8 @@ class AsyncTimeSliceClient:
             log.debug("claim of epoch %d superseded: another request for the group came first", claim.epoch,
                       extra={"group": self.group_id, "job": self.job_id, "epoch": claim.epoch})
             return None
-        first = min(self.confirm_ms, self.lease_ms) / 3000
-        self._hold = _Hold(epoch=claim.epoch, request_id=rid, lease_ms=self.lease_ms,
-                           next_renew=time.monotonic() + first)
+        # A claim is granted at its stream time, after its send: the window counts from the send.
+        self._hold = _Hold.granted(claim.epoch, rid, lease_ms=self.lease_ms, confirm_ms=self.confirm_ms, now=sent)
         self._wake.set()
         return Grant(self.group_id, self.job_id, claim.epoch, 0, False)
 
@@ -344,7 +343,8 @@ class AsyncTimeSliceClient:
         if hold is None:
             raise NotHolder(self.group_id, self.job_id, holder=await self._holder_or_none(), epoch=0)
         self._hold = None
-        if hold.lost is not None:
+        if not hold.alive():
+            assert hold.lost is not None
             raise LeaseExpired(self.group_id, self.job_id, hold.epoch, hold.lost)
         before = self._published
         for ch in self._channels:
@@ -566,34 +566,3 @@ class AsyncTimeSliceClient:
         granted meanwhile is answered with the grant again, a hold revoked meanwhile with a refusal."""
         self._renew_now = True
         self._wake.set()
-
-    async def _keep(self) -> None:
-        """Renew waiters' places and the holder's lease, each a third of its window ahead."""
-        while True:
-            self._wake.clear()  # before looking, so a wake-up during the renewals below is not lost
-            now = time.monotonic()
-            nxt = now + 3600
-            force, self._renew_now = self._renew_now, False
-            for rid, due in list(self._waiting.items()):
-                next_due = due
-                if due <= now or force:
-                    self._waiting[rid] = next_due = now + self.waiter_ttl_ms / 3000
-                    await self._renew(Renew(group=self.group_id, job=self.job_id, request_id=rid))
-                nxt = min(nxt, next_due)
-            hold = self._hold
-            if hold is not None and hold.lost is None:
-                if hold.next_renew <= now or force:
-                    hold.next_renew = now + hold.lease_ms / 3000
-                    rid = request_id()
-                    hold.renew_ids.append(rid)
-                    await self._renew(Renew(group=self.group_id, job=self.job_id, request_id=rid, epoch=hold.epoch))
-                nxt = min(nxt, hold.next_renew)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, nxt - time.monotonic())):
-                    await self._wake.wait()
-
-    async def _renew(self, msg: Renew) -> None:
-        try:
-            await self._publish(msg)
-        except Unavailable as exc:
-            log.warning("renewal not delivered: %s", exc, extra={"group": self.group_id, "job": self.job_id})

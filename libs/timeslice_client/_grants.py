@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from dataclasses import dataclass
 
 __all__ = ["Grant", "ReleaseResult"]
@@ -48,9 +49,41 @@ class _Superseded(Exception):
 
 @dataclass(slots=True)
 class _Hold:
+    """This job's hold of its group, as this client knows it.
+
+    ``valid_until`` (monotonic seconds) is how long the client can prove its lease: the orchestrator counts a
+    lease from a renewal's stream time, which comes after its send, so the send time of the last renewal the stream
+    stored, plus the lease, is never later than the orchestrator's own deadline (a grant's first window, the
+    confirmation window, is counted from the grant's arrival, less a margin for its way here). Past it, the hold is
+    lost on this side too (``alive``), before anyone else can be granted: a client cut off from the bus cannot hear
+    the ``Revoked`` that ends it."""
+
     epoch: int
     request_id: str
     lease_ms: int
     next_renew: float  # monotonic seconds
+    valid_until: float
     lost: str | None = None
     renew_ids: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=8))
+
+    @classmethod
+    def granted(cls, epoch: int, request_id: str, *, lease_ms: int, confirm_ms: int, now: float) -> _Hold:
+        window = min(confirm_ms, lease_ms) / 1000
+        return cls(epoch=epoch, request_id=request_id, lease_ms=lease_ms, next_renew=now + window / 3,
+                   valid_until=now + _less_margin(window))
+
+    def renewal_stored(self, sent: float) -> None:
+        """A renewal sent at ``sent`` (monotonic) was stored: the lease runs from then."""
+        self.valid_until = max(self.valid_until, sent + _less_margin(self.lease_ms / 1000))
+
+    def alive(self, now: float | None = None) -> bool:
+        """Not lost; once past ``valid_until``, lost."""
+        if self.lost is None and (time.monotonic() if now is None else now) >= self.valid_until:
+            self.lost = (f"no renewal of its lease was stored for {self.lease_ms / 1000:g} s (the bus was "
+                         "unreachable or the process stalled)")
+        return self.lost is None
+
+
+def _less_margin(window_s: float) -> float:
+    """A lease window, less what a clock or a delivery may cost (a tenth, at most 250 ms)."""
+    return window_s - min(0.25, window_s / 10)
