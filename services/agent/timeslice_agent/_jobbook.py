@@ -21,6 +21,7 @@ from timeslice_client.protocol import (
     JobRegistered,
     JobState,
     JobUnregistered,
+    ProcessOwner,
     RegisterJob,
     encode,
     subjects,
@@ -70,8 +71,9 @@ class JobBook:
             await self._nc.publish(f"$KV.{JOBS_BUCKET}.{key}", encode(ctx))
         return ctx
 
-    async def register(self, req: RegisterJob) -> AgentReply:
-        """A job registers (again): the same process keeps its state, another one starts IDLE."""
+    async def register(self, req: RegisterJob, owner: ProcessOwner | None = None) -> AgentReply:
+        """A job registers (again): the same process keeps its state, another one starts IDLE. ``owner``: the
+        process that proved the registration (``_ownership``), None when unproven."""
         check_registration(req, processes=False)  # Refused: bad ids, sizes out of bounds
         assert self._nc is not None
         if req.job not in self.jobs and len(self.jobs) >= MAX_JOBS:
@@ -89,10 +91,11 @@ class JobBook:
         state = old.state if (old is not None and same_process) else JobState.IDLE
         ctx = JobContext(node=self.node, job=req.job, group=req.group, state=state, backends=req.backends,
                          pids=req.pids, pgid=req.pgid, mode=req.mode, tags=req.tags, op_timeout_ms=req.op_timeout_ms,
-                         endpoints=req.endpoints, reason=old.reason if same_process and old else None)
+                         endpoints=req.endpoints, reason=old.reason if same_process and old else None, owner=owner)
         ctx = await self.save(ctx)
         await self.announce(ctx)
-        log.info("registered job", extra={"node": self.node, "job": req.job, "group": req.group})
+        log.info("registered job (%s)", f"proven by pid {owner.pid}, uid {owner.uid}" if owner else "unproven",
+                 extra={"node": self.node, "job": req.job, "group": req.group})
         return AgentReply(ok=True, state=ctx.state)
 
     async def announce(self, ctx: JobContext) -> None:
