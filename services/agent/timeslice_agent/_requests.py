@@ -128,6 +128,8 @@ class Requests:
             if self._proofs is None:
                 raise Refused(Refusal.UNPROVEN, "this agent serves no socket (--socket off), so a proof is none")
             peer = self._proofs(req.proof, job)
+            if peer.own_pid == peer.pid:  # the agent's pid namespace: what no job may name is said first
+                check_processes(req.pids, req.pgid, req.backends)
             try:
                 pids, pgid, owner = await asyncio.to_thread(self._guard.prove, peer, req.pids, req.pgid)  # reads /proc
             except Refused as exc:
