@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -444,3 +445,50 @@ async def test_the_socket_is_bounded_and_its_directory_is_checked(nats_url: str,
         assert "not writable by group or others" in b.log_text(), b.log_text()[-2000:]
     finally:
         b.stop()
+
+
+# --------------------------------------------------------------------------- a job in a pid namespace of its own
+
+_NS_JOB = """\
+import asyncio, os, sys
+from timeslice_client import CallbackHandler, register_workload
+
+async def main() -> None:
+    channel = await register_workload("nsjob", "g", CallbackHandler(lambda m, t: None, lambda m, t: None),
+                                      node_id=sys.argv[2], nats_url=sys.argv[1], backends=("freeze",))
+    print("registered", os.getpid(), flush=True)
+    await asyncio.to_thread(sys.stdin.readline)
+    await channel.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="a pid namespace of its own needs root and unshare(1)")
+async def test_a_job_in_a_pid_namespace_of_its_own_registers_its_processes_as_the_agent_sees_them(
+    agent: SocketAgent, nats_url: str
+) -> None:
+    """A pod without hostPID: the job is pid 1 where it runs, and registers that. The agent translates it (the
+    NSpid of the processes of the socket peer's namespace) to the pid it has on the node."""
+    proc = await asyncio.create_subprocess_exec(
+        "unshare", "--fork", "--pid", "--mount-proc", sys.executable, "-c", _NS_JOB, nats_url, NODE, cwd=ROOT,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        async with asyncio.timeout(60):
+            line = (await proc.stdout.readline()).decode()
+        assert line.split() == ["registered", "1"], line + (await proc.stdout.read()).decode()[-3000:]
+        job = (await agent.jobs())["nsjob"]
+        (host_pid,) = job["pids"]
+        assert host_pid > 1 and job["owner"]["pid"] == host_pid
+        nspid = Path(f"/proc/{host_pid}/status").read_text().split("NSpid:")[1].split("\n")[0].split()
+        assert nspid[-1] == "1" and nspid[0] == str(host_pid), nspid
+        proc.stdin.write(b"\n")
+        await proc.stdin.drain()
+        async with asyncio.timeout(30):
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
