@@ -282,12 +282,13 @@ async def test_a_proven_registration_freezes_and_thaws_its_own_process_group(
             r = await _command(nc, Snapshot(op_id="s1", group="gf", job="fz", node=NODE, epoch=1,
                                             deadline_ms=_deadline()))
             assert r.ok, r
-            assert all(_state(p) == "T" for p in members), [_state(p) for p in members]
+            # SIGSTOP takes effect as each process next runs: polled, bounded.
+            await eventually(lambda: all(_state(p) == "T" for p in members), timeout=5, what="the group stopped")
             assert _state(child.pid) != "T", "a process outside the job's group was stopped"
             r = await _command(nc, Restore(op_id="r1", group="gf", job="fz", node=NODE, epoch=2,
                                            deadline_ms=_deadline()))
             assert r.ok, r
-            assert all(_state(p) != "T" for p in members)
+            await eventually(lambda: all(_state(p) != "T" for p in members), timeout=5, what="the group resumed")
         finally:
             await channel.close()
     finally:

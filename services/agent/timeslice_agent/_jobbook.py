@@ -79,8 +79,7 @@ class JobBook:
         if req.job not in self.jobs and len(self.jobs) >= MAX_JOBS:
             raise Refused(Refusal.TOO_LARGE, f"node {self.node!r} has {len(self.jobs)} jobs registered (at most "
                                              f"{MAX_JOBS}); unregister jobs that are gone")
-        for b in req.backends:
-            make_backend(b, self._nc, self.node)  # raises for an unknown backend
+        self.check_backends(req.backends)
         check_processes(req.pids, req.pgid, req.backends)  # Refused: a process the agent must not act on
         if "app_endpoint" in req.backends:
             check_endpoints(req.endpoints)  # ValueError: which endpoint is wrong and how to write it
@@ -97,6 +96,12 @@ class JobBook:
         log.info("registered job (%s)", f"proven by pid {owner.pid}, uid {owner.uid}" if owner else "unproven",
                  extra={"node": self.node, "job": req.job, "group": req.group})
         return AgentReply(ok=True, state=ctx.state)
+
+    def check_backends(self, backends: tuple[str, ...]) -> None:
+        """Raises BackendUnavailable for a backend this node does not have (unknown, or unusable here)."""
+        assert self._nc is not None
+        for b in backends:
+            make_backend(b, self._nc, self.node)
 
     async def announce(self, ctx: JobContext) -> None:
         assert self._js is not None

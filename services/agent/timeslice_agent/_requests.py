@@ -121,6 +121,7 @@ class Requests:
         if req.job != job:
             raise Refused(Refusal.WRONG_JOB, f"a registration on the subject of job {job!r} names job "
                                              f"{shown(req.job)}; a job registers itself only")
+        self._book.check_backends(req.backends)  # a backend this node lacks is said first
         acting = acts_on_processes(req.backends)
         owner: ProcessOwner | None = None
         pids, pgid = req.pids, req.pgid
