@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -16,6 +18,19 @@ from timeslice_orchestrator.embedded import NatsServer
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def agent_socket_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Every test's agents serve their Unix sockets (and its jobs look for them) in a directory of the test's own,
+    one socket per node (``{node}``), so agents of tests running side by side never meet. Short: a socket path has
+    at most 107 bytes, more than a test's tmp_path leaves."""
+    directory = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))
+    monkeypatch.setenv("TIMESLICE_AGENT_SOCKET", f"{directory}/agent-{{node}}.sock")
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

@@ -286,13 +286,13 @@ async def test_a_job_unregistered_mid_operation_stays_gone(nats_url: str, again:
             op_id = await agent.run_standalone("x", OpKind.SNAPSHOT)
             await eventually(lambda: log == ["x:suspend start"], what="x's suspend started")
             rpc = functools.partial(nc.request, timeout=5)
-            await rpc(subjects.agent_rpc("node-1", "unregister"), encode(UnregisterJob(group="g1", job="x")))
+            await rpc(subjects.agent_rpc("node-1", "unregister", "x"), encode(UnregisterJob(group="g1", job="x")))
             assert "x" not in agent.jobs()
             if again is not None:
                 group = "g1" if again == "same group" else "g2"
                 reg = RegisterJob(group=group, job="x", backends=("app_channel",), pids=(os.getpid(),),
                                   tags=("fresh",))
-                await rpc(subjects.agent_rpc("node-1", "register"), encode(reg))
+                await rpc(subjects.agent_rpc("node-1", "register", "x"), encode(reg))
                 assert agent.jobs()["x"].group == group
             go.set()
             status = await eventually(lambda: (s := agent.operation(op_id)) is not None and s.done and s,

@@ -28,6 +28,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 from timeslice_agent import Agent, AgentConfig
+from timeslice_client._names import AGENT_JOB_VERBS
 from timeslice_client.bus import connect, ensure_bus
 from timeslice_client.protocol import (
     STREAM,
@@ -40,6 +41,7 @@ from timeslice_client.protocol import (
     Snapshot,
     encode,
     subjects,
+    validate_id,
 )
 
 from .agent_harness import NODE, ROOT, AgentProcess
@@ -129,10 +131,22 @@ def assert_alive(agent: AgentProcess) -> None:
     assert agent.proc is not None and agent.proc.poll() is None, f"the agent process ended: {agent.describe()}"
 
 
+def rpc_subject(node: str, verb: str, payload: bytes) -> str:
+    """The subject of a request: per-job verbs on the subject of the job the payload names (when it can be put in a
+    subject, else ``fz``), as that job would send it."""
+    if verb not in AGENT_JOB_VERBS:
+        return subjects.agent_rpc(node, verb)
+    try:
+        job = validate_id("job", json.loads(payload).get("job"))
+    except (ValueError, AttributeError, TypeError):
+        job = "fz"
+    return subjects.agent_rpc(node, verb, job)
+
+
 async def rpc(nc: NATS, agent: AgentProcess, verb: str, payload: bytes) -> bytes:
     """One request to the agent; a missing answer fails with the agent's exit status and log."""
     try:
-        msg = await nc.request(subjects.agent_rpc(NODE, verb), payload, timeout=5)
+        msg = await nc.request(rpc_subject(NODE, verb, payload), payload, timeout=5)
     except Exception as exc:
         assert_alive(agent)
         raise AssertionError(f"the agent did not answer {verb} ({exc!r}): {agent.describe()}") from exc
@@ -349,7 +363,7 @@ async def test_registration_naming_a_process_the_agent_must_not_touch_is_refused
         ({"op_timeout_ms": 0}, ("op_timeout_ms 0 is not in", "at `$.op_timeout_ms`")),
         ({"op_timeout_ms": -5}, ("op_timeout_ms -5 is not in", "at `$.op_timeout_ms`")),
         ({"group": "a.b"}, ("invalid group id 'a.b'",)),
-        ({"job": ""}, ("invalid job id ''",)),
+        ({"job": ""}, ("invalid job id ''", "names job ''")),
     ]
     for i, (fields, expected) in enumerate(cases):
         req: dict[str, Any] = {"group": "g", "job": f"r{i}", "backends": ("noop",), "pids": (mine,), **fields}
@@ -421,14 +435,14 @@ async def test_refusals_are_answered_where_they_can_be_and_counted(nats_url: str
                     and _value(agent, "timeslice_agent_refused_total", source="command", reason="undecodable") == 1)
 
         await eventually(counted, timeout=10, what="the refusals counted")
-        bad = await nc.request(subjects.agent_rpc(node, "register"), encode(RegisterJob(group="g", job="j",
+        bad = await nc.request(subjects.agent_rpc(node, "register", "j"), encode(RegisterJob(group="g", job="j",
                                backends=("noop",), pids=(1,))), timeout=5)
         assert not msgspec.json.decode(bad.data, type=AgentReply).ok
         assert _value(agent, "timeslice_agent_refused_total", source="rpc", reason="forbidden_process") == 1
         await results.unsubscribe()
 
         # A command naming a group its job is not registered in: refused, the job untouched.
-        own = await nc.request(subjects.agent_rpc(node, "register"), encode(RegisterJob(
+        own = await nc.request(subjects.agent_rpc(node, "register", "j"), encode(RegisterJob(
             group="g", job="j", backends=("noop",), pids=(os.getpid(),))), timeout=5)
         assert msgspec.json.decode(own.data, type=AgentReply).ok
         other = await nc.subscribe(subjects.agent_event(node, "h"))
@@ -455,7 +469,7 @@ async def test_malformed_grpc_calls_are_invalid_argument_and_counted(nats_url: s
 
     node = "node-rpc"
     async with running(Agent(AgentConfig(node_id=node, nats_url=nats_url))) as agent:
-        reg = await nc.request(subjects.agent_rpc(node, "register"), encode(RegisterJob(
+        reg = await nc.request(subjects.agent_rpc(node, "register", "j"), encode(RegisterJob(
             group="g", job="j", backends=("noop",), pids=(os.getpid(),))), timeout=5)
         assert msgspec.json.decode(reg.data, type=AgentReply).ok
         shim = AgentGrpcShim(agent, AgentGrpcConfig(host="127.0.0.1", port=0))

@@ -35,6 +35,7 @@ from timeslice_agent import (
 )
 from timeslice_agent import backends as backends_mod
 from timeslice_agent._cuda import CudaPythonDriver, cuda_unavailable_reason, make_cuda_backend
+from timeslice_client import CallbackHandler, register_workload
 from timeslice_client.protocol import DeviceInfo, JobContext, JobState, OpKind, OpResult
 
 from .helpers import eventually, running
@@ -408,10 +409,17 @@ async def _finish(agent: Agent, op_id: str) -> OpResult:
 
 
 async def test_agent_state_machine_over_the_cuda_backend(
-        agent: Agent, rule_driver: tuple[RuleDriver, CudaBackend], children: list[int]) -> None:
+        agent: Agent, rule_driver: tuple[RuleDriver, CudaBackend], children: list[int], nats_url: str) -> None:
     drv, _ = rule_driver
     pid = children[0]
-    r = await _finish(agent, await agent.run_standalone("j", OpKind.SNAPSHOT, backends=("cuda",), pids=(pid,)))
+    # An unregistered job's pids are no proof: a standalone call naming them is refused (docs/security.md).
+    with pytest.raises(ValueError, match="did not prove its processes"):
+        await agent.run_standalone("j", OpKind.SNAPSHOT, backends=("cuda",), pids=(pid,))
+    # Registered from this process (the agent socket proves it), its child is the job's to checkpoint.
+    channel = await register_workload("j", "standalone", CallbackHandler(lambda m, t: None, lambda m, t: None),
+                                      node_id="n1", nats_url=nats_url, backends=("cuda",), pids=(pid,))
+    assert agent.jobs()["j"].owner is not None and agent.jobs()["j"].owner.pid == os.getpid()
+    r = await _finish(agent, await agent.run_standalone("j", OpKind.SNAPSHOT))
     assert r.ok and r.device_bytes_freed == 2 * GB and r.backend == "cuda"
     assert agent.jobs()["j"].state is JobState.SAVED and drv.states[pid] is ProcessState.CHECKPOINTED
     r = await _finish(agent, await agent.run_standalone("j", OpKind.RESTORE))
@@ -427,3 +435,4 @@ async def test_agent_state_machine_over_the_cuda_backend(
     r = await _finish(agent, await agent.run_standalone("j", OpKind.RESTORE))
     assert not r.ok and agent.jobs()["j"].state is JobState.FAULTED
     assert "CUDA_ERROR_UNKNOWN" in (agent.jobs()["j"].reason or "")
+    await channel.close()

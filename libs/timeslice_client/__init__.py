@@ -21,6 +21,7 @@ from ._sync_client import TimeSliceClient
 from .errors import (
     AcquireCancelled,
     AcquireTimeout,
+    AgentRefused,
     GroupFull,
     GroupQuarantined,
     HandlerError,
@@ -54,6 +55,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AcquireCancelled",
     "AcquireTimeout",
+    "AgentRefused",
     "AsyncSnapshotAgentClient",
     "AsyncTimeSliceClient",
     "CallbackHandler",

@@ -8,9 +8,11 @@ from typing import Final
 
 from .errors import InvalidId
 
-__all__ = ["subjects", "validate_id"]
+__all__ = ["AGENT_JOB_VERBS", "AGENT_NODE_VERBS", "subjects", "validate_id"]
 
 _ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+AGENT_JOB_VERBS: Final = ("register", "unregister")  # ts.rpc.agent.<node>.<verb>.<job>
+AGENT_NODE_VERBS: Final = ("clear_fault", "status")  # ts.rpc.agent.<node>.<verb>
 _ID_RULE: Final = "1 to 64 characters of A-Z a-z 0-9 _ -, starting with a letter or digit"
 
 
@@ -58,9 +60,26 @@ class _Subjects:
         """Agent operation starts (facts for people and replay; not an orchestrator input)."""
         return f"ts.v1.agent.{validate_id('node', node)}.op"
 
-    def agent_rpc(self, node: str, verb: str) -> str:
-        """Request/reply to an agent (register, unregister, clear_fault, status): outside the stream."""
-        return f"ts.rpc.agent.{validate_id('node', node)}.{verb}"
+    def agent_rpc(self, node: str, verb: str, job: str | None = None) -> str:
+        """Request/reply to an agent, outside the stream: ``register`` and ``unregister`` name the job
+        (``ts.rpc.agent.<node>.register.<job>``: the subject's job is the one the agent acts for, and permissions
+        let only that job publish there), ``clear_fault`` (admin) and ``status`` (reader) do not."""
+        n = validate_id("node", node)
+        if verb in AGENT_JOB_VERBS:
+            if job is None:
+                raise ValueError(f"agent request {verb!r} names its job: agent_rpc(node, {verb!r}, job)")
+            return f"ts.rpc.agent.{n}.{verb}.{validate_id('job', job)}"
+        if verb not in AGENT_NODE_VERBS or job is not None:
+            raise ValueError(f"agent request {verb!r}{' for a job' if job is not None else ''} does not exist; "
+                             f"the verbs are {', '.join(AGENT_JOB_VERBS)} (with a job) and "
+                             f"{', '.join(AGENT_NODE_VERBS)} (without)")
+        return f"ts.rpc.agent.{n}.{verb}"
+
+    def agent_rpc_jobs(self, node: str, verb: str) -> str:
+        """What an agent subscribes to for a per-job verb: ``ts.rpc.agent.<node>.<verb>.*``."""
+        if verb not in AGENT_JOB_VERBS:
+            raise ValueError(f"{verb!r} is not a per-job agent request ({', '.join(AGENT_JOB_VERBS)})")
+        return f"ts.rpc.agent.{validate_id('node', node)}.{verb}.*"
 
     def workload_rpc(self, node: str, job: str) -> str:
         """Agent → registered workload: suspend/resume requests."""

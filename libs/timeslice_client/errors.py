@@ -12,6 +12,7 @@
     ├── AcquireCancelled     the wait was cancelled, or the orchestrator dropped the waiter
     ├── JobFaulted           the job is faulted in its group; clear the fault first
     ├── HandlerError         a workload handler could not suspend or resume the job's state
+    ├── AgentRefused         the node's agent refused a registration (e.g. processes the job did not prove)
     └── LockLost             the caller does not hold the group (any more)
         ├── NotHolder        another job (or nobody) holds the group
         ├── StaleEpoch       the caller's grant is older than the group's current epoch
@@ -25,6 +26,7 @@ from __future__ import annotations
 __all__ = [
     "AcquireCancelled",
     "AcquireTimeout",
+    "AgentRefused",
     "GroupFull",
     "GroupQuarantined",
     "HandlerError",
@@ -182,3 +184,18 @@ class HandlerError(TimeSliceError):
     def __init__(self, message: str, *, tag: str | None = None) -> None:
         self.tag = tag
         super().__init__(message)
+
+
+class AgentRefused(TimeSliceError):
+    """The node's agent refused a request of a job; ``code`` is the agent's refusal code (``unproven``: the job did
+    not prove its processes through the agent's socket; ``not_owned``: a pid or process group that is not the
+    registering process's own; ``wrong_job``, ``forbidden_process``, ...), ``reason`` its message."""
+
+    def __init__(self, node_id: str, job_id: str, verb: str, code: str | None, reason: str) -> None:
+        self.node_id = node_id
+        self.job_id = job_id
+        self.verb = verb
+        self.code = code
+        self.reason = reason
+        super().__init__(f"the agent on node {node_id!r} refused {verb} of job {job_id!r}"
+                         f"{f' ({code})' if code else ''}: {reason}")

@@ -18,7 +18,9 @@ Subjects (all versioned under ``ts.v1``; the ``TIMESLICE`` stream captures ``ts.
 ==================================  ==========================================================
 
 Request/reply subjects live under ``ts.rpc.>``, outside every stream (a stream would answer them
-with its PubAck).
+with its PubAck): ``ts.rpc.agent.<node>.register.<job>`` and ``.unregister.<job>`` (job → its node's agent;
+the subject's job is authoritative), ``ts.rpc.agent.<node>.clear_fault`` (admin) and ``.status`` (reader),
+``ts.rpc.workload.<node>.<job>`` (agent → the job's workload channel: suspend/resume).
 
 Schema evolution: add fields only with defaults; never change a field's type or meaning; a new
 message is a new tag. Consumers of an older version reject unknown tags loudly.
@@ -69,6 +71,7 @@ __all__ = [
     "OpResult",
     "OpStarted",
     "Phase",
+    "ProcessOwner",
     "Quarantined",
     "Refused",
     "RegisterJob",
@@ -402,7 +405,9 @@ class OpStarted(_Msg, frozen=True, tag="op_started"):
 
 
 class RegisterJob(_Msg, frozen=True, tag="register"):
-    """A job asks its node's agent to manage its context (``ts.rpc.agent.<node>.register``)."""
+    """A job asks its node's agent to manage its context (``ts.rpc.agent.<node>.register.<job>``). ``proof``: the
+    token the agent's Unix socket handed the registering process (``timeslice_client._agent_socket``), which
+    proves its pid and uid; without one only backends that touch no process are accepted."""
 
     group: Id
     job: Id
@@ -413,6 +418,7 @@ class RegisterJob(_Msg, frozen=True, tag="register"):
     tags: Annotated[tuple[Name, ...], msgspec.Meta(max_length=32)] = ()
     op_timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=7 * 24 * 3600 * 1000)] = 120_000
     endpoints: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=512)], ...], msgspec.Meta(max_length=16)] = ()
+    proof: Annotated[str, msgspec.Meta(max_length=128)] | None = None
 
 
 class UnregisterJob(_Msg, frozen=True, tag="unregister"):
@@ -428,6 +434,7 @@ class AgentReply(_Msg, frozen=True, tag="agent_reply"):
     ok: bool
     error: str | None = None
     state: JobState | None = None
+    code: str | None = None  # why it was refused (the agent's refusal code, e.g. "unproven", "not_owned")
 
 
 class WorkloadCommand(_Msg, frozen=True, tag="workload_command"):
@@ -522,6 +529,20 @@ class GroupRecord(_Rec, frozen=True):
     last_seq: int = 0
 
 
+class ProcessOwner(_Rec, frozen=True):
+    """The process that proved a job's registration through the agent's Unix socket (its peer credentials), and
+    the start times (``/proc/<pid>/stat``, clock ticks since boot) that tell the registered processes from later
+    ones that reuse their numbers: ``pid_starts`` one per registered pid, ``group_start`` the process group's
+    leader's (None when the group had no leader)."""
+
+    pid: int
+    uid: int
+    gid: int
+    start: int
+    pid_starts: tuple[int, ...] = ()
+    group_start: int | None = None
+
+
 class JobContext(_Rec, frozen=True):
     """One job's context on one node (KV ``jobs``, key ``<node>.<job>``), kept by that node's agent."""
 
@@ -545,6 +566,7 @@ class JobContext(_Rec, frozen=True):
     device_bytes_freed: int = 0
     elapsed_ms: float = 0.0
     updated_ms: int = 0
+    owner: ProcessOwner | None = None  # None: not proven; process-level backends then never act
 
 
 class DeviceInfo(_Rec, frozen=True):

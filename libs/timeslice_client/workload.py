@@ -6,9 +6,15 @@
     ...
     await channel.close()
 
+The channel registers on ``ts.rpc.agent.<node>.register.<job>`` with a proof of its process from the agent's
+node-local Unix socket (``_agent_socket``: the kernel names the caller), so the agent acts on the processes it
+names only when they are this process, its descendants or its process group. Without the socket (not found, or not
+reachable from here) only backends that touch no process register (``app_channel``, ``app_endpoint``, ``noop``).
+
 The agent then snapshots this job by asking it (``ts.rpc.workload.<node>.<job>``) to ``suspend``
-and restores it with ``resume``. The channel answers on a thread of its own, with its own event loop and
-NATS connection (``_responder``), and runs the handler there: the job's own event loop and threads are
+and restores it with ``resume``. Only the node's agent may publish there (the bus's permissions): that, not
+anything in the message, is why the channel obeys it. The channel answers on a thread of its own, with its own
+event loop and NATS connection (``_responder``), and runs the handler there: the job's own event loop and threads are
 not involved, and the reply leaves as soon as the handler returns.
 
 Early suspend: a channel registered through a client (``AsyncTimeSliceClient.register_workload``) begins its
@@ -37,10 +43,11 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from . import _prompt
+from ._agent_socket import ProofUnavailable, prove
 from ._prompt import DEFAULT_SWITCH_INTERVAL, prompt_threads
 from ._responder import Responder
 from .bus import connect, parse_servers
-from .errors import HandlerError, InvalidRequest, TimeSliceError, Unavailable
+from .errors import AgentRefused, HandlerError, InvalidRequest, TimeSliceError, Unavailable
 from .handlers import HandlerResult, WorkloadHandler
 from .protocol import (
     AgentReply,
@@ -96,7 +103,8 @@ class WorkloadChannel:
 
     ``nc`` carries the registration. The commands come on a connection of the channel's own, made on its
     thread to ``nats_url`` (one server or several, comma-separated; default: the server ``nc`` is connected to, then
-    the others it knows)."""
+    the others it knows). ``agent_socket``: the agent's Unix socket (default: ``$TIMESLICE_AGENT_SOCKET``, else where
+    an agent serves it by default, see ``_agent_socket``)."""
 
     def __init__(
         self,
@@ -118,6 +126,7 @@ class WorkloadChannel:
         switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
         early_suspend: bool = True,
         nats_url: str | None = None,
+        agent_socket: str | None = None,
     ) -> None:
         if not isinstance(handler, WorkloadHandler):
             raise InvalidRequest("handler must have suspend(mode, tags) and resume(mode, tags) methods")
@@ -140,6 +149,7 @@ class WorkloadChannel:
             raise InvalidRequest(f"switch_interval must be positive seconds or None, not {switch_interval}")
         self.switch_interval = switch_interval  # the GIL switch interval while a command runs (None: as it is)
         self.nats_url = ",".join(parse_servers(nats_url)) if nats_url else None  # checked now, not at start()
+        self.agent_socket = agent_socket
         self._own = own_connection
         self._responder: Responder | None = None  # the channel's thread, once opened
         self._rnc: NATS | None = None  # the channel's own connection, used on its thread only
@@ -164,11 +174,16 @@ class WorkloadChannel:
 
     async def start(self) -> WorkloadChannel:
         await self._open()
+        try:
+            proof, unproven = await prove(self.job_id, self.node_id, path=self.agent_socket,
+                                          timeout=min(self.request_timeout, 5.0)), None
+        except ProofUnavailable as exc:  # only backends that touch no process are registered then
+            proof, unproven = None, str(exc)
         req = RegisterJob(group=self.group_id, job=self.job_id, backends=self.backends, pids=self.pids,
                           pgid=self.pgid, mode=self.mode, tags=self.tags, op_timeout_ms=int(self.op_timeout * 1000),
-                          endpoints=self.endpoints)
+                          endpoints=self.endpoints, proof=proof)
         try:
-            reply = await self._agent("register", encode(req))
+            reply = await self._agent("register", encode(req), unproven=unproven)
         except BaseException:
             await self._shut()
             raise
@@ -213,8 +228,9 @@ class WorkloadChannel:
             raise TimeSliceError(f"the workload channel of job {self.job_id!r} is not started")
         return await self._responder.call(coro)
 
-    async def _agent(self, verb: str, data: bytes) -> AgentReply:
-        subject = subjects.agent_rpc(self.node_id, verb)
+    async def _agent(self, verb: str, data: bytes, *, unproven: str | None = None) -> AgentReply:
+        """One request to the agent (``unproven``: why no proof came with it, said in a refusal)."""
+        subject = subjects.agent_rpc(self.node_id, verb, self.job_id)
         try:
             msg = await self.nc.request(subject, data, timeout=self.request_timeout)
         except Exception as exc:
@@ -223,7 +239,10 @@ class WorkloadChannel:
                               after_s=self.request_timeout) from exc
         reply = _reply_decoder.decode(msg.data)
         if not reply.ok:
-            raise TimeSliceError(f"agent on node {self.node_id!r} refused {verb}: {reply.error}")
+            reason = reply.error or "no reason given"
+            if reply.code == "unproven" and unproven:
+                reason = f"{reason} [{unproven}]"
+            raise AgentRefused(self.node_id, self.job_id, verb, reply.code, reason)
         return reply
 
     async def close(self) -> None:
@@ -451,19 +470,23 @@ async def register_workload(
     op_timeout: float = 120.0,
     endpoints: Iterable[str] = (),
     switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
+    agent_socket: str | None = None,
 ) -> WorkloadChannel:
     """Register this process with its node's agent; its own NATS connection, closed by ``close()``.
 
     ``pids``/``pgid`` name the processes a process-level backend (``freeze``) stops; they default to
     this process, which suits ``app_channel`` (liveness) but not ``freeze`` of the process that calls
-    ``acquire``. ``switch_interval``: the process's GIL switch interval (seconds, at most) while it answers
-    a suspend or resume (and, through a client, from the job's release until then), so a main thread busy in
-    Python does not hold up the handler; ``None`` leaves it alone. A channel registered here never suspends
-    early: only a client knows when its job releases (see ``AsyncTimeSliceClient.register_workload``)."""
+    ``acquire``. They must be this process, its descendants or its own process group, running as its uid: the
+    agent checks that against what its socket (``agent_socket``, see ``WorkloadChannel``) says this process is,
+    and refuses the rest (:class:`AgentRefused`). ``switch_interval``: the process's GIL switch interval (seconds,
+    at most) while it answers a suspend or resume (and, through a client, from the job's release until then), so a
+    main thread busy in Python does not hold up the handler; ``None`` leaves it alone. A channel registered here
+    never suspends early: only a client knows when its job releases (see ``AsyncTimeSliceClient.register_workload``)."""
     nc = await connect(nats_url, name=f"timeslice-workload-{job_id}")
     channel = WorkloadChannel(nc, job_id, group_id, handler, node_id=node_id, mode=mode, tags=tags,
                               backends=backends, pids=pids, pgid=pgid, op_timeout=op_timeout,
-                              own_connection=True, endpoints=endpoints, switch_interval=switch_interval)
+                              own_connection=True, endpoints=endpoints, switch_interval=switch_interval,
+                              agent_socket=agent_socket)
     try:
         return await channel.start()
     except BaseException:

@@ -4,6 +4,7 @@ and the errors. Kept apart from the registry (``backends``) so backend modules c
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,6 +30,9 @@ class OpContext:
     op_id: str
     epoch: int
     deadline: float  # monotonic seconds
+    # Whether the backend may act on a process it found for the job (a descendant of its pids, a member of its
+    # group): the agent's rules (``_ownership.ProcessGuard.may_act``). None: no process beyond the job's own.
+    may_act: Callable[[int], bool] | None = None
 
     def remaining(self) -> float:
         return max(0.001, self.deadline - time.monotonic())

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from timeslice_client.bus import BusConfig, parse_servers
 from timeslice_client.workload import default_node_id
 
@@ -25,6 +27,21 @@ class AgentConfig(BaseSettings):
     overlap_margin_bytes: int = Field(default=1 << 30, ge=0)
     overlap_margin_fraction: float = Field(default=0.1, ge=0)
     bus: BusConfig = BusConfig()
+    # The node-local Unix socket where jobs prove their processes (``_peer``; "{node}" is replaced by the node
+    # id). None: the default (timeslice_client._agent_socket.default_socket_path); "off": none, so only backends
+    # that touch no process can be registered.
+    socket: str | None = None
+    # Uids a job's processes may run as besides the uid of the process that registered them (never others).
+    allowed_uids: Annotated[tuple[int, ...], NoDecode] = ()
+    allow_other_uids: bool = False  # any uid (a node whose jobs run as several users under one owner)
+    proc_root: str = "/proc"  # where /proc is (tests point it at a fake one)
+
+    @field_validator("allowed_uids", mode="before")
+    @classmethod
+    def _uids(cls, v: object) -> object:
+        if isinstance(v, str):  # TIMESLICE_AGENT_ALLOWED_UIDS=1000,1001
+            return tuple(int(u) for u in v.replace(" ", "").split(",") if u)
+        return v
 
     @field_validator("nats_url")
     @classmethod

@@ -219,6 +219,9 @@ class CudaBackend:
 
     async def snapshot(self, ctx: JobContext, op: OpContext) -> Outcome:
         pids = await self._in_thread(self._discover, ctx)
+        if op.may_act is not None:  # the agent's rules (_ownership): never a process of another uid, never itself
+            may_act = op.may_act
+            pids = tuple(p for p in pids if may_act(p))
         if not pids:
             return Outcome()  # the job holds no GPU memory (yet): nothing to move
         before = await self._in_thread(self.accounting.used_by, pids)

@@ -21,6 +21,7 @@ from timeslice_client.protocol import (
     JobRegistered,
     JobState,
     JobUnregistered,
+    ProcessOwner,
     RegisterJob,
     encode,
     subjects,
@@ -71,15 +72,15 @@ class JobBook:
             await self._nc.publish(f"$KV.{JOBS_BUCKET}.{key}", encode(ctx))
         return ctx
 
-    async def register(self, req: RegisterJob) -> AgentReply:
-        """A job registers (again): the same process keeps its state, another one starts IDLE."""
+    async def register(self, req: RegisterJob, owner: ProcessOwner | None = None) -> AgentReply:
+        """A job registers (again): the same process keeps its state, another one starts IDLE. ``owner``: the
+        process that proved the registration (``_ownership``), None when unproven."""
         check_registration(req, processes=False)  # Refused: bad ids, sizes out of bounds
         assert self._nc is not None
         if req.job not in self.jobs and len(self.jobs) >= MAX_JOBS:
             raise Refused(Refusal.TOO_LARGE, f"node {self.node!r} has {len(self.jobs)} jobs registered (at most "
                                              f"{MAX_JOBS}); unregister jobs that are gone")
-        for b in req.backends:
-            make_backend(b, self._nc, self.node)  # raises for an unknown backend
+        self.check_backends(req.backends)
         check_processes(req.pids, req.pgid, req.backends)  # Refused: a process the agent must not act on
         if "app_endpoint" in req.backends:
             check_endpoints(req.endpoints)  # ValueError: which endpoint is wrong and how to write it
@@ -90,11 +91,18 @@ class JobBook:
         state = old.state if (old is not None and same_process) else JobState.IDLE
         ctx = JobContext(node=self.node, job=req.job, group=req.group, state=state, backends=req.backends,
                          pids=req.pids, pgid=req.pgid, mode=req.mode, tags=req.tags, op_timeout_ms=req.op_timeout_ms,
-                         endpoints=req.endpoints, reason=old.reason if same_process and old else None)
+                         endpoints=req.endpoints, reason=old.reason if same_process and old else None, owner=owner)
         ctx = await self.save(ctx)
         await self.announce(ctx)
-        log.info("registered job", extra={"node": self.node, "job": req.job, "group": req.group})
+        log.info("registered job (%s)", f"proven by pid {owner.pid}, uid {owner.uid}" if owner else "unproven",
+                 extra={"node": self.node, "job": req.job, "group": req.group})
         return AgentReply(ok=True, state=ctx.state)
+
+    def check_backends(self, backends: tuple[str, ...]) -> None:
+        """Raises BackendUnavailable for a backend this node does not have (unknown, or unusable here)."""
+        assert self._nc is not None
+        for b in backends:
+            make_backend(b, self._nc, self.node)
 
     async def announce(self, ctx: JobContext) -> None:
         assert self._js is not None

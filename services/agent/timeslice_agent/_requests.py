@@ -1,10 +1,19 @@
-"""The agent's request/reply subjects (``ts.rpc.agent.<node>.register|unregister|clear_fault|status``, outside
-the stream). Every request is answered when it has a reply subject, and none ends the agent: a malformed one is
-refused (``bad request: …``), logged and counted in ``timeslice_agent_refused``."""
+"""The agent's request/reply subjects, outside the stream: ``ts.rpc.agent.<node>.register.<job>`` and
+``.unregister.<job>`` (the subject's job is the one acted for: permissions let only that job publish there, and a
+payload naming another job is refused, ``wrong_job``), ``.clear_fault`` (admin) and ``.status`` (reader). Each
+subject takes its own message type only. Every request is answered when it has a reply subject, and none ends the
+agent: a malformed one is refused (``bad request: …``, with the refusal's ``code``), logged and counted in
+``timeslice_agent_refused``.
+
+A registration proves its processes with the token of the agent's socket (``RegisterJob.proof``, see ``_peer``):
+its pids and group must then be the proving process's own (``_ownership``). Without a proof only backends that touch
+no process are accepted (``backends.acts_on_processes``); their pids only tell when the job is gone."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from nats.aio.msg import Msg
@@ -14,6 +23,7 @@ from timeslice_client.protocol import (
     ClearFault,
     ClearJobFault,
     JobState,
+    ProcessOwner,
     RegisterJob,
     UnregisterJob,
     encode,
@@ -22,15 +32,20 @@ from timeslice_client.protocol import (
 
 from ._job_locks import JobLocks
 from ._jobbook import JobBook
-from ._untrusted import Refusal, Refused, cap, check_id, shown
-from .backends import BackendUnavailable
+from ._ownership import Peer, ProcessGuard
+from ._untrusted import Refusal, Refused, cap, check_id, check_processes, shown
+from .backends import BackendUnavailable, acts_on_processes
 from .metrics import AgentMetrics
 
 __all__ = ["Requests", "log_refusal"]
 
 log = logging.getLogger("timeslice.agent")
 
-_rpc_decoder = msgspec.json.Decoder(RegisterJob | UnregisterJob | ClearJobFault)
+_register_decoder = msgspec.json.Decoder(RegisterJob)
+_unregister_decoder = msgspec.json.Decoder(UnregisterJob)
+_clear_decoder = msgspec.json.Decoder(ClearJobFault)
+
+Proofs = Callable[[str, str], Peer]  # (token, job) -> the process that asked for it; Refused when it is no proof
 
 
 def log_refusal(metrics: AgentMetrics, node: str, source: str, code: Refusal, message: str, **extra: str) -> None:
@@ -40,26 +55,46 @@ def log_refusal(metrics: AgentMetrics, node: str, source: str, code: Refusal, me
 
 
 class Requests:
-    """Answers one node's requests from its job book; usable once ``bind`` gave it the agent's stream context."""
+    """Answers one node's requests from its job book; usable once ``bind`` gave it the agent's stream context.
+    ``proofs``: the agent socket's tokens (None: it serves none, at ``socket_path``)."""
 
-    def __init__(self, node: str, book: JobBook, locks: JobLocks, metrics: AgentMetrics) -> None:
+    def __init__(self, node: str, book: JobBook, locks: JobLocks, metrics: AgentMetrics, *, guard: ProcessGuard,
+                 proofs: Proofs | None = None, socket_path: str | None = None) -> None:
         self.node, self._book, self._locks, self._metrics = node, book, locks, metrics
+        self._guard, self._proofs, self._socket_path = guard, proofs, socket_path
         self._js: JetStreamContext | None = None
 
     def bind(self, js: JetStreamContext) -> None:
         self._js = js
 
-    async def on_rpc(self, msg: Msg) -> None:
-        """register / unregister / clear_fault."""
+    def set_proofs(self, proofs: Proofs | None, socket_path: str | None) -> None:
+        self._proofs, self._socket_path = proofs, socket_path
+
+    async def on_register(self, msg: Msg) -> None:
+        await self._answered(msg, lambda: self._register(self._job_of(msg.subject, "register"), msg.data))
+
+    async def on_unregister(self, msg: Msg) -> None:
+        await self._answered(msg, lambda: self._unregister(self._job_of(msg.subject, "unregister"), msg.data))
+
+    async def on_clear_fault(self, msg: Msg) -> None:
+        await self._answered(msg, lambda: self._clear_fault(check_id("job", _clear_decoder.decode(msg.data).job)))
+
+    def _job_of(self, subject: str, verb: str) -> str:
+        prefix = subjects.agent_rpc_jobs(self.node, verb)[:-1]
+        if not subject.startswith(prefix):  # never: the subscription's filter
+            raise Refused(Refusal.INVALID_ID, f"a {verb} request on {shown(subject)}")
+        return check_id("job", subject[len(prefix):])
+
+    async def _answered(self, msg: Msg, answer: Callable[[], Awaitable[AgentReply]]) -> None:
         try:
-            reply = await self._answer(msg.data)
+            reply = await answer()
         except Refused as exc:
             log_refusal(self._metrics, self.node, "rpc", exc.code, f"refused a request: {exc}")
-            reply = AgentReply(ok=False, error=f"bad request: {exc}")
+            reply = AgentReply(ok=False, error=f"bad request: {exc}", code=str(exc.code))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             why = shown(str(exc), 300)
             log_refusal(self._metrics, self.node, "rpc", Refusal.UNDECODABLE, f"undecodable request: {why}")
-            reply = AgentReply(ok=False, error=f"bad request: {why}")
+            reply = AgentReply(ok=False, error=f"bad request: {why}", code=str(Refusal.UNDECODABLE))
         except (ValueError, BackendUnavailable) as exc:  # e.g. an endpoint written wrong, a backend not here: the
             reply = AgentReply(ok=False, error=f"bad request: {exc}")  # message says what to write or install
         except Exception as exc:
@@ -81,20 +116,53 @@ class Requests:
             except Exception as exc:
                 log.warning("status not answered: %r", exc, extra={"node": self.node})
 
-    async def _answer(self, data: bytes) -> AgentReply:
-        req = _rpc_decoder.decode(data)
-        if isinstance(req, RegisterJob):
-            return await self._book.register(req)  # checked there (Refused)
-        if isinstance(req, UnregisterJob):
-            group, job = check_id("group", req.group), check_id("job", req.job)
-            ctx = self._book.jobs.get(job)
-            if ctx is not None and ctx.group != group:
-                return AgentReply(ok=False, error=f"job {job!r} is registered in group {ctx.group!r} on node "
-                                                  f"{self.node!r}, not {group!r}: unregister it from its own group")
-            if ctx is not None:
-                await self._book.unregister(ctx, "unregistered by the job")
-            return AgentReply(ok=True)
-        return await self._clear_fault(check_id("job", req.job))
+    async def _register(self, job: str, data: bytes) -> AgentReply:
+        req = _register_decoder.decode(data)
+        if req.job != job:
+            raise Refused(Refusal.WRONG_JOB, f"a registration on the subject of job {job!r} names job "
+                                             f"{shown(req.job)}; a job registers itself only")
+        self._book.check_backends(req.backends)  # a backend this node lacks is said first
+        acting = acts_on_processes(req.backends)
+        owner: ProcessOwner | None = None
+        pids, pgid = req.pids, req.pgid
+        if req.proof is not None:
+            if self._proofs is None:
+                raise Refused(Refusal.UNPROVEN, "this agent serves no socket (--socket off), so a proof is none")
+            peer = self._proofs(req.proof, job)
+            if peer.own_pid == peer.pid:  # the agent's pid namespace: what no job may name is said first
+                check_processes(req.pids, req.pgid, req.backends)
+            try:
+                pids, pgid, owner = await asyncio.to_thread(self._guard.prove, peer, req.pids, req.pgid)  # reads /proc
+            except Refused as exc:
+                if acting:
+                    raise
+                # Backends that touch no process: registered unproven (their pids only tell when the job is gone;
+                # none when they are of another pid namespace, which the agent could not translate).
+                log.info("registered unproven: %s", exc, extra={"node": self.node, "job": job})
+                if peer.own_pid != peer.pid:
+                    pids, pgid = (), None
+        elif acting:
+            check_processes(req.pids, req.pgid, req.backends)  # what no job may name is said first
+            where = self._socket_path or "(none: the agent runs with --socket off)"
+            raise Refused(Refusal.UNPROVEN, f"backend {'+'.join(acting)} acts on the job's processes, which the job "
+                                            f"did not prove: register from the job's process through the agent's "
+                                            f"socket {where} (register_workload does when it finds it; "
+                                            "$TIMESLICE_AGENT_SOCKET names it)")
+        return await self._book.register(msgspec.structs.replace(req, pids=pids, pgid=pgid, proof=None), owner)
+
+    async def _unregister(self, job: str, data: bytes) -> AgentReply:
+        req = _unregister_decoder.decode(data)
+        if req.job != job:
+            raise Refused(Refusal.WRONG_JOB, f"an unregistration on the subject of job {job!r} names job "
+                                             f"{shown(req.job)}; a job unregisters itself only")
+        group = check_id("group", req.group)
+        ctx = self._book.jobs.get(job)
+        if ctx is not None and ctx.group != group:
+            return AgentReply(ok=False, error=f"job {job!r} is registered in group {ctx.group!r} on node "
+                                              f"{self.node!r}, not {group!r}: unregister it from its own group")
+        if ctx is not None:
+            await self._book.unregister(ctx, "unregistered by the job")
+        return AgentReply(ok=True)
 
     async def _clear_fault(self, job: str) -> AgentReply:
         ctx = self._book.jobs.get(job)

@@ -1,7 +1,8 @@
 """Checks of what the agent receives: commands (its durable consumer, ``Agent.take``), requests
 (``ts.rpc.agent.<node>.*``), gRPC calls and the job contexts it reads back from KV. Every field is untrusted:
 an id goes into a subject or a KV key only once :func:`validate_id` accepted it, numbers are bounded, a
-registration never names a process the agent must not touch (init, its own process or process group).
+registration never names a process the agent must not touch (init, its own process or process group), and a
+process-level backend acts only on processes the job proved to own (``_ownership``).
 
 A check raises :class:`Refused`, whose ``code`` (a :class:`Refusal`) is what callers decide on and what the
 metrics count; its message names the field, the value and the rule.
@@ -72,6 +73,9 @@ class Refusal(enum.StrEnum):
     OUT_OF_RANGE = "out_of_range"  # an epoch, deadline or timeout outside its bounds
     TOO_LARGE = "too_large"  # too many pids, tags, endpoints, backends or ``after`` ids, or one too long
     FORBIDDEN_PROCESS = "forbidden_process"  # pid/pgid <= 1, past PID_MAX, or the agent's own
+    WRONG_JOB = "wrong_job"  # a request whose payload names another job than its subject
+    UNPROVEN = "unproven"  # a process-level backend for a job that did not prove its processes (agent socket)
+    NOT_OWNED = "not_owned"  # a pid or group that is not the proven process's own, or runs as another uid
 
 
 REFUSALS: Final = tuple(r.value for r in Refusal)

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import msgspec
 import nats.errors
@@ -41,6 +41,7 @@ __all__ = [
     "NoopBackend",
     "OpContext",
     "Outcome",
+    "acts_on_processes",
     "available_backends",
     "make_backend",
     "register_backend",
@@ -166,15 +167,31 @@ _FACTORIES: dict[str, BackendFactory] = {
     "cuda": make_cuda_backend,
 }
 _PROBES: dict[str, Probe] = {"cuda": cuda_unavailable_reason}
+# Backends that never signal, stop or checkpoint a process: a job may register these without proving its processes
+# through the agent's socket (their pids then only tell when the job is gone). Every other backend acts on the
+# job's processes, so it needs that proof (``_ownership``).
+_PROCESS_FREE: set[str] = {"noop", "app_channel", "app_endpoint"}
 
 
-def register_backend(name: str, factory: BackendFactory, *, probe: Probe | None = None) -> None:
-    """Add (or replace) a backend. ``probe`` returns None where it can run, else the reason it cannot."""
+def register_backend(name: str, factory: BackendFactory, *, probe: Probe | None = None,
+                     touches_processes: bool | None = None) -> None:
+    """Add (or replace) a backend. ``probe`` returns None where it can run, else the reason it cannot.
+    ``touches_processes``: whether it signals, stops or checkpoints the job's processes (then a registration
+    must prove them); None keeps what a replaced backend said, and a new one is taken to touch them."""
     _FACTORIES[name] = factory
     if probe is None:
         _PROBES.pop(name, None)
     else:
         _PROBES[name] = probe
+    if touches_processes is True:
+        _PROCESS_FREE.discard(name)
+    elif touches_processes is False:
+        _PROCESS_FREE.add(name)
+
+
+def acts_on_processes(backends: Iterable[str]) -> tuple[str, ...]:
+    """The backends among ``backends`` that act on the job's processes (need a proven registration)."""
+    return tuple(b for b in backends if b not in _PROCESS_FREE)
 
 
 def unavailable_backends() -> dict[str, str]:

@@ -27,6 +27,12 @@ async def _run_agent(args: argparse.Namespace) -> int:
         kwargs["nats_url"] = args.nats_url
     if args.no_overlap_restores:
         kwargs["overlap_restores"] = False
+    if args.socket:
+        kwargs["socket"] = args.socket
+    if args.allow_uid:
+        kwargs["allowed_uids"] = tuple(args.allow_uid)
+    if args.allow_other_uids:
+        kwargs["allow_other_uids"] = True
     from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
     from .metrics import AgentMetrics, serve_metrics
@@ -107,6 +113,18 @@ def register(sub: Any) -> None:
                    help="always restore a job only after the snapshots it follows have ended, even when the node "
                         "has room for both contexts (default: overlap them then; "
                         "$TIMESLICE_AGENT_OVERLAP_RESTORES=false does the same)")
+    p.add_argument("--socket", default=None, metavar="PATH",
+                   help="the node-local Unix socket where jobs prove their processes ({node} becomes the node id; "
+                        "default: $TIMESLICE_AGENT_SOCKET, else /run/timeslice/agent-<node>.sock as root, else under "
+                        "$XDG_RUNTIME_DIR/timeslice or /tmp/timeslice-<uid>; 'off': none, so only backends that "
+                        "touch no process can be registered). Its directory must be the agent's, not writable by "
+                        "others; the socket is 0666")
+    p.add_argument("--allow-uid", type=int, action="append", default=[], metavar="UID",
+                   help="a uid a job's processes may run as besides the registering process's own (repeatable; "
+                        "$TIMESLICE_AGENT_ALLOWED_UIDS=1000,1001)")
+    p.add_argument("--allow-other-uids", action="store_true",
+                   help="let a job's proven processes run as any uid (default: only the registering process's uid "
+                        "and --allow-uid; $TIMESLICE_AGENT_ALLOW_OTHER_UIDS=true)")
     p.set_defaults(func=_run_agent)
     s = sub.add_parser("agent-status", help="jobs on one node and their context states")
     s.add_argument("--node-id", default=None)

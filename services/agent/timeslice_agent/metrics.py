@@ -34,7 +34,7 @@ OUTCOMES: Final = (
     "refused",  # not attempted: stale epoch, unknown or faulted job, deadline passed
 )
 
-SOURCES: Final = ("command", "rpc", "grpc", "kv")  # where a refused message came from (see REFUSALS for why)
+SOURCES: Final = ("command", "rpc", "grpc", "kv", "socket")  # where a refused message came from (REFUSALS: why)
 TASKS: Final = ("operation", "standalone", "pid_check", "rpc", "command")  # where an unexpected error was caught
 
 

@@ -2,8 +2,9 @@
 
 * announces itself in KV ``agents`` (a TTL makes a dead agent disappear) and keeps every job's
   context state on this node in KV ``jobs`` (key ``<node>.<job>``);
-* serves registrations (``ts.rpc.agent.<node>.register`` …) and tells the orchestrator about them
-  with ``JobRegistered`` events;
+* serves registrations (``ts.rpc.agent.<node>.register.<job>`` …) and tells the orchestrator about them
+  with ``JobRegistered`` events; a job proves its processes through the agent's node-local Unix socket
+  (``_peer``), and a process-level backend acts only on processes so proven (``_ownership``);
 * runs snapshot/restore commands from the orchestrator (``ts.v1.agent.<node>.cmd``, a durable
   consumer, so commands sent while it restarts are not lost): idempotent per op id, fenced by the
   group epoch, bounded by the command's deadline, rolled back where the backend can; every start
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -30,6 +32,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
+from timeslice_client._agent_socket import default_socket_path
 from timeslice_client.bus import connect, ensure_bus
 from timeslice_client.protocol import (
     STREAM,
@@ -58,11 +61,13 @@ from ._host import alive
 from ._job_locks import JobLocks
 from ._jobbook import JobBook, now_ms
 from ._ordering import RunningOps
+from ._ownership import ProcessGuard, ProcFS
+from ._peer import PeerServer
 from ._requests import Requests, log_refusal
 from ._room import RestoreOrder
 from ._standalone import standalone_context
 from ._untrusted import Refusal, Refused, cap, check_command, check_id, check_registration, refusal_result, shown
-from .backends import OpContext, Outcome, make_backend
+from .backends import OpContext, Outcome, acts_on_processes, make_backend
 from .metrics import AgentMetrics
 
 __all__ = ["Agent", "AgentConfig", "OperationStatus", "default_node_id"]
@@ -96,7 +101,11 @@ class Agent:
         self._heartbeat: Heartbeat | None = None  # once connected
         self._book = JobBook(self.node, refused=lambda code: self.metrics.refusal("kv", code))  # KV ``jobs``
         self._locks = JobLocks()  # one per job id, while in use
-        self._requests = Requests(self.node, self._book, self._locks, self.metrics)  # ts.rpc.agent.<node>.*
+        self._guard = ProcessGuard(proc=ProcFS(self.config.proc_root), allowed_uids=self.config.allowed_uids,
+                                   any_uid=self.config.allow_other_uids)
+        self._requests = Requests(self.node, self._book, self._locks, self.metrics,  # ts.rpc.agent.<node>.*
+                                  guard=self._guard)
+        self._peer: PeerServer | None = None  # the agent socket, while running
         self._epochs: dict[str, int] = {}
         self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()
         self._running = RunningOps()  # a restore waits for the snapshots it follows (Restore.after)…
@@ -133,14 +142,17 @@ class Agent:
         self._requests.bind(self._js)
         heartbeat = self._heartbeat = Heartbeat(self.node, buckets.agents, self._started_ms)
         try:
+            await self._serve_socket()
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 await heartbeat.once()
                 await self._book.recover()
-                rpc = self._requests.on_rpc
-                for verb, cb in (("register", rpc), ("unregister", rpc), ("clear_fault", rpc),
-                                 ("status", self._requests.on_status)):
-                    self._subs.append(await nc.subscribe(subjects.agent_rpc(self.node, verb), cb=cb))
+                r, node = self._requests, self.node
+                for subject, cb in ((subjects.agent_rpc_jobs(node, "register"), r.on_register),
+                                    (subjects.agent_rpc_jobs(node, "unregister"), r.on_unregister),
+                                    (subjects.agent_rpc(node, "clear_fault"), r.on_clear_fault),
+                                    (subjects.agent_rpc(node, "status"), r.on_status)):
+                    self._subs.append(await nc.subscribe(subject, cb=cb))
                 await self._subscribe_commands()
                 tg.create_task(heartbeat.loop(self.config.heartbeat_s, self._stop))
                 tg.create_task(self._pid_loop())
@@ -156,9 +168,27 @@ class Agent:
             pass
         finally:
             self._tg = None
+            if self._peer is not None:
+                await self._peer.stop()
+                self._peer = None
             if self._own_nc and nc.is_connected:
                 with contextlib.suppress(Exception):
                     await nc.drain()
+
+    @property
+    def socket_path(self) -> str | None:
+        """Where this agent serves its socket (None: it serves none, ``socket="off"``)."""
+        configured = self.config.socket
+        if configured == "off":
+            return None
+        return configured.replace("{node}", self.node) if configured else default_socket_path(self.node)
+
+    async def _serve_socket(self) -> None:
+        path = self.socket_path
+        if path is not None:
+            self._peer = PeerServer(path, self._guard, self.metrics, node=self.node)
+            await self._peer.start()
+        self._requests.set_proofs(self._peer.take if self._peer is not None else None, path)
 
     async def _subscribe_commands(self) -> None:
         js, nc = self._js, self._nc
@@ -405,6 +435,18 @@ class Agent:
         assert self._nc is not None
         nc, node = self._nc, self.node
         backends = [make_backend(b, nc, node) for b in ctx.backends]
+        if acting := acts_on_processes(ctx.backends):
+            try:
+                self._guard.verify(ctx)  # the processes are still the ones the job proved to own
+            except Refused as exc:
+                log_refusal(self.metrics, node, "command", exc.code, f"refused to act on the job's processes: {exc}",
+                            job=ctx.job, op_id=op.op_id)
+                if kind is OpKind.RESTORE:
+                    return JobState.FAULTED, f"refused ({exc.code}): {exc}", Outcome()
+                state = JobState.IDLE if before is JobState.IDLE else JobState.RUNNING  # nothing was done
+                return state, f"{'+'.join(acting)} refused ({exc.code}): {exc} (nothing done)", Outcome()
+            guard = self._guard
+            op = dataclasses.replace(op, may_act=lambda pid: guard.may_act(ctx, pid))
         outcome = await until_exited(perform(backends, ctx, op, kind, before), ctx.pids, self.config.pid_check_s)
         if outcome is None:
             log.warning("job's processes exited during a %s", kind, extra={"node": node, "job": ctx.job,
@@ -445,7 +487,9 @@ class Agent:
 
         A registered job runs with its registered backends unless ``backends`` (and ``mode``, ``tags``,
         ``pids``, ``endpoints``) say otherwise; those then become its configuration. A job this agent
-        does not know is taken on for a snapshot when ``backends`` and ``pids`` name its processes.
+        does not know is taken on for a snapshot when ``backends`` and ``pids`` name its processes, with backends
+        that touch no process only: a process-level backend (``cuda``, ``freeze``) acts only on processes a
+        registration proved through the agent's socket (``Refused``, code ``unproven`` or ``not_owned``).
         Raises ``LookupError`` (unknown job, nothing to restore), ``ValueError`` (bad ids, another
         group), ``BackendUnavailable`` (a backend this agent lacks), ``RuntimeError`` (not running).
         """
@@ -464,6 +508,8 @@ class Agent:
                 check_registration(RegisterJob(group=ctx.group, job=job, backends=ctx.backends, pids=ctx.pids,
                                                pgid=ctx.pgid, mode=ctx.mode, tags=ctx.tags, endpoints=ctx.endpoints,
                                                op_timeout_ms=ctx.op_timeout_ms))  # Refused: a ValueError
+                if acts_on_processes(ctx.backends):  # only processes the registration proved (Refused)
+                    ctx = await asyncio.to_thread(self._guard.standalone, current, ctx)
                 ctx = await self._book.save(ctx)
         op_id = f"standalone-{uuid.uuid4().hex}"
         budget_ms = int(timeout_s * 1000) if timeout_s else ctx.op_timeout_ms
