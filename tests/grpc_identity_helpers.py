@@ -76,12 +76,20 @@ def account_jwt(account: nkeys.KeyPair, operator: nkeys.KeyPair, *, name: str = 
     return sign_jwt(operator, claims)
 
 
-def write_auth_conf(path: Path, operator: nkeys.KeyPair, accounts: dict[str, str]) -> None:
-    """A server config snippet as `timeslice auth server-config` writes it: ``{account pubkey: account JWT}``."""
+def auth_conf_text(operator: nkeys.KeyPair, system: nkeys.KeyPair, accounts: dict[str, str]) -> str:
+    """A server config snippet as `timeslice auth server-config` writes it (operator JWT, system account, memory
+    resolver preloaded with ``{account pubkey: account JWT}``), valid for nats-server."""
+    op = sign_jwt(operator, {"jti": _b64(os.urandom(16)), "iat": int(time.time()), "iss": public(operator),
+                             "sub": public(operator), "name": "timeslice",
+                             "nats": {"type": "operator", "version": 2, "system_account": public(system)}})
     preload = "\n".join(f"  {k}: {v}" for k, v in accounts.items())
+    return (f"operator: {op}\nsystem_account: {public(system)}\nresolver: MEMORY\n"
+            f"resolver_preload: {{\n{preload}\n}}\n")
+
+
+def write_auth_conf(path: Path, operator: nkeys.KeyPair, system: nkeys.KeyPair, accounts: dict[str, str]) -> None:
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(f"operator: {sign_jwt(operator, {'sub': public(operator), 'nats': {'type': 'operator'}})}\n"
-                   f"resolver: MEMORY\nresolver_preload: {{\n{preload}\n}}\n")
+    tmp.write_text(auth_conf_text(operator, system, accounts))
     tmp.replace(path)
 
 

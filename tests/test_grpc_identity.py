@@ -192,14 +192,15 @@ async def test_tokens_from_the_auth_dir_and_its_revocations(start: Any, tmp_path
     system = new_account()
     conf = tmp_path / "nats-auth.conf"
     token = user_jwt(account, "job", job="job-r", iat=1)
-    write_auth_conf(conf, operator, {public(system): account_jwt(system, operator, name="SYS"),
-                                     public(account): account_jwt(account, operator)})
+    write_auth_conf(conf, operator, system, {public(system): account_jwt(system, operator, name="SYS"),
+                                             public(account): account_jwt(account, operator)})
     s = await start(trust_account=str(tmp_path), local_callers=False)
     with OrchestratorClient(f"127.0.0.1:{s.port}", group_id="rev", token=token) as c:
         assert isinstance(await call(c.list_groups), list)
         user = _sub(token)
-        write_auth_conf(conf, operator, {public(system): account_jwt(system, operator, name="SYS"),
-                                         public(account): account_jwt(account, operator, revocations={user: 2})})
+        write_auth_conf(conf, operator, system, {
+            public(system): account_jwt(system, operator, name="SYS"),
+            public(account): account_jwt(account, operator, revocations={user: 2})})
         os.utime(conf, ns=(conf.stat().st_mtime_ns + 10**9,) * 2)  # the rewrite may land within one mtime tick
 
         async def refused() -> bool:
