@@ -358,3 +358,45 @@ async def test_agent_shim_acts_only_for_the_callers_job(nats_url: str, agent_tok
                 await stub.Status(pb.StatusRequest(), metadata=md(user_jwt(account, "reader")), timeout=5)
         finally:
             await shim.stop()
+
+
+async def test_the_documented_client_snippet_sends_the_token_of_a_creds_file(start: Any, pki: Pki,
+                                                                            tmp_path: Path) -> None:
+    """docs/_security_grpc.md's Python example, run as written against a TLS shim that takes tokens."""
+    import re
+
+    from .grpc_proto_client import ORCHESTRATOR_PROTO, Stub, compile_proto
+
+    account = new_account()
+    s = await start(tls_cert=pki.server_cert, tls_key=pki.server_key, trust_account=public(account),
+                    local_callers=False)
+    jwt = user_jwt(account, "job", job="job-a")
+    (tmp_path / "job-a.creds").write_text(  # the NATS .creds layout
+        f"-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n"
+        "************************* IMPORTANT *************************\n\n"
+        "-----BEGIN USER NKEY SEED-----\nSUAIBDPBAUTWCWBKIO6XHQNINK5FWJW4OHLXC3HQ2KFE4PEJUA44CNHTC4\n"
+        "------END USER NKEY SEED------\n")
+    (tmp_path / "ca.crt").write_bytes(pki.ca.read_bytes())
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "_security_grpc.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", doc, flags=re.DOTALL)
+    assert snippet
+    code = snippet.group(1).replace('"orchestrator:50051"', f'"localhost:{s.port}"')
+    cwd = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        scope: dict[str, Any] = {}
+        exec(code, scope)
+    finally:
+        os.chdir(cwd)
+    channel = scope["channel"]
+    try:
+        pb = compile_proto(ORCHESTRATOR_PROTO)
+        stub = Stub(channel, pb, "TimeSliceOrchestratorService")
+        r = await call(stub.Acquire, pb.AcquireRequest(job_id="job-a", group_id="doc"), timeout=10)
+        assert r.success
+        with pytest.raises(grpc.RpcError) as err:
+            await call(stub.Acquire, pb.AcquireRequest(job_id="job-b", group_id="doc"), timeout=10)
+        assert err.value.code() is DENIED  # type: ignore[attr-defined]
+        await call(stub.Yield, pb.YieldRequest(job_id="job-a", group_id="doc"), timeout=10)
+    finally:
+        channel.close()
