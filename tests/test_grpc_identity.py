@@ -400,3 +400,24 @@ async def test_the_documented_client_snippet_sends_the_token_of_a_creds_file(sta
         await call(stub.Yield, pb.YieldRequest(job_id="job-a", group_id="doc"), timeout=10)
     finally:
         channel.close()
+
+
+@pytest.mark.parametrize("quote", ["", '"'])
+def test_the_trusted_account_is_read_from_a_key_a_jwt_or_a_server_config(tmp_path: Path, quote: str) -> None:
+    from timeslice_client._grpc.identity import Trust, TrustError
+
+    operator, system, account = new_key(0x70), new_account(), new_account()
+    acc_jwt = account_jwt(account, operator)
+    preload = (f"  {quote}{public(system)}{quote}: {quote}{account_jwt(system, operator, name='SYS')}{quote}\n"
+               f"  {quote}{public(account)}{quote}: {quote}{acc_jwt}{quote}\n")
+    (tmp_path / "nats-auth.conf").write_text(f"resolver: MEMORY\nresolver_preload: {{\n{preload}}}\n")
+    (tmp_path / "account.jwt").write_text(acc_jwt + "\n")
+    (tmp_path / "account.pub").write_text(public(account) + "\n")
+    for source in (public(account), tmp_path, tmp_path / "nats-auth.conf", tmp_path / "account.jwt",
+                   tmp_path / "account.pub"):
+        assert Trust(source).account().public_key == public(account), source
+    (tmp_path / "other.conf").write_text(f"resolver_preload: {{\n  {public(system)}: "
+                                         f"{account_jwt(system, operator, name='SYS')}\n}}\n")
+    for bad in (tmp_path / "other.conf", tmp_path / "missing", "AXXX", "A" + "B" * 55):
+        with pytest.raises(TrustError):
+            Trust(bad)

@@ -49,7 +49,7 @@ __all__ = [
 _JOB_RE: Final = r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}"  # the id rule of timeslice_client._names
 _NKEY_RE: Final = re.compile(r"[A-Z2-7]{56}")
 _JWT_RE: Final = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+")
-_PRELOAD_RE: Final = re.compile(r"\b(A[A-Z2-7]{55})\b\s*[:=]\s*\"?([A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+)")
+_PRELOAD_RE: Final = re.compile(r"\b(A[A-Z2-7]{55})\b[\"']?\s*[:=]\s*[\"']?(" + _JWT_RE.pattern + ")")
 ACCOUNT_NAME: Final = "TIMESLICE"
 #: Roles that act as any job: ``timeslice up``'s local user (``nats.creds``) and a shim without authentication.
 ANY_JOB_ROLES: Final = frozenset({"local", "insecure"})
@@ -177,8 +177,11 @@ class Trust:
         self._mtime: int | None = None
         self._checked = 0.0
         if _NKEY_RE.fullmatch(self.source) and self.source.startswith("A"):
+            try:
+                _verify_key(self.source)
+            except ValueError as exc:
+                raise TrustError(f"--grpc-trust-account: {exc}") from exc
             self._account = Account(self.source)
-            _verify_key(self.source)
             return
         path = Path(self.source).expanduser()
         self._path = path / "nats-auth.conf" if path.is_dir() else path

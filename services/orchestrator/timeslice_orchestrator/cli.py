@@ -248,7 +248,9 @@ def _grpc_flags(parser: argparse.ArgumentParser, default_port: int | None) -> No
     off = "off unless given" if default_port is None else f"default {default_port}"
     parser.add_argument("--grpc-port", type=int, default=default_port,
                         help=f"serve the gRPC API on this port ({off}; 0: any free port; -1: off)")
-    parser.add_argument("--grpc-host", default=None, help="address the gRPC API listens on")
+    parser.add_argument("--grpc-host", default=None,
+                        help="address the gRPC API listens on (default 127.0.0.1; `up`: its --host); without TLS "
+                             "only loopback addresses serve, unless --grpc-insecure")
     parser.add_argument("--grpc-tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
     parser.add_argument("--grpc-tls-key", default=None, help="PEM private key of --grpc-tls-cert")
     parser.add_argument("--grpc-tls-client-ca", default=None,
