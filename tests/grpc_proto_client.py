@@ -68,7 +68,8 @@ class OrchestratorClient:
     """What an existing client of the orchestrator API does (acquire / release / status / with-block)."""
 
     def __init__(self, target: str, *, legacy: bool = False, credentials: grpc.ChannelCredentials | None = None,
-                 job_id: str | None = None, group_id: str | None = None, own_connection: bool = False) -> None:
+                 job_id: str | None = None, group_id: str | None = None, own_connection: bool = False,
+                 token: str | None = None) -> None:
         pb = compile_proto(LEGACY_PROTO if legacy else ORCHESTRATOR_PROTO)
         service = "AcceleratorOrchestratorService" if legacy else "TimeSliceOrchestratorService"
         # Channels of one process to one target share their connection unless told otherwise.
@@ -78,26 +79,29 @@ class OrchestratorClient:
         self.stub = Stub(self.channel, pb, service)
         self.pb = pb
         self.job_id, self.group_id = job_id, group_id
+        # A bearer token as plain metadata (works on plaintext loopback too; grpc's call credentials need TLS).
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     def acquire(self, job_id: str | None = None, group_id: str | None = None, timeout: float | None = None) -> Any:
         req = self.pb.AcquireRequest(job_id=job_id or self.job_id, group_id=group_id or self.group_id)
-        return self.stub.Acquire(req, timeout=timeout)
+        return self.stub.Acquire(req, timeout=timeout, metadata=self.metadata)
 
     def acquire_future(self, job_id: str | None = None, group_id: str | None = None,
                        timeout: float | None = None) -> Any:
         req = self.pb.AcquireRequest(job_id=job_id or self.job_id, group_id=group_id or self.group_id)
-        return self.stub.Acquire.future(req, timeout=timeout)
+        return self.stub.Acquire.future(req, timeout=timeout, metadata=self.metadata)
 
     def release(self, job_id: str | None = None, group_id: str | None = None, timeout: float | None = 10) -> Any:
         req = self.pb.YieldRequest(job_id=job_id or self.job_id, group_id=group_id or self.group_id)
-        return self.stub.Yield(req, timeout=timeout)
+        return self.stub.Yield(req, timeout=timeout, metadata=self.metadata)
 
     def list_groups(self, timeout: float | None = 10) -> list[str]:
-        return list(self.stub.ListGroups(self.pb.ListGroupsRequest(), timeout=timeout).group_ids)
+        reply = self.stub.ListGroups(self.pb.ListGroupsRequest(), timeout=timeout, metadata=self.metadata)
+        return list(reply.group_ids)
 
     def get_status(self, group_id: str | None = None, timeout: float | None = 10) -> Any:
         return self.stub.GetGroupStatus(self.pb.GetGroupStatusRequest(group_id=group_id or self.group_id),
-                                        timeout=timeout)
+                                        timeout=timeout, metadata=self.metadata)
 
     @contextlib.contextmanager
     def on_accelerators(self, job_id: str | None = None, group_id: str | None = None,

