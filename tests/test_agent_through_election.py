@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from timeslice_agent import Agent, AgentConfig
-from timeslice_client import AsyncTimeSliceClient
+from timeslice_client import AsyncTimeSliceClient, GroupRecord
 from timeslice_client.bus import BusConfig
 from timeslice_client.protocol import STREAM, OpKind, OpResult, OpStarted, subjects
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
@@ -83,9 +83,14 @@ async def test_a_snapshot_answered_during_an_election_runs_once_and_counts_ok(cl
                 go.set()  # a's suspend ends now: the agent answers while the stream elects its leader
                 gb = await asyncio.wait_for(tb, 90)
                 print(f"\nb granted {time.monotonic() - t_kill:.2f} s after the stream leader's kill")
-                rec = await b.status()
+
+                async def stored() -> GroupRecord | None:  # the grant goes out before its record is written
+                    rec = await b.status()
+                    return rec if rec.holder is not None and rec.holder.job == "b" else None
+
+                rec = await eventually(stored, timeout=30, what="the record shows b holding")
                 assert "a" not in rec.faulted, rec.faulted
-                assert gb.epoch == (rec.holder.epoch if rec.holder else -1)
+                assert rec.holder is not None and gb.epoch == rec.holder.epoch
                 await b.release()
             finally:
                 go.set()
