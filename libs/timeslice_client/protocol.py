@@ -28,12 +28,12 @@ message is a new tag. Consumers of an older version reject unknown tags loudly.
 
 from __future__ import annotations
 
-import enum
 from typing import Annotated, Final, Literal
 
 import msgspec
 
 from ._bounds import Count, Elapsed, Id, Ms, Name, OpId, Reason, RequestId, Text
+from ._codes import ErrorCode, GroupState, JobState, OpKind, SuspendMode
 from ._names import subjects, validate_id
 
 __all__ = [
@@ -109,46 +109,6 @@ def is_group_key(key: str) -> bool:
     """Whether a key of KV ``groups`` is a group's record. Keys starting with ``_`` (never a group id) are the
     orchestrator's own: ``_term``, the marker that fences the leader's writes."""
     return not key.startswith("_")
-
-
-
-
-class GroupState(enum.StrEnum):
-    IDLE = "IDLE"
-    IDLE_YIELDED = "IDLE_YIELDED"
-    LOCKED = "LOCKED"
-    SWITCHING = "SWITCHING"
-
-
-class ErrorCode(enum.StrEnum):
-    """Stable refusal codes, shared by orchestrator and clients."""
-
-    NOT_HOLDER = "NOT_HOLDER"
-    STALE_EPOCH = "STALE_EPOCH"
-    JOB_FAULTED = "JOB_FAULTED"
-    INVALID = "INVALID"
-    QUEUE_FULL = "QUEUE_FULL"  # the group has ``Limits.max_queue`` waiters already
-    QUARANTINED = "QUARANTINED"  # the group's record is unusable; the orchestrator serves every other group
-
-
-class OpKind(enum.StrEnum):
-    SNAPSHOT = "snapshot"
-    RESTORE = "restore"
-
-
-class JobState(enum.StrEnum):
-    """A job's context on one node (the agent's state machine)."""
-
-    IDLE = "IDLE"  # registered, never granted
-    RUNNING = "RUNNING"
-    TRANSITIONING = "TRANSITIONING"
-    SAVED = "SAVED"
-    FAULTED = "FAULTED"
-
-
-class SuspendMode(enum.StrEnum):
-    OFFLOAD = "offload"  # keep the state in host memory
-    DISCARD = "discard"  # drop it; the workload rebuilds it
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
