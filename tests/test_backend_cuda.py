@@ -436,3 +436,32 @@ async def test_agent_state_machine_over_the_cuda_backend(
     assert not r.ok and agent.jobs()["j"].state is JobState.FAULTED
     assert "CUDA_ERROR_UNKNOWN" in (agent.jobs()["j"].reason or "")
     await channel.close()
+
+
+async def test_the_grpc_api_refuses_a_process_the_job_did_not_prove_as_permission_denied(
+        agent: Agent, rule_driver: tuple[RuleDriver, CudaBackend], children: list[int], nats_url: str) -> None:
+    """``BackendConfig.cuda.explicit_target`` naming a process that is not the registered job's (pid 1 here; the
+    test's children are its own): PERMISSION_DENIED, not INVALID_ARGUMENT (the request is well formed; the caller
+    may not act on that process), and the process is untouched."""
+    import grpc
+    from timeslice_agent.grpc_shim import AgentGrpcConfig, AgentGrpcShim
+
+    from .grpc_proto_client import AGENT_PROTO, Stub, compile_proto
+
+    drv, _ = rule_driver
+    channel = await register_workload("j", "standalone", CallbackHandler(lambda m, t: None, lambda m, t: None),
+                                      node_id="n1", nats_url=nats_url, backends=("cuda",), pids=(children[0],))
+    shim = AgentGrpcShim(agent, AgentGrpcConfig(host="127.0.0.1", port=0))
+    port = await shim.start()
+    pb = compile_proto(AGENT_PROTO)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            s = Stub(ch, pb, "SnapshotAgentService")
+            cfg = pb.BackendConfig(cuda=pb.CudaBackendConfig(explicit_target=pb.ProcessTarget(pids=[1])))
+            with pytest.raises(grpc.RpcError) as info:
+                await asyncio.to_thread(s.Snapshot, pb.SnapshotRequest(job_id="j", backend_config=cfg), timeout=10)
+        assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED, info.value
+        assert drv.states[children[0]] is ProcessState.RUNNING
+    finally:
+        await shim.stop()
+        await channel.close()

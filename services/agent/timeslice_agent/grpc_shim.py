@@ -47,12 +47,13 @@ from timeslice_client._grpc.guard import Authenticator, add_port, authenticate, 
 from timeslice_client._grpc.runtime import SERVER_OPTIONS, Handler, bind
 from timeslice_client.protocol import JobState, OpKind, SuspendMode
 
-from ._untrusted import Refused, check_id, check_op_id
+from ._untrusted import Refusal, Refused, check_id, check_op_id
 from .backends import BackendUnavailable, available_backends
 from .service import Agent
 
 __all__ = ["SERVICE", "AgentGrpcConfig", "AgentGrpcShim", "from_args", "run_beside"]
 
+_PERMISSION = frozenset({Refusal.UNPROVEN, Refusal.NOT_OWNED, Refusal.WRONG_JOB, Refusal.FORBIDDEN_PROCESS})
 log = logging.getLogger("timeslice.agent.grpc")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["SnapshotAgentService"].full_name
@@ -183,9 +184,11 @@ class AgentGrpcShim:
         return _Plan(backends=(name,), mode=_MODES.get(ch.mode), tags=tuple(ch.tags) or None)
 
     async def _refuse(self, ctx: Ctx, exc: Refused) -> NoReturn:
-        """A malformed request: counted (``timeslice_agent_refused{source="grpc"}``), INVALID_ARGUMENT."""
+        """Counted (``timeslice_agent_refused{source="grpc"}``): a process the job has not proven its own
+        (``_PERMISSION``) is PERMISSION_DENIED, a malformed request INVALID_ARGUMENT."""
         self.agent.metrics.refusal("grpc", exc.code)
-        await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        code = grpc.StatusCode.PERMISSION_DENIED if exc.code in _PERMISSION else grpc.StatusCode.INVALID_ARGUMENT
+        await ctx.abort(code, str(exc))
 
     async def _unsupported(self, ctx: Ctx, why: str) -> NoReturn:
         have = set(available_backends())
