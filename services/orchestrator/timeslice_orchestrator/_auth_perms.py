@@ -56,7 +56,8 @@ def _read_api(*, consumers: bool) -> list[str]:
         out += [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}",
                 f"$JS.API.DIRECT.GET.{stream}.>"]
         if consumers:
-            out += [f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.FC.{stream}.>"]
+            # and looking up its own consumer (KV watchers, `timeslice events`; see _DENY_READERS)
+            out += [f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.INFO.{stream}.*", f"$JS.FC.{stream}.>"]
     return out
 
 
@@ -84,6 +85,9 @@ def _agent(node: str) -> tuple[list[str], list[str]]:
     return pub, sub
 
 
+# The orchestrator's durable (OrchestratorConfig.durable's default): its info names the subject it is delivered on,
+# where an ephemeral consumer could push stored messages at the orchestrator.
+_DENY_READERS: Final = (f"$JS.API.CONSUMER.INFO.{STREAM}.orchestrator",)
 _ADMIN_PUB: Final = ("ts.v1.ctl.*.clear_fault", "ts.rpc.agent.*.clear_fault")
 _READER_PUB: Final = ("ts.rpc.agent.*.status",)
 
@@ -124,6 +128,8 @@ def permissions(role: str, ident: str | None = None, groups: Iterable[str] = ())
         raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
     sub.append(f"{inbox}.>")
     out: dict[str, Any] = {"pub": {"allow": pub}, "sub": {"allow": sub}}
+    if role in ("admin", "reader", "local"):
+        out["pub"]["deny"] = list(_DENY_READERS)
     if resp:
         out["resp"] = {"max": 1, "ttl": 0}
     return out
