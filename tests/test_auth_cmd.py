@@ -202,7 +202,10 @@ async def test_timeslice_up_runs_with_auth_and_local_clients_need_no_flag(tmp_pa
             assert (await client.status()).epoch == g.epoch
         with pytest.raises(Exception, match=r"(?i)authorization violation"):  # anyone else: refused
             await nats.connect(fields["nats"], allow_reconnect=False, connect_timeout=2, error_cb=_quiet)
-        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+        # `up` and its agent process (its session: it was started in a new one)
+        ps = subprocess.run(["ps", "-o", "args=", "-s", str(proc.pid)], capture_output=True, text=True,
+                            check=True).stdout
+        assert "timeslice_agent" in ps
         seed = creds.read_text().split("SEED-----")[1].split("------END")[0].strip()
         assert seed not in ps and ".creds" not in ps  # the agent gets its file's path by environment
     finally:
