@@ -120,7 +120,9 @@ def _fields(line: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("apart", [False, True], ids=["agent-in-process", "agent-process"])
-async def test_timeslice_up_runs_the_agent_in_its_process_unless_asked(tmp_path: Path, apart: bool) -> None:
+async def test_timeslice_up_runs_the_agent_in_its_process_unless_asked(tmp_path: Path, apart: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIMESLICE_URL_FILE", str(tmp_path / "nats.url"))  # here too: its credentials lie beside it
     env = dict(os.environ, TIMESLICE_URL_FILE=str(tmp_path / "nats.url"), TIMESLICE_LOG_LEVEL="warning")
     args = [sys.executable, "-m", "timeslice_orchestrator", "up", "--data-dir", str(tmp_path / "data"),
             "--node-id", "n-up", "--grpc-port", "-1", "--metrics-port", "-1", "--agent-metrics-port",

@@ -23,7 +23,7 @@ from ._keeper import keep
 from ._prompt import DEFAULT_SWITCH_INTERVAL
 from ._publish_rules import publish_stored, request_id
 from ._refusals import refusal_error
-from .bus import connect, default_nats_url, kv_keys
+from .bus import CredsPath, TlsOption, connect, default_nats_url, kv_keys
 from .errors import (
     AcquireCancelled,
     AcquireTimeout,
@@ -88,7 +88,7 @@ class AsyncTimeSliceClient:
         confirm_seconds: float = 3.0,
         connect_timeout: float = 5.0,
         fast_reacquire: bool = True,
-        nc: NATS | None = None,
+        nc: NATS | None = None, creds: CredsPath | None = None, tls: TlsOption | None = None,
     ) -> None:
         self.job_id = validate_id("job", job_id)
         self.group_id = validate_id("group", group_id)
@@ -104,6 +104,7 @@ class AsyncTimeSliceClient:
         self.fast_reacquire = fast_reacquire
         self._nc = nc
         self._own_nc = nc is None
+        self._identity: dict[str, Any] = {"creds": creds, "tls": tls}  # a .creds file, TLS (None: bus.connect finds)
         self._js: JetStreamContext | None = None
         self._kv: KeyValue | None = None
         self._sub: Any = None
@@ -134,7 +135,7 @@ class AsyncTimeSliceClient:
             if self._sub is not None:
                 return self
             if self._nc is None:
-                self._nc = await connect(self.nats_url, name=f"timeslice-job-{self.job_id}",
+                self._nc = await connect(self.nats_url, name=f"timeslice-job-{self.job_id}", **self._identity,
                                          connect_timeout=self.connect_timeout, reconnected_cb=self._on_reconnected)
             self._js = self._nc.jetstream(timeout=self.request_timeout)
             v = self._nc.connected_server_version

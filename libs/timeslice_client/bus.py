@@ -6,6 +6,10 @@ one has another replica count than ``BusConfig.replicas`` asks for).
 
 A NATS URL is one server or several, comma-separated (``nats://a:4222,nats://b:4222``): ``parse_servers``
 reads and checks it, and every command, service and client goes through it (via ``connect``).
+
+``connect`` also picks the connection's identity (a NATS ``.creds`` file) and TLS files: given, set for the process
+by the CLI's flags, from ``$TIMESLICE_CREDS``/``$TIMESLICE_TLS_*``, or the credentials ``timeslice up`` writes beside
+its URL file (``_bus_auth``; docs/security.md).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import asyncio
 import json
 import logging
 import os
+import weakref
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,16 +33,23 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, Field
 
+from . import _bus_auth
+from ._bus_auth import BusAuth, CredsPath, TlsFiles, TlsOption
 from .errors import TimeSliceError, Unavailable
 from .protocol import AGENTS_BUCKET, GROUPS_BUCKET, JOBS_BUCKET, STREAM, STREAM_SUBJECTS
 
 __all__ = [
     "Buckets",
+    "BusAuth",
     "BusConfig",
+    "CredsPath",
     "InvalidNatsUrl",
+    "TlsFiles",
+    "TlsOption",
     "connect",
     "default_nats_url",
     "ensure_bus",
+    "identity_of",
     "kv_keys",
     "nats_url_arg",
     "parse_servers",
@@ -54,6 +66,20 @@ def url_file() -> Path:
     """Where ``timeslice up`` advertises its NATS URL for clients on this host."""
     env = os.environ.get(_URL_FILE_ENV)
     return Path(env) if env else Path.home() / ".timeslice" / "nats.url"
+
+
+def local_creds_file() -> Path:
+    """Where ``timeslice up`` leaves the credentials of this machine's user: beside its URL file."""
+    return url_file().with_name(_bus_auth.LOCAL_CREDS_NAME)
+
+
+def _advertised() -> list[str] | None:
+    """The servers the URL file names (None: no readable URL file)."""
+    try:
+        lines = url_file().read_text().split()
+        return parse_servers(",".join(x.strip(",") for x in lines if x.strip(","))) if lines else None
+    except (OSError, InvalidNatsUrl):
+        return None
 
 
 def default_nats_url() -> str:
@@ -157,30 +183,72 @@ async def _quiet_error_cb(exc: Exception) -> None:
 
 
 async def connect(
-    url: str | Sequence[str] | None = None, *, name: str = "timeslice", connect_timeout: float = 5.0, **kwargs: Any
+    url: str | Sequence[str] | None = None, *, name: str = "timeslice", connect_timeout: float = 5.0,
+    creds: CredsPath | None = None, tls: TlsOption | None = None, **kwargs: Any
 ) -> NATS:
     """Connect to NATS with reconnects on, a quiet error callback and a clear error when nobody answers.
     ``url``: one server, or several (comma-separated, or a sequence; tried in turn, and again on reconnect), read
-    by ``parse_servers`` (``InvalidNatsUrl`` names a bad one); default ``default_nats_url()``."""
+    by ``parse_servers`` (``InvalidNatsUrl`` names a bad one); default ``default_nats_url()``.
+    ``creds``: a NATS ``.creds`` file; ``tls``: the CA / client certificate files (or a ready ``SSLContext``);
+    None: found as ``timeslice_client._bus_auth`` says (the CLI's flags, ``$TIMESLICE_CREDS``/``$TIMESLICE_TLS_*``,
+    the credentials beside ``timeslice up``'s URL file). Raises ``CredentialsError`` for an unusable file."""
     servers = parse_servers(url if url else default_nats_url())
     url = ",".join(servers)
+    auth, context = _bus_auth.resolve(creds, tls, servers=servers, advertised=_advertised(),
+                                      local_creds=local_creds_file())
+    errors: list[Exception] = []
+    user_cb = kwargs.pop("error_cb", _quiet_error_cb)
+
+    async def error_cb(exc: Exception) -> None:
+        if not errors:  # the first refusal says why a connection never came up
+            errors.append(exc)
+        await user_cb(exc)
+
     opts: dict[str, Any] = {
         "name": name,
         "connect_timeout": connect_timeout,
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.25,
-        "error_cb": _quiet_error_cb,
+        "error_cb": error_cb,
+        **_bus_auth.nats_options(auth, context),
     }
     opts.update(kwargs)
+    who = f" as {auth.creds} ({auth.source})" if auth.creds is not None else " without credentials"
     try:
         # With unlimited reconnects nats-py retries a first connection forever: bound it here.
         async with asyncio.timeout(connect_timeout * 2):
-            return await nats.connect(servers, **opts)
+            nc = await nats.connect(servers, **opts)
     except TimeoutError as exc:
-        raise Unavailable("cannot connect to NATS", nats_url=url, after_s=connect_timeout * 2) from exc
+        why = f" ({errors[0]})" if errors else ""
+        raise Unavailable(f"cannot connect to NATS{who}{why}{_hint(errors, auth)}", nats_url=url,
+                          after_s=connect_timeout * 2) from exc
     except Exception as exc:
-        raise Unavailable(f"cannot connect to NATS ({exc.__class__.__name__}: {exc})", nats_url=url) from exc
+        raise Unavailable(f"cannot connect to NATS{who} ({exc.__class__.__name__}: {exc}){_hint([exc], auth)}",
+                          nats_url=url) from exc
+    errors.clear()
+    _identities[nc] = {"creds": auth.creds, "tls": context}
+    return nc
+
+
+_identities: weakref.WeakKeyDictionary[NATS, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def identity_of(nc: NATS) -> dict[str, Any]:
+    """``connect``'s ``creds``/``tls`` arguments that connect another connection as ``nc`` is (made by ``connect``;
+    else empty: found as for any connection). For a second connection of one component (a workload's own)."""
+    return dict(_identities.get(nc, {}))
+
+
+def _hint(errors: Sequence[Exception], auth: BusAuth) -> str:
+    text = " ".join(str(e).lower() for e in errors)
+    if "authorization" not in text and "authentication" not in text:
+        return ""
+    if auth.creds is None:
+        return ("; the server wants credentials: give --creds FILE or $TIMESLICE_CREDS (`timeslice auth job|agent|"
+                "reader|admin ...` issues them; docs/security.md)")
+    return ("; the server refused these credentials (expired, revoked, or issued by another operator): issue new "
+            "ones with `timeslice auth` against that server's auth dir")
 
 
 class Buckets:

@@ -46,7 +46,7 @@ from . import _prompt
 from ._agent_socket import ProofUnavailable, prove
 from ._prompt import DEFAULT_SWITCH_INTERVAL, prompt_threads
 from ._responder import Responder
-from .bus import connect, parse_servers
+from .bus import CredsPath, TlsOption, connect, identity_of, parse_servers
 from .errors import AgentRefused, HandlerError, InvalidRequest, TimeSliceError, Unavailable
 from .handlers import HandlerResult, WorkloadHandler
 from .protocol import (
@@ -211,7 +211,7 @@ class WorkloadChannel:
 
     async def _subscribe(self, servers: list[str]) -> NATS:
         nc = await connect(servers, name=f"timeslice-workload-{self.job_id}", connect_timeout=self.request_timeout,
-                           dont_randomize=True)
+                           dont_randomize=True, **identity_of(self.nc))
         try:
             await nc.subscribe(subjects.workload_rpc(self.node_id, self.job_id), cb=self._on_command)
             await asyncio.sleep(0)  # NATS_NOTES trap 2
@@ -398,6 +398,8 @@ class WorkloadChannel:
             await self._take_early()
 
     async def _on_command(self, msg: Msg) -> None:
+        if msg.subject != subjects.workload_rpc(self.node_id, self.job_id):
+            return  # a stream's message pushed here by someone's consumer (it keeps its own subject): not the agent
         try:
             cmd = _cmd_decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -471,8 +473,11 @@ async def register_workload(
     endpoints: Iterable[str] = (),
     switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
     agent_socket: str | None = None,
+    creds: CredsPath | None = None,
+    tls: TlsOption | None = None,
 ) -> WorkloadChannel:
-    """Register this process with its node's agent; its own NATS connection, closed by ``close()``.
+    """Register this process with its node's agent; its own NATS connection (``creds``/``tls``: its identity; None:
+    as ``bus.connect`` finds it), closed by ``close()``.
 
     ``pids``/``pgid`` name the processes a process-level backend (``freeze``) stops; they default to
     this process, which suits ``app_channel`` (liveness) but not ``freeze`` of the process that calls
@@ -482,7 +487,7 @@ async def register_workload(
     at most) while it answers a suspend or resume (and, through a client, from the job's release until then), so a
     main thread busy in Python does not hold up the handler; ``None`` leaves it alone. A channel registered here
     never suspends early: only a client knows when its job releases (see ``AsyncTimeSliceClient.register_workload``)."""
-    nc = await connect(nats_url, name=f"timeslice-workload-{job_id}")
+    nc = await connect(nats_url, name=f"timeslice-workload-{job_id}", creds=creds, tls=tls)
     channel = WorkloadChannel(nc, job_id, group_id, handler, node_id=node_id, mode=mode, tags=tags,
                               backends=backends, pids=pids, pgid=pgid, op_timeout=op_timeout,
                               own_connection=True, endpoints=endpoints, switch_interval=switch_interval,

@@ -114,7 +114,7 @@ def _b64(part: str) -> bytes:
 
 def _verify_key(public_key: str) -> Any:
     """The ed25519 verify key of an nkey public key (account ``A...``), checksum and prefix checked."""
-    import nkeys  # type: ignore[import-untyped]
+    import nkeys
     from nacl.signing import VerifyKey
 
     try:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from timeslice_client.bus import BusConfig
+from timeslice_client.bus import BusConfig, TlsFiles
 
 __all__ = ["OrchestratorConfig"]
 
@@ -13,6 +16,12 @@ class OrchestratorConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TIMESLICE_", extra="ignore")
 
     nats_url: str | None = None
+    # The orchestrator's identity on the bus ($TIMESLICE_CREDS, $TIMESLICE_TLS_CA/_CERT/_KEY; docs/security.md). None:
+    # as bus.connect finds them (the CLI's --creds, then the environment).
+    creds: Path | None = None
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     durable: str = "orchestrator"
     writers: int = Field(default=16, ge=1, le=1024)
     write_queue: int = Field(default=65_536, ge=16)
@@ -30,3 +39,12 @@ class OrchestratorConfig(BaseSettings):
     leader_renew_s: float = Field(default=0.25, gt=0)  # must be < leader_ttl_s minus the 0.2 s safety margin
     leader_confirm_wait_s: float = Field(default=15.0, gt=0)  # a lapsed lease is confirmed again for this long
     bus: BusConfig = BusConfig()
+
+    def identity(self) -> dict[str, Any]:
+        """``bus.connect``'s ``creds``/``tls`` arguments for these settings (empty: found by ``connect``)."""
+        out: dict[str, Any] = {}
+        if self.creds is not None:
+            out["creds"] = self.creds
+        if self.tls_ca is not None or self.tls_cert is not None:
+            out["tls"] = TlsFiles(self.tls_ca, self.tls_cert, self.tls_key)
+        return out

@@ -297,7 +297,9 @@ def _on_op_result(w: Work, ev: OpResult) -> None:
     if sw is None or sw.epoch != ev.epoch:
         return  # a late answer from an earlier switch: fenced off
     for op in sw.ops:
-        if op.op_id == ev.op_id:
+        # The node and job must be the operation's too: an agent answers only for its own node's operations (its
+        # subject names its node, which the bus checked), never for another node's by naming its op id.
+        if op.op_id == ev.op_id and op.node == ev.node and op.job == ev.job:
             w.op_done(op, ok=ev.ok, error=ev.error)
             return
 

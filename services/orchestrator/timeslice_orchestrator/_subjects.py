@@ -4,10 +4,32 @@ the (group, job) an input subject names. One copy, so the checker admits exactly
 from __future__ import annotations
 
 import functools
+from typing import Final
 
-from timeslice_client.protocol import validate_id
+from timeslice_client.protocol import (
+    Acquire,
+    AgentLost,
+    Cancel,
+    ClearFault,
+    InputEvent,
+    JobRegistered,
+    JobUnregistered,
+    OpResult,
+    Phase,
+    Release,
+    Renew,
+    Tick,
+    validate_id,
+)
 
-__all__ = ["route", "subject_matches"]
+__all__ = ["check_names", "route", "subject_matches"]
+
+# Which events each kind of input subject carries: a job's requests under its own subject, timers and operator
+# inputs under ctl (the verb is the event's tag), an agent's facts under its node's subject. The subject is the
+# identity the bus's permissions checked; the payload must say the same (docs/security.md).
+_JOB_EVENTS: Final = (Acquire, Release, Renew, Cancel, Phase)
+_CTL_EVENTS: Final = (Tick, ClearFault, AgentLost)
+_AGENT_EVENTS: Final = (JobRegistered, JobUnregistered, OpResult)
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
@@ -33,3 +55,30 @@ def route(subject: str) -> tuple[str, str | None]:
     if len(t) == 6 and t[2] == "agent" and t[4] == "evt":
         return validate_id("group", t[5]), None
     raise ValueError(f"not an input subject: {subject!r}")
+
+
+def _tag(ev: InputEvent) -> str:
+    return str(type(ev).__struct_config__.tag)
+
+
+def check_names(subject: str, ev: InputEvent) -> None:
+    """Raise ValueError unless ``ev`` is an event its (routed) input subject may carry, naming the same group, job,
+    node and verb as the subject: a job publishes only its own requests, an agent only its own node's facts (the
+    permissions let each publish only under its own subject; the payload cannot speak for another)."""
+    t = subject.split(".")
+    kind, group = t[2], (t[5] if t[2] == "agent" else t[3])
+    if ev.group != group:
+        raise ValueError(f"payload names group {ev.group!r}, its subject {subject!r} group {group!r}")
+    allowed = {"job": _JOB_EVENTS, "ctl": _CTL_EVENTS, "agent": _AGENT_EVENTS}[kind]
+    if not isinstance(ev, allowed):
+        raise ValueError(f"a {_tag(ev)} event cannot come on {subject!r} (a {kind} subject carries "  # noqa: TRY004
+                         f"{', '.join(str(e.__struct_config__.tag) for e in allowed)})")
+    if kind == "agent":
+        assert isinstance(ev, _AGENT_EVENTS)
+        if ev.node != t[3]:
+            raise ValueError(f"payload names node {ev.node!r}, its subject {subject!r} node {t[3]!r}")
+        return
+    if _tag(ev) != t[-1]:
+        raise ValueError(f"a {_tag(ev)} event cannot come on {subject!r} (its verb is {t[-1]!r})")
+    if kind == "job" and getattr(ev, "job", None) != t[4]:
+        raise ValueError(f"payload names job {getattr(ev, 'job', None)!r}, its subject {subject!r} job {t[4]!r}")

@@ -18,12 +18,13 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from timeslice_client._bus_auth import BusAuth, add_auth_flags, auth_from_args, set_process_auth
 from timeslice_client._metrics_http import MetricsEndpoint, serve_metrics
 from timeslice_client._runner import run
 from timeslice_client.bus import nats_url_arg, parse_servers
 from timeslice_client.errors import TimeSliceError
 
-from . import _check_cmd, _events_cmd, _status_cmd
+from . import _auth_cmd, _check_cmd, _events_cmd, _status_cmd
 from ._beside import AgentBeside
 from .demo import register as _register_demo
 from .replay import _cli as _replay_cli
@@ -108,12 +109,12 @@ def _replicas(text: str) -> int:
     return n
 
 
-def _data_dir(given: str | None) -> Path:
-    return Path(given).expanduser() if given else Path.home() / ".timeslice" / "data"
+def _data_dir(given: str | None, default: Path | None = None) -> Path:
+    return Path(given).expanduser() if given else (default or Path.home() / ".timeslice" / "data")
 
 
 async def _up(args: argparse.Namespace) -> int:
-    from timeslice_client.bus import url_file
+    from timeslice_client.bus import local_creds_file, url_file
     from timeslice_client.workload import default_node_id
 
     from . import grpc_shim
@@ -123,9 +124,17 @@ async def _up(args: argparse.Namespace) -> int:
 
     data_dir = _data_dir(args.data_dir)
     cluster = _cluster(args)
+    # Auth on unless --no-auth: the keys in the data dir (or --auth-dir, shared by a cluster's servers), the
+    # orchestrator's identity for this process, the agent's and the local user's written when ready.
+    ups = None if args.no_auth else _auth_cmd.UpAuth(_data_dir(args.auth_dir, data_dir / "auth"))
     server = NatsServer(data_dir, port=args.port, host=args.host, cluster=cluster,
-                        server_name=args.server_name or (default_node_id() if cluster else None))
+                        server_name=args.server_name or (default_node_id() if cluster else None),
+                        extra_args=("-c", str(ups.server_config)) if ups else ())
+    if ups is not None:
+        set_process_auth(BusAuth(creds=ups.orchestrator, source="timeslice up"))
     url = await server.astart()
+    if ups is None:
+        _auth_cmd.warn_no_auth(url)
     if cluster is not None:
         try:
             await server.wait_jetstream(args.cluster_wait)
@@ -157,12 +166,13 @@ async def _up(args: argparse.Namespace) -> int:
                     agent_metrics = beside_metrics.url if beside_metrics else "-"
                 elif not args.no_agent:
                     agent, node = await _start_agent(url, args.node_id, orch.shutdown,
-                                                     metrics=(args.agent_metrics_port, args.host))
+                                                     metrics=(args.agent_metrics_port, args.host), ups=ups)
                 advert.parent.mkdir(parents=True, exist_ok=True)
+                creds = ups.local(local_creds_file()) if ups is not None else "-"  # before the URL: clients use both
                 advert.write_text(url + "\n")
                 print(f"timeslice up: nats={url} orchestrator=ready grpc={shim.address if shim else '-'} "
                       f"agent={node} data={data_dir} metrics={metrics.url if metrics else '-'} "
-                      f"agent-metrics={agent_metrics} url-file={advert} (Ctrl-C to stop)", flush=True)
+                      f"agent-metrics={agent_metrics} url-file={advert} creds={creds} (Ctrl-C to stop)", flush=True)
             else:
                 ready.cancel()
     finally:
@@ -196,17 +206,20 @@ def _cluster(args: argparse.Namespace) -> ClusterOptions | None:
 
 
 async def _start_agent(
-    url: str, node_id: str | None, on_exit: Callable[[], None], *, metrics: tuple[int, str] = (-1, "127.0.0.1")
+    url: str, node_id: str | None, on_exit: Callable[[], None], *, metrics: tuple[int, str] = (-1, "127.0.0.1"),
+    ups: _auth_cmd.UpAuth | None = None,
 ) -> tuple[asyncio.subprocess.Process, str]:
-    """The node's snapshot agent as its own process (the agent and orchestrator share only messages)."""
+    """The node's snapshot agent as its own process (the agent and orchestrator share only messages), with its own
+    credentials (by path in its environment: nothing secret on its command line)."""
     from timeslice_client.bus import connect
     from timeslice_client.protocol import AGENTS_BUCKET
     from timeslice_client.workload import default_node_id
 
     node = node_id or default_node_id()
+    env = dict(os.environ, TIMESLICE_CREDS=str(ups.agent(node))) if ups is not None else None
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "timeslice_agent", "--node-id", node,
                                                 "--nats-url", url, "--metrics-port", str(metrics[0]),
-                                                "--metrics-host", metrics[1])
+                                                "--metrics-host", metrics[1], env=env)
     nc = await connect(url)
     try:
         kv = await nc.jetstream().key_value(AGENTS_BUCKET)
@@ -278,6 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--node-id", default=None, help="the agent's node id (default: $TIMESLICE_NODE_ID or host name)")
     up.add_argument("--no-agent", action="store_true", help="run NATS and the orchestrator only")
+    up.add_argument("--no-auth", action="store_true",
+                    help="run NATS without credentials: anyone who reaches it may do anything (default: auth on, "
+                         "keys in <data-dir>/auth, the local user's credentials beside the URL file)")
+    up.add_argument("--auth-dir", default=None, help="the auth dir (default <data-dir>/auth; the servers of a "
+                                                     "cluster share one: `timeslice auth init --dir D`)")
     _replicas_flag(up)
     up.add_argument("--routes", default=None, metavar="URL[,URL...]",
                     help="join the embedded NATS server to a cluster: the route URLs of all its servers, e.g. "
@@ -307,7 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     _grpc_flags(orch, default_port=None)
     orch.add_argument("--metrics-port", type=int, default=-1,
                       help="serve Prometheus metrics at /metrics on this port (0: any free port; default -1: off)")
-    orch.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics endpoint listens on")
+    orch.add_argument("--metrics-host", default="127.0.0.1",
+                      help="address the metrics endpoint listens on (default 127.0.0.1: this host only; 0.0.0.0: "
+                           "every interface)")
     orch.add_argument("--with-agent", metavar="NODE_ID", default=None,
                       help="also run this node's snapshot agent in this process, on the orchestrator's connection "
                            "(its commands skip a bus hop; as `timeslice up` runs it)")
@@ -327,10 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("--job", required=True)
     cf.add_argument("--nats-url", type=nats_url_arg, default=None, help="NATS server(s), comma-separated")
     cf.set_defaults(func=_clear_fault)
+    _auth_cmd.register(sub)
 
     for ep in entry_points(group="timeslice.cli"):
         with contextlib.suppress(Exception):
             ep.load()(sub)
+    for cmd in sub.choices.values():  # every command that connects to NATS: its identity and TLS (docs/security.md)
+        if cmd is not up and any("--nats-url" in a.option_strings for a in cmd._actions):
+            add_auth_flags(cmd)
     return p
 
 
@@ -339,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    set_process_auth(auth_from_args(args))  # --creds / --tls-*: every connection of this process
     try:
         return _run(args.func(args))
     except KeyboardInterrupt:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import msgspec
-from timeslice_client.errors import InvalidId
 from timeslice_client.protocol import (
     Acquire,
     AgentLost,
@@ -46,7 +45,7 @@ from timeslice_client.protocol import (
     validate_id,
 )
 
-from ._subjects import route, subject_matches
+from ._subjects import check_names, route, subject_matches
 from .core import Action, Notify, apply, new_record
 
 __all__ = [
@@ -379,18 +378,17 @@ class StreamChecker:
     def _decode(subject: str, data: bytes) -> tuple[str, InputEvent | None]:
         """The orchestrator's admission rules: (group, event), or (group or "", None) if refused."""
         try:
-            group, job = route(subject)
+            group, _ = route(subject)
         except ValueError:
             return "", None
         try:
             ev = decode_input(data)
-            if ev.group != group or (job is not None and getattr(ev, "job", job) != job):
-                return group, None
+            check_names(subject, ev)
             for kind in ("job", "node"):
                 value = getattr(ev, kind, None)
                 if value is not None:
                     validate_id(kind, value)
-        except (msgspec.DecodeError, msgspec.ValidationError, InvalidId):
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError):  # an InvalidId too
             return group, None
         return group, ev
 

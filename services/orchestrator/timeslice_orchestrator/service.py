@@ -66,6 +66,7 @@ from ._leadership import Leadership, LeadershipChange
 from ._lease_guard import confirm_lease
 from ._quarantine import Quarantine
 from ._records import Deposed, RecordStore, Unusable, beyond_stream_end, fresh_record, load_all
+from ._subjects import check_names
 from ._timers import Timers
 from .core import Action, Command, Notify, Transition, apply, new_record
 from .metrics import OrchestratorMetrics
@@ -140,7 +141,7 @@ class Orchestrator:
         that a standby takes over at once."""
         nc = self._nc
         if nc is None:
-            nc = self._nc = await connect(self.config.nats_url, name="timeslice-orchestrator")
+            nc = self._nc = await connect(self.config.nats_url, name="timeslice-orchestrator", **self.config.identity())
         self._js = nc.jetstream()
         buckets = await ensure_bus(self._js, self.config.bus)
         self._kv = buckets.groups
@@ -423,8 +424,7 @@ class Orchestrator:
             return
         try:
             ev = decode_input(msg.data)
-            if ev.group != group or (job is not None and getattr(ev, "job", job) != job):
-                raise ValueError(f"payload names group {ev.group!r}, subject {msg.subject!r}")
+            check_names(msg.subject, ev)  # the subject is who sent it (the bus's permissions): the payload agrees
             for kind in ("job", "node"):
                 value = getattr(ev, kind, None)
                 if value is not None and value != job:  # equal to the subject's job: validated by route()
