@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 import pytest
 from nats.aio.client import Client as NATS
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from timeslice_agent import Agent, AgentConfig
 from timeslice_client._names import AGENT_JOB_VERBS
@@ -501,3 +502,25 @@ async def test_malformed_grpc_calls_are_invalid_argument_and_counted(nats_url: s
         assert _value(agent, "timeslice_agent_refused_total", source="grpc", reason="invalid_id") == 4
         assert _value(agent, "timeslice_agent_refused_total", source="grpc", reason="too_large") == 1
         assert agent.jobs()["j"].backends == ("noop",), "a refused call changed the job's configuration"
+
+
+async def test_a_stream_message_pushed_at_the_agents_deliver_subject_is_not_a_command(
+        agent: OwnSessionAgent, nc: NATS) -> None:
+    """A push consumer delivers stored messages to any subject its creator names, and the agent's deliver subject is
+    in its consumer's info. A job stores a Snapshot-shaped payload under its own subject; a consumer of it delivers
+    that at the agent: the copy keeps the job's subject, and the agent refuses it (only the orchestrator publishes on
+    the command subject). The job is not snapshotted; a real command still is."""
+    js = nc.jetstream()
+    req = RegisterJob(group="ok", job="fine", backends=("noop",), pids=(os.getpid(),))
+    assert (await register(nc, agent, encode(req))).ok
+    deliver = (await js.consumer_info(STREAM, DURABLE)).config.deliver_subject
+    assert deliver
+    forged = subjects.job("ok", "fine", "phase")  # any subject the job may publish on
+    await js.publish(forged, snapshot_bytes(op_id="op-pushed", group="ok", job="fine"), timeout=5)
+    await js.add_consumer(STREAM, ConsumerConfig(deliver_subject=deliver, filter_subject=forged,
+                                                 deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE))
+    await eventually(lambda: "not from the command subject" in agent.log_text(), timeout=15,
+                     what="the pushed copy refused")
+    fine = (await agent.jobs())["fine"]
+    assert fine["state"] != "SAVED" and fine.get("last_op_id") != "op-pushed", fine
+    await serves_a_switch(nc, agent, op_id="op-real")  # the real command subject still works

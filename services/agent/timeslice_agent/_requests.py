@@ -77,7 +77,13 @@ class Requests:
         await self._answered(msg, lambda: self._unregister(self._job_of(msg.subject, "unregister"), msg.data))
 
     async def on_clear_fault(self, msg: Msg) -> None:
-        await self._answered(msg, lambda: self._clear_fault(check_id("job", _clear_decoder.decode(msg.data).job)))
+        def clear() -> Awaitable[AgentReply]:
+            # A stream message pushed here by someone's consumer keeps its own subject: only a request is obeyed.
+            if msg.subject != subjects.agent_rpc(self.node, "clear_fault"):
+                raise Refused(Refusal.WRONG_SUBJECT, f"a fault clear on {shown(msg.subject)}")
+            return self._clear_fault(check_id("job", _clear_decoder.decode(msg.data).job))
+
+        await self._answered(msg, clear)
 
     def _job_of(self, subject: str, verb: str) -> str:
         prefix = subjects.agent_rpc_jobs(self.node, verb)[:-1]

@@ -76,6 +76,7 @@ class Refusal(enum.StrEnum):
     WRONG_JOB = "wrong_job"  # a request whose payload names another job than its subject
     UNPROVEN = "unproven"  # a process-level backend for a job that did not prove its processes (agent socket)
     NOT_OWNED = "not_owned"  # a pid or group that is not the proven process's own, or runs as another uid
+    WRONG_SUBJECT = "wrong_subject"  # a message delivered here that was not sent on this subject (a pushed stream copy)
 
 
 REFUSALS: Final = tuple(r.value for r in Refusal)

@@ -248,7 +248,13 @@ class Agent:
         """A command from the durable consumer. Always acknowledged: a malformed one (poison) is refused, with an
         ``OpResult(ok=False)`` where its ids can be put in a subject, and is never delivered again."""
         try:
-            await self._take_delivered(msg.data)
+            if msg.subject != subjects.agent_cmd(self.node):
+                # Someone's consumer pushed a stream message at this agent's deliver subject: it keeps its own subject
+                # (a job's stored payload, say), and only the orchestrator publishes on the command subject.
+                log_refusal(self.metrics, self.node, "command", Refusal.WRONG_SUBJECT,
+                            f"refused a message delivered from {shown(msg.subject)}, not from the command subject")
+            else:
+                await self._take_delivered(msg.data)
         except Exception:  # not expected: a command must never end the agent, nor stay unacknowledged
             self.metrics.task_error("command")
             log.exception("command handling failed", extra={"node": self.node})
