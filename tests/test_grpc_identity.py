@@ -362,7 +362,7 @@ async def test_agent_shim_acts_only_for_the_callers_job(nats_url: str, agent_tok
 
 async def test_the_documented_client_snippet_sends_the_token_of_a_creds_file(start: Any, pki: Pki,
                                                                             tmp_path: Path) -> None:
-    """docs/_security_grpc.md's Python example, run as written against a TLS shim that takes tokens."""
+    """docs/security.md's gRPC Python example, run as written against a TLS shim that takes tokens."""
     import re
 
     from .grpc_proto_client import ORCHESTRATOR_PROTO, Stub, compile_proto
@@ -377,7 +377,8 @@ async def test_the_documented_client_snippet_sends_the_token_of_a_creds_file(sta
         "-----BEGIN USER NKEY SEED-----\nSUAIBDPBAUTWCWBKIO6XHQNINK5FWJW4OHLXC3HQ2KFE4PEJUA44CNHTC4\n"
         "------END USER NKEY SEED------\n")
     (tmp_path / "ca.crt").write_bytes(pki.ca.read_bytes())
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "_security_grpc.md").read_text()
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "security.md").read_text()
+    doc = doc.split("## Identities on the gRPC APIs", 1)[1]
     snippet = re.search(r"```python\n(.*?)```", doc, flags=re.DOTALL)
     assert snippet
     code = snippet.group(1).replace('"orchestrator:50051"', f'"localhost:{s.port}"')

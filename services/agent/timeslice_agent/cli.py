@@ -108,7 +108,7 @@ def register(sub: Any) -> None:
     p.add_argument("--grpc-tls-client-ca", default=None, help="PEM CA certificate: require client certificates")
     from timeslice_client._grpc.auth_config import add_auth_flags
 
-    add_auth_flags(p)  # who may call it (docs/_security_grpc.md)
+    add_auth_flags(p)  # who may call it (docs/security.md ("Identities on the gRPC APIs"))
     p.add_argument("--metrics-port", type=int, default=-1,
                    help="serve Prometheus metrics at /metrics on this port (0: any free port; default -1: off)")
     p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics endpoint listens on")

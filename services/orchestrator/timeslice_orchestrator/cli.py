@@ -270,7 +270,7 @@ def _grpc_flags(parser: argparse.ArgumentParser, default_port: int | None) -> No
                         help="PEM CA certificate: mutual TLS, clients must present a certificate it signed")
     from timeslice_client._grpc.auth_config import add_auth_flags
 
-    add_auth_flags(parser, health=True)  # who may call it (docs/_security_grpc.md)
+    add_auth_flags(parser, health=True)  # who may call it (docs/security.md ("Identities on the gRPC APIs"))
 
 
 def _replicas_flag(parser: argparse.ArgumentParser) -> None:
