@@ -111,7 +111,8 @@ def register(sub: Any) -> None:
     add_auth_flags(p)  # who may call it (docs/security.md ("Identities on the gRPC APIs"))
     p.add_argument("--metrics-port", type=int, default=-1,
                    help="serve Prometheus metrics at /metrics on this port (0: any free port; default -1: off)")
-    p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics endpoint listens on")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics endpoint listens on (default 127.0.0.1; 0.0.0.0 for a scraper elsewhere)")
     p.add_argument("--no-overlap-restores", action="store_true",
                    help="always restore a job only after the snapshots it follows have ended, even when the node "
                         "has room for both contexts (default: overlap them then; "
@@ -146,7 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="timeslice-agent")
     sub = parser.add_subparsers(dest="command")
     register(sub)
+    from timeslice_client._bus_auth import add_auth_flags as add_bus_auth_flags
+    from timeslice_client._bus_auth import auth_from_args, set_process_auth
+
+    for cmd in sub.choices.values():  # its identity and TLS on the bus, as under `timeslice agent` (docs/security.md)
+        add_bus_auth_flags(cmd)
     args = parser.parse_args(["agent", *(argv if argv is not None else sys.argv[1:])])
+    set_process_auth(auth_from_args(args))
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
