@@ -106,9 +106,11 @@ def test_two_orchestrators_killed_paused_and_stopped_during_handoffs_never_break
         return f"seed={seed} faults={faults} " + " | ".join(w.describe() for w in workers)
 
     def leader() -> OrchestratorProcess:
-        pid = eventually_sync(lambda: asyncio.run(_leader_pid(nats_url)), timeout=20, what="a leader")
-        (p,) = [p for p in procs if p.proc is not None and p.proc.pid == pid]
-        return p
+        def live() -> OrchestratorProcess | None:  # the key may still name a killed leader until its TTL ends
+            pid = asyncio.run(_leader_pid(nats_url))
+            return next((p for p in procs if p.proc is not None and p.proc.pid == pid), None)
+
+        return eventually_sync(live, timeout=20, what="a live leader")
 
     def resumed(at: int, t0: float) -> None:
         eventually_sync(lambda: progress() > at or finished(), timeout=30, what=f"grants resume ({context()})")

@@ -435,6 +435,7 @@ class HolderRecord(_Rec, frozen=True):
     waiter_ttl_ms: int = 0  # an unconfirmed grant lives this long after each renewal of the wait
     waited_ms: int = 0  # what the grant said, so that a re-sent grant says the same
     restored: bool = False
+    resends: int = 0  # times an unconfirmed grant was sent again on a renewal of the wait (core.Limits bounds it)
 
 
 class WaiterRecord(_Rec, frozen=True):

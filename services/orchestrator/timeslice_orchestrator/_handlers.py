@@ -202,10 +202,14 @@ def _on_renew(w: Work, ev: Renew) -> None:
         # waiter's renewals like any place in the queue: a grant decided at an old stream time (a release made
         # while the orchestrator was down) is not revoked on arrival. A duplicate grant is harmless: the client
         # takes the first one for its request id and ignores the others.
-        if not h.confirmed:
-            if now + h.waiter_ttl_ms > h.lease_deadline_ms:
-                w.holder = h = msgspec.structs.replace(h, lease_deadline_ms=now + h.waiter_ttl_ms)
-                w.touch("granted waiter renewed")
+        # Kept up this way only ``Limits.max_grant_resends`` times: a grantee that renews but never hears (it can
+        # publish but not receive) must not keep the group until its acquire timeout; its grant then lapses at its
+        # deadline and passes on.
+        if not h.confirmed and h.resends < LIMITS.max_grant_resends:
+            w.holder = h = msgspec.structs.replace(h, lease_deadline_ms=max(h.lease_deadline_ms,
+                                                                            now + h.waiter_ttl_ms),
+                                                   resends=h.resends + 1)
+            w.touch("granted waiter renewed")
             w.notify_grant(h)
         return
     w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason="not waiting", lost=True))

@@ -60,6 +60,7 @@ class Limits(msgspec.Struct, frozen=True):
     max_lost_nodes: int = 64
     max_reason: int = 256  # characters of a fault reason kept in the record
     resend_ms: int = 3_000  # an agent command still unanswered goes out again this often (see OpRecord)
+    max_grant_resends: int = 3  # an unconfirmed grant is sent again (and kept up) on this many wait renewals at most
 
 
 LIMITS = Limits()
