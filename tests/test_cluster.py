@@ -18,13 +18,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 from timeslice_client import AsyncTimeSliceClient, LockLost, TimeSliceClient
 from timeslice_client.bus import BusConfig, InvalidNatsUrl, connect, parse_servers
 from timeslice_client.errors import Unavailable
 from timeslice_client.handlers import HandlerResult
-from timeslice_client.protocol import AGENTS_BUCKET, GROUPS_BUCKET, JOBS_BUCKET, STREAM, SuspendMode
+from timeslice_client.protocol import AGENTS_BUCKET, GROUPS_BUCKET, JOBS_BUCKET, STREAM, SuspendMode, subjects
 from timeslice_client.workload import WorkloadChannel
 from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
@@ -281,3 +282,20 @@ async def test_a_retried_publish_with_the_same_message_id_is_stored_once(cluster
         assert (await js.stream_info("DUPES")).state.messages == 2
     finally:
         await nc.close()
+
+
+async def test_no_claims_on_a_replicated_stream(cluster: NatsCluster) -> None:
+    """A replicated stream checks a claim's ``Nats-Expected-Last-Subject-Sequence`` (a wildcard filter) without the
+    writes of other subjects still in flight, so it stored a claim 1 ms after another job's acquire in
+    bench/chaos.py: the client held from its PubAck while the orchestrator refused the claim and granted the epoch
+    to the other job. On a cluster, re-acquires go through the orchestrator: no acquire in the stream is a claim."""
+    cfg = OrchestratorConfig(nats_url=cluster.url, bus=BusConfig(replicas=3), write_attempts=40)
+    async with running(Orchestrator(cfg), timeout=30):
+        async with AsyncTimeSliceClient("job-a", "gnoclaim", cluster.url) as a:
+            assert not a._claims
+            for _ in range(3):
+                await a.acquire(timeout=20)
+                await a.release()
+        acquires = [msgspec.json.decode(data) for _, _, subject, data in await read_stream(cluster.url)
+                    if subject == subjects.job("gnoclaim", "job-a", "acquire")]
+        assert len(acquires) == 3 and all(x["claim_epoch"] is None for x in acquires), acquires

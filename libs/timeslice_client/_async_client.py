@@ -36,6 +36,7 @@ from .errors import (
 from .handlers import WorkloadHandler
 from .protocol import (
     GROUPS_BUCKET,
+    STREAM,
     Acquire,
     Cancel,
     Contended,
@@ -65,6 +66,19 @@ log = logging.getLogger("timeslice.client")
 # send's first step queues the release, the connection's flusher writes it in a later one. Bounded, so a
 # connection that cannot write (reconnecting) delays the suspend by a few turns only.
 _WRITE_TURNS = 4
+
+
+async def _checks_claims(js: JetStreamContext) -> bool:
+    """Whether the stream checks a claim exactly: a single-replica stream does. A replicated one (a NATS cluster)
+    checks ``Nats-Expected-Last-Subject-Sequence`` against a wildcard filter without the writes of other subjects
+    still in flight, so it can store a claim right after another job's acquire (seen in bench/chaos.py): the client
+    would hold from a PubAck while the orchestrator refuses its claim. There a re-acquire goes through the
+    orchestrator."""
+    try:
+        info = await js.stream_info(STREAM)
+    except Exception:  # no stream yet (no orchestrator ran), or it is not readable: no claims, nothing is lost
+        return False
+    return (info.config.num_replicas or 1) == 1
 
 
 class AsyncTimeSliceClient:
@@ -141,7 +155,7 @@ class AsyncTimeSliceClient:
             v = self._nc.connected_server_version
             # The sequence check's -Subject header came with nats-server 2.11; an older server would check the
             # acquire's own subject and refuse every claim (safe, but a wasted round trip each time).
-            self._claims = self.fast_reacquire and (v.major, v.minor) >= (2, 11)
+            self._claims = self.fast_reacquire and (v.major, v.minor) >= (2, 11) and await _checks_claims(self._js)
             self._sub = await self._nc.subscribe(self._notice_subject, cb=self._on_notice)
             await asyncio.sleep(0)  # NATS_NOTES trap 2
             await self._nc.flush(timeout=max(1, math.ceil(self.request_timeout)))
