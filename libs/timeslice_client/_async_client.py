@@ -134,7 +134,7 @@ class AsyncTimeSliceClient:
         self._channels: list[WorkloadChannel] = []
         self._withdrawn: set[str] = set()  # waits already withdrawn (cleared when acquire() returns)
         self._claim: _Claim | None = None
-        self._claims = fast_reacquire  # and the server can check a claim (set on connect)
+        self._claims: bool | None = fast_reacquire  # and the stream checks a claim exactly (None: ask it once)
         self._published = 0  # job inputs published (a claim is only offered when none came after the release)
         self._claim_filter = subjects.job_inputs(self.group_id)
         self._contended_epoch = 0  # the latest epoch of this job's at which another job was seen waiting
@@ -155,7 +155,7 @@ class AsyncTimeSliceClient:
             v = self._nc.connected_server_version
             # The sequence check's -Subject header came with nats-server 2.11; an older server would check the
             # acquire's own subject and refuse every claim (safe, but a wasted round trip each time).
-            self._claims = self.fast_reacquire and (v.major, v.minor) >= (2, 11) and await _checks_claims(self._js)
+            self._claims = None if self.fast_reacquire and (v.major, v.minor) >= (2, 11) else False
             self._sub = await self._nc.subscribe(self._notice_subject, cb=self._on_notice)
             await asyncio.sleep(0)  # NATS_NOTES trap 2
             await self._nc.flush(timeout=max(1, math.ceil(self.request_timeout)))
@@ -371,6 +371,8 @@ class AsyncTimeSliceClient:
             for ch in self._channels:
                 ch.disarm()
             raise
+        if self._claims is None and r.pending_waiters == 0 and self._js is not None:
+            self._claims = await _checks_claims(self._js)  # once: the stream exists now (it stored the release)
         if self._claims and r.pending_waiters == 0 and self._published == before + 1:
             self._claim = _Claim(after_seq=seq, epoch=r.epoch + 1)  # nothing else was published after it
         return ReleaseResult(self.group_id, self.job_id, r.epoch, r.pending_waiters, r.snapshot_deferred)
