@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTES = Path(__file__).resolve().parent / "NOTES.md"
 X, NA = "\u00d7", "\u2013"  # the times sign and the dash for "no value", in the document
 BUSY_LOAD = 1.0  # a run that started above this 1-min load average was not on a quiet machine
-ORDER = ("handoff", "offload", "busy_suspend", "scale", "recovery", "failover", "chaos", "trace_replay")
+ORDER = ("handoff", "handoff_auth", "offload", "busy_suspend", "scale", "recovery", "failover", "stream_leader",
+         "chaos", "trace_replay")
 
 
 def load_results(results: Path) -> dict[str, dict[str, Any]]:
@@ -329,6 +330,51 @@ def _failover(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def _stream_leader(r: dict[str, Any]) -> list[str]:
+    trials = r.get("trials", [])
+    rows = [[t["killed"], ", ".join(t["streams_moved"]), _n(t["election_s"], 2, " s"),
+             _n(t["all_elections_s"], 2, " s"), _n(t["resume_s"], 2, " s"),
+             _n(t["resume_s"] - t["election_s"], 2, " s")] for t in trials]
+    over = [t["resume_s"] - t["election_s"] for t in trials]
+    st = r.get("stream", {})
+    return [
+        "A 3-node loopback NATS cluster (stream and buckets at 3 replicas), two orchestrators, two jobs handing one "
+        "group back and forth without pause (every grant the orchestrator's). Each trial kills (SIGKILL) the server "
+        "that leads the `TIMESLICE` stream. Baseline, same run: the stream's election, from the kill until a "
+        "surviving server answers that the stream has a new leader (and until every stream that had its leader there "
+        "has one). Resume: from the kill until the first grant of an acquire sent after it. At the end the stream is "
+        f"folded through the core: {_n(st.get('grants'), 0)} grants published, {_n(st.get('fold_grants'), 0)} decided "
+        f"by the fold, {_n(st.get('unpublished'), 0)} unpublished, violations {_n(r.get('violations'), 0)}.", "",
+        *_cmd(r),
+        *_table(["killed", "leaders it held", "stream elected after", "all elected after", "grants resumed after",
+                 "resume beyond the stream's election"], rows),
+        f"Against issue 23: resumes within the election time + 1 s — "
+        f"{_met(bool(over) and max(over) <= 1.0)} (worst {_n(max(over) if over else None, 2, ' s')}); no violation "
+        f"— {_met(r.get('violations') == 0)}; orchestrators alive {r.get('orchestrators_alive')} of 2. "
+        f"{_n(r.get('handoffs'), 0)} handoffs in the run.", "",
+    ]
+
+
+def _handoff_auth(r: dict[str, Any]) -> list[str]:
+    return [
+        "The handoff of two job processes ping-ponging a group (as `bench/handoff.py` P1), on three stacks started "
+        "in the same run and measured in alternating rounds: no auth; NATS with the operator-mode auth of "
+        "`timeslice auth` (every process with its own credential, the permissions of its role); and auth plus TLS "
+        "on every client connection.", "",
+        *_cmd(r),
+        *_table(["stack", "p50", "p99", "p50 vs plain", "p99 vs plain"],
+                [["plain", _n(r.get("plain_p50_ms"), 3, " ms"), _n(r.get("plain_p99_ms"), 3, " ms"), "1.00x", "1.00x"],
+                 ["auth", _n(r.get("auth_p50_ms"), 3, " ms"), _n(r.get("auth_p99_ms"), 3, " ms"),
+                  _n(r.get("auth_ratio_p50"), 2, "x"), _n(r.get("auth_ratio_p99"), 2, "x")],
+                 ["auth + TLS", _n(r.get("secure_p50_ms"), 3, " ms"), _n(r.get("secure_p99_ms"), 3, " ms"),
+                  _n(r.get("secure_ratio_p50"), 2, "x"), _n(r.get("secure_ratio_p99"), 2, "x")]]),
+        f"Against issue 24: auth and TLS within 10% of the same stack without them (p50) — "
+        f"{_met((r.get('secure_ratio_p50') or 9) <= 1.10)}; auth alone — "
+        f"{_met((r.get('auth_ratio_p50') or 9) <= 1.10)}. "
+        f"{_n(r.get('samples'), 0)} samples per stack.", "",
+    ]
+
+
 def _chaos(r: dict[str, Any]) -> list[str]:
     chk = r.get("check", {})
     kinds = ", ".join(f"{k} {n}" for k, n in r.get("faults", {}).items())
@@ -484,11 +530,13 @@ def _demo_lock(lock: dict[str, Any] | None) -> list[str]:
 
 SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]]]] = {
     "handoff": ("Handoff (bench/handoff.py)", _handoff),
+    "handoff_auth": ("Handoff with auth and TLS (bench/handoff_auth.py)", _handoff_auth),
     "offload": ("Offload (bench/offload.py)", _offload),
     "busy_suspend": ("Suspend beside a busy thread (bench/busy_suspend.py)", _busy_suspend),
     "scale": ("Scale (bench/scale.py)", _scale),
     "recovery": ("Recovery (bench/recovery.py)", _recovery),
     "failover": ("Failover (bench/failover.py)", _failover),
+    "stream_leader": ("NATS stream leader loss (bench/stream_leader.py)", _stream_leader),
     "chaos": ("Chaos (bench/chaos.py)", _chaos),
     "trace_replay": ("Trace replay (bench/trace_replay.py)", _trace),
 }

@@ -143,7 +143,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for p in procs:
             p.stop()
         cluster.close()
-        c.remove_dir(tmp)
+        if args.keep:
+            result["scratch"] = str(tmp)
+            print(f"logs kept in {tmp}")
+        else:
+            c.remove_dir(tmp)
     return result
 
 
@@ -167,9 +171,13 @@ def print_report(res: dict[str, Any]) -> bool:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="two trials")
+    p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs) and say where")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
+    if args.quick:
+        args.trials = 2
     res = c.loop_run(run(args))
     ok = print_report(res)
     c.write_json(args.json_out, res)

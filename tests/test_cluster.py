@@ -299,3 +299,25 @@ async def test_no_claims_on_a_replicated_stream(cluster: NatsCluster) -> None:
         acquires = [msgspec.json.decode(data) for _, _, subject, data in await read_stream(cluster.url)
                     if subject == subjects.job("gnoclaim", "job-a", "acquire")]
         assert len(acquires) == 3 and all(x["claim_epoch"] is None for x in acquires), acquires
+
+
+async def test_an_orchestrator_started_before_the_cluster_answers_waits_for_it(cluster: NatsCluster,
+                                                                               tmp_path: Path) -> None:
+    """Two of three servers down: JetStream has no quorum and its API does not answer. An orchestrator (a standby
+    started beside a busy cluster, in bench/stream_leader.py) used to exit on the first unanswered stream lookup;
+    it waits, says why, and is ready once the cluster answers."""
+    cluster.stop(1)
+    cluster.stop(2)
+    log = tmp_path / "orchestrator.log"
+    orch = OrchestratorProcess(cluster.urls[0], log, args=("--replicas", "3"))
+    orch.start()
+    try:
+        await eventually(lambda: "not answering yet" in log.read_text(errors="replace"), timeout=60, interval=0.1,
+                         what="the orchestrator says it waits for the stream")
+        assert orch.proc is not None and orch.proc.poll() is None, log.read_text(errors="replace")
+        await cluster.restart(1)
+        await cluster.restart(2)
+        orch.nats_url = cluster.url
+        await asyncio.to_thread(orch.wait_ready, 90)
+    finally:
+        orch.stop()

@@ -32,9 +32,11 @@ from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, Field
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_delay, wait_exponential
 
 from . import _bus_auth
 from ._bus_auth import BusAuth, CredsPath, TlsFiles, TlsOption
+from ._publish_rules import transient
 from .errors import TimeSliceError, Unavailable
 from .protocol import AGENTS_BUCKET, GROUPS_BUCKET, JOBS_BUCKET, STREAM, STREAM_SUBJECTS
 
@@ -260,7 +262,29 @@ class Buckets:
         self.jobs = jobs
 
 
-async def ensure_bus(js: JetStreamContext, config: BusConfig | None = None) -> Buckets:
+SETUP_WAIT_S = 120.0  # how long a service retries making or finding the stream and buckets (a cluster electing)
+
+
+async def ensure_bus(js: JetStreamContext, config: BusConfig | None = None, *, wait_s: float = SETUP_WAIT_S
+                     ) -> Buckets:
+    """The stream and the buckets, made where missing. A transient failure (a request unanswered while a NATS
+    cluster elects a leader or is still forming) is retried for ``wait_s``: a service starting beside a busy cluster
+    waits for it instead of exiting."""
+    def told(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        log.warning("the stream and buckets are not answering yet (%r); trying again", exc)
+
+    def again(exc: BaseException) -> bool:
+        return transient(exc) or isinstance(exc, _PlacementRefused)
+
+    async for attempt in AsyncRetrying(stop=stop_after_delay(wait_s), wait=wait_exponential(multiplier=0.1, max=2.0),
+                                       retry=retry_if_exception(again), before_sleep=told, reraise=True):
+        with attempt:
+            return await _ensure_bus_once(js, config)
+    raise AssertionError("unreachable: the retry loop returns or raises")
+
+
+async def _ensure_bus_once(js: JetStreamContext, config: BusConfig | None) -> Buckets:
     cfg = config or BusConfig()
     storage = StorageType.FILE if cfg.file_storage else StorageType.MEMORY
     replicas = cfg.replicas or 1
@@ -341,10 +365,16 @@ async def _creating(what: str, replicas: int, make: Awaitable[_T]) -> _T:
         if replicas > 1 and code in (_NOT_CLUSTERED, _NO_RESOURCES):
             why = ("this NATS server is not part of a cluster" if code == _NOT_CLUSTERED
                    else "the cluster has fewer JetStream servers than that")
-            raise TimeSliceError(
+            error = _PlacementRefused if code == _NO_RESOURCES else TimeSliceError
+            raise error(
                 f"cannot create {what} with {replicas} replicas: {why} ({getattr(exc, 'description', exc)}); run "
                 "with --replicas 1, or on a NATS cluster of at least that many servers (docs/cluster.md)") from exc
         raise
+
+
+class _PlacementRefused(TimeSliceError):
+    """The cluster has too few JetStream servers for the replicas asked for: for good, or only while servers that
+    restarted are still joining; ``ensure_bus`` retries it within its wait."""
 
 
 async def kv_keys(nc: NATS, bucket: str, *, under: str | None = None, timeout: float = 5.0) -> list[str]:
