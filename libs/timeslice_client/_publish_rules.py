@@ -32,6 +32,7 @@ def superseded(exc: BaseException) -> bool:
 # JetStream's error code for a publish whose message id a clustered stream is still storing from an earlier attempt
 # (seen on a 3-node cluster during an election): the same publish again gets the first one's answer.
 _DUPLICATE_IN_PROCESS = 10158
+ATTEMPT_S = 1.0  # one attempt's wait for a PubAck (publish_stored); a PubAck takes well under a millisecond here
 
 
 def transient(exc: BaseException) -> bool:
@@ -48,9 +49,14 @@ async def publish_stored(js: JetStreamContext, subject: str, data: bytes, *, hea
                          timeout: float, nats_url: str) -> int:
     """Publish into the stream and wait for its PubAck, retrying transient errors for ``3 * timeout`` with the
     same message id (``Nats-Msg-Id`` in ``headers``); returns the message's stream sequence. Raises
-    ``_Superseded`` when the stream refuses it for a sequence check in ``headers``, else ``Unavailable``."""
+    ``_Superseded`` when the stream refuses it for a sequence check in ``headers``, else ``Unavailable``.
+
+    Each attempt waits at most :data:`ATTEMPT_S` (or ``timeout`` if shorter): a publish sent while a NATS cluster
+    elects the stream's leader is never answered, and the next attempt reaches the new leader; a retry of a stored
+    message is answered as the duplicate it is."""
+    attempt_s = min(timeout, ATTEMPT_S)
     try:  # the common case first, without the retry machinery on the hot path
-        ack = await js.publish(subject, data, timeout=timeout, headers=headers)
+        ack = await js.publish(subject, data, timeout=attempt_s, headers=headers)
         return int(ack.seq)
     except Exception as exc:
         if superseded(exc):
@@ -66,7 +72,7 @@ async def publish_stored(js: JetStreamContext, subject: str, data: bytes, *, hea
             reraise=True,
         ):
             with attempt:
-                ack = await js.publish(subject, data, timeout=timeout, headers=headers)
+                ack = await js.publish(subject, data, timeout=attempt_s, headers=headers)
                 return int(ack.seq)
     except TimeSliceError:
         raise

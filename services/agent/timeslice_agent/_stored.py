@@ -21,7 +21,7 @@ from timeslice_client._publish_rules import transient
 __all__ = ["RETRY_S", "kv_put", "publish"]
 
 RETRY_S: Final = 30.0  # beyond the longest election seen (9 s) with room; an operation's deadline is longer still
-_ATTEMPT_S: Final = 5.0  # one attempt's wait for the stream's answer
+_ATTEMPT_S: Final = 1.0  # one attempt's wait for the stream's answer (the next one reaches a new leader)
 T = TypeVar("T")
 
 

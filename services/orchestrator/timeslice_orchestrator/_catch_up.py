@@ -26,7 +26,7 @@ from timeslice_client.protocol import STREAM, subjects
 from ._delivery import delivery, first, is_input
 from ._errors import OrchestratorError
 
-__all__ = ["bind_durable", "catch_up"]
+__all__ = ["api_error", "bind_durable", "catch_up"]
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -107,3 +107,9 @@ async def bind_durable(js: JetStreamContext, nc: NATS, durable: str, after: int,
     await js.add_consumer(STREAM, cfg)
     log.info("consuming from stream sequence %d", after + 1)
     return sub
+
+
+def api_error(exc: BaseException) -> str:
+    """A JetStream API error's code and description (their repr is empty), for a log line: ``": 10013 ..."``."""
+    code, text = getattr(exc, "err_code", None), getattr(exc, "description", None)
+    return f": {code} {text}" if code or text else ""

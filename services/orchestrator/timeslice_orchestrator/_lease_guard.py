@@ -10,6 +10,8 @@ from ._leadership import Leadership
 
 __all__ = ["confirm_lease"]
 
+_ATTEMPT_S = 0.5  # one renewal's wait for its answer (a renewal takes well under a millisecond here)
+
 
 async def confirm_lease(leader: Leadership, *, ttl_s: float, wait_s: float, halt: asyncio.Event) -> str | None:
     """None when this instance may go on leading, else why not.
@@ -24,7 +26,7 @@ async def confirm_lease(leader: Leadership, *, ttl_s: float, wait_s: float, halt
     why = "the lease lapsed"
     while not halt.is_set():
         try:
-            async with asyncio.timeout(ttl_s):
+            async with asyncio.timeout(min(ttl_s, _ATTEMPT_S)):  # one sent into an election is never answered
                 await leader.confirm()
         except Exception as exc:
             why = f"the lease could not be confirmed ({exc!r})"

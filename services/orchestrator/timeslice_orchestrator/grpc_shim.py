@@ -30,7 +30,8 @@ callers and bus clients wait in the same FIFO queue of the same group.
   (``timeslice auth job``), a client certificate naming a job, or the local user on loopback. Acquire and Yield
   act as the job they name, and only that job's identity may make them (PERMISSION_DENIED otherwise, also for a
   hold taken over the bus); ListGroups and GetGroupStatus take any identity. No identity: UNAUTHENTICATED.
-  ``insecure`` (``--grpc-insecure``) serves anyone, and says so when it starts. docs/security.md ("Identities on the gRPC APIs").
+  ``insecure`` (``--grpc-insecure``) serves anyone, and says so when it starts. docs/security.md, "Identities on
+  the gRPC APIs".
 * **Errors.** Bad ids → INVALID_ARGUMENT; Yield by a job that does not hold the group →
   PERMISSION_DENIED naming the holder; a faulted job → FAILED_PRECONDITION; the bus unreachable →
   UNAVAILABLE; an unknown group in GetGroupStatus → NOT_FOUND.
