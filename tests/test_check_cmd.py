@@ -24,6 +24,7 @@ from timeslice_client.protocol import (
     Cancel,
     ClearFault,
     Granted,
+    JobUnregistered,
     OpKind,
     OpStarted,
     Released,
@@ -307,6 +308,21 @@ def test_a_release_whose_answer_was_not_stored_still_ends_the_hold() -> None:
     sim.settle(actions)
     report = check_events(_without(sim, notice(sim, "a", "revoked", epoch=1)))
     assert [v.kind for v in report.violations] == ["overlapping-holds"], report.violations
+
+
+def test_a_snapshot_failed_after_its_job_left_the_node_is_no_context_left_loaded() -> None:
+    """The agent unregisters a job whose processes ended mid-snapshot, then answers the snapshot as failed (seen in
+    bench/chaos.py's job kills): the context went with the processes, so the next grant is fine."""
+    sim = two_jobs()
+    sim.acquire("b", "b-w")
+    cmds = commands(sim.release("a"))
+    snap = next(c for c in cmds if isinstance(c, Snapshot))
+    restore = next(c for c in cmds if not isinstance(c, Snapshot))
+    sim(JobUnregistered(group="g", job="a", node=NODE))
+    sim.result(snap, ok=False)
+    assert sim.settle(sim.result(restore)).job == "b"
+    events = [StreamEvent(q, ms, subj, data) for q, ms, subj, data in sim.stream]
+    assert not check_events(events).violations
 
 
 # ---------------------------------------------------------------------- a real run

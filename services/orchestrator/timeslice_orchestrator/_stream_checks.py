@@ -114,6 +114,7 @@ class _Op:
     started: StreamEvent
     node: str
     job: str
+    budgets: int = 1  # operation timeouts it may take: a restore's deadline follows its switch's snapshots' (2)
 
 
 @dataclass
@@ -132,6 +133,7 @@ class _Group:
     snapshots: dict[tuple[str, str], _Snap] = field(default_factory=dict)  # (node, job) -> unfinished snapshot
     ops: dict[str, _Op] = field(default_factory=dict)  # op id -> started and not ended
     op_timeouts: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, job) -> ms
+    gone: set[tuple[str, str]] = field(default_factory=set)  # (node, job) unregistered and not registered again
 
 
 class StreamChecks:
@@ -245,7 +247,9 @@ class StreamChecks:
             self._progress(g, ev)
             key = (inp.node, inp.job)
             if inp.kind is OpKind.SNAPSHOT:
-                if inp.ok:
+                if inp.ok or key in g.gone:
+                    # A job whose processes ended mid-snapshot is unregistered first, then its snapshot answered as
+                    # failed (the agent's order): its context went with its processes.
                     g.snapshots.pop(key, None)
                 else:
                     snap = g.snapshots.setdefault(key, _Snap(failed=True, events=[]))
@@ -254,12 +258,14 @@ class StreamChecks:
         elif isinstance(inp, JobUnregistered):
             g.snapshots.pop((inp.node, inp.job), None)  # the job's process left the node, its context with it
             g.op_timeouts.pop((inp.node, inp.job), None)
+            g.gone.add((inp.node, inp.job))
         elif isinstance(inp, JobRegistered):
             g.op_timeouts[(inp.node, inp.job)] = inp.op_timeout_ms
+            g.gone.discard((inp.node, inp.job))
 
     def _op_started(self, ev: StreamEvent, op: OpStarted) -> None:
         g = self._group(op.group)
-        g.ops[op.op_id] = _Op(ev, op.node, op.job)
+        g.ops[op.op_id] = _Op(ev, op.node, op.job, budgets=2 if op.kind is OpKind.RESTORE else 1)
         self._progress(g, ev)
         if op.kind is OpKind.SNAPSHOT:
             g.snapshots[(op.node, op.job)] = _Snap(failed=False, events=[ev])
@@ -360,7 +366,7 @@ class StreamChecks:
             g = self._groups[name]
             if g.stuck_reported or now - g.stall_from <= self._threshold(g):
                 continue
-            if any(now <= op.started.ts_ms + g.op_timeouts.get((op.node, op.job), _DEFAULT_OP_TIMEOUT_MS)
+            if any(now <= op.started.ts_ms + op.budgets * g.op_timeouts.get((op.node, op.job), _DEFAULT_OP_TIMEOUT_MS)
                    + STUCK_MARGIN_MS for op in g.ops.values()):
                 continue  # an operation still runs within its timeout: the switch is moving
             g.stuck_reported = True
