@@ -18,5 +18,8 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop
     except ImportError:
+        uvloop = None
+    # outside the except block: an error of the run must not come chained to "No module named 'uvloop'"
+    if uvloop is None:
         return asyncio.run(coro)
-    return uvloop.run(coro)
+    return uvloop.run(coro)  # type: ignore[no-any-return]
