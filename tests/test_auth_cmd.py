@@ -16,9 +16,9 @@ from pathlib import Path
 
 import nats
 import pytest
+from timeslice_cli import build_parser
 from timeslice_client import AsyncTimeSliceClient
 from timeslice_orchestrator._auth_issue import AuthDir, decode_jwt
-from timeslice_cli import build_parser
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .auth_stack import SecureBus, start_secure_bus

@@ -18,6 +18,9 @@ from typing import Any
 import msgspec
 import pytest
 from timeslice_agent import Agent, AgentConfig
+from timeslice_cli import _check as _check_cmd
+from timeslice_cli import build_parser
+from timeslice_cli._check import check_events, parse_since
 from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
 from timeslice_client.bus import connect, ensure_bus
 from timeslice_client.protocol import (
@@ -33,9 +36,6 @@ from timeslice_client.protocol import (
     encode,
     subjects,
 )
-from timeslice_cli import _check as _check_cmd
-from timeslice_cli._check import check_events, parse_since
-from timeslice_cli import build_parser
 from timeslice_orchestrator.replay import StreamEvent
 from timeslice_orchestrator.replay._fold import group_of
 

@@ -83,6 +83,8 @@ def test_every_flag_has_help_and_json_is_a_flag_everywhere() -> None:
     missing, json_files = [], []
     for name, cmd in _subparsers(build_parser()):
         for a in cmd._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                continue  # its commands are checked as parsers of their own
             if not a.help or a.help == argparse.SUPPRESS:
                 missing.append(f"{name} {'/'.join(a.option_strings) or a.dest}")
             if "--json" in a.option_strings and a.nargs != 0:

@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from timeslice_client import bus
 from timeslice_cli import build_parser
+from timeslice_client import bus
 
 from .grpc_identity_helpers import account_jwt, make_pki, new_account, new_key, public
 

@@ -29,7 +29,8 @@ def _sh(*args: str | Path, timeout: float = 600, env: dict[str, str] | None = No
         cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     r = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
                        check=False)
-    assert r.returncode == 0, f"{' '.join(map(str, args))} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, \
+        f"{' '.join(map(str, args))} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r
 
 
@@ -80,6 +81,9 @@ def test_the_job_library_installs_alone(job_py: Path) -> None:
     assert not (job_py.parent / "timeslice").exists()  # the command is the server side's
     _sh(job_py, "-c", "import timeslice_client, timeslice_client.protocol; from timeslice_client import "
                       "TimeSliceClient, AsyncTimeSliceClient")
+    r = subprocess.run([job_py, "-c", "from timeslice_client import SnapshotAgentClient"], capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode != 0 and "pip install 'timeslice-client[grpc]'" in r.stderr, r.stderr  # says which extra
 
 
 def _quick_start() -> str:
@@ -119,9 +123,11 @@ def test_the_full_package_runs_the_demo(server_py: Path, tmp_path: Path) -> None
     assert "numpy" in r.stdout, r.stdout  # torch is not in the package: the numpy model, and it says so
 
 
-_STUBS = ("import timeslice_client._grpc.snapshot_agent_pb2 as a, timeslice_client._grpc.timeslice_orchestrator_pb2 as t, "
-          "timeslice_client._grpc.accelerator_orchestrator_pb2; from timeslice_client import SnapshotAgentClient; "
-          "m = t.AcquireRequest(group_id='g', job_id='j'); assert t.AcquireRequest.FromString(m.SerializeToString()) == m; "
+_STUBS = ("import timeslice_client._grpc.snapshot_agent_pb2, timeslice_client._grpc.accelerator_orchestrator_pb2; "
+          "import timeslice_client._grpc.timeslice_orchestrator_pb2 as t; "
+          "from timeslice_client import SnapshotAgentClient; "
+          "m = t.AcquireRequest(group_id='g', job_id='j'); "
+          "assert t.AcquireRequest.FromString(m.SerializeToString()) == m; "
           "import google.protobuf; print(google.protobuf.__version__)")
 
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 from timeslice_agent import Agent, AgentConfig
+from timeslice_cli._replay import parse_time
 from timeslice_client import AsyncTimeSliceClient, CallbackHandler, HandlerResult, SuspendMode
 from timeslice_client.bus import connect
 from timeslice_client.protocol import Granted, OpResult, Release, Released, decode_input, decode_notice, subjects
 from timeslice_orchestrator.replay import Replay, StreamEvent, fold_events, read_window, render_summary
-from timeslice_cli._replay import parse_time
 from timeslice_orchestrator.replay._summary import clipped, quantile
 
 from .agent_harness import timeslice

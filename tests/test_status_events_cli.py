@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from nats.aio.msg import Msg
 from timeslice_agent import Agent, AgentConfig
+from timeslice_cli._events import Event, format_line, parse_since, to_json
 from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
 from timeslice_client.bus import connect, kv_keys
 from timeslice_client.protocol import GROUPS_BUCKET, JOBS_BUCKET, GroupRecord, encode
-from timeslice_cli._events import Event, format_line, parse_since, to_json
 
 from .agent_harness import ROOT, queued, timeslice
 from .helpers import eventually, running

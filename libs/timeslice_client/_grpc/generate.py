@@ -53,8 +53,10 @@ _RUNTIME_NOTE = ("# (protoc's protobuf runtime-version pin is left out: timeslic
 def unpin(text: str) -> str:
     """``text`` (a ``_pb2.py``) without protoc's runtime-version check, with a note where it stood."""
     out = _RUNTIME_CHECK_RE.sub("", text)
-    return out.replace("# @@protoc_insertion_point(imports)\n", _RUNTIME_NOTE + "# @@protoc_insertion_point(imports)\n", 1) \
-        if out != text else out
+    if out == text:
+        return out
+    mark = "# @@protoc_insertion_point(imports)\n"
+    return out.replace(mark, _RUNTIME_NOTE + mark, 1)
 _IMPORT_RE = re.compile(r"^from (?:[a-z_]+)\.v1alpha1 import (\w+_pb2) as ", re.MULTILINE)
 
 

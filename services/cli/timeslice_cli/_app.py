@@ -51,6 +51,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
 
 
+class _Version(argparse.Action):
+    """``--version``: one line, as it is (argparse's own wraps it to the terminal)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(_version())
+        parser.exit()
+
+
 def _level(text: str) -> str:
     if text.lower() not in _LEVELS:
         raise argparse.ArgumentTypeError(f"--log-level {text!r}: give one of {', '.join(_LEVELS)}")
@@ -63,7 +75,8 @@ def _global_flags(p: argparse.ArgumentParser, *, top: bool) -> None:
     d: Callable[[Any], Any] = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
     g = p.add_argument_group("global flags (before or after the command)")
     g.add_argument("--log-level", type=_level, default=d(os.environ.get("TIMESLICE_LOG_LEVEL", "info").lower()),
-                   metavar="LEVEL", help=f"log threshold: {', '.join(_LEVELS)} (default $TIMESLICE_LOG_LEVEL, else info)")
+                   metavar="LEVEL",
+                   help=f"log threshold: {', '.join(_LEVELS)} (default $TIMESLICE_LOG_LEVEL, else info)")
     g.add_argument("--debug", action="store_true", default=d(False),
                    help="on an error, show the traceback (and log at debug level)")
 
@@ -100,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     import importlib
 
     p = _Parser(prog="timeslice", description="Cooperative GPU time-slicing for RL jobs")
-    p.add_argument("--version", action="version", version=_version(), help="print the version and exit")
+    p.add_argument("--version", action=_Version, help="print the versions of timeslice's distributions and exit")
     _global_flags(p, top=True)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     for module, names in _COMMANDS:
@@ -146,8 +159,8 @@ def _one_line(exc: BaseException) -> str:
     text = str(exc).strip()
     lines = text.splitlines() or [""]
     more = f" (+{len(lines) - 1} more lines: --debug shows them)" if len(lines) > 1 else ""
-    if isinstance(exc, TimeSliceError):
-        return lines[0] + more
+    if isinstance(exc, TimeSliceError) or type(exc).__module__.startswith("timeslice_"):
+        return lines[0] + more  # ours (OrchestratorError, EmbeddedNatsError, ...): the message says what to do
     if isinstance(exc, OSError) and exc.errno == 98:  # EADDRINUSE
         return f"{exc.strerror or text}: another process (a `timeslice up`?) has the port; stop it " \
                "(`timeslice down`) or give this one another port"

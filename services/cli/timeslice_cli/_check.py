@@ -27,7 +27,6 @@ from typing import Any, TextIO
 import msgspec
 from timeslice_client.errors import InvalidId
 from timeslice_client.protocol import Granted, validate_id
-
 from timeslice_orchestrator._stream_checks import FOLD_RULE_KIND, STUCK_MARGIN_MS, Kind, StreamChecks, Violation
 from timeslice_orchestrator.core import Notify
 from timeslice_orchestrator.invariants import InvariantViolation, StreamChecker

@@ -79,7 +79,8 @@ class UpLock:
             os.close(fd)
             if exc.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
-            raise CliError(f"another `timeslice up` runs on data dir {self.data_dir}: {describe(read_info(self.path))}; "
+            raise CliError(f"another `timeslice up` runs on data dir {self.data_dir}: "
+                           f"{describe(read_info(self.path))}; "
                            f"use it, stop it with `timeslice down --data-dir {self.data_dir}`, or give this one "
                            "another --data-dir") from None
         self._fd = fd

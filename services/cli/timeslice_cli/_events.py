@@ -28,7 +28,6 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from timeslice_client.errors import Unavailable
 from timeslice_client.protocol import STREAM, subjects, validate_id
-
 from timeslice_orchestrator._delivery import seq_and_time
 
 from ._common import add_nats_flag

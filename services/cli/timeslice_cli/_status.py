@@ -37,7 +37,6 @@ from timeslice_client.protocol import (
     is_group_key,
     validate_id,
 )
-
 from timeslice_orchestrator._leadership import LeaderRecord, read_leader
 from timeslice_orchestrator._quarantine import read_quarantined
 

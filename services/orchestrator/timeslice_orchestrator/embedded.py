@@ -124,7 +124,7 @@ class NatsServer:
         self.log_path.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-            preexec_fn=self.preexec,
+            preexec_fn=self.preexec,  # noqa: PLW1509 - only `up` passes one, and it starts the server before its threads
         )
         ports_file = ports_dir / f"nats-server_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout

@@ -151,8 +151,9 @@ def register(sub: Any) -> None:
     p.add_argument("--jobs", type=_positive, default=2, help="RL jobs (default 2)")
     p.add_argument("--steps", type=_positive, default=20, help="training steps per job (default 20: ~1.5 min in all)")
     p.add_argument("--solo", action="store_true", help="run the jobs back to back only")
-    p.add_argument("--html", default=None, metavar="FILE", help="the HTML timeline of the shared run (with --solo: of the first "
-                                                "job's solo run); default timeline.html in the work directory")
+    p.add_argument("--html", default=None, metavar="FILE",
+                   help="the HTML timeline of the shared run (with --solo: of the first job's solo run); default "
+                        "timeline.html in the work directory")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--torch", dest="backend", action="store_const", const="torch",
                        help="torch model (default when torch is installed)")

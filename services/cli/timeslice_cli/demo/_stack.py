@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nats.aio.client import Client as NATS
-
 from timeslice_orchestrator.embedded import NatsServer
 from timeslice_orchestrator.service import LocalAgent, Orchestrator, OrchestratorConfig
 
