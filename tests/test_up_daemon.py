@@ -93,7 +93,7 @@ def test_a_second_up_on_the_same_data_dir_refuses_and_names_the_first(tmp_path: 
     log = Path(first.info["log"])
     before = log.read_text()
     r = _run(tmp_path, "up", "--data-dir", str(data), *QUIET)
-    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert r.returncode == 2, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr
     line = r.stderr.strip()
     assert len(line.splitlines()) == 1, r.stderr
@@ -163,7 +163,7 @@ def test_a_taken_port_4222_is_said(tmp_path: Path, ups: list[Up]) -> None:
 def test_down_stops_a_running_up(tmp_path: Path, ups: list[Up]) -> None:
     data = tmp_path / "data"
     r = _run(tmp_path, "down", "--data-dir", str(data))
-    assert r.returncode == 1 and "no `timeslice up` runs on data dir" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "no `timeslice up` runs on data dir" in r.stderr and "Traceback" not in r.stderr
     ups.append(up := Up(tmp_path, data))
     r = _run(tmp_path, "down", "--data-dir", str(data))
     assert r.returncode == 0, r.stderr

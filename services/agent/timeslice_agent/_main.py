@@ -20,6 +20,7 @@ from timeslice_client._bus_auth import add_auth_flags as add_bus_auth_flags
 from timeslice_client._bus_auth import auth_from_args, set_process_auth
 from timeslice_client._runner import run
 from timeslice_client.bus import nats_url_arg
+from timeslice_client.errors import TimeSliceError
 
 __all__ = ["add_agent_flags", "main", "run_agent"]
 
@@ -115,6 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(run(run_agent(args)))
     except KeyboardInterrupt:
         return 130
+    except TimeSliceError as exc:  # a refusal that says what to do: one line
+        print(f"timeslice agent: {exc}", file=sys.stderr)
+        return 2
     except Exception:
         logging.getLogger("timeslice.agent").exception("the agent stopped on an error")
         return 1

@@ -1,6 +1,6 @@
 """The ``timeslice`` command: its parser, the flags every command takes, logging, and how it ends.
 
-Every command ends in one of three ways: its exit code; one line on stderr and a non-zero code for any error
+Every command ends in one of three ways: its exit code; one line on stderr and exit code 2 for any error
 (``TimeSliceError``, a service's error, a refused connection, a missing package: the line says what to do;
 ``--debug`` adds the traceback); or quietly when its reader goes away (``timeslice events | head``: exit 141,
 as a process killed by SIGPIPE).
@@ -203,9 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(leaf, KeyboardInterrupt):
             return 130
         _report(leaf, exc, debug)
-        if isinstance(leaf, CliError) and leaf.code != 1:
-            return leaf.code
-        return int(getattr(args, "error_code", 1))
+        return leaf.code if isinstance(leaf, CliError) else 2
 
 
 def _leaf(exc: BaseException) -> BaseException:

@@ -15,9 +15,9 @@ __all__ = ["CliError", "add_nats_flag", "emit_json"]
 
 class CliError(TimeSliceError):
     """A command cannot do what it was asked; the message says why and what to do. Ends the command in one line on
-    stderr and exit code 1 (``--debug``: with the traceback)."""
+    stderr and exit code 2, as every error of the ``timeslice`` command (``--debug``: with the traceback)."""
 
-    def __init__(self, message: str, *, code: int = 1) -> None:
+    def __init__(self, message: str, *, code: int = 2) -> None:
         self.code = code
         super().__init__(message)
 

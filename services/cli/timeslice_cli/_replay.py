@@ -51,9 +51,9 @@ async def _replay(args: argparse.Namespace) -> int:
         until = parse_time(args.until, now) if args.until else None
         group = validate_id("group", args.group) if args.group else None
     except ValueError as exc:
-        raise CliError(str(exc), code=2) from None
+        raise CliError(str(exc)) from None
     if since is not None and until is not None and until <= since:
-        raise CliError(f"--until ({args.until}) must come after --since ({args.since})", code=2)
+        raise CliError(f"--until ({args.until}) must come after --since ({args.since})")
     events = await read_window(args.nats_url, group=group, since_ms=since, until_ms=until, timeout=args.timeout)
     replay = fold_events(events, group=group, since_ms=since, until_ms=until)
     _write(replay, args)

@@ -21,6 +21,7 @@ from timeslice_client._bus_auth import add_auth_flags, auth_from_args, set_proce
 from timeslice_client._metrics_http import MetricsEndpoint, serve_metrics
 from timeslice_client._runner import run
 from timeslice_client.bus import nats_url_arg
+from timeslice_client.errors import TimeSliceError
 
 from ._beside import AgentBeside
 
@@ -180,6 +181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(run(run_orchestrator(args)))
     except KeyboardInterrupt:
         return 130
+    except TimeSliceError as exc:  # a refusal that says what to do: one line
+        print(f"timeslice orchestrator: {exc}", file=sys.stderr)
+        return 2
     except Exception:
         logging.getLogger("timeslice.orchestrator").exception("the orchestrator stopped on an error")
         return 1

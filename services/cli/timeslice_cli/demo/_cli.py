@@ -117,7 +117,7 @@ async def _main(args: argparse.Namespace) -> int:
         with contextlib.redirect_stdout(human):
             report = await run_demo(args)
     except DemoError as exc:
-        raise CliError(str(exc), code=2) from None
+        raise CliError(str(exc)) from None
     except asyncio.CancelledError:
         print("timeslice demo: stopped", file=sys.stderr)
         return 130
