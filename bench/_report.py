@@ -502,7 +502,7 @@ def _gpu_lines(r: dict[str, Any]) -> list[str]:
 def _demo(r: dict[str, Any] | None) -> list[str]:
     if r is None:
         return ["`timeslice demo` not run: no `bench/results/demo.json` (write it with "
-                "`timeslice demo --json bench/results/demo.json`).", ""]
+                "`timeslice demo -o bench/results/demo.json`).", ""]
     ratio = r.get("ratio")
     return [
         f"`timeslice demo`: {r.get('jobs', '?')} jobs {X} {r.get('steps', '?')} steps, {r.get('backend', '?')} model. "
@@ -511,7 +511,7 @@ def _demo(r: dict[str, Any] | None) -> list[str]:
         f"{_met(ratio is not None and ratio < 0.8)}; final weights bit-identical to the solo runs: "
         f"{_n(r.get('all_identical'))}.", "",
         "```", f"timeslice demo --jobs {r.get('jobs', '?')} --steps {r.get('steps', '?')} "
-        "--json bench/results/demo.json", "```", "",
+        "-o bench/results/demo.json", "```", "",
         *_demo_lock(r.get("shared_lock")),
     ]
 

@@ -230,7 +230,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                 fresh.start()
                 # A job killed during its own restore is faulted (its state is gone); the operator clears that
                 # for the process that takes its place, as a person would.
-                subprocess.run([py, "-m", "timeslice_orchestrator", "--log-level", "warning", "clear-fault",
+                subprocess.run([py, "-m", "timeslice_cli", "--log-level", "warning", "clear-fault",
                                 "--nats-url", url, "--group", group, "--job", victim.name], cwd=c.ROOT,
                                env=c.child_env(), capture_output=True, timeout=60, check=False)
             elif kind == "cut":
@@ -270,7 +270,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         stall, where = _stalls(logs)
         result["longest_stall_s"] = round(stall, 3)
         result["longest_stall_where"] = where
-        check = subprocess.run([py, "-m", "timeslice_orchestrator", "--log-level", "warning", "check", "--nats-url",
+        check = subprocess.run([py, "-m", "timeslice_cli", "--log-level", "warning", "check", "--nats-url",
                                 url, "--json", "--timeout", "300"], cwd=c.ROOT, env=c.child_env(),
                                capture_output=True, text=True, timeout=600, check=False)
         result["check_exit"] = check.returncode
@@ -284,7 +284,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             result["check"] = {"ok": False, "summary": (check.stdout + check.stderr)[-2000:]}
         if a.keep and check.returncode != 0:  # the whole stream beside the logs, to read the violations' context
             with (tmp / "events.jsonl").open("wb") as dump:
-                subprocess.run([py, "-m", "timeslice_orchestrator", "--log-level", "warning", "events", "--json",
+                subprocess.run([py, "-m", "timeslice_cli", "--log-level", "warning", "events", "--json",
                                 "--nats-url", url], cwd=c.ROOT, env=c.child_env(), stdout=dump, timeout=600,
                                check=False)
         result["orchestrators_alive"] = sum(p.proc is not None and p.proc.poll() is None for p in orch)

@@ -83,7 +83,7 @@ def _import_s() -> float:
     import subprocess
 
     t = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import timeslice_orchestrator.cli, timeslice_orchestrator.service"],
+    subprocess.run([sys.executable, "-c", "import timeslice_orchestrator._main, timeslice_orchestrator.service"],
                    cwd=c.ROOT, env=c.child_env(), check=True)
     return time.monotonic() - t
 

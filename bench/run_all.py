@@ -3,7 +3,7 @@
 Each script runs as its own process with ``--json-out bench/results/<name>.json`` (its printed report
 goes to ``bench/results/<name>.txt`` and to this terminal); then ``docs/benchmarks.md`` is generated
 from every result file there (``bench/_report.py``), together with ``gpu_check.json`` (from
-``bench/gpu_check.py`` on a GPU machine) and ``demo.json`` (from ``timeslice demo --json``) when present.
+``bench/gpu_check.py`` on a GPU machine) and ``demo.json`` (from ``timeslice demo -o FILE``) when present.
 A script that fails is named in the document; the others still count.
 
 Run: ``python bench/run_all.py [--quick] [--only scale,recovery] [--no-run]``. ``--quick`` passes

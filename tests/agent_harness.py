@@ -175,10 +175,10 @@ Spawn = Callable[..., Workload]
 
 
 async def timeslice(nats_url: str, *args: str) -> tuple[int, str]:
-    """Run the ``timeslice`` command (``python -m timeslice_orchestrator``); returns (rc, stdout)."""
+    """Run the ``timeslice`` command (``python -m timeslice_cli``); returns (rc, stdout)."""
     sub, *rest = args
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "timeslice_orchestrator", "--log-level", "warning", sub, "--nats-url", nats_url, *rest,
+        sys.executable, "-m", "timeslice_cli", "--log-level", "warning", sub, "--nats-url", nats_url, *rest,
         cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None

@@ -74,7 +74,7 @@ class OrchestratorProcess:
         argv = ["orchestrator", "--nats-url", self.nats_url, *self.args]
         if self.blocked_imports:
             code = (f"import sys; sys.modules.update(dict.fromkeys({list(self.blocked_imports)!r})); "
-                    f"from timeslice_orchestrator.cli import main; sys.exit(main({argv!r}))")
+                    f"from timeslice_orchestrator._main import main; sys.exit(main({argv!r}))")
             cmd = [sys.executable, "-c", code]
         else:
             cmd = [sys.executable, "-m", "timeslice_orchestrator", *argv]

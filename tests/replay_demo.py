@@ -120,7 +120,7 @@ def _demo(a: argparse.Namespace) -> int:
                 print((work / f"job-{name}.log").read_text(errors="replace")[-3000:], file=sys.stderr)
                 raise RuntimeError(f"job {name} exited with {rc}; logs in {work}")
         html = Path(a.html) if a.html else work / "replay.html"
-        replay = subprocess.run([sys.executable, "-m", "timeslice_orchestrator", "--log-level", "warning", "replay",
+        replay = subprocess.run([sys.executable, "-m", "timeslice_cli", "--log-level", "warning", "replay",
                                  "--nats-url", url, "--group", GROUP, "--html", str(html)],
                                 cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
         print(replay.stdout, end="")

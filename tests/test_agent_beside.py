@@ -124,7 +124,7 @@ async def test_timeslice_up_runs_the_agent_in_its_process_unless_asked(tmp_path:
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIMESLICE_URL_FILE", str(tmp_path / "nats.url"))  # here too: its credentials lie beside it
     env = dict(os.environ, TIMESLICE_URL_FILE=str(tmp_path / "nats.url"), TIMESLICE_LOG_LEVEL="warning")
-    args = [sys.executable, "-m", "timeslice_orchestrator", "up", "--data-dir", str(tmp_path / "data"),
+    args = [sys.executable, "-m", "timeslice_cli", "up", "--data-dir", str(tmp_path / "data"),
             "--node-id", "n-up", "--grpc-port", "-1", "--metrics-port", "-1", "--agent-metrics-port",
             "-1" if apart else "0", *(["--agent-process"] if apart else [])]
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import nats
 import pytest
+from timeslice_cli import build_parser
 from timeslice_client import AsyncTimeSliceClient
 from timeslice_orchestrator._auth_issue import AuthDir, decode_jwt
-from timeslice_orchestrator.cli import build_parser
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .auth_stack import SecureBus, start_secure_bus
@@ -26,7 +26,7 @@ from .helpers import running
 
 
 def _timeslice(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "timeslice_orchestrator", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "timeslice_cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env or dict(os.environ, TIMESLICE_LOG_LEVEL="warning"), check=False)
 
 
@@ -167,7 +167,7 @@ def _fields(line: str) -> dict[str, str]:
 def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     env = dict(os.environ, TIMESLICE_URL_FILE=str(tmp_path / "nats.url"), TIMESLICE_LOG_LEVEL="warning")
     env.pop("TIMESLICE_CREDS", None)
-    args = [sys.executable, "-m", "timeslice_orchestrator", "up", "--data-dir", str(tmp_path / "data"),
+    args = [sys.executable, "-m", "timeslice_cli", "up", "--data-dir", str(tmp_path / "data"),
             "--node-id", "n-up", "--grpc-port", "-1", "--metrics-port", "-1", "--agent-metrics-port", "-1", *extra]
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     assert proc.stdout is not None

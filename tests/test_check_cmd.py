@@ -18,6 +18,9 @@ from typing import Any
 import msgspec
 import pytest
 from timeslice_agent import Agent, AgentConfig
+from timeslice_cli import _check as _check_cmd
+from timeslice_cli import build_parser
+from timeslice_cli._check import check_events, parse_since
 from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
 from timeslice_client.bus import connect, ensure_bus
 from timeslice_client.protocol import (
@@ -34,9 +37,6 @@ from timeslice_client.protocol import (
     encode,
     subjects,
 )
-from timeslice_orchestrator import _check_cmd
-from timeslice_orchestrator._check_cmd import check_events, parse_since
-from timeslice_orchestrator.cli import build_parser
 from timeslice_orchestrator.replay import StreamEvent
 from timeslice_orchestrator.replay._fold import group_of
 
@@ -55,7 +55,7 @@ Msg = tuple[str, bytes]
 async def check_proc(nats_url: str, *args: str) -> tuple[int, str, str]:
     """``python -m timeslice_orchestrator check``, a real process: (rc, stdout, stderr)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "timeslice_orchestrator", "--log-level", "warning", "check", "--nats-url", nats_url,
+        sys.executable, "-m", "timeslice_cli", "--log-level", "warning", "check", "--nats-url", nats_url,
         *args, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None

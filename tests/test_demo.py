@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from timeslice_orchestrator.demo import _messages as m
-from timeslice_orchestrator.demo._progress import Progress
-from timeslice_orchestrator.demo._report import weights_identical
-from timeslice_orchestrator.demo._task import Batch, SortTask, edit_distance
+from timeslice_cli.demo import _messages as m
+from timeslice_cli.demo._progress import Progress
+from timeslice_cli.demo._report import weights_identical
+from timeslice_cli.demo._task import Batch, SortTask, edit_distance
 
 ROOT = Path(__file__).resolve().parents[1]
 # Short and small: 3 steps of a narrow model with a short modelled reward latency.
@@ -28,8 +28,8 @@ SHORT = ["--jobs", "2", "--steps", "3", "--hidden", "256", "--reward-latency-ms"
 def run_demo(tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
     workdir, report = tmp_path / "demo", tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "timeslice_orchestrator", "demo", *SHORT, "--workdir", str(workdir),
-         "--json", str(report), *extra],
+        [sys.executable, "-m", "timeslice_cli", "demo", *SHORT, "--workdir", str(workdir),
+         "-o", str(report), *extra],
         check=False, capture_output=True, text=True, timeout=150, env=env, cwd=ROOT,
     )
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"

@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from timeslice_cli import build_parser
 from timeslice_client import bus
-from timeslice_orchestrator.cli import build_parser
 
 from .grpc_identity_helpers import account_jwt, make_pki, new_account, new_key, public
 
@@ -233,7 +233,7 @@ def _auth_cli() -> bool:
 def _auth_conf(tmp: Path) -> str:
     if _auth_cli():
         d = tmp / "auth-dir"
-        subprocess.run([sys.executable, "-m", "timeslice_orchestrator", "auth", "init", "--dir", str(d)],
+        subprocess.run([sys.executable, "-m", "timeslice_cli", "auth", "init", "--dir", str(d)],
                        check=True, capture_output=True, timeout=60)
         return (d / "nats-auth.conf").read_text()
     from .grpc_identity_helpers import auth_conf_text

@@ -208,7 +208,7 @@ def test_make_secrets_runs_with_the_real_cli(tmp_path: Path) -> None:
     if shutil.which("openssl") is None or shutil.which("kubectl") is None:
         pytest.skip("needs openssl and kubectl")
     cli = tmp_path / "timeslice"
-    cli.write_text(f"#!/bin/sh\nexec {sys.executable} -m timeslice_orchestrator \"$@\"\n")
+    cli.write_text(f"#!/bin/sh\nexec {sys.executable} -m timeslice_cli \"$@\"\n")
     cli.chmod(0o755)
     out = tmp_path / "secrets"
     env = dict(os.environ, TIMESLICE=str(cli), OUT=str(out))

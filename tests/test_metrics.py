@@ -192,7 +192,7 @@ def _get(url: str) -> str:
 async def test_metrics_port_flag_serves_the_process_metrics(nats_url: str, command: list[str]) -> None:
     """``timeslice orchestrator|agent --metrics-port 0`` as a real process: the port it logs answers /metrics."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "timeslice_orchestrator", "--log-level", "info", *command, "--nats-url", nats_url,
+        sys.executable, "-m", "timeslice_cli", "--log-level", "info", *command, "--nats-url", nats_url,
         "--metrics-port", "0", "--metrics-host", "127.0.0.1", cwd=ROOT, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT)
     assert proc.stdout is not None

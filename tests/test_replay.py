@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 from timeslice_agent import Agent, AgentConfig
+from timeslice_cli._replay import parse_time
 from timeslice_client import AsyncTimeSliceClient, CallbackHandler, HandlerResult, SuspendMode
 from timeslice_client.bus import connect
 from timeslice_client.protocol import Granted, OpResult, Release, Released, decode_input, decode_notice, subjects
 from timeslice_orchestrator.replay import Replay, StreamEvent, fold_events, read_window, render_summary
-from timeslice_orchestrator.replay._cli import parse_time
 from timeslice_orchestrator.replay._summary import clipped, quantile
 
 from .agent_harness import timeslice
@@ -265,14 +265,14 @@ async def test_replay_of_a_real_run_equals_the_live_decisions(nats_url: str, age
     assert [p.name for p in replay.phases["a"]] == ["train"] * ((rounds + 1) // 2)
 
     # the command prints the same fold as JSON
-    rc, out = await timeslice(nats_url, "replay", "--group", group, "--json", "-")
+    rc, out = await timeslice(nats_url, "replay", "--group", group, "--json")
     assert rc == 0, out
     assert json.loads(out)["groups"] == json.loads(json.dumps(replay.to_json()))["groups"]
     rc, out = await timeslice(nats_url, "replay")
     assert rc == 0 and f"{group} " in out and "SNAPSHOT p50" in out, out
     # a window: the holds that reach into it, figures over it
     since = holds[2].start_ms
-    rc, out = await timeslice(nats_url, "replay", "--group", group, "--since", str(since), "--json", "-")
+    rc, out = await timeslice(nats_url, "replay", "--group", group, "--since", str(since), "--json")
     assert rc == 0, out
     window = json.loads(out)
     assert [h["epoch"] for h in window["groups"][group]["holds"]] == [h.epoch for h in holds[2:]]

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from nats.aio.msg import Msg
 from timeslice_agent import Agent, AgentConfig
+from timeslice_cli._events import Event, format_line, parse_since, to_json
 from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
 from timeslice_client.bus import connect, kv_keys
 from timeslice_client.protocol import GROUPS_BUCKET, JOBS_BUCKET, GroupRecord, encode
-from timeslice_orchestrator._events_cmd import Event, format_line, parse_since, to_json
 
 from .agent_harness import ROOT, queued, timeslice
 from .helpers import eventually, running
@@ -108,7 +108,7 @@ class Proc:
     async def start(cls, nats_url: str, *args: str) -> Proc:
         sub, *rest = args
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "timeslice_orchestrator", "--log-level", "warning", sub, "--nats-url", nats_url,
+            sys.executable, "-m", "timeslice_cli", "--log-level", "warning", sub, "--nats-url", nats_url,
             *rest, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         return cls(proc)
 

@@ -46,7 +46,13 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     """The gRPC snapshot-agent clients load grpc and protobuf only when first used."""
     if name in ("SnapshotAgentClient", "AsyncSnapshotAgentClient"):
-        from . import agent_client
+        try:
+            from . import agent_client
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] not in ("grpc", "google"):
+                raise
+            raise ModuleNotFoundError(f"timeslice_client.{name} needs gRPC, which is not installed ({exc}): "
+                                      "pip install 'timeslice-client[grpc]'", name=exc.name) from exc
 
         return getattr(agent_client, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

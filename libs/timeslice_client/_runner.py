@@ -6,8 +6,8 @@ services (orchestrator, agent) use it when they can."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar, cast
 
 __all__ = ["run"]
 
@@ -15,8 +15,16 @@ T = TypeVar("T")
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
+    fast = _uvloop_run()
+    # outside any except block: an error of the run must not come chained to "No module named 'uvloop'"
+    if fast is None:
+        return asyncio.run(coro)
+    return cast(T, fast(coro))
+
+
+def _uvloop_run() -> Callable[[Coroutine[Any, Any, Any]], Any] | None:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+        return None
+    return cast(Callable[[Coroutine[Any, Any, Any]], Any], uvloop.run)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -80,6 +81,7 @@ class NatsServer:
         binary: str | None = None,
         server_name: str | None = None,
         cluster: ClusterOptions | None = None,
+        preexec: Callable[[], None] | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.port = port
@@ -89,6 +91,8 @@ class NatsServer:
         self.binary = binary or find_nats_server()
         self.server_name = server_name
         self.cluster = cluster
+        # run in the child before it execs (``timeslice up``: PR_SET_PDEATHSIG, so the server dies with its parent)
+        self.preexec = preexec
         self.proc: subprocess.Popen[bytes] | None = None
         self.url: str = ""
         self.log_path = self.data_dir / "nats-server.log"
@@ -119,7 +123,8 @@ class NatsServer:
         ]
         self.log_path.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            preexec_fn=self.preexec,  # noqa: PLW1509 - only `up` passes one, and it starts the server before its threads
         )
         ports_file = ports_dir / f"nats-server_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout
@@ -196,6 +201,9 @@ class NatsServer:
                                 "majority of the servers must be up")
 
     async def astart(self, timeout: float = 15.0) -> str:
+        if self.preexec is not None:
+            # from this thread, not a worker's: a parent-death signal fires when the thread that forked ends
+            return self.start(timeout)
         return await asyncio.to_thread(self.start, timeout)
 
     async def astop(self, timeout: float = 10.0) -> None:

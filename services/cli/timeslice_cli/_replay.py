@@ -11,14 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from timeslice_client.bus import nats_url_arg
 from timeslice_client.protocol import validate_id
+from timeslice_orchestrator.replay import Replay, fold_events, read_window, render_summary, write_html
 
-from ._fold import fold_events
-from ._html import write_html
-from ._model import Replay
-from ._read import read_window
-from ._text import render_summary
+from ._common import CliError, add_nats_flag
 
 __all__ = ["parse_time", "register"]
 
@@ -55,11 +51,9 @@ async def _replay(args: argparse.Namespace) -> int:
         until = parse_time(args.until, now) if args.until else None
         group = validate_id("group", args.group) if args.group else None
     except ValueError as exc:
-        print(f"timeslice replay: {exc}", file=sys.stderr)
-        return 2
+        raise CliError(str(exc)) from None
     if since is not None and until is not None and until <= since:
-        print(f"timeslice replay: --until ({args.until}) must come after --since ({args.since})", file=sys.stderr)
-        return 2
+        raise CliError(f"--until ({args.until}) must come after --since ({args.since})")
     events = await read_window(args.nats_url, group=group, since_ms=since, until_ms=until, timeout=args.timeout)
     replay = fold_events(events, group=group, since_ms=since, until_ms=until)
     _write(replay, args)
@@ -67,17 +61,20 @@ async def _replay(args: argparse.Namespace) -> int:
 
 
 def _write(replay: Replay, args: argparse.Namespace) -> None:
-    if args.json == "-":
+    """``--json``: the intervals on stdout instead of the summary (notes go to stderr); ``-o FILE``: also to FILE."""
+    notes = sys.stderr if args.json else sys.stdout
+    if args.json:
         json.dump(replay.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(render_summary(replay))
-        if args.json:
-            Path(args.json).write_text(json.dumps(replay.to_json(), indent=2) + "\n", encoding="utf-8")
-            print(f"intervals written to {args.json}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(replay.to_json(), indent=2) + "\n", encoding="utf-8")
+        print(f"intervals written to {args.output}", file=notes)
     if args.html:
         write_html(replay, Path(args.html))
-        print(f"timeline written to {args.html}", file=sys.stderr if args.json == "-" else sys.stdout)
+        print(f"timeline written to {args.html}", file=notes)
+    sys.stdout.flush()
 
 
 def register(sub: Any) -> None:
@@ -90,9 +87,10 @@ def register(sub: Any) -> None:
                                                  "(default: the stream's first message)")
     p.add_argument("--until", default=None, help="window end, same forms (default: the stream's last message)")
     p.add_argument("--html", default=None, metavar="FILE", help="write the interactive timeline to FILE")
-    p.add_argument("--json", default=None, metavar="FILE|-", help="write the reconstructed intervals as JSON "
-                                                                  "('-': to stdout, instead of the summary)")
-    p.add_argument("--nats-url", type=nats_url_arg, default=None,
-                   help="NATS server(s), comma-separated (default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)")
+    p.add_argument("--json", action="store_true",
+                   help="the reconstructed intervals as JSON on stdout, instead of the summary")
+    p.add_argument("-o", "--output", default=None, metavar="FILE",
+                   help="also write the reconstructed intervals as JSON to FILE")
+    add_nats_flag(p)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for reading the stream")
     p.set_defaults(func=_replay)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from ._auth_issue import AuthDir, AuthError, decode_jwt, parse_ttl, write_private
+from timeslice_orchestrator._auth_issue import AuthDir, AuthError, decode_jwt, parse_ttl, write_private
 
 __all__ = ["default_auth_dir", "register"]
 
@@ -98,7 +98,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _user(sub: Any, role: str, help_text: str) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(role, help=help_text)
     _common(p)
-    p.add_argument("--out", required=True, metavar="FILE", help="where to write the .creds file (mode 0600)")
+    p.add_argument("-o", "--out", required=True, metavar="FILE", help="where to write the .creds file (mode 0600)")
     p.add_argument("--ttl", type=_ttl, default=None, help="valid for this long (30d, 12h, 90m; default: no expiry; "
                                                          "revoke with `timeslice auth revoke`)")
     p.set_defaults(func=_cmd(_issue), role=role)
@@ -125,7 +125,7 @@ def register(sub: Any) -> None:
     _user(asub, "local", "the single user of a `timeslice up` machine: every job and the admin")
     sc = asub.add_parser("server-config", help="write the nats-server config snippet again (after a revocation)")
     _common(sc)
-    sc.add_argument("--out", default=None, help="where (default <dir>/nats-auth.conf)")
+    sc.add_argument("-o", "--out", default=None, metavar="FILE", help="where (default <dir>/nats-auth.conf)")
     sc.set_defaults(func=_cmd(_server_config))
     rv = asub.add_parser("revoke", help="revoke a user's credentials (applied when the servers reload)")
     _common(rv)

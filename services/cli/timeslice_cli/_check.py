@@ -27,15 +27,16 @@ from typing import Any, TextIO
 import msgspec
 from timeslice_client.errors import InvalidId
 from timeslice_client.protocol import Granted, validate_id
+from timeslice_orchestrator._stream_checks import FOLD_RULE_KIND, STUCK_MARGIN_MS, Kind, StreamChecks, Violation
+from timeslice_orchestrator.core import Notify
+from timeslice_orchestrator.invariants import InvariantViolation, StreamChecker
+from timeslice_orchestrator.replay import read_window
+from timeslice_orchestrator.replay._fold import group_of
+from timeslice_orchestrator.replay._model import StreamEvent
 
-from ._events_cmd import Event, format_line
-from ._stream_checks import FOLD_RULE_KIND, STUCK_MARGIN_MS, Kind, StreamChecks, Violation
-from .core import Notify
-from .invariants import InvariantViolation, StreamChecker
-from .replay._cli import parse_time
-from .replay._fold import group_of
-from .replay._model import StreamEvent
-from .replay._read import read_window
+from ._common import add_nats_flag
+from ._events import Event, format_line
+from ._replay import parse_time
 
 __all__ = ["CheckReport", "check_events", "parse_duration", "parse_since", "register", "run"]
 
@@ -271,7 +272,7 @@ def register(sub: Any) -> None:
                    help="a group with a waiter and nothing moving this long (stream time) is stuck (500ms, 30s, 2m; "
                         f"default: the group's largest acquire lease + {STUCK_MARGIN_MS // 1000}s)")
     p.add_argument("--json", action="store_true", help="the report as one JSON document on stdout")
-    p.add_argument("--nats-url", default=None, help="default: $TIMESLICE_NATS_URL or what `timeslice up` wrote")
+    add_nats_flag(p)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for reading the stream")
     p.set_defaults(func=run)
 

@@ -1,23 +1,32 @@
-"""``timeslice agent …`` subcommands, plugged into the ``timeslice`` command by entry point."""
+"""The agent as a service: ``python -m timeslice_agent [--node-id N] [--nats-url URL[,URL...]] ...``.
+
+A thin main that builds the agent from its flags and runs it. The ``timeslice`` command (package
+``timeslice_cli``) serves the same flags as ``timeslice agent``; this package needs nothing from it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import json
+import logging
+import os
 import signal
 import sys
+from collections.abc import Sequence
 from typing import Any
 
-import msgspec
+from timeslice_client._bus_auth import add_auth_flags as add_bus_auth_flags
+from timeslice_client._bus_auth import auth_from_args, set_process_auth
 from timeslice_client._runner import run
 from timeslice_client.bus import nats_url_arg
+from timeslice_client.errors import TimeSliceError
 
-__all__ = ["main", "register"]
+__all__ = ["add_agent_flags", "main", "run_agent"]
 
 
-async def _run_agent(args: argparse.Namespace) -> int:
+async def run_agent(args: argparse.Namespace) -> int:
+    """Run the agent the flags of ``add_agent_flags`` describe, until SIGINT/SIGTERM."""
     from .service import Agent, AgentConfig
 
     kwargs: dict[str, Any] = {}
@@ -55,49 +64,9 @@ async def _run_agent(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _rpc(args: argparse.Namespace, verb: str, payload: bytes) -> bytes:
-    from timeslice_client.bus import connect
-    from timeslice_client.protocol import subjects
-    from timeslice_client.workload import default_node_id
-
-    node = args.node_id or default_node_id()
-    nc = await connect(args.nats_url)
-    try:
-        msg = await nc.request(subjects.agent_rpc(node, verb), payload, timeout=5)
-        return bytes(msg.data)
-    finally:
-        await nc.close()
-
-
-async def _status(args: argparse.Namespace) -> int:
-    data = await _rpc(args, "status", b"")
-    jobs = msgspec.json.decode(data)
-    if args.json:
-        print(json.dumps(jobs, indent=2))
-        return 0
-    print(f"{'JOB':<20} {'GROUP':<16} {'STATE':<14} {'BACKENDS':<22} LAST OP")
-    for j in jobs:
-        last = f"{j.get('last_op_id') or '-'} {'ok' if j.get('last_op_ok') else (j.get('last_op_error') or '')}"
-        print(f"{j['job']:<20} {j['group']:<16} {j['state']:<14} {'+'.join(j['backends']):<22} {last}")
-        if j.get("reason"):
-            print(f"{'':<20} reason: {j['reason']}")
-    return 0
-
-
-async def _clear(args: argparse.Namespace) -> int:
-    from timeslice_client.protocol import AgentReply, ClearJobFault, encode
-
-    reply = msgspec.json.decode(await _rpc(args, "clear_fault", encode(ClearJobFault(job=args.job))), type=AgentReply)
-    if not reply.ok:
-        print(f"timeslice: {reply.error}", file=sys.stderr)
-        return 2
-    print(f"job {args.job}: fault cleared (state {reply.state})")
-    return 0
-
-
-def register(sub: Any) -> None:
-    p = sub.add_parser("agent", help="run the node-local snapshot agent")
-    p.add_argument("--node-id", default=None, help="default: $TIMESLICE_NODE_ID or the host name")
+def add_agent_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the agent service (``timeslice agent`` serves the same)."""
+    p.add_argument("--node-id", default=None, help="this node's id (default: $TIMESLICE_NODE_ID or the host name)")
     p.add_argument("--nats-url", type=nats_url_arg, default=None,
                    help="NATS server(s), comma-separated (default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)")
     p.add_argument("--grpc-port", type=int, default=None,
@@ -129,33 +98,27 @@ def register(sub: Any) -> None:
     p.add_argument("--allow-other-uids", action="store_true",
                    help="let a job's proven processes run as any uid (default: only the registering process's uid "
                         "and --allow-uid; $TIMESLICE_AGENT_ALLOW_OTHER_UIDS=true)")
-    p.set_defaults(func=_run_agent)
-    s = sub.add_parser("agent-status", help="jobs on one node and their context states")
-    s.add_argument("--node-id", default=None)
-    s.add_argument("--nats-url", type=nats_url_arg, default=None, help="NATS server(s), comma-separated")
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(func=_status)
-    c = sub.add_parser("agent-clear-fault", help="clear a job's FAULTED state on one node (and in its group)")
-    c.add_argument("--node-id", default=None)
-    c.add_argument("--job", required=True)
-    c.add_argument("--nats-url", type=nats_url_arg, default=None, help="NATS server(s), comma-separated")
-    c.set_defaults(func=_clear)
+    add_bus_auth_flags(p)  # its identity and TLS on the bus (docs/security.md)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m timeslice_agent [--node-id N] [--nats-url URL[,URL...]]``: the agent alone."""
-    parser = argparse.ArgumentParser(prog="timeslice-agent")
-    sub = parser.add_subparsers(dest="command")
-    register(sub)
-    from timeslice_client._bus_auth import add_auth_flags as add_bus_auth_flags
-    from timeslice_client._bus_auth import auth_from_args, set_process_auth
-
-    for cmd in sub.choices.values():  # its identity and TLS on the bus, as under `timeslice agent` (docs/security.md)
-        add_bus_auth_flags(cmd)
-    args = parser.parse_args(["agent", *(argv if argv is not None else sys.argv[1:])])
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m timeslice_agent [flags]``: the agent alone."""
+    parser = argparse.ArgumentParser(prog="python -m timeslice_agent", description="the node-local snapshot agent")
+    parser.add_argument("--log-level", default=os.environ.get("TIMESLICE_LOG_LEVEL", "info"),
+                        choices=("debug", "info", "warning", "error", "critical"), type=str.lower,
+                        help="log threshold (default $TIMESLICE_LOG_LEVEL, else info)")
+    add_agent_flags(parser)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     set_process_auth(auth_from_args(args))
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("nats").setLevel(logging.WARNING)
-    return int(run(args.func(args)))
+    try:
+        return int(run(run_agent(args)))
+    except KeyboardInterrupt:
+        return 130
+    except TimeSliceError as exc:  # a refusal that says what to do: one line
+        print(f"timeslice agent: {exc}", file=sys.stderr)
+        return 2
+    except Exception:
+        logging.getLogger("timeslice.agent").exception("the agent stopped on an error")
+        return 1

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import shutil
 import signal
 import sys
 import time
@@ -24,7 +25,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
-from timeslice_client.bus import kv_keys, nats_url_arg
+from timeslice_client.bus import kv_keys
 from timeslice_client.errors import Unavailable
 from timeslice_client.protocol import (
     GROUPS_BUCKET,
@@ -34,12 +35,14 @@ from timeslice_client.protocol import (
     OpKind,
     decode_record,
     is_group_key,
+    validate_id,
 )
+from timeslice_orchestrator._leadership import LeaderRecord, read_leader
+from timeslice_orchestrator._quarantine import read_quarantined
 
-from ._leadership import LeaderRecord, read_leader
-from ._quarantine import read_quarantined
+from ._common import add_nats_flag
 
-__all__ = ["View", "read_control", "read_view", "register", "render_json", "render_table"]
+__all__ = ["View", "fit", "read_control", "read_view", "register", "render_json", "render_table"]
 
 _ctx_decoder = msgspec.json.Decoder(JobContext)
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: plain ANSI, any terminal
@@ -210,13 +213,23 @@ def render_json(recs: list[GroupRecord], jobs: list[JobContext], now_ms: int, *,
 # ---------------------------------------------------------------------- the command
 
 
+def fit(text: str, width: int) -> str:
+    """Each line of ``text`` cut to ``width`` columns (an ellipsis marks a cut), so a live view never wraps."""
+    return "\n".join(line if len(line) <= width else line[: max(1, width - 1)] + "\u2026" for line in text.split("\n"))
+
+
 def _print(view: View, args: argparse.Namespace, out: TextIO, *, clear: bool) -> None:
+    """One frame. ``--watch`` on a terminal: redrawn in place, cut to the terminal's width; elsewhere (a file, a
+    pipe) no control codes: frames one after another, a blank line between them."""
     now_ms = int(time.time() * 1000)
     recs, jobs = view.selected(args.group)
     if args.json:
         out.write(render_json(recs, jobs, now_ms, indent=None if args.watch else 2, view=view) + "\n")
+    elif clear and out.isatty():
+        width = shutil.get_terminal_size((120, 40)).columns
+        out.write(_CLEAR + fit(render_table(recs, jobs, now_ms, view=view), width) + "\n")
     else:
-        out.write((_CLEAR if clear else "") + render_table(recs, jobs, now_ms, view=view) + "\n")
+        out.write(render_table(recs, jobs, now_ms, view=view) + ("\n\n" if clear else "\n"))
     out.flush()
 
 
@@ -291,6 +304,8 @@ async def _watch(nc: NATS, view: View, args: argparse.Namespace) -> None:
 async def run(args: argparse.Namespace) -> int:
     from timeslice_client.bus import connect
 
+    if args.group is not None:
+        validate_id("group", args.group)  # a bad id is the caller's mistake, not the bus's
     nc = await connect(args.nats_url, name="timeslice-status")
     try:
         view = await read_view(nc, args.group)
@@ -314,9 +329,9 @@ def register(sub: Any) -> None:
     """Add ``status`` to the ``timeslice`` command's subparsers."""
     st = sub.add_parser("status", help="groups: state, holder, epoch, held for, queue, and job states per node")
     st.add_argument("--group", default=None, help="one group (default: all)")
-    st.add_argument("--json", action="store_true", help="the stored records and job states as JSON")
+    st.add_argument("--json", action="store_true",
+                    help="the stored records and job states as JSON on stdout (with --watch: one document a line)")
     st.add_argument("--watch", action="store_true", help="refresh live as the records change (Ctrl-C to stop)")
     st.add_argument("--max-rate", type=_rate, default=4.0, help="with --watch: at most this many refreshes a second")
-    st.add_argument("--nats-url", type=nats_url_arg, default=None,
-                    help="NATS server(s), comma-separated (default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)")
+    add_nats_flag(st)
     st.set_defaults(func=run)

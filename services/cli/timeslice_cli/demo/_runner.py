@@ -74,7 +74,7 @@ def _now_ms() -> int:
 
 
 def _command(spec: JobSpec, stack: Stack, group: str, out: Path) -> list[str]:
-    return [sys.executable, "-m", "timeslice_orchestrator.demo._job", "--job", spec.job, "--group", group,
+    return [sys.executable, "-m", "timeslice_cli.demo._job", "--job", spec.job, "--group", group,
             "--nats-url", stack.nats_url, "--node-id", stack.node_id, "--out", str(out),
             "--backend", spec.backend, "--steps", str(spec.steps), "--seed", str(spec.seed),
             "--hidden", str(spec.hidden), "--reward-latency-ms", str(spec.reward_latency_ms)]

@@ -44,7 +44,7 @@ class LockFigures:
 async def lock_figures(nats_url: str, jobs: list[JobResult], html: Path | None = None) -> LockFigures:
     """Fold the window of the stream in which ``jobs`` (one group) ran through the orchestrator's core
     (``timeslice replay``); write the HTML timeline of it to ``html`` when given."""
-    from ..replay import fold_events, read_window, write_html
+    from timeslice_orchestrator.replay import fold_events, read_window, write_html
 
     group = jobs[0].group
     since, until = min(j.go_ms for j in jobs), max(j.done_ms for j in jobs)

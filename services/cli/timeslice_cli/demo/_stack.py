@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nats.aio.client import Client as NATS
-
-from ..embedded import NatsServer
-from ..service import LocalAgent, Orchestrator, OrchestratorConfig
+from timeslice_orchestrator.embedded import NatsServer
+from timeslice_orchestrator.service import LocalAgent, Orchestrator, OrchestratorConfig
 
 __all__ = ["Stack", "embedded_stack"]
 

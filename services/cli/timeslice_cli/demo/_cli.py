@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._common import CliError
+
 if TYPE_CHECKING:  # the modules themselves load when the demo runs: `timeslice --help` stays fast
     from ._report import DemoReport, Identity
     from ._runner import RunResult
@@ -31,7 +33,8 @@ def _backend(args: argparse.Namespace) -> tuple[str, str]:
     has_torch = torch_available()
     if args.backend == "torch":
         if not has_torch:
-            raise DemoError("--torch asked for, but torch is not installed: `pip install torch` or use --numpy")
+            raise DemoError("--torch asked for, but torch is not installed: `pip install 'timeslice-server[torch]'` "
+                            "(or your own torch build), or use --numpy")
         return "torch", "asked for with --torch"
     if args.backend == "numpy":
         return "numpy", "asked for with --numpy" + ("" if has_torch else "; torch is not installed")
@@ -108,22 +111,31 @@ async def _main(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, task.cancel)
     if logging.getLogger().level <= logging.INFO:
         logging.getLogger("timeslice").setLevel(logging.WARNING)  # the stack's own logs would break the display
+    # --json: the report is the only thing on stdout; the progress and the human report go to stderr
+    human = sys.stderr if args.json else sys.stdout
     try:
-        report = await run_demo(args)
+        with contextlib.redirect_stdout(human):
+            report = await run_demo(args)
     except DemoError as exc:
-        print(f"timeslice demo: {exc}", file=sys.stderr)
-        return 2
+        raise CliError(str(exc)) from None
     except asyncio.CancelledError:
         print("timeslice demo: stopped", file=sys.stderr)
         return 130
-    print(report.render(), end="", flush=True)
+    print(report.render(), end="", flush=True, file=human)
+    doc = json.dumps(report.to_json(), indent=2) + "\n"
     if args.json:
-        await asyncio.to_thread(Path(args.json).write_text, json.dumps(report.to_json(), indent=2) + "\n")
+        sys.stdout.write(doc)
+        sys.stdout.flush()
+    if args.output:
+        await asyncio.to_thread(Path(args.output).write_text, doc)
     return 0 if report.identical else 1
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give a whole number, not {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
@@ -139,8 +151,9 @@ def register(sub: Any) -> None:
     p.add_argument("--jobs", type=_positive, default=2, help="RL jobs (default 2)")
     p.add_argument("--steps", type=_positive, default=20, help="training steps per job (default 20: ~1.5 min in all)")
     p.add_argument("--solo", action="store_true", help="run the jobs back to back only")
-    p.add_argument("--html", default=None, help="the HTML timeline of the shared run (with --solo: of the first "
-                                                "job's solo run); default timeline.html in the work directory")
+    p.add_argument("--html", default=None, metavar="FILE",
+                   help="the HTML timeline of the shared run (with --solo: of the first job's solo run); default "
+                        "timeline.html in the work directory")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--torch", dest="backend", action="store_const", const="torch",
                        help="torch model (default when torch is installed)")
@@ -148,7 +161,9 @@ def register(sub: Any) -> None:
                        help="numpy model (default without torch)")
     p.add_argument("--workdir", default=None, help="where weights, job logs and the timeline go (default: a new "
                                                    "temporary directory)")
-    p.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    p.add_argument("--json", action="store_true",
+                   help="the report as JSON on stdout (the progress and the readable report go to stderr)")
+    p.add_argument("-o", "--output", default=None, metavar="FILE", help="also write the report as JSON to FILE")
     p.add_argument("--hidden", type=_positive, default=768, help="hidden width of the policy MLP (default 768)")
     p.add_argument("--reward-latency-ms", type=float, default=500.0,
                    help="modelled latency of the remote reward service per step (default 500)")

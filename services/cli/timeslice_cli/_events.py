@@ -26,11 +26,11 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
-from timeslice_client.bus import nats_url_arg
 from timeslice_client.errors import Unavailable
 from timeslice_client.protocol import STREAM, subjects, validate_id
+from timeslice_orchestrator._delivery import seq_and_time
 
-from ._delivery import seq_and_time
+from ._common import add_nats_flag
 
 __all__ = ["Event", "format_line", "parse_since", "register", "to_json"]
 
@@ -207,7 +207,6 @@ def register(sub: Any) -> None:
     ev.add_argument("--since", type=parse_since, default=None,
                     help="a duration back from now (30s, 10m, 2h, 1d) or an ISO time (default: the whole stream)")
     ev.add_argument("--follow", "-f", action="store_true", help="keep printing new events until Ctrl-C")
-    ev.add_argument("--json", action="store_true", help="each message raw, one JSON object per line")
-    ev.add_argument("--nats-url", type=nats_url_arg, default=None,
-                    help="NATS server(s), comma-separated (default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)")
+    ev.add_argument("--json", action="store_true", help="each message raw, one JSON object per line on stdout")
+    add_nats_flag(ev)
     ev.set_defaults(func=run)

@@ -1,4 +1,4 @@
-"""One demo RL job, as its own process: ``python -m timeslice_orchestrator.demo._job --job J ...``.
+"""One demo RL job, as its own process: ``python -m timeslice_cli.demo._job --job J ...``.
 
 A GRPO loop on :class:`~._task.SortTask` with the phases of real RL, each accelerator phase inside
 ``client.on_accelerators()`` and the policy's weights and optimizer state registered with the node's
@@ -190,7 +190,7 @@ def run(a: argparse.Namespace, out: _Out) -> int:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m timeslice_orchestrator.demo._job", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m timeslice_cli.demo._job", description=__doc__.split("\n\n")[0])
     p.add_argument("--job", required=True)
     p.add_argument("--group", required=True)
     p.add_argument("--nats-url", required=True)
