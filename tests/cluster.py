@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import socket
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
 from nats.js.errors import NotFoundError
 from timeslice_client.bus import connect
 from timeslice_orchestrator.embedded import ClusterOptions, NatsServer
@@ -121,3 +123,15 @@ class NatsCluster:
     def close(self) -> None:
         for node in self.nodes:
             node.stop()
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
+    """A started 3-node loopback cluster whose JetStream answers; closed after the test."""
+    c = NatsCluster(tmp_path / "cluster")
+    try:
+        c.start()
+        await c.ready()
+        yield c
+    finally:
+        c.close()

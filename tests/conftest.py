@@ -17,6 +17,8 @@ import pytest
 from timeslice_orchestrator.embedded import NatsServer
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
+from .cluster import cluster  # noqa: F401 - the fixture: a 3-node loopback NATS cluster
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -11,11 +11,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import msgspec
-import pytest
 from timeslice_agent import Agent, AgentConfig
 from timeslice_client import AsyncTimeSliceClient, GroupRecord
 from timeslice_client.bus import BusConfig
@@ -30,15 +27,6 @@ from .workers import read_stream
 GROUP = "g-elect"
 
 
-@pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
-    c = NatsCluster(tmp_path / "cluster")
-    try:
-        c.start()
-        await c.ready()
-        yield c
-    finally:
-        c.close()
 
 
 async def _ops(url: str) -> tuple[list[OpStarted], list[OpResult]]:

@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,15 +37,6 @@ from .workers import read_stream
 GROUP = "gcl"
 
 
-@pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
-    c = NatsCluster(tmp_path / "cluster")
-    try:
-        c.start()
-        await c.ready()
-        yield c
-    finally:
-        c.close()
 
 
 # --------------------------------------------------------------------------- parse_servers
