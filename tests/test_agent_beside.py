@@ -31,6 +31,9 @@ from .conftest import OrchestratorProcess
 from .helpers import eventually, running
 from .workers import read_stream
 
+# `timeslice up` takes NATS port 4222 when it is free: every test that starts one runs in the same worker
+pytestmark = pytest.mark.xdist_group("timeslice-up")
+
 
 class FailingAgent:
     """A ``LocalAgent`` whose ``run`` fails at once, or (``hang``) never becomes ready."""

@@ -24,6 +24,9 @@ from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 from .auth_stack import SecureBus, start_secure_bus
 from .helpers import running
 
+# `timeslice up` takes NATS port 4222 when it is free: every test that starts one runs in the same worker
+pytestmark = pytest.mark.xdist_group("timeslice-up")
+
 
 def _timeslice(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "timeslice_cli", *args], capture_output=True, text=True,

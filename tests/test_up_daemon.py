@@ -19,6 +19,9 @@ from timeslice_orchestrator.embedded import NatsServer
 from .agent_harness import ROOT
 from .helpers import eventually_sync
 
+# `timeslice up` takes NATS port 4222 when it is free: every test that starts one runs in the same worker
+pytestmark = pytest.mark.xdist_group("timeslice-up")
+
 CLI = [sys.executable, "-m", "timeslice_cli"]
 QUIET = ("--no-auth", "--grpc-port", "-1", "--metrics-port", "-1", "--agent-metrics-port", "-1", "--node-id", "n-up")
 
