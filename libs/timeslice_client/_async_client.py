@@ -18,7 +18,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from ._grants import Grant, ReleaseResult, _Claim, _Hold, _Superseded, _WaitLost
-from ._hold_scope import AsyncHold
+from ._hold_scope import AsyncHold, AsyncScopes
 from ._keeper import keep
 from ._prompt import DEFAULT_SWITCH_INTERVAL
 from ._publish_rules import publish_stored, request_id
@@ -139,6 +139,7 @@ class AsyncTimeSliceClient:
         self._claim_filter = subjects.job_inputs(self.group_id)
         self._contended_epoch = 0  # the latest epoch of this job's at which another job was seen waiting
         self._renew_now = False  # the keeper renews every wait and the hold at once (set on reconnect)
+        self._scopes = AsyncScopes()  # the open on_accelerators() scopes
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -459,7 +460,8 @@ class AsyncTimeSliceClient:
         return channel
 
     def on_accelerators(self, timeout: float | None = None) -> AsyncHold:
-        """``async with client.on_accelerators():`` or ``@client.on_accelerators()`` on an async function."""
+        """``async with client.on_accelerators():`` or ``@client.on_accelerators()`` on an async function. Scopes
+        nest: only the outermost acquires and releases (an inner one keeps the outer hold; see ``_hold_scope``)."""
         return AsyncHold(self, timeout)
 
     @contextlib.asynccontextmanager
