@@ -14,6 +14,7 @@
     ├── AcquireCancelled     the wait was cancelled, or the orchestrator dropped the waiter
     ├── JobFaulted           the job is faulted in its group; clear the fault first
     ├── HandlerError         a workload handler could not suspend or resume the job's state
+    │   └── UnresizableStorage  a registered tensor whose memory can never be freed (e.g. after ``.numpy()``)
     ├── AgentRefused         the node's agent refused a registration (e.g. processes the job did not prove)
     └── LockLost             the caller does not hold the group (any more)
         ├── NotHolder        another job (or nobody) holds the group
@@ -43,6 +44,7 @@ __all__ = [
     "StaleEpoch",
     "TimeSliceError",
     "Unavailable",
+    "UnresizableStorage",
 ]
 
 
@@ -238,6 +240,23 @@ class HandlerError(TimeSliceError):
     def __init__(self, message: str, *, tag: str | None = None) -> None:
         self.tag = tag
         super().__init__(message)
+
+
+class UnresizableStorage(HandlerError):
+    """A tensor given to ``TorchOffloadHandler`` whose storage torch will not resize, so a switch could never free
+    its memory: refused when the handler is made, or (made so later) at the suspend, before anything moves.
+    ``what`` names the tensor (``parameter 'fc.weight'``, ``tensor [0]``, ...), ``nbytes`` its storage's size."""
+
+    def __init__(self, tag: str, what: str, nbytes: int) -> None:
+        self.what = what
+        self.nbytes = nbytes
+        super().__init__(  # the gist first: a fault reason on the wire keeps 256 characters
+            f"a tensor of group {tag!r} cannot be freed at a switch: `tensor.numpy()` (or numpy, DLPack, shared "
+            "memory) made its storage not resizable; register a `.clone()`, read values via "
+            f"`t.detach().clone().numpy()` ({what}, {nbytes} bytes; one `.numpy()` on a CPU tensor marks its "
+            "storage so for good, a torch rule)",
+            tag=tag,
+        )
 
 
 class AgentRefused(TimeSliceError):
