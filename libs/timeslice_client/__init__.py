@@ -36,6 +36,7 @@ from .errors import (
     StaleEpoch,
     TimeSliceError,
     Unavailable,
+    UnresizableStorage,
 )
 from .handlers import CallbackHandler, HandlerResult, WorkloadHandler
 from .protocol import GroupRecord, GroupState, JobState, SuspendMode
@@ -90,6 +91,7 @@ __all__ = [
     "TimeSliceClient",
     "TimeSliceError",
     "Unavailable",
+    "UnresizableStorage",
     "WorkloadChannel",
     "WorkloadHandler",
     "register_workload",

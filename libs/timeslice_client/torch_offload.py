@@ -46,8 +46,8 @@ suspend is refused with the same error (before anything moves; the job faulted).
 belongs to the group that suspended it.
 
 Between holds, once the job was switched out, the registered tensors hold no memory (their storages are resized
-to 0 until the resume at the job's next grant): read or save them inside a hold. ``client.close()`` does not
-resume them.
+to 0 until the resume at the job's next grant), and torch does not check: reading them then raises, returns
+garbage or crashes the process. Read or save them inside a hold; ``client.close()`` does not resume them.
 """
 
 from __future__ import annotations
