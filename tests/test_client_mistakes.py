@@ -146,28 +146,31 @@ def test_a_malformed_default_is_refused_naming_where_it_came_from(
     assert str(no_advertised_url) in str(info.value) and "unknown scheme" in str(info.value)
 
 
+async def _record_is(c: AsyncTimeSliceClient, holder: str | None, epoch: int) -> bool:
+    """The group's record (written once the orchestrator's answer is out, or after a claim) says so."""
+    rec = await c.status()
+    return (rec.holder.job if rec.holder else None, rec.epoch) == (holder, epoch)
+
+
 @pytest.mark.usefixtures("orchestrator")
 async def test_not_holder_names_the_groups_epoch_and_holder(nats_url: str) -> None:
     async with AsyncTimeSliceClient("a", "gm", nats_url) as a, AsyncTimeSliceClient("b", "gm", nats_url) as b:
         for _ in range(3):
             await a.acquire(timeout=10)
             await a.release()
+        await eventually(lambda: _record_is(a, None, 3), what="the record: nobody holds it, epoch 3")
         with pytest.raises(NotHolder) as idle:
             await b.release()
         assert (idle.value.holder, idle.value.epoch) == (None, 3) and "epoch 3" in str(idle.value)
         g = await a.acquire(timeout=10)
         assert g.epoch == 4
-
-        async def recorded() -> bool:  # a re-acquire after a release is a claim: granted before it is recorded
-            rec = await a.status()
-            return rec.holder is not None and rec.holder.job == "a"
-
-        await eventually(recorded, what="the group's record names a as its holder")
+        await eventually(lambda: _record_is(a, "a", 4), what="the record: a holds it at epoch 4")
         with pytest.raises(NotHolder) as held:
             await b.release()
         assert (held.value.holder, held.value.epoch) == ("a", 4)
         assert "job 'a' holds it at epoch 4" in str(held.value)
         await a.release()
+        await eventually(lambda: _record_is(a, None, 4), what="the record: nobody holds it, epoch 4")
         with pytest.raises(NotHolder) as again:  # a second release of the same job
             await a.release()
         assert (again.value.holder, again.value.epoch) == (None, 4)

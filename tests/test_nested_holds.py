@@ -8,11 +8,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from timeslice_client import AsyncTimeSliceClient, GroupState, TimeSliceClient
+from timeslice_client import AsyncTimeSliceClient, GroupRecord, GroupState, TimeSliceClient
 
-from .helpers import eventually
+from .helpers import eventually, eventually_sync
 
 pytestmark = pytest.mark.usefixtures("orchestrator")
+
+
+async def _held_by(c: AsyncTimeSliceClient, job: str) -> GroupRecord | None:
+    rec = await c.status()
+    return rec if rec.holder is not None and rec.holder.job == job else None
 
 
 async def _released(c: AsyncTimeSliceClient) -> bool:
@@ -34,8 +39,9 @@ async def test_async_decorated_step_inside_a_block_keeps_the_hold(nats_url: str)
             async with a.on_accelerators(timeout=10) as inner:
                 assert inner == outer
             assert a.holding
-            rec = await a.status()
-            assert rec.holder is not None and rec.holder.job == "a" and rec.epoch == outer.epoch
+            # the group's record (written once the grant is out) names a, at the outer scope's epoch
+            rec = await eventually(lambda: _held_by(a, "a"), what="the record names a as the holder")
+            assert rec.epoch == outer.epoch
         # the outer exit released (and did not raise NotHolder)
         assert not a.holding
         await eventually(lambda: _released(a), what="the group released once, by the outermost scope")
@@ -99,7 +105,9 @@ def _sync_nested(nats_url: str) -> tuple[int, int, bool, bool]:
             still = s.holding
             with s.on_accelerators(timeout=10) as inner:
                 assert inner == outer
-            held_epoch = s.status().epoch
+            # the group's record (written once the grant is out) names s, at the outer scope's epoch
+            held_epoch = eventually_sync(lambda: (r := s.status()).holder is not None and r.holder.job == "s"
+                                         and r.epoch, what="the record names s as the holder")
         assert not s.holding
         return outer.epoch, held_epoch, inside, still
 
@@ -109,5 +117,5 @@ async def test_sync_decorated_step_inside_a_block_keeps_the_hold(nats_url: str) 
     assert inside and still, "the inner scope released the outer hold"
     assert held_epoch == epoch
     async with AsyncTimeSliceClient("probe", "n5", nats_url) as probe:
-        rec = await probe.status()
-        assert rec.holder is None and rec.epoch == epoch
+        await eventually(lambda: _released(probe), what="the group released once, by the outermost scope")
+        assert (await probe.status()).epoch == epoch, "an inner scope took a grant of its own"
