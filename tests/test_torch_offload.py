@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from timeslice_client import errors  # noqa: E402
 from timeslice_client.errors import HandlerError, TimeSliceError  # noqa: E402
 from timeslice_client.handlers import HandlerResult, WorkloadHandler  # noqa: E402
 from timeslice_client.protocol import SuspendMode  # noqa: E402
@@ -333,12 +334,56 @@ def test_failed_resume_stays_suspended_and_can_retry(trained: tuple[Net, Any], b
 
 def test_unresizable_storage_is_refused_before_anything_moves() -> None:
     owned = torch.randn(4)
-    borrowed = torch.frombuffer(bytearray(16), dtype=torch.float32)
-    handler = TorchOffloadHandler(tensors={"a": [owned], "b": [borrowed]})
+    later = torch.randn(4)
+    handler = TorchOffloadHandler(tensors={"a": [owned], "b": [later]})
+    later.numpy()  # after the handler was made: its storage cannot be resized from now on
     with pytest.raises(HandlerError, match="not resizable") as info:
         handler.suspend(OFFLOAD, ALL)
     assert isinstance(info.value, TimeSliceError) and info.value.tag == "b"
     assert owned.untyped_storage().nbytes() == 16 and handler.suspended_tags == frozenset()
+
+
+@pytest.mark.parametrize("how", ["numpy", "asarray", "from_numpy", "frombuffer"])
+def test_a_tensor_whose_memory_can_never_be_freed_is_refused_when_the_handler_is_made(how: str) -> None:
+    """Issue 25 (item 5): a registered CPU tensor made non-resizable by ``.numpy()`` used to fault the job at its
+    next switch, with words ("borrowed from numpy") that did not name the call. Refused now, naming it and the fix."""
+    import numpy as np
+
+    t = torch.randn(8)
+    if how == "numpy":
+        t.numpy()
+    elif how == "asarray":
+        np.asarray(t)
+    elif how == "from_numpy":
+        t = torch.from_numpy(np.ones(8, dtype=np.float32))
+    else:
+        t = torch.frombuffer(bytearray(32), dtype=torch.float32)
+    with pytest.raises(HandlerError) as info:
+        TorchOffloadHandler(tensors={"kv": [torch.randn(2), t]}, device="cpu")
+    err = info.value
+    assert isinstance(err, getattr(errors, "UnresizableStorage", ())), type(err)
+    assert err.tag == "kv" and getattr(err, "what", None) == "tensor [1]"
+    assert "`tensor.numpy()`" in str(err) and "`.clone()`" in str(err) and "tensor [1]" in str(err)
+    TorchOffloadHandler(tensors={"kv": [t.clone()]}, device="cpu")  # the fix it names works
+
+
+def test_a_module_parameter_after_numpy_is_named() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    model[1].bias.detach().numpy()
+    with pytest.raises(HandlerError) as info:
+        TorchOffloadHandler(model, device="cpu")
+    assert "parameter '1.bias' of a Sequential" in str(info.value) and info.value.tag == "weights"
+
+
+def test_numpy_after_the_handler_was_made_is_refused_at_the_suspend_naming_the_call() -> None:
+    model = torch.nn.Linear(4, 4)
+    handler = TorchOffloadHandler(model, tensors={"kv": {"k": torch.randn(4), "v": torch.randn(4)}}, device="cpu")
+    float(model.weight.detach().numpy().sum())  # a log line inside the training loop, say
+    with pytest.raises(HandlerError) as info:
+        handler.suspend(OFFLOAD, ALL)
+    assert isinstance(info.value, getattr(errors, "UnresizableStorage", ())), type(info.value)
+    assert "parameter 'weight' of a Linear" in str(info.value) and "`tensor.numpy()`" in str(info.value)
+    assert handler.suspended_tags == frozenset() and handler.device_bytes() > 0  # nothing moved
 
 
 def test_repeated_cycles_reuse_host_buffers(trained: tuple[Net, Any]) -> None:

@@ -7,7 +7,6 @@ ordering as on CUDA, so correctness and failure handling are tested here; the ba
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -58,8 +57,9 @@ def test_on_cpu_overlap_is_not_chosen() -> None:
 
 def test_a_failing_suspend_is_rolled_back_and_the_resume_still_completes() -> None:
     a, ha = job(1)
-    borrowed = torch.from_numpy(np.ones(1024, dtype=np.float32))  # not resizable: its suspend is refused
+    borrowed = torch.ones(1024)
     bad = TorchOffloadHandler(tensors={"state": [borrowed, *a]}, device="cpu")
+    borrowed.numpy()  # not resizable from now on: its suspend is refused
     b, hb = job(2)
     want = [t.clone() for t in b]  # type: ignore[attr-defined]
     hb.suspend(SuspendMode.OFFLOAD, frozenset())

@@ -17,13 +17,13 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from ._grants import Grant, ReleaseResult, _Claim, _Hold, _Superseded, _WaitLost
-from ._hold_scope import AsyncHold
+from ._grants import Grant, ReleaseResult, _checks_claims, _Claim, _Hold, _Superseded, _WaitLost
+from ._hold_scope import AsyncHold, AsyncScopes
 from ._keeper import keep
 from ._prompt import DEFAULT_SWITCH_INTERVAL
 from ._publish_rules import publish_stored, request_id
 from ._refusals import refusal_error
-from .bus import CredsPath, TlsOption, connect, default_nats_url, kv_keys
+from .bus import CredsPath, TlsOption, connect, default_nats_url, kv_keys, resolve_nats_url
 from .errors import (
     AcquireCancelled,
     AcquireTimeout,
@@ -36,7 +36,6 @@ from .errors import (
 from .handlers import WorkloadHandler
 from .protocol import (
     GROUPS_BUCKET,
-    STREAM,
     Acquire,
     Cancel,
     Contended,
@@ -68,25 +67,17 @@ log = logging.getLogger("timeslice.client")
 _WRITE_TURNS = 4
 
 
-async def _checks_claims(js: JetStreamContext) -> bool:
-    """Whether the stream checks a claim exactly: a single-replica stream does. A replicated one (a NATS cluster)
-    checks ``Nats-Expected-Last-Subject-Sequence`` against a wildcard filter without the writes of other subjects
-    still in flight, so it can store a claim right after another job's acquire (seen in bench/chaos.py): the client
-    would hold from a PubAck while the orchestrator refuses its claim. There a re-acquire goes through the
-    orchestrator."""
-    try:
-        info = await js.stream_info(STREAM)
-    except Exception:  # no stream yet (no orchestrator ran), or it is not readable: no claims, nothing is lost
-        return False
-    return (info.config.num_replicas or 1) == 1
-
-
 class AsyncTimeSliceClient:
     """One job's handle on one group.
 
     ``acquire()`` waits (without polling: the grant arrives by subscription) until the orchestrator
     grants the group; while waiting and while holding, a background keeper renews the waiter's place
     and the holder's lease, so a process that dies loses its place or the group within seconds.
+
+    ``nats_url`` (default: ``$TIMESLICE_NATS_URL``, else the URL ``timeslice up`` advertises, else
+    ``nats://127.0.0.1:4222``; see ``bus.resolve_nats_url``) is checked here: a malformed one raises
+    ``InvalidNatsUrl``. ``connect_timeout`` bounds the connection; a server that refuses it fails it at once
+    (``BusUnreachable``, saying where the URL came from).
     """
 
     def __init__(
@@ -106,7 +97,9 @@ class AsyncTimeSliceClient:
     ) -> None:
         self.job_id = validate_id("job", job_id)
         self.group_id = validate_id("group", group_id)
-        self.nats_url = nats_url or default_nats_url()
+        # Checked now (InvalidNatsUrl), and where it came from kept for the error when nobody answers there.
+        self._url = resolve_nats_url(nats_url) if nc is None or nats_url else None
+        self.nats_url = self._url.text if self._url else default_nats_url()
         if lease_seconds < 1:
             raise InvalidRequest(f"lease_seconds must be at least 1, not {lease_seconds}")
         self.lease_ms = int(lease_seconds * 1000)
@@ -139,6 +132,7 @@ class AsyncTimeSliceClient:
         self._claim_filter = subjects.job_inputs(self.group_id)
         self._contended_epoch = 0  # the latest epoch of this job's at which another job was seen waiting
         self._renew_now = False  # the keeper renews every wait and the hold at once (set on reconnect)
+        self._scopes = AsyncScopes()  # the open on_accelerators() scopes
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -149,7 +143,7 @@ class AsyncTimeSliceClient:
             if self._sub is not None:
                 return self
             if self._nc is None:
-                self._nc = await connect(self.nats_url, name=f"timeslice-job-{self.job_id}", **self._identity,
+                self._nc = await connect(self._url, name=f"timeslice-job-{self.job_id}", **self._identity,
                                          connect_timeout=self.connect_timeout, reconnected_cb=self._on_reconnected)
             self._js = self._nc.jetstream(timeout=self.request_timeout)
             v = self._nc.connected_server_version
@@ -356,7 +350,9 @@ class AsyncTimeSliceClient:
         then fails (raises), they stay suspended until this job's next ``acquire()`` resumes them."""
         hold = self._hold
         if hold is None:
-            raise NotHolder(self.group_id, self.job_id, holder=await self._holder_or_none(), epoch=0)
+            rec = await self._record_or_none()  # the group's holder and epoch now, to say so
+            raise NotHolder(self.group_id, self.job_id, holder=rec.holder.job if rec and rec.holder else None,
+                            epoch=rec.epoch if rec else None)
         self._hold = None
         if not hold.alive():
             assert hold.lost is not None
@@ -459,7 +455,8 @@ class AsyncTimeSliceClient:
         return channel
 
     def on_accelerators(self, timeout: float | None = None) -> AsyncHold:
-        """``async with client.on_accelerators():`` or ``@client.on_accelerators()`` on an async function."""
+        """``async with client.on_accelerators():`` or ``@client.on_accelerators()`` on an async function. Scopes
+        nest: only the outermost acquires and releases (an inner one keeps the outer hold; see ``_hold_scope``)."""
         return AsyncHold(self, timeout)
 
     @contextlib.asynccontextmanager
@@ -510,10 +507,14 @@ class AsyncTimeSliceClient:
         return self._kv
 
     async def _holder_or_none(self) -> str | None:
+        rec = await self._record_or_none()
+        return rec.holder.job if rec and rec.holder else None
+
+    async def _record_or_none(self) -> GroupRecord | None:
+        """The group's record, for an error message (None: not readable within a second)."""
         with contextlib.suppress(Exception):
             async with asyncio.timeout(1):
-                rec = await self.status()
-                return rec.holder.job if rec.holder else None
+                return await self.status()
         return None
 
     # ------------------------------------------------------------------ plumbing

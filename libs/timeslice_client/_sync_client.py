@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 from ._async_client import AsyncTimeSliceClient, Grant, ReleaseResult
+from ._hold_scope import SyncHold, SyncScopes
 from ._responder import Responder
 from .errors import TimeSliceError, Unavailable
 from .handlers import WorkloadHandler
@@ -18,8 +18,6 @@ from .workload import WorkloadChannel
 
 __all__ = ["TimeSliceClient"]
 
-P = ParamSpec("P")
-R = TypeVar("R")
 T = TypeVar("T")
 
 
@@ -44,6 +42,7 @@ class TimeSliceClient:
         self._loop_thread = Responder(f"timeslice-{job_id}", fast=False)
         self._loop_thread.start()
         self._closed = False
+        self._scopes = SyncScopes(self._client.acquire_timeout)  # the open on_accelerators() scopes
 
     @property
     def job_id(self) -> str:
@@ -105,9 +104,10 @@ class TimeSliceClient:
         return self._run(self._client.register_workload(handler, **kwargs),
                          self._margin(self._client.request_timeout))
 
-    def on_accelerators(self, timeout: float | None = None) -> _SyncHold:
-        """``with client.on_accelerators():`` or ``@client.on_accelerators()``."""
-        return _SyncHold(self, timeout)
+    def on_accelerators(self, timeout: float | None = None) -> SyncHold:
+        """``with client.on_accelerators():`` or ``@client.on_accelerators()``. Scopes nest: only the outermost
+        acquires and releases (an inner one keeps the outer hold; see ``_hold_scope``)."""
+        return SyncHold(self, timeout, self._scopes)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -138,31 +138,3 @@ class TimeSliceClient:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-class _SyncHold:
-    def __init__(self, client: TimeSliceClient, timeout: float | None) -> None:
-        self._client = client
-        self._timeout = timeout
-        self.grant: Grant | None = None
-
-    def __enter__(self) -> Grant:
-        self.grant = self._client.acquire(self._timeout)
-        return self.grant
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        try:
-            self._client.release()
-        except TimeSliceError:
-            if exc is None:
-                raise
-
-    def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
-        @functools.wraps(fn)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            with _SyncHold(self._client, self._timeout):
-                return fn(*args, **kwargs)
-
-        return wrapper

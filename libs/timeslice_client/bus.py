@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import errno
 import json
 import logging
 import os
+import socket
+import time
 import weakref
 from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType, StreamConfig
@@ -37,7 +41,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from . import _bus_auth
 from ._bus_auth import BusAuth, CredsPath, TlsFiles, TlsOption
 from ._publish_rules import transient
-from .errors import TimeSliceError, Unavailable
+from .errors import BusUnreachable, InvalidNatsUrl, TimeSliceError, Unavailable
 from .protocol import AGENTS_BUCKET, GROUPS_BUCKET, JOBS_BUCKET, STREAM, STREAM_SUBJECTS
 
 __all__ = [
@@ -46,6 +50,7 @@ __all__ = [
     "BusConfig",
     "CredsPath",
     "InvalidNatsUrl",
+    "NatsUrl",
     "TlsFiles",
     "TlsOption",
     "connect",
@@ -55,12 +60,14 @@ __all__ = [
     "kv_keys",
     "nats_url_arg",
     "parse_servers",
+    "resolve_nats_url",
     "url_file",
 ]
 
 log = logging.getLogger("timeslice.bus")
 
 _URL_FILE_ENV = "TIMESLICE_URL_FILE"
+_URL_ENV = "TIMESLICE_NATS_URL"
 _DEFAULT_URL = "nats://127.0.0.1:4222"
 
 
@@ -85,54 +92,92 @@ def _advertised() -> list[str] | None:
 
 
 def default_nats_url() -> str:
-    """``$TIMESLICE_NATS_URL``, else the URL ``timeslice up`` advertised, else ``nats://127.0.0.1:4222``.
-    Either may name several servers, comma-separated (the file: also one a line); ``parse_servers`` reads it."""
-    env = os.environ.get("TIMESLICE_NATS_URL")
+    """``$TIMESLICE_NATS_URL``, else the URL ``timeslice up`` advertised, else ``nats://127.0.0.1:4222`` (the
+    NATS default; ``timeslice up`` takes port 4222 unless it is in use). Either may name several servers,
+    comma-separated (the file: also one a line); ``parse_servers`` reads it. ``resolve_nats_url`` also says which."""
+    return _default_with_source()[0]
+
+
+def _default_with_source() -> tuple[str, str]:
+    env = os.environ.get(_URL_ENV)
     if env and env.strip():
-        return env.strip()
+        return env.strip(), f"from ${_URL_ENV}"
+    path = url_file()
     try:
-        lines = url_file().read_text().split()
+        lines = path.read_text().split()
     except OSError:
-        return _DEFAULT_URL
+        return _DEFAULT_URL, (f"the default: no URL was given, ${_URL_ENV} is not set and no `timeslice up` "
+                              f"advertises one in {path}")
     text = ",".join(x.strip(",") for x in lines if x.strip(","))
-    return text or _DEFAULT_URL
+    if not text:
+        return _DEFAULT_URL, f"the default: no URL was given, ${_URL_ENV} is not set and {path} is empty"
+    return text, f"advertised by `timeslice up` in {path}"
+
+
+@dataclass(frozen=True, slots=True)
+class NatsUrl:
+    """The servers to connect to, checked, and where they came from (``source``: ``"as given"``, ``"from
+    $TIMESLICE_NATS_URL"``, ``"advertised by `timeslice up` in PATH"`` or ``"the default: ..."``)."""
+
+    servers: tuple[str, ...]
+    source: str
+
+    @property
+    def text(self) -> str:
+        return ",".join(self.servers)
+
+
+def resolve_nats_url(url: str | Sequence[str] | NatsUrl | None = None) -> NatsUrl:
+    """``url`` checked (``parse_servers``), or, when None or empty, ``default_nats_url()``'s, with where it came
+    from. Raises ``InvalidNatsUrl`` naming the bad entry and its source."""
+    if isinstance(url, NatsUrl):
+        return url
+    if url:
+        return NatsUrl(tuple(parse_servers(url)), "as given")
+    text, source = _default_with_source()
+    return NatsUrl(tuple(parse_servers(text, source=source)), source)
+
+
+def _advice(source: str) -> str:
+    """What to do when no server of a URL from ``source`` answers."""
+    path = url_file()
+    up = (f"`timeslice up` starts NATS and writes its URL to {path} (${_URL_FILE_ENV} moves it), where clients "
+          f"given no URL and no ${_URL_ENV} find it")
+    if source.startswith("advertised"):
+        return (f"the `timeslice up` that wrote {path} is not running (or not reachable from here): start it again "
+                f"(`timeslice up`), or give the server's URL (nats_url=, --nats-url or ${_URL_ENV})")
+    if source.startswith("the default"):
+        return f"start one with `timeslice up`, or give the server's URL (nats_url=, --nats-url or ${_URL_ENV}); {up}"
+    return f"check that NATS runs there and is reachable; {up}"
 
 
 _SCHEMES = ("nats", "tls", "ws", "wss")
 
 
-class InvalidNatsUrl(TimeSliceError, ValueError):
-    """A NATS URL (one of a comma-separated list) that cannot name a server."""
-
-    def __init__(self, entry: str, reason: str, text: str) -> None:
-        self.entry = entry
-        self.reason = reason
-        self.text = text
-        whole = f" (in {text!r})" if text.strip() != entry else ""
-        super().__init__(
-            f"invalid NATS server {entry!r}{whole}: {reason}; give one URL or several, comma-separated, such as "
-            "nats://10.0.0.1:4222,nats://10.0.0.2:4222 (schemes: nats, tls, ws, wss; a bare host:port means nats://)"
-        )
-
-
-def parse_servers(text: str | Sequence[str]) -> list[str]:
+def parse_servers(text: str | Sequence[str], *, source: str | None = None) -> list[str]:
     """The servers named by ``text``: one NATS URL or several, comma-separated (a sequence: each item so).
 
     Each entry needs a scheme ``nats``, ``tls``, ``ws`` or ``wss`` (none: ``nats://``), a host and, if given, a
     port in 1..65535 (none: the client's default, 4222 for nats/tls); ``nats``/``tls`` and ``ws``/``wss`` do not
-    mix. Raises ``InvalidNatsUrl`` naming the first bad entry. Credentials in an entry are kept as they are."""
+    mix. Raises ``InvalidNatsUrl`` naming the first bad entry (and ``source``, where the text came from).
+    Credentials in an entry are kept as they are."""
     items = [text] if isinstance(text, str) else list(text)
     whole = ",".join(items)
     out: list[str] = []
-    for item in items:
-        for raw in item.split(","):
-            out.append(_check_server(raw.strip(), whole))
-    if not out:
-        raise InvalidNatsUrl("", "no server given", whole)
-    kinds = {urlsplit(u).scheme in ("ws", "wss") for u in out}
-    if len(kinds) > 1:
-        raise InvalidNatsUrl(next(u for u in out if urlsplit(u).scheme in ("ws", "wss")),
-                             "websocket and plain (nats/tls) servers cannot be mixed in one list", whole)
+    try:
+        for item in items:
+            for raw in item.split(","):
+                out.append(_check_server(raw.strip(), whole))
+        if not out:
+            raise InvalidNatsUrl("", "no server given", whole)
+        kinds = {urlsplit(u).scheme in ("ws", "wss") for u in out}
+        if len(kinds) > 1:
+            raise InvalidNatsUrl(next(u for u in out if urlsplit(u).scheme in ("ws", "wss")),
+                                 "websocket and plain (nats/tls) servers cannot be mixed in one list", whole)
+    except InvalidNatsUrl as exc:
+        if source is None:
+            raise
+        raise InvalidNatsUrl(exc.entry, exc.reason, exc.text, source) from None
     return out
 
 
@@ -185,30 +230,43 @@ async def _quiet_error_cb(exc: Exception) -> None:
 
 
 async def connect(
-    url: str | Sequence[str] | None = None, *, name: str = "timeslice", connect_timeout: float = 5.0,
+    url: str | Sequence[str] | NatsUrl | None = None, *, name: str = "timeslice", connect_timeout: float = 5.0,
     creds: CredsPath | None = None, tls: TlsOption | None = None, **kwargs: Any
 ) -> NATS:
     """Connect to NATS with reconnects on, a quiet error callback and a clear error when nobody answers.
     ``url``: one server, or several (comma-separated, or a sequence; tried in turn, and again on reconnect), read
-    by ``parse_servers`` (``InvalidNatsUrl`` names a bad one); default ``default_nats_url()``.
+    by ``parse_servers`` (``InvalidNatsUrl`` names a bad one); default ``default_nats_url()`` (see
+    ``resolve_nats_url``). ``connect_timeout`` bounds the whole first connection (each server's attempt gets its
+    share); a refusal by every server (nothing listens on the port, or the host name does not resolve) ends it at
+    once. Both raise ``BusUnreachable`` naming the URL, where it came from and what to do.
     ``creds``: a NATS ``.creds`` file; ``tls``: the CA / client certificate files (or a ready ``SSLContext``);
     None: found as ``timeslice_client._bus_auth`` says (the CLI's flags, ``$TIMESLICE_CREDS``/``$TIMESLICE_TLS_*``,
     the credentials beside ``timeslice up``'s URL file). Raises ``CredentialsError`` for an unusable file."""
-    servers = parse_servers(url if url else default_nats_url())
-    url = ",".join(servers)
+    target = resolve_nats_url(url)
+    servers = list(target.servers)
+    url = target.text
     auth, context = _bus_auth.resolve(creds, tls, servers=servers, advertised=_advertised(),
                                       local_creds=local_creds_file())
     errors: list[Exception] = []
+    refusals: list[Exception] = []  # definite failures in a row, while the first connection is being made
+    refused = asyncio.Event()  # every server refused: give up now rather than at the timeout
     user_cb = kwargs.pop("error_cb", _quiet_error_cb)
 
     async def error_cb(exc: Exception) -> None:
         if not errors:  # the first refusal says why a connection never came up
             errors.append(exc)
+        if not refused.is_set() and not nc.is_connected:
+            if _definite(exc):
+                refusals.append(exc)
+                if len(refusals) >= len(servers):  # tried in turn: each one refused
+                    refused.set()
+            else:
+                refusals.clear()
         await user_cb(exc)
 
     opts: dict[str, Any] = {
         "name": name,
-        "connect_timeout": connect_timeout,
+        "connect_timeout": connect_timeout / len(servers),
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.25,
@@ -216,21 +274,52 @@ async def connect(
         **_bus_auth.nats_options(auth, context),
     }
     opts.update(kwargs)
-    who = f" as {auth.creds} ({auth.source})" if auth.creds is not None else " without credentials"
+    who = f"as {auth.creds} ({auth.source})" if auth.creds is not None else "without credentials"
+    nc = NATS()
+    started = time.monotonic()
     try:
         # With unlimited reconnects nats-py retries a first connection forever: bound it here.
-        async with asyncio.timeout(connect_timeout * 2):
-            nc = await nats.connect(servers, **opts)
-    except TimeoutError as exc:
-        why = f" ({errors[0]})" if errors else ""
-        raise Unavailable(f"cannot connect to NATS{who}{why}{_hint(errors, auth)}", nats_url=url,
-                          after_s=connect_timeout * 2) from exc
+        await _first_connection(nc, servers, opts, refused, connect_timeout)
     except Exception as exc:
-        raise Unavailable(f"cannot connect to NATS{who} ({exc.__class__.__name__}: {exc}){_hint([exc], auth)}",
-                          nats_url=url) from exc
+        first = errors[0] if errors else exc
+        reason = f"{first.__class__.__name__}: {first}; tried {who}" if str(first) else f"tried {who}"
+        hint = _hint(errors or [exc], auth)
+        raise BusUnreachable(
+            url, target.source, reason, refused=refused.is_set(),
+            after_s=None if refused.is_set() or not isinstance(exc, TimeoutError) else time.monotonic() - started,
+            advice=hint.removeprefix("; ") or _advice(target.source)) from exc
     errors.clear()
     _identities[nc] = {"creds": auth.creds, "tls": context}
     return nc
+
+
+async def _first_connection(nc: NATS, servers: list[str], opts: dict[str, Any], refused: asyncio.Event,
+                            timeout: float) -> None:
+    """``nc.connect``, given up (TimeoutError) after ``timeout`` or (ConnectionRefusedError) once ``refused`` is set;
+    a connection given up is closed."""
+    trying = asyncio.ensure_future(nc.connect(servers, **opts))
+    given_up = asyncio.ensure_future(refused.wait())
+    try:
+        async with asyncio.timeout(timeout):
+            await asyncio.wait((trying, given_up), return_when=asyncio.FIRST_COMPLETED)
+        if not trying.done():
+            raise ConnectionRefusedError("every server refused the connection")
+        trying.result()
+    finally:
+        given_up.cancel()
+        if not trying.done() or trying.cancelled() or trying.exception() is not None:
+            trying.cancel()
+            with contextlib.suppress(BaseException):
+                await trying
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1):
+                    await nc.close()
+
+
+def _definite(exc: Exception) -> bool:
+    """A connection attempt that failed for good, not for want of time: nothing listens there, or no such host."""
+    return isinstance(exc, ConnectionRefusedError | socket.gaierror) or (
+        isinstance(exc, OSError) and exc.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH))
 
 
 _identities: weakref.WeakKeyDictionary[NATS, dict[str, Any]] = weakref.WeakKeyDictionary()

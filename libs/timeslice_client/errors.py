@@ -4,14 +4,17 @@
 
     TimeSliceError
     ├── InvalidId            an id that can never be put into a subject or key
+    ├── InvalidNatsUrl       a NATS URL (or one entry of a comma-separated list) that cannot name a server
     ├── InvalidRequest       a request the orchestrator refused as malformed
     │   └── GroupFull        the group's queue is at its bound; try again later or use another group
     ├── GroupQuarantined     the group's record is unusable; an operator must repair it (other groups work)
     ├── Unavailable          the bus (or the orchestrator behind it) did not answer in time
+    │   └── BusUnreachable   no NATS server of the URL could be connected to (refused, or no answer in time)
     ├── AcquireTimeout       the group was not granted before the acquire's timeout
     ├── AcquireCancelled     the wait was cancelled, or the orchestrator dropped the waiter
     ├── JobFaulted           the job is faulted in its group; clear the fault first
     ├── HandlerError         a workload handler could not suspend or resume the job's state
+    │   └── UnresizableStorage  a registered tensor whose memory can never be freed (e.g. after ``.numpy()``)
     ├── AgentRefused         the node's agent refused a registration (e.g. processes the job did not prove)
     └── LockLost             the caller does not hold the group (any more)
         ├── NotHolder        another job (or nobody) holds the group
@@ -27,10 +30,12 @@ __all__ = [
     "AcquireCancelled",
     "AcquireTimeout",
     "AgentRefused",
+    "BusUnreachable",
     "GroupFull",
     "GroupQuarantined",
     "HandlerError",
     "InvalidId",
+    "InvalidNatsUrl",
     "InvalidRequest",
     "JobFaulted",
     "LeaseExpired",
@@ -39,6 +44,7 @@ __all__ = [
     "StaleEpoch",
     "TimeSliceError",
     "Unavailable",
+    "UnresizableStorage",
 ]
 
 
@@ -52,6 +58,24 @@ class InvalidId(TimeSliceError, ValueError):
         self.value = value
         self.rule = rule
         super().__init__(f"invalid {kind} id {value!r}: {rule}")
+
+
+class InvalidNatsUrl(TimeSliceError, ValueError):
+    """A NATS URL (one of a comma-separated list) that cannot name a server; ``entry`` the bad one, ``text`` all of
+    it, ``source`` where it came from (``bus.NatsUrl.source``; None: given to the call that refused it)."""
+
+    def __init__(self, entry: str, reason: str, text: str, source: str | None = None) -> None:
+        self.entry = entry
+        self.reason = reason
+        self.text = text
+        self.source = source
+        context = ([f"in {text!r}"] if text.strip() != entry else []) + ([source] if source else [])
+        where = f" ({'; '.join(context)})" if context else ""
+        super().__init__(
+            f"invalid NATS server {entry!r}{where}: {reason}; give one URL or several, comma-separated, such "
+            "as nats://10.0.0.1:4222,nats://10.0.0.2:4222 (schemes: nats, tls, ws, wss; a bare host:port means "
+            "nats://)"
+        )
 
 
 class InvalidRequest(TimeSliceError, ValueError):
@@ -93,6 +117,25 @@ class Unavailable(TimeSliceError):
         )
 
 
+class BusUnreachable(Unavailable):
+    """No server of ``nats_url`` could be connected to: each refused the connection or could not be resolved
+    (``refused``: at once), or none answered within ``after_s``. ``source`` says where the URL came from
+    (``bus.NatsUrl.source``), ``reason`` the first failure, ``advice`` what to do about it."""
+
+    def __init__(self, nats_url: str, source: str, reason: str, *, after_s: float | None, refused: bool,
+                 advice: str) -> None:
+        self.source = source
+        self.reason = reason
+        self.refused = refused
+        self.advice = advice
+        self.what = "cannot connect to NATS"
+        self.nats_url = nats_url
+        self.after_s = after_s
+        how = ("every server refused the connection or could not be found" if refused
+               else f"no server answered within {after_s:.3g} s" if after_s is not None else "the connection failed")
+        TimeSliceError.__init__(self, f"cannot connect to NATS at {nats_url} ({source}): {how} ({reason}); {advice}")
+
+
 class AcquireTimeout(TimeSliceError, TimeoutError):
     def __init__(self, group_id: str, job_id: str, timeout_s: float, holder: str | None = None) -> None:
         self.group_id = group_id
@@ -126,8 +169,11 @@ class JobFaulted(TimeSliceError):
 
 
 class LockLost(TimeSliceError):
+    """``epoch``: the group's current epoch (None: its record could not be read), ``holder`` its holder then."""
+
     def __init__(
-        self, message: str, *, group_id: str, job_id: str, holder: str | None, epoch: int, your_epoch: int | None
+        self, message: str, *, group_id: str, job_id: str, holder: str | None, epoch: int | None,
+        your_epoch: int | None
     ) -> None:
         self.group_id = group_id
         self.job_id = job_id
@@ -138,10 +184,20 @@ class LockLost(TimeSliceError):
 
 
 class NotHolder(LockLost):
+    """``holder`` and ``epoch``: the group's holder and current epoch (epoch None: the record could not be read)."""
+
     def __init__(
-        self, group_id: str, job_id: str, holder: str | None, epoch: int, your_epoch: int | None = None
+        self, group_id: str, job_id: str, holder: str | None, epoch: int | None, your_epoch: int | None = None
     ) -> None:
-        who = f"job {holder!r} holds it at epoch {epoch}" if holder else f"nobody holds it (epoch {epoch})"
+        if epoch is None:
+            who = "its record could not be read to say who does"
+        elif holder == job_id:
+            who = (f"the group's record names job {holder!r} at epoch {epoch}, but this client has no grant of it "
+                   "(another client with the same job id holds it, or a release of this one was not answered)")
+        elif holder:
+            who = f"job {holder!r} holds it at epoch {epoch}"
+        else:
+            who = f"nobody holds it (the group is at epoch {epoch})"
         super().__init__(
             f"job {job_id!r} does not hold group {group_id!r}: {who}; acquire it first",
             group_id=group_id,
@@ -184,6 +240,23 @@ class HandlerError(TimeSliceError):
     def __init__(self, message: str, *, tag: str | None = None) -> None:
         self.tag = tag
         super().__init__(message)
+
+
+class UnresizableStorage(HandlerError):
+    """A tensor given to ``TorchOffloadHandler`` whose storage torch will not resize, so a switch could never free
+    its memory: refused when the handler is made, or (made so later) at the suspend, before anything moves.
+    ``what`` names the tensor (``parameter 'fc.weight'``, ``tensor [0]``, ...), ``nbytes`` its storage's size."""
+
+    def __init__(self, tag: str, what: str, nbytes: int) -> None:
+        self.what = what
+        self.nbytes = nbytes
+        super().__init__(  # the gist first: a fault reason on the wire keeps 256 characters
+            f"a tensor of group {tag!r} cannot be freed at a switch: `tensor.numpy()` (or numpy, DLPack, shared "
+            "memory) made its storage not resizable; register a `.clone()`, read values via "
+            f"`t.detach().clone().numpy()` ({what}, {nbytes} bytes; one `.numpy()` on a CPU tensor marks its "
+            "storage so for good, a torch rule)",
+            tag=tag,
+        )
 
 
 class AgentRefused(TimeSliceError):

@@ -38,10 +38,16 @@ when the incoming state fits beside the outgoing one, the outgoing device-to-hos
 host-to-device copies run at the same time (PCIe is full duplex), each on its handler's own stream.
 
 Limits: sparse tensors and tensor subclasses without a plain storage (e.g. ``DTensor`` wrappers) are
-skipped; a storage that cannot be resized (memory borrowed from numpy, shared memory) is refused
-before anything moves. On CPU, calling ``tensor.numpy()`` once marks that tensor's storage
-non-resizable for good (a torch rule): log ``tensor.clone().numpy()`` instead, or the next suspend
-is refused (rolled back, the job faulted). A storage shared between groups belongs to the group that suspended it.
+skipped; a storage that cannot be resized (memory borrowed from numpy, shared memory) could never be freed:
+the handler refuses it when it is made (``UnresizableStorage``, naming the tensor). On CPU, calling
+``tensor.numpy()`` (or ``np.asarray(tensor)``) once marks that tensor's storage non-resizable for good (a torch
+rule): register tensors before any ``.numpy()`` and log ``tensor.detach().clone().numpy()`` instead, or the next
+suspend is refused with the same error (before anything moves; the job faulted). A storage shared between groups
+belongs to the group that suspended it.
+
+Between holds, once the job was switched out, the registered tensors hold no memory (their storages are resized
+to 0 until the resume at the job's next grant), and torch does not check: reading them then raises, returns
+garbage or crashes the process. Read or save them inside a hold; ``client.close()`` does not resume them.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from typing import Any, Final
 import torch
 
 from ._huge_pages import advise_huge_pages
+from ._torch_state import check_resizable, named_tensors, several, source, unresizable, walk
 from .errors import HandlerError
 from .handlers import HandlerResult
 from .protocol import SuspendMode
@@ -102,20 +109,13 @@ class _Group:
                     yield param.grad
             yield from module.buffers()
         for optimizer in self.optimizers:
-            yield from _walk(list(optimizer.state.values()))
-        for source in self.sources:
-            yield from _walk(source() if callable(source) and not isinstance(source, torch.Tensor) else source)
+            yield from walk(list(optimizer.state.values()))
+        for src in self.sources:
+            yield from walk(src() if callable(src) and not isinstance(src, torch.Tensor) else src)
 
-
-def _walk(obj: Any) -> Iterator[Any]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _walk(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _walk(value)
+    def named(self, *, call: bool) -> Iterator[tuple[str, Any]]:
+        """The tensors with words naming them (for errors); ``call``: also those callable sources return now."""
+        return named_tensors(self.modules, self.optimizers, self.sources, call=call)
 
 
 def _storage(tensor: Any) -> Any:
@@ -194,13 +194,15 @@ class TorchOffloadHandler:
                     "(or give tags with modules=, optimizers=, tensors=)"
                 )
         for tag, value in (modules or {}).items():
-            self._group(tag).modules.extend(_several(value, torch.nn.Module, "modules", tag))
+            self._group(tag).modules.extend(several(value, torch.nn.Module, "modules", tag))
         for tag, value in (optimizers or {}).items():
-            self._group(tag).optimizers.extend(_several(value, torch.optim.Optimizer, "optimizers", tag))
+            self._group(tag).optimizers.extend(several(value, torch.optim.Optimizer, "optimizers", tag))
         for tag, value in (tensors or {}).items():
-            self._group(tag).sources.append(_source(value, tag))
+            self._group(tag).sources.append(source(value, tag))
         if not self._groups:
             raise ValueError("nothing to offload: pass modules, optimizers or tensors")
+        for group in self._groups.values():  # memory a switch could never free (e.g. after .numpy()): say so now
+            check_resizable(group.tag, group.named(call=False), device)
 
     # ------------------------------------------------------------------ queries
 
@@ -299,12 +301,8 @@ class TorchOffloadHandler:
             for group in groups:
                 found = self._live(group, seen)
                 for storage, _ in found:
-                    if not storage.resizable():
-                        raise HandlerError(
-                            f"cannot free a storage of group {group.tag!r}: its memory is not resizable "
-                            "(borrowed from numpy, DLPack or shared memory); copy it into a torch-owned tensor",
-                            tag=group.tag,
-                        )
+                    if not storage.resizable():  # e.g. .numpy() was called on it since the handler was made
+                        raise unresizable(group.tag, storage, group.named(call=True))
                 plans.append((group, self._slots(group, found, offload)))
             slots = [slot for _, plan in plans for slot in plan]
             if sync_device:
@@ -565,20 +563,4 @@ class TorchOffloadHandler:
 
 
 # --------------------------------------------------------------------------- duplex swap
-
-def _several(value: Any, kind: type, what: str, tag: str) -> list[Any]:
-    items = [value] if isinstance(value, kind) else list(value)
-    for item in items:
-        if not isinstance(item, kind):
-            raise TypeError(f"{what}[{tag!r}] holds a {type(item).__name__!r}, not a {kind.__module__}.{kind.__name__}")
-    return items
-
-
-def _source(value: Any, tag: str) -> Any:
-    """Tensors under a tag: a tensor, a list/tuple/dict (kept by reference: read at suspend), or a callable."""
-    if isinstance(value, (torch.Tensor, list, tuple, Mapping)) or callable(value):
-        return value
-    if isinstance(value, Iterable):
-        return tuple(value)  # a one-shot iterator: keep what it gives now
-    raise TypeError(f"tensors[{tag!r}] must be a tensor, a collection of tensors or a callable returning them")
 
