@@ -6,14 +6,15 @@ one group back and forth without pause, each connected to all three servers. Eac
 nats-server that leads the stream, at a random instant between grants, and measures, from the kill:
 
 * **election** (the same-run baseline): until a surviving server answers that the stream has a new leader, and
-  until every stream that had its leader on the killed server (the stream and the buckets) has one again;
+  until every stream that had its leader on the killed server (the stream and the buckets) has one again, and,
+  when the orchestrator's durable consumer (a Raft group of its own) was led there too, until it has one again;
 * **resume**: until the first grant of an acquire sent after the kill.
 
 The killed server is then started again and every replica caught up before the next trial. At the end the whole
 stream is folded through the pure core (``invariants.StreamChecker``): no overlapping hold, no duplicate or
 regressing epoch, every grant the fold decided was published. Goal (issue 23): resume <= election + 1 s in every
-trial, the election being that of every stream the lock writes which lost its leader (the stream, ``KV_groups``,
-``KV_leader``); no violation.
+trial, the election being that of everything the lock needs which lost its leader (the stream, ``KV_groups``,
+``KV_leader``, the orchestrator's consumer); no violation.
 
 Run: ``python bench/stream_leader.py [--trials 5] [--json-out FILE]``.
 """
@@ -45,6 +46,7 @@ GOAL_MARGIN_S = 1.0
 GROUP = "leaderloss"
 _BUCKETS = ("KV_groups", "KV_leader", "KV_agents", "KV_jobs")
 _LOCK_STREAMS = (STREAM, "KV_groups", "KV_leader")
+DURABLE = "orchestrator"  # the orchestrator's durable consumer of its inputs (OrchestratorConfig.durable)
 
 
 async def _leaders(urls: list[str], streams: tuple[str, ...]) -> dict[str, str]:
@@ -77,6 +79,27 @@ async def _elected(js: Any, stream: str, dead: str, t0: float, timeout: float = 
     raise TimeoutError(f"stream {stream} had no new leader within {timeout} s")
 
 
+async def _consumer_leader(js: Any, durable: str) -> str:
+    """The leader of the orchestrator's durable consumer ("" while it has none, or it is not known)."""
+    with contextlib.suppress(Exception):
+        info = await js.consumer_info(STREAM, durable)
+        return (info.cluster.leader or "") if info.cluster else ""
+    return ""
+
+
+async def _consumer_elected(js: Any, durable: str, dead: str, t0: float, timeout: float = 60.0) -> float:
+    """``_elected`` for the orchestrator's durable consumer, a Raft group of its own: its inputs reach the
+    orchestrator only once it has a leader again (or once the orchestrator made it anew). ``timeout`` when it
+    has none by then (the trial goes on: the resume says the rest)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lead = await _consumer_leader(js, durable)
+        if lead and lead != dead:
+            return time.monotonic() - t0
+        await asyncio.sleep(0.02)  # polling the survivors, bounded by the deadline above
+    return timeout
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     tmp = c.scratch_dir("stream-leader")
@@ -106,27 +129,32 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             dead = cluster.names[lead]
             before = await _leaders(cluster.urls, (STREAM, *_BUCKETS))
             moved = tuple(s for s, name in before.items() if name == dead)  # their leader goes with the server
+            consumer_moved = await _consumer_leader(js, DURABLE) == dead
             survivors = [u for i, u in enumerate(cluster.urls) if i != lead]
             probe = await connect(survivors, name="bench-election-probe", connect_timeout=2)
-            probes = [probe.jetstream(timeout=0.2) for _ in moved]
+            probes = [probe.jetstream(timeout=0.2) for _ in range(len(moved) + 1)]
             await asyncio.sleep(rng.uniform(0.0, 0.05))  # a random instant between grants, not a wait for anything
             t0 = time.monotonic()
             cluster.kill(lead)
             try:
-                elections = await asyncio.gather(*(_elected(j, s, dead, t0)
-                                                   for j, s in zip(probes, moved, strict=True)))
+                *elections, consumer_election = await asyncio.gather(
+                    *(_elected(j, s, dead, t0) for j, s in zip(probes, moved, strict=False)),
+                    _consumer_elected(probes[-1], DURABLE, dead, t0) if consumer_moved else asyncio.sleep(0, 0.0))
             finally:
                 await probe.close()
             resume = await h.next_grant_after(t0)
             election = elections[moved.index(STREAM)]
             # The lock writes the stream, its records (KV_groups) and its leader's lease (KV_leader): a grant needs all
-            # three led again.
-            needed = max(e for s, e in zip(moved, elections, strict=True) if s in _LOCK_STREAMS)
-            trials.append({"killed": dead, "streams_moved": list(moved), "election_s": round(election, 3),
+            # three led again, and the orchestrator's durable consumer (its inputs) when it lost its leader too.
+            needed = max([e for s, e in zip(moved, elections, strict=True) if s in _LOCK_STREAMS] + [consumer_election])
+            trials.append({"killed": dead, "streams_moved": list(moved), "consumer_moved": consumer_moved,
+                           "election_s": round(election, 3), "consumer_election_s": round(consumer_election, 3),
                            "lock_elections_s": round(needed, 3), "all_elections_s": round(max(elections), 3),
                            "resume_s": round(resume, 3)})
-            print(f"  trial {len(trials)}: killed {dead} (leader of {', '.join(moved)}): stream elected in "
-                  f"{election:.2f} s, all in {max(elections):.2f} s; grants resumed after {resume:.2f} s", flush=True)
+            also = f", its consumer in {consumer_election:.2f} s" if consumer_moved else ""
+            led = ", ".join([*moved, *(["the consumer"] if consumer_moved else [])])
+            print(f"  trial {len(trials)}: killed {dead} (leader of {led}): stream elected in {election:.2f} s{also}, "
+                  f"all in {max(elections):.2f} s; grants resumed after {resume:.2f} s", flush=True)
             await cluster.restart(lead)
             await cluster.wait_current(STREAM)
             for s in _BUCKETS:

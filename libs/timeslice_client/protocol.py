@@ -447,6 +447,9 @@ class WaiterRecord(_Rec, frozen=True):
     lease_ms: int
     waiter_ttl_ms: int
     confirm_ms: int
+    # A fresh liveness window was given, once, because the check that found this wait silent came too late to tell
+    # silence from a lock that could not hear (``Limits.deaf_after_ms``); a renewal clears it.
+    forgiven: bool = False
 
 
 class OpRecord(_Rec, frozen=True):

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ from timeslice_client.protocol import STREAM, subjects
 from ._delivery import delivery, first, is_input
 from ._errors import OrchestratorError
 
-__all__ = ["api_error", "bind_durable", "catch_up"]
+__all__ = ["api_error", "bind_durable", "catch_up", "failure"]
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -113,3 +114,25 @@ def api_error(exc: BaseException) -> str:
     """A JetStream API error's code and description (their repr is empty), for a log line: ``": 10013 ..."``."""
     code, text = getattr(exc, "err_code", None), getattr(exc, "description", None)
     return f": {code} {text}" if code or text else ""
+
+
+def failure(exc: BaseException) -> str:
+    """What failed, for a log line: each error of an exception group (at most 4) with its JetStream code
+    (``api_error``) and the last call of timeslice's own code it came from (``in _ack_floor``), since a bus error's
+    repr alone does not say which request it answered."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for inner in e.exceptions:
+                walk(inner)
+        elif len(leaves) < 4:
+            leaves.append(e)
+
+    walk(exc)
+    parts = []
+    for e in leaves:
+        ours = [f for f in traceback.extract_tb(e.__traceback__) if "timeslice_" in f.filename]
+        where = f" in {ours[-1].name} ({ours[-1].filename.rsplit('/', 1)[-1]}:{ours[-1].lineno})" if ours else ""
+        parts.append(f"{e!r}{api_error(e)}{where}")
+    return "; ".join(parts)

@@ -185,12 +185,12 @@ def _on_renew(w: Work, ev: Renew) -> None:
         return
     for i, wr in enumerate(w.queue):
         if wr.request_id == ev.request_id:
-            w.queue[i] = msgspec.structs.replace(wr, alive_until_ms=now + wr.waiter_ttl_ms)
+            w.queue[i] = msgspec.structs.replace(wr, alive_until_ms=now + wr.waiter_ttl_ms, forgiven=False)
             w.touch("waiter renewed")
             return
     sw = w.switch
     if sw is not None and sw.to is not None and sw.to.request_id == ev.request_id:
-        to = msgspec.structs.replace(sw.to, alive_until_ms=now + sw.to.waiter_ttl_ms)
+        to = msgspec.structs.replace(sw.to, alive_until_ms=now + sw.to.waiter_ttl_ms, forgiven=False)
         w.switch = msgspec.structs.replace(sw, to=to)
         w.touch("waiter renewed")
         return

@@ -61,6 +61,10 @@ class Limits(msgspec.Struct, frozen=True):
     max_reason: int = 256  # characters of a fault reason kept in the record
     resend_ms: int = 3_000  # an agent command still unanswered goes out again this often (see OpRecord)
     max_grant_resends: int = 3  # an unconfirmed grant is sent again (and kept up) on this many wait renewals at most
+    # A wait's liveness deadline checked more than this long after it passed was not checked on time: nothing reached
+    # the stream meanwhile (an election of its leader, no orchestrator to publish ticks), so its renewals may have
+    # been lost with everything else. It gets one fresh window rather than being dropped (``WaiterRecord.forgiven``).
+    deaf_after_ms: int = 1_000
 
 
 LIMITS = Limits()
@@ -260,11 +264,16 @@ class Work:
             wr = self.queue[i]
             if now >= wr.deadline_ms:
                 self.drop_waiter(i, "timeout")
+            elif now >= wr.alive_until_ms and (fresh := self._unheard(wr)) is not None:
+                self.queue[i] = fresh
             elif now >= wr.alive_until_ms:
                 self.drop_waiter(i, "waiter lost (no renewal)", lost=True)
         sw = self.switch
         if sw is None:
             return
+        if (sw.to is not None and sw.to.deadline_ms > now >= sw.to.alive_until_ms
+                and (fresh := self._unheard(sw.to)) is not None):
+            self.switch = sw = msgspec.structs.replace(sw, to=fresh)
         if sw.to is not None and now >= min(sw.to.deadline_ms, sw.to.alive_until_ms):
             to = sw.to
             why = "timeout" if now >= to.deadline_ms else "waiter lost (no renewal)"
@@ -275,6 +284,14 @@ class Work:
         for op in sw.ops:
             if now >= op.deadline_ms:
                 self.op_done(op, ok=False, error=f"{op.kind} on node {op.node} timed out")
+
+    def _unheard(self, wr: WaiterRecord) -> WaiterRecord | None:
+        """``wr`` with one fresh liveness window when its deadline passed long before this check (the lock could not
+        hear: ``Limits.deaf_after_ms``) and it has had none since its last renewal; else None (it is silent)."""
+        if wr.forgiven or self.now - wr.alive_until_ms <= LIMITS.deaf_after_ms:
+            return None
+        self.touch("waiter not heard while the lock could not hear: a fresh window")
+        return msgspec.structs.replace(wr, alive_until_ms=self.now + wr.waiter_ttl_ms, forgiven=True)
 
     # ------------------------------------------------------------------ switching
 

@@ -32,6 +32,11 @@ Semantics, per group:
   faulted: its state could not be known). The loss of the agent running a snapshot ends nothing: the job's own
   process may still be suspending it. ``timeslice check`` reports a grant made while a snapshot of another job
   had started and not ended (``grant-while-loaded``);
+* **time the lock could not hear does not count against a waiter**: a wait's liveness deadline found passed by
+  more than ``Limits.deaf_after_ms`` when it is checked was not checked on time (nothing reached the stream: its
+  leader was being elected, or no orchestrator published ticks), so the waiter's renewals may have been lost with
+  everything else; it gets one fresh window (``WaiterRecord.forgiven``, cleared by its next renewal) instead of
+  being dropped, and a waiter that is really gone is dropped at the end of it;
 * a waiter that renews its wait after its grant has not heard of it (notices are at most once): the grant is
   sent again, unchanged, until the grantee confirms it; a renewal of a wait the core does not know is answered
   with ``Dequeued(lost=True)``, and the client waits again.

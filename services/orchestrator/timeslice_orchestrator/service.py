@@ -58,7 +58,7 @@ from timeslice_client.protocol import (
 
 from ._agents_watch import watch_agents
 from ._beside import LocalAgent
-from ._catch_up import api_error, bind_durable, catch_up
+from ._catch_up import bind_durable, catch_up, failure
 from ._config import OrchestratorConfig
 from ._delivery import delivery_with_consumer_seq, first, route
 from ._errors import OrchestratorError
@@ -174,7 +174,7 @@ class Orchestrator:
                         try:
                             await self._term()
                         except Exception as exc:  # the bus failed under the term's start (a cluster electing)
-                            log.warning("the term could not go on (%r%s); starting it over", exc, api_error(exc))
+                            log.warning("the term could not go on (%s); starting it over", failure(exc))
                             self._end_term(f"failed: {exc!r}")
                             with contextlib.suppress(TimeoutError):
                                 async with asyncio.timeout(0.5):  # back off before the next try; a stop ends it
