@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import time
 import traceback
@@ -27,7 +28,7 @@ from timeslice_client.protocol import STREAM, subjects
 from ._delivery import delivery, first, is_input
 from ._errors import OrchestratorError
 
-__all__ = ["api_error", "bind_durable", "catch_up", "failure"]
+__all__ = ["ack_floor", "api_error", "bind_durable", "catch_up", "failure", "fill_gap"]
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -108,6 +109,50 @@ async def bind_durable(js: JetStreamContext, nc: NATS, durable: str, after: int,
     await js.add_consumer(STREAM, cfg)
     log.info("consuming from stream sequence %d", after + 1)
     return sub
+
+
+async def ack_floor(js: JetStreamContext, durable: str) -> int:
+    """The stream sequence up to which the durable consumer acknowledged every input (0: no such consumer yet)."""
+    try:
+        info = await js.consumer_info(STREAM, durable)
+    except NotFoundError:
+        return 0
+    return info.ack_floor.stream_seq if info.ack_floor and info.ack_floor.stream_seq else 0
+
+
+async def fill_gap(js: JetStreamContext, nc: NATS, after: int, before: int, on_input: Callable[[Msg], Awaitable[None]],
+                   *, max_span: int = 256) -> bool:
+    """Pass the inputs stored between stream sequences ``after`` and ``before`` (both excluded) to ``on_input``, in
+    order, read one by one from the stream: the deliveries a clustered consumer lost in flight when its leader
+    failed over (the durable redelivers them after its ack wait; applied already by then, they are only
+    acknowledged). Each is passed as a delivery (its stream sequence and time in the reply subject, as the consumer
+    would give them), not acknowledged. False, having passed nothing, when the span is wider than ``max_span`` or a
+    read fails (the stream is still electing): the caller catches up from the ack floor instead."""
+    if before - after - 1 > max_span:
+        return False
+    found: list[Msg] = []
+    for seq in range(after + 1, before):
+        try:
+            raw = await js.get_msg(STREAM, seq)
+        except NotFoundError:
+            continue  # removed by the stream's limits: nothing to apply
+        except Exception as exc:
+            log.warning("stream sequence %d could not be read to fill a gap of deliveries: %r%s", seq, exc,
+                        api_error(exc))
+            return False
+        if raw.subject is None or raw.time is None or not is_input(raw.subject):
+            continue
+        ts_ns = (raw.time - _EPOCH) // datetime.timedelta(microseconds=1) * 1000
+        found.append(Msg(nc, subject=raw.subject, reply=f"$JS.ACK.{STREAM}.gap.1.{seq}.0.{ts_ns}.0",
+                         data=raw.data or b""))
+    for msg in found:
+        await on_input(msg)
+    log.info("filled a gap of deliveries from the stream: %d inputs between sequences %d and %d", len(found),
+             after, before)
+    return True
+
+
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
 
 def api_error(exc: BaseException) -> str:

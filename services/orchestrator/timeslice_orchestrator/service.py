@@ -41,11 +41,9 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from timeslice_client.bus import connect, ensure_bus
 from timeslice_client.protocol import (
-    STREAM,
     ErrorCode,
     GroupRecord,
     InputEvent,
@@ -58,7 +56,7 @@ from timeslice_client.protocol import (
 
 from ._agents_watch import watch_agents
 from ._beside import LocalAgent
-from ._catch_up import bind_durable, catch_up, failure
+from ._catch_up import ack_floor, bind_durable, catch_up, failure, fill_gap
 from ._config import OrchestratorConfig
 from ._delivery import delivery_with_consumer_seq, first, route
 from ._errors import OrchestratorError
@@ -117,7 +115,7 @@ class Orchestrator:
         self.leadership: Leadership | None = None
         self._fatal: BaseException | None = None
         self._sub: Any = None
-        self._last_cseq = 0  # the durable consumer's sequence of the latest live delivery
+        self._last_cseq = self._last_sseq = 0  # the consumer's and the stream's sequence of the latest live delivery
         self._queued = 0  # groups waiting for (or in) a write
         self._writes_idle = asyncio.Event()
         self._writes_idle.set()
@@ -361,13 +359,8 @@ class Orchestrator:
 
     async def _ack_floor(self) -> int:
         """The stream sequence up to which every input is acknowledged (0: no durable consumer yet)."""
-        js = self._js
-        assert js is not None
-        try:
-            info = await js.consumer_info(STREAM, self.config.durable)
-        except NotFoundError:
-            return 0
-        return info.ack_floor.stream_seq if info.ack_floor and info.ack_floor.stream_seq else 0
+        assert self._js is not None
+        return await ack_floor(self._js, self.config.durable)
 
     async def _catch_up(self, floor: int) -> int:
         """Apply the inputs after ``floor`` up to the stream's current end (``_catch_up.catch_up``); returns the
@@ -386,7 +379,7 @@ class Orchestrator:
     async def _subscribe(self, after: int) -> None:
         """(Re)create the durable consumer at ``after + 1``: everything up to ``after`` is acknowledged."""
         assert self._js is not None and self._nc is not None
-        self._last_cseq = 0
+        self._last_cseq, self._last_sseq = 0, after
         self._sub = await bind_durable(self._js, self._nc, self.config.durable, after, self._on_msg,
                                        ack_wait_s=self.config.ack_wait_s, max_ack_pending=self.config.max_ack_pending)
 
@@ -405,14 +398,14 @@ class Orchestrator:
         except (ValueError, IndexError):
             return  # not a JetStream delivery (flow control or a stray publish)
         if live:
-            if cseq > self._last_cseq + 1:
-                # Deliveries in between never arrived (a clustered consumer's leader failed over with them in
-                # flight): applying this one now would apply the stream out of order. The term starts over, from
-                # the ack floor, in stream order.
+            # Deliveries in between never arrived (a clustered consumer's leader failed over with them in flight):
+            # applying this one first would apply the stream out of order. What they carried is read from the
+            # stream and applied first; failing that, the term starts over from the ack floor, in stream order.
+            if cseq > self._last_cseq + 1 and not await self._fill_gap(seq):
                 self._end_term(f"deliveries {self._last_cseq + 1}..{cseq - 1} of the durable consumer never "
                                "arrived; catching up again from the ack floor")
                 return
-            self._last_cseq = max(self._last_cseq, cseq)
+            self._last_cseq, self._last_sseq = max(self._last_cseq, cseq), max(self._last_sseq, seq)
         try:
             group, job = route(msg.subject)
         except ValueError as exc:
@@ -435,6 +428,11 @@ class Orchestrator:
         # More inputs behind this one: still at the server, or already read and queued in this subscription.
         backlog = pending > 0 or (self._sub is not None and self._sub.pending_msgs > 0)
         await self._apply(msg, group, ev, now_ms, seq, live=live, backlog=backlog)
+
+    async def _fill_gap(self, before: int) -> bool:
+        assert self._js is not None and self._nc is not None
+        inputs = functools.partial(self._on_input, live=False)
+        return await fill_gap(self._js, self._nc, self._last_sseq, before, inputs)
 
     async def _apply(self, msg: Msg, group: str, ev: InputEvent, now_ms: int, seq: int, *, live: bool,
                      backlog: bool = False) -> None:
