@@ -41,10 +41,11 @@ from pathlib import Path
 from typing import Any
 
 import _common as c
+import msgspec
 
 sys.path.insert(0, str(c.ROOT))  # the loopback cluster and the TCP proxy the tests use
 from timeslice_client.bus import connect
-from timeslice_client.protocol import STREAM, subjects
+from timeslice_client.protocol import GROUPS_BUCKET, STREAM, GroupRecord, subjects
 from timeslice_orchestrator._leadership import holder_pid, read_leader
 
 from tests.cluster import NatsCluster
@@ -181,6 +182,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     nc = await connect(url)
     js = nc.jetstream()
     result: dict[str, Any] = {"command": c.command_line(), "machine": c.machine_facts(), "seed": a.seed}
+    clears: list[asyncio.Task[None]] = []  # the operator's fault clears after job kills (bounded: 40 s each)
     t_start = time.monotonic()
     try:
         for p in orch:
@@ -198,6 +200,23 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                 pid = holder_pid(await read_leader(js))
                 return next((p for p in orch if p.proc is not None and p.proc.pid == pid), None)
             return None
+
+        async def clear_when_faulted(group: str, name: str, within_s: float = 40.0) -> None:
+            """A job killed during one of its switch's operations is faulted once the agent finds its processes
+            gone, a moment after the kill (its state is gone); the operator clears that for the process that takes
+            its place, as a person would, once it shows. A job killed outside an operation is never faulted."""
+            kv = await js.key_value(GROUPS_BUCKET)
+            deadline = time.monotonic() + within_s
+            while time.monotonic() < deadline:
+                with contextlib.suppress(Exception):
+                    entry = await kv.get(group)
+                    if entry.value and name in msgspec.json.decode(entry.value, type=GroupRecord).faulted:
+                        await asyncio.to_thread(
+                            subprocess.run, [py, "-m", "timeslice_cli", "--log-level", "warning", "clear-fault",
+                                             "--nats-url", url, "--group", group, "--job", name], cwd=c.ROOT,
+                            env=c.child_env(), capture_output=True, timeout=60, check=False)
+                        return
+                await asyncio.sleep(0.5)  # polling the record, bounded by the deadline above
 
         end = t_start + a.minutes * 60
         i = 0
@@ -228,11 +247,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                 group, j = victim.name.rsplit("-j", 1)
                 jobs[jobs.index(victim)] = fresh = job(group, int(j))
                 fresh.start()
-                # A job killed during its own restore is faulted (its state is gone); the operator clears that
-                # for the process that takes its place, as a person would.
-                subprocess.run([py, "-m", "timeslice_cli", "--log-level", "warning", "clear-fault",
-                                "--nats-url", url, "--group", group, "--job", victim.name], cwd=c.ROOT,
-                               env=c.child_env(), capture_output=True, timeout=60, check=False)
+                clears.append(asyncio.create_task(clear_when_faulted(group, victim.name)))
             elif kind == "cut":
                 proxy.cut()
                 await asyncio.sleep(1.0)  # the cut's duration
@@ -247,6 +262,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                 await nc.flush()
             faults[kind] += 1
             fault_log.append((round(time.time(), 3), kind))
+        await asyncio.gather(*clears)
         stop_file.write_text("stop\n")
         for p in jobs:
             try:
@@ -289,6 +305,9 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                                check=False)
         result["orchestrators_alive"] = sum(p.proc is not None and p.proc.poll() is None for p in orch)
     finally:
+        for t in clears:
+            t.cancel()
+        await asyncio.gather(*clears, return_exceptions=True)
         stop_file.write_text("stop\n")
         for p in [*jobs, agent, *orch]:
             with contextlib.suppress(Exception):

@@ -21,7 +21,8 @@ class TcpProxy:
         self._up_host, self._up_port = u.hostname, u.port or 4222
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # the pipes
+        self._handlers: set[asyncio.Task[None]] = set()  # one per accepted connection (the server's tasks)
         self._open = True
         self.cuts = 0
 
@@ -36,6 +37,15 @@ class TcpProxy:
         return self
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        me = asyncio.current_task()
+        assert me is not None
+        self._handlers.add(me)
+        try:
+            await self._serve(reader, writer)
+        finally:
+            self._handlers.discard(me)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not self._open:
             writer.close()
             return
@@ -87,6 +97,11 @@ class TcpProxy:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        # With their pipes gone the handlers end on their own; they are awaited here, not left for the loop's
+        # shutdown to cancel (asyncio's stream server logs a cancelled handler as an error).
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5):
+                await asyncio.gather(*self._handlers, return_exceptions=True)
 
 
 @contextlib.asynccontextmanager
