@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +26,18 @@ BENCH = ROOT / "bench"
 
 
 def _run(script: str, *args: str, timeout: float = 120, tmpdir: Path | None = None) -> str:
-    env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
+    # The benchmarks' agents serve their sockets in a directory of this run's own (by default they would share
+    # /run/timeslice with every other agent on the machine: a benchmark run elsewhere at the same time, the
+    # conftest's per-test directories not yet being set for a module's fixture)
+    sockets = tempfile.mkdtemp(prefix="ts-bench-", dir="/tmp")
+    env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning", TIMESLICE_AGENT_SOCKET=f"{sockets}/agent-{{node}}.sock")
     if tmpdir is not None:
         env["TMPDIR"] = str(tmpdir)
-    proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout, check=False)
+    try:
+        proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=timeout, check=False)
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
     assert proc.returncode == 0, f"{script} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
