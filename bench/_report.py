@@ -374,7 +374,20 @@ def _handoff_auth(r: dict[str, Any]) -> list[str]:
         f"{_met((r.get('secure_ratio_p50') or 9) <= 1.10)}; auth alone — "
         f"{_met((r.get('auth_ratio_p50') or 9) <= 1.10)}. "
         f"{_n(r.get('samples'), 0)} samples per stack.", "",
+        *_handoff_auth_cpu(r),
     ]
+
+
+def _handoff_auth_cpu(r: dict[str, Any]) -> list[str]:
+    """Where the time goes: CPU per handoff of each process kind, per stack (results from before it had none)."""
+    keys = (("plain", "plain"), ("auth", "auth"), ("secure", "auth + TLS"))
+    if not all(isinstance(r.get(f"{k}_cpu_us_per_handoff"), dict) for k, _ in keys):
+        return []
+    kinds = ("server", "orchestrator", "jobs")
+    rows = [[label, *(_n(r[f"{k}_cpu_us_per_handoff"].get(kind), 0, " µs") for kind in kinds)] for k, label in keys]
+    return ["CPU per handoff in the same run (on a machine with few cores, CPU spent anywhere on the path is "
+            "latency; the two jobs' share includes their interpreter's start, the same on each stack):", "",
+            *_table(["stack", "nats-server", "orchestrator", "two jobs"], rows)]
 
 
 def _chaos(r: dict[str, Any]) -> list[str]:

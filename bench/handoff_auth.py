@@ -6,7 +6,8 @@ per process with its role's permissions) and *auth + TLS* (the same over TLS wit
 each, two job processes ping-pong a group (``bench/handoff.py``'s P1: job A calls release() -> job B's pending
 acquire() returns); the rounds alternate the stacks' order so that all see the same machine. Every handoff is
 preceded by the same idle gap (``--gap-ms``; NATS_NOTES: latency grows with idle time). Prints p50/p99 of each and
-their ratio.
+their ratio, and the CPU each kind of process (nats-server, the orchestrator, the two jobs) spent per handoff on
+each stack: where what auth and TLS add goes.
 
 Run: ``python bench/handoff_auth.py [--n 1000] [--rounds 2] [--gap-ms 2]`` (``--quick``: n 200, 1 round).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -36,6 +38,7 @@ class _Stack:
     url: str
     env: dict[str, str]  # the job processes' environment (their credentials and CA, by path)
     stop: Any
+    server_pid: int
     orch: subprocess.Popen[bytes] | None = None
 
 
@@ -47,7 +50,8 @@ def _plain(tmp: Path) -> _Stack:
     env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
     for k in ("TIMESLICE_CREDS", "TIMESLICE_TLS_CA", "TIMESLICE_TLS_CERT", "TIMESLICE_TLS_KEY"):
         env.pop(k, None)
-    return _Stack("plain", url, env, server.stop)
+    assert server.proc is not None
+    return _Stack("plain", url, env, server.stop, server.proc.pid)
 
 
 def _secure(tmp: Path, *, tls: bool) -> _Stack:
@@ -57,7 +61,8 @@ def _secure(tmp: Path, *, tls: bool) -> _Stack:
     env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
     if bus.certs is not None:
         env["TIMESLICE_TLS_CA"] = str(bus.certs.ca)
-    stack = _Stack("auth+tls" if tls else "auth", bus.url, env, bus.stop)
+    assert bus.server.proc is not None
+    stack = _Stack("auth+tls" if tls else "auth", bus.url, env, bus.stop, bus.server.proc.pid)
     stack.env["_ORCH_CREDS"] = str(bus.creds("orchestrator"))
     stack.env["_JOB_A"] = str(bus.creds("job", "job-a"))
     stack.env["_JOB_B"] = str(bus.creds("job", "job-b"))
@@ -95,6 +100,18 @@ def _round(s: _Stack, tmp: Path, k: int, n: int, gap_ms: float) -> list[float]:
     return hand[len(hand) // 10:]
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's children that ended (the job processes of the rounds so far)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def run(n: int, rounds: int, gap_ms: float) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="ts-bench-auth-"))
     stacks: list[_Stack] = []
@@ -103,9 +120,17 @@ def run(n: int, rounds: int, gap_ms: float) -> dict[str, Any]:
         for s in stacks:
             _start_orchestrator(s)
         samples: dict[str, list[float]] = {s.name: [] for s in stacks}
+        # Where the time goes: CPU seconds per process kind, per stack (on a machine with few cores, CPU spent
+        # anywhere on the path is latency). The jobs' share includes their interpreter's start, the same on each.
+        cpu: dict[str, dict[str, float]] = {s.name: {"server": 0.0, "orchestrator": 0.0, "jobs": 0.0} for s in stacks}
         for k in range(rounds):
             for s in stacks if k % 2 == 0 else reversed(stacks):
+                assert s.orch is not None
+                before = (_cpu_s(s.server_pid), _cpu_s(s.orch.pid), _children_cpu_s())
                 samples[s.name] += _round(s, tmp, k, n, gap_ms)
+                after = (_cpu_s(s.server_pid), _cpu_s(s.orch.pid), _children_cpu_s())
+                for kind, b, e in zip(("server", "orchestrator", "jobs"), before, after, strict=True):
+                    cpu[s.name][kind] += e - b
     finally:
         for s in stacks:
             if s.orch is not None:
@@ -120,6 +145,8 @@ def run(n: int, rounds: int, gap_ms: float) -> dict[str, Any]:
     for key in ("auth", "secure"):
         out[f"{key}_ratio_p50"] = out[f"{key}_p50_ms"] / out["plain_p50_ms"]
         out[f"{key}_ratio_p99"] = out[f"{key}_p99_ms"] / out["plain_p99_ms"]
+    for name, key in (("plain", "plain"), ("auth", "auth"), ("auth+tls", "secure")):
+        out[f"{key}_cpu_us_per_handoff"] = {kind: round(1e6 * v / (n * rounds)) for kind, v in cpu[name].items()}
     return out
 
 
@@ -148,6 +175,11 @@ def main() -> None:
     for key, label in (("auth", "auth"), ("secure", "auth + TLS")):
         print(f"  {label:<15} p50 {res[f'{key}_p50_ms']:.3f} ms   p99 {res[f'{key}_p99_ms']:.3f} ms   "
               f"(x{res[f'{key}_ratio_p50']:.3f} p50, x{res[f'{key}_ratio_p99']:.3f} p99 of plain)")
+    print("CPU per handoff (µs; the jobs' share includes their start, the same on each stack):")
+    for key, label in (("plain", "plain"), ("auth", "auth"), ("secure", "auth + TLS")):
+        c = res[f"{key}_cpu_us_per_handoff"]
+        print(f"  {label:<15} nats-server {c['server']:>5}   orchestrator {c['orchestrator']:>5}   "
+              f"two jobs {c['jobs']:>5}")
 
 
 if __name__ == "__main__":
