@@ -83,7 +83,7 @@ class _Internals(Protocol):
 
 class _Selector(selectors.DefaultSelector):
     """The loop's selector: its ``select`` does not wait while ``nonblocking`` (the loop's thread runs the loop
-    only for what is ready; it waits with ``poll`` outside the mutex)."""
+    only for what is ready; it waits on an epoll of its own outside the mutex)."""
 
     nonblocking = False
 
@@ -94,6 +94,10 @@ class _Selector(selectors.DefaultSelector):
 class SharedLoop:
     """One asyncio loop, run by the thread of a blocking :meth:`run` for its length and by a thread of its own
     (``name``) between calls. :meth:`start` it, :meth:`stop` it (idempotent; joins the thread)."""
+
+    # The loop's thread wakes at least this often (s), so a timer that a call sets further out than that needs no
+    # wake-up at the call's end (one the thread would take while the job's thread runs again).
+    max_wait = 1.0
 
     def __init__(self, name: str, *, start_timeout: float = 5.0) -> None:
         self.name = name
@@ -197,9 +201,9 @@ class SharedLoop:
                         log.exception("the loop of %s failed a step", self.name)
                     finally:
                         self._selector.nonblocking = False
-                wait = self._next_wait()
+                wait = min(self._next_wait(), self.max_wait)
                 self._poll_until = time.monotonic() + wait
-            events = self._waits.poll(-1 if math.isinf(wait) else math.ceil(wait * 1000) / 1000)
+            events = self._waits.poll(math.ceil(wait * 1000) / 1000)
             if any(fd == self._wake_r for fd, _ in events):
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
