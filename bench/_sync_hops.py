@@ -5,6 +5,9 @@ a group (each acquire a claim, as P2), through:
 
 * ``async``: ``AsyncTimeSliceClient`` on uvloop, the call's own time (the reference);
 * ``sync``: ``TimeSliceClient`` as it is now;
+* ``shared loop``: the same calls through ``_shared_loop.SharedLoop`` (what ``TimeSliceClient`` runs on: the calling
+  thread runs the loop for the call), each part timed apart: call -> the coroutine starts, the coroutine itself (its
+  I/O), its end -> the call returns;
 
 and for the loop-thread facade of before (``Responder``, a call submitted to a loop thread and its caller blocked
 on a concurrent future), each hop timed apart: submit -> the coroutine starts on the loop thread, the coroutine
@@ -60,14 +63,14 @@ def _async_rows(url: str, n: int, gap: float) -> dict[str, list[float]]:
     return rows
 
 
-def _responder_rows(url: str, n: int, gap: float, fast: bool) -> dict[str, list[float]]:
-    """The facade of before, each hop timed: submit -> start, the coroutine, end -> caller awake."""
+def _responder_rows(url: str, n: int, gap: float, fast: bool | None) -> dict[str, list[float]]:
+    """Each hop timed: call -> the coroutine starts, the coroutine, its end -> the caller has the outcome. ``fast``:
+    the loop-thread facade of before on uvloop (True) or asyncio's loop (False); None: the shared loop."""
     from timeslice_client import AsyncTimeSliceClient
     from timeslice_client._responder import Responder
+    from timeslice_client._shared_loop import SharedLoop
 
     rows: dict[str, list[float]] = {}
-    r = Responder("hops", fast=fast)
-    r.start()
     marks: dict[str, int] = {}
 
     async def timed(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -77,18 +80,39 @@ def _responder_rows(url: str, n: int, gap: float, fast: bool) -> dict[str, list[
         finally:
             marks["end"] = time.perf_counter_ns()
 
+    if fast is None:
+        shared = SharedLoop("hops")
+        shared.start()
+
+        def run(coro: Coroutine[Any, Any, Any]) -> Any:
+            return shared.run(coro, 30)
+
+        def stop() -> None:
+            shared.stop(10)
+    else:
+        r = Responder("hops", fast=fast)
+        r.start()
+
+        def run(coro: Coroutine[Any, Any, Any]) -> Any:
+            fut = r.submit(coro)
+            concurrent.futures.wait([fut], 30)
+            return fut.result()
+
+        def stop() -> None:
+            r.stop_blocking(10)
+
     def call(coro: Coroutine[Any, Any, Any], what: str | None) -> Any:
         t0 = time.perf_counter_ns()
-        fut = r.submit(timed(coro))
-        concurrent.futures.wait([fut], 30)
+        out = run(timed(coro))
         t3 = time.perf_counter_ns()
         if what is not None:
-            for key, v in (("submit->start", marks["start"] - t0), ("coroutine", marks["end"] - marks["start"]),
+            for key, v in (("call->start", marks["start"] - t0), ("coroutine", marks["end"] - marks["start"]),
                            ("end->caller", t3 - marks["end"]), ("total", t3 - t0)):
                 rows.setdefault(f"{what} {key}", []).append(v / 1e3)
-        return fut.result()
+        return out
 
-    c = AsyncTimeSliceClient(f"hops-{int(fast)}", f"hops-{int(fast)}", url)
+    name = "shared" if fast is None else str(int(fast))
+    c = AsyncTimeSliceClient(f"hops-{name}", f"hops-{name}", url)
     try:
         call(c.connect(), None)
         call(c.acquire(timeout=30), None)
@@ -100,7 +124,7 @@ def _responder_rows(url: str, n: int, gap: float, fast: bool) -> dict[str, list[
             call(c.release(), "release")
     finally:
         call(c.close(), None)
-        r.stop_blocking(10)
+        stop()
     return rows
 
 
@@ -144,6 +168,7 @@ def main() -> None:
         print(f"load {os.getloadavg()[0]:.2f}, n={a.n}, gap {a.gap_ms} ms; medians in µs")
         for name, rows in (("async (uvloop)", _async_rows(url, a.n, gap)),
                            ("sync TimeSliceClient", _sync_rows(url, a.n, gap)),
+                           ("shared loop (TimeSliceClient's)", _responder_rows(url, a.n, gap, fast=None)),
                            ("loop thread, asyncio loop", _responder_rows(url, a.n, gap, fast=False)),
                            ("loop thread, uvloop", _responder_rows(url, a.n, gap, fast=True))):
             cut = a.n // 10

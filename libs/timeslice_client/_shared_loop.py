@@ -7,11 +7,13 @@ thread runs the loop itself for the length of the call, so the grant that ends a
 thread that waits for it, and a ``release()`` leaves at once.
 
 Between calls (the job trains), the loop's thread serves the client: its keeper's renewals, notices, the
-connection's pings and reconnects. It waits for I/O with ``poll`` on the loop's selector (an epoll fd is pollable),
-outside :attr:`SharedLoop._mutex`, and runs the loop's callbacks only while it holds that mutex; a call takes the
-mutex (at once while the thread waits) and runs the loop, with its own blocking ``select``, until its coroutine is
-done. Two threads never run the loop's code at once, and the thread never ``epoll_wait``\\ s on the loop's selector,
-so it cannot take a wake-up that the calling thread waits for.
+connection's pings and reconnects. It waits, outside :attr:`SharedLoop._mutex`, on an epoll of its own that holds the
+loop's selector (an epoll fd, readable when it has events) and a wake-up pipe, and runs the loop's callbacks, without
+blocking, only while it holds that mutex. A call takes the selector out of that epoll (so the thread sleeps through
+the call's I/O instead of waking with the caller and taking the GIL from it), takes the mutex (at once while the
+thread waits) and runs the loop, with its own blocking ``select``, until its coroutine is done; then it puts the
+selector back, and wakes the thread only if the call left it something to do before the thread would wake anyway.
+Two threads never run the loop's code at once, and nothing wakes the loop's thread on a call's way in or out.
 
 This drives asyncio's own selector loop step by step (``BaseEventLoop._run_once``, a private method; uvloop
 cannot be driven so): the names it relies on are in :class:`_Internals`, checked when a loop is made.
@@ -27,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import heapq
 import importlib
 import logging
 import math
@@ -91,6 +92,40 @@ class _Selector(selectors.DefaultSelector):
         return super().select(0 if self.nonblocking else timeout)
 
 
+class _Waits:
+    """What the loop's thread waits on between its turns: an epoll where there is one (Linux), else ``poll``. An
+    epoll's interest list changes under a thread that waits in it (a call takes the selector out of it); ``poll``'s
+    only at its next wait (the thread may then wake once during a call, and wait for the mutex)."""
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll() if hasattr(select, "epoll") else None
+        self._poll = select.poll() if self._epoll is None else None
+
+    def register(self, fd: int) -> None:
+        if self._epoll is not None:
+            self._epoll.register(fd, select.EPOLLIN)
+        elif self._poll is not None:
+            self._poll.register(fd, select.POLLIN)
+
+    def unregister(self, fd: int) -> None:
+        if self._epoll is not None:
+            self._epoll.unregister(fd)
+        elif self._poll is not None:
+            self._poll.unregister(fd)
+
+    def wait(self, timeout: float) -> list[int]:
+        """The fds that are readable, waiting at most ``timeout`` s (rounded up to the millisecond)."""
+        ms = math.ceil(timeout * 1000)
+        if self._epoll is not None:
+            return [fd for fd, _ in self._epoll.poll(ms / 1000)]
+        assert self._poll is not None
+        return [fd for fd, _ in self._poll.poll(ms)]
+
+    def close(self) -> None:
+        if self._epoll is not None:
+            self._epoll.close()
+
+
 class SharedLoop:
     """One asyncio loop, run by the thread of a blocking :meth:`run` for its length and by a thread of its own
     (``name``) between calls. :meth:`start` it, :meth:`stop` it (idempotent; joins the thread)."""
@@ -120,9 +155,9 @@ class SharedLoop:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._waits = select.epoll()
-        self._waits.register(self._wake_r, select.EPOLLIN)
-        self._waits.register(self._selector.fileno(), select.EPOLLIN)
+        self._waits = _Waits()
+        self._waits.register(self._wake_r)
+        self._waits.register(self._selector.fileno())
         self._thread: threading.Thread | None = None
         self._ident: int | None = None
         self._hooks = (self.loop._asyncgen_firstiter_hook,  # type: ignore[attr-defined]
@@ -203,8 +238,7 @@ class SharedLoop:
                         self._selector.nonblocking = False
                 wait = min(self._next_wait(), self.max_wait)
                 self._poll_until = time.monotonic() + wait
-            events = self._waits.poll(math.ceil(wait * 1000) / 1000)
-            if any(fd == self._wake_r for fd, _ in events):
+            if self._wake_r in self._waits.wait(wait):
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
 
@@ -214,10 +248,9 @@ class SharedLoop:
         if self._inner._ready:
             return 0.0
         scheduled = self._inner._scheduled
-        while scheduled and scheduled[0].cancelled():
-            heapq.heappop(scheduled)  # as _run_once does with cancelled timers at the head
         if not scheduled:
             return math.inf
+        # The heap's head, cancelled or not (then the thread wakes early once, and _run_once drops it).
         return max(0.0, scheduled[0].when() - self.loop.time())
 
     @contextlib.contextmanager
@@ -259,7 +292,12 @@ class SharedLoop:
         waits.unregister(fd)
         back = False  # the selector is back among the loop thread's waits
         try:
-            with self._mutex:
+            try:
+                self._mutex.acquire()  # at once, unless the loop's thread is in a turn
+            except BaseException:  # Ctrl-C right there: the coroutine never ran
+                coro.close()
+                raise
+            try:
                 old_loop, old_hooks = _get_running_loop(), sys.get_asyncgen_hooks()
                 _set_running_loop(self.loop)
                 self._inner._thread_id = me
@@ -270,12 +308,14 @@ class SharedLoop:
                     sys.set_asyncgen_hooks(*old_hooks)
                     _set_running_loop(old_loop)
                     self._inner._thread_id = self._ident
-                    waits.register(fd, select.EPOLLIN)  # the thread wakes now if I/O is waiting
+                    waits.register(fd)  # the thread wakes now if I/O is waiting
                     back = True
                     self._wake_thread()
+            finally:
+                self._mutex.release()
         finally:
             if not back:
-                waits.register(fd, select.EPOLLIN)
+                waits.register(fd)
             with self._state:
                 self._caller = None
 
