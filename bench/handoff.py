@@ -8,6 +8,8 @@ them), then:
 * P2 re-acquire: one job alone releases and re-acquires (IDLE_YIELDED, no switch): a claim, which
   returns at the stream's PubAck (``Acquire.claim_epoch``); P2 through the orchestrator: the same with
   ``fast_reacquire=False``, which waits for the orchestrator's grant notice;
+* P1 sync, P2 sync: P1 and P2 (a claim) through the blocking ``TimeSliceClient``, right after the async rows of
+  the same run, and their ratio to those (issue 25: within 1.25x);
 * baseline: a raw core NATS request-reply to a responder in another process, same server;
 * floor: the lock's own path without the lock: a JetStream publish (awaiting its PubAck) that a push
   consumer in another process receives and answers with a core publish, both subjects stored in a
