@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import inspect
 import threading
+from collections.abc import Callable
 
 import pytest
 from timeslice_client import AsyncTimeSliceClient, TimeSliceClient
+from timeslice_client._responder import Responder
 
 from .helpers import eventually_sync
+from .tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.usefixtures("orchestrator_process")
 
@@ -90,3 +93,39 @@ def test_the_hold_is_renewed_between_calls(nats_url: str) -> None:
                         what="three more seconds of lease, renewed in the background")
         assert a.holding and a.epoch == g.epoch
         a.release()
+
+
+def test_a_connection_cut_between_calls_is_mended_by_the_clients_thread(nats_url: str) -> None:
+    """Cut off while it trains (no call on it), the client reconnects and renews its hold on its own thread."""
+    proxy_loop = Responder("proxy", fast=False)
+    proxy_loop.start()
+
+    def on_proxy_loop(fn: Callable[[], None]) -> None:
+        async def call() -> None:
+            fn()
+
+        proxy_loop.submit(call()).result(10)
+
+    proxy = proxy_loop.submit(TcpProxy(nats_url).start()).result(10)
+    try:
+        with TimeSliceClient("a", "g14", proxy.url, lease_seconds=4.0) as a, \
+                TimeSliceClient("observer", "observer", nats_url) as obs:
+            g = a.acquire(timeout=10)
+            nc = a._client._nc
+            assert nc is not None
+            on_proxy_loop(proxy.cut)
+            eventually_sync(lambda: not nc.is_connected, what="a's connection is cut")
+            on_proxy_loop(proxy.restore)
+            eventually_sync(lambda: nc.is_connected, timeout=15, what="a reconnected without a call made on it")
+            h0 = obs.status("g14").holder
+            assert h0 is not None and h0.job == "a"
+            eventually_sync(lambda: (h := obs.status("g14").holder) is not None
+                            and h.lease_deadline_ms >= h0.lease_deadline_ms + 1000, timeout=10,
+                            what="a's lease renewed after the reconnect")
+            assert a.holding and a.epoch == g.epoch
+            a.release()
+            assert a.acquire(timeout=10).epoch == g.epoch + 1
+            a.release()
+    finally:
+        proxy_loop.submit(proxy.close()).result(10)
+        proxy_loop.stop_blocking(10)
