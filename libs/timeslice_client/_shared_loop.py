@@ -2,7 +2,8 @@
 
 ``TimeSliceClient`` (``_sync_client``) runs its ``AsyncTimeSliceClient`` here. A blocking call used to hand its
 coroutine to a loop thread and sleep on a future: two thread wake-ups per call (the loop thread to start it, the
-caller when it ends), 0.2-0.5 ms each on the dev VM, more on busy cores (``bench/_sync_hops.py``). Here the calling
+caller when it ends), 0.08-0.13 ms each on the idle dev VM and up to 0.5 ms on its busy cores (``bench/_sync_hops.py``,
+``bench/NOTES.md``, "The blocking client on the caller's thread"). Here the calling
 thread runs the loop itself for the length of the call, so the grant that ends an ``acquire()`` is read by the
 thread that waits for it, and a ``release()`` leaves at once.
 
@@ -71,7 +72,8 @@ class CallTimeout(Exception):
 
 
 class _Internals(Protocol):
-    """The private parts of ``asyncio.BaseEventLoop`` this module drives (CPython 3.11-3.13)."""
+    """The private parts of ``asyncio.BaseEventLoop`` this module drives (measured on CPython 3.11; a loop
+    without them is refused when made)."""
 
     _ready: deque[asyncio.Handle]
     _scheduled: list[asyncio.TimerHandle]
