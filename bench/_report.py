@@ -84,6 +84,13 @@ def _handoff(r: dict[str, Any]) -> list[str]:
         rows.append(["P2 through the orchestrator (`fast_reacquire=False`)", _n(r["reacquire_plain_p50_ms"], 3, " ms"),
                      _n(r.get("reacquire_plain_p99_ms"), 3, " ms"),
                      f"{_n(r.get('reacquire_plain_vs_floor'))}{X} the floor below", "", f"{NA}"])
+    for key, name in (("handoff", "P1"), ("reacquire", "P2")):
+        if f"{key}_sync_p50_ms" in r:
+            ratio = r.get(f"{key}_sync_vs_async")
+            rows.append([f"{name} through `TimeSliceClient` (the blocking client)",
+                         _n(r[f"{key}_sync_p50_ms"], 3, " ms"), _n(r.get(f"{key}_sync_p99_ms"), 3, " ms"),
+                         f"{_n(ratio)}{X} {name} (async client)", f"p50 ≤ 1.25{X} the async client's (issue 25)",
+                         _met(ratio is not None and ratio <= 1.25)])
     if "grpc_handoff_p50_ms" in r:
         g50, gb = r["grpc_handoff_p50_ms"], r.get("grpc_baseline_unary_p50_ms")
         rows.append(["P3 handoff through gRPC", _n(g50, 3, " ms"), _n(r.get("grpc_handoff_p99_ms"), 3, " ms"),

@@ -8,6 +8,8 @@ them), then:
 * P2 re-acquire: one job alone releases and re-acquires (IDLE_YIELDED, no switch): a claim, which
   returns at the stream's PubAck (``Acquire.claim_epoch``); P2 through the orchestrator: the same with
   ``fast_reacquire=False``, which waits for the orchestrator's grant notice;
+* P1 sync, P2 sync: P1 and P2 (a claim) through the blocking ``TimeSliceClient``, right after the async rows of
+  the same run, and their ratio to those (issue 25: within 1.25x);
 * baseline: a raw core NATS request-reply to a responder in another process, same server;
 * floor: the lock's own path without the lock: a JetStream publish (awaiting its PubAck) that a push
   consumer in another process receives and answers with a core publish, both subjects stored in a
@@ -79,6 +81,38 @@ async def _reacquire(url: str, group: str, n: int, gap: float, out: str, plain: 
             await c.acquire(timeout=30)
             lat.append(time.monotonic_ns() - t0)
             await c.release()
+    Path(out).write_text(json.dumps(lat))
+
+
+def _pingpong_sync(url: str, group: str, job: str, n: int, gap: float, out: str) -> None:
+    """``_pingpong`` through the blocking ``TimeSliceClient``."""
+    from timeslice_client import TimeSliceClient
+
+    rows: list[tuple[str, int, int]] = []
+    with TimeSliceClient(job, group, url, lease_seconds=30) as c:
+        for _ in range(n):
+            g = c.acquire(timeout=60)
+            rows.append(("g", g.epoch, time.monotonic_ns()))
+            time.sleep(gap)  # the idle gap before the release
+            rows.append(("r", g.epoch, time.monotonic_ns()))
+            c.release()
+    Path(out).write_text(json.dumps(rows))
+
+
+def _reacquire_sync(url: str, group: str, n: int, gap: float, out: str) -> None:
+    """``_reacquire`` (claims on) through the blocking ``TimeSliceClient``."""
+    from timeslice_client import TimeSliceClient
+
+    lat: list[int] = []
+    with TimeSliceClient("solo-sync", group, url) as c:
+        c.acquire(timeout=30)
+        c.release()
+        for _ in range(n):
+            time.sleep(gap)
+            t0 = time.monotonic_ns()
+            c.acquire(timeout=30)
+            lat.append(time.monotonic_ns() - t0)
+            c.release()
     Path(out).write_text(json.dumps(lat))
 
 
@@ -241,6 +275,36 @@ def _spawn(*args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, __file__, *args], cwd=ROOT)
 
 
+def _pingpong_run(tmp: Path, url: str, group: str, n: int, gap: str, procs: list[subprocess.Popen[bytes]],
+                  role: str) -> list[float]:
+    """Two job processes of ``role`` ping-pong ``group``; the handoffs (ms), less the warm-up tenth."""
+    a_out, b_out = tmp / f"{group}-a.json", tmp / f"{group}-b.json"
+    a = _spawn("--role", role, "--url", url, "--group", group, "--job", "job-a", "--n", str(n), "--gap", gap,
+               "--out", str(a_out))
+    b = _spawn("--role", role, "--url", url, "--group", group, "--job", "job-b", "--n", str(n), "--gap", gap,
+               "--out", str(b_out))
+    procs += [a, b]
+    a.wait()
+    b.wait()
+    if a.returncode or b.returncode:
+        raise RuntimeError(f"a {role} worker failed")
+    rows = json.loads(a_out.read_text()) + json.loads(b_out.read_text())
+    grants = {e: t for k, e, t in rows if k == "g"}
+    releases = {e: t for k, e, t in rows if k == "r"}
+    hand = [(grants[e + 1] - releases[e]) / 1e6 for e in sorted(releases) if e + 1 in grants]
+    return hand[len(hand) // 10:]  # skip the warm-up tenth
+
+
+def _reacquire_run(tmp: Path, url: str, group: str, n: int, gap: str, role: str) -> list[float]:
+    """One job process of ``role`` releases and re-acquires ``group``; the re-acquires (ms), less the first tenth."""
+    r_out = tmp / f"{group}.json"
+    r = _spawn("--role", role, "--url", url, "--group", group, "--n", str(n), "--gap", gap, "--out", str(r_out))
+    r.wait()
+    if r.returncode:
+        raise RuntimeError(f"the {role} worker failed")
+    return [x / 1e6 for x in json.loads(r_out.read_text())[n // 10:]]
+
+
 def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
     from timeslice_orchestrator.embedded import NatsServer
 
@@ -278,29 +342,13 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         floor = [x / 1e6 for _, x in floor_rows]
         pub_ack = [x / 1e6 for x, _ in floor_rows]
 
-        # P1: two jobs ping-pong.
-        a_out, b_out = tmp / "a.json", tmp / "b.json"
-        a = _spawn("--role", "pingpong", "--url", url, "--group", "bench", "--job", "job-a", "--n", str(n),
-                   "--gap", gap, "--out", str(a_out))
-        b = _spawn("--role", "pingpong", "--url", url, "--group", "bench", "--job", "job-b", "--n", str(n),
-                   "--gap", gap, "--out", str(b_out))
-        procs += [a, b]
-        a.wait()
-        b.wait()
-        if a.returncode or b.returncode:
-            raise RuntimeError("a ping-pong worker failed")
-        rows = json.loads(a_out.read_text()) + json.loads(b_out.read_text())
-        grants = {e: t for k, e, t in rows if k == "g"}
-        releases = {e: t for k, e, t in rows if k == "r"}
-        hand = [(grants[e + 1] - releases[e]) / 1e6 for e in sorted(releases) if e + 1 in grants]
-        hand = hand[len(hand) // 10:]  # skip the warm-up tenth
+        # P1: two jobs ping-pong, through AsyncTimeSliceClient, then through TimeSliceClient (the blocking facade).
+        hand = _pingpong_run(tmp, url, "bench", n, gap, procs, "pingpong")
+        hand_sync = _pingpong_run(tmp, url, "bench-sync", n, gap, procs, "pingpong-sync")
 
-        # P2: same job re-acquires an IDLE_YIELDED group.
-        r_out = tmp / "re.json"
-        r = _spawn("--role", "reacquire", "--url", url, "--group", "bench-solo", "--n", str(n), "--gap", gap,
-                   "--out", str(r_out))
-        r.wait()
-        re_lat = [x / 1e6 for x in json.loads(r_out.read_text())[n // 10:]]
+        # P2: same job re-acquires an IDLE_YIELDED group (async, then sync).
+        re_lat = _reacquire_run(tmp, url, "bench-solo", n, gap, "reacquire")
+        re_sync = _reacquire_run(tmp, url, "bench-solo-sync", n, gap, "reacquire-sync")
         # P2 through the orchestrator: claims turned off.
         r_out = tmp / "re-plain.json"
         r = _spawn("--role", "reacquire-plain", "--url", url, "--group", "bench-solo-plain", "--n", str(n),
@@ -360,6 +408,13 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         "floor_pub_ack_p50_ms": a50,
         "floor_pub_ack_p99_ms": _pct(pub_ack, 99),
         "samples": len(hand),
+        "handoff_sync_p50_ms": _pct(hand_sync, 50),
+        "handoff_sync_p99_ms": _pct(hand_sync, 99),
+        "handoff_sync_vs_async": _pct(hand_sync, 50) / _pct(hand, 50),
+        "reacquire_sync_p50_ms": _pct(re_sync, 50),
+        "reacquire_sync_p99_ms": _pct(re_sync, 99),
+        "reacquire_sync_vs_async": _pct(re_sync, 50) / _pct(re_lat, 50),
+        "sync_samples": len(hand_sync),
         "grpc_handoff_p50_ms": _pct(g_hand, 50),
         "grpc_handoff_p99_ms": _pct(g_hand, 99),
         "grpc_baseline_unary_p50_ms": _pct(g_base, 50),
@@ -384,6 +439,12 @@ def main() -> None:
     a = p.parse_args()
     if a.role == "pingpong":
         _loop_run(_pingpong(a.url, a.group, a.job, a.n, a.gap, a.out, a.job == "job-a"))
+        return
+    if a.role == "pingpong-sync":
+        _pingpong_sync(a.url, a.group, a.job, a.n, a.gap, a.out)
+        return
+    if a.role == "reacquire-sync":
+        _reacquire_sync(a.url, a.group, a.n, a.gap, a.out)
         return
     if a.role in ("reacquire", "reacquire-plain"):
         _loop_run(_reacquire(a.url, a.group, a.n, a.gap, a.out, a.role == "reacquire-plain"))
@@ -422,6 +483,10 @@ def main() -> None:
     print(f"  P2 re-acquire  p50 {res['reacquire_p50_ms']:.3f} ms   p99 {res['reacquire_p99_ms']:.3f} ms   "
           f"= {res['reacquire_vs_baseline']:.2f}x baseline p50, {res['reacquire_vs_pub_ack']:.2f}x a JetStream "
           f"publish+PubAck (a claim)")
+    print(f"  P1 sync        p50 {res['handoff_sync_p50_ms']:.3f} ms   p99 {res['handoff_sync_p99_ms']:.3f} ms   "
+          f"= {res['handoff_sync_vs_async']:.2f}x P1 (async) p50   (TimeSliceClient, the blocking facade)")
+    print(f"  P2 sync        p50 {res['reacquire_sync_p50_ms']:.3f} ms   p99 {res['reacquire_sync_p99_ms']:.3f} ms   "
+          f"= {res['reacquire_sync_vs_async']:.2f}x P2 (async) p50")
     print(f"  P2 through the orchestrator (fast_reacquire=False)  p50 {res['reacquire_plain_p50_ms']:.3f} ms   "
           f"p99 {res['reacquire_plain_p99_ms']:.3f} ms   = {res['reacquire_plain_vs_floor']:.2f}x floor p50")
     print(f"  baseline: raw NATS request-reply p50 {res['baseline_reqrep_p50_ms']:.3f} ms   "

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
+from collections.abc import Callable
 
 import pytest
-from timeslice_client import TimeSliceClient
+from timeslice_client import AsyncTimeSliceClient, TimeSliceClient
+from timeslice_client._responder import Responder
 
 from .helpers import eventually_sync
+from .tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.usefixtures("orchestrator_process")
 
@@ -45,3 +49,83 @@ def test_sync_client_says_when_another_job_waits(nats_url: str) -> None:
         waiter.join(20)
         assert got == [2] and not b.contended
         b.release()
+
+
+def test_sync_client_spells_out_the_async_clients_options() -> None:
+    """Every option of AsyncTimeSliceClient (but ``nc``, a connection of another loop) with the same default, no
+    ``**kwargs``; and a docstring on every public method and property."""
+    sync = inspect.signature(TimeSliceClient.__init__).parameters
+    want = {k: p for k, p in inspect.signature(AsyncTimeSliceClient.__init__).parameters.items() if k != "nc"}
+    assert [(k, p.kind, p.default) for k, p in sync.items()] == [(k, p.kind, p.default) for k, p in want.items()]
+    sync_reg = inspect.signature(TimeSliceClient.register_workload).parameters
+    async_reg = inspect.signature(AsyncTimeSliceClient.register_workload).parameters
+    assert [(k, p.default) for k, p in sync_reg.items()] == [(k, p.default) for k, p in async_reg.items()]
+    public = [(n, v) for n, v in vars(TimeSliceClient).items() if not n.startswith("_")]
+    assert public and not [n for n, v in public if not inspect.getdoc(v)], "public members without a docstring"
+
+
+def test_calls_from_another_thread_run_while_one_waits(nats_url: str) -> None:
+    """One thread blocked in acquire() runs the client's loop; another thread's calls on the same client are
+    served meanwhile (on that loop), and a release from a third client grants the waiter."""
+    with TimeSliceClient("a", "g12", nats_url) as a, TimeSliceClient("b", "g12", nats_url) as b:
+        a.acquire(timeout=10)
+        got: list[int] = []
+        waiter = threading.Thread(target=lambda: got.append(b.acquire(timeout=20).epoch))
+        waiter.start()
+        eventually_sync(lambda: [w.job for w in b.status().queue] == ["b"], what="b waits (asked through b)")
+        assert b.list_groups() and not b.holding
+        a.release()
+        waiter.join(20)
+        assert got == [2] and b.holding
+        b.release()
+
+
+def test_the_hold_is_renewed_between_calls(nats_url: str) -> None:
+    """Between calls (the job trains) the client's own thread renews the lease: held for several leases without a
+    call on the client, the group stays this job's."""
+    with TimeSliceClient("a", "g13", nats_url, lease_seconds=1.0) as a, \
+            TimeSliceClient("observer", "observer", nats_url) as obs:
+        g = a.acquire(timeout=10)
+        first = obs.status("g13").holder
+        assert first is not None and first.job == "a"
+        eventually_sync(lambda: (h := obs.status("g13").holder) is not None
+                        and h.lease_deadline_ms >= first.lease_deadline_ms + 3000, timeout=10,
+                        what="three more seconds of lease, renewed in the background")
+        assert a.holding and a.epoch == g.epoch
+        a.release()
+
+
+def test_a_connection_cut_between_calls_is_mended_by_the_clients_thread(nats_url: str) -> None:
+    """Cut off while it trains (no call on it), the client reconnects and renews its hold on its own thread."""
+    proxy_loop = Responder("proxy", fast=False)
+    proxy_loop.start()
+
+    def on_proxy_loop(fn: Callable[[], None]) -> None:
+        async def call() -> None:
+            fn()
+
+        proxy_loop.submit(call()).result(10)
+
+    proxy = proxy_loop.submit(TcpProxy(nats_url).start()).result(10)
+    try:
+        with TimeSliceClient("a", "g14", proxy.url, lease_seconds=4.0) as a, \
+                TimeSliceClient("observer", "observer", nats_url) as obs:
+            g = a.acquire(timeout=10)
+            nc = a._client._nc
+            assert nc is not None
+            on_proxy_loop(proxy.cut)
+            eventually_sync(lambda: not nc.is_connected, what="a's connection is cut")
+            on_proxy_loop(proxy.restore)
+            eventually_sync(lambda: nc.is_connected, timeout=15, what="a reconnected without a call made on it")
+            h0 = obs.status("g14").holder
+            assert h0 is not None and h0.job == "a"
+            eventually_sync(lambda: (h := obs.status("g14").holder) is not None
+                            and h.lease_deadline_ms >= h0.lease_deadline_ms + 1000, timeout=10,
+                            what="a's lease renewed after the reconnect")
+            assert a.holding and a.epoch == g.epoch
+            a.release()
+            assert a.acquire(timeout=10).epoch == g.epoch + 1
+            a.release()
+    finally:
+        proxy_loop.submit(proxy.close()).result(10)
+        proxy_loop.stop_blocking(10)

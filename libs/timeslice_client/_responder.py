@@ -1,5 +1,6 @@
-"""A thread with an event loop of its own: a workload channel answers its node's agent there, and the blocking
-``TimeSliceClient`` runs its asyncio client there (on asyncio's own loop, ``fast=False``, as it always did).
+"""A thread with an event loop of its own: a workload channel answers its node's agent there. (The blocking
+``TimeSliceClient`` ran its asyncio client on one too, until each call ran the loop on its caller's thread:
+``_shared_loop``.)
 
 The channel's commands arrive on this thread's own NATS connection and its handler runs right here, so a
 reply leaves as soon as the handler returns: no hand-off to a worker thread and back to the job's loop, each

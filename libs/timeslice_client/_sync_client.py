@@ -1,19 +1,21 @@
-"""``TimeSliceClient``: a blocking facade over ``AsyncTimeSliceClient`` with its own loop thread (``_responder``)."""
+"""``TimeSliceClient``: a blocking facade over ``AsyncTimeSliceClient``, on a loop that each call runs on the
+caller's own thread and a thread of the client's runs between calls (``_shared_loop``)."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
 from ._async_client import AsyncTimeSliceClient, Grant, ReleaseResult
 from ._hold_scope import SyncHold, SyncScopes
-from ._responder import Responder
+from ._prompt import DEFAULT_SWITCH_INTERVAL
+from ._shared_loop import CallTimeout, LoopClosed, SharedLoop
+from .bus import CredsPath, TlsOption
 from .errors import TimeSliceError, Unavailable
 from .handlers import WorkloadHandler
-from .protocol import GroupRecord
+from .protocol import GroupRecord, SuspendMode
 from .workload import WorkloadChannel
 
 __all__ = ["TimeSliceClient"]
@@ -28,6 +30,19 @@ class TimeSliceClient:
 
         @client.on_accelerators()
         def train_step(batch): ...
+
+    Each call runs the client's event loop on the calling thread until it returns (a grant is read by the thread
+    that waits for it); between calls a thread of the client's serves the loop: the lease keeper's renewals, the
+    orchestrator's notices, the connection. Calls from several threads at once are fine (one runs the loop, the
+    others' calls run there). Ctrl-C during a call withdraws what it waited for before ``KeyboardInterrupt``
+    reaches you (at most ~2 s; a second Ctrl-C does not wait).
+
+    The options are :class:`AsyncTimeSliceClient`'s: ``lease_seconds`` (the hold's lease, renewed in the
+    background), ``acquire_timeout`` (``acquire()``'s default wait, s), ``request_timeout`` (each request to the
+    bus), ``waiter_ttl_seconds`` (a wait is dropped when not renewed for this long), ``confirm_seconds``,
+    ``connect_timeout``, ``fast_reacquire`` (claims: a re-acquire right after a release nobody waited for returns at
+    the stream's PubAck), ``creds`` and ``tls`` (found by ``bus.connect`` when None). Not ``nc``: a connection belongs
+    to the loop it was made on, and this client's loop is its own.
     """
 
     def __init__(
@@ -36,73 +51,118 @@ class TimeSliceClient:
         group_id: str,
         nats_url: str | None = None,
         lease_seconds: float = 30.0,
-        **kwargs: Any,
+        *,
+        acquire_timeout: float = 600.0,
+        request_timeout: float = 5.0,
+        waiter_ttl_seconds: float = 5.0,
+        confirm_seconds: float = 3.0,
+        connect_timeout: float = 5.0,
+        fast_reacquire: bool = True,
+        creds: CredsPath | None = None,
+        tls: TlsOption | None = None,
     ) -> None:
-        self._client = AsyncTimeSliceClient(job_id, group_id, nats_url, lease_seconds, **kwargs)
-        self._loop_thread = Responder(f"timeslice-{job_id}", fast=False)
-        self._loop_thread.start()
+        self._client = AsyncTimeSliceClient(
+            job_id, group_id, nats_url, lease_seconds, acquire_timeout=acquire_timeout,
+            request_timeout=request_timeout, waiter_ttl_seconds=waiter_ttl_seconds, confirm_seconds=confirm_seconds,
+            connect_timeout=connect_timeout, fast_reacquire=fast_reacquire, creds=creds, tls=tls)
+        self._loop = SharedLoop(f"timeslice-{job_id}")
+        self._loop.start()
         self._closed = False
         self._scopes = SyncScopes(self._client.acquire_timeout)  # the open on_accelerators() scopes
 
     @property
     def job_id(self) -> str:
+        """This job's id."""
         return self._client.job_id
 
     @property
     def group_id(self) -> str:
+        """The group this client acquires."""
         return self._client.group_id
 
     @property
+    def nats_url(self) -> str:
+        """The NATS server(s) this client connects to."""
+        return self._client.nats_url
+
+    @property
     def holding(self) -> bool:
+        """This job holds the group (granted, and its lease is not known to be lost)."""
         return self._client.holding
 
     @property
     def contended(self) -> bool:
-        """See :attr:`AsyncTimeSliceClient.contended`."""
+        """Another job waits for the group this job holds (as the orchestrator has said): a good moment to
+        release. False when this job does not hold the group."""
         return self._client.contended
 
-    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+    @property
+    def epoch(self) -> int | None:
+        """The epoch of this job's current hold (None when it holds nothing)."""
+        return self._client.epoch
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         if self._closed:
             coro.close()
             raise TimeSliceError("this client is closed; make a new one")
-        fut = self._loop_thread.submit(coro)
-        # Wait without fut.result(timeout): its TimeoutError would be indistinguishable from the
-        # coroutine's own (AcquireTimeout is a TimeoutError too).
         try:
-            done, _ = concurrent.futures.wait([fut], timeout)
-        except BaseException:
-            fut.cancel()
-            raise
-        if not done:
-            fut.cancel()
-            raise Unavailable("the client's event loop did not answer", after_s=timeout)
-        return fut.result()
+            return self._loop.run(coro, timeout)
+        except LoopClosed:
+            raise TimeSliceError("this client is closed; make a new one") from None
+        except CallTimeout:
+            raise Unavailable("the client's event loop did not answer", after_s=timeout) from None
 
     def _margin(self, t: float) -> float:
         return t + 3 * self._client.request_timeout + 5
 
     def connect(self) -> TimeSliceClient:
+        """Connect to NATS and start the lease keeper (``acquire()`` connects too). Returns this client."""
         self._run(self._client.connect(), self._margin(self._client.connect_timeout))
         return self
 
     def acquire(self, timeout: float | None = None) -> Grant:
+        """Wait (at most ``timeout`` s, default ``acquire_timeout``) for the group; see
+        :meth:`AsyncTimeSliceClient.acquire`. Raises AcquireTimeout (the wait is withdrawn), JobFaulted,
+        Unavailable, HandlerError."""
         t = self._client.acquire_timeout if timeout is None else timeout
         # A workload suspended at the last release may have to be resumed before the grant is returned.
         return self._run(self._client.acquire(timeout), self._margin(t) + self._client._settle_budget())
 
     def release(self) -> ReleaseResult:
+        """Give the group back; see :meth:`AsyncTimeSliceClient.release`. Raises NotHolder, StaleEpoch or
+        LeaseExpired when this job no longer holds it."""
         return self._run(self._client.release(), self._margin(self._client.request_timeout))
 
     def status(self, group_id: str | None = None) -> GroupRecord:
+        """The lock record of ``group_id`` (default: this client's group; a fresh group reads as IDLE at epoch 0)."""
         return self._run(self._client.status(group_id), self._margin(self._client.request_timeout))
 
     def list_groups(self) -> list[str]:
+        """The ids of the groups the orchestrator has records of."""
         return self._run(self._client.list_groups(), self._margin(self._client.request_timeout))
 
-    def register_workload(self, handler: WorkloadHandler, **kwargs: Any) -> WorkloadChannel:
-        """See :meth:`AsyncTimeSliceClient.register_workload`; the handler runs on the channel's own thread."""
-        return self._run(self._client.register_workload(handler, **kwargs),
-                         self._margin(self._client.request_timeout))
+    def register_workload(
+        self,
+        handler: WorkloadHandler,
+        *,
+        mode: SuspendMode | str = SuspendMode.OFFLOAD,
+        tags: Iterable[str] = (),
+        node_id: str | None = None,
+        backends: Iterable[str] = ("app_channel",),
+        pids: Iterable[int] | None = None,
+        pgid: int | None = None,
+        op_timeout: float = 120.0,
+        endpoints: Iterable[str] = (),
+        switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
+        early_suspend: bool = True,
+    ) -> WorkloadChannel:
+        """Register this process with its node's agent so a switch moves its state; see
+        :meth:`AsyncTimeSliceClient.register_workload` for the options. The handler runs on the channel's own
+        thread; the channel is closed with the client."""
+        coro = self._client.register_workload(
+            handler, mode=mode, tags=tags, node_id=node_id, backends=backends, pids=pids, pgid=pgid,
+            op_timeout=op_timeout, endpoints=endpoints, switch_interval=switch_interval, early_suspend=early_suspend)
+        return self._run(coro, self._margin(self._client.request_timeout))
 
     def on_accelerators(self, timeout: float | None = None) -> SyncHold:
         """``with client.on_accelerators():`` or ``@client.on_accelerators()``. Scopes nest: only the outermost
@@ -111,6 +171,7 @@ class TimeSliceClient:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        """Publish phase start/end events around a block (for ``timeslice replay``)."""
         cm = self._client.phase(name)
         self._run(cm.__aenter__(), self._margin(self._client.request_timeout))
         try:
@@ -122,14 +183,15 @@ class TimeSliceClient:
             self._run(cm.__aexit__(None, None, None), self._margin(self._client.request_timeout))
 
     def close(self) -> None:
-        """Release a held group, withdraw waits, stop the loop thread. Idempotent."""
+        """Release a held group, withdraw waits, close workload channels, disconnect, stop the client's thread
+        (joined). Idempotent."""
         if self._closed:
             return
         try:
             self._run(self._client.close(), self._margin(self._client.request_timeout))
         finally:
             self._closed = True
-            self._loop_thread.stop_blocking(10)
+            self._loop.stop(10)
 
     def __enter__(self) -> TimeSliceClient:
         return self.connect()
