@@ -267,7 +267,9 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         for p in jobs:
             try:
                 assert p.proc is not None
-                p.proc.wait(120)
+                # In a thread: this loop runs the TCP proxy that the first job of each group talks through, and a
+                # blocking wait here froze it, cutting those jobs off in their last holds and restores.
+                await asyncio.to_thread(p.proc.wait, 120)
             except subprocess.TimeoutExpired:
                 p.kill()
         result["minutes"] = round((time.monotonic() - t_start) / 60, 2)
