@@ -86,8 +86,9 @@ def test_the_hold_is_renewed_between_calls(nats_url: str) -> None:
     with TimeSliceClient("a", "g13", nats_url, lease_seconds=1.0) as a, \
             TimeSliceClient("observer", "observer", nats_url) as obs:
         g = a.acquire(timeout=10)
-        first = obs.status("g13").holder
-        assert first is not None and first.job == "a"
+        # the record is stored a moment after the grant goes out
+        first = eventually_sync(lambda: obs.status("g13").holder, timeout=10, what="the record names the holder")
+        assert first.job == "a"
         eventually_sync(lambda: (h := obs.status("g13").holder) is not None
                         and h.lease_deadline_ms >= first.lease_deadline_ms + 3000, timeout=10,
                         what="three more seconds of lease, renewed in the background")
