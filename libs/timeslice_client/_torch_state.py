@@ -10,7 +10,7 @@ import torch
 
 from .errors import UnresizableStorage
 
-__all__ = ["check_resizable", "named_tensors", "several", "source", "unresizable", "walk"]
+__all__ = ["check_resizable", "named_tensors", "plain_storage", "several", "source", "unresizable", "walk"]
 
 
 def walk(obj: Any) -> Iterator[Any]:
@@ -59,7 +59,8 @@ def named_tensors(modules: Iterable[Any], optimizers: Iterable[Any], sources: It
             yield from _walk_named(src(), "")
 
 
-def _plain_storage(tensor: Any) -> Any:
+def plain_storage(tensor: Any) -> Any:
+    """The untyped storage of a strided tensor; None for other layouts and for subclasses without one."""
     if tensor.layout != torch.strided:
         return None
     try:
@@ -72,7 +73,7 @@ def check_resizable(tag: str, named: Iterable[tuple[str, Any]], device_type: str
     """Raise ``UnresizableStorage`` for the first tensor on ``device_type`` whose storage holds memory that torch
     will not resize (freeing it at a switch would fail)."""
     for what, tensor in named:
-        storage = _plain_storage(tensor)
+        storage = plain_storage(tensor)
         if storage is None or storage.device.type != device_type or storage.resizable():
             continue
         if int(storage.nbytes()):
@@ -83,7 +84,7 @@ def unresizable(tag: str, storage: Any, named: Iterable[tuple[str, Any]]) -> Unr
     """The error for ``storage`` (found not resizable at a suspend), naming a tensor of the group on it."""
     ptr = int(storage.data_ptr())
     for what, tensor in named:
-        plain = _plain_storage(tensor)
+        plain = plain_storage(tensor)
         if plain is not None and int(plain.data_ptr()) == ptr:
             return UnresizableStorage(tag, what, int(storage.nbytes()))
     return UnresizableStorage(tag, "a tensor", int(storage.nbytes()))

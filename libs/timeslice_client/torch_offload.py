@@ -61,7 +61,7 @@ from typing import Any, Final
 import torch
 
 from ._huge_pages import advise_huge_pages
-from ._torch_state import check_resizable, named_tensors, several, source, unresizable, walk
+from ._torch_state import check_resizable, named_tensors, plain_storage, several, source, unresizable, walk
 from .errors import HandlerError
 from .handlers import HandlerResult
 from .protocol import SuspendMode
@@ -116,15 +116,6 @@ class _Group:
     def named(self, *, call: bool) -> Iterator[tuple[str, Any]]:
         """The tensors with words naming them (for errors); ``call``: also those callable sources return now."""
         return named_tensors(self.modules, self.optimizers, self.sources, call=call)
-
-
-def _storage(tensor: Any) -> Any:
-    if tensor.layout != torch.strided:
-        return None
-    try:
-        return tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None  # a subclass without a plain storage
 
 
 def _bytes_of(storage: Any) -> Any:
@@ -350,7 +341,7 @@ class TorchOffloadHandler:
         """The group's device storages that hold memory, each once (also across calls sharing ``seen``)."""
         found: list[tuple[Any, int]] = []
         for tensor in group.tensors():
-            storage = _storage(tensor)
+            storage = plain_storage(tensor)
             if storage is None or storage.device.type != self._device_type:
                 continue
             nbytes = int(storage.nbytes())
