@@ -198,11 +198,10 @@ class CoreMachine(RuleBasedStateMachine):
                 if (isinstance(ev, Renew) and ev.epoch is None and self.holder == (n.job, n.epoch, n.request_id)
                         and (ev.job, ev.request_id) == (n.job, n.request_id)):
                     # The grantee still renews its wait: it has not heard of its grant, which is sent again as it was.
-                    # alone, but for the expiries this event's time brought first (another wait timing out)
-                    others = [m for m in ns if m is not n]
+                    expired = ("timeout", "waiter lost (no renewal)")  # what this event's time may have dropped first
                     assert not cmds and all(isinstance(m, Dequeued) and m.request_id != n.request_id
-                                            and m.reason in ("timeout", "waiter lost (no renewal)")
-                                            for m in others), f"a re-sent grant comes alone: {ns}"
+                                            and m.reason in expired for m in ns if m is not n), \
+                        f"a re-sent grant comes alone (but for expiries): {ns}"
                     assert new.holder is not None and not new.holder.confirmed, "only an unconfirmed grant is re-sent"
                     assert (n.waited_ms, n.context_restored) == (new.holder.waited_ms, new.holder.restored)
                     event("grant re-sent")
@@ -595,10 +594,6 @@ class CoreMachine(RuleBasedStateMachine):
         assert stats.holder == (self.holder[:2] if self.holder else None)
 
 
-CoreMachine.TestCase.settings = settings(
-    max_examples=200,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+CoreMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestCoreStateMachine = CoreMachine.TestCase

@@ -13,6 +13,8 @@ import pytest
 from timeslice_client._grpc._sock_diag import tcp_socket_uid
 from timeslice_client._grpc.identity import loopback_peer_uid
 
+from .helpers import eventually_sync
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sock_diag is Linux's")
 LO = ipaddress.ip_address("127.0.0.1")
 
@@ -25,11 +27,8 @@ def test_the_uid_of_a_live_loopback_connection_and_none_once_closed() -> None:
         assert tcp_socket_uid(LO, mine, LO, port) == os.geteuid()
         assert loopback_peer_uid(f"ipv4:127.0.0.1:{mine}", port) == os.geteuid()
         assert tcp_socket_uid(LO, mine, LO, port + 1 if port < 65535 else port - 1) is None  # not that socket
-        client.close()
-        deadline = time.monotonic() + 5
-        while tcp_socket_uid(LO, mine, LO, port) is not None and time.monotonic() < deadline:
-            time.sleep(0.01)  # polling the kernel's table (bounded): a closed socket lingers in it a moment
-        assert tcp_socket_uid(LO, mine, LO, port) is None
+        client.close()  # no longer established at once (closing, then TIME_WAIT: no owner to name)
+        eventually_sync(lambda: tcp_socket_uid(LO, mine, LO, port) is None, timeout=5, what="closed: no uid")
 
 
 def test_a_dual_stack_client_socket_is_found_by_its_mapped_address() -> None:

@@ -1,0 +1,42 @@
+"""The pieces every section of docs/benchmarks.md is written with (``_report``, ``_report_robust``): numbers, goals
+met or not, the command of a run, tables."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["NA", "ROOT", "X", "_cmd", "_met", "_n", "_table"]
+
+ROOT = Path(__file__).resolve().parents[1]
+X, NA = "\u00d7", "\u2013"  # the times sign and the dash for "no value", in the document
+
+
+def _n(x: Any, digits: int = 2, unit: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return f"{NA}"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int | float):
+        return f"{x:,.{digits}f}{unit}"
+    return str(x)
+
+
+def _met(ok: bool | None) -> str:
+    return f"{NA}" if ok is None else ("met" if ok else "**not met**")
+
+
+def _cmd(r: dict[str, Any]) -> list[str]:
+    m = r.get("machine", {})
+    when = m.get("utc") or r.get("date", "?")
+    load = m.get("loadavg_1m")
+    command = str(r.get("command", "?")).replace(f"{ROOT}/", "")  # as typed from the repository root
+    return ["```", command, "```", "",
+            f"Run {when}" + (f", 1-min load average {load} at start." if load is not None else "."), ""]
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return [*out, ""]
