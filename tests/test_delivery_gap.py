@@ -83,3 +83,29 @@ async def test_fill_gap_passes_the_inputs_between_two_sequences_in_order_as_deli
         assert got == []
     finally:
         await nc.close()
+
+
+async def test_a_malformed_input_read_to_fill_a_gap_is_refused_like_a_delivered_one(
+        nats_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """What a gap is filled with comes from the bus as much as a delivery does: garbage there is rejected (counted,
+    logged) and the orchestrator goes on, in the same term."""
+    caplog.set_level(logging.INFO, logger="timeslice.orchestrator")
+    orch = Orchestrator(OrchestratorConfig(nats_url=nats_url))
+    lost = _lose_one(orch, ".b.acquire")
+    async with running(orch), AsyncTimeSliceClient("a", "gap2", nats_url) as a:
+        await a.acquire(timeout=10)
+        nc = await connect(nats_url)
+        try:
+            await nc.jetstream().publish(subjects.job("gap2", "b", "acquire"), b'{"type": "acquire", "group": 7}')
+        finally:
+            await nc.close()
+        await asyncio.wait_for(lost.wait(), 10)
+        before = orch.events_rejected
+        await a.release()  # delivered after the lost one: the gap is filled, its garbage refused
+        async with AsyncTimeSliceClient("c", "gap2", nats_url) as c:
+            await c.acquire(timeout=10)
+            await c.release()
+        assert orch.events_rejected == before + 1
+    said = [r.getMessage() for r in caplog.records]
+    assert any("filled a gap of deliveries" in m for m in said), said
+    assert not any("term ends" in m for m in said), said
