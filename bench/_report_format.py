@@ -32,8 +32,14 @@ def _cmd(r: dict[str, Any]) -> list[str]:
     when = m.get("utc") or r.get("date", "?")
     load = m.get("loadavg_1m")
     command = str(r.get("command", "?")).replace(f"{ROOT}/", "")  # as typed from the repository root
-    return ["```", command, "```", "",
-            f"Run {when}" + (f", 1-min load average {load} at start." if load is not None else "."), ""]
+    return [
+        "```",
+        command,
+        "```",
+        "",
+        f"Run {when}" + (f", 1-min load average {load} at start." if load is not None else "."),
+        "",
+    ]
 
 
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:

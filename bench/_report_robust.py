@@ -16,13 +16,21 @@ def _failover(r: dict[str, Any]) -> list[str]:
             return [name, NA, NA, NA, "0"]
         ordered = sorted(xs)
         p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-        return [name, _n(ordered[len(ordered) // 2] * 1000, 0, " ms"), _n(p99 * 1000, 0, " ms"),
-                _n(ordered[-1] * 1000, 0, " ms"), str(len(xs))]
+        return [
+            name,
+            _n(ordered[len(ordered) // 2] * 1000, 0, " ms"),
+            _n(p99 * 1000, 0, " ms"),
+            _n(ordered[-1] * 1000, 0, " ms"),
+            str(len(xs)),
+        ]
 
     kills, terms, cold = r.get("standby_kill_s", []), r.get("standby_term_s", []), r.get("cold_restart_s", [])
     st = r.get("stream", {})
-    kill_ok = bool(kills) and row("", kills)[2] != NA and sorted(kills)[min(len(kills) - 1,
-                                                                          round(0.99 * (len(kills) - 1)))] <= 1.5
+    kill_ok = (
+        bool(kills)
+        and row("", kills)[2] != NA
+        and sorted(kills)[min(len(kills) - 1, round(0.99 * (len(kills) - 1)))] <= 1.5
+    )
     return [
         "Two jobs hand one group back and forth without pause (`fast_reacquire=False`: every grant is the "
         "orchestrator's). Resume = fault → the first grant of an acquire sent after the fault. Baseline, same run: "
@@ -31,22 +39,37 @@ def _failover(r: dict[str, Any]) -> list[str]:
         "(the standby takes over once its lease expires) or SIGTERM (it stores what it decided and resigns), and is "
         "started again as the next standby. At the end the stream is folded through the core "
         f"(`StreamChecker`): {_n(st.get('grants'), 0)} grants published, {_n(st.get('fold_grants'), 0)} decided by "
-        f"the fold, {_n(st.get('unpublished'), 0)} unpublished, violations {_n(r.get('violations'), 0)}.", "",
+        f"the fold, {_n(st.get('unpublished'), 0)} unpublished, violations {_n(r.get('violations'), 0)}.",
+        "",
         *_cmd(r),
-        *_table(["fault", "p50", "p99", "max", "n"],
-                [row("baseline: one orchestrator, kill -9, restarted at once", cold),
-                 row("standby, kill -9 of the leader", kills), row("standby, SIGTERM of the leader", terms)]),
+        *_table(
+            ["fault", "p50", "p99", "max", "n"],
+            [
+                row("baseline: one orchestrator, kill -9, restarted at once", cold),
+                row("standby, kill -9 of the leader", kills),
+                row("standby, SIGTERM of the leader", terms),
+            ],
+        ),
         f"Against issue 23: grants resume within 1.5 s p99 over 20 kills — {_met(kill_ok)}; SIGTERM handover ≤ "
         f"0.3 s — {_met(bool(terms) and max(terms) <= 0.3)}; no violation — {_met(r.get('violations') == 0)}. "
-        f"{_n(r.get('handoffs'), 0)} handoffs in the run.", "",
+        f"{_n(r.get('handoffs'), 0)} handoffs in the run.",
+        "",
     ]
 
 
 def _stream_leader(r: dict[str, Any]) -> list[str]:
     trials = r.get("trials", [])
-    rows = [[t["killed"], ", ".join(t["streams_moved"]), _n(t["election_s"], 2, " s"),
-             _n(t.get("lock_elections_s"), 2, " s"), _n(t["resume_s"], 2, " s"),
-             _n(t["resume_s"] - t.get("lock_elections_s", t["election_s"]), 2, " s")] for t in trials]
+    rows = [
+        [
+            t["killed"],
+            ", ".join(t["streams_moved"]),
+            _n(t["election_s"], 2, " s"),
+            _n(t.get("lock_elections_s"), 2, " s"),
+            _n(t["resume_s"], 2, " s"),
+            _n(t["resume_s"] - t.get("lock_elections_s", t["election_s"]), 2, " s"),
+        ]
+        for t in trials
+    ]
     over = [t["resume_s"] - t.get("lock_elections_s", t["election_s"]) for t in trials]
     st = r.get("stream", {})
     return [
@@ -57,15 +80,25 @@ def _stream_leader(r: dict[str, Any]) -> list[str]:
         "`KV_leader`) whose leader was there has a new one. Resume: from the kill until the first grant of an acquire "
         "sent after it. At the end the stream is "
         f"folded through the core: {_n(st.get('grants'), 0)} grants published, {_n(st.get('fold_grants'), 0)} decided "
-        f"by the fold, {_n(st.get('unpublished'), 0)} unpublished, violations {_n(r.get('violations'), 0)}.", "",
+        f"by the fold, {_n(st.get('unpublished'), 0)} unpublished, violations {_n(r.get('violations'), 0)}.",
+        "",
         *_cmd(r),
-        *_table(["killed", "leaders it held", "TIMESLICE elected after",
-                 "TIMESLICE, KV_groups, KV_leader elected after", "grants resumed after",
-                 "resume beyond those elections"], rows),
+        *_table(
+            [
+                "killed",
+                "leaders it held",
+                "TIMESLICE elected after",
+                "TIMESLICE, KV_groups, KV_leader elected after",
+                "grants resumed after",
+                "resume beyond those elections",
+            ],
+            rows,
+        ),
         f"Against issue 23: resumes within the election time + 1 s — "
         f"{_met(bool(over) and max(over) <= 1.0)} (worst {_n(max(over) if over else None, 2, ' s')}); no violation "
         f"— {_met(r.get('violations') == 0)}; orchestrators alive {r.get('orchestrators_alive')} of 2. "
-        f"{_n(r.get('handoffs'), 0)} handoffs in the run.", "",
+        f"{_n(r.get('handoffs'), 0)} handoffs in the run.",
+        "",
     ]
 
 
@@ -74,18 +107,34 @@ def _handoff_auth(r: dict[str, Any]) -> list[str]:
         "The handoff of two job processes ping-ponging a group (as `bench/handoff.py` P1), on three stacks started "
         "in the same run and measured in alternating rounds: no auth; NATS with the operator-mode auth of "
         "`timeslice auth` (every process with its own credential, the permissions of its role); and auth plus TLS "
-        "on every client connection.", "",
+        "on every client connection.",
+        "",
         *_cmd(r),
-        *_table(["stack", "p50", "p99", "p50 vs plain", "p99 vs plain"],
-                [["plain", _n(r.get("plain_p50_ms"), 3, " ms"), _n(r.get("plain_p99_ms"), 3, " ms"), "1.00x", "1.00x"],
-                 ["auth", _n(r.get("auth_p50_ms"), 3, " ms"), _n(r.get("auth_p99_ms"), 3, " ms"),
-                  _n(r.get("auth_ratio_p50"), 2, "x"), _n(r.get("auth_ratio_p99"), 2, "x")],
-                 ["auth + TLS", _n(r.get("secure_p50_ms"), 3, " ms"), _n(r.get("secure_p99_ms"), 3, " ms"),
-                  _n(r.get("secure_ratio_p50"), 2, "x"), _n(r.get("secure_ratio_p99"), 2, "x")]]),
+        *_table(
+            ["stack", "p50", "p99", "p50 vs plain", "p99 vs plain"],
+            [
+                ["plain", _n(r.get("plain_p50_ms"), 3, " ms"), _n(r.get("plain_p99_ms"), 3, " ms"), "1.00x", "1.00x"],
+                [
+                    "auth",
+                    _n(r.get("auth_p50_ms"), 3, " ms"),
+                    _n(r.get("auth_p99_ms"), 3, " ms"),
+                    _n(r.get("auth_ratio_p50"), 2, "x"),
+                    _n(r.get("auth_ratio_p99"), 2, "x"),
+                ],
+                [
+                    "auth + TLS",
+                    _n(r.get("secure_p50_ms"), 3, " ms"),
+                    _n(r.get("secure_p99_ms"), 3, " ms"),
+                    _n(r.get("secure_ratio_p50"), 2, "x"),
+                    _n(r.get("secure_ratio_p99"), 2, "x"),
+                ],
+            ],
+        ),
         f"Against issue 24: auth and TLS within 10% of the same stack without them (p50) — "
         f"{_met((r.get('secure_ratio_p50') or 9) <= 1.10)}; auth alone — "
         f"{_met((r.get('auth_ratio_p50') or 9) <= 1.10)}. "
-        f"{_n(r.get('samples'), 0)} samples per stack.", "",
+        f"{_n(r.get('samples'), 0)} samples per stack.",
+        "",
         *_handoff_auth_cpu(r),
     ]
 
@@ -97,9 +146,12 @@ def _handoff_auth_cpu(r: dict[str, Any]) -> list[str]:
         return []
     kinds = ("server", "orchestrator", "jobs")
     rows = [[label, *(_n(r[f"{k}_cpu_us_per_handoff"].get(kind), 0, " µs") for kind in kinds)] for k, label in keys]
-    return ["CPU per handoff in the same run (on a machine with few cores, CPU spent anywhere on the path is "
-            "latency; the two jobs' share includes their interpreter's start, the same on each stack):", "",
-            *_table(["stack", "nats-server", "orchestrator", "two jobs"], rows)]
+    return [
+        "CPU per handoff in the same run (on a machine with few cores, CPU spent anywhere on the path is "
+        "latency; the two jobs' share includes their interpreter's start, the same on each stack):",
+        "",
+        *_table(["stack", "nats-server", "orchestrator", "two jobs"], rows),
+    ]
 
 
 def _chaos(r: dict[str, Any]) -> list[str]:
@@ -114,15 +166,33 @@ def _chaos(r: dict[str, Any]) -> list[str]:
         "A 3-node NATS cluster (replicas 3), two orchestrator processes, one agent, job processes handing groups "
         "around (each registered with the agent; the first of each group behind a TCP proxy), while a schedule of "
         "bounded faults runs (see the script's docstring for the kinds). The stream is then checked by "
-        "`timeslice check`.", "",
+        "`timeslice check`.",
+        "",
         *_cmd(r),
-        *_table(["minutes", "handoffs", "faults", "longest live waiter without a grant", "timeslice check",
-                 "orchestrators alive"],
-                [[_n(r.get("minutes")), _n(r.get("handoffs"), 0), kinds, _n(stall, 2, " s"),
-                  f"exit {r.get('check_exit')}: {chk.get('summary', NA)}", f"{r.get('orchestrators_alive')} of 2"]]),
+        *_table(
+            [
+                "minutes",
+                "handoffs",
+                "faults",
+                "longest live waiter without a grant",
+                "timeslice check",
+                "orchestrators alive",
+            ],
+            [
+                [
+                    _n(r.get("minutes")),
+                    _n(r.get("handoffs"), 0),
+                    kinds,
+                    _n(stall, 2, " s"),
+                    f"exit {r.get('check_exit')}: {chk.get('summary', NA)}",
+                    f"{r.get('orchestrators_alive')} of 2",
+                ]
+            ],
+        ),
         "Violations by kind: " + (", ".join(f"{k} {n}" for k, n in by_kind.items()) or "none") + ". Job errors "
         f"(logged, the loops went on): {r.get('job_errors', {})}.",
         f"Against issue 23: >= 10 minutes — {_met((r.get('minutes') or 0) >= 10)}; >= 5,000 handoffs — "
         f"{_met((r.get('handoffs') or 0) >= 5000)}; 0 violations — {_met(not viol)}; longest stall <= lease + 2 s "
-        f"(7 s) — {_met(stall is not None and stall <= 7.0)}.", "",
+        f"(7 s) — {_met(stall is not None and stall <= 7.0)}.",
+        "",
     ]

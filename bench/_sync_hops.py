@@ -106,8 +106,12 @@ def _responder_rows(url: str, n: int, gap: float, fast: bool | None) -> dict[str
         out = run(timed(coro))
         t3 = time.perf_counter_ns()
         if what is not None:
-            for key, v in (("call->start", marks["start"] - t0), ("coroutine", marks["end"] - marks["start"]),
-                           ("end->caller", t3 - marks["end"]), ("total", t3 - t0)):
+            for key, v in (
+                ("call->start", marks["start"] - t0),
+                ("coroutine", marks["end"] - marks["start"]),
+                ("end->caller", t3 - marks["end"]),
+                ("total", t3 - t0),
+            ):
                 rows.setdefault(f"{what} {key}", []).append(v / 1e3)
         return out
 
@@ -160,17 +164,20 @@ def main() -> None:
     server = NatsServer(tmp / "nats")
     url = server.start()
     env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
-    orch = subprocess.Popen([sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url,
-                             "--grpc-port", "0"], env=env)
+    orch = subprocess.Popen(
+        [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url, "--grpc-port", "0"], env=env
+    )
     gap = a.gap_ms / 1000
     try:
         time.sleep(2)  # a probe: the orchestrator's start; the first calls wait for it anyway (acquire timeout)
         print(f"load {os.getloadavg()[0]:.2f}, n={a.n}, gap {a.gap_ms} ms; medians in µs")
-        for name, rows in (("async (uvloop)", _async_rows(url, a.n, gap)),
-                           ("sync TimeSliceClient", _sync_rows(url, a.n, gap)),
-                           ("shared loop (TimeSliceClient's)", _responder_rows(url, a.n, gap, fast=None)),
-                           ("loop thread, asyncio loop", _responder_rows(url, a.n, gap, fast=False)),
-                           ("loop thread, uvloop", _responder_rows(url, a.n, gap, fast=True))):
+        for name, rows in (
+            ("async (uvloop)", _async_rows(url, a.n, gap)),
+            ("sync TimeSliceClient", _sync_rows(url, a.n, gap)),
+            ("shared loop (TimeSliceClient's)", _responder_rows(url, a.n, gap, fast=None)),
+            ("loop thread, asyncio loop", _responder_rows(url, a.n, gap, fast=False)),
+            ("loop thread, uvloop", _responder_rows(url, a.n, gap, fast=True)),
+        ):
             cut = a.n // 10
             print(f"{name}: " + ", ".join(f"{k} {_med(v[cut:]):.0f}" for k, v in rows.items()))
     finally:

@@ -60,8 +60,7 @@ async def test_every_refused_server_of_a_list_fails_at_once() -> None:
 
 
 async def test_a_refused_server_beside_a_live_one_is_passed_over(nats_url: str) -> None:
-    async with AsyncTimeSliceClient("j", "g", f"nats://127.0.0.1:{_closed_port()},{nats_url}",
-                                    connect_timeout=5) as c:
+    async with AsyncTimeSliceClient("j", "g", f"nats://127.0.0.1:{_closed_port()},{nats_url}", connect_timeout=5) as c:
         assert c._nc is not None and c._nc.is_connected
 
 
@@ -91,7 +90,8 @@ async def test_a_silent_server_fails_within_the_connect_timeout() -> None:
 
 
 async def test_no_url_anywhere_says_it_tried_the_default_and_how_to_set_one(
-        no_advertised_url: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    no_advertised_url: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     default = f"nats://127.0.0.1:{_closed_port()}"
     monkeypatch.setattr(bus, "_DEFAULT_URL", default)  # port 4222 of this machine may be anyone's
     err, took = await _connect_error(AsyncTimeSliceClient("j", "g", connect_timeout=5))
@@ -116,14 +116,17 @@ async def test_the_env_var_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert url in str(err) and "from $TIMESLICE_NATS_URL" in str(err)
 
 
-@pytest.mark.parametrize(("url", "entry", "why"), [
-    ("http://127.0.0.1:4222", "http://127.0.0.1:4222", "unknown scheme"),
-    ("nats://:4222", "nats://:4222", "no host"),
-    ("nats://127.0.0.1:99999", "nats://127.0.0.1:99999", "Port out of range"),
-    ("nats://127.0.0.1:x", "nats://127.0.0.1:x", "cannot read it"),
-    ("nats://a:4222,,nats://b:4222", "", "empty entry"),
-    ("nats://a:4222,", "", "empty entry"),
-])
+@pytest.mark.parametrize(
+    ("url", "entry", "why"),
+    [
+        ("http://127.0.0.1:4222", "http://127.0.0.1:4222", "unknown scheme"),
+        ("nats://:4222", "nats://:4222", "no host"),
+        ("nats://127.0.0.1:99999", "nats://127.0.0.1:99999", "Port out of range"),
+        ("nats://127.0.0.1:x", "nats://127.0.0.1:x", "cannot read it"),
+        ("nats://a:4222,,nats://b:4222", "", "empty entry"),
+        ("nats://a:4222,", "", "empty entry"),
+    ],
+)
 def test_a_malformed_url_is_refused_when_the_client_is_made(url: str, entry: str, why: str) -> None:
     invalid = getattr(errors, "InvalidNatsUrl", ())  # in the error tree of errors.py
     for make in (AsyncTimeSliceClient, TimeSliceClient):
@@ -134,7 +137,8 @@ def test_a_malformed_url_is_refused_when_the_client_is_made(url: str, entry: str
 
 
 def test_a_malformed_default_is_refused_naming_where_it_came_from(
-        no_advertised_url: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    no_advertised_url: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TIMESLICE_NATS_URL", "nats://a:1,,nats://b:2")
     with pytest.raises(errors.TimeSliceError, match=r"\$TIMESLICE_NATS_URL"):
         AsyncTimeSliceClient("j", "g")

@@ -35,12 +35,16 @@ def _lose_one(orch: Orchestrator, subject_part: str) -> asyncio.Event:
 
 
 async def test_a_lost_delivery_is_filled_from_the_stream_without_a_new_term(
-        nats_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="timeslice.orchestrator")
     orch = Orchestrator(OrchestratorConfig(nats_url=nats_url))
     lost = _lose_one(orch, ".b.acquire")
-    async with running(orch), AsyncTimeSliceClient("a", "gap", nats_url) as a, \
-            AsyncTimeSliceClient("b", "gap", nats_url, fast_reacquire=False) as b:
+    async with (
+        running(orch),
+        AsyncTimeSliceClient("a", "gap", nats_url) as a,
+        AsyncTimeSliceClient("b", "gap", nats_url, fast_reacquire=False) as b,
+    ):
         await a.acquire(timeout=10)
         waiting = asyncio.create_task(b.acquire(timeout=20))
         await asyncio.wait_for(lost.wait(), 10)
@@ -64,8 +68,9 @@ async def test_fill_gap_passes_the_inputs_between_two_sequences_in_order_as_deli
         await ensure_bus(js)
         seqs = []
         for i in range(5):
-            ack = await js.publish(subjects.job("g", f"j{i}", "acquire"),
-                                   encode(Acquire(group="g", job=f"j{i}", request_id=f"r{i}")))
+            ack = await js.publish(
+                subjects.job("g", f"j{i}", "acquire"), encode(Acquire(group="g", job=f"j{i}", request_id=f"r{i}"))
+            )
             seqs.append(ack.seq)
             await nc.publish(subjects.notice("g", f"j{i}"), b"{}")  # stored too, not an input: passed over
         await nc.flush()
@@ -86,7 +91,8 @@ async def test_fill_gap_passes_the_inputs_between_two_sequences_in_order_as_deli
 
 
 async def test_a_malformed_input_read_to_fill_a_gap_is_refused_like_a_delivered_one(
-        nats_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """What a gap is filled with comes from the bus as much as a delivery does: garbage there is rejected (counted,
     logged) and the orchestrator goes on, in the same term."""
     caplog.set_level(logging.INFO, logger="timeslice.orchestrator")

@@ -27,6 +27,7 @@ async def _released(c: AsyncTimeSliceClient) -> bool:
 
 async def test_async_decorated_step_inside_a_block_keeps_the_hold(nats_url: str) -> None:
     async with AsyncTimeSliceClient("a", "n1", nats_url) as a:
+
         @a.on_accelerators(timeout=10)
         async def train_step(x: int) -> int:
             assert a.holding
@@ -96,6 +97,7 @@ async def test_async_scopes_of_two_tasks_share_one_hold(nats_url: str) -> None:
 
 def _sync_nested(nats_url: str) -> tuple[int, int, bool, bool]:
     with TimeSliceClient("s", "n5", nats_url) as s:
+
         @s.on_accelerators(timeout=10)
         def train_step() -> bool:
             return s.holding
@@ -106,8 +108,10 @@ def _sync_nested(nats_url: str) -> tuple[int, int, bool, bool]:
             with s.on_accelerators(timeout=10) as inner:
                 assert inner == outer
             # the group's record (written once the grant is out) names s, at the outer scope's epoch
-            held_epoch = eventually_sync(lambda: (r := s.status()).holder is not None and r.holder.job == "s"
-                                         and r.epoch, what="the record names s as the holder")
+            held_epoch = eventually_sync(
+                lambda: (r := s.status()).holder is not None and r.holder.job == "s" and r.epoch,
+                what="the record names s as the holder",
+            )
         assert not s.holding
         return outer.epoch, held_epoch, inside, still
 

@@ -41,8 +41,10 @@ def test_a_dual_stack_client_socket_is_found_by_its_mapped_address() -> None:
 
 
 def test_a_lookup_is_far_cheaper_than_reading_the_table() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as server, \
-            socket.create_connection(("127.0.0.1", server.getsockname()[1])) as client:
+    with (
+        socket.create_server(("127.0.0.1", 0)) as server,
+        socket.create_connection(("127.0.0.1", server.getsockname()[1])) as client,
+    ):
         port, mine = server.getsockname()[1], client.getsockname()[1]
         t0 = time.perf_counter()
         for _ in range(20):

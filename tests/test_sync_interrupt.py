@@ -44,10 +44,15 @@ def test_ctrl_c_withdraws_the_wait_before_the_process_exits(
     log = tmp_path / "waiter.log"
     child = subprocess.Popen(
         [sys.executable, "-m", "tests.workers.interrupted_waiter", nats_url, "interrupted", "doomed", str(log), how],
-        cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     try:
-        eventually_sync(lambda: [w.job for w in holder.status().queue] == ["doomed"], timeout=START,
-                        what="the child waits behind the holder")
+        eventually_sync(
+            lambda: [w.job for w in holder.status().queue] == ["doomed"],
+            timeout=START,
+            what="the child waits behind the holder",
+        )
         child.send_signal(signal.SIGINT)
         code = child.wait(15)
     finally:
@@ -58,8 +63,11 @@ def test_ctrl_c_withdraws_the_wait_before_the_process_exits(
     assert code == (130 if how == "exit" else -signal.SIGINT), f"exit status {code}"
     lines = ["ready"] if how == "exit" else ["ready", "interrupted"]
     assert log.read_text().splitlines() == lines, "the acquire did not raise KeyboardInterrupt"
-    eventually_sync(lambda: not holder.status().queue, timeout=GONE_S,
-                    what="the interrupted waiter is gone from the queue right after its process exited")
+    eventually_sync(
+        lambda: not holder.status().queue,
+        timeout=GONE_S,
+        what="the interrupted waiter is gone from the queue right after its process exited",
+    )
     released = holder.release()
     assert released.pending_waiters == 0, "the release found the dead waiter still queued"
     rec = holder.status()

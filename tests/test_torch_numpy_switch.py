@@ -20,12 +20,16 @@ from .helpers import eventually, running  # noqa: E402
 
 async def test_numpy_on_a_registered_tensor_faults_the_switch_naming_the_call(nats_url: str) -> None:
     weights = torch.randn(256)
-    async with running(Orchestrator(OrchestratorConfig(nats_url=nats_url))), \
-            running(Agent(AgentConfig(node_id="node-1", nats_url=nats_url))), \
-            AsyncTimeSliceClient("a", "gnp", nats_url) as a, AsyncTimeSliceClient("b", "gnp", nats_url) as b:
+    async with (
+        running(Orchestrator(OrchestratorConfig(nats_url=nats_url))),
+        running(Agent(AgentConfig(node_id="node-1", nats_url=nats_url))),
+        AsyncTimeSliceClient("a", "gnp", nats_url) as a,
+        AsyncTimeSliceClient("b", "gnp", nats_url) as b,
+    ):
         await a.register_workload(TorchOffloadHandler(tensors={"weights": weights}, device="cpu"), node_id="node-1")
-        await b.register_workload(TorchOffloadHandler(tensors={"weights": torch.randn(256)}, device="cpu"),
-                                  node_id="node-1")
+        await b.register_workload(
+            TorchOffloadHandler(tensors={"weights": torch.randn(256)}, device="cpu"), node_id="node-1"
+        )
         async with a.on_accelerators(timeout=10):
             float(weights.numpy().sum())  # the mistake: a log line that reads the registered tensor itself
             tb = asyncio.create_task(b.acquire(timeout=20))

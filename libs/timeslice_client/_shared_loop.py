@@ -162,8 +162,10 @@ class SharedLoop:
         self._waits.register(self._selector.fileno())
         self._thread: threading.Thread | None = None
         self._ident: int | None = None
-        self._hooks = (self.loop._asyncgen_firstiter_hook,  # type: ignore[attr-defined]
-                       self.loop._asyncgen_finalizer_hook)  # type: ignore[attr-defined]
+        self._hooks = (
+            self.loop._asyncgen_firstiter_hook,  # type: ignore[attr-defined]
+            self.loop._asyncgen_finalizer_hook,  # type: ignore[attr-defined]
+        )
 
     # ------------------------------------------------------------------ lifecycle
 

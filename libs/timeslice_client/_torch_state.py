@@ -36,8 +36,9 @@ def _walk_named(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
             yield from _walk_named(value, f"{path}[{i}]")
 
 
-def named_tensors(modules: Iterable[Any], optimizers: Iterable[Any], sources: Iterable[Any], *,
-                  call: bool) -> Iterator[tuple[str, Any]]:
+def named_tensors(
+    modules: Iterable[Any], optimizers: Iterable[Any], sources: Iterable[Any], *, call: bool
+) -> Iterator[tuple[str, Any]]:
     """Each tensor with words that name it to the user; ``call``: also the tensors callable sources return now."""
     for module in modules:
         kind = type(module).__name__
@@ -49,7 +50,7 @@ def named_tensors(modules: Iterable[Any], optimizers: Iterable[Any], sources: It
             yield f"buffer {name!r} of a {kind}", buf
     for optimizer in optimizers:
         for state in optimizer.state.values():
-            for key, value in (state.items() if isinstance(state, Mapping) else ()):
+            for key, value in state.items() if isinstance(state, Mapping) else ():
                 for _, tensor in _walk_named(value, ""):
                     yield f"optimizer state {key!r} of a {type(optimizer).__name__}", tensor
     for src in sources:

@@ -37,9 +37,14 @@ def _request(family: int, local: bytes, local_port: int, remote: bytes, remote_p
     return _HEADER.pack(_HEADER.size + len(body), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0) + body
 
 
-def tcp_socket_uid(local: ipaddress.IPv4Address | ipaddress.IPv6Address, local_port: int,
-                   remote: ipaddress.IPv4Address | ipaddress.IPv6Address, remote_port: int,
-                   *, timeout: float = 0.5) -> int | None:
+def tcp_socket_uid(
+    local: ipaddress.IPv4Address | ipaddress.IPv6Address,
+    local_port: int,
+    remote: ipaddress.IPv4Address | ipaddress.IPv6Address,
+    remote_port: int,
+    *,
+    timeout: float = 0.5,
+) -> int | None:
     """The uid owning the established TCP socket bound to ``local``:``local_port`` and connected to
     ``remote``:``remote_port`` (both of one family), or None (no such socket open, or the kernel cannot be asked
     here)."""
