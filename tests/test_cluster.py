@@ -311,3 +311,15 @@ async def test_an_orchestrator_started_before_the_cluster_answers_waits_for_it(c
         await asyncio.to_thread(orch.wait_ready, 90)
     finally:
         orch.stop()
+
+
+def test_jetstream_temporarily_unavailable_is_retried() -> None:
+    """A cluster whose servers are coming back answers 503 / 10008 ("JetStream system temporarily unavailable") for
+    a moment (seen in this module's wait-for-the-cluster test under load: the orchestrator exited on it); stored
+    publishes and the bus setup retry it, as they retry a timeout. Other API errors are not retried."""
+    from nats.js.errors import APIError, ServiceUnavailableError
+    from timeslice_client._publish_rules import transient
+
+    assert transient(ServiceUnavailableError(code=503, err_code=10008,
+                                             description="JetStream system temporarily unavailable"))
+    assert not transient(APIError(code=400, err_code=10058, description="stream name already in use"))

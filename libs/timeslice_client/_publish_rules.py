@@ -32,13 +32,15 @@ def superseded(exc: BaseException) -> bool:
 # JetStream's error code for a publish whose message id a clustered stream is still storing from an earlier attempt
 # (seen on a 3-node cluster during an election): the same publish again gets the first one's answer.
 _DUPLICATE_IN_PROCESS = 10158
+_TEMPORARILY_UNAVAILABLE = 10008  # JetStream: "JetStream system temporarily unavailable" (code 503)
 ATTEMPT_S = 1.0  # one attempt's wait for a PubAck (publish_stored); a PubAck takes well under a millisecond here
 
 
 def transient(exc: BaseException) -> bool:
-    """Errors worth retrying with the same message id: timeouts, connection trouble, and an earlier attempt of the
-    same message still in process."""
-    if getattr(exc, "err_code", None) == _DUPLICATE_IN_PROCESS:
+    """Errors worth retrying with the same message id: timeouts, connection trouble, an earlier attempt of the
+    same message still in process, and JetStream saying it is temporarily unavailable (a cluster's servers coming
+    back, their meta layer not led yet)."""
+    if getattr(exc, "err_code", None) in (_DUPLICATE_IN_PROCESS, _TEMPORARILY_UNAVAILABLE):
         return True
     return isinstance(exc, TimeoutError | OSError | ConnectionError) or exc.__class__.__name__ in (
         "NoRespondersError", "NoStreamResponseError", "ConnectionClosedError", "ConnectionReconnectingError",
