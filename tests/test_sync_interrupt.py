@@ -70,5 +70,11 @@ def test_ctrl_c_withdraws_the_wait_before_the_process_exits(
     )
     released = holder.release()
     assert released.pending_waiters == 0, "the release found the dead waiter still queued"
+    # the record is stored a moment after the release is answered: wait until it no longer shows the holder's hold
+    eventually_sync(
+        lambda: (h := holder.status().holder) is None or h.job != "holder",
+        timeout=GONE_S,
+        what="the record shows the release",
+    )
     rec = holder.status()
     assert rec.holder is None and rec.switch is None and not rec.queue, f"granted to somebody after all: {rec}"
