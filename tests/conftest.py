@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
@@ -33,6 +34,30 @@ def agent_socket_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         yield directory
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+_PORT_4222_LOCK = Path(tempfile.gettempdir()) / "timeslice-tests-port-4222.lock"
+
+
+@pytest.fixture(autouse=True)
+def port_4222(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests marked ``port_4222("shared")`` start a `timeslice up` that takes NATS port 4222 when it is free (and
+    goes on without it); tests marked ``port_4222("exclusive")`` need it free for themselves (they check that
+    `up` takes it and keeps it). A lock file across the suite's worker processes keeps the exclusive ones apart
+    from every other: (pytest-xdist's ``xdist_group`` does not group tests under pytest 9, whose node ids it
+    cannot suffix any more)."""
+    mark = request.node.get_closest_marker("port_4222")
+    if mark is None:
+        yield
+        return
+    how = mark.args[0] if mark.args else "shared"
+    assert how in ("shared", "exclusive"), mark
+    with open(_PORT_4222_LOCK, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if how == "exclusive" else fcntl.LOCK_SH)  # the test's timeout bounds this
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture

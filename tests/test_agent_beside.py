@@ -31,8 +31,8 @@ from .conftest import OrchestratorProcess
 from .helpers import eventually, running
 from .workers import read_stream
 
-# `timeslice up` takes NATS port 4222 when it is free: every test that starts one runs in the same worker
-pytestmark = pytest.mark.xdist_group("timeslice-up")
+# `timeslice up` takes NATS port 4222 when it is free: tests that need it free to themselves wait (tests/conftest.py)
+pytestmark = pytest.mark.port_4222("shared")
 
 
 class FailingAgent:

@@ -24,8 +24,8 @@ from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 from .auth_stack import SecureBus, start_secure_bus
 from .helpers import running
 
-# `timeslice up` takes NATS port 4222 when it is free: every test that starts one runs in the same worker
-pytestmark = pytest.mark.xdist_group("timeslice-up")
+# `timeslice up` takes NATS port 4222 when it is free: tests that need it free to themselves wait (tests/conftest.py)
+pytestmark = pytest.mark.port_4222("shared")
 
 
 def _timeslice(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 # module-scoped fixtures: the whole module in one worker, its fixtures made once
-pytestmark = pytest.mark.xdist_group("test_bench_short")
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"

@@ -13,7 +13,6 @@ from types import ModuleType
 import pytest
 
 # module-scoped fixtures: the whole module in one worker, its fixtures made once
-pytestmark = pytest.mark.xdist_group("test_gpu_check")
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"

@@ -27,7 +27,6 @@ from .grpc_proto_client import OrchestratorClient
 from .helpers import eventually
 
 # module-scoped fixtures: the whole module in one worker, its fixtures made once
-pytestmark = pytest.mark.xdist_group("test_grpc_orchestrator")
 
 LEASE_S = 1.5
 

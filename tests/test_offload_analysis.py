@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 # module-scoped fixtures: the whole module in one worker, its fixtures made once
-pytestmark = pytest.mark.xdist_group("test_offload_analysis")
 
 MS = 1_000_000  # ns
 

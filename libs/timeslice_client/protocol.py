@@ -379,6 +379,9 @@ class RegisterJob(_Msg, frozen=True, tag="register"):
     op_timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=7 * 24 * 3600 * 1000)] = 120_000
     endpoints: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=512)], ...], msgspec.Meta(max_length=16)] = ()
     proof: Annotated[str, msgspec.Meta(max_length=128)] | None = None
+    # The registering channel's own token: the agent names it in every WorkloadCommand, and a channel answers only
+    # its own, so a command meant for a process that died never reaches the process that registered next as the job.
+    channel: Name | None = None
 
 
 class UnregisterJob(_Msg, frozen=True, tag="unregister"):
@@ -405,6 +408,7 @@ class WorkloadCommand(_Msg, frozen=True, tag="workload_command"):
     mode: SuspendMode = SuspendMode.OFFLOAD
     tags: tuple[str, ...] = ()
     epoch: int = 0
+    channel: str | None = None  # RegisterJob.channel of the registration it is for (None: any channel answers)
 
 
 class WorkloadReply(_Msg, frozen=True, tag="workload_reply"):
@@ -531,6 +535,7 @@ class JobContext(_Rec, frozen=True):
     elapsed_ms: float = 0.0
     updated_ms: int = 0
     owner: ProcessOwner | None = None  # None: not proven; process-level backends then never act
+    channel: str | None = None  # RegisterJob.channel: the workload channel that registered it
 
 
 class DeviceInfo(_Rec, frozen=True):

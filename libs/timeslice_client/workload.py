@@ -31,6 +31,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterable
@@ -154,6 +155,7 @@ class WorkloadChannel:
         self._responder: Responder | None = None  # the channel's thread, once opened
         self._rnc: NATS | None = None  # the channel's own connection, used on its thread only
         self._registered = False
+        self.token = secrets.token_hex(8)  # RegisterJob.channel: commands for another registration are not ours
         # The state below is shared by the caller's thread (suspend_early, arm/disarm, close) and the channel's
         # (commands, settle): ``_gate`` guards it. ``_lock`` (on the channel's loop only) lets one command,
         # settle or close work at a time; ``_busy`` says one does, to the caller's thread.
@@ -181,7 +183,7 @@ class WorkloadChannel:
             proof, unproven = None, str(exc)
         req = RegisterJob(group=self.group_id, job=self.job_id, backends=self.backends, pids=self.pids,
                           pgid=self.pgid, mode=self.mode, tags=self.tags, op_timeout_ms=int(self.op_timeout * 1000),
-                          endpoints=self.endpoints, proof=proof)
+                          endpoints=self.endpoints, proof=proof, channel=self.token)
         try:
             reply = await self._agent("register", encode(req), unproven=unproven)
         except BaseException:
@@ -404,6 +406,12 @@ class WorkloadChannel:
             cmd = _cmd_decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             await msg.respond(encode(WorkloadReply(op_id="", ok=False, error=f"bad command: {exc}")))
+            return
+        if cmd.channel is not None and cmd.channel != self.token:
+            # For an earlier registration of this job on the node (a process that died, whose place this one took):
+            # not ours to answer; the agent ends that operation when it sees those processes gone.
+            log.warning("ignored a %s command for another registration of the job", cmd.action,
+                        extra={"job": self.job_id, "group": self.group_id, "node": self.node_id, "op_id": cmd.op_id})
             return
         # A main thread busy in Python would make each step below wait up to 5 ms for the GIL (see _prompt).
         with prompt_threads(self.switch_interval):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 from timeslice_client.bus import connect
 from timeslice_client.protocol import STREAM, Notice, decode_notice, subjects
 
@@ -134,10 +135,25 @@ def _seq_and_time(reply: str) -> tuple[int, int]:
 
 
 async def read_stream(nats_url: str, timeout: float = 30.0) -> list[tuple[int, int, str, bytes]]:
-    """The whole TIMESLICE stream, first to last message as of the call, in order."""
+    """The whole TIMESLICE stream, first to last message as of the call, in order. A JetStream request that
+    times out (a cluster electing the stream's leader does not answer for a while) is tried again, within
+    ``timeout`` in all."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    for _ in range(9):
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 1.0:
+            break
+        try:
+            return await _read_stream_once(nats_url, left)
+        except nats.errors.TimeoutError:
+            continue
+    return await _read_stream_once(nats_url, 1.0)  # the last try: its error is the caller's
+
+
+async def _read_stream_once(nats_url: str, timeout: float) -> list[tuple[int, int, str, bytes]]:
     nc = await connect(nats_url, name="test-stream-reader")
     try:
-        js = nc.jetstream()
+        js = nc.jetstream(timeout=min(timeout, 10.0))
         info = await js.stream_info(STREAM)
         first, last = info.state.first_seq, info.state.last_seq
         out: list[tuple[int, int, str, bytes]] = []

@@ -88,10 +88,17 @@ class JobBook:
         if old is not None and old.group != req.group:
             return AgentReply(ok=False, error=f"job {req.job!r} is registered in group {old.group!r} on this node")
         same_process = old is not None and old.pids == req.pids and old.pgid == req.pgid
+        if old is not None and not same_process and old.pids and not any(alive(p) for p in old.pids):
+            # Other processes take the job's place on this node, and the registered ones are gone (a job killed and
+            # started again before the agent's check saw it): their context went with them. Said first, so the
+            # orchestrator ends what it had pending for them as "job gone" rather than charge the newcomer with it.
+            await self.unregister(old, "its processes are gone; other processes registered as the job")
+            old = None
         state = old.state if (old is not None and same_process) else JobState.IDLE
         ctx = JobContext(node=self.node, job=req.job, group=req.group, state=state, backends=req.backends,
                          pids=req.pids, pgid=req.pgid, mode=req.mode, tags=req.tags, op_timeout_ms=req.op_timeout_ms,
-                         endpoints=req.endpoints, reason=old.reason if same_process and old else None, owner=owner)
+                         endpoints=req.endpoints, reason=old.reason if same_process and old else None, owner=owner,
+                         channel=req.channel)
         ctx = await self.save(ctx)
         await self.announce(ctx)
         log.info("registered job (%s)", f"proven by pid {owner.pid}, uid {owner.uid}" if owner else "unproven",

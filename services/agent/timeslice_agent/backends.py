@@ -112,7 +112,7 @@ class AppChannelBackend:
 
     async def _call(self, ctx: JobContext, op: OpContext, action: str) -> Outcome:
         cmd = WorkloadCommand(op_id=op.op_id, action=action, mode=ctx.mode, tags=ctx.tags,  # type: ignore[arg-type]
-                              epoch=op.epoch)
+                              epoch=op.epoch, channel=ctx.channel)
         subject = subjects.workload_rpc(self._node, ctx.job)
         try:
             msg = await self._ask(subject, encode(cmd), op)

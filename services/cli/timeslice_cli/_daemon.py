@@ -35,7 +35,9 @@ __all__ = [
     "UpLock",
     "die_with_parent",
     "pick_port",
+    "port_free",
     "running",
+    "served_default_port",
     "stop_orphans",
     "stop_pid",
 ]
@@ -192,16 +194,40 @@ def stop_orphans(data_dir: Path, say: Callable[[str], None]) -> list[int]:
     return stopped
 
 
-def pick_port(host: str, given: int | None, say: Callable[[str], None]) -> int | None:
-    """The NATS port: ``given`` if given, else 4222 when it is free at ``host``, else None (any free port)."""
-    if given is not None:
-        return given
+def port_free(host: str, port: int) -> bool:
+    """Whether ``port`` at ``host`` can be listened on (as nats-server binds it)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nats-server binds: TIME_WAIT is no owner
         try:
-            s.bind((host, DEFAULT_PORT))
+            s.bind((host, port))
         except OSError:
+            return False
+    return True
+
+
+def served_default_port(data_dir: Path) -> bool:
+    """Whether the data dir's last nats-server listened on the default port (its ports file says so)."""
+    for ports in (data_dir / "ports").glob("nats-server_*.ports"):
+        try:
+            urls = json.loads(ports.read_text())["nats"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if any(isinstance(u, str) and u.endswith(f":{DEFAULT_PORT}") for u in urls):
+            return True
+    return False
+
+
+def pick_port(host: str, given: int | None, say: Callable[[str], None], *, wait_s: float = 0.0) -> int | None:
+    """The NATS port: ``given`` if given, else 4222 when it is free at ``host``, else None (any free port).
+    ``wait_s``: how long 4222 may take to come free (the data dir's own nats-server, just dead, held it: a
+    process killed with many threads lets go of its sockets only once the last thread has exited)."""
+    if given is not None:
+        return given
+    deadline = time.monotonic() + wait_s
+    while not port_free(host, DEFAULT_PORT):
+        if time.monotonic() >= deadline:
             say(f"timeslice up: port {DEFAULT_PORT} at {host} is taken (by another program: not a `timeslice up` "
                 "on this data dir); NATS listens on a free port instead, which clients find through the URL file")
             return None
+        time.sleep(0.05)  # polling the port an exiting process lets go of, bounded by the deadline
     return DEFAULT_PORT

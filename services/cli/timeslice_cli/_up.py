@@ -57,22 +57,38 @@ async def _serve(args: argparse.Namespace, data_dir: Path, lock: _daemon.UpLock)
     from timeslice_orchestrator import grpc_shim
     from timeslice_orchestrator._beside import AgentBeside
     from timeslice_orchestrator._main import beside_metrics, grpc_wanted, install_stop, metrics_registry, replicated
-    from timeslice_orchestrator.embedded import NatsServer
+    from timeslice_orchestrator.embedded import EmbeddedNatsError, NatsServer
     from timeslice_orchestrator.metrics import OrchestratorMetrics
     from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
     cluster = _cluster(args)
-    _daemon.stop_orphans(data_dir, _say)
-    port = _daemon.pick_port(args.host, args.port, _say)
+    stopped = _daemon.stop_orphans(data_dir, _say)
+    # The port this data dir's nats-server had: kept across a restart, so a restart right after a crash (or after
+    # stopping an orphan) waits a moment for the dead server to let go of it.
+    port = _daemon.pick_port(args.host, args.port, _say,
+                             wait_s=5.0 if stopped or _daemon.served_default_port(data_dir) else 0.0)
     # Auth on unless --no-auth: the keys in the data dir (or --auth-dir, shared by a cluster's servers), the
     # orchestrator's identity for this process, the agent's and the local user's written when ready.
     ups = None if args.no_auth else _auth.UpAuth(_data_dir(args.auth_dir, data_dir / "auth"))
-    server = NatsServer(data_dir, port=port, host=args.host, cluster=cluster,
-                        server_name=args.server_name or (default_node_id() if cluster else None),
-                        extra_args=("-c", str(ups.server_config)) if ups else (), preexec=_daemon.die_with_parent())
+
+    def nats_server(port: int | None) -> NatsServer:
+        return NatsServer(data_dir, port=port, host=args.host, cluster=cluster,
+                          server_name=args.server_name or (default_node_id() if cluster else None),
+                          extra_args=("-c", str(ups.server_config)) if ups else (), preexec=_daemon.die_with_parent())
+
     if ups is not None:
         set_process_auth(BusAuth(creds=ups.orchestrator, source="timeslice up"))
-    url = await server.astart()
+    server = nats_server(port)
+    try:
+        url = await server.astart()
+    except EmbeddedNatsError:
+        if args.port is not None or port is None or _daemon.port_free(args.host, port):
+            raise
+        # Another program took the default port between the check above and the server's bind.
+        _say(f"timeslice up: port {port} at {args.host} was taken as NATS started; it listens on a free port "
+             "instead, which clients find through the URL file")
+        server = nats_server(None)
+        url = await server.astart()
     lock.update(state="starting", url=url, nats_pid=server.pid, log=str(server.log_path))
     if ups is None:
         _auth.warn_no_auth(url)

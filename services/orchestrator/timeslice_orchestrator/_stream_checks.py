@@ -134,6 +134,7 @@ class _Group:
     ops: dict[str, _Op] = field(default_factory=dict)  # op id -> started and not ended
     op_timeouts: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, job) -> ms
     gone: set[tuple[str, str]] = field(default_factory=set)  # (node, job) unregistered and not registered again
+    left: set[str] = field(default_factory=set)  # op ids started before their job left the node, not yet answered
 
 
 class StreamChecks:
@@ -246,10 +247,13 @@ class StreamChecks:
             g.ops.pop(inp.op_id, None)
             self._progress(g, ev)
             key = (inp.node, inp.job)
+            left = inp.op_id in g.left
+            g.left.discard(inp.op_id)
             if inp.kind is OpKind.SNAPSHOT:
-                if inp.ok or key in g.gone:
+                if inp.ok or key in g.gone or left:
                     # A job whose processes ended mid-snapshot is unregistered first, then its snapshot answered as
-                    # failed (the agent's order): its context went with its processes.
+                    # failed (the agent's order): its context went with its processes. So did that of a snapshot
+                    # started before its job left, answered after other processes registered as the job.
                     g.snapshots.pop(key, None)
                 else:
                     snap = g.snapshots.setdefault(key, _Snap(failed=True, events=[]))
@@ -257,6 +261,7 @@ class StreamChecks:
                     snap.events.append(ev)
         elif isinstance(inp, JobUnregistered):
             g.snapshots.pop((inp.node, inp.job), None)  # the job's process left the node, its context with it
+            g.left.update(i for i, op in g.ops.items() if (op.node, op.job) == (inp.node, inp.job))
             g.op_timeouts.pop((inp.node, inp.job), None)
             g.gone.add((inp.node, inp.job))
         elif isinstance(inp, JobRegistered):
