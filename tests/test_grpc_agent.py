@@ -259,3 +259,23 @@ async def test_agent_process_serves_grpc(nats_url: str, tmp_path: Path) -> None:
         proc.terminate()
         proc.wait(15)
         log.close()
+
+
+async def test_a_one_off_discard_never_changes_a_later_snapshot(target: str, workload: Workload, agent: Agent) -> None:
+    """A request's mode and tags are that request's: a DISCARD snapshot once (and the restore after it, which
+    brings back what that snapshot left) does not make the next default snapshot discard the trainer's state,
+    nor the orchestrator's switches, which read the job's registered settings (issue 26: data loss)."""
+    async with AsyncSnapshotAgentClient(target, timeout=5) as c:
+        op = await c.snapshot_and_wait("trainer", backend=AppChannel(mode="discard", tags=("kv_cache",)))
+        assert op.ok
+        assert (await c.restore_and_wait("trainer")).ok
+        registered = agent.jobs()["trainer"]
+        assert (registered.mode, registered.tags) == (SuspendMode.OFFLOAD, ())
+        assert (await c.snapshot_and_wait("trainer")).ok  # no backend config: the job's own settings
+        assert (await c.restore_and_wait("trainer")).ok
+    assert [(what, mode, set(tags)) for what, mode, tags in workload.calls] == [
+        ("suspend", SuspendMode.DISCARD, {"kv_cache"}),
+        ("resume", SuspendMode.DISCARD, {"kv_cache"}),  # the restore of a discarded state knows it was discarded
+        ("suspend", SuspendMode.OFFLOAD, set()),
+        ("resume", SuspendMode.OFFLOAD, set()),
+    ]

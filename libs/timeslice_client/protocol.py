@@ -536,6 +536,10 @@ class JobContext(_Rec, frozen=True):
     updated_ms: int = 0
     owner: ProcessOwner | None = None  # None: not proven; process-level backends then never act
     channel: str | None = None  # RegisterJob.channel: the workload channel that registered it
+    # How the state now saved was suspended, when a request's own settings did it (None: the registered ones): the
+    # restore after it resumes it the same way.
+    saved_mode: SuspendMode | None = None
+    saved_tags: tuple[str, ...] | None = None
 
 
 class DeviceInfo(_Rec, frozen=True):

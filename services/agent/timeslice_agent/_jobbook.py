@@ -99,6 +99,8 @@ class JobBook:
                          pids=req.pids, pgid=req.pgid, mode=req.mode, tags=req.tags, op_timeout_ms=req.op_timeout_ms,
                          endpoints=req.endpoints, reason=old.reason if same_process and old else None, owner=owner,
                          channel=req.channel)
+        if old is not None and same_process:  # how its saved state was suspended, for the restore after it
+            ctx = msgspec.structs.replace(ctx, saved_mode=old.saved_mode, saved_tags=old.saved_tags)
         ctx = await self.save(ctx)
         await self.announce(ctx)
         log.info("registered job (%s)", f"proven by pid {owner.pid}, uid {owner.uid}" if owner else "unproven",

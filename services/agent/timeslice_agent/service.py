@@ -65,7 +65,7 @@ from ._ownership import ProcessGuard, ProcFS
 from ._peer import PeerServer
 from ._requests import Requests, log_refusal
 from ._room import RestoreOrder
-from ._standalone import standalone_context
+from ._standalone import OpSettings, run_context, settled, standalone_context
 from ._untrusted import Refusal, Refused, cap, check_command, check_id, check_registration, refusal_result, shown
 from .backends import OpContext, Outcome, acts_on_processes, make_backend
 from .metrics import AgentMetrics
@@ -347,20 +347,22 @@ class Agent:
                         device_bytes_freed=out.device_bytes_freed, elapsed_ms=elapsed_ms,
                         began_at_release=out.began_at_release, work_ms=out.work_ms)
 
-    async def _execute(self, cmd: Snapshot | Restore, kind: OpKind) -> tuple[OpResult, bool]:
-        """Run one operation; returns its result and whether it was published already."""
+    async def _execute(self, cmd: Snapshot | Restore, kind: OpKind, asked: OpSettings | None = None
+                       ) -> tuple[OpResult, bool]:
+        """Run one operation (``asked``: a request's own settings); returns its result and whether it was
+        published already."""
         if (done := self._results.get(cmd.op_id)) is not None:
             return done, False  # the same op id gets the same answer
         if not isinstance(cmd, Restore) or not cmd.after:
-            return await self._execute_now(cmd, kind, overlapped=False)
+            return await self._execute_now(cmd, kind, overlapped=False, asked=asked)
         others = [j for j in self._book.jobs.values() if j.group == cmd.group and j.job != cmd.job]
         async with self._order.turn(cmd, self._book.jobs.get(cmd.job), others) as turn:
             if turn.error is not None:
                 return self._remember(self._result(cmd, kind, "none", ok=False, error=turn.error)), False
-            return await self._execute_now(cmd, kind, overlapped=turn.overlapped)
+            return await self._execute_now(cmd, kind, overlapped=turn.overlapped, asked=asked)
 
-    async def _execute_now(self, cmd: Snapshot | Restore, kind: OpKind, *, overlapped: bool
-                           ) -> tuple[OpResult, bool]:
+    async def _execute_now(self, cmd: Snapshot | Restore, kind: OpKind, *, overlapped: bool,
+                           asked: OpSettings | None) -> tuple[OpResult, bool]:
         """``_execute`` once the operation's turn has come (``overlapped``: a restore beside its snapshots)."""
         async with self._locks.hold(cmd.job):
             if (done := self._results.get(cmd.op_id)) is not None:
@@ -405,7 +407,8 @@ class Agent:
             if overlapped:
                 self.metrics.overlapped.labels(backend).inc()
             t0 = time.perf_counter()
-            performed = await self._perform_watched(ctx, op, kind, before)
+            ran = run_context(ctx, kind, asked)  # the request's own settings, never stored as the job's
+            performed = await self._perform_watched(ran, op, kind, before)
             elapsed = (time.perf_counter() - t0) * 1000
             if performed is None:
                 # The job's processes ended mid-operation: nothing is left to move. Unregister it first, so
@@ -431,7 +434,7 @@ class Agent:
             await self._book.save(msgspec.structs.replace(
                 current, state=state, reason=failure if state is JobState.FAULTED else None, last_op_id=cmd.op_id,
                 last_op_ok=failure is None, last_op_error=failure, bytes_moved=outcome.bytes_moved,
-                device_bytes_freed=outcome.device_bytes_freed, elapsed_ms=elapsed))
+                device_bytes_freed=outcome.device_bytes_freed, elapsed_ms=elapsed, **settled(ran, current, state)))
             return self._remember(result), True
 
     async def _perform_watched(self, ctx: JobContext, op: OpContext, kind: OpKind,
@@ -491,8 +494,9 @@ class Agent:
         :meth:`operation`. It runs exactly as an orchestrator's command would (same state machine,
         lock, rollback, events), at the group's current epoch so it neither trips nor moves the fence.
 
-        A registered job runs with its registered backends unless ``backends`` (and ``mode``, ``tags``,
-        ``pids``, ``endpoints``) say otherwise; those then become its configuration. A job this agent
+        A registered job runs with its registered backends unless ``backends`` (and ``pids``, ``endpoints``) say
+        otherwise; those then become its configuration (its restore must find the state where its snapshot put it).
+        ``mode`` and ``tags`` are this operation's alone: never stored as the job's. A job this agent
         does not know is taken on for a snapshot when ``backends`` and ``pids`` name its processes, with backends
         that touch no process only: a process-level backend (``cuda``, ``freeze``) acts only on processes a
         registration proved through the agent's socket (``Refused``, code ``unproven`` or ``not_owned``).
@@ -509,7 +513,7 @@ class Agent:
         async with self._locks.hold(job):
             current = self._book.jobs.get(job)
             ctx = standalone_context(current, self.node, job, kind, group=group, backends=backends, pids=pids,
-                                     mode=mode, tags=tags, endpoints=endpoints)
+                                     endpoints=endpoints)
             if ctx is not current:
                 check_registration(RegisterJob(group=ctx.group, job=job, backends=ctx.backends, pids=ctx.pids,
                                                pgid=ctx.pgid, mode=ctx.mode, tags=ctx.tags, endpoints=ctx.endpoints,
@@ -523,18 +527,19 @@ class Agent:
         cmd = cls(op_id=op_id, group=ctx.group, job=job, node=self.node, epoch=self._epochs.get(ctx.group, 0),
                   deadline_ms=now_ms() + budget_ms)
         self._standalone[op_id] = time.monotonic()
+        asked = OpSettings(mode=mode, tags=tags)
         nothing_to_move = (kind is OpKind.SNAPSHOT and ctx.state is JobState.SAVED) or (
             kind is OpKind.RESTORE and ctx.state in (JobState.RUNNING, JobState.IDLE))
         if nothing_to_move:
-            await self._standalone_op(cmd, kind)  # answered at once: complete before the caller asks
+            await self._standalone_op(cmd, kind, asked)  # answered at once: complete before the caller asks
         else:
-            self._tg.create_task(self._standalone_op(cmd, kind))
+            self._tg.create_task(self._standalone_op(cmd, kind, asked))
         return op_id
 
-    async def _standalone_op(self, cmd: Snapshot | Restore, kind: OpKind) -> None:
+    async def _standalone_op(self, cmd: Snapshot | Restore, kind: OpKind, asked: OpSettings) -> None:
         ids = {"node": self.node, "group": cmd.group, "job": cmd.job, "op_id": cmd.op_id}
         try:
-            result, published = await self._execute(cmd, kind)
+            result, published = await self._execute(cmd, kind, asked)
             self._count(result, performed=published)
         except Exception as exc:
             log.exception("standalone operation crashed", extra=ids)
