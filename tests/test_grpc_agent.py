@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -279,3 +280,68 @@ async def test_a_one_off_discard_never_changes_a_later_snapshot(target: str, wor
         ("suspend", SuspendMode.OFFLOAD, set()),
         ("resume", SuspendMode.OFFLOAD, set()),
     ]
+
+
+async def test_a_second_call_while_an_operation_runs_is_aborted_at_once(target: str, workload: Workload,
+                                                                        agent: Agent) -> None:
+    """Snapshot or Restore for a job whose operation runs answers ABORTED at once (the reference's behaviour, and
+    our docs'), naming the running operation; it used to wait until that operation ended."""
+    pb = compile_proto(AGENT_PROTO)
+    workload.gate.clear()  # the trainer's suspend blocks until the gate opens
+    try:
+        with grpc.insecure_channel(target) as ch:
+            s = Stub(ch, pb, "SnapshotAgentService")
+            first = (await call(s.Snapshot, pb.SnapshotRequest(job_id="trainer"), timeout=5)).operation_id
+            for rpc, req in ((s.Snapshot, pb.SnapshotRequest(job_id="trainer")),
+                             (s.Restore, pb.RestoreRequest(job_id="trainer"))):
+                t0 = time.perf_counter()
+                err = await rpc_error(rpc, req, timeout=5)
+                took_ms = (time.perf_counter() - t0) * 1000
+                assert err.code() is grpc.StatusCode.ABORTED, err
+                assert first in (err.details() or ""), err.details()
+                assert took_ms < 50, f"ABORTED after {took_ms:.1f} ms"
+    finally:
+        workload.gate.set()
+
+    async def done() -> bool:
+        status = agent.operation(first)
+        return status is not None and status.done
+
+    await eventually(done, what="the first snapshot ended")
+    assert agent.jobs()["trainer"].state is JobState.SAVED
+
+
+async def test_each_backend_has_its_health_service(target: str) -> None:
+    """``Health.Check(service="cuda")`` and the like answer as the reference agent's do: SERVING for a backend this
+    node can run, NOT_SERVING for one it cannot (no GPU here: cuda), NOT_FOUND for no backend at all."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+
+        def status(service: str) -> Any:
+            return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+        for backend in ("app_channel", "app_endpoint", "noop", "freeze"):
+            assert await call(status, backend) == health_pb2.HealthCheckResponse.SERVING, backend
+        cuda = health_pb2.HealthCheckResponse.SERVING if _has_backend("cuda") else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await call(status, "cuda") == cuda
+        err = await rpc_error(status, "no-such-backend")
+        assert err.code() is grpc.StatusCode.NOT_FOUND
+
+
+def test_the_default_port_is_the_reference_agents(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from timeslice_agent._main import add_agent_flags
+    from timeslice_client.agent_client import default_target
+
+    p = argparse.ArgumentParser()
+    add_agent_flags(p)
+    assert p.parse_args([]).grpc_port is None  # off unless asked
+    assert p.parse_args(["--grpc-port"]).grpc_port == 9001
+    assert p.parse_args(["--grpc-port", "0"]).grpc_port == 0
+    assert AgentGrpcConfig().port == 9001
+    monkeypatch.delenv("TIMESLICE_AGENT_GRPC_TARGET", raising=False)
+    assert default_target() == "127.0.0.1:9001"

@@ -6,7 +6,7 @@ orchestrator::
     from timeslice_client import SnapshotAgentClient
     from timeslice_client.agent_client import AppChannel
 
-    with SnapshotAgentClient("127.0.0.1:50052") as agent:
+    with SnapshotAgentClient("127.0.0.1:9001") as agent:
         op = agent.snapshot_and_wait("trainer-0", backend=AppChannel(mode="offload"))
         print(op.storage_bytes, op.elapsed_ms)
         ...
@@ -60,8 +60,8 @@ Mode = Literal["offload", "discard"] | None
 
 
 def default_target() -> str:
-    """``$TIMESLICE_AGENT_GRPC_TARGET``, else this node's agent at ``127.0.0.1:50052``."""
-    return os.environ.get("TIMESLICE_AGENT_GRPC_TARGET") or "127.0.0.1:50052"
+    """``$TIMESLICE_AGENT_GRPC_TARGET``, else this node's agent at ``127.0.0.1:9001``."""
+    return os.environ.get("TIMESLICE_AGENT_GRPC_TARGET") or "127.0.0.1:9001"
 
 
 # ---------------------------------------------------------------------- errors

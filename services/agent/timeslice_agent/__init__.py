@@ -2,6 +2,7 @@
 
 from ._cuda import CheckpointDriver, DriverError, ProcessState
 from ._nvml import GpuAccounting, GpuProcess, GpuSource
+from ._standalone import OperationInProgress
 from .backends import (
     AppChannelBackend,
     AppEndpointBackend,
@@ -38,6 +39,7 @@ __all__ = [
     "GpuSource",
     "NoopBackend",
     "OpContext",
+    "OperationInProgress",
     "Outcome",
     "ProcessState",
     "available_backends",

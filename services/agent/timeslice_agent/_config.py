@@ -9,7 +9,9 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from timeslice_client.bus import BusConfig, parse_servers
 from timeslice_client.workload import default_node_id
 
-__all__ = ["AgentConfig"]
+__all__ = ["DEFAULT_GRPC_PORT", "AgentConfig"]
+
+DEFAULT_GRPC_PORT = 9001  # the standalone SnapshotAgentService's port: the reference agent's
 
 
 class AgentConfig(BaseSettings):

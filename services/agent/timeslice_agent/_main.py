@@ -22,6 +22,8 @@ from timeslice_client._runner import run
 from timeslice_client.bus import nats_url_arg
 from timeslice_client.errors import TimeSliceError
 
+from ._config import DEFAULT_GRPC_PORT
+
 __all__ = ["add_agent_flags", "main", "run_agent"]
 
 
@@ -69,8 +71,9 @@ def add_agent_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-id", default=None, help="this node's id (default: $TIMESLICE_NODE_ID or the host name)")
     p.add_argument("--nats-url", type=nats_url_arg, default=None,
                    help="NATS server(s), comma-separated (default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)")
-    p.add_argument("--grpc-port", type=int, default=None,
-                   help="serve the standalone SnapshotAgentService on this port (off unless given; 0: any free port)")
+    p.add_argument("--grpc-port", type=int, nargs="?", const=DEFAULT_GRPC_PORT, default=None,
+                   help="serve the standalone SnapshotAgentService on this port (off unless given; alone: "
+                        f"{DEFAULT_GRPC_PORT}, the reference agent's; 0: any free port)")
     p.add_argument("--grpc-host", default=None, help="address of the gRPC API (default 127.0.0.1: node-local)")
     p.add_argument("--grpc-tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
     p.add_argument("--grpc-tls-key", default=None, help="PEM private key of --grpc-tls-cert")

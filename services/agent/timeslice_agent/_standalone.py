@@ -4,13 +4,14 @@ request gives for itself alone (``OpSettings``: its suspend mode and tags, never
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from timeslice_client.protocol import JobContext, JobState, OpKind, SuspendMode
 
-__all__ = ["OpSettings", "run_context", "settled", "standalone_context"]
+__all__ = ["OpSettings", "OperationInProgress", "check_idle", "run_context", "settled", "standalone_context"]
 
 
 def standalone_context(
@@ -80,3 +81,21 @@ def settled(ran: JobContext, stored: JobContext, state: JobState) -> dict[str, A
     if state in (JobState.SAVED, JobState.RUNNING):
         return {"saved_mode": None, "saved_tags": None}
     return {}  # faulted: what was saved, and how, is kept for the restore once the fault is cleared
+
+
+class OperationInProgress(Exception):
+    """A standalone operation asked for a job while another operation on it runs: refused at once (gRPC
+    ``ABORTED``), never queued behind it. ``op_id``: the running one, when it is a standalone operation."""
+
+    def __init__(self, job: str, op_id: str | None) -> None:
+        self.job, self.op_id = job, op_id
+        which = f"operation {op_id}" if op_id else "an operation of the orchestrator's switch"
+        super().__init__(f"job {job!r} is busy: {which} runs on it; wait for it to end (GetOperation), then ask again")
+
+
+def check_idle(job: str, lock_users: int, standalone: Mapping[str, tuple[str, float]]) -> None:
+    """Raises OperationInProgress when an operation on ``job`` runs or waits: a standalone one of this agent's
+    (``standalone``: op id -> job, start), or anything that holds or awaits the job's lock (``lock_users``)."""
+    running = next((op_id for op_id, (j, _) in standalone.items() if j == job), None)
+    if running is not None or lock_users > 0:
+        raise OperationInProgress(job, running)

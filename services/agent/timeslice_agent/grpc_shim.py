@@ -47,8 +47,10 @@ from timeslice_client._grpc.guard import Authenticator, add_port, authenticate, 
 from timeslice_client._grpc.runtime import SERVER_OPTIONS, Handler, bind
 from timeslice_client.protocol import JobState, OpKind, SuspendMode
 
+from ._config import DEFAULT_GRPC_PORT
+from ._standalone import OperationInProgress
 from ._untrusted import Refusal, Refused, check_id, check_op_id
-from .backends import BackendUnavailable, available_backends
+from .backends import BackendUnavailable, available_backends, unavailable_backends
 from .service import Agent
 
 __all__ = ["SERVICE", "AgentGrpcConfig", "AgentGrpcShim", "from_args", "run_beside"]
@@ -79,7 +81,7 @@ class AgentGrpcConfig(GrpcAuthSettings):
     model_config = SettingsConfigDict(env_prefix="TIMESLICE_AGENT_GRPC_", extra="ignore")
 
     host: str = "127.0.0.1"
-    port: int = Field(default=50052, ge=0, le=65535)
+    port: int = Field(default=DEFAULT_GRPC_PORT, ge=0, le=65535)
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
@@ -119,13 +121,19 @@ class AgentGrpcShim:
         await server.start()
         for name in ("", SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        # One health service per backend (``service="cuda"``, as the reference agent answers): SERVING where this
+        # node can run it, NOT_SERVING where it cannot.
+        for name in available_backends():
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        for name in unavailable_backends():
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info("snapshot agent gRPC API on %s:%d; %s", cfg.host, self.port, self.auth.describe(),
                  extra={"node": self.agent.node})
         return self.port
 
     async def stop(self) -> None:
         if self._server is not None:
-            for name in ("", SERVICE):
+            for name in ("", SERVICE, *available_backends()):
                 await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             await self._server.stop(self.config.stop_grace_s)
             self._server = None
@@ -149,6 +157,8 @@ class AgentGrpcShim:
         try:
             return await self.agent.run_standalone(job, kind, group=group, backends=plan.backends, pids=plan.pids,
                                                    mode=plan.mode, tags=plan.tags, endpoints=plan.endpoints)
+        except OperationInProgress as exc:
+            await ctx.abort(grpc.StatusCode.ABORTED, str(exc))
         except BackendUnavailable as exc:
             await self._unsupported(ctx, str(exc))
         except LookupError as exc:

@@ -65,7 +65,7 @@ from ._ownership import ProcessGuard, ProcFS
 from ._peer import PeerServer
 from ._requests import Requests, log_refusal
 from ._room import RestoreOrder
-from ._standalone import OpSettings, run_context, settled, standalone_context
+from ._standalone import OpSettings, check_idle, run_context, settled, standalone_context
 from ._untrusted import Refusal, Refused, cap, check_command, check_id, check_registration, refusal_result, shown
 from .backends import OpContext, Outcome, acts_on_processes, make_backend
 from .metrics import AgentMetrics
@@ -117,7 +117,7 @@ class Agent:
         self._tg: asyncio.TaskGroup | None = None
         self._subs: list[Any] = []
         self._started_ms = now_ms()
-        self._standalone: dict[str, float] = {}  # running standalone op id -> start (monotonic s)
+        self._standalone: dict[str, tuple[str, float]] = {}  # running standalone op id -> job, start (monotonic s)
         self._taken: collections.OrderedDict[str, None] = collections.OrderedDict()  # op ids handed over by take()
 
     @property
@@ -500,8 +500,9 @@ class Agent:
         does not know is taken on for a snapshot when ``backends`` and ``pids`` name its processes, with backends
         that touch no process only: a process-level backend (``cuda``, ``freeze``) acts only on processes a
         registration proved through the agent's socket (``Refused``, code ``unproven`` or ``not_owned``).
-        Raises ``LookupError`` (unknown job, nothing to restore), ``ValueError`` (bad ids, another
-        group), ``BackendUnavailable`` (a backend this agent lacks), ``RuntimeError`` (not running).
+        Raises ``OperationInProgress`` (an operation on the job runs), ``LookupError`` (unknown job, nothing to
+        restore), ``ValueError`` (bad ids, another group), ``BackendUnavailable`` (a backend this agent lacks),
+        ``RuntimeError`` (not running).
         """
         check_id("job", job)
         if group:
@@ -510,6 +511,7 @@ class Agent:
             raise RuntimeError(f"the agent on node {self.node!r} is not running")
         for b in backends or ():
             make_backend(b, self._nc, self.node)  # raises BackendUnavailable
+        check_idle(job, self._locks.users(job), self._standalone)  # OperationInProgress: answered at once
         async with self._locks.hold(job):
             current = self._book.jobs.get(job)
             ctx = standalone_context(current, self.node, job, kind, group=group, backends=backends, pids=pids,
@@ -526,7 +528,7 @@ class Agent:
         cls = Snapshot if kind is OpKind.SNAPSHOT else Restore
         cmd = cls(op_id=op_id, group=ctx.group, job=job, node=self.node, epoch=self._epochs.get(ctx.group, 0),
                   deadline_ms=now_ms() + budget_ms)
-        self._standalone[op_id] = time.monotonic()
+        self._standalone[op_id] = (job, time.monotonic())
         asked = OpSettings(mode=mode, tags=tags)
         nothing_to_move = (kind is OpKind.SNAPSHOT and ctx.state is JobState.SAVED) or (
             kind is OpKind.RESTORE and ctx.state in (JobState.RUNNING, JobState.IDLE))
@@ -559,9 +561,8 @@ class Agent:
         agent does not know the id (never seen, or long forgotten)."""
         if (result := self._results.get(op_id)) is not None:
             return OperationStatus(op_id, True, result, result.elapsed_ms)
-        started = self._standalone.get(op_id)
-        if started is not None:
-            return OperationStatus(op_id, False, None, (time.monotonic() - started) * 1000)
+        if (running := self._standalone.get(op_id)) is not None:
+            return OperationStatus(op_id, False, None, (time.monotonic() - running[1]) * 1000)
         return None
 
     async def devices(self) -> tuple[DeviceInfo, ...]:
