@@ -49,6 +49,8 @@ async def perform(backends: Sequence[Backend], ctx: JobContext, op: OpContext, k
         except (BackendError, TimeoutError) as undo_exc:
             return JobState.FAULTED, f"{exc}; rollback failed too: {undo_exc}", total
         return (JobState.RUNNING if before is not JobState.IDLE else JobState.IDLE), f"{exc} (rolled back)", total
+    except Exception as exc:  # a backend's bug or a library's own error: what it did is unknown, never TRANSITIONING
+        return JobState.FAULTED, f"{kind} failed in a backend: {exc!r}", total
 
 
 async def until_exited(work: Coroutine[Any, Any, T], pids: Sequence[int], check_s: float) -> T | None:

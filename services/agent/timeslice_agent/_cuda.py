@@ -22,6 +22,7 @@ job's process tree that the driver knows as CUDA processes, and no bytes are rep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import threading
@@ -41,6 +42,7 @@ __all__ = [
     "CudaPythonDriver",
     "DriverError",
     "ProcessState",
+    "UnknownProcessState",
     "cuda_unavailable_reason",
     "make_cuda_backend",
 ]
@@ -69,7 +71,22 @@ class DriverError(Exception):
 
     @property
     def timed_out(self) -> bool:
-        return self.code == "CUDA_ERROR_TIMEOUT"
+        """A lock not taken within its timeout: the driver documents ``CUDA_ERROR_NOT_READY`` for it (the process
+        is left RUNNING); ``CUDA_ERROR_TIMEOUT`` is taken the same way."""
+        return self.code in _LOCK_TIMED_OUT
+
+
+_LOCK_TIMED_OUT = frozenset({"CUDA_ERROR_NOT_READY", "CUDA_ERROR_TIMEOUT"})
+
+
+class UnknownProcessState(DriverError):
+    """``cuCheckpointProcessGetState`` answered a state this agent does not know (a newer driver's, such as one
+    for a checkpoint or restore in progress): a CUDA process, in a state nothing here may assume."""
+
+    def __init__(self, pid: int, value: int) -> None:
+        self.value = value
+        super().__init__("cuCheckpointProcessGetState", pid, f"CU_PROCESS_STATE_{value}",
+                         "a process state this agent does not know (a newer driver's); upgrade the agent")
 
 
 class CheckpointDriver(Protocol):
@@ -136,7 +153,10 @@ class CudaPythonDriver:
 
     def state(self, pid: int) -> ProcessState:
         (state,) = self._call("cuCheckpointProcessGetState", pid)
-        return ProcessState(int(state))
+        try:
+            return ProcessState(int(state))
+        except ValueError:
+            raise UnknownProcessState(pid, int(state)) from None
 
     def lock(self, pid: int, timeout_ms: int) -> None:
         args = self._d.CUcheckpointLockArgs()
@@ -168,7 +188,8 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, driver: CheckpointDriver, accounting: GpuAccounting | None = None, *,
-                 lock_timeout_ms: int = 10_000, lock_attempts: int = 3, max_threads: int = 64) -> None:
+                 lock_timeout_ms: int = 10_000, lock_attempts: int = 3, max_threads: int = 64,
+                 drain_s: float = 300.0) -> None:
         if lock_timeout_ms <= 0 or lock_attempts <= 0:
             raise ValueError(f"lock_timeout_ms ({lock_timeout_ms}) and lock_attempts ({lock_attempts}) "
                              "must be positive")
@@ -176,6 +197,7 @@ class CudaBackend:
         self.accounting = accounting or GpuAccounting(None)
         self.lock_timeout_ms = lock_timeout_ms
         self.lock_attempts = lock_attempts
+        self.drain_s = drain_s  # how long a cancelled operation waits for its driver calls to end
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="cuda-checkpoint")
         self._saved: dict[tuple[str, str], tuple[int, ...]] = {}  # (node, job) -> PIDs of its snapshot
         self._guard = threading.Lock()
@@ -189,9 +211,26 @@ class CudaBackend:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def _each(self, pids: Iterable[int], fn: Callable[[int], None]) -> dict[int, BaseException | None]:
-        """Run ``fn(pid)`` for every PID, each in its own thread, all at once; every outcome by PID."""
+        """Run ``fn(pid)`` for every PID, each in its own thread, all at once; every outcome by PID.
+
+        Cancelled (the operation's deadline, the processes gone, the agent stopping), it still waits for the
+        driver calls under way, up to ``drain_s``: a thread cannot be stopped, and a checkpoint that went on after
+        its operation ended would free (or fill) the device behind the agent's back."""
         order = list(pids)
-        outcomes = await asyncio.gather(*(self._in_thread(fn, pid) for pid in order), return_exceptions=True)
+        calls = asyncio.gather(*(self._in_thread(fn, pid) for pid in order), return_exceptions=True)
+        try:
+            outcomes = await asyncio.shield(calls)
+        except asyncio.CancelledError:
+            ended: list[Any] | None = None
+            with contextlib.suppress(TimeoutError):
+                ended = await asyncio.wait_for(asyncio.shield(calls), self.drain_s)
+            if ended is None:
+                log.warning("cuda driver calls of pids %s still run %.0f s after their operation ended", order,
+                            self.drain_s)
+            else:
+                log.warning("cuda driver calls of pids %s ended after their operation did: %s", order,
+                            [type(o).__name__ if isinstance(o, BaseException) else "ok" for o in ended])
+            raise
         return {pid: (o if isinstance(o, BaseException) else None) for pid, o in zip(order, outcomes, strict=True)}
 
     # ------------------------------------------------------------------ discovery
@@ -201,6 +240,8 @@ class CudaBackend:
         for pid in sorted(candidates):
             try:
                 self.driver.state(pid)
+            except UnknownProcessState:
+                pass  # a CUDA process all the same: the snapshot refuses it (never skips its context)
             except DriverError:
                 continue  # not a CUDA process (or gone)
             found.append(pid)
@@ -208,7 +249,12 @@ class CudaBackend:
 
     def _discover(self, ctx: JobContext) -> tuple[int, ...]:
         if self.accounting.source is not None:
-            found = tuple(sorted({p.pid for p in self.accounting.job_processes(ctx.pids, ctx.pgid)}))
+            try:
+                found = tuple(sorted({p.pid for p in self.accounting.job_processes(ctx.pids, ctx.pgid)}))
+            except Exception as exc:  # NVML's own errors: the driver can still say which processes use CUDA
+                log.warning("NVML could not list the job's GPU processes: %r; asking the driver", exc,
+                            extra={"node": ctx.node, "job": ctx.job})
+                found = ()
             if found:
                 return found
         # No NVML, or it lists none of the job's processes (none holds memory yet, or NVML sees another
@@ -224,19 +270,29 @@ class CudaBackend:
             pids = tuple(p for p in pids if may_act(p))
         if not pids:
             return Outcome()  # the job holds no GPU memory (yet): nothing to move
-        before = await self._in_thread(self.accounting.used_by, pids)
+        before = await self._in_thread(self._used, pids)
         with self._guard:
             self._saved[(ctx.node, ctx.job)] = pids  # before anything moves: a half-done snapshot is restorable
         failed = {pid: exc for pid, exc in (await self._each(pids, lambda pid: self._snapshot_one(pid, op))).items()
                   if exc is not None}
         if failed:
             raise await self._roll_back(ctx, op, pids, failed)
-        after = await self._in_thread(self.accounting.used_by, pids)
+        after = await self._in_thread(self._used, pids)
         return Outcome(bytes_moved=before, device_bytes_freed=max(0, before - after))
+
+    def _used(self, pids: tuple[int, ...]) -> int:
+        """Device bytes of ``pids`` as NVML tells them; 0 when it cannot (a measurement never fails the move)."""
+        try:
+            return self.accounting.used_by(pids)
+        except Exception as exc:
+            log.warning("NVML could not measure the job's device memory: %r (reported as 0)", exc)
+            return 0
 
     def _snapshot_one(self, pid: int, op: OpContext) -> None:
         try:
             state = self.driver.state(pid)
+        except UnknownProcessState as exc:  # not touched, but nothing says it runs: the job is faulted
+            raise _PidFailed(pid, str(exc), rolled_back=False) from exc
         except DriverError as exc:
             raise _PidFailed(pid, str(exc), rolled_back=True) from exc
         if state is ProcessState.CHECKPOINTED:
@@ -307,7 +363,7 @@ class CudaBackend:
             raise BackendError(f"cuda restore of job {ctx.job!r} failed: {reasons}", rolled_back=False)
         with self._guard:
             self._saved.pop((ctx.node, ctx.job), None)
-        used = await self._in_thread(self.accounting.used_by, pids)
+        used = await self._in_thread(self._used, pids)
         return Outcome(bytes_moved=used)
 
     def _restore_one(self, pid: int) -> None:
