@@ -357,3 +357,26 @@ def test_replay_rates_a_suspend_begun_at_release_by_the_workloads_whole_call() -
     assert early.copy_ms == 40.0 and early.duration_ms == 2.0 and plain.copy_ms == 40.0
     assert _op_figures([early]) == (2.0, pytest.approx(10.0))
     assert _op_figures([plain]) == (40.0, pytest.approx(10.0))
+
+
+async def test_a_close_right_after_the_release_leaves_the_early_suspend_to_the_agents_command(
+        channel: tuple[WorkloadChannel, _Log]) -> None:
+    """The job closes right after a contended release: the close waits for the suspend begun at the release, and
+    the agent's command that comes meanwhile takes it; the handler ran once (it used to run twice in a row, the
+    waiter's grant waiting for both)."""
+    ch, h = channel
+    assert ch.suspend_early()
+    await ch._on_thread(ch._quiesce())  # what close() waits for before it unregisters
+    reply = await _handle(ch, _cmd("suspend", 1))
+    assert reply.ok and reply.began_at_release and reply.bytes_moved == 7
+    assert h.calls == [("suspend", ("weights",))], "one suspend, not two"
+    assert ch.suspended and ch.early_taken == 1
+
+
+async def test_a_suspend_of_a_suspended_state_does_not_run_the_handler_again(
+        channel: tuple[WorkloadChannel, _Log]) -> None:
+    ch, h = channel
+    assert (await _handle(ch, _cmd("suspend", 1))).ok
+    again = await _handle(ch, _cmd("suspend", 2))  # another op id: an agent that lost track (restarted)
+    assert again.ok and h.calls == [("suspend", ("weights",))] and ch.suspended
+    assert (await _handle(ch, _cmd("resume", 3))).ok and not ch.suspended

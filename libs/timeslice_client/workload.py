@@ -263,6 +263,8 @@ class WorkloadChannel:
             with contextlib.suppress(Exception):
                 await self._agent("unregister", encode(UnregisterJob(group=self.group_id, job=self.job_id)))
         await self._shut()
+        with self._gate:
+            self._early = None  # nobody takes it now: the suspend begun at the release is left as it is
         if self._own:
             with contextlib.suppress(Exception):
                 await self.nc.drain()
@@ -395,9 +397,14 @@ class WorkloadChannel:
         return True
 
     async def _quiesce(self) -> None:
-        """Wait for a command in flight, and for an early suspend nobody took (left as it is)."""
+        """Wait for a command in flight, and for an early suspend to end. Its outcome stays for the agent's
+        command, which may still come (a job that closes right after a contended release): taking it here made
+        that command run the suspend a second time."""
         async with self._exclusive():
-            await self._take_early()
+            with self._gate:
+                future = self._early
+            if future is not None:
+                await asyncio.wrap_future(future)
 
     async def _on_command(self, msg: Msg) -> None:
         if msg.subject != subjects.workload_rpc(self.node_id, self.job_id):
@@ -451,6 +458,9 @@ class WorkloadChannel:
                                          f"failed: {exc.__class__.__name__}: {exc}")
                 with self._gate:
                     self.suspended = False
+        elif cmd.action == "suspend" and self.suspended:
+            # Off the device already (an agent that lost track of it, e.g. restarted, asks again): nothing to move.
+            return WorkloadReply(op_id=cmd.op_id, ok=True)
         fn = self.handler.suspend if cmd.action == "suspend" else self.handler.resume
         t0 = time.perf_counter()
         try:
