@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from ._bind import Binding, bind_process, unbind_process
 from ._grants import Grant, ReleaseResult, _checks_claims, _Claim, _Hold, _Superseded, _WaitLost
 from ._hold_scope import AsyncHold, AsyncScopes
 from ._keeper import keep
@@ -55,15 +56,14 @@ from .protocol import (
     subjects,
     validate_id,
 )
-from .workload import WorkloadChannel
+from .workload import WorkloadChannel, default_node_id
 
 __all__ = ["AsyncTimeSliceClient", "Grant", "ReleaseResult"]
 
 log = logging.getLogger("timeslice.client")
 
-# Loop turns a contended release waits for its bytes to be written before its workloads' suspend begins: the
-# send's first step queues the release, the connection's flusher writes it in a later one. Bounded, so a
-# connection that cannot write (reconnecting) delays the suspend by a few turns only.
+# Loop turns a contended release waits for its bytes to be written before its workloads' suspend begins (the send
+# queues it, the flusher writes it a turn later); bounded, so a connection that cannot write delays it a little.
 _WRITE_TURNS = 4
 
 
@@ -78,6 +78,10 @@ class AsyncTimeSliceClient:
     ``nats://127.0.0.1:4222``; see ``bus.resolve_nats_url``) is checked here: a malformed one raises
     ``InvalidNatsUrl``. ``connect_timeout`` bounds the connection; a server that refuses it fails it at once
     (``BusUnreachable``, saying where the URL came from).
+
+    ``bind_process`` (on by default): the first acquire binds this process to its node's agent (``node_id``:
+    ``$TIMESLICE_NODE_ID`` or the host name) when one runs here, so a job without a handler gets its GPU state
+    moved by the node's default backend (the driver checkpoint); a registered handler stays the job's.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class AsyncTimeSliceClient:
         connect_timeout: float = 5.0,
         fast_reacquire: bool = True,
         nc: NATS | None = None, creds: CredsPath | None = None, tls: TlsOption | None = None,
+        bind_process: bool = True, node_id: str | None = None,
     ) -> None:
         self.job_id = validate_id("job", job_id)
         self.group_id = validate_id("group", group_id)
@@ -133,6 +138,9 @@ class AsyncTimeSliceClient:
         self._contended_epoch = 0  # the latest epoch of this job's at which another job was seen waiting
         self._renew_now = False  # the keeper renews every wait and the hold at once (set on reconnect)
         self._scopes = AsyncScopes()  # the open on_accelerators() scopes
+        self.node_id = validate_id("node", node_id) if node_id else None  # None: default_node_id() when binding
+        self._bind_pending = bind_process  # bind this process at the first acquire (see _bind)
+        self._binding: Binding | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -173,6 +181,9 @@ class AsyncTimeSliceClient:
         for ch in self._channels:
             with contextlib.suppress(Exception):
                 await ch.close()
+        if self._binding is not None and self._nc is not None and self._nc.is_connected:
+            with contextlib.suppress(Exception):
+                await unbind_process(self._nc, self.group_id, self.job_id, self._binding, timeout=self.request_timeout)
         if self._keeper is not None:
             self._keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -214,9 +225,8 @@ class AsyncTimeSliceClient:
         HandlerError when a workload suspended at this job's last release could not be resumed (the group is
         released again then).
 
-        A workload channel of this client that suspended early at the release (see ``release()``) and was not
-        switched out meanwhile is resumed before this returns.
-
+        A workload channel that suspended early at the release (``release()``) and was not switched out is
+        resumed before this returns; the first acquire binds this process to its node's agent (``bind_process``).
         Right after a release that nobody waited for, the acquire is a *claim* (unless ``fast_reacquire`` is
         off): it is published with the stream's sequence check (the group's last job input must still be that
         release), and once the stream has stored it the grant is certain (the orchestrator decides it from the
@@ -227,6 +237,10 @@ class AsyncTimeSliceClient:
         try:
             for ch in self._channels:
                 await ch.settle()
+            if self._bind_pending and self._nc is not None:  # once; never fails the acquire (_bind.py)
+                self._bind_pending = False
+                self._binding = await bind_process(self._nc, self.group_id, self.job_id,
+                                                   self.node_id or default_node_id(), timeout=self.request_timeout)
         except BaseException:
             hold, self._hold = self._hold, None
             if hold is not None:

@@ -382,6 +382,9 @@ class RegisterJob(_Msg, frozen=True, tag="register"):
     # The registering channel's own token: the agent names it in every WorkloadCommand, and a channel answers only
     # its own, so a command meant for a process that died never reaches the process that registered next as the job.
     channel: Name | None = None
+    # A job that registers no handler binds its process instead (the client, at its first acquire): the agent
+    # gives it the node's default backend (``backends`` is then ignored), or leaves it to the lock alone.
+    bind: bool = False
 
 
 class UnregisterJob(_Msg, frozen=True, tag="unregister"):
@@ -397,7 +400,10 @@ class AgentReply(_Msg, frozen=True, tag="agent_reply"):
     ok: bool
     error: str | None = None
     state: JobState | None = None
-    code: str | None = None  # why it was refused (the agent's refusal code, e.g. "unproven", "not_owned")
+    # Why it was refused (the agent's refusal code, e.g. "unproven", "not_owned"); of a bind that succeeded, "kept":
+    # the job's own registration (its handler) stays as it was.
+    code: str | None = None
+    backends: tuple[str, ...] | None = None  # a bind's answer: the backends the job has now (empty: the lock alone)
 
 
 class WorkloadCommand(_Msg, frozen=True, tag="workload_command"):

@@ -37,6 +37,10 @@ class AgentConfig(BaseSettings):
     allowed_uids: Annotated[tuple[int, ...], NoDecode] = ()
     allow_other_uids: bool = False  # any uid (a node whose jobs run as several users under one owner)
     proc_root: str = "/proc"  # where /proc is (tests point it at a fake one)
+    # What a job that binds its process without a handler (the client's bind_process, at its first acquire) gets:
+    # "auto": the driver checkpoint (cuda) where this node can run it, else the lock alone; "none": the lock alone;
+    # or a backend's name (e.g. "freeze").
+    default_backend: str = Field(default="auto", min_length=1, max_length=64)
 
     @field_validator("allowed_uids", mode="before")
     @classmethod

@@ -44,6 +44,8 @@ async def run_agent(args: argparse.Namespace) -> int:
         kwargs["allowed_uids"] = tuple(args.allow_uid)
     if args.allow_other_uids:
         kwargs["allow_other_uids"] = True
+    if args.default_backend:
+        kwargs["default_backend"] = args.default_backend
     from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
     from .metrics import AgentMetrics, serve_metrics
@@ -101,6 +103,11 @@ def add_agent_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-other-uids", action="store_true",
                    help="let a job's proven processes run as any uid (default: only the registering process's uid "
                         "and --allow-uid; $TIMESLICE_AGENT_ALLOW_OTHER_UIDS=true)")
+    p.add_argument("--default-backend", default=None, metavar="NAME",
+                   help="what a job that only acquires and yields (no handler registered) gets for its process: "
+                        "'auto' (default): the driver checkpoint (cuda) where this node can run it, else the lock "
+                        "alone; 'none': the lock alone; or a backend's name, e.g. freeze "
+                        "($TIMESLICE_AGENT_DEFAULT_BACKEND)")
     add_bus_auth_flags(p)  # its identity and TLS on the bus (docs/security.md)
 
 

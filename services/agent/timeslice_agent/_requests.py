@@ -34,7 +34,7 @@ from ._job_locks import JobLocks
 from ._jobbook import JobBook
 from ._ownership import Peer, ProcessGuard
 from ._untrusted import Refusal, Refused, cap, check_id, check_processes, shown
-from .backends import BackendUnavailable, acts_on_processes
+from .backends import BackendUnavailable, acts_on_processes, node_default_backend
 from .metrics import AgentMetrics
 
 __all__ = ["Requests", "log_refusal"]
@@ -59,8 +59,9 @@ class Requests:
     ``proofs``: the agent socket's tokens (None: it serves none, at ``socket_path``)."""
 
     def __init__(self, node: str, book: JobBook, locks: JobLocks, metrics: AgentMetrics, *, guard: ProcessGuard,
-                 proofs: Proofs | None = None, socket_path: str | None = None) -> None:
+                 proofs: Proofs | None = None, socket_path: str | None = None, default_backend: str = "auto") -> None:
         self.node, self._book, self._locks, self._metrics = node, book, locks, metrics
+        self._default_backend = default_backend  # AgentConfig.default_backend: what a bound process gets
         self._guard, self._proofs, self._socket_path = guard, proofs, socket_path
         self._js: JetStreamContext | None = None
 
@@ -127,6 +128,15 @@ class Requests:
         if req.job != job:
             raise Refused(Refusal.WRONG_JOB, f"a registration on the subject of job {job!r} names job "
                                              f"{shown(req.job)}; a job registers itself only")
+        if req.bind:
+            current = self._book.jobs.get(job)
+            if current is not None and current.group == req.group and current.pids == req.pids:
+                # Its own registration (a handler, or a bind before) stays as it is.
+                return AgentReply(ok=True, state=current.state, backends=current.backends, code="kept")
+            backend = node_default_backend(self._default_backend)
+            if backend is None:
+                return AgentReply(ok=True, backends=())  # the lock alone: nothing to move for it here
+            req = msgspec.structs.replace(req, backends=(backend,))
         self._book.check_backends(req.backends)  # a backend this node lacks is said first
         acting = acts_on_processes(req.backends)
         owner: ProcessOwner | None = None
@@ -154,7 +164,8 @@ class Requests:
                                             f"did not prove: register from the job's process through the agent's "
                                             f"socket {where} (register_workload does when it finds it; "
                                             "$TIMESLICE_AGENT_SOCKET names it)")
-        return await self._book.register(msgspec.structs.replace(req, pids=pids, pgid=pgid, proof=None), owner)
+        reply = await self._book.register(msgspec.structs.replace(req, pids=pids, pgid=pgid, proof=None), owner)
+        return msgspec.structs.replace(reply, backends=req.backends) if req.bind else reply
 
     async def _unregister(self, job: str, data: bytes) -> AgentReply:
         req = _unregister_decoder.decode(data)

@@ -44,6 +44,7 @@ __all__ = [
     "acts_on_processes",
     "available_backends",
     "make_backend",
+    "node_default_backend",
     "register_backend",
     "unavailable_backends",
 ]
@@ -209,6 +210,16 @@ def available_backends() -> tuple[str, ...]:
     """The backends this node can run."""
     missing = unavailable_backends()
     return tuple(sorted(n for n in _FACTORIES if n not in missing))
+
+
+def node_default_backend(setting: str) -> str | None:
+    """The backend a job that bound its process without a handler gets (``AgentConfig.default_backend``): "auto"
+    is ``cuda`` where this node can run it, else None (the lock alone); "none" is None; any other is that name."""
+    if setting == "none":
+        return None
+    if setting == "auto":
+        return "cuda" if "cuda" in _FACTORIES and "cuda" not in unavailable_backends() else None
+    return setting
 
 
 def make_backend(name: str, nc: NATS, node: str) -> Backend:

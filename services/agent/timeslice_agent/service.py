@@ -104,7 +104,7 @@ class Agent:
         self._guard = ProcessGuard(proc=ProcFS(self.config.proc_root), allowed_uids=self.config.allowed_uids,
                                    any_uid=self.config.allow_other_uids)
         self._requests = Requests(self.node, self._book, self._locks, self.metrics,  # ts.rpc.agent.<node>.*
-                                  guard=self._guard)
+                                  guard=self._guard, default_backend=self.config.default_backend)
         self._peer: PeerServer | None = None  # the agent socket, while running
         self._epochs: dict[str, int] = {}
         self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()

@@ -60,13 +60,22 @@ async def _status(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(jobs)
         return 0
-    print(f"{'JOB':<20} {'GROUP':<16} {'STATE':<14} {'BACKENDS':<22} LAST OP")
+    print(f"{'JOB':<20} {'GROUP':<16} {'STATE':<14} {'BACKENDS':<22} {'PROCESSES':<16} LAST OP")
     for j in jobs:
         last = f"{j.get('last_op_id') or '-'} {'ok' if j.get('last_op_ok') else (j.get('last_op_error') or '')}"
-        print(f"{j['job']:<20} {j['group']:<16} {j['state']:<14} {'+'.join(j['backends']):<22} {last}")
+        procs = _processes(j.get("pids") or (), j.get("pgid"))
+        print(f"{j['job']:<20} {j['group']:<16} {j['state']:<14} {'+'.join(j['backends']):<22} {procs:<16} {last}")
         if j.get("reason"):
             print(f"{'':<20} reason: {j['reason']}")
     return 0
+
+
+def _processes(pids: list[int] | tuple[int, ...], pgid: int | None) -> str:
+    """The job's processes as the agent holds them: ``pid 123``, ``pids 1,2,3``, ``+pgid 123``; ``-``: none."""
+    shown = (f"pid {pids[0]}" if len(pids) == 1 else f"pids {','.join(map(str, pids[:4]))}"
+             + ("…" if len(pids) > 4 else "")) if pids else ""
+    group = f"pgid {pgid}" if pgid is not None else ""
+    return " +".join(p for p in (shown, group) if p) or "-"
 
 
 async def _clear(args: argparse.Namespace) -> int:
