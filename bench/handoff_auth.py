@@ -5,9 +5,9 @@ deploys them): *plain* (no auth, ``nats://``), *auth* (operator-mode JWT credent
 per process with its role's permissions) and *auth + TLS* (the same over TLS with a throwaway CA, ``tls://``). On
 each, two job processes ping-pong a group (``bench/handoff.py``'s P1: job A calls release() -> job B's pending
 acquire() returns); the rounds alternate the stacks' order so that all see the same machine. Every handoff is
-preceded by the same idle gap (``--gap-ms``; NATS_NOTES: latency grows with idle time). Prints p50/p99 of each and
-their ratio, and the CPU each kind of process (nats-server, the orchestrator, the two jobs) spent per handoff on
-each stack: where what auth and TLS add goes.
+preceded by the same idle gap (``--gap-ms``; on the development VM latency grows with the idle time before a
+message: CPU wake-ups). Prints p50/p99 of each and their ratio, and the CPU each kind of process (nats-server, the
+orchestrator, the two jobs) spent per handoff on each stack: where what auth and TLS add goes.
 
 Run: ``python bench/handoff_auth.py [--n 1000] [--rounds 2] [--gap-ms 2]`` (``--quick``: n 200, 1 round).
 """

@@ -121,7 +121,8 @@ def start_secure_bus(d: Path, *, tls: bool = False, mtls: bool = False) -> Secur
 
 
 class Violations:
-    """An ``error_cb`` that keeps the server's refusals (permissions violations arrive only here: NATS_NOTES trap 8)."""
+    """An ``error_cb`` that keeps the server's refusals (a publish that violates permissions raises nothing and times
+    out: only ``error_cb`` says why)."""
 
     def __init__(self) -> None:
         self.seen: list[str] = []

@@ -253,9 +253,10 @@ async def test_a_check_refused_for_a_write_in_flight_counts_as_superseded(cluste
 
 
 async def test_a_retried_publish_with_the_same_message_id_is_stored_once(cluster: NatsCluster) -> None:
-    """What makes ``publish_stored``'s retry after a timeout safe (NATS_NOTES trap 10): the stream drops a message
-    whose ``Nats-Msg-Id`` it stored within its duplicate window and answers with the first one's sequence. On a
-    cluster this holds for a sequence-checked publish too (the duplicate is found before the check)."""
+    """What makes ``publish_stored``'s retry after a timeout safe (in a cluster a timed-out write may have been
+    committed, so the retry may be a second copy): the stream drops a message whose ``Nats-Msg-Id`` it stored
+    within its duplicate window and answers with the first one's sequence. On a cluster this holds for a
+    sequence-checked publish too (the duplicate is found before the check)."""
     from nats.js.api import StreamConfig
 
     nc = await connect(cluster.url)

@@ -1,5 +1,6 @@
-"""Crash safety (DESIGN.md invariant 4): the orchestrator process is SIGKILLed at random instants, again and
-again, while job processes hand a group around, and restarted each time.
+"""Crash safety (the orchestrator can be killed at any instant and restarted without double grants, lost waiters or
+lost yields): the orchestrator process is SIGKILLed at random instants, again and again, while job processes hand
+a group around, and restarted each time.
 
 Clients keep waiting while it is down (their requests are durable in the stream); the new orchestrator
 resumes at its consumer's ack floor and re-issues undelivered decisions with the same epochs. Afterwards:

@@ -26,8 +26,6 @@ def validate_id(kind: str, value: object) -> str:
 class _Subjects:
     """Subject builders. Every id is validated before it reaches a subject."""
 
-    prefix: Final = "ts.v1"
-
     def job(self, group: str, job: str, verb: str) -> str:
         return f"ts.v1.job.{validate_id('group', group)}.{validate_id('job', job)}.{verb}"
 

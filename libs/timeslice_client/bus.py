@@ -392,7 +392,8 @@ async def _ensure_bus_once(js: JetStreamContext, config: BusConfig | None) -> Bu
                 duplicate_window=cfg.duplicate_window_s,
         )))
     groups = await _bucket(js, GROUPS_BUCKET, "timeslice group lock records", storage, cfg.replicas, None)
-    # The limit marker makes an expired agent visible to watchers (as a PURGE), see NATS_NOTES trap 5.
+    # With a limit marker an agent key that expires reaches watchers as a PURGE (without one the expiry is silent);
+    # until the marker expires (TTLs are whole seconds, 1 s at least), get() is empty and create() of the key fails.
     agents = await _bucket(js, AGENTS_BUCKET, "timeslice agents (liveness)", storage, cfg.replicas, cfg.agent_ttl_s,
                            marker_ttl=max(1.0, cfg.agent_ttl_s))
     jobs = await _bucket(js, JOBS_BUCKET, "timeslice job contexts per node", storage, cfg.replicas, None)

@@ -33,9 +33,9 @@ back to its host faulted 3-4x slower with it; the zeroing remains either way (do
 Call :meth:`TorchOffloadHandler.prepare` ahead of the first suspend to allocate and touch the host
 buffers early.
 
-:func:`swap` switches two handlers of one process (e.g. a colocated trainer and rollout engine): on CUDA,
-when the incoming state fits beside the outgoing one, the outgoing device-to-host and the incoming
-host-to-device copies run at the same time (PCIe is full duplex), each on its handler's own stream.
+:func:`timeslice_client.torch_swap.swap` switches two handlers of one process (e.g. a colocated trainer and
+rollout engine): on CUDA, when the incoming state fits beside the outgoing one, the outgoing device-to-host and
+the incoming host-to-device copies run at the same time (PCIe is full duplex), each on its handler's own stream.
 
 Limits: sparse tensors and tensor subclasses without a plain storage (e.g. ``DTensor`` wrappers) are
 skipped; a storage that cannot be resized (memory borrowed from numpy, shared memory) could never be freed:
@@ -551,7 +551,3 @@ class TorchOffloadHandler:
                 else:
                     _bytes_of(slot.storage).zero_()
         self._sync_streams()
-
-
-# --------------------------------------------------------------------------- duplex swap
-

@@ -1,4 +1,6 @@
-"""The working copy a single ``apply`` mutates, and the actions it produces (private to the core)."""
+"""The working copy a single ``apply`` mutates, and the actions it produces (private to the core).
+
+The handlers that change the working copy, one per input event type, are in ``_handlers``."""
 
 from __future__ import annotations
 
@@ -451,8 +453,3 @@ class Work:
         if not ok and fault:
             self.fault(op.job, error or f"{op.kind} failed on node {op.node}")
         self.touch(f"{op.kind} {'done' if ok else 'failed' if fault else 'ended: job gone'}")
-
-
-# ---------------------------------------------------------------------- event handlers
-
-

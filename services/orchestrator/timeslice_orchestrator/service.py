@@ -1,6 +1,6 @@
 """The orchestrator's shell: consume events, apply the pure core, publish decisions, persist records.
 
-Order of work for one event (DESIGN.md, "Shape of the code"):
+Order of work for one event (the pure ``core.apply`` decides; this shell does all the I/O around it):
 
 1. the push consumer delivers it (stream order, one group's events in order);
 2. ``core.apply`` decides, and the decisions (grants, notices, agent commands) are published at once;
