@@ -31,17 +31,22 @@ JOB = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from timeslice_client import TimeSliceClient
-    job, url, rounds, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
-    with TimeSliceClient(job, "%s", url, acquire_timeout=60) as client:
+
+    def say(line):
+        with out.open("a") as f:
+            f.write(line + "\\n")
+
+    job, group, url, rounds, out = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), Path(sys.argv[5])
+    with TimeSliceClient(job, group, url, acquire_timeout=60) as client:
         for i in range(rounds):
             with client.on_accelerators():
-                out.open("a").write(f"held {i}\\n")
+                say(f"held {i}")
                 time.sleep(0.3)  # the training step: another job waits meanwhile
             time.sleep(0.05)  # the step's CPU part: the other job's turn
-        out.open("a").write("done\\n")
+        say("done")
         while not (out.parent / "exit").exists():
             time.sleep(0.05)  # polling the test's go-ahead to close, bounded by the test's timeout
-""" % GROUP)
+""")
 
 
 class AnyProcessDriver(RuleDriver):
@@ -70,7 +75,8 @@ async def test_a_job_that_only_acquires_is_checkpointed_and_restored_on_every_sw
         orchestrator: object, nats_url: str, tmp_path: Path, driver: AnyProcessDriver) -> None:
     env = dict(os.environ, TIMESLICE_NODE_ID=NODE, PYTHONPATH=os.pathsep.join(sys.path))
     async with running(Agent(AgentConfig(node_id=NODE, nats_url=nats_url)), timeout=30) as agent:
-        procs = {job: subprocess.Popen([sys.executable, "-c", JOB, job, nats_url, "3", str(tmp_path / f"{job}.out")],
+        procs = {job: subprocess.Popen([sys.executable, "-c", JOB, job, GROUP, nats_url, "3",
+                                        str(tmp_path / f"{job}.out")],
                                        cwd=ROOT, env=env) for job in ("a", "b")}
         try:
             def finished() -> bool:
@@ -86,7 +92,8 @@ async def test_a_job_that_only_acquires_is_checkpointed_and_restored_on_every_sw
             rc, out = await timeslice(nats_url, "agent-status", "--node-id", NODE)
             assert rc == 0, out
             for job, p in procs.items():
-                assert str(p.pid) in out, out
+                (line,) = [ln for ln in out.splitlines() if ln.startswith(f"{job} ")]
+                assert f"pid {p.pid}" in line, out
         finally:
             (tmp_path / "exit").write_text("")
             for p in procs.values():

@@ -159,7 +159,7 @@ class AsyncTimeSliceClient:
             # acquire's own subject and refuse every claim (safe, but a wasted round trip each time).
             self._claims = None if self.fast_reacquire and (v.major, v.minor) >= (2, 11) else False
             self._sub = await self._nc.subscribe(self._notice_subject, cb=self._on_notice)
-            await asyncio.sleep(0)  # NATS_NOTES trap 2
+            await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
             await self._nc.flush(timeout=max(1, math.ceil(self.request_timeout)))
             self._keeper = asyncio.get_running_loop().create_task(keep(self), name=f"timeslice-keeper-{self.job_id}")
             return self

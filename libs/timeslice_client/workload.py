@@ -216,7 +216,7 @@ class WorkloadChannel:
                            dont_randomize=True, **identity_of(self.nc))
         try:
             await nc.subscribe(subjects.workload_rpc(self.node_id, self.job_id), cb=self._on_command)
-            await asyncio.sleep(0)  # NATS_NOTES trap 2
+            await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
             await nc.flush(timeout=max(1, int(self.request_timeout)))
         except BaseException:
             await nc.close()

@@ -204,7 +204,7 @@ class Agent:
             pass
         deliver = nc.new_inbox()
         self._subs.append(await nc.subscribe(deliver, cb=self._on_command))
-        await asyncio.sleep(0)  # NATS_NOTES trap 2
+        await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
         await nc.flush()
         if floor:
             policy, start = DeliverPolicy.BY_START_SEQUENCE, floor + 1
