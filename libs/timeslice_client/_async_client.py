@@ -19,6 +19,7 @@ from nats.js.kv import KeyValue
 
 from ._bind import Binding, bind_process, unbind_process
 from ._grants import Grant, ReleaseResult, _checks_claims, _Claim, _Hold, _Superseded, _WaitLost
+from ._group_reads import groups_kv, read_record
 from ._hold_scope import AsyncHold, AsyncScopes
 from ._keeper import keep
 from ._prompt import DEFAULT_SWITCH_INTERVAL
@@ -50,7 +51,6 @@ from .protocol import (
     Revoked,
     SuspendMode,
     decode_notice,
-    decode_record,
     encode,
     is_group_key,
     subjects,
@@ -494,14 +494,7 @@ class AsyncTimeSliceClient:
     async def status(self, group_id: str | None = None) -> GroupRecord:
         """The group's lock record (a fresh group reads as IDLE at epoch 0)."""
         group = validate_id("group", group_id or self.group_id)
-        kv = await self._groups_kv()
-        try:
-            entry = await kv.get(group)
-        except Exception as exc:
-            if exc.__class__.__name__ in ("KeyNotFoundError", "KeyDeletedError"):
-                return GroupRecord(group=group)
-            raise Unavailable(f"reading group {group!r} failed ({exc!r})", nats_url=self.nats_url) from exc
-        return decode_record(entry.value) if entry.value else GroupRecord(group=group)
+        return await read_record(await self._groups_kv(), group, self.nats_url)
 
     async def list_groups(self) -> list[str]:
         await self._groups_kv()  # Unavailable, with what to do, when the bucket is missing
@@ -513,11 +506,7 @@ class AsyncTimeSliceClient:
         await self.connect()
         if self._kv is None:
             assert self._js is not None
-            try:
-                self._kv = await self._js.key_value(GROUPS_BUCKET)
-            except Exception as exc:
-                raise Unavailable("the `groups` bucket is missing (start the orchestrator first)",
-                                  nats_url=self.nats_url) from exc
+            self._kv = await groups_kv(self._js, self.nats_url)
         return self._kv
 
     async def _holder_or_none(self) -> str | None:
