@@ -286,3 +286,25 @@ async def test_grpc_snapshot_agent_service_drives_an_sglang_server(nats_url: str
                                      ("/resume_memory_occupation", {}, {"tags": ["kv_cache"]})]
     finally:
         await shim.stop()
+
+
+async def test_a_standalone_vllm_snapshot_of_a_job_the_agent_never_saw(nats_url: str, agent: Agent) -> None:
+    """The reference guide's standalone example: ``Snapshot`` with an ``AppEndpointConfig`` for a job that never
+    registered puts the vLLM server to sleep, and ``Restore`` wakes it (it used to fail with FAILED_PRECONDITION)."""
+    from timeslice_agent.grpc_shim import AgentGrpcConfig, AgentGrpcShim
+    from timeslice_client.agent_client import AppEndpoint, AsyncSnapshotAgentClient
+
+    shim = AgentGrpcShim(agent, AgentGrpcConfig(host="127.0.0.1", port=0))
+    port = await shim.start()
+    try:
+        async with Engine("vllm") as engine, \
+                AsyncSnapshotAgentClient(f"127.0.0.1:{port}", timeout=5, wait_timeout=20) as c:
+            assert "serve" not in agent.jobs()
+            url = engine.url.removeprefix("vllm+")
+            op = await c.snapshot_and_wait("serve", backend=AppEndpoint(app="vllm", endpoints=[url]))
+            assert op.ok, op.error
+            assert engine.sleeping() and agent.jobs()["serve"].endpoints == (f"vllm+{url}",)
+            op = await c.restore_and_wait("serve")
+            assert op.ok and not engine.sleeping()
+    finally:
+        await shim.stop()

@@ -29,15 +29,19 @@ def standalone_context(
 
     A registered job keeps its configuration except the backends, processes and endpoints the call gives (the
     restore after a snapshot must find the state where that snapshot put it). A job the agent does not know is
-    taken on for a snapshot when ``backends`` and ``pids`` name its processes, with the default mode and no tags.
+    taken on for a snapshot when ``backends`` and ``pids`` (or ``endpoints``) say where its state is, with the default
+    mode and no tags.
     The call's mode and tags are its own (``OpSettings``). Raises ``LookupError`` (unknown job, nothing to
     restore) and ``ValueError`` (the job is registered in another group).
     """
     if current is None:
-        if kind is OpKind.RESTORE or not backends or not pids:
-            what = "nothing was saved for it here" if kind is OpKind.RESTORE else "name its processes"
+        # A job the agent does not know is taken on when the call names where its state is: its processes, or the
+        # serving engines' endpoints (app_endpoint: the reference guide's standalone vLLM call).
+        if kind is OpKind.RESTORE or not backends or not (pids or endpoints):
+            what = "nothing was saved for it here" if kind is OpKind.RESTORE else "name its processes or endpoints"
             raise LookupError(f"job {job!r} is not registered with the agent on node {node!r} ({what}); register "
-                              "it through the workload channel, or give a backend with explicit process ids")
+                              "it through the workload channel, or give a backend with explicit process ids or "
+                              "an app_endpoint config with its endpoints")
         return JobContext(node=node, job=job, group=group or "standalone", state=JobState.RUNNING,
                           backends=backends, pids=pids, endpoints=endpoints)
     if group and group != current.group:

@@ -497,7 +497,7 @@ class Agent:
         A registered job runs with its registered backends unless ``backends`` (and ``pids``, ``endpoints``) say
         otherwise; those then become its configuration (its restore must find the state where its snapshot put it).
         ``mode`` and ``tags`` are this operation's alone: never stored as the job's. A job this agent
-        does not know is taken on for a snapshot when ``backends`` and ``pids`` name its processes, with backends
+        does not know is taken on for a snapshot when ``backends`` with ``pids`` or ``endpoints`` name it, with backends
         that touch no process only: a process-level backend (``cuda``, ``freeze``) acts only on processes a
         registration proved through the agent's socket (``Refused``, code ``unproven`` or ``not_owned``).
         Raises ``OperationInProgress`` (an operation on the job runs), ``LookupError`` (unknown job, nothing to
