@@ -20,6 +20,7 @@ from typing import Any
 
 import _common
 from _gpu_report import GB
+from _gpu_run import CLEANUP_S, DEFAULT_BUDGET_S, Budget, die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"  # the job processes run ``gpu_check.py --role job``
@@ -123,15 +124,16 @@ class _TimedHandler:
         return self._call("resume", mode, tags)
 
 
-async def _wait_waiter(c: Any) -> None:
-    async with asyncio.timeout(120):
+async def _wait_waiter(c: Any, budget: Budget) -> None:
+    async with asyncio.timeout(budget.bound(120)):
         while not any(w.job != c.job_id for w in (await c.status()).queue):
             await asyncio.sleep(0.005)
 
 
 async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, leader: bool, out: Path,
-               ready: Path, done: Path, device: str) -> None:
-    """Job A (``leader``: the big state) or job B. A writes ``done`` when it holds the group for the last time."""
+               ready: Path, done: Path, device: str, budget: Budget) -> None:
+    """Job A (``leader``: the big state) or job B. A writes ``done`` when it holds the group for the last time.
+    Every wait is cut to ``budget`` (what the check had left when it started the job)."""
     from timeslice_client import AsyncTimeSliceClient
     from timeslice_client.torch_offload import TorchOffloadHandler
 
@@ -143,19 +145,20 @@ async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, leader:
     _sync(device)
     result: dict[str, Any] = {"torch_before": handler.allocated(), "nvml_before": _nvml_used(os.getpid())}
     switches: list[dict[str, Any]] = []
-    async with AsyncTimeSliceClient(job, group, url, lease_seconds=120, acquire_timeout=300) as c:
-        await c.register_workload(handler, node_id=NODE, op_timeout=300)
+    b = budget.bound
+    async with AsyncTimeSliceClient(job, group, url, lease_seconds=120, acquire_timeout=b(300)) as c:
+        await c.register_workload(handler, node_id=NODE, op_timeout=b(300))
         if leader:
-            await c.acquire(timeout=120)
+            await c.acquire(timeout=b(120))
         ready.write_text("ok")
         for _ in range(cycles):
             if not leader:
-                await c.acquire(timeout=300)
-            await _wait_waiter(c)
+                await c.acquire(timeout=b(300))
+            await _wait_waiter(c, budget)
             t0 = time.perf_counter()
             await c.release()
             if leader:
-                g = await c.acquire(timeout=300)
+                g = await c.acquire(timeout=b(300))
                 switches.append({"ba_s": time.perf_counter() - t0, "restored": g.context_restored})
         if leader:
             done.write_text("ok")
@@ -164,7 +167,7 @@ async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, leader:
             result["same_tensors"] = [id(t) for t in tensors] == ids
             await c.release()
         else:
-            async with asyncio.timeout(300):
+            async with asyncio.timeout(b(300)):
                 while not done.exists():
                     await asyncio.sleep(0.01)
     result.update(calls=handler.calls, switches=switches)
@@ -173,14 +176,16 @@ async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, leader:
 
 class Stack:
     """nats-server (embedded) and the orchestrator with the node agent in its process, as ``timeslice up`` runs
-    them; ``agent_process``: the agent as a process of its own (as on a node without the orchestrator)."""
+    them; ``agent_process``: the agent as a process of its own (as on a node without the orchestrator). Its waits
+    are cut to ``budget``; nats-server (a session of its own) ends with the check, also when the check is killed."""
 
-    def __init__(self, tmp: Path, *, agent_process: bool = False) -> None:
+    def __init__(self, tmp: Path, budget: Budget | None = None, *, agent_process: bool = False) -> None:
         from timeslice_orchestrator.embedded import NatsServer
 
-        self.server = NatsServer(tmp / "nats")
+        self.server = NatsServer(tmp / "nats", preexec=die_with_parent())
         self.procs: list[subprocess.Popen[bytes]] = []
         self.tmp = tmp
+        self.budget = budget or Budget(DEFAULT_BUDGET_S)
         self.agent_process = agent_process
 
     @property
@@ -189,7 +194,7 @@ class Stack:
         return ("orchestrator", "agent") if self.agent_process else ("orchestrator (with the agent)",)
 
     def start(self) -> str:
-        url = self.server.start()
+        url = self.server.start(timeout=self.budget.bound(15))
         env = _child_env()
         orchestrator = [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url]
         if not self.agent_process:
@@ -199,7 +204,7 @@ class Stack:
             self.procs.append(subprocess.Popen([sys.executable, "-m", "timeslice_agent", "--node-id", NODE,
                                                 "--nats-url", url], env=env, cwd=ROOT))
         self.url = url
-        asyncio.run(_common.wait_agent(url, NODE, 60.0, self.check))
+        asyncio.run(_common.wait_agent(url, NODE, self.budget.bound(60), self.check))
         return url
 
     def check(self) -> None:
@@ -209,20 +214,25 @@ class Stack:
                 raise RuntimeError(f"the {name} process exited with {p.returncode} (its traceback is above)")
 
     def spawn(self, *args: str) -> subprocess.Popen[bytes]:
-        p = subprocess.Popen([sys.executable, str(SCRIPT), *args], env=_child_env(), cwd=ROOT)
+        """A job process (``gpu_check.py --role job``), its waits cut to what is left of the budget."""
+        p = subprocess.Popen([sys.executable, str(SCRIPT), *args, "--budget-s", f"{self.budget.bound(540):.1f}"],
+                             env=_child_env(), cwd=ROOT)
         self.procs.append(p)
         return p
 
     def stop(self) -> None:
+        """Terminate every process, kill those still running after ``CLEANUP_S / 2`` in all, then nats-server (at
+        most ``CLEANUP_S / 2`` more)."""
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
+        deadline = time.monotonic() + CLEANUP_S / 2
         for p in self.procs:
             try:
-                p.wait(15)
+                p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-        self.server.stop()
+        self.server.stop(timeout=CLEANUP_S / 4)
 
 
 def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float, stack: Stack) -> None:
@@ -256,11 +266,11 @@ def offload(stack: Stack, nbytes: int, cycles: int, index: int, device: str = "c
               "--device", device]
     a = stack.spawn("--role", "job", "--job", f"a{index}", "--bytes", str(nbytes), "--leader",
                     "--out", str(files["a.json"]), "--ready", str(files["a.ready"]), *common)
-    _wait_file(files["a.ready"], a, 300, stack)
+    _wait_file(files["a.ready"], a, stack.budget.bound(300), stack)
     b = stack.spawn("--role", "job", "--job", f"b{index}", "--bytes", str(min(B_BYTES, nbytes)),
                     "--out", str(files["b.json"]),
                     "--ready", str(files["b.ready"]), *common)
-    _wait_jobs((a, b), 600, stack)
+    _wait_jobs((a, b), stack.budget.bound(540), stack)
     ra = json.loads(files["a.json"].read_text())
     sus = [c for c in ra["calls"] if c["kind"] == "suspend"]
     res = [c for c in ra["calls"] if c["kind"] == "resume"]

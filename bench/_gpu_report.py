@@ -3,7 +3,7 @@ apart from the check itself so that ``bench/_report.py`` can render a stored run
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["GB", "GOAL", "SWITCH_GOAL_MS", "Report", "format_report"]
@@ -15,7 +15,9 @@ SWITCH_GOAL_MS = 5.0  # a switch adds at most this beyond the handler calls (iss
 
 @dataclass
 class Report:
-    """Everything measured; ``errors`` lists failed checks, ``skipped`` what could not run and why."""
+    """Everything measured; ``errors`` lists failed checks, ``skipped`` what could not run and why. The check
+    saves it after every section: ``sections`` (asked for, in order), ``done``, ``next_section`` (the one that runs
+    next, None once through) and ``complete`` say how far a run got, also one killed mid-way."""
 
     date: str = ""
     command: str = ""
@@ -29,6 +31,11 @@ class Report:
     errors: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    budget_s: float | None = None
+    sections: list[str] = field(default_factory=list)
+    done: list[str] = field(default_factory=list)
+    next_section: str | None = None
+    complete: bool = False
 
     def goals(self) -> list[tuple[str, float, bool]]:
         """(what, ratio, met) for torch offload vs the pinned copy baseline, each way and size."""
@@ -45,8 +52,40 @@ class Report:
         return [(f"{r['gib']:g} GiB", r["overhead_ms"], r["overhead_ms"] <= SWITCH_GOAL_MS)
                 for r in self.switch.get("sizes", ()) if r.get("overhead_ms") is not None]
 
+    def cuda_failure(self) -> str | None:
+        """Why the cuda section fails the verdict: the backend refused, or is unavailable, on this GPU machine (the
+        section runs only where torch sees CUDA, so either means the agent's cuda backend does not work here)."""
+        c = self.cuda
+        if not c.get("refused"):
+            return None
+        what = "unavailable" if c.get("unavailable") else "refused"
+        on = self.env.get("device") or "this GPU machine"
+        return (f"cuda backend {what} on {on}: {c['refused']} (the agent could not checkpoint a job there: fix "
+                "that, or leave the section out with --only and say why)")
+
+    def failures(self) -> list[str]:
+        """Every reason the run is not ok: errors, the cuda backend, goals not met, sections not run."""
+        goals = [f"goal {w} not met" for w, _, met in self.goals() if not met]
+        goals += [f"goal switch overhead {w} not met" for w, _, met in self.switch_goals() if not met]
+        cuda = self.cuda_failure()
+        return [*self.errors, *([cuda] if cuda else []), *goals, *(f"skipped: {s}" for s in self.skipped)]
+
     def ok(self) -> bool:
-        return not self.errors and not self.skipped and all(met for _, _, met in [*self.goals(), *self.switch_goals()])
+        return not self.failures()
+
+    def verdict(self) -> str:
+        """NOT RUN (nothing could run), RUNNING (saved mid-way), INCOMPLETE (sections skipped), FAIL or PASS."""
+        if self.skipped and not self.done:
+            return "NOT RUN"
+        if self.next_section is not None and not self.complete:
+            return "RUNNING"
+        if self.skipped:
+            return "INCOMPLETE"
+        return "PASS" if self.ok() else "FAIL"
+
+    def as_json(self) -> dict[str, Any]:
+        """The report as the check writes it, with its verdict and the reasons it is not ok."""
+        return {**asdict(self), "verdict": self.verdict(), "not_ok": self.failures()}
 
 
 def _fmt_gbps(x: float | None) -> str:
@@ -83,7 +122,7 @@ def format_report(rep: Report) -> list[str]:
     c = rep.cuda
     if c:
         if c.get("refused"):
-            lines.append(f"cuda backend: REFUSED: {c['refused']}")
+            lines.append(f"cuda backend: {'UNAVAILABLE' if c.get('unavailable') else 'REFUSED'}: {c['refused']}")
         else:
             lines.append(f"cuda backend on a process holding {c['bytes'] / GB:g} GB: snapshot {c['snapshot_s']:.2f} s "
                          f"(freed {_gb(c.get('device_bytes_freed'))} GB by NVML), restore {c['restore_s']:.2f} s; "
@@ -106,10 +145,14 @@ def format_report(rep: Report) -> list[str]:
                      f"(<= {SWITCH_GOAL_MS:g} ms)")
     for s in rep.skipped:
         lines.append(f"skipped: {s}")
-    for err in rep.errors:
+    cuda = rep.cuda_failure()
+    for err in [*rep.errors, *([cuda] if cuda else [])]:
         lines.append(f"ERROR: {err}")
-    verdict = "NOT RUN" if rep.skipped else ("PASS" if rep.ok() else "FAIL")
-    lines.append(f"{verdict}; wall time {rep.wall_s:.0f} s")
+    if rep.next_section is not None and not rep.complete:
+        lines.append(f"not complete: saved before section {rep.next_section!r} (done: {', '.join(rep.done) or 'none'})"
+                     " - a run killed there leaves this")
+    budget = f" of a {rep.budget_s:.0f} s budget" if rep.budget_s else ""
+    lines.append(f"{rep.verdict()}; wall time {rep.wall_s:.0f} s{budget}")
     return lines
 
 

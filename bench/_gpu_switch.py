@@ -11,7 +11,6 @@ Private to ``bench/``; ``gpu_check.py`` puts ``bench/`` on the path before impor
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from _gpu_offload import ROOT, _child_env
+from _gpu_run import run_bounded
 
 __all__ = ["switch"]
 
@@ -28,16 +28,17 @@ _KEPT = ("gib", "overhead_ms", "overhead_ab_ms", "overhead_ba_ms", "overhead_max
 
 
 def switch(sizes_gib: Sequence[float], cycles: int, floor_switches: int, device: str, agent_process: bool,
-           raw_out: Path | None = None, timeout_s: float = 900.0) -> dict[str, Any]:
-    """Run the offload bench on ``device``; its figures per size, the floor and the command (raises when it fails)."""
+           raw_out: Path | None = None, *, timeout_s: float) -> dict[str, Any]:
+    """Run the offload bench on ``device``; its figures per size, the floor and the command (raises when it fails).
+    ``timeout_s``: what is left of the check's budget; past it the bench is stopped with its processes."""
     with tempfile.TemporaryDirectory(prefix="ts-gpu-switch-") as tmp:
         out = raw_out or Path(tmp) / "offload.json"
         args = ["--device", device, "--sizes", ",".join(f"{g:g}" for g in sizes_gib), "--cycles", str(cycles),
                 "--floor-switches", str(floor_switches), *(["--agent-process"] if agent_process else [])]
-        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "offload.py"), *args, "--json-out", str(out)],
-                              env=_child_env(), cwd=ROOT, timeout=timeout_s, check=False)  # its report streams out
-        if proc.returncode:
-            raise RuntimeError(f"bench/offload.py exited with {proc.returncode} (its output is above)")
+        rc = run_bounded([sys.executable, str(ROOT / "bench" / "offload.py"), *args, "--json-out", str(out)],
+                         timeout_s, what="bench/offload.py", env=_child_env(), cwd=ROOT)  # its report streams out
+        if rc:
+            raise RuntimeError(f"bench/offload.py exited with {rc} (its output is above)")
         res = json.loads(out.read_text())
     floor = res.get("switch_floor") or {}
     return {"command": " ".join(["python bench/offload.py", *args]), "device": res["device"], "agent": res["agent"],

