@@ -41,6 +41,7 @@ from .protocol import (
     Acquire,
     Cancel,
     Contended,
+    DequeueCode,
     Dequeued,
     Granted,
     GroupRecord,
@@ -306,7 +307,7 @@ class AsyncTimeSliceClient:
             except AcquireCancelled as exc:
                 # The orchestrator counts the deadline from the request's stream time and may drop the
                 # waiter a moment before our own timer fires: that is still a timeout.
-                if exc.reason != "timeout":
+                if exc.code is not DequeueCode.TIMEOUT:
                     raise
                 timed_out = True
             if timed_out:
@@ -580,7 +581,7 @@ class AsyncTimeSliceClient:
         elif isinstance(n, Dequeued) and n.lost:
             fut.set_exception(_WaitLost(n.reason))  # dropped for want of renewals: _acquire asks again
         elif isinstance(n, Dequeued):
-            fut.set_exception(AcquireCancelled(self.group_id, self.job_id, n.reason))
+            fut.set_exception(AcquireCancelled(self.group_id, self.job_id, n.reason, code=n.code))
 
     async def _on_reconnected(self) -> None:
         """Back after a cut, during which notices were lost (core NATS): renew every wait and the hold now. A wait

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ErrorCode", "GroupState", "JobState", "OpKind", "SuspendMode"]
+__all__ = ["DequeueCode", "ErrorCode", "GroupState", "JobState", "OpKind", "RevokeCode", "SuspendMode"]
 
 
 class GroupState(enum.StrEnum):
@@ -45,3 +45,22 @@ class JobState(enum.StrEnum):
 class SuspendMode(enum.StrEnum):
     OFFLOAD = "offload"  # keep the state in host memory
     DISCARD = "discard"  # drop it; the workload rebuilds it
+
+
+class DequeueCode(enum.StrEnum):
+    """Why a wait ended without a grant (``Dequeued.code``); ``Dequeued.reason`` says it in words."""
+
+    CANCELLED = "cancelled"  # the job withdrew it (Cancel; its own words in the reason)
+    TIMEOUT = "timeout"  # the acquire's deadline passed
+    LOST = "lost"  # no renewal reached the orchestrator in time: the waiter died, or the bus was away
+    FAULTED = "faulted"  # the job was faulted while it waited
+    RELEASED_BEFORE_GRANT = "released_before_grant"  # the job released the group it was about to be granted
+    NOT_WAITING = "not_waiting"  # a renewal or release of a wait the orchestrator does not know: ask again
+
+
+class RevokeCode(enum.StrEnum):
+    """Why a hold was taken back (``Revoked.code``); ``Revoked.reason`` says it in words."""
+
+    LEASE_EXPIRED = "lease_expired"  # the holder's renewals stopped
+    GRANT_UNCONFIRMED = "grant_unconfirmed"  # the grantee never confirmed its grant in time
+    CLAIM_REFUSED = "claim_refused"  # a claimed re-acquire the core could not honour

@@ -26,6 +26,8 @@ Every error carries the values that explain it as attributes and says in its mes
 
 from __future__ import annotations
 
+from ._codes import DequeueCode
+
 __all__ = [
     "AcquireCancelled",
     "AcquireTimeout",
@@ -150,10 +152,14 @@ class AcquireTimeout(TimeSliceError, TimeoutError):
 
 
 class AcquireCancelled(TimeSliceError):
-    def __init__(self, group_id: str, job_id: str, reason: str) -> None:
+    """The wait ended without a grant. ``code``: why, as the orchestrator said it (``DequeueCode``; None when
+    the client itself ended it, or from an orchestrator older than the codes); ``reason``: the same in words."""
+
+    def __init__(self, group_id: str, job_id: str, reason: str, *, code: DequeueCode | None = None) -> None:
         self.group_id = group_id
         self.job_id = job_id
         self.reason = reason
+        self.code = code
         super().__init__(f"the wait of job {job_id!r} for group {group_id!r} ended without a grant: {reason}")
 
 

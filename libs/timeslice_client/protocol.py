@@ -33,7 +33,7 @@ from typing import Annotated, Final, Literal
 import msgspec
 
 from ._bounds import Count, Elapsed, Id, Ms, Name, OpId, Reason, RequestId, Text
-from ._codes import ErrorCode, GroupState, JobState, OpKind, SuspendMode
+from ._codes import DequeueCode, ErrorCode, GroupState, JobState, OpKind, RevokeCode, SuspendMode
 from ._names import subjects, validate_id
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "ClearJobFault",
     "Contended",
     "ControlEvent",
+    "DequeueCode",
     "Dequeued",
     "DeviceInfo",
     "ErrorCode",
@@ -79,6 +80,7 @@ __all__ = [
     "Released",
     "Renew",
     "Restore",
+    "RevokeCode",
     "Revoked",
     "Snapshot",
     "StateChanged",
@@ -272,16 +274,18 @@ class Revoked(_Msg, frozen=True, tag="revoked"):
     job: str
     epoch: int
     reason: str
+    code: RevokeCode | None = None  # what to act on (None: from an orchestrator older than the codes)
 
 
 class Dequeued(_Msg, frozen=True, tag="dequeued"):
     group: str
     job: str
     request_id: str
-    reason: str
+    reason: str  # in words, for people; decisions read ``code``
     # The wait ended because no renewal of it reached the orchestrator in time (the waiter died, or the bus was
     # away longer than its TTL), or a renewal named a wait it does not know: a live client may simply ask again.
     lost: bool = False
+    code: DequeueCode | None = None  # what to act on (None: from an orchestrator older than the codes)
 
 
 class Contended(_Msg, frozen=True, tag="contended"):

@@ -12,6 +12,7 @@ from timeslice_client.protocol import (
     Cancel,
     ClearFault,
     Contended,
+    DequeueCode,
     Dequeued,
     ErrorCode,
     Granted,
@@ -24,6 +25,7 @@ from timeslice_client.protocol import (
     Release,
     Released,
     Renew,
+    RevokeCode,
     Revoked,
     Tick,
     WaiterRecord,
@@ -142,7 +144,7 @@ def _on_claim(w: Work, ev: Acquire) -> None:
         return
     reason = f"claim of epoch {ev.claim_epoch} not honoured: {why}; acquire again"
     w.refuse(ev.job, ev.request_id, ErrorCode.INVALID, reason)
-    w.notify(Revoked(group=w.group, job=ev.job, epoch=ev.claim_epoch, reason=reason))
+    w.notify(Revoked(group=w.group, job=ev.job, epoch=ev.claim_epoch, reason=reason, code=RevokeCode.CLAIM_REFUSED))
     w.touch("claim not honoured")
 
 
@@ -153,7 +155,8 @@ def _on_release(w: Work, ev: Release) -> None:
         to = sw.to if h is None and sw is not None else None
         if sw is not None and to is not None and to.job == ev.job and to.request_id == ev.request_id:
             # Released before the grant arrived (a client that gave up): leave the switch target.
-            w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason="released before grant"))
+            w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason="released before grant",
+                              code=DequeueCode.RELEASED_BEFORE_GRANT))
             w.switch = msgspec.structs.replace(sw, to=None)
             w.touch("switch target released")
             return
@@ -212,17 +215,19 @@ def _on_renew(w: Work, ev: Renew) -> None:
             w.touch("granted waiter renewed")
             w.notify_grant(h)
         return
-    w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason="not waiting", lost=True))
+    w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason="not waiting", lost=True,
+                      code=DequeueCode.NOT_WAITING))
 
 
 def _on_cancel(w: Work, ev: Cancel) -> None:
     for i, wr in enumerate(w.queue):
         if wr.request_id == ev.request_id and wr.job == ev.job:
-            w.drop_waiter(i, ev.reason)
+            w.drop_waiter(i, DequeueCode.CANCELLED, ev.reason)
             return
     sw = w.switch
     if sw is not None and sw.to is not None and sw.to.request_id == ev.request_id and sw.to.job == ev.job:
-        w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason=ev.reason))
+        w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason=ev.reason,
+                          code=DequeueCode.CANCELLED))
         w.switch = msgspec.structs.replace(sw, to=None)
         w.touch(f"waiter {ev.reason}")
         return

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import msgspec
 from timeslice_client.protocol import (
     AgentCommand,
+    DequeueCode,
     Dequeued,
     ErrorCode,
     Granted,
@@ -20,6 +21,7 @@ from timeslice_client.protocol import (
     OpRecord,
     Refused,
     Restore,
+    RevokeCode,
     Revoked,
     Snapshot,
     StateChanged,
@@ -226,9 +228,10 @@ class Work:
             )
         )
 
-    def drop_waiter(self, i: int, reason: str, *, lost: bool = False) -> None:
+    def drop_waiter(self, i: int, code: DequeueCode, reason: str) -> None:
         wr = self.queue.pop(i)
-        self.notify(Dequeued(group=self.group, job=wr.job, request_id=wr.request_id, reason=reason, lost=lost))
+        self.notify(Dequeued(group=self.group, job=wr.job, request_id=wr.request_id, reason=reason,
+                             lost=code is DequeueCode.LOST, code=code))
         self.touch(f"waiter {reason}")
 
     def unsave(self, job: str, node: str) -> None:
@@ -245,7 +248,7 @@ class Work:
         self.touch("job faulted")
         i = self.waiter_index(job)
         if i is not None:
-            self.drop_waiter(i, f"faulted: {reason}")
+            self.drop_waiter(i, DequeueCode.FAULTED, f"faulted: {reason}")
         sw = self.switch
         if sw is not None and sw.to is not None and sw.to.job == job:
             # The incoming job will not be granted this switch, even if its fault is cleared meanwhile.
@@ -259,17 +262,18 @@ class Work:
         h = self.holder
         if h is not None and now >= h.lease_deadline_ms:
             why = "lease expired" if h.confirmed else "grant not confirmed in time"
-            self.notify(Revoked(group=self.group, job=h.job, epoch=h.epoch, reason=why))
+            revoke = RevokeCode.LEASE_EXPIRED if h.confirmed else RevokeCode.GRANT_UNCONFIRMED
+            self.notify(Revoked(group=self.group, job=h.job, epoch=h.epoch, reason=why, code=revoke))
             self.holder = None
             self.touch(why)
         for i in range(len(self.queue) - 1, -1, -1):
             wr = self.queue[i]
             if now >= wr.deadline_ms:
-                self.drop_waiter(i, "timeout")
+                self.drop_waiter(i, DequeueCode.TIMEOUT, "timeout")
             elif now >= wr.alive_until_ms and (fresh := self._unheard(wr)) is not None:
                 self.queue[i] = fresh
             elif now >= wr.alive_until_ms:
-                self.drop_waiter(i, "waiter lost (no renewal)", lost=True)
+                self.drop_waiter(i, DequeueCode.LOST, "waiter lost (no renewal)")
         sw = self.switch
         if sw is None:
             return
@@ -278,9 +282,10 @@ class Work:
             self.switch = sw = msgspec.structs.replace(sw, to=fresh)
         if sw.to is not None and now >= min(sw.to.deadline_ms, sw.to.alive_until_ms):
             to = sw.to
-            why = "timeout" if now >= to.deadline_ms else "waiter lost (no renewal)"
+            code = DequeueCode.TIMEOUT if now >= to.deadline_ms else DequeueCode.LOST
+            why = "timeout" if code is DequeueCode.TIMEOUT else "waiter lost (no renewal)"
             self.notify(Dequeued(group=self.group, job=to.job, request_id=to.request_id, reason=why,
-                                 lost=now < to.deadline_ms))
+                                 lost=code is DequeueCode.LOST, code=code))
             self.switch = sw = msgspec.structs.replace(sw, to=None)
             self.touch(f"waiter {why}")
         for op in sw.ops:

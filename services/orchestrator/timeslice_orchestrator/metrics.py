@@ -24,7 +24,16 @@ import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-from timeslice_client.protocol import Dequeued, Granted, GroupRecord, InputEvent, Released, Revoked
+from timeslice_client.protocol import (
+    DequeueCode,
+    Dequeued,
+    Granted,
+    GroupRecord,
+    InputEvent,
+    Released,
+    RevokeCode,
+    Revoked,
+)
 
 from ._work import Action, Notify
 
@@ -46,17 +55,14 @@ _DEQUEUE_REASONS: Final = ("cancelled", "timeout", "lost", "faulted")
 _EXPIRY_REASONS: Final = ("lease_expired", "grant_unconfirmed")
 
 
-def _dequeue_reason(reason: str) -> str | None:
-    """A bounded label for a waiter's exit (the notice's reason can be the client's free text)."""
-    if reason == "not waiting":
+_DEQUEUE_LABELS: Final = {DequeueCode.TIMEOUT: "timeout", DequeueCode.LOST: "lost", DequeueCode.FAULTED: "faulted"}
+
+
+def _dequeue_reason(code: DequeueCode | None) -> str | None:
+    """A bounded label for a waiter's exit, from its code (the reason's words can be the client's own)."""
+    if code is DequeueCode.NOT_WAITING:
         return None  # a renew or cancel from a job that was not waiting: nobody left the queue
-    if reason == "timeout":
-        return "timeout"
-    if reason.startswith("waiter lost"):
-        return "lost"
-    if reason.startswith("faulted"):
-        return "faulted"
-    return "cancelled"
+    return _DEQUEUE_LABELS.get(code, "cancelled") if code is not None else "cancelled"
 
 
 class _Hist:
@@ -157,10 +163,11 @@ class OrchestratorMetrics(Collector):
                 s.releases += 1
                 s.vacated_ms = now_ms
             elif isinstance(n, Revoked):
-                s.expiries["lease_expired" if n.reason == "lease expired" else "grant_unconfirmed"] += 1
+                if n.code is not RevokeCode.CLAIM_REFUSED:  # a refused claim ends no lease
+                    s.expiries["lease_expired" if n.code is RevokeCode.LEASE_EXPIRED else "grant_unconfirmed"] += 1
                 s.vacated_ms = now_ms
             elif isinstance(n, Dequeued):
-                why = _dequeue_reason(n.reason)
+                why = _dequeue_reason(n.code)
                 if why is not None:
                     s.dequeued[why] += 1
         if s.vacated_ms is not None and new.holder is None and new.switch is None:

@@ -274,7 +274,7 @@ class _Folder:
                 wait.outcome = "left"
                 for n in notices:
                     if isinstance(n, Dequeued) and n.job == job:
-                        wait.outcome = n.reason
+                        wait.outcome = str(n.code) if n.code is not None else n.reason  # the reason: older streams
                     elif isinstance(n, Refused) and n.job == job:
                         wait.outcome = f"refused: {n.code}"
             del w.waits[job]

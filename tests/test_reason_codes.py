@@ -1,0 +1,52 @@
+"""Why a wait ended and why a hold was taken back are codes (``DequeueCode``, ``RevokeCode``), set by the core on
+every notice; the client and the metrics decide on them, never on the words, which a job's own Cancel chooses
+(issue 29: a Cancel whose reason read "timeout" was counted as a timeout)."""
+
+from __future__ import annotations
+
+from timeslice_client.protocol import Cancel, DequeueCode, Dequeued, RevokeCode, Revoked
+from timeslice_orchestrator.metrics import OrchestratorMetrics
+
+from .core_sim import Sim, notices
+
+
+def _dequeued(sim: Sim, actions: list) -> Dequeued:  # type: ignore[type-arg]
+    (d,) = notices(actions, Dequeued)
+    return d  # type: ignore[no-any-return]
+
+
+def test_every_way_a_wait_ends_has_its_code() -> None:
+    sim = Sim()
+    sim.hold("a")
+    sim.acquire("b", "b-1", timeout_ms=1000)
+    d = _dequeued(sim, sim(Cancel(group=sim.group, job="b", request_id="b-1", reason="timeout")))
+    assert (d.code, d.reason) == (DequeueCode.CANCELLED, "timeout")  # the job's words, not a timeout
+    sim.acquire("b", "b-2", timeout_ms=1000)
+    d = _dequeued(sim, sim.tick(dt=1500))
+    assert d.code is DequeueCode.TIMEOUT and not d.lost
+    sim.acquire("c", "c-1", timeout_ms=60_000, waiter_ttl_ms=2000)
+    lost = [n for n in notices(sim.tick(dt=2100), Dequeued)]  # no renewal within its 2 s, heard on time
+    assert [(n.code, n.lost) for n in lost] == [(DequeueCode.LOST, True)]
+
+
+def test_a_lapsed_hold_says_whether_it_expired_or_was_never_confirmed() -> None:
+    sim = Sim()
+    sim.acquire("a", "a-1", lease_ms=2000, confirm_ms=1000)
+    (r,) = notices(sim.tick(dt=1500), Revoked)
+    assert r.code is RevokeCode.GRANT_UNCONFIRMED
+    sim.hold("b")
+    (r,) = notices(sim.tick(dt=60_000), Revoked)
+    assert r.code is RevokeCode.LEASE_EXPIRED
+
+
+def test_the_metrics_count_dequeues_by_code() -> None:
+    m = OrchestratorMetrics()
+    sim = Sim()
+    sim.hold("a")
+    sim.acquire("b", "b-1")
+    old = sim.rec
+    actions = sim(Cancel(group=sim.group, job="b", request_id="b-1", reason="timeout"))
+    m.applied(Cancel(group=sim.group, job="b", request_id="b-1", reason="timeout"), old, sim.rec, actions, sim.now,
+              0.0)
+    counts = m._groups[sim.group].dequeued
+    assert counts["cancelled"] == 1 and counts["timeout"] == 0, counts
