@@ -50,3 +50,18 @@ def test_the_metrics_count_dequeues_by_code() -> None:
               0.0)
     counts = m._groups[sim.group].dequeued
     assert counts["cancelled"] == 1 and counts["timeout"] == 0, counts
+
+
+def test_transient_bus_errors_are_told_by_type_not_by_name() -> None:
+    import nats.errors
+    import nats.js.errors
+    from timeslice_client._publish_rules import transient
+
+    for exc in (nats.errors.NoRespondersError(), nats.js.errors.NoStreamResponseError(), nats.errors.TimeoutError(),
+                nats.errors.ConnectionClosedError(), ConnectionResetError(), TimeoutError()):
+        assert transient(exc), exc
+
+    class NoRespondersError(Exception):  # a job's own error that happens to share the name
+        pass
+
+    assert not transient(NoRespondersError()) and not transient(ValueError("no"))

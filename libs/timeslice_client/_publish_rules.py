@@ -5,7 +5,10 @@ retries by those rules."""
 from __future__ import annotations
 
 import os
+from typing import Final
 
+import nats.errors
+import nats.js.errors
 from nats.js import JetStreamContext
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
@@ -13,6 +16,11 @@ from ._grants import _Superseded
 from .errors import TimeSliceError, Unavailable
 
 __all__ = ["publish_stored", "request_id", "superseded", "transient"]
+
+# Errors of the bus itself, not of the request, by type (nats-py's own TimeoutError is a TimeoutError).
+_TRANSIENT: Final = (TimeoutError, OSError, ConnectionError, nats.errors.NoRespondersError,
+                     nats.js.errors.NoStreamResponseError, nats.errors.ConnectionClosedError,
+                     nats.errors.ConnectionReconnectingError, nats.errors.OutboundBufferLimitError)
 
 
 def request_id() -> str:
@@ -42,9 +50,7 @@ def transient(exc: BaseException) -> bool:
     back, their meta layer not led yet)."""
     if getattr(exc, "err_code", None) in (_DUPLICATE_IN_PROCESS, _TEMPORARILY_UNAVAILABLE):
         return True
-    return isinstance(exc, TimeoutError | OSError | ConnectionError) or exc.__class__.__name__ in (
-        "NoRespondersError", "NoStreamResponseError", "ConnectionClosedError", "ConnectionReconnectingError",
-        "OutboundBufferLimitError")
+    return isinstance(exc, _TRANSIENT)
 
 
 async def publish_stored(js: JetStreamContext, subject: str, data: bytes, *, headers: dict[str, str] | None,

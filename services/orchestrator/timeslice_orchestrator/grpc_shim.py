@@ -60,6 +60,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from nats.aio.client import Client as NATS
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -410,9 +411,9 @@ class OrchestratorGrpcShim:
         kv = await self._kv(GROUPS_BUCKET)
         try:
             entry = await kv.get(group)
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
         except Exception as exc:
-            if exc.__class__.__name__ in ("KeyNotFoundError", "KeyDeletedError"):
-                return None
             raise Unavailable(f"reading group {group!r} failed ({exc.__class__.__name__})",
                               nats_url=self.nats_url) from exc
         return decode_record(entry.value) if entry.value else None
