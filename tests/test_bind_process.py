@@ -132,3 +132,18 @@ async def test_a_node_whose_default_is_none_leaves_a_bound_job_to_the_lock(orche
             assert c._binding is not None and c._binding.backends == ()
             await c.release()
         assert agent.jobs() == {}
+
+
+async def test_a_registered_handler_stays_the_jobs_when_its_client_binds(
+        orchestrator: object, nats_url: str, driver: AnyProcessDriver) -> None:
+    from .agent_harness import Recorder
+
+    log: list[str] = []
+    async with running(Agent(AgentConfig(node_id=NODE, nats_url=nats_url)), timeout=30) as agent, \
+            AsyncTimeSliceClient("trainer", GROUP, nats_url, node_id=NODE) as c:
+        await c.register_workload(Recorder("trainer", log), node_id=NODE)
+        await c.acquire(timeout=10)
+        assert c._binding is not None and c._binding.kept
+        assert agent.jobs()["trainer"].backends == ("app_channel",)  # not the node's default (cuda here)
+        await c.release()
+    assert driver.calls == []

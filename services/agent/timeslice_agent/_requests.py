@@ -129,10 +129,6 @@ class Requests:
             raise Refused(Refusal.WRONG_JOB, f"a registration on the subject of job {job!r} names job "
                                              f"{shown(req.job)}; a job registers itself only")
         if req.bind:
-            current = self._book.jobs.get(job)
-            if current is not None and current.group == req.group and current.pids == req.pids:
-                # Its own registration (a handler, or a bind before) stays as it is.
-                return AgentReply(ok=True, state=current.state, backends=current.backends, code="kept")
             backend = node_default_backend(self._default_backend)
             if backend is None:
                 return AgentReply(ok=True, backends=())  # the lock alone: nothing to move for it here
@@ -145,6 +141,10 @@ class Requests:
             if self._proofs is None:
                 raise Refused(Refusal.UNPROVEN, "this agent serves no socket (--socket off), so a proof is none")
             peer = self._proofs(req.proof, job)
+            current = self._book.jobs.get(job)
+            if req.bind and current is not None and current.group == req.group and current.pids == (peer.pid,):
+                # The process's own registration (a handler, or a bind before: its pid as this agent sees it) stays.
+                return AgentReply(ok=True, state=current.state, backends=current.backends, code="kept")
             if peer.own_pid == peer.pid:  # the agent's pid namespace: what no job may name is said first
                 check_processes(req.pids, req.pgid, req.backends)
             try:
