@@ -37,6 +37,7 @@ from .errors import (
 )
 from .handlers import WorkloadHandler
 from .protocol import (
+    DEFAULT_OP_TIMEOUT_MS,
     GROUPS_BUCKET,
     Acquire,
     Cancel,
@@ -446,7 +447,7 @@ class AsyncTimeSliceClient:
         backends: Iterable[str] = ("app_channel",),
         pids: Iterable[int] | None = None,
         pgid: int | None = None,
-        op_timeout: float = 120.0,
+        op_timeout: float = DEFAULT_OP_TIMEOUT_MS / 1000,
         endpoints: Iterable[str] = (),
         switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
         early_suspend: bool = True,

@@ -5,11 +5,23 @@ job, node) follow ``validate_id`` (at most 64 characters); the orchestrator chec
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Final
 
 import msgspec
 
-__all__ = ["Count", "Elapsed", "Id", "Ms", "Name", "OpId", "Reason", "RequestId", "Text"]
+__all__ = [
+    "DEFAULT_OP_TIMEOUT_MS",
+    "Count",
+    "Elapsed",
+    "Id",
+    "Ms",
+    "Name",
+    "OpId",
+    "OpTimeoutMs",
+    "Reason",
+    "RequestId",
+    "Text",
+]
 
 Id = Annotated[str, msgspec.Meta(max_length=64)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
@@ -19,4 +31,6 @@ Reason = Annotated[str, msgspec.Meta(max_length=256)]
 Text = Annotated[str, msgspec.Meta(max_length=2048)]  # error texts
 Ms = Annotated[int, msgspec.Meta(ge=-(2**53), le=2**53)]  # any time or duration in ms: far from int64's edge
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+DEFAULT_OP_TIMEOUT_MS: Final = 120_000  # one agent operation's budget unless the job registers another
+OpTimeoutMs = Annotated[int, msgspec.Meta(ge=1, le=7 * 24 * 3600 * 1000)]  # at most a week
 Elapsed = Annotated[float, msgspec.Meta(ge=0, le=1e12)]  # no NaN, no infinity

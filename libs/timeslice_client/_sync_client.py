@@ -15,7 +15,7 @@ from ._shared_loop import CallTimeout, LoopClosed, SharedLoop
 from .bus import CredsPath, TlsOption
 from .errors import TimeSliceError, Unavailable
 from .handlers import WorkloadHandler
-from .protocol import GroupRecord, SuspendMode
+from .protocol import DEFAULT_OP_TIMEOUT_MS, GroupRecord, SuspendMode
 from .workload import WorkloadChannel
 
 __all__ = ["TimeSliceClient"]
@@ -155,7 +155,7 @@ class TimeSliceClient:
         backends: Iterable[str] = ("app_channel",),
         pids: Iterable[int] | None = None,
         pgid: int | None = None,
-        op_timeout: float = 120.0,
+        op_timeout: float = DEFAULT_OP_TIMEOUT_MS / 1000,
         endpoints: Iterable[str] = (),
         switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
         early_suspend: bool = True,

@@ -32,12 +32,13 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
-from ._bounds import Count, Elapsed, Id, Ms, Name, OpId, Reason, RequestId, Text
+from ._bounds import DEFAULT_OP_TIMEOUT_MS, Count, Elapsed, Id, Ms, Name, OpId, OpTimeoutMs, Reason, RequestId, Text
 from ._codes import DequeueCode, ErrorCode, GroupState, JobState, OpKind, RevokeCode, SuspendMode
 from ._names import subjects, validate_id
 
 __all__ = [
     "AGENTS_BUCKET",
+    "DEFAULT_OP_TIMEOUT_MS",
     "GROUPS_BUCKET",
     "JOBS_BUCKET",
     "STREAM",
@@ -201,7 +202,7 @@ class JobRegistered(_Msg, frozen=True, tag="job_registered"):
     job: Id
     node: Id
     backend: Name = "noop"
-    op_timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=7 * 24 * 3600 * 1000)] = 120_000
+    op_timeout_ms: OpTimeoutMs = DEFAULT_OP_TIMEOUT_MS
 
 
 class JobUnregistered(_Msg, frozen=True, tag="job_unregistered"):
@@ -380,7 +381,7 @@ class RegisterJob(_Msg, frozen=True, tag="register"):
     pgid: Annotated[int, msgspec.Meta(ge=0, le=2**31)] | None = None
     mode: SuspendMode = SuspendMode.OFFLOAD
     tags: Annotated[tuple[Name, ...], msgspec.Meta(max_length=32)] = ()
-    op_timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=7 * 24 * 3600 * 1000)] = 120_000
+    op_timeout_ms: OpTimeoutMs = DEFAULT_OP_TIMEOUT_MS
     endpoints: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=512)], ...], msgspec.Meta(max_length=16)] = ()
     proof: Annotated[str, msgspec.Meta(max_length=128)] | None = None
     # The registering channel's own token: the agent names it in every WorkloadCommand, and a channel answers only
@@ -533,7 +534,7 @@ class JobContext(_Rec, frozen=True):
     pgid: int | None = None
     mode: SuspendMode = SuspendMode.OFFLOAD
     tags: tuple[str, ...] = ()
-    op_timeout_ms: int = 120_000
+    op_timeout_ms: int = DEFAULT_OP_TIMEOUT_MS
     endpoints: tuple[str, ...] = ()
     reason: str | None = None
     epoch: int = 0

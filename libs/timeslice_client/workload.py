@@ -51,6 +51,7 @@ from .bus import CredsPath, TlsOption, connect, identity_of, parse_servers
 from .errors import AgentRefused, HandlerError, InvalidRequest, TimeSliceError, Unavailable
 from .handlers import HandlerResult, WorkloadHandler
 from .protocol import (
+    DEFAULT_OP_TIMEOUT_MS,
     AgentReply,
     RegisterJob,
     SuspendMode,
@@ -120,7 +121,7 @@ class WorkloadChannel:
         backends: Iterable[str] = ("app_channel",),
         pids: Iterable[int] | None = None,
         pgid: int | None = None,
-        op_timeout: float = 120.0,
+        op_timeout: float = DEFAULT_OP_TIMEOUT_MS / 1000,
         request_timeout: float = 5.0,
         own_connection: bool = False,
         endpoints: Iterable[str] = (),
@@ -487,7 +488,7 @@ async def register_workload(
     backends: Iterable[str] = ("app_channel",),
     pids: Iterable[int] | None = None,
     pgid: int | None = None,
-    op_timeout: float = 120.0,
+    op_timeout: float = DEFAULT_OP_TIMEOUT_MS / 1000,
     endpoints: Iterable[str] = (),
     switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
     agent_socket: str | None = None,

@@ -32,6 +32,7 @@ from typing import Final
 
 import msgspec
 from timeslice_client.protocol import (
+    DEFAULT_OP_TIMEOUT_MS,
     Acquire,
     Cancel,
     Dequeued,
@@ -59,7 +60,6 @@ __all__ = ["DEFAULT_LEASE_MS", "STUCK_MARGIN_MS", "Kind", "StreamChecks", "Viola
 
 DEFAULT_LEASE_MS: Final = 30_000  # Acquire.lease_ms's default: the threshold's base before any acquire
 STUCK_MARGIN_MS: Final = 10_000  # added to the lease (and to an operation's timeout) before a group is stuck
-_DEFAULT_OP_TIMEOUT_MS: Final = 120_000  # JobRegistered.op_timeout_ms's default
 _LEAVING_CODES: Final = frozenset({ErrorCode.INVALID, ErrorCode.JOB_FAULTED})  # a refused acquire never waited
 
 _op_started: Final = msgspec.json.Decoder(OpStarted)
@@ -347,7 +347,7 @@ class StreamChecks:
         for (node, job), snap in sorted(g.snapshots.items()):
             if job == n.job or (snap.failed and job in faulted):
                 continue
-            timeout = g.op_timeouts.get((node, job), _DEFAULT_OP_TIMEOUT_MS)
+            timeout = g.op_timeouts.get((node, job), DEFAULT_OP_TIMEOUT_MS)
             if not snap.failed and job in faulted and ev.ts_ms >= snap.events[0].ts_ms + timeout:
                 continue  # unanswered past its deadline: the job was faulted, its state unknown (the core's rule)
             why = (f"its snapshot there failed (seq {snap.events[-1].seq}) and the job was neither unregistered "
@@ -371,7 +371,7 @@ class StreamChecks:
             g = self._groups[name]
             if g.stuck_reported or now - g.stall_from <= self._threshold(g):
                 continue
-            if any(now <= op.started.ts_ms + op.budgets * g.op_timeouts.get((op.node, op.job), _DEFAULT_OP_TIMEOUT_MS)
+            if any(now <= op.started.ts_ms + op.budgets * g.op_timeouts.get((op.node, op.job), DEFAULT_OP_TIMEOUT_MS)
                    + STUCK_MARGIN_MS for op in g.ops.values()):
                 continue  # an operation still runs within its timeout: the switch is moving
             g.stuck_reported = True

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 from timeslice_client.protocol import (
+    DEFAULT_OP_TIMEOUT_MS,
     AgentCommand,
     DequeueCode,
     Dequeued,
@@ -414,7 +415,7 @@ class Work:
 
     def op(self, kind: OpKind, node: str, job: str, epoch: int, suffix: str = "", *, after: tuple[str, ...] = (),
            start_ms: int | None = None) -> OpRecord:
-        timeout = self.op_timeouts.get(f"{node}/{job}", 120_000)
+        timeout = self.op_timeouts.get(f"{node}/{job}", DEFAULT_OP_TIMEOUT_MS)
         op = OpRecord(
             op_id=f"{self.group}:{epoch}:{kind}:{node}{suffix}", node=node, job=job, kind=kind,
             deadline_ms=(self.now if start_ms is None else start_ms) + timeout,
