@@ -1,6 +1,7 @@
 """Why a wait ended and why a hold was taken back are codes (``DequeueCode``, ``RevokeCode``), set by the core on
 every notice; the client and the metrics decide on them, never on the words, which a job's own Cancel chooses
-(issue 29: a Cancel whose reason read "timeout" was counted as a timeout)."""
+(issue 29: a Cancel whose reason read "timeout" was counted as a timeout). Likewise foreign errors are told by
+type, not by class name, and the core's limits are the ones ``apply`` is given."""
 
 from __future__ import annotations
 
@@ -65,3 +66,23 @@ def test_transient_bus_errors_are_told_by_type_not_by_name() -> None:
         pass
 
     assert not transient(NoRespondersError()) and not transient(ValueError("no"))
+
+
+def test_the_cores_limits_are_injected_not_global() -> None:
+    """``apply(..., limits=...)`` holds the record to the limits it is given (issue 29: handlers read the global)."""
+    from timeslice_client.protocol import Acquire, ErrorCode, Refused
+    from timeslice_orchestrator.core import LIMITS, Limits, apply, new_record
+
+    tight = Limits(max_queue=1)
+    rec = new_record("g")
+    outcomes = []
+    for seq, job in enumerate(("a", "b", "c"), start=1):
+        rec, actions = apply(rec, Acquire(group="g", job=job, request_id=f"{job}-1"), 1_000 + seq, seq, tight)
+        outcomes.append([n.code for n in notices(actions, Refused)])
+    assert outcomes == [[], [], [ErrorCode.QUEUE_FULL]]  # a holds, b waits, c finds the queue of one full
+    assert len(rec.queue) == 1 and LIMITS.max_queue > 1  # the defaults are untouched
+    short = Acquire(group="g", job="a", request_id="a-1", lease_ms=500)
+    _, actions = apply(new_record("g"), short, 1, 1)  # the defaults: a lease of at least 1 s
+    assert [n.code for n in notices(actions, Refused)] == [ErrorCode.INVALID]
+    _, actions = apply(new_record("g"), short, 1, 1, Limits(min_lease_ms=100))
+    assert not notices(actions, Refused)

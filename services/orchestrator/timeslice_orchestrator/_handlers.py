@@ -31,7 +31,7 @@ from timeslice_client.protocol import (
     WaiterRecord,
 )
 
-from ._work import LIMITS, Work
+from ._work import Limits, Work
 
 __all__ = ["HANDLERS"]
 
@@ -40,8 +40,8 @@ def _on_acquire(w: Work, ev: Acquire) -> None:
     if ev.claim_epoch is not None:
         _on_claim(w, ev)
         return
-    lim = LIMITS
-    why = _invalid(ev)
+    lim = w.limits
+    why = _invalid(ev, lim)
     if why is not None:
         w.refuse(ev.job, ev.request_id, ErrorCode.INVALID, why)
         return
@@ -96,9 +96,8 @@ def _on_acquire(w: Work, ev: Acquire) -> None:
         w.notify(Contended(group=w.group, job=h.job, epoch=h.epoch, waiters=len(w.queue)))
 
 
-def _invalid(ev: Acquire) -> str | None:
+def _invalid(ev: Acquire, lim: Limits) -> str | None:
     """What is out of range in an acquire's durations (None: nothing)."""
-    lim = LIMITS
     if not (lim.min_lease_ms <= ev.lease_ms <= lim.max_lease_ms):
         return f"lease_ms={ev.lease_ms} is outside [{lim.min_lease_ms}, {lim.max_lease_ms}]"
     if not (lim.min_ttl_ms <= ev.waiter_ttl_ms <= lim.max_ttl_ms and lim.min_ttl_ms <= ev.confirm_ms <= lim.max_ttl_ms):
@@ -110,7 +109,7 @@ def _invalid(ev: Acquire) -> str | None:
 
 def _unclaimable(w: Work, ev: Acquire) -> str | None:
     """Why a claim cannot be the zero-cost grant it assumes (None: it is exactly that)."""
-    why = _invalid(ev)
+    why = _invalid(ev, w.limits)
     if why is not None:
         return why
     if ev.job in w.faulted:
@@ -208,7 +207,7 @@ def _on_renew(w: Work, ev: Renew) -> None:
         # Kept up this way only ``Limits.max_grant_resends`` times: a grantee that renews but never hears (it can
         # publish but not receive) must not keep the group until its acquire timeout; its grant then lapses at its
         # deadline and passes on.
-        if not h.confirmed and h.resends < LIMITS.max_grant_resends:
+        if not h.confirmed and h.resends < w.limits.max_grant_resends:
             w.holder = h = msgspec.structs.replace(h, lease_deadline_ms=max(h.lease_deadline_ms,
                                                                             now + h.waiter_ttl_ms),
                                                    resends=h.resends + 1)
@@ -257,7 +256,7 @@ def _on_clear_fault(w: Work, ev: ClearFault) -> None:
 def _on_registered(w: Work, ev: JobRegistered) -> None:
     nodes = w.placements.get(ev.job, ())
     if ev.node not in nodes:
-        if sum(len(n) for n in w.placements.values()) >= LIMITS.max_placements:
+        if sum(len(n) for n in w.placements.values()) >= w.limits.max_placements:
             return  # the record is at its bound: the job runs on that node with the lock alone (no switch there)
         w.placements[ev.job] = (*nodes, ev.node)
     w.op_timeouts[f"{ev.node}/{ev.job}"] = ev.op_timeout_ms
@@ -334,7 +333,7 @@ def _on_agent_lost(w: Work, ev: AgentLost) -> None:
                   error=(f"its context is saved on node {ev.node}, whose agent was lost; restart the agent there, "
                          "then clear the fault") if stranded else f"agent on node {ev.node} was lost")
     if ev.node not in w.lost_nodes:
-        w.lost_nodes = (*w.lost_nodes, ev.node)[-LIMITS.max_lost_nodes :]  # the oldest loss is forgotten first
+        w.lost_nodes = (*w.lost_nodes, ev.node)[-w.limits.max_lost_nodes :]  # the oldest loss is forgotten first
         w.touch("agent lost")
     sw = w.switch
     snapshotting_jobs = {op.job for op in (sw.ops if sw is not None else ()) if op.node == ev.node}

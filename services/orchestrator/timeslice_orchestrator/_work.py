@@ -98,10 +98,12 @@ class Work:
     changed: bool = False
     reason: str = ""
     seq: int = 0
+    limits: Limits = LIMITS
 
     @classmethod
-    def of(cls, rec: GroupRecord, now: int) -> Work:
+    def of(cls, rec: GroupRecord, now: int, limits: Limits = LIMITS) -> Work:
         return cls(
+            limits=limits,
             group=rec.group,
             now=now,
             epoch=rec.epoch,
@@ -243,8 +245,8 @@ class Work:
             self.saved.pop(job, None)
 
     def fault(self, job: str, reason: str) -> None:
-        if len(reason) > LIMITS.max_reason:
-            reason = reason[: LIMITS.max_reason - 1] + "…"
+        if len(reason) > self.limits.max_reason:
+            reason = reason[: self.limits.max_reason - 1] + "…"
         self.faulted[job] = reason
         self.touch("job faulted")
         i = self.waiter_index(job)
@@ -296,7 +298,7 @@ class Work:
     def _unheard(self, wr: WaiterRecord) -> WaiterRecord | None:
         """``wr`` with one fresh liveness window when its deadline passed long before this check (the lock could not
         hear: ``Limits.deaf_after_ms``) and it has had none since its last renewal; else None (it is silent)."""
-        if wr.forgiven or self.now - wr.alive_until_ms <= LIMITS.deaf_after_ms:
+        if wr.forgiven or self.now - wr.alive_until_ms <= self.limits.deaf_after_ms:
             return None
         self.touch("waiter not heard while the lock could not hear: a fresh window")
         return msgspec.structs.replace(wr, alive_until_ms=self.now + wr.waiter_ttl_ms, forgiven=True)
@@ -377,7 +379,7 @@ class Work:
         if sw is None or not due:
             return
         self.switch = msgspec.structs.replace(sw, ops=tuple(
-            msgspec.structs.replace(op, resend_at_ms=now + LIMITS.resend_ms) if op.op_id in due else op
+            msgspec.structs.replace(op, resend_at_ms=now + self.limits.resend_ms) if op.op_id in due else op
             for op in sw.ops))
         for op in self.switch.ops:
             if op.op_id in due:
@@ -391,7 +393,7 @@ class Work:
         resend (``resend_due``) counts from now."""
         sw = self.switch
         assert sw is not None
-        again = self.now + LIMITS.resend_ms
+        again = self.now + self.limits.resend_ms
         if op.resend_at_ms and op.resend_at_ms != again:
             self.switch = sw = msgspec.structs.replace(sw, ops=tuple(
                 msgspec.structs.replace(o, resend_at_ms=again) if o.op_id == op.op_id else o for o in sw.ops))
@@ -419,7 +421,7 @@ class Work:
         op = OpRecord(
             op_id=f"{self.group}:{epoch}:{kind}:{node}{suffix}", node=node, job=job, kind=kind,
             deadline_ms=(self.now if start_ms is None else start_ms) + timeout,
-            resend_at_ms=self.now + LIMITS.resend_ms,
+            resend_at_ms=self.now + self.limits.resend_ms,
         )
         if kind is OpKind.SNAPSHOT:
             cmd: AgentCommand = Snapshot(op_id=op.op_id, group=self.group, job=job, node=node, epoch=epoch,

@@ -82,14 +82,16 @@ def next_deadline(rec: GroupRecord) -> int | None:
     return min(times) if times else None
 
 
-def apply(rec: GroupRecord, ev: InputEvent, now_ms: int, seq: int) -> tuple[GroupRecord, list[Action]]:
-    """Apply one event. Returns ``rec`` itself (same object) when nothing changed.
+def apply(rec: GroupRecord, ev: InputEvent, now_ms: int, seq: int,
+          limits: Limits = LIMITS) -> tuple[GroupRecord, list[Action]]:
+    """Apply one event. Returns ``rec`` itself (same object) when nothing changed. ``limits``: the bounds the core
+    holds every record to (the defaults unless a caller, e.g. a test, gives its own).
 
     An event at or below ``rec.last_seq`` was applied already: it is ignored (idempotence).
     """
     if seq <= rec.last_seq:
         return rec, []
-    w = Work.of(rec, now_ms)
+    w = Work.of(rec, now_ms, limits)
     w.seq = seq
     w.expire()
     HANDLERS[type(ev)](w, ev)
