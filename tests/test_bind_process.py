@@ -107,7 +107,7 @@ async def test_a_job_that_only_acquires_is_checkpointed_and_restored_on_every_sw
         for p in procs.values():
             assert driver.calls.count(("checkpoint", p.pid)) >= 1, driver.calls
             assert driver.calls.count(("restore", p.pid)) >= 1, driver.calls
-        await eventually(lambda: not agent.jobs(), what="both jobs unbound at close")
+        await eventually(lambda: not agent.jobs(), what="both jobs unbound once their processes exited")
 
 
 async def test_a_client_told_not_to_bind_and_a_host_without_agent_keep_the_lock_alone(

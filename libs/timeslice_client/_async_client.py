@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from ._bind import Binding, bind_process, unbind_process
+from ._bind import Binding, bind_process
 from ._grants import Grant, ReleaseResult, _checks_claims, _Claim, _Hold, _Superseded, _WaitLost
 from ._group_reads import groups_kv, read_record
 from ._hold_scope import AsyncHold, AsyncScopes
@@ -183,9 +183,6 @@ class AsyncTimeSliceClient:
         for ch in self._channels:
             with contextlib.suppress(Exception):
                 await ch.close()
-        if self._binding is not None and self._nc is not None and self._nc.is_connected:
-            with contextlib.suppress(Exception):
-                await unbind_process(self._nc, self.group_id, self.job_id, self._binding, timeout=self.request_timeout)
         if self._keeper is not None:
             self._keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -5,7 +5,11 @@ At its first acquire the client proves its process through the agent's node-loca
 asks the agent of its node (``$TIMESLICE_NODE_ID`` or the host name) to bind it (``RegisterJob(bind=True)``): the
 agent gives the job its default backend (the driver checkpoint where the node can run it), or leaves it to the
 lock alone, and keeps a handler the job registered. No agent socket on this host means no agent: the lock alone,
-said once at debug level. Nothing here ever fails an acquire: a refusal is logged and the job keeps the lock."""
+said once at debug level. Nothing here ever fails an acquire: a refusal is logged and the job keeps the lock.
+
+A binding lasts as long as the process: closing the client does not undo it (the agent's pid check does once the
+process exits). While the process lives its context stays the agent's to move at every switch of the group: a
+process that closed its client may still hold device memory, which the next job must not share."""
 
 from __future__ import annotations
 
@@ -16,9 +20,9 @@ import msgspec
 from nats.aio.client import Client as NATS
 
 from ._agent_socket import ProofUnavailable, prove
-from .protocol import AgentReply, RegisterJob, UnregisterJob, encode, subjects
+from .protocol import AgentReply, RegisterJob, encode, subjects
 
-__all__ = ["Binding", "bind_process", "unbind_process"]
+__all__ = ["Binding", "bind_process"]
 
 log = logging.getLogger("timeslice.client")
 _reply = msgspec.json.Decoder(AgentReply)
@@ -26,7 +30,7 @@ _reply = msgspec.json.Decoder(AgentReply)
 
 class Binding(msgspec.Struct, frozen=True):
     """What the agent of ``node`` gave the job's process: ``backends`` (empty: the lock alone); ``kept``: the job's
-    own registration (a handler) was there already and stays (the bind then unregisters nothing at close)."""
+    own registration (a handler) was there already and stays as it is."""
 
     node: str
     backends: tuple[str, ...]
@@ -64,10 +68,3 @@ async def bind_process(nc: NATS, group: str, job: str, node: str, *, timeout: fl
     log.info("bound to the agent of node %s: %s", node, "+".join(backends) or "the lock alone", extra=ids)
     return Binding(node, backends, kept=reply.code == "kept")
 
-
-async def unbind_process(nc: NATS, group: str, job: str, binding: Binding, *, timeout: float) -> None:
-    """Tell the agent the bound process leaves (best effort: its pid check finds out anyway)."""
-    if not binding.backends or binding.kept:
-        return
-    await nc.request(subjects.agent_rpc(binding.node, "unregister", job),
-                     encode(UnregisterJob(group=group, job=job)), timeout=timeout)
