@@ -41,11 +41,10 @@ JOB = textwrap.dedent("""
         for i in range(rounds):
             with client.on_accelerators():
                 say(f"held {i}")
-                time.sleep(0.3)  # the training step: another job waits meanwhile
-            time.sleep(0.05)  # the step's CPU part: the other job's turn
+                time.sleep(0.3)  # stands for the training step's GPU work (not a wait): another job waits meanwhile
+            time.sleep(0.05)  # stands for the step's CPU part (not a wait): the other job's turn
         say("done")
-        while not (out.parent / "exit").exists():
-            time.sleep(0.05)  # polling the test's go-ahead to close, bounded by the test's timeout
+        sys.stdin.read()  # the test's go-ahead to close: it closes our stdin
 """)
 
 
@@ -77,7 +76,7 @@ async def test_a_job_that_only_acquires_is_checkpointed_and_restored_on_every_sw
     async with running(Agent(AgentConfig(node_id=NODE, nats_url=nats_url)), timeout=30) as agent:
         procs = {job: subprocess.Popen([sys.executable, "-c", JOB, job, GROUP, nats_url, "3",
                                         str(tmp_path / f"{job}.out")],
-                                       cwd=ROOT, env=env) for job in ("a", "b")}
+                                       cwd=ROOT, env=env, stdin=subprocess.PIPE) for job in ("a", "b")}
         try:
             def finished() -> bool:
                 for job, p in procs.items():
@@ -95,7 +94,9 @@ async def test_a_job_that_only_acquires_is_checkpointed_and_restored_on_every_sw
                 (line,) = [ln for ln in out.splitlines() if ln.startswith(f"{job} ")]
                 assert f"pid {p.pid}" in line, out
         finally:
-            (tmp_path / "exit").write_text("")
+            for p in procs.values():
+                assert p.stdin is not None
+                p.stdin.close()  # the go-ahead to close
             for p in procs.values():
                 try:
                     p.wait(30)
@@ -147,3 +148,34 @@ async def test_a_registered_handler_stays_the_jobs_when_its_client_binds(
         assert agent.jobs()["trainer"].backends == ("app_channel",)  # not the node's default (cuda here)
         await c.release()
     assert driver.calls == []
+
+
+async def test_hostile_bind_fields_are_refused_recorded_and_the_agent_goes_on(orchestrator: object,
+                                                                             nats_url: str) -> None:
+    """The fields this change added to the wire are bounded: an oversized registration token or bind answer is
+    refused as undecodable (counted in the agent's refusals), and the agent keeps serving."""
+    import msgspec
+    from timeslice_client.bus import connect
+    from timeslice_client.protocol import AgentReply, subjects
+
+    async with running(Agent(AgentConfig(node_id=NODE, nats_url=nats_url)), timeout=30) as agent:
+        nc = await connect(nats_url)
+        try:
+            for bad in ({"channel": "x" * 65}, {"bind": "yes"}):
+                raw = msgspec.json.encode({"type": "register", "group": GROUP, "job": "evil", "backends": [],
+                                           **bad})
+                msg = await nc.request(subjects.agent_rpc(NODE, "register", "evil"), raw, timeout=5)
+                reply = msgspec.json.decode(msg.data, type=AgentReply)
+                assert not reply.ok and reply.code == "undecodable", reply
+            assert "evil" not in agent.jobs()
+            refused = agent.metrics.registry.get_sample_value(
+                "timeslice_agent_refused_total", {"source": "rpc", "reason": "undecodable"})
+            assert refused is not None and refused >= 2
+            with pytest.raises(msgspec.ValidationError):  # a bind answer naming too many backends
+                msgspec.json.decode(msgspec.json.encode({"type": "agent_reply", "ok": True, "backends": ["b"] * 9}),
+                                    type=AgentReply)
+        finally:
+            await nc.close()
+        async with AsyncTimeSliceClient("after", GROUP, nats_url, node_id=NODE) as c:  # still serving
+            await c.acquire(timeout=10)
+            await c.release()

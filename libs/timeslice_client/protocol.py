@@ -408,7 +408,8 @@ class AgentReply(_Msg, frozen=True, tag="agent_reply"):
     # Why it was refused (the agent's refusal code, e.g. "unproven", "not_owned"); of a bind that succeeded, "kept":
     # the job's own registration (its handler) stays as it was.
     code: str | None = None
-    backends: tuple[str, ...] | None = None  # a bind's answer: the backends the job has now (empty: the lock alone)
+    # A bind's answer: the backends the job has now (empty: the lock alone).
+    backends: Annotated[tuple[Name, ...], msgspec.Meta(max_length=8)] | None = None
 
 
 class WorkloadCommand(_Msg, frozen=True, tag="workload_command"):
@@ -419,7 +420,7 @@ class WorkloadCommand(_Msg, frozen=True, tag="workload_command"):
     mode: SuspendMode = SuspendMode.OFFLOAD
     tags: tuple[str, ...] = ()
     epoch: int = 0
-    channel: str | None = None  # RegisterJob.channel of the registration it is for (None: any channel answers)
+    channel: Name | None = None  # RegisterJob.channel of the registration it is for (None: any channel answers)
 
 
 class WorkloadReply(_Msg, frozen=True, tag="workload_reply"):

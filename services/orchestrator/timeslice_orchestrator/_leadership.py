@@ -54,9 +54,7 @@ LEADER_BUCKET = "leader"
 LEADER_KEY = "orchestrator"
 _STREAM = f"KV_{LEADER_BUCKET}"
 _SUBJECT = f"$KV.{LEADER_BUCKET}.{LEADER_KEY}"
-# JSStreamWrongLastSequenceErrF / ...ConstantErr: a failed sequence check comes back as a plain APIError with one of
-# these codes (nats-py's KeyWrongLastSequenceError has no err_code, and a stale delete(last=) raises BadRequestError)
-_WRONG_LAST_SEQ = (10071, 10164)
+_WRONG_LAST_SEQ = (10071, 10164)  # a failed sequence check: a plain APIError with these codes (JSStreamWrongLastSeq*)
 _STREAM_NOT_FOUND = 10059
 # A write that got no answer: its outcome is unknown until the key is read again (in a cluster a write that timed
 # out on the client had been committed in 2 of 10 leader kills).
