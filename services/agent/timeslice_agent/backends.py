@@ -19,6 +19,7 @@ import contextlib
 import os
 import signal
 from collections.abc import Callable, Iterable
+from typing import Literal
 
 import msgspec
 import nats.errors
@@ -111,9 +112,9 @@ class AppChannelBackend:
     async def restore(self, ctx: JobContext, op: OpContext) -> Outcome:
         return await self._call(ctx, op, "resume")
 
-    async def _call(self, ctx: JobContext, op: OpContext, action: str) -> Outcome:
-        cmd = WorkloadCommand(op_id=op.op_id, action=action, mode=ctx.mode, tags=ctx.tags,  # type: ignore[arg-type]
-                              epoch=op.epoch, channel=ctx.channel)
+    async def _call(self, ctx: JobContext, op: OpContext, action: Literal["suspend", "resume"]) -> Outcome:
+        cmd = WorkloadCommand(op_id=op.op_id, action=action, mode=ctx.mode, tags=ctx.tags, epoch=op.epoch,
+                              channel=ctx.channel)
         subject = subjects.workload_rpc(self._node, ctx.job)
         try:
             msg = await self._ask(subject, encode(cmd), op)
