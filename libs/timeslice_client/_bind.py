@@ -66,5 +66,5 @@ async def bind_process(nc: NATS, group: str, job: str, node: str, *, timeout: fl
         return None
     backends = reply.backends or ()
     log.info("bound to the agent of node %s: %s", node, "+".join(backends) or "the lock alone", extra=ids)
-    return Binding(node, backends, kept=reply.code == "kept")
+    return Binding(node, backends, kept=reply.kept)
 

@@ -405,11 +405,10 @@ class AgentReply(_Msg, frozen=True, tag="agent_reply"):
     ok: bool
     error: str | None = None
     state: JobState | None = None
-    # Why it was refused (the agent's refusal code, e.g. "unproven", "not_owned"); of a bind that succeeded, "kept":
-    # the job's own registration (its handler) stays as it was.
-    code: str | None = None
+    code: str | None = None  # why it was refused (the agent's refusal code, e.g. "unproven", "not_owned")
     # A bind's answer: the backends the job has now (empty: the lock alone).
     backends: Annotated[tuple[Name, ...], msgspec.Meta(max_length=8)] | None = None
+    kept: bool = False  # a bind's answer: the job's own registration (its handler) was there and stays as it was
 
 
 class WorkloadCommand(_Msg, frozen=True, tag="workload_command"):

@@ -144,7 +144,7 @@ class Requests:
             current = self._book.jobs.get(job)
             if req.bind and current is not None and current.group == req.group and current.pids == (peer.pid,):
                 # The process's own registration (a handler, or a bind before: its pid as this agent sees it) stays.
-                return AgentReply(ok=True, state=current.state, backends=current.backends, code="kept")
+                return AgentReply(ok=True, state=current.state, backends=current.backends, kept=True)
             if peer.own_pid == peer.pid:  # the agent's pid namespace: what no job may name is said first
                 check_processes(req.pids, req.pgid, req.backends)
             try:
