@@ -50,7 +50,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, s
                       "1", "--json-out", str(out / "scale.json")),
         "recovery": _run("recovery.py", "--kv-groups", "20", "--busy", "10", "--pre", "1", "--post", "2",
                          "--cold-reps", "1", "--json-out", str(out / "recovery.json")),
-        "busy_suspend": _run("busy_suspend.py", "--tensors", "40", "--tensor-kib", "64", "--reps", "1",
+        # 3 repetitions: each condition's figure is their median, so one sample slowed by the suite's other
+        # workers (an idle resume of 30 ms once, against ~5 ms) does not decide the comparison below.
+        "busy_suspend": _run("busy_suspend.py", "--tensors", "40", "--tensor-kib", "64", "--reps", "3",
                              "--requests", "4", "--json-out", str(out / "busy_suspend.json")),
         "trace_replay": _run("trace_replay.py", "--mode", "both", "--profiles", "grpo_sync", "--steps", "2",
                              "--sim-steps", "4", "--compression", "400", "--json-out",
