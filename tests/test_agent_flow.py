@@ -21,6 +21,7 @@ from timeslice_client import AsyncTimeSliceClient, JobFaulted, JobState
 from timeslice_client.bus import connect
 from timeslice_client.protocol import (
     JOBS_BUCKET,
+    AgentReply,
     OpKind,
     OpResult,
     RegisterJob,
@@ -273,9 +274,10 @@ async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node_unless_th
 
 @pytest.mark.parametrize("again", [None, "same group", "other group"])
 async def test_a_job_unregistered_mid_operation_stays_gone(nats_url: str, again: str | None) -> None:
-    """A job that unregisters while its snapshot runs is not brought back when the snapshot ends: no context in
-    the agent, no key in KV ``jobs``. Registered again meanwhile, in its group, it keeps the new registration
-    (the operation's outcome lands on it); in another group, the old group's operation leaves it alone."""
+    """A job that unregisters while its snapshot runs is unregistered once the snapshot ended (the unregistration
+    waits for it, so the switch hears the snapshot's outcome first), and is not brought back: no context in the
+    agent, no key in KV ``jobs``. A registration while the unregistration waits is answered "busy"; made again
+    after it, in either group, it is a fresh one that the old operation leaves alone."""
     cfg = AgentConfig(node_id="node-1", nats_url=nats_url)
     log: list[str] = []
     go = threading.Event()
@@ -286,18 +288,23 @@ async def test_a_job_unregistered_mid_operation_stays_gone(nats_url: str, again:
             op_id = await agent.run_standalone("x", OpKind.SNAPSHOT)
             await eventually(lambda: log == ["x:suspend start"], what="x's suspend started")
             rpc = functools.partial(nc.request, timeout=5)
-            await rpc(subjects.agent_rpc("node-1", "unregister", "x"), encode(UnregisterJob(group="g1", job="x")))
-            assert "x" not in agent.jobs()
+            leave = asyncio.ensure_future(nc.request(subjects.agent_rpc("node-1", "unregister", "x"),
+                                                     encode(UnregisterJob(group="g1", job="x")), timeout=30))
+            await eventually(lambda: "x" in agent.leaving(), what="the unregistration waits")
+            assert "x" in agent.jobs() and not leave.done()  # not while its snapshot runs
+            group = "g1" if again == "same group" else "g2"
+            reg = RegisterJob(group=group, job="x", backends=("app_channel",), pids=(os.getpid(),), tags=("fresh",))
             if again is not None:
-                group = "g1" if again == "same group" else "g2"
-                reg = RegisterJob(group=group, job="x", backends=("app_channel",), pids=(os.getpid(),),
-                                  tags=("fresh",))
-                await rpc(subjects.agent_rpc("node-1", "register", "x"), encode(reg))
-                assert agent.jobs()["x"].group == group
+                busy = await rpc(subjects.agent_rpc("node-1", "register", "x"), encode(reg))
+                assert msgspec.json.decode(busy.data, type=AgentReply).code == "busy"
+                assert agent.jobs()["x"].group == "g1" and agent.jobs()["x"].tags != ("fresh",)
             go.set()
             status = await eventually(lambda: (s := agent.operation(op_id)) is not None and s.done and s,
                                       what="the snapshot's end")
             assert status.result is not None and status.result.ok
+            assert msgspec.json.decode((await asyncio.wait_for(leave, 30)).data, type=AgentReply).ok
+            if again is not None:
+                await rpc(subjects.agent_rpc("node-1", "register", "x"), encode(reg))
             kv = await nc.jetstream().key_value(JOBS_BUCKET)
             if again is None:
                 assert "x" not in agent.jobs()
@@ -306,7 +313,7 @@ async def test_a_job_unregistered_mid_operation_stays_gone(nats_url: str, again:
             else:
                 ctx = agent.jobs()["x"]
                 assert ctx.tags == ("fresh",)  # the registration made during the operation, not the old one
-                assert ctx.state is (JobState.SAVED if again == "same group" else JobState.IDLE), ctx
+                assert ctx.state is JobState.IDLE and ctx.group == group, ctx  # fresh: the old snapshot left it
                 stored = msgspec.json.decode((await kv.get("node-1.x")).value)
                 assert stored["tags"] == ["fresh"] and stored["state"] == ctx.state.value
     finally:

@@ -41,6 +41,9 @@ class AgentConfig(BaseSettings):
     # "auto": the driver checkpoint (cuda) where this node can run it, else the lock alone; "none": the lock alone;
     # or a backend's name (e.g. "freeze").
     default_backend: str = Field(default="auto", min_length=1, max_length=64)
+    # How long a job's unregistration waits for an operation running on it (a snapshot moving its state off the
+    # device: an operation's deadline plus a driver call's drain); past it the job stays registered, answered "busy".
+    unregister_wait_s: float = Field(default=600.0, gt=0)
 
     @field_validator("allowed_uids", mode="before")
     @classmethod

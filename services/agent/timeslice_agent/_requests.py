@@ -5,6 +5,13 @@ subject takes its own message type only. Every request is answered when it has a
 agent: a malformed one is refused (``bad request: …``, with the refusal's ``code``), logged and counted in
 ``timeslice_agent_refused``.
 
+An unregistration waits for an operation running on its job (a snapshot still moving the job's state off the
+device): answered at once, ``JobUnregistered`` would make the orchestrator end that operation as "job gone" and grant
+the next job while the copy ran. It waits in a task of the agent's own (one subscription's callbacks run in order,
+so the other jobs' unregistrations are not held up), at most ``unregister_wait_s``; past that it is answered
+``busy`` and the job stays registered. A job has at most one such wait, the node ``MAX_WAITING_UNREGISTERS``; a
+registration of a job whose unregistration waits is answered ``busy`` too (it would be undone, or undo the other).
+
 A registration proves its processes with the token of the agent's socket (``RegisterJob.proof``, see ``_peer``):
 its pids and group must then be the proving process's own (``_ownership``). Without a proof only backends that touch
 no process are accepted (``backends.acts_on_processes``); their pids only tell when the job is gone."""
@@ -13,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Final
 
 import msgspec
 from nats.aio.msg import Msg
@@ -37,7 +45,7 @@ from ._untrusted import Refusal, Refused, cap, check_id, check_processes, shown
 from .backends import BackendUnavailable, acts_on_processes, node_default_backend
 from .metrics import AgentMetrics
 
-__all__ = ["Requests", "log_refusal"]
+__all__ = ["BUSY", "MAX_WAITING_UNREGISTERS", "Requests", "log_refusal"]
 
 log = logging.getLogger("timeslice.agent")
 
@@ -46,6 +54,10 @@ _unregister_decoder = msgspec.json.Decoder(UnregisterJob)
 _clear_decoder = msgspec.json.Decoder(ClearJobFault)
 
 Proofs = Callable[[str, str], Peer]  # (token, job) -> the process that asked for it; Refused when it is no proof
+Spawn = Callable[[Coroutine[Any, Any, None]], object]  # the agent's TaskGroup.create_task
+
+BUSY: Final = "busy"  # AgentReply.code: an operation on the job still runs; ask again later
+MAX_WAITING_UNREGISTERS: Final = 256  # unregistrations waiting for their job's operation, per node
 
 
 def log_refusal(metrics: AgentMetrics, node: str, source: str, code: Refusal, message: str, **extra: str) -> None:
@@ -59,14 +71,27 @@ class Requests:
     ``proofs``: the agent socket's tokens (None: it serves none, at ``socket_path``)."""
 
     def __init__(self, node: str, book: JobBook, locks: JobLocks, metrics: AgentMetrics, *, guard: ProcessGuard,
-                 proofs: Proofs | None = None, socket_path: str | None = None, default_backend: str = "auto") -> None:
+                 proofs: Proofs | None = None, socket_path: str | None = None, default_backend: str = "auto",
+                 unregister_wait_s: float = 600.0) -> None:
         self.node, self._book, self._locks, self._metrics = node, book, locks, metrics
+        self._unregister_wait_s = unregister_wait_s  # AgentConfig.unregister_wait_s
+        self._spawn: Spawn | None = None  # while serving: where an unregistration waits for its job's operation
+        self._leaving: set[str] = set()  # jobs whose unregistration waits so
         self._default_backend = default_backend  # AgentConfig.default_backend: what a bound process gets
         self._guard, self._proofs, self._socket_path = guard, proofs, socket_path
         self._js: JetStreamContext | None = None
 
     def bind(self, js: JetStreamContext) -> None:
         self._js = js
+
+    @property
+    def leaving(self) -> frozenset[str]:
+        """The jobs whose unregistration waits for their operation now."""
+        return frozenset(self._leaving)
+
+    def serve_in(self, spawn: Spawn | None) -> None:
+        """Where unregistrations wait for their job's operation (the agent's TaskGroup; None: stopped)."""
+        self._spawn = spawn
 
     def set_proofs(self, proofs: Proofs | None, socket_path: str | None) -> None:
         self._proofs, self._socket_path = proofs, socket_path
@@ -75,7 +100,32 @@ class Requests:
         await self._answered(msg, lambda: self._register(self._job_of(msg.subject, "register"), msg.data))
 
     async def on_unregister(self, msg: Msg) -> None:
-        await self._answered(msg, lambda: self._unregister(self._job_of(msg.subject, "unregister"), msg.data))
+        def unregister() -> Awaitable[AgentReply]:
+            return self._unregister(self._job_of(msg.subject, "unregister"), msg.data)
+
+        try:
+            job = self._job_of(msg.subject, "unregister")
+        except Refused:
+            job = None  # refused below, by the same call
+        if job is None or self._spawn is None or not self._locks.users(job):
+            await self._answered(msg, unregister)
+        elif job in self._leaving or len(self._leaving) >= MAX_WAITING_UNREGISTERS:
+            await self._answered(msg, lambda: self._busy(job, "its unregistration already waits for it"
+                                                         if job in self._leaving else "too many unregistrations "
+                                                         f"wait on this node ({MAX_WAITING_UNREGISTERS})"))
+        else:
+            self._leaving.add(job)
+            self._spawn(self._unregister_after(msg, job, unregister))
+
+    async def _unregister_after(self, msg: Msg, job: str, unregister: Callable[[], Awaitable[AgentReply]]) -> None:
+        try:
+            await self._answered(msg, unregister)
+        finally:
+            self._leaving.discard(job)
+
+    async def _busy(self, job: str, why: str) -> AgentReply:
+        return AgentReply(ok=False, code=BUSY, error=f"an operation on job {job!r} still runs on node "
+                                                     f"{self.node!r} ({why}): ask again once it ended")
 
     async def on_clear_fault(self, msg: Msg) -> None:
         def clear() -> Awaitable[AgentReply]:
@@ -128,6 +178,8 @@ class Requests:
         if req.job != job:
             raise Refused(Refusal.WRONG_JOB, f"a registration on the subject of job {job!r} names job "
                                              f"{shown(req.job)}; a job registers itself only")
+        if job in self._leaving:  # requests are obeyed in their order: this one comes after the job asked to leave
+            return await self._busy(job, "its unregistration waits for it")
         if req.bind:
             backend = node_default_backend(self._default_backend)
             if backend is None:
@@ -177,8 +229,15 @@ class Requests:
         if ctx is not None and ctx.group != group:
             return AgentReply(ok=False, error=f"job {job!r} is registered in group {ctx.group!r} on node "
                                               f"{self.node!r}, not {group!r}: unregister it from its own group")
-        if ctx is not None:
-            await self._book.unregister(ctx, "unregistered by the job")
+        if ctx is None:
+            return AgentReply(ok=True)
+        try:
+            async with asyncio.timeout(self._unregister_wait_s), self._locks.hold(job):
+                ctx = self._book.jobs.get(job)  # what the operation left (it may have ended the registration)
+                if ctx is not None and ctx.group == group:
+                    await self._book.unregister(ctx, "unregistered by the job")
+        except TimeoutError:
+            return await self._busy(job, f"waited {self._unregister_wait_s:g} s for it")
         return AgentReply(ok=True)
 
     async def _clear_fault(self, job: str) -> AgentReply:

@@ -104,7 +104,8 @@ class Agent:
         self._guard = ProcessGuard(proc=ProcFS(self.config.proc_root), allowed_uids=self.config.allowed_uids,
                                    any_uid=self.config.allow_other_uids)
         self._requests = Requests(self.node, self._book, self._locks, self.metrics,  # ts.rpc.agent.<node>.*
-                                  guard=self._guard, default_backend=self.config.default_backend)
+                                  guard=self._guard, default_backend=self.config.default_backend,
+                                  unregister_wait_s=self.config.unregister_wait_s)
         self._peer: PeerServer | None = None  # the agent socket, while running
         self._epochs: dict[str, int] = {}
         self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()
@@ -127,6 +128,9 @@ class Agent:
     def jobs(self) -> dict[str, JobContext]:
         return dict(self._book.jobs)
 
+    def leaving(self) -> frozenset[str]:  # the jobs whose unregistration waits for an operation running on them
+        return self._requests.leaving
+
     def shutdown(self) -> None:
         self._stop.set()
 
@@ -145,6 +149,7 @@ class Agent:
             await self._serve_socket()
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
+                self._requests.serve_in(tg.create_task)
                 await heartbeat.once()
                 await self._book.recover()
                 r, node = self._requests, self.node
@@ -168,6 +173,7 @@ class Agent:
             pass
         finally:
             self._tg = None
+            self._requests.serve_in(None)
             if self._peer is not None:
                 await self._peer.stop()
                 self._peer = None
