@@ -220,7 +220,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
         end = t_start + a.minutes * 60
         i = 0
-        kinds = list(KINDS)
+        kinds = list(a.kinds)
         while time.monotonic() < end:
             await asyncio.sleep(a.every)  # the pace of the fault schedule, not a wait for anything
             kind = kinds[i % len(kinds)] if i < len(kinds) else rng.choice(kinds)  # every kind at least once
@@ -325,6 +325,14 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in KINDS]
+    if not kinds or unknown:
+        raise argparse.ArgumentTypeError(f"unknown fault kind(s) {unknown}: choose from {', '.join(KINDS)}")
+    return kinds
+
+
 def print_report(r: dict[str, Any]) -> bool:
     ok = r.get("check_exit") == 0 and bool(r.get("check", {}).get("ok"))
     print(f"chaos: {r['minutes']} min, {r['handoffs']} handoffs, faults {r['faults']}")
@@ -347,6 +355,8 @@ def main() -> None:
     p.add_argument("--hold-ms", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs) and say where")
+    p.add_argument("--kinds", type=_kinds, default=KINDS,
+                   help=f"comma-separated fault kinds to run (default: all of {','.join(KINDS)})")
     p.add_argument("--json-out", default=None)
     p.add_argument("--quick", action="store_true", help="one minute, a fault every 5 s (every kind once)")
     a = p.parse_args()

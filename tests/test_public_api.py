@@ -10,22 +10,24 @@ import pytest
 
 PINNED: dict[str, set[str]] = {
     "timeslice_client": {
-        "AcquireCancelled", "AcquireTimeout", "AgentRefused", "AsyncSnapshotAgentClient", "AsyncTimeSliceClient",
-        "BusUnreachable", "CallbackHandler", "Grant", "GroupFull", "GroupQuarantined", "GroupRecord", "GroupState",
+        "AcquireCancelled", "AcquireTimeout", "AgentError", "AgentRefused", "AsyncSnapshotAgentClient",
+        "AsyncTimeSliceClient", "BusUnreachable", "CallbackHandler", "CredentialsError", "Grant", "GroupFull", "GroupQuarantined", "GroupRecord", "GroupState",
         "HandlerError", "HandlerResult", "InvalidId", "InvalidNatsUrl", "InvalidRequest", "JobFaulted", "JobState",
-        "LeaseExpired", "LockLost", "NotHolder", "ReleaseResult", "SnapshotAgentClient", "StaleEpoch",
+        "LeaseExpired", "LockLost", "NotHolder", "OperationFailed", "OperationNotFound", "OperationTimeout",
+        "ReleaseResult", "SnapshotAgentClient", "StaleEpoch",
         "SuspendMode", "TimeSliceClient", "TimeSliceError", "Unavailable", "UnresizableStorage", "WorkloadChannel",
         "WorkloadHandler", "register_workload",
     },
     "timeslice_agent": {
-        "Agent", "AgentConfig", "AgentMetrics", "AppChannelBackend", "AppEndpointBackend", "Backend",
+        "Agent", "AgentConfig", "AgentMetrics", "AgentServiceError", "AgentSocketError", "AppChannelBackend", "AppEndpointBackend", "Backend",
         "BackendError", "BackendUnavailable", "CheckpointDriver", "CudaBackend", "DriverError", "FreezeBackend",
-        "GpuAccounting", "GpuProcess", "GpuSource", "NoopBackend", "OpContext", "OperationInProgress", "Outcome",
-        "ProcessState", "available_backends", "register_backend", "unavailable_backends",
+        "GpuAccounting", "GpuProcess", "GpuSource", "HttpError", "NoopBackend", "OpContext", "OperationInProgress",
+        "Outcome", "ProcessState", "Refusal", "Refused", "UnknownProcessState", "available_backends", "register_backend", "unavailable_backends",
     },
     "timeslice_orchestrator": {
-        "EmbeddedNatsError", "NatsServer", "Orchestrator", "OrchestratorConfig", "OrchestratorError",
-        "OrchestratorMetrics", "apply", "find_nats_server", "new_record", "next_deadline",
+        "AuthError", "Deposed", "EmbeddedNatsError", "LeaderWaitTimeout", "LeadershipError", "NatsServer",
+        "NotLeader", "Orchestrator", "OrchestratorConfig", "OrchestratorError", "OrchestratorMetrics", "ReplayError",
+        "ServiceFailed", "Unusable", "apply", "find_nats_server", "new_record", "next_deadline",
     },
 }
 
@@ -49,3 +51,29 @@ def test_every_public_modules_all_resolves(module: str) -> None:
     mod = importlib.import_module(module)
     missing = [n for n in getattr(mod, "__all__", ()) if not hasattr(mod, n)]
     assert not missing, f"{module}.__all__ names what it does not define: {missing}"
+
+
+ROOTS = {"timeslice_client": "TimeSliceError", "timeslice_agent": "AgentServiceError",
+         "timeslice_orchestrator": "OrchestratorError"}
+
+
+@pytest.mark.parametrize("package", sorted(ROOTS))
+def test_each_packages_errors_form_one_tree_under_its_root(package: str) -> None:
+    """Every exception a package defines (in its one errors module, and anything it exports) descends from the
+    package's root, and every root from the client's ``TimeSliceError``: ``except TimeSliceError`` catches them
+    all, ``except OrchestratorError`` one package's."""
+    from timeslice_client.errors import TimeSliceError
+
+    mod = importlib.import_module(package)
+    root = getattr(mod, ROOTS[package])
+    assert issubclass(root, TimeSliceError)
+    errors_mod = importlib.import_module(f"{package}.errors" if package == "timeslice_client" else f"{package}._errors")
+    found = {n: getattr(errors_mod, n) for n in errors_mod.__all__}
+    found.update({n: getattr(mod, n) for n in mod.__all__})
+    classes = {n: c for n, c in found.items() if isinstance(c, type) and issubclass(c, BaseException)}
+    assert classes, package
+    outside = sorted(n for n, c in classes.items() if not issubclass(c, root))
+    assert not outside, f"{package}: {outside} are not under {ROOTS[package]}"
+    elsewhere = sorted(n for n, c in classes.items() if c.__module__ != errors_mod.__name__)
+    assert not elsewhere, f"{package}: {elsewhere} are defined outside {errors_mod.__name__}"
+

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final, TypeAlias
 
-from .errors import TimeSliceError
+from .errors import CredentialsError
 
 __all__ = [
     "BusAuth",
@@ -46,15 +46,6 @@ log = logging.getLogger("timeslice.bus")
 CREDS_ENV: Final = "TIMESLICE_CREDS"
 _TLS_ENV: Final = {"ca": "TIMESLICE_TLS_CA", "cert": "TIMESLICE_TLS_CERT", "key": "TIMESLICE_TLS_KEY"}
 LOCAL_CREDS_NAME: Final = "nats.creds"
-
-
-class CredentialsError(TimeSliceError, ValueError):
-    """A credentials or TLS file that cannot be used (missing, unreadable, not a NATS ``.creds`` file)."""
-
-    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
-        self.path = str(path)
-        self.reason = reason
-        super().__init__(f"cannot use {self.path}: {reason}")
 
 
 @dataclass(frozen=True)

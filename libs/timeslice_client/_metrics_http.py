@@ -15,20 +15,11 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from .errors import TimeSliceError
+from .errors import MetricsServerError
 
 __all__ = ["MetricsEndpoint", "MetricsServerError", "serve_metrics"]
 
 log = logging.getLogger("timeslice.metrics")
-
-
-class MetricsServerError(TimeSliceError):
-    """The metrics endpoint could not listen (port taken, address not local)."""
-
-    def __init__(self, host: str, port: int, reason: str) -> None:
-        self.host, self.port, self.reason = host, port, reason
-        super().__init__(f"cannot serve metrics on {host}:{port} ({reason}); pass --metrics-port with a free "
-                         "port, 0 for any free port, or -1 to turn the metrics endpoint off")
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,15 @@ import grpc
 
 from ._grpc import snapshot_agent_pb2 as pb
 from ._grpc.runtime import channel_credentials
-from .errors import InvalidRequest, TimeSliceError, Unavailable
+from .errors import (
+    AgentError,
+    InvalidRequest,
+    OperationFailed,
+    OperationNotFound,
+    OperationTimeout,
+    TimeSliceError,
+    Unavailable,
+)
 from .protocol import JobState
 
 __all__ = [
@@ -64,37 +72,7 @@ def default_target() -> str:
     return os.environ.get("TIMESLICE_AGENT_GRPC_TARGET") or "127.0.0.1:9001"
 
 
-# ---------------------------------------------------------------------- errors
-
-
-class AgentError(TimeSliceError):
-    """The agent refused a request (``code`` is the gRPC status code)."""
-
-    def __init__(self, message: str, *, code: grpc.StatusCode, target: str) -> None:
-        self.code = code
-        self.target = target
-        super().__init__(f"snapshot agent at {target}: {message} ({code.name})")
-
-
-class OperationNotFound(AgentError, LookupError):
-    pass
-
-
-class OperationFailed(TimeSliceError):
-    def __init__(self, op: Operation) -> None:
-        self.operation = op
-        super().__init__(f"operation {op.op_id} failed after {op.elapsed_ms} ms: {op.error}")
-
-
-class OperationTimeout(TimeSliceError, TimeoutError):
-    def __init__(self, op_id: str, timeout_s: float) -> None:
-        self.op_id = op_id
-        self.timeout_s = timeout_s
-        super().__init__(f"operation {op_id} did not finish within {timeout_s:.3g} s; it may still finish: "
-                         "poll get_operation()")
-
-
-# ---------------------------------------------------------------------- values
+# ---------------------------------------------------------------------- values (the errors are in ``errors``)
 
 
 class OperationState(enum.StrEnum):

@@ -16,23 +16,42 @@
     ├── HandlerError         a workload handler could not suspend or resume the job's state
     │   └── UnresizableStorage  a registered tensor whose memory can never be freed (e.g. after ``.numpy()``)
     ├── AgentRefused         the node's agent refused a registration (e.g. processes the job did not prove)
+    ├── AgentError           the agent's gRPC API refused a request (``code``: the gRPC status code)
+    │   └── OperationNotFound   no operation of that id (also LookupError)
+    ├── OperationFailed      a snapshot or restore asked through the agent's gRPC API failed
+    ├── OperationTimeout     it did not finish in the time waited (also TimeoutError; it may still finish)
+    ├── CredentialsError     a credentials or TLS file that cannot be used (also ValueError)
+    ├── MetricsServerError   a metrics endpoint could not listen (port taken, address not local)
     └── LockLost             the caller does not hold the group (any more)
         ├── NotHolder        another job (or nobody) holds the group
         ├── StaleEpoch       the caller's grant is older than the group's current epoch
         └── LeaseExpired     the lease lapsed (not renewed in time) and the group moved on
 
-Every error carries the values that explain it as attributes and says in its message what to do.
+Every error carries the values that explain it as attributes and says in its message what to do. Foreign errors
+(nats-py's, grpc's, the OS's) are translated by type where they are met: ``_publish_rules`` and ``bus`` into
+``Unavailable`` / ``BusUnreachable``, ``agent_client`` into ``AgentError``. The services' trees hang below the root:
+``timeslice_orchestrator.OrchestratorError`` and ``timeslice_agent.AgentServiceError``.
 """
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING
+
 from ._codes import DequeueCode
+
+if TYPE_CHECKING:  # the gRPC agent client's types: grpc is an extra, imported only by ``agent_client``
+    import grpc
+
+    from .agent_client import Operation
 
 __all__ = [
     "AcquireCancelled",
     "AcquireTimeout",
+    "AgentError",
     "AgentRefused",
     "BusUnreachable",
+    "CredentialsError",
     "GroupFull",
     "GroupQuarantined",
     "HandlerError",
@@ -42,7 +61,11 @@ __all__ = [
     "JobFaulted",
     "LeaseExpired",
     "LockLost",
+    "MetricsServerError",
     "NotHolder",
+    "OperationFailed",
+    "OperationNotFound",
+    "OperationTimeout",
     "StaleEpoch",
     "TimeSliceError",
     "Unavailable",
@@ -278,3 +301,52 @@ class AgentRefused(TimeSliceError):
         self.reason = reason
         super().__init__(f"the agent on node {node_id!r} refused {verb} of job {job_id!r}"
                          f"{f' ({code})' if code else ''}: {reason}")
+
+
+class CredentialsError(TimeSliceError, ValueError):
+    """A credentials or TLS file that cannot be used (missing, unreadable, not a NATS ``.creds`` file)."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"cannot use {self.path}: {reason}")
+
+
+class MetricsServerError(TimeSliceError):
+    """The metrics endpoint could not listen (port taken, address not local)."""
+
+    def __init__(self, host: str, port: int, reason: str) -> None:
+        self.host, self.port, self.reason = host, port, reason
+        super().__init__(f"cannot serve metrics on {host}:{port} ({reason}); pass --metrics-port with a free "
+                         "port, 0 for any free port, or -1 to turn the metrics endpoint off")
+
+
+class AgentError(TimeSliceError):
+    """The agent refused a request (``code`` is the gRPC status code)."""
+
+    def __init__(self, message: str, *, code: grpc.StatusCode, target: str) -> None:
+        self.code = code
+        self.target = target
+        super().__init__(f"snapshot agent at {target}: {message} ({code.name})")
+
+
+class OperationNotFound(AgentError, LookupError):
+    """The agent knows no operation of that id (it ended long ago, or was never asked)."""
+
+
+class OperationFailed(TimeSliceError):
+    """A snapshot or restore asked through the agent's gRPC API ended failed; ``operation`` is its final state."""
+
+    def __init__(self, op: Operation) -> None:
+        self.operation = op
+        super().__init__(f"operation {op.op_id} failed after {op.elapsed_ms} ms: {op.error}")
+
+
+class OperationTimeout(TimeSliceError, TimeoutError):
+    """The operation did not end within the time waited for it; it may still end (poll ``get_operation()``)."""
+
+    def __init__(self, op_id: str, timeout_s: float) -> None:
+        self.op_id = op_id
+        self.timeout_s = timeout_s
+        super().__init__(f"operation {op_id} did not finish within {timeout_s:.3g} s; it may still finish: "
+                         "poll get_operation()")

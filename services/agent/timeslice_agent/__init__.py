@@ -1,6 +1,7 @@
 """timeslice snapshot agent: the node-local daemon that moves job contexts off the accelerators and back."""
 
 from ._cuda import CheckpointDriver, DriverError, ProcessState
+from ._errors import AgentServiceError, AgentSocketError, HttpError, Refusal, Refused, UnknownProcessState
 from ._nvml import GpuAccounting, GpuProcess, GpuSource
 from ._standalone import OperationInProgress
 from .backends import (
@@ -25,6 +26,8 @@ __all__ = [
     "Agent",
     "AgentConfig",
     "AgentMetrics",
+    "AgentServiceError",
+    "AgentSocketError",
     "AppChannelBackend",
     "AppEndpointBackend",
     "Backend",
@@ -37,11 +40,15 @@ __all__ = [
     "GpuAccounting",
     "GpuProcess",
     "GpuSource",
+    "HttpError",
     "NoopBackend",
     "OpContext",
     "OperationInProgress",
     "Outcome",
     "ProcessState",
+    "Refusal",
+    "Refused",
+    "UnknownProcessState",
     "available_backends",
     "register_backend",
     "unavailable_backends",

@@ -30,6 +30,7 @@ from urllib.parse import urlencode, urlsplit
 from timeslice_client.protocol import JobContext, SuspendMode
 
 from ._backend_api import BackendError, OpContext, Outcome
+from ._errors import HttpError
 from ._nvml import GpuAccounting, gpu_source
 
 __all__ = ["AppEndpointBackend", "Endpoint", "HttpError", "check_endpoints", "http_post", "parse_endpoint"]
@@ -73,14 +74,6 @@ def check_endpoints(specs: tuple[str, ...]) -> tuple[Endpoint, ...]:
     if not specs:
         raise ValueError("backend app_endpoint needs the job's endpoints, e.g. 'vllm+http://127.0.0.1:8000'")
     return tuple(parse_endpoint(s) for s in specs)
-
-
-class HttpError(Exception):
-    """The request did not get an answer (connection refused, reset, garbage, timeout)."""
-
-    def __init__(self, message: str, *, timed_out: bool = False) -> None:
-        self.timed_out = timed_out
-        super().__init__(message)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,19 +10,9 @@ from typing import Protocol
 
 from timeslice_client.protocol import JobContext
 
+from ._errors import BackendError, BackendUnavailable
+
 __all__ = ["Backend", "BackendError", "BackendUnavailable", "OpContext", "Outcome"]
-
-
-class BackendError(Exception):
-    """An operation failed. ``rolled_back`` says whether the job's context is as it was before."""
-
-    def __init__(self, message: str, *, rolled_back: bool = True) -> None:
-        self.rolled_back = rolled_back
-        super().__init__(message)
-
-
-class BackendUnavailable(BackendError):
-    """The backend cannot run on this node (missing driver, library or permission)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from typing import Any, Protocol, TypeVar
 from timeslice_client.protocol import JobContext
 
 from ._backend_api import BackendError, BackendUnavailable, OpContext, Outcome
+from ._errors import DriverError, UnknownProcessState
 from ._nvml import GpuAccounting, gpu_source, process_tree
 
 __all__ = [
@@ -60,33 +61,6 @@ class ProcessState(enum.IntEnum):
     LOCKED = 1
     CHECKPOINTED = 2
     FAILED = 3
-
-
-class DriverError(Exception):
-    """A checkpoint call returned an error: which call, for which process, and the driver's code."""
-
-    def __init__(self, call: str, pid: int, code: str, detail: str = "") -> None:
-        self.call, self.pid, self.code, self.detail = call, pid, code, detail
-        super().__init__(f"{call}(pid {pid}) returned {code}" + (f": {detail}" if detail else ""))
-
-    @property
-    def timed_out(self) -> bool:
-        """A lock not taken within its timeout: the driver documents ``CUDA_ERROR_NOT_READY`` for it (the process
-        is left RUNNING); ``CUDA_ERROR_TIMEOUT`` is taken the same way."""
-        return self.code in _LOCK_TIMED_OUT
-
-
-_LOCK_TIMED_OUT = frozenset({"CUDA_ERROR_NOT_READY", "CUDA_ERROR_TIMEOUT"})
-
-
-class UnknownProcessState(DriverError):
-    """``cuCheckpointProcessGetState`` answered a state this agent does not know (a newer driver's, such as one
-    for a checkpoint or restore in progress): a CUDA process, in a state nothing here may assume."""
-
-    def __init__(self, pid: int, value: int) -> None:
-        self.value = value
-        super().__init__("cuCheckpointProcessGetState", pid, f"CU_PROCESS_STATE_{value}",
-                         "a process state this agent does not know (a newer driver's); upgrade the agent")
 
 
 class CheckpointDriver(Protocol):

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import msgspec
 from timeslice_client._agent_socket import EXCHANGE_TIMEOUT_S, MAX_LINE, TOKEN_TTL_S, Answer, Hello
-from timeslice_client.errors import TimeSliceError
 
+from ._errors import AgentSocketError
 from ._ownership import Peer, ProcessGuard
 from ._untrusted import Refusal, Refused, check_id, shown
 from .metrics import AgentMetrics
@@ -41,13 +41,6 @@ log = logging.getLogger("timeslice.agent")
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _MAX_PATH = 107  # bytes of sun_path, less its terminating NUL
 
-
-class AgentSocketError(TimeSliceError):
-    """The agent cannot serve its socket at ``path``; the message says why and what to do."""
-
-    def __init__(self, path: str, why: str) -> None:
-        self.path = path
-        super().__init__(f"the agent cannot serve its socket at {path}: {why}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,8 @@ from typing import Any
 import msgspec
 from timeslice_client.protocol import JobContext, JobState, OpKind, SuspendMode
 
+from ._errors import OperationInProgress
+
 __all__ = ["OpSettings", "OperationInProgress", "check_idle", "run_context", "settled", "standalone_context"]
 
 
@@ -85,16 +87,6 @@ def settled(ran: JobContext, stored: JobContext, state: JobState) -> dict[str, A
     if state in (JobState.SAVED, JobState.RUNNING):
         return {"saved_mode": None, "saved_tags": None}
     return {}  # faulted: what was saved, and how, is kept for the restore once the fault is cleared
-
-
-class OperationInProgress(Exception):
-    """A standalone operation asked for a job while another operation on it runs: refused at once (gRPC
-    ``ABORTED``), never queued behind it. ``op_id``: the running one, when it is a standalone operation."""
-
-    def __init__(self, job: str, op_id: str | None) -> None:
-        self.job, self.op_id = job, op_id
-        which = f"operation {op_id}" if op_id else "an operation of the orchestrator's switch"
-        super().__init__(f"job {job!r} is busy: {which} runs on it; wait for it to end (GetOperation), then ask again")
 
 
 def check_idle(job: str, lock_users: int, standalone: Mapping[str, tuple[str, float]]) -> None:

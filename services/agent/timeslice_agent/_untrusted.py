@@ -10,7 +10,6 @@ metrics count; its message names the field, the value and the rule.
 
 from __future__ import annotations
 
-import enum
 import os
 import re
 from collections.abc import Iterable
@@ -18,6 +17,8 @@ from typing import Final
 
 from timeslice_client.errors import InvalidId
 from timeslice_client.protocol import OpKind, OpResult, RegisterJob, Restore, Snapshot, validate_id
+
+from ._errors import REFUSALS, Refusal, Refused
 
 __all__ = [
     "MAX_DEADLINE_AHEAD_MS",
@@ -64,30 +65,6 @@ PROCESS_ACTING: Final = frozenset({"freeze", "cuda"})
 _OP_ID_RE: Final = re.compile(rf"[!-~]{{1,{MAX_OP_ID}}}")
 
 
-class Refusal(enum.StrEnum):
-    """Why a message was refused (a metric label: a fixed set)."""
-
-    UNDECODABLE = "undecodable"  # not JSON, an unknown type or field, a field of the wrong type
-    INVALID_ID = "invalid_id"  # a group/job/node/op id that cannot go into a subject or key
-    WRONG_NODE = "wrong_node"  # a command or context for another node
-    OUT_OF_RANGE = "out_of_range"  # an epoch, deadline or timeout outside its bounds
-    TOO_LARGE = "too_large"  # too many pids, tags, endpoints, backends or ``after`` ids, or one too long
-    FORBIDDEN_PROCESS = "forbidden_process"  # pid/pgid <= 1, past PID_MAX, or the agent's own
-    WRONG_JOB = "wrong_job"  # a request whose payload names another job than its subject
-    UNPROVEN = "unproven"  # a process-level backend for a job that did not prove its processes (agent socket)
-    NOT_OWNED = "not_owned"  # a pid or group that is not the proven process's own, or runs as another uid
-    WRONG_SUBJECT = "wrong_subject"  # a message delivered here that was not sent on this subject (a pushed stream copy)
-
-
-REFUSALS: Final = tuple(r.value for r in Refusal)
-
-
-class Refused(ValueError):
-    """A message the agent will not act on; ``code`` says why, the message which field and what to send."""
-
-    def __init__(self, code: Refusal, message: str) -> None:
-        self.code = code
-        super().__init__(message)
 
 
 def shown(value: object, limit: int = 80) -> str:

@@ -31,9 +31,9 @@ from typing import Any, Final
 
 import nkeys
 from nacl.signing import VerifyKey
-from timeslice_client.errors import TimeSliceError
 
 from ._auth_perms import ROLES, permissions
+from ._errors import AuthError
 
 __all__ = ["ACCOUNT", "AuthDir", "AuthError", "Issued", "creds_text", "decode_jwt", "parse_ttl", "write_private"]
 
@@ -42,14 +42,6 @@ _HEADER: Final = {"typ": "JWT", "alg": "ed25519-nkey"}
 _UNLIMITED: Final = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": True,
                      "conn": -1, "leaf": -1}
 _JETSTREAM: Final = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}
-
-
-class AuthError(TimeSliceError):
-    """An auth directory or credential that cannot be used; the message says what to do."""
-
-    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None) -> None:
-        self.path = str(path) if path is not None else None
-        super().__init__(message)
 
 
 def _b64(data: bytes) -> str:

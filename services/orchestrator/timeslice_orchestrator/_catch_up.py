@@ -26,7 +26,7 @@ from nats.js.errors import NotFoundError
 from timeslice_client.protocol import STREAM, subjects
 
 from ._delivery import delivery, first, is_input
-from ._errors import OrchestratorError
+from ._errors import ServiceFailed
 
 __all__ = ["ack_floor", "api_error", "bind_durable", "catch_up", "failure", "fill_gap"]
 
@@ -36,7 +36,7 @@ log = logging.getLogger("timeslice.orchestrator")
 async def catch_up(js: JetStreamContext, floor: int, on_input: Callable[[Msg], Awaitable[None]],
                    stop: asyncio.Event, *, idle_s: float, pending_limit: int) -> int:
     """Pass every input stored after ``floor``, up to the stream's end when called, to ``on_input``, in order;
-    returns the last sequence read. Raises ``OrchestratorError`` when nothing arrives for ``idle_s``; returns
+    returns the last sequence read. Raises ``ServiceFailed`` when nothing arrives for ``idle_s``; returns
     early once ``stop`` is set."""
     head = (await js.stream_info(STREAM)).state.last_seq
     if head <= floor:
@@ -74,7 +74,7 @@ async def catch_up(js: JetStreamContext, floor: int, on_input: Callable[[Msg], A
                 async with asyncio.timeout(idle_s):
                     await first(progress.wait(), done.wait(), stop.wait())
             except TimeoutError:
-                raise OrchestratorError(
+                raise ServiceFailed(
                     f"catching up from stream sequence {floor + 1} stalled at {last} (the stream's end was "
                     f"{head}): nothing arrived for {idle_s} s; is nats-server healthy?"
                 ) from None

@@ -43,7 +43,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, Header, KeyValueConfig, StorageType
 from nats.js.errors import APIError, NotFoundError
 
-from ._errors import OrchestratorError
+from ._errors import LeadershipError, LeaderWaitTimeout, NotLeader
 
 __all__ = ["LEADER_BUCKET", "LEADER_KEY", "LeaderRecord", "LeaderWaitTimeout", "Leadership", "LeadershipChange",
            "LeadershipError", "NotLeader", "ensure_leader_bucket", "holder_pid", "read_leader"]
@@ -67,32 +67,6 @@ if hasattr(time, "CLOCK_BOOTTIME"):
         return time.clock_gettime(_BOOTTIME)
 else:  # pragma: no cover - not Linux
     _clock = time.monotonic
-
-
-class LeadershipError(OrchestratorError):
-    """Leader election cannot go on safely; the message says what to do."""
-
-
-class NotLeader(LeadershipError):
-    """A fenced write was refused: this instance does not hold the lease (any more)."""
-
-    def __init__(self, instance: str, term: int | None, reason: str) -> None:
-        super().__init__(f"instance {instance} is not the leader (term {term}): {reason}; "
-                         "stop publishing decisions and wait for the next election")
-        self.instance = instance
-        self.term = term
-        self.reason = reason
-
-
-class LeaderWaitTimeout(LeadershipError, TimeoutError):
-    """``wait_leader`` gave up."""
-
-    def __init__(self, instance: str, timeout: float, holder: str | None) -> None:
-        super().__init__(f"instance {instance} did not become leader within {timeout} s "
-                         f"(current holder: {holder or 'none'}); another instance may hold the lease")
-        self.instance = instance
-        self.timeout = timeout
-        self.holder = holder
 
 
 class LeaderRecord(msgspec.Struct, frozen=True):

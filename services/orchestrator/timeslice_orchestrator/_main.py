@@ -24,6 +24,7 @@ from timeslice_client.bus import nats_url_arg
 from timeslice_client.errors import TimeSliceError
 
 from ._beside import AgentBeside
+from ._errors import ServiceFailed
 
 if TYPE_CHECKING:
     from .service import OrchestratorConfig
@@ -181,6 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(run(run_orchestrator(args)))
     except KeyboardInterrupt:
         return 130
+    except ServiceFailed:  # stopped on its own error: the log shows its cause
+        logging.getLogger("timeslice.orchestrator").exception("the orchestrator stopped on an error")
+        return 1
     except TimeSliceError as exc:  # a refusal that says what to do: one line
         print(f"timeslice orchestrator: {exc}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ A record the orchestrator cannot use must never stop it: every other group goes 
 * a record deleted or overwritten under the orchestrator is simply written again from the orchestrator's own copy
   at its next change (the copy reflects every event applied so far);
 * ``Deposed``: another leader's term began; this one stops leading.
-* anything else (a timeout, the server down): retried with back-off, then ``OrchestratorError``. A write that timed
+* anything else (a timeout, the server down): retried with back-off, then ``ServiceFailed``. A write that timed
   out may have landed (docs/cluster.md): the record is read again before it is written again.
 """
 
@@ -42,7 +42,7 @@ from timeslice_client.protocol import (
     subjects,
 )
 
-from ._errors import OrchestratorError
+from ._errors import Deposed, ServiceFailed, Unusable
 
 __all__ = [
     "TERM_KEY",
@@ -59,23 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("timeslice.orchestrator")
-
-
-class Unusable(OrchestratorError):
-    """A group's record cannot be used: the stored value does not decode, or the record is too large to store."""
-
-    def __init__(self, group: str, reason: str) -> None:
-        self.group = group
-        self.reason = reason
-        super().__init__(f"group {group!r}: {reason}")
-
-
-class Deposed(OrchestratorError):
-    """Another leader's term began (the bucket's term marker moved): this instance may store nothing more."""
-
-    def __init__(self, term: int, found: str) -> None:
-        self.term, self.found = term, found
-        super().__init__(f"term {term} is over: {found}; this orchestrator stands by again")
 
 
 class TermRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -175,7 +158,7 @@ class RecordStore:
                 assert stored.revision is not None
                 return stored.revision  # our own write, whose answer was lost
             await asyncio.sleep(min(0.05 * 2 ** min(attempt, 5), 1.0))  # back off before the next attempt
-        raise OrchestratorError(f"could not store group {group!r} in {attempt} attempts over {self.deadline_s:.0f} s; "
+        raise ServiceFailed(f"could not store group {group!r} in {attempt} attempts over {self.deadline_s:.0f} s; "
                                 "is the NATS cluster up and does it have a stream leader?")
 
     async def read(self, group: str) -> Stored:

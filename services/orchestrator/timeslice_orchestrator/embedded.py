@@ -27,11 +27,9 @@ from types import TracebackType
 from pydantic import BaseModel, Field
 from timeslice_client.bus import parse_servers
 
+from ._errors import EmbeddedNatsError
+
 __all__ = ["ClusterOptions", "EmbeddedNatsError", "NatsServer", "find_nats_server"]
-
-
-class EmbeddedNatsError(RuntimeError):
-    """The embedded nats-server could not be found or did not start."""
 
 
 class ClusterOptions(BaseModel):

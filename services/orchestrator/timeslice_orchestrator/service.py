@@ -59,7 +59,7 @@ from ._beside import LocalAgent
 from ._catch_up import ack_floor, bind_durable, catch_up, failure, fill_gap
 from ._config import OrchestratorConfig
 from ._delivery import delivery_with_consumer_seq, first, route
-from ._errors import OrchestratorError
+from ._errors import OrchestratorError, ServiceFailed
 from ._leadership import Leadership, LeadershipChange
 from ._lease_guard import confirm_lease
 from ._quarantine import Quarantine
@@ -193,7 +193,7 @@ class Orchestrator:
                 with contextlib.suppress(Exception):
                     await nc.drain()
         if self._fatal is not None:
-            raise OrchestratorError(str(self._fatal)) from self._fatal
+            raise ServiceFailed(str(self._fatal)) from self._fatal
 
     async def _run_leadership(self, leader: Leadership, stop: asyncio.Event) -> None:
         try:

@@ -9,20 +9,16 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 from timeslice_client.bus import connect
-from timeslice_client.errors import TimeSliceError
 from timeslice_client.protocol import STREAM, subjects
 
 from .._delivery import seq_and_time  # the orchestrator's own arithmetic: the fold sees the `now` it saw
+from .._errors import ReplayError
 from ._fold import group_of
 from ._model import StreamEvent
 
 __all__ = ["MAX_EVENTS", "ReplayError", "read_window", "seq_and_time"]
 
 MAX_EVENTS: Final = 5_000_000  # ~1-2 GB of Python objects at most; a replay beyond it needs --until
-
-
-class ReplayError(TimeSliceError):
-    """The stream could not be read for a replay; the message says why and what to do."""
 
 
 async def read_window(
