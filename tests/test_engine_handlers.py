@@ -476,3 +476,35 @@ async def test_two_jobs_hand_a_group_back_and_forth_with_one_engine_awake_at_a_t
         assert llm.warnings == [] and sgl.exited is None
         await holder.release()
 
+
+
+async def test_an_engine_that_fails_to_sleep_faults_its_job_with_the_engines_words_and_keeps_it_awake(
+        nats_url: str) -> None:
+    device = FakeDevice(10 * W)
+    async with (
+        running(Orchestrator(OrchestratorConfig(nats_url=nats_url))),
+        running(Agent(AgentConfig(node_id=NODE, nats_url=nats_url))),
+        AsyncTimeSliceClient("a", "g-fail", nats_url, bind_process=False) as a,
+        AsyncTimeSliceClient("b", "g-fail", nats_url, bind_process=False) as b,
+    ):
+        llm = FakeLLM(device, "a", _weights(1), kv_bytes=KV)
+        h = VllmEngineHandler(llm)
+        await a.register_workload(h, node_id=NODE)
+        await a.acquire(timeout=10)
+        llm.fail("sleep", RuntimeError("CUDA error: unspecified launch failure " + "x" * 2000))
+        tb = asyncio.create_task(b.acquire(timeout=30))
+
+        async def b_waits() -> bool:
+            return [w.job for w in (await a.status()).queue] == ["b"]
+
+        await eventually(b_waits, what="b waits for the group")
+        await a.release()
+        await tb  # b still gets the group: a's failed snapshot faults a alone
+
+        async def faulted() -> str | None:
+            return (await b.status()).faulted.get("a")
+
+        reason = await eventually(faulted, what="a is faulted in the group")
+        assert "LLM.sleep(level=1) failed: RuntimeError: CUDA error: unspecified launch failure" in reason, reason
+        assert h.awake and llm.generate("x"), "rolled back: a's engine is as it was"
+        await b.release()
