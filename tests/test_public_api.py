@@ -45,7 +45,8 @@ def test_the_public_names_are_the_pinned_ones_and_resolve(package: str) -> None:
 
 @pytest.mark.parametrize("module", ["timeslice_client.protocol", "timeslice_client.bus", "timeslice_client.errors",
                                     "timeslice_client.handlers", "timeslice_client.workload",
-                                    "timeslice_client.agent_client", "timeslice_agent.backends",
+                                    "timeslice_client.agent_client", "timeslice_client.vllm_engine",
+                                    "timeslice_client.sglang_engine", "timeslice_agent.backends",
                                     "timeslice_orchestrator.core", "timeslice_orchestrator.service"])
 def test_every_public_modules_all_resolves(module: str) -> None:
     mod = importlib.import_module(module)
