@@ -28,7 +28,8 @@ RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 OpId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Name = Annotated[str, msgspec.Meta(max_length=64)]  # phase and backend names, tags
 Reason = Annotated[str, msgspec.Meta(max_length=256)]
-Text = Annotated[str, msgspec.Meta(max_length=2048)]  # error texts
+MAX_TEXT: Final = 2048  # characters of an error text on the wire
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]  # error texts
 Ms = Annotated[int, msgspec.Meta(ge=-(2**53), le=2**53)]  # any time or duration in ms: far from int64's edge
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 DEFAULT_OP_TIMEOUT_MS: Final = 120_000  # one agent operation's budget unless the job registers another

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
-from .errors import HandlerError
+from .errors import EngineCallFailed, EngineNotSleepable, HandlerError, MissingEngineMethod, NoWeightReload
 from .handlers import HandlerResult
 from .protocol import DEFAULT_OP_TIMEOUT_MS, SuspendMode
 
@@ -51,57 +51,6 @@ _MISSING: Final = object()
 
 ReloadHook = Callable[[], object]
 DeviceBytes = Callable[[], int]
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class MissingEngineMethod(HandlerError, TypeError):
-    """The object given as an engine lacks a method the handler calls; ``method`` names it, ``type_name`` the
-    object's type."""
-
-    def __init__(self, engine: str, type_name: str, method: str, hint: str) -> None:
-        self.engine = engine
-        self.type_name = type_name
-        self.method = method
-        super().__init__(f"the {type_name!r} object given as a {engine} has no callable {method}(): pass the engine "
-                         f"object itself ({hint})")
-
-
-class EngineNotSleepable(HandlerError):
-    """The engine was started without the setting its sleep needs (``setting``), so a suspend would free nothing
-    or fail: refused when the handler is made."""
-
-    def __init__(self, engine: str, setting: str, hint: str) -> None:
-        self.engine = engine
-        self.setting = setting
-        super().__init__(f"the {engine} was started without {setting}, so it cannot release its device memory: "
-                         f"{hint}")
-
-
-class NoWeightReload(HandlerError):
-    """A suspend that would drop the weights' contents, with no ``reload_weights`` hook to put them back: refused
-    before the engine is touched (the job keeps running). ``why`` says what drops them."""
-
-    def __init__(self, engine: str, why: str, hint: str) -> None:
-        self.engine = engine
-        self.why = why
-        super().__init__(f"{engine}: {why} drops the weights' contents and no reload_weights hook was given to put "
-                         f"them back after waking: {hint}", tag=WEIGHTS)
-
-
-class EngineCallFailed(HandlerError):
-    """One of the engine's own calls raised. ``call`` is the call as made, ``reason`` the engine's exception (at most
-    ``MESSAGE_CHARS``), ``state`` what the engine is left in, ``rolled_back`` whether a failed suspend left (or put)
-    the engine back awake."""
-
-    def __init__(self, engine: str, call: str, reason: str, state: str, *, rolled_back: bool) -> None:
-        self.engine = engine
-        self.call = call
-        self.reason = reason
-        self.state = state
-        self.rolled_back = rolled_back
-        super().__init__(f"{engine} {call} failed: {reason}; {state}")
 
 
 def describe(exc: BaseException) -> str:

@@ -14,7 +14,11 @@
     ├── AcquireCancelled     the wait was cancelled, or the orchestrator dropped the waiter
     ├── JobFaulted           the job is faulted in its group; clear the fault first
     ├── HandlerError         a workload handler could not suspend or resume the job's state
-    │   └── UnresizableStorage  a registered tensor whose memory can never be freed (e.g. after ``.numpy()``)
+    │   ├── UnresizableStorage  a registered tensor whose memory can never be freed (e.g. after ``.numpy()``)
+    │   ├── MissingEngineMethod an object given as an inference engine lacks a method called (also TypeError)
+    │   ├── EngineNotSleepable  an engine started without the setting its sleep needs
+    │   ├── NoWeightReload      a discard suspend of an engine with no weight-reload hook (refused, nothing moved)
+    │   └── EngineCallFailed    an engine's sleep or wake call failed (its words, and the state it is left in)
     ├── AgentRefused         the node's agent refused a registration (e.g. processes the job did not prove)
     ├── AgentError           the agent's gRPC API refused a request (``code``: the gRPC status code)
     │   └── OperationNotFound   no operation of that id (also LookupError)
@@ -52,6 +56,8 @@ __all__ = [
     "AgentRefused",
     "BusUnreachable",
     "CredentialsError",
+    "EngineCallFailed",
+    "EngineNotSleepable",
     "GroupFull",
     "GroupQuarantined",
     "HandlerError",
@@ -62,6 +68,8 @@ __all__ = [
     "LeaseExpired",
     "LockLost",
     "MetricsServerError",
+    "MissingEngineMethod",
+    "NoWeightReload",
     "NotHolder",
     "OperationFailed",
     "OperationNotFound",
@@ -350,3 +358,51 @@ class OperationTimeout(TimeSliceError, TimeoutError):
         self.timeout_s = timeout_s
         super().__init__(f"operation {op_id} did not finish within {timeout_s:.3g} s; it may still finish: "
                          "poll get_operation()")
+
+
+class MissingEngineMethod(HandlerError, TypeError):
+    """The object given as an engine lacks a method the handler calls; ``method`` names it, ``type_name`` the
+    object's type."""
+
+    def __init__(self, engine: str, type_name: str, method: str, hint: str) -> None:
+        self.engine = engine
+        self.type_name = type_name
+        self.method = method
+        super().__init__(f"the {type_name!r} object given as a {engine} has no callable {method}(): pass the engine "
+                         f"object itself ({hint})")
+
+
+class EngineNotSleepable(HandlerError):
+    """The engine was started without the setting its sleep needs (``setting``), so a suspend would free nothing
+    or fail: refused when the handler is made."""
+
+    def __init__(self, engine: str, setting: str, hint: str) -> None:
+        self.engine = engine
+        self.setting = setting
+        super().__init__(f"the {engine} was started without {setting}, so it cannot release its device memory: "
+                         f"{hint}")
+
+
+class NoWeightReload(HandlerError):
+    """A suspend that would drop the weights' contents, with no ``reload_weights`` hook to put them back: refused
+    before the engine is touched (the job keeps running). ``why`` says what drops them."""
+
+    def __init__(self, engine: str, why: str, hint: str) -> None:
+        self.engine = engine
+        self.why = why
+        super().__init__(f"{engine}: {why} drops the weights' contents and no reload_weights hook was given to put "
+                         f"them back after waking: {hint}", tag="weights")
+
+
+class EngineCallFailed(HandlerError):
+    """One of the engine's own calls raised. ``call`` is the call as made, ``reason`` the engine's exception (at most
+    ``MESSAGE_CHARS``), ``state`` what the engine is left in, ``rolled_back`` whether a failed suspend left (or put)
+    the engine back awake."""
+
+    def __init__(self, engine: str, call: str, reason: str, state: str, *, rolled_back: bool) -> None:
+        self.engine = engine
+        self.call = call
+        self.reason = reason
+        self.state = state
+        self.rolled_back = rolled_back
+        super().__init__(f"{engine} {call} failed: {reason}; {state}")

@@ -45,6 +45,7 @@ from nats.aio.msg import Msg
 
 from . import _prompt
 from ._agent_socket import ProofUnavailable, prove
+from ._bounds import MAX_TEXT
 from ._prompt import DEFAULT_SWITCH_INTERVAL, prompt_threads
 from ._responder import Responder
 from .bus import CredsPath, TlsOption, connect, identity_of, parse_servers
@@ -71,6 +72,17 @@ _cmd_decoder = msgspec.json.Decoder(WorkloadCommand)
 _reply_decoder = msgspec.json.Decoder(AgentReply)
 
 T = TypeVar("T")
+
+
+def _cut(text: str, limit: int = MAX_TEXT) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _within_bounds(reply: WorkloadReply) -> WorkloadReply:
+    """A handler's error of any length, cut to the wire's bound (the agent refuses a longer one as undecodable)."""
+    if reply.error is None or len(reply.error) <= MAX_TEXT:
+        return reply
+    return msgspec.structs.replace(reply, error=_cut(reply.error))
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,7 +445,7 @@ class WorkloadChannel:
         async with self._exclusive():
             answer = self._answers.get(cmd.op_id)
             if answer is None:
-                answer = await self._handle(cmd)
+                answer = _within_bounds(await self._handle(cmd))
                 self._answers = {cmd.op_id: answer}  # only the latest
             return answer
 
@@ -467,7 +479,7 @@ class WorkloadChannel:
         try:
             result = fn(cmd.mode, frozenset(cmd.tags))
         except Exception as exc:
-            log.warning("%s failed: %r", cmd.action, exc, extra={"job": self.job_id, "epoch": cmd.epoch})
+            log.warning("%s failed: %s", cmd.action, _cut(f"{exc!r}"), extra={"job": self.job_id, "epoch": cmd.epoch})
             return WorkloadReply(op_id=cmd.op_id, ok=False, error=f"{exc.__class__.__name__}: {exc}",
                                  elapsed_ms=(time.perf_counter() - t0) * 1000)
         with self._gate:
