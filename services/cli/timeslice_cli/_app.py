@@ -30,6 +30,7 @@ _COMMANDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("_events", ("events",)),
     ("_replay", ("replay",)),
     ("_check", ("check",)),
+    ("_health", ("health",)),
     ("_faults", ("clear-fault",)),
     ("_agent", ("agent", "agent-status", "agent-clear-fault")),
     ("_auth", ("auth",)),
