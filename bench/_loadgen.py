@@ -230,7 +230,7 @@ class LoadGen:
             await self.nc.subscribe(self.ack_inbox, cb=self._on_ack, pending_msgs_limit=1_000_000)
             for g in self.groups:
                 await self.nc.subscribe(f"ts.v1.notice.{g}.*", cb=self._on_notice, pending_msgs_limit=1_000_000)
-        await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
+        await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
         await self.nc.flush(timeout=10)
         Path(a.ready).write_text("ready")
         async with asyncio.timeout(a.go_timeout):

@@ -49,7 +49,7 @@ async def _consumer(nc: Any, js: Any, durable: str, subject: str, cb: Any) -> No
 
     deliver = nc.new_inbox()
     await nc.subscribe(deliver, cb=cb)
-    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
+    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
     await nc.flush()
     await js.add_consumer(STREAM, ConsumerConfig(durable_name=durable, deliver_subject=deliver,
                                                  ack_policy=AckPolicy.EXPLICIT, filter_subject=subject))
@@ -130,7 +130,7 @@ async def _job(url: str, ready: str, who: str, n: int, gap: float, out: str) -> 
             got.put_nowait(None)
 
         await nc.subscribe(GOT, cb=on_got)
-    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
+    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
     await nc.flush()
     Path(ready).write_text("ok")
     if who == "A":

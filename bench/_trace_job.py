@@ -56,7 +56,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     await nc.subscribe(GO_SUBJECT, cb=on_go)
     async with AsyncTimeSliceClient(a.job, a.group, a.url, lease_seconds=30, nc=nc) as client:
         await client.register_workload(CallbackHandler(suspend, resume), node_id=a.node)
-        await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
+        await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
         await nc.flush()
         Path(a.ready).write_text("ready")
         async with asyncio.timeout(a.go_timeout):

@@ -150,7 +150,7 @@ async def _js_responder(url: str, ready: str) -> None:
 
     deliver = nc.new_inbox()
     await nc.subscribe(deliver, cb=cb)
-    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
+    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
     await nc.flush()
     await js.add_consumer(_FLOOR_STREAM, ConsumerConfig(durable_name="floor", deliver_subject=deliver,
                                                         ack_policy=AckPolicy.EXPLICIT, filter_subject=_FLOOR_IN))
@@ -170,7 +170,7 @@ async def _js_requester(url: str, n: int, gap: float, out: str) -> None:
             answer.set_result(None)
 
     await nc.subscribe(_FLOOR_OUT, cb=cb)
-    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
+    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
     await nc.flush()
     lat: list[tuple[int, int]] = []  # (until the PubAck, until the answer)
     for _ in range(n):

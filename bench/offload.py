@@ -35,7 +35,7 @@ orchestrator), then for each size two job processes share one group:
   of its own, timed at the start of the hold before it (``bench/_offload_baselines.py``), printed as the
   median of the per-cycle ratios; the goal stays on (1).
   Medians throughout; the first cycle and the first fresh copy are also shown: they can be far
-  slower (cold memory, see docs/benchmarks.md);
+  slower (cold memory, see bench/NOTES.md);
 * the switch floor, on the same server after the sizes (``bench/_switch_floor.py``): the switch's bus
   hops (release through the stream, a stored command, core requests to both workloads, the result through
   the stream, a stored grant) with no timeslice code, in the same layout as the stack (the agent stand-in
@@ -94,7 +94,7 @@ def _loop_run(coro: Any) -> Any:
 
 # The KiB of free memory this guest has handed back to its host so far (virtio-balloon free page reporting), where
 # the kernel exposes that count (some VM kernels do; upstream Linux does not). Memory handed back costs far more
-# to touch again, and the reporting itself competes with a copy (docs/benchmarks.md).
+# to touch again, and the reporting itself competes with a copy (bench/NOTES.md).
 REPORTED_KIB = "/sys/module/page_reporting/parameters/reported_kib"
 
 
@@ -277,7 +277,7 @@ async def _stored_ops(url: str, group: str) -> list[dict[str, Any]]:
 
 def _memory_setup() -> dict[str, Any]:
     """Transparent huge page settings, and whether a virtio balloon reports free pages to the host (a VM that
-    takes freed memory back: touching it again costs far more, see docs/benchmarks.md)."""
+    takes freed memory back: touching it again costs far more, see bench/NOTES.md)."""
     def read(path: str) -> str | None:
         try:
             text = Path(path).read_text().strip()
@@ -328,7 +328,7 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str,
                       "--device", device]
             a_out, b_out, a_ready, b_ready = (tmp / f"{i}-{n}" for n in ("a.json", "b.json", "a.ready", "b.ready"))
             common += ["--done", str(tmp / f"{i}-a.done")] + ([] if early else ["--no-early-suspend"])
-            # Job ids differ per size: the agent keys jobs by id alone (see docs/benchmarks.md).
+            # Job ids differ per size: the agent keys jobs by id alone (see bench/NOTES.md).
             a = _spawn("--role", "job", "--job", f"job-a{i}", "--bytes", str(nbytes), "--leader", "--out", str(a_out),
                        "--ready", str(a_ready), *common)
             procs.append(a)

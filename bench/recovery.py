@@ -63,7 +63,7 @@ async def cold_start(tmp: Path) -> dict[str, float]:
                 granted.set_result(time.monotonic())
 
         await nc.subscribe(subjects.notice("cold", "j0"), cb=on_notice)
-        await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
+        await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
         await nc.flush()
         await js.publish(subjects.job("cold", "j0", "acquire"),
                          encode(Acquire(group="cold", job="j0", request_id="cold-1")))

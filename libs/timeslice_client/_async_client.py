@@ -158,10 +158,10 @@ class AsyncTimeSliceClient:
             self._js = self._nc.jetstream(timeout=self.request_timeout)
             v = self._nc.connected_server_version
             # The sequence check's -Subject header came with nats-server 2.11; an older server would check the
-            # acquire's own subject and refuse every claim (safe, but a wasted round trip each time).
+            # acquire's own subject and refuse every claim (safe, but a wasted round trip each time; docs/nats.md).
             self._claims = None if self.fast_reacquire and (v.major, v.minor) >= (2, 11) else False
             self._sub = await self._nc.subscribe(self._notice_subject, cb=self._on_notice)
-            await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
+            await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
             await self._nc.flush(timeout=max(1, math.ceil(self.request_timeout)))
             self._keeper = asyncio.get_running_loop().create_task(keep(self), name=f"timeslice-keeper-{self.job_id}")
             return self
@@ -325,8 +325,8 @@ class AsyncTimeSliceClient:
     async def _try_claim(self, claim: _Claim) -> Grant | None:
         """Publish the acquire as a claim; the grant if the stream stored it, None if it was superseded.
 
-        The stream checks the sequence before duplicates, so a retry of a claim that was stored (its PubAck
-        lost) is refused too; the plain acquire that follows then finds this job holding and gets the same
+        The stream checks the sequence before duplicates (docs/nats.md), so a retry of a claim that was stored
+        (its PubAck lost) is refused too; the plain acquire that follows then finds this job holding and gets the same
         epoch back, so that case ends right as well."""
         rid, sent = request_id(), time.monotonic()
         check = {"Nats-Expected-Last-Subject-Sequence": str(claim.after_seq),

@@ -98,7 +98,7 @@ async def _checks_claims(js: JetStreamContext) -> bool:
     checks ``Nats-Expected-Last-Subject-Sequence`` against a wildcard filter without the writes of other subjects
     still in flight, so it can store a claim right after another job's acquire (seen in bench/chaos.py): the client
     would hold from a PubAck while the orchestrator refuses its claim. There a re-acquire goes through the
-    orchestrator."""
+    orchestrator (docs/nats.md)."""
     try:
         info = await js.stream_info(STREAM)
     except Exception:  # no stream yet (no orchestrator ran), or it is not readable: no claims, nothing is lost

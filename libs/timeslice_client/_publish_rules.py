@@ -29,7 +29,7 @@ def request_id() -> str:
 
 
 # JetStream's error codes for a failed Nats-Expected-Last-*-Sequence check: 10071, and 10164 from a clustered stream
-# while another write of the same subject is still in flight (seen on a 3-node cluster, docs/cluster.md).
+# while another write of the same subject is still in flight (seen on a 3-node cluster; docs/nats.md, docs/cluster.md).
 _WRONG_LAST_SEQUENCE = frozenset({10071, 10164})
 
 
@@ -38,7 +38,7 @@ def superseded(exc: BaseException) -> bool:
 
 
 # JetStream's error code for a publish whose message id a clustered stream is still storing from an earlier attempt
-# (seen on a 3-node cluster during an election): the same publish again gets the first one's answer.
+# (seen on a 3-node cluster during an election): the same publish again gets the first one's answer (docs/nats.md).
 _DUPLICATE_IN_PROCESS = 10158
 _TEMPORARILY_UNAVAILABLE = 10008  # JetStream: "JetStream system temporarily unavailable" (code 503)
 ATTEMPT_S = 1.0  # one attempt's wait for a PubAck (publish_stored); a PubAck takes well under a millisecond here

@@ -278,7 +278,7 @@ async def connect(
     nc = NATS()
     started = time.monotonic()
     try:
-        # With unlimited reconnects nats-py retries a first connection forever: bound it here.
+        # With unlimited reconnects nats-py retries a first connection forever: bound it here (docs/nats.md).
         await _first_connection(nc, servers, opts, refused, connect_timeout)
     except Exception as exc:
         first = errors[0] if errors else exc
@@ -393,7 +393,8 @@ async def _ensure_bus_once(js: JetStreamContext, config: BusConfig | None) -> Bu
         )))
     groups = await _bucket(js, GROUPS_BUCKET, "timeslice group lock records", storage, cfg.replicas, None)
     # With a limit marker an agent key that expires reaches watchers as a PURGE (without one the expiry is silent);
-    # until the marker expires (TTLs are whole seconds, 1 s at least), get() is empty and create() of the key fails.
+    # until the marker expires (TTLs are whole seconds, 1 s at least), get() is empty and create() of the key fails
+    # (docs/nats.md).
     agents = await _bucket(js, AGENTS_BUCKET, "timeslice agents (liveness)", storage, cfg.replicas, cfg.agent_ttl_s,
                            marker_ttl=max(1.0, cfg.agent_ttl_s))
     jobs = await _bucket(js, JOBS_BUCKET, "timeslice job contexts per node", storage, cfg.replicas, None)
@@ -473,8 +474,8 @@ async def kv_keys(nc: NATS, bucket: str, *, under: str | None = None, timeout: f
 
     Use this, not nats-py's ``KeyValue.keys()``: that one can miss keys, since its watcher may announce the end
     of the listing before it has processed entries the server already sent (1 wrong list in 300 calls on the
-    development machine). A deleted key keeps its delete marker and so is listed: read values with ``get()``
-    and skip ``KeyNotFoundError`` (of which ``KeyDeletedError`` is a kind).
+    development machine; docs/nats.md). A deleted key keeps its delete marker and so is listed: read values with
+    ``get()`` and skip ``KeyNotFoundError`` (of which ``KeyDeletedError`` is a kind).
 
     Raises ``Unavailable`` when the server does not answer, or answers with an error (no such bucket)."""
     head = f"$KV.{bucket}."

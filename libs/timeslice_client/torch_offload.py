@@ -29,7 +29,7 @@ tensors play its part, so the whole path runs (and is tested) on machines withou
 the memory a resume re-allocates is fresh from the kernel, which faults and zeroes it on first touch;
 the handler asks for transparent huge pages there (and on its host buffers). On the 2-core dev VM that
 made warm resumes several times faster than 4 KiB faults, but memory that is cold or that the VM gave
-back to its host faulted 3-4x slower with it; the zeroing remains either way (docs/benchmarks.md).
+back to its host faulted 3-4x slower with it; the zeroing remains either way (bench/NOTES.md).
 Call :meth:`TorchOffloadHandler.prepare` ahead of the first suspend to allocate and touch the host
 buffers early.
 

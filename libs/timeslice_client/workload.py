@@ -229,7 +229,7 @@ class WorkloadChannel:
                            dont_randomize=True, **identity_of(self.nc))
         try:
             await nc.subscribe(subjects.workload_rpc(self.node_id, self.job_id), cb=self._on_command)
-            await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
+            await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
             await nc.flush(timeout=max(1, int(self.request_timeout)))
         except BaseException:
             await nc.close()

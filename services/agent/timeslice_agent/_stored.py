@@ -1,6 +1,6 @@
 """The agent's writes to the stream and its ``jobs`` bucket, ridden through a NATS election.
 
-While a NATS cluster elects the leader of a stream (4-9 s measured on a 3-node loopback cluster), a write gets no
+While a NATS cluster elects the leader of a stream (4-9 s on a 3-node loopback cluster, docs/nats.md), a write gets no
 answer or "no responders". An operation's outcome must still reach the orchestrator: a snapshot that ran, reported
 as failed because its answer could not be written at once, faults a job whose state is fine, and a command sent
 again meanwhile would run a second time. So the agent retries transient failures (the client's own rule,

@@ -135,8 +135,8 @@ class AppChannelBackend:
 
     async def _ask(self, subject: str, data: bytes, op: OpContext) -> Msg:
         """The workload's answer, asking again every ``_ASK_AGAIN_S`` until the operation's deadline: a connection
-        cut for a moment loses a request or its answer (core NATS), and a workload answers a repeated op id once
-        more with the outcome of the call it runs or ran, so asking again is safe and costs nothing."""
+        cut for a moment loses a request or its answer (core NATS, docs/nats.md), and a workload answers a repeated
+        op id once more with the outcome of the call it runs or ran, so asking again is safe and costs nothing."""
         inbox = self._nc.new_inbox()
         sub = await self._nc.subscribe(inbox)
         try:

@@ -210,7 +210,7 @@ class Agent:
             pass
         deliver = nc.new_inbox()
         self._subs.append(await nc.subscribe(deliver, cb=self._on_command))
-        await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
+        await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
         await nc.flush()
         if floor:
             policy, start = DeliverPolicy.BY_START_SEQUENCE, floor + 1

@@ -70,7 +70,7 @@ class Event:
     @classmethod
     def of(cls, msg: Msg) -> Event:
         # from the reply subject's nanoseconds, in integers: nats-py's metadata goes through a float
-        # and a datetime, which can land a millisecond early (1796117798341 ms read as ...340)
+        # and a datetime, which can land a millisecond early (1796117798341 ms read as ...340; docs/nats.md)
         seq, time_ms = seq_and_time(msg.reply)
         try:
             data = msgspec.json.decode(msg.data)

@@ -243,7 +243,7 @@ async def _follow(kv: KeyValue, on_entry: Callable[[str, bytes | None], None], c
             except NatsTimeoutError:
                 continue
             if entry is None:
-                continue  # "initial values done": nats-py can send it before the initial values; nothing waits on it
+                continue  # "initial values done" can come before the initial values (docs/nats.md); nothing waits on it
             deleted = entry.operation in ("DEL", "PURGE") or not entry.value
             on_entry(entry.key, None if deleted else bytes(entry.value))
             changed.set()

@@ -3,8 +3,8 @@
 Reads with an ordered consumer (no acks, flow control, gaps detected and re-read) filtered on one subject,
 ``subjects.all_events``, which holds every input: nats-server reads stored messages for a consumer with several
 filter subjects (the durable's ``subjects.inputs``) about 10x slower than for one (measured with 2.15.1: ~4k vs
-~45k messages/s), and this backlog is what delays the first grant after a crash. Other subjects (notices,
-commands) are dropped here.
+~45k messages/s; docs/nats.md), and this backlog is what delays the first grant after a crash. Other subjects
+(notices, commands) are dropped here.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ class OrchestratorConfig(BaseSettings):
     tick_retry_ms: int = Field(default=500, ge=10)
     write_attempts: int = Field(default=8, ge=1)
     # One attempt's wait for the stream's answer (the store retries until write_attempts and 30 s are spent). Short:
-    # a write sent into a NATS election is never answered, and the next attempt reaches the new stream leader.
+    # a write sent into a NATS election is never answered, and the next attempt reaches the new stream leader
+    # (docs/nats.md).
     write_timeout_s: float = Field(default=1.0, gt=0)
     max_record_bytes: int = Field(default=768 * 1024, ge=64 * 1024)  # and at most 3/4 of the server's max_payload
     catch_up_idle_s: float = Field(default=10.0, gt=0)  # the catch-up fails when the bus is silent this long

@@ -18,7 +18,7 @@ itself is deleted (see ``LeadershipError``).
 Safety. ``is_leader()`` is true only while a local validity window holds:
 ``valid_until = (clock when the last successful write was SENT) + ttl_s - margin_s``. The server
 stores that write no earlier than it was sent and expires it ``ttl_s`` after storing it (measured:
-1.001-1.002 s for a 1 s TTL), so nobody else can win before the window has closed. The clock is
+1.001-1.002 s for a 1 s TTL; docs/nats.md), so nobody else can win before the window has closed. The clock is
 ``CLOCK_BOOTTIME`` where there is one (it keeps counting through SIGSTOP and through a suspend of
 the machine), else ``time.monotonic``. A paused process that resumes sees the window closed before
 any other callback can publish, and its next write (a CAS on its old revision) is refused.
@@ -57,7 +57,7 @@ _SUBJECT = f"$KV.{LEADER_BUCKET}.{LEADER_KEY}"
 _WRONG_LAST_SEQ = (10071, 10164)  # a failed sequence check: a plain APIError with these codes (JSStreamWrongLastSeq*)
 _STREAM_NOT_FOUND = 10059
 # A write that got no answer: its outcome is unknown until the key is read again (in a cluster a write that timed
-# out on the client had been committed in 2 of 10 leader kills).
+# out on the client had been committed in 2 of 10 leader kills; docs/nats.md).
 _UNANSWERED = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError)
 
 if hasattr(time, "CLOCK_BOOTTIME"):

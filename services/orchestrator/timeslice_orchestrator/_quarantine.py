@@ -3,7 +3,7 @@
 A quarantined group's inputs are refused with ``ErrorCode.QUARANTINED`` while every other group goes on. The fact
 goes into the stream (``Quarantined`` on ``ts.v1.group.<group>.quarantine``, which ``timeslice status`` reads),
 into the metrics (``timeslice_groups_quarantined``) and into the log. An operator repairs the record, or deletes
-it (the group then starts afresh, above the last epoch the stream shows for it: ``Orchestrator._fresh_record``),
+it (the group then starts afresh, above the last epoch the stream shows for it: ``_records.fresh_record``),
 and restarts the orchestrator; a group that then loads is announced as lifted.
 """
 

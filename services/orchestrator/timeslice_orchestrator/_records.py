@@ -89,7 +89,7 @@ class RecordStore:
         self.js = js
         self.kv = kv
         self.attempts = attempts  # at least this many tries, and more until ``deadline_s`` (a cluster's election
-        self.deadline_s = deadline_s  # stalls writes 4-9 s, with fast failures: a count alone runs out in 3.5 s)
+        self.deadline_s = deadline_s  # stalls writes 4-9 s with fast failures, docs/nats.md: a count runs out in 3.5 s)
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes  # the largest record stored; set well below the server's max_payload
         self._term: int | None = None

@@ -4,8 +4,8 @@ Order of work for one event (the pure ``core.apply`` decides; this shell does al
 
 1. the push consumer delivers it (stream order, one group's events in order);
 2. ``core.apply`` decides, and the decisions (grants, notices, agent commands) are published at once;
-3. a per-group writer stores the new record with compare-and-swap on the key's revision, and only
-   then acknowledges the events the record reflects.
+3. a per-group writer stores the new record, fenced by the leader's term (``_records``; no per-key
+   compare-and-swap), and only then acknowledges the events the record reflects.
 
 After a crash the orchestrator catches up from the durable consumer's ack floor before it binds the
 durable again: an ordered consumer with the stream's single subject reads the backlog (a consumer with
