@@ -10,10 +10,11 @@ import pytest
 
 PINNED: dict[str, set[str]] = {
     "timeslice_client": {
-        "AcquireCancelled", "AcquireTimeout", "AgentRefused", "AsyncSnapshotAgentClient", "AsyncTimeSliceClient",
-        "BusUnreachable", "CallbackHandler", "Grant", "GroupFull", "GroupQuarantined", "GroupRecord", "GroupState",
-        "HandlerError", "HandlerResult", "InvalidId", "InvalidNatsUrl", "InvalidRequest", "JobFaulted", "JobState",
-        "LeaseExpired", "LockLost", "NotHolder", "ReleaseResult", "SnapshotAgentClient", "StaleEpoch",
+        "AcquireAllFailed", "AcquireAllTimeout", "AcquireCancelled", "AcquireTimeout", "AgentRefused",
+        "AsyncSnapshotAgentClient", "AsyncTimeSliceClient", "BusUnreachable", "CallbackHandler", "Grant", "GroupFull",
+        "GroupQuarantined", "GroupRecord", "GroupState", "HandlerError", "HandlerResult", "InvalidId", "InvalidNatsUrl",
+        "InvalidRequest", "JobFaulted", "JobState", "LeaseExpired", "LockLost", "LockOrderError", "NotHolder",
+        "ReleaseResult", "SnapshotAgentClient", "StaleEpoch",
         "SuspendMode", "TimeSliceClient", "TimeSliceError", "Unavailable", "UnresizableStorage", "WorkloadChannel",
         "WorkloadHandler", "register_workload",
     },

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from ._async_client import AsyncTimeSliceClient, Grant, ReleaseResult
 from ._sync_client import TimeSliceClient
 from .errors import (
+    AcquireAllFailed,
+    AcquireAllTimeout,
     AcquireCancelled,
     AcquireTimeout,
     AgentRefused,
@@ -32,6 +34,7 @@ from .errors import (
     JobFaulted,
     LeaseExpired,
     LockLost,
+    LockOrderError,
     NotHolder,
     StaleEpoch,
     TimeSliceError,
@@ -62,6 +65,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AcquireAllFailed",
+    "AcquireAllTimeout",
     "AcquireCancelled",
     "AcquireTimeout",
     "AgentRefused",
@@ -83,6 +88,7 @@ __all__ = [
     "JobState",
     "LeaseExpired",
     "LockLost",
+    "LockOrderError",
     "NotHolder",
     "ReleaseResult",
     "SnapshotAgentClient",
