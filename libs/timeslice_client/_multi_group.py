@@ -27,7 +27,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
 
@@ -64,6 +64,7 @@ MAX_GROUPS = 16  # groups one client takes (its own and its siblings'), and so a
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 class Member(Protocol):
@@ -207,7 +208,7 @@ class JobGroups(Generic[M]):
                 try:
                     grants[m.group_id] = await m.acquire(max(0.0, deadline - loop.time()))
                 except BaseException as exc:
-                    released, unanswered = await _give_back(taken)
+                    released, unanswered = await _to_the_end(_give_back(taken))
                     raise _failed(self.owner.job_id, order, m.group_id, exc, t, released, kept, unanswered) from exc
                 taken.append(m)
             return grants
@@ -251,6 +252,22 @@ class JobGroups(Generic[M]):
                 except Exception:
                     log.warning("closing the client of group %s failed", m.group_id, exc_info=True,
                                 extra={"group": m.group_id, "job": m.job_id})
+
+
+async def _to_the_end(cleanup: Coroutine[Any, Any, T]) -> T:
+    """Run ``cleanup`` to its end even when this task is cancelled meanwhile (the cancellation that stopped a call
+    may come again, e.g. a second Ctrl-C or an outer timeout): it is bounded (each release by the client's request
+    timeout), and a cancellation that came during it is raised once it is over."""
+    work = asyncio.ensure_future(cleanup)
+    cancelled = False
+    while not work.done():
+        try:
+            await asyncio.shield(work)
+        except asyncio.CancelledError:
+            cancelled = cancelled or not work.done()
+    if cancelled:
+        raise asyncio.CancelledError("cancelled while a failed acquire_all gave back what it took (it did)")
+    return work.result()
 
 
 async def _give_back(taken: list[M]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -341,7 +358,7 @@ class AsyncMultiHold:
                 hold = AsyncHold(await self._groups.member(g), max(0.0, deadline - loop.time()))
                 grants[g] = await hold.__aenter__()
             except BaseException as exc:
-                released = await _leave(entered, exc)
+                released = await _to_the_end(_leave(entered, exc))
                 raise _failed(self._groups.owner.job_id, self._order, g, exc, t, released, kept, ()) from exc
             entered.append(hold)
         self._entered = entered
