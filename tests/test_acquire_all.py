@@ -26,11 +26,9 @@ from timeslice_client import (
     LockOrderError,
     TimeSliceClient,
 )
-from timeslice_orchestrator.embedded import NatsServer
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .agent_harness import Recorder
-from .conftest import OrchestratorProcess
 from .helpers import eventually, eventually_sync, running
 
 ROUNDS = 12  # rounds of the opposite-order race (each round both jobs start together)
@@ -115,11 +113,7 @@ async def test_a_cancelled_acquire_all_leaves_nothing_held_or_queued(nats_url: s
     async with AsyncTimeSliceClient("a", "sampler", nats_url) as a, AsyncTimeSliceClient("c", "trainer", nats_url) as c:
         await c.acquire(timeout=10)
         call = asyncio.ensure_future(a.acquire_all(BOTH, timeout=30))
-
-        async def a_waits_for_trainer() -> bool:
-            return "a" in {w.job for w in (await c.status("trainer")).queue}
-
-        await eventually(a_waits_for_trainer, what="a holds the sampler pool and waits for the trainer pool")
+        await eventually(lambda: _waits(c, "trainer", "a"), what="a holds the sampler pool, waits for the trainer")
         assert a.held_groups == ("sampler",)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -144,6 +138,28 @@ async def test_a_refusal_at_the_second_group_releases_the_first(nats_url: str) -
         assert (e.group_id, e.released) == ("trainer", ("sampler",)) and isinstance(e.error, InvalidRequest)
         assert a.held_groups == ()
         await eventually(lambda: _job_free_of(a, "sampler", "a"), what="the sampler pool went back")
+
+
+@pytest.mark.usefixtures("orchestrator")
+async def test_a_job_waits_for_one_group_at_a_time(nats_url: str) -> None:
+    """Acquires of one client take turns: while its acquire_all waits for the trainer pool, another call of the same
+    job waits for its turn (within its own timeout) instead of waiting for a second group at the same time."""
+    async with AsyncTimeSliceClient("a", "sampler", nats_url) as a, AsyncTimeSliceClient("c", "trainer", nats_url) as c:
+        await c.acquire(timeout=10)
+        call = asyncio.ensure_future(a.acquire_all(BOTH, timeout=30))
+        await eventually(lambda: _waits(c, "trainer", "a"), what="a waits for the trainer pool")
+        with pytest.raises(AcquireAllTimeout) as info:
+            await a.acquire_all(["zeta"], timeout=0.3)
+        assert (info.value.group_id, info.value.released) == ("zeta", ())
+        rec = await c.status("zeta")
+        assert rec.epoch == 0 and not rec.queue, "the job waited for a second group at once"
+        await c.release()
+        assert list(await call) == list(BOTH)
+        assert list(await a.release_all()) == ["trainer", "sampler"]
+
+
+async def _waits(c: AsyncTimeSliceClient, group: str, job: str) -> bool:
+    return job in {w.job for w in (await c.status(group)).queue}
 
 
 # --------------------------------------------------------------------------- the order rule
@@ -307,19 +323,11 @@ def test_blocking_acquire_all_timeout_releases_the_first(nats_url: str) -> None:
 # --------------------------------------------------------------------------- the docs' example
 
 
-def test_the_docs_example_runs_as_written(tmp_path: Path) -> None:
+@pytest.mark.usefixtures("orchestrator_process")
+def test_the_docs_example_runs_as_written(nats_url: str) -> None:
     """docs/multi-pool.md's trainer/sampler example, run as written against a real stack."""
     doc = (Path(__file__).resolve().parents[1] / "docs" / "multi-pool.md").read_text()
     (code,) = re.findall(r"```python\n# example: disaggregated job\n(.*?)```", doc, re.S)
-    server = NatsServer(tmp_path / "nats")
-    server.start()
-    orch = OrchestratorProcess(server.url, tmp_path / "orchestrator.log")
-    try:
-        orch.start()
-        orch.wait_ready()
-        scope: dict[str, object] = {"NATS_URL": server.url}
-        exec(compile(code, "docs/multi-pool.md", "exec"), scope)
-        assert scope["synced"] == 3
-    finally:
-        orch.stop()
-        server.stop()
+    scope: dict[str, object] = {"NATS_URL": nats_url}
+    exec(compile(code, "docs/multi-pool.md", "exec"), scope)
+    assert scope["synced"] == 3 and scope["served"] == scope["policy"] == {"version": 3}

@@ -190,10 +190,19 @@ class JobGroups(Generic[M]):
         t = self.owner.acquire_timeout if timeout is None else timeout
         loop = asyncio.get_running_loop()
         deadline = loop.time() + t
-        await self._take_turn(deadline, order[0], t)
+        job = self.owner.job_id
+        try:
+            await self._take_turn(deadline, order[0], t)  # another acquire of this job's is running
+        except AcquireTimeout as exc:
+            raise _failed(job, order, order[0], exc, t, (), (), ()) from exc
         self._turn_task = asyncio.current_task()
         try:
-            members = [await self.member(g) for g in order]
+            members: list[M] = []
+            for g in order:
+                try:
+                    members.append(await self.member(g))  # made and connected the first time
+                except TimeSliceError as exc:
+                    raise _failed(job, order, g, exc, t, (), tuple(h for h in self.held() if h in order), ()) from exc
             kept = tuple(m.group_id for m in members if m.holding)
             need = [m for m in members if m.group_id not in kept]
             if need:
@@ -209,7 +218,7 @@ class JobGroups(Generic[M]):
                     grants[m.group_id] = await m.acquire(max(0.0, deadline - loop.time()))
                 except BaseException as exc:
                     released, unanswered = await _to_the_end(_give_back(taken))
-                    raise _failed(self.owner.job_id, order, m.group_id, exc, t, released, kept, unanswered) from exc
+                    raise _failed(job, order, m.group_id, exc, t, released, kept, unanswered) from exc
                 taken.append(m)
             return grants
         finally:
