@@ -394,7 +394,8 @@ async def _run_step(plan: JobPlan, step: Step, jg: JobGroups[SimMember], bus: Si
         raise
     finally:
         for g in order:
-            jg.members[g].fault_next = False
+            if (m := jg.members.get(g)) is not None:
+                m.fault_next = False
     assert list(grants) == order and jg.held() == tuple(order)
     await asyncio.sleep(step.hold_ms / 1000)
     plan.outcomes.append("all: ok")

@@ -462,7 +462,7 @@ class AsyncTimeSliceClient(MultiGroupCalls):
         ``early_suspend``: begin the suspend at a release that another job waits for, rather than at the agent's
         command (see ``release()``; docs/backends.md, "Early suspend"). The channel is closed (unregistered)
         with the client."""
-        c = self if group_id in (None, self.group_id) else await self._groups.member(group_id or "")
+        c = self if group_id is None or group_id == self.group_id else await self._groups.member(group_id)
         await c.connect()
         assert c._nc is not None
         channel = WorkloadChannel(c._nc, self.job_id, c.group_id, handler, node_id=node_id, mode=mode,

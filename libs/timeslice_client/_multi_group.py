@@ -23,6 +23,7 @@ A job with one group never sees any of it but the turn-taking: its acquires go a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
@@ -150,7 +151,12 @@ class JobGroups(Generic[M]):
                                      group_id=group, job_id=self.owner.job_id)
             await self.owner.connect()  # the siblings share its connection
             m = self._make(group)
-            await m.connect()
+            try:
+                await m.connect()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await m.close()
+                raise
             self.members[group] = m
             return m
 
@@ -252,7 +258,10 @@ class JobGroups(Generic[M]):
                 await m._on_reconnected()
 
     async def close(self) -> None:
-        """Close the siblings (each releases what it holds and withdraws its waits); the owner closes itself."""
+        """Close the siblings (each releases what it holds and withdraws its waits); the owner closes itself.
+        Idempotent (a sibling's own close comes back here)."""
+        if self.closed:
+            return
         self.closed = True
         for m in list(self.members.values()):
             if m is not self.owner:
