@@ -10,13 +10,13 @@ import pytest
 
 PINNED: dict[str, set[str]] = {
     "timeslice_client": {
-        "AcquireCancelled", "AcquireTimeout", "AgentError", "AgentRefused", "AsyncSnapshotAgentClient",
-        "AsyncTimeSliceClient", "BusUnreachable", "CallbackHandler", "CredentialsError", "Grant", "GroupFull",
-        "GroupQuarantined", "GroupRecord", "GroupState", "HandlerError", "HandlerResult", "InvalidId", "InvalidNatsUrl",
-        "InvalidRequest", "JobFaulted", "JobState", "LeaseExpired", "LockLost", "NotHolder", "OperationFailed",
-        "OperationNotFound", "OperationTimeout", "ReleaseResult", "SnapshotAgentClient", "StaleEpoch", "SuspendMode",
-        "TimeSliceClient", "TimeSliceError", "Unavailable", "UnresizableStorage", "WorkloadChannel", "WorkloadHandler",
-        "register_workload",
+        "AcquireAllFailed", "AcquireAllTimeout", "AcquireCancelled", "AcquireTimeout", "AgentError", "AgentRefused",
+        "AsyncSnapshotAgentClient", "AsyncTimeSliceClient", "BusUnreachable", "CallbackHandler", "CredentialsError",
+        "Grant", "GroupFull", "GroupQuarantined", "GroupRecord", "GroupState", "HandlerError", "HandlerResult",
+        "InvalidId", "InvalidNatsUrl", "InvalidRequest", "JobFaulted", "JobState", "LeaseExpired", "LockLost",
+        "LockOrderError", "NotHolder", "OperationFailed", "OperationNotFound", "OperationTimeout", "ReleaseResult",
+        "SnapshotAgentClient", "StaleEpoch", "SuspendMode", "TimeSliceClient", "TimeSliceError", "Unavailable",
+        "UnresizableStorage", "WorkloadChannel", "WorkloadHandler", "register_workload",
     },
     "timeslice_agent": {
         "Agent", "AgentConfig", "AgentMetrics", "AgentServiceError", "AgentSocketError", "AppChannelBackend",

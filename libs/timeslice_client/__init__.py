@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from ._async_client import AsyncTimeSliceClient, Grant, ReleaseResult
 from ._sync_client import TimeSliceClient
 from .errors import (
+    AcquireAllFailed,
+    AcquireAllTimeout,
     AcquireCancelled,
     AcquireTimeout,
     AgentError,
@@ -34,6 +36,7 @@ from .errors import (
     JobFaulted,
     LeaseExpired,
     LockLost,
+    LockOrderError,
     NotHolder,
     OperationFailed,
     OperationNotFound,
@@ -67,6 +70,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AcquireAllFailed",
+    "AcquireAllTimeout",
     "AcquireCancelled",
     "AcquireTimeout",
     "AgentError",
@@ -90,6 +95,7 @@ __all__ = [
     "JobState",
     "LeaseExpired",
     "LockLost",
+    "LockOrderError",
     "NotHolder",
     "OperationFailed",
     "OperationNotFound",

@@ -9,7 +9,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Iterable
 from types import TracebackType
-from typing import Any
+from typing import Any, overload
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -22,6 +22,7 @@ from ._grants import Grant, ReleaseResult, _checks_claims, _Claim, _Hold, _Super
 from ._group_reads import groups_kv, read_record
 from ._hold_scope import AsyncHold, AsyncScopes
 from ._keeper import keep
+from ._multi_group import AsyncMultiHold, JobGroups, MultiGroupCalls, sibling
 from ._prompt import DEFAULT_SWITCH_INTERVAL
 from ._publish_rules import publish_stored, request_id
 from ._refusals import refusal_error
@@ -69,7 +70,7 @@ log = logging.getLogger("timeslice.client")
 _WRITE_TURNS = 4
 
 
-class AsyncTimeSliceClient:
+class AsyncTimeSliceClient(MultiGroupCalls):
     """One job's handle on one group.
 
     ``acquire()`` waits (without polling: the grant arrives by subscription) until the orchestrator
@@ -143,6 +144,7 @@ class AsyncTimeSliceClient:
         self.node_id = validate_id("node", node_id) if node_id else None  # None: default_node_id() when binding
         self._bind_pending = bind_process  # bind this process at the first acquire (see _bind)
         self._binding: Binding | None = None
+        self._groups = JobGroups(self, lambda g: sibling(self, g))  # its other groups' clients (MultiGroupCalls)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -171,6 +173,7 @@ class AsyncTimeSliceClient:
         if self._closed:
             return
         self._closed = True
+        await self._groups.close()  # the other groups' clients first: they share this one's connection
         if self._hold is not None and self._hold.alive() and self._nc is not None and self._nc.is_connected:
             with contextlib.suppress(Exception):
                 await self._send_release(self._hold)
@@ -231,8 +234,8 @@ class AsyncTimeSliceClient:
         release), and once the stream has stored it the grant is certain (the orchestrator decides it from the
         stream alone), so it returns at the PubAck, one round trip to the server, without waiting for the
         orchestrator. When another job's request came in between, the stream refuses it and the acquire
-        waits for its turn as usual."""
-        grant = await self._acquire(timeout)
+        waits for its turn as usual. A job's acquires take turns, in one order (LockOrderError; docs/multi-pool.md)."""
+        grant = await self._groups.acquire(self, timeout)
         try:
             for ch in self._channels:
                 await ch.settle()
@@ -448,8 +451,10 @@ class AsyncTimeSliceClient:
         endpoints: Iterable[str] = (),
         switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
         early_suspend: bool = True,
+        group_id: str | None = None,
     ) -> WorkloadChannel:
-        """Register this process with its node's agent so a switch moves its state (see ``handlers``).
+        """Register this process with its node's agent so a switch moves its state (see ``handlers``); in group
+        ``group_id`` (default: the client's own), which may be another of this job's (docs/multi-pool.md).
         ``endpoints`` name the serving engines of backend ``app_endpoint`` (``"vllm+http://host:port"``,
         ``"sglang+http://host:port"``). ``switch_interval``: the process's GIL switch interval (seconds, at
         most) from this job's release until its next command is answered (or it acquires again), so a main
@@ -457,20 +462,26 @@ class AsyncTimeSliceClient:
         ``early_suspend``: begin the suspend at a release that another job waits for, rather than at the agent's
         command (see ``release()``; docs/backends.md, "Early suspend"). The channel is closed (unregistered)
         with the client."""
-        await self.connect()
-        assert self._nc is not None
-        channel = WorkloadChannel(self._nc, self.job_id, self.group_id, handler, node_id=node_id, mode=mode,
+        c = self if group_id is None or group_id == self.group_id else await self._groups.member(group_id)
+        await c.connect()
+        assert c._nc is not None
+        channel = WorkloadChannel(c._nc, self.job_id, c.group_id, handler, node_id=node_id, mode=mode,
                                   tags=tags, backends=backends, pids=pids, pgid=pgid, op_timeout=op_timeout,
                                   request_timeout=self.request_timeout, endpoints=endpoints,
                                   switch_interval=switch_interval, early_suspend=early_suspend)
         await channel.start()
-        self._channels.append(channel)
+        c._channels.append(channel)
         return channel
 
-    def on_accelerators(self, timeout: float | None = None) -> AsyncHold:
+    @overload
+    def on_accelerators(self, timeout: float | None = None) -> AsyncHold: ...
+    @overload
+    def on_accelerators(self, timeout: float | None = None, *, groups: Iterable[str]) -> AsyncMultiHold: ...
+    def on_accelerators(self, timeout: float | None = None, *, groups: Iterable[str] | None = None) -> Any:
         """``async with client.on_accelerators():`` or ``@client.on_accelerators()`` on an async function. Scopes
-        nest: only the outermost acquires and releases (an inner one keeps the outer hold; see ``_hold_scope``)."""
-        return AsyncHold(self, timeout)
+        nest: only the outermost acquires and releases (an inner one keeps the outer hold; see ``_hold_scope``).
+        ``groups``: several at once, as ``acquire_all``; it yields the grants by group."""
+        return AsyncHold(self, timeout) if groups is None else AsyncMultiHold(self._groups, groups, timeout)
 
     @contextlib.asynccontextmanager
     async def phase(self, name: str) -> AsyncIterator[None]:
@@ -586,3 +597,4 @@ class AsyncTimeSliceClient:
         granted meanwhile is answered with the grant again, a hold revoked meanwhile with a refusal."""
         self._renew_now = True
         self._wake.set()
+        await self._groups.reconnected()

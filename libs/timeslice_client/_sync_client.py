@@ -6,10 +6,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Coroutine, Iterable, Iterator
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from ._async_client import AsyncTimeSliceClient, Grant, ReleaseResult
 from ._hold_scope import SyncHold, SyncScopes
+from ._multi_group import SyncGroups, SyncMultiHold
 from ._prompt import DEFAULT_SWITCH_INTERVAL
 from ._shared_loop import CallTimeout, LoopClosed, SharedLoop
 from .bus import CredsPath, TlsOption
@@ -73,6 +74,7 @@ class TimeSliceClient:
         self._loop.start()
         self._closed = False
         self._scopes = SyncScopes(self._client.acquire_timeout)  # the open on_accelerators() scopes
+        self._groups = SyncGroups(self, self, self._scopes, self._client._groups, self._client.acquire_timeout)
 
     @property
     def job_id(self) -> str:
@@ -104,6 +106,11 @@ class TimeSliceClient:
     def epoch(self) -> int | None:
         """The epoch of this job's current hold (None when it holds nothing)."""
         return self._client.epoch
+
+    @property
+    def held_groups(self) -> tuple[str, ...]:
+        """The groups this job holds through this client (its own and those of ``acquire_all``), sorted."""
+        return self._client.held_groups
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         if self._closed:
@@ -137,6 +144,20 @@ class TimeSliceClient:
         LeaseExpired when this job no longer holds it."""
         return self._run(self._client.release(), self._margin(self._client.request_timeout))
 
+    def acquire_all(self, groups: Iterable[str], timeout: float | None = None) -> dict[str, Grant]:
+        """Take every group of ``groups`` in sorted order, within ``timeout`` for the whole call; the grants by group.
+        On a failure what it took is released before AcquireAllFailed (AcquireAllTimeout) is raised; see
+        :meth:`AsyncTimeSliceClient.acquire_all` and docs/multi-pool.md."""
+        groups = tuple(groups)
+        t = self._client.acquire_timeout if timeout is None else timeout
+        extra = len(groups) * self._client.request_timeout + self._client._groups.settle_budget()  # joins, resumes
+        return self._run(self._client.acquire_all(groups, timeout), self._margin(t) + extra)
+
+    def release_all(self) -> dict[str, ReleaseResult]:
+        """Release every group this client holds, in reverse order; see :meth:`AsyncTimeSliceClient.release_all`."""
+        n = len(self._client.held_groups) + 1
+        return self._run(self._client.release_all(), self._margin(n * self._client.request_timeout))
+
     def status(self, group_id: str | None = None) -> GroupRecord:
         """The lock record of ``group_id`` (default: this client's group; a fresh group reads as IDLE at epoch 0)."""
         return self._run(self._client.status(group_id), self._margin(self._client.request_timeout))
@@ -159,19 +180,26 @@ class TimeSliceClient:
         endpoints: Iterable[str] = (),
         switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
         early_suspend: bool = True,
+        group_id: str | None = None,
     ) -> WorkloadChannel:
         """Register this process with its node's agent so a switch moves its state; see
         :meth:`AsyncTimeSliceClient.register_workload` for the options. The handler runs on the channel's own
-        thread; the channel is closed with the client."""
+        thread; the channel is closed with the client. ``group_id``: in another group of this job's."""
         coro = self._client.register_workload(
             handler, mode=mode, tags=tags, node_id=node_id, backends=backends, pids=pids, pgid=pgid,
-            op_timeout=op_timeout, endpoints=endpoints, switch_interval=switch_interval, early_suspend=early_suspend)
-        return self._run(coro, self._margin(self._client.request_timeout))
+            op_timeout=op_timeout, endpoints=endpoints, switch_interval=switch_interval, early_suspend=early_suspend,
+            group_id=group_id)
+        return self._run(coro, self._margin(2 * self._client.request_timeout))
 
-    def on_accelerators(self, timeout: float | None = None) -> SyncHold:
+    @overload
+    def on_accelerators(self, timeout: float | None = None) -> SyncHold: ...
+    @overload
+    def on_accelerators(self, timeout: float | None = None, *, groups: Iterable[str]) -> SyncMultiHold: ...
+    def on_accelerators(self, timeout: float | None = None, *, groups: Iterable[str] | None = None) -> Any:
         """``with client.on_accelerators():`` or ``@client.on_accelerators()``. Scopes nest: only the outermost
-        acquires and releases (an inner one keeps the outer hold; see ``_hold_scope``)."""
-        return SyncHold(self, timeout, self._scopes)
+        acquires and releases (an inner one keeps the outer hold; see ``_hold_scope``). ``groups``: several at once,
+        as ``acquire_all``, yielding the grants by group (docs/multi-pool.md)."""
+        return SyncHold(self, timeout, self._scopes) if groups is None else SyncMultiHold(self._groups, groups, timeout)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

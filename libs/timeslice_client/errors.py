@@ -11,6 +11,9 @@
     ├── Unavailable          the bus (or the orchestrator behind it) did not answer in time
     │   └── BusUnreachable   no NATS server of the URL could be connected to (refused, or no answer in time)
     ├── AcquireTimeout       the group was not granted before the acquire's timeout
+    │   └── AcquireAllTimeout  ``acquire_all`` ran out of time at one group (also an AcquireAllFailed)
+    ├── AcquireAllFailed     ``acquire_all`` failed at one group; ``error`` says why (everything it took given back)
+    ├── LockOrderError       a job asked for a group that sorts before one it holds (docs/multi-pool.md)
     ├── AcquireCancelled     the wait was cancelled, or the orchestrator dropped the waiter
     ├── JobFaulted           the job is faulted in its group; clear the fault first
     ├── HandlerError         a workload handler could not suspend or resume the job's state
@@ -50,6 +53,8 @@ if TYPE_CHECKING:  # the gRPC agent client's types: grpc is an extra, imported o
     from .agent_client import Operation
 
 __all__ = [
+    "AcquireAllFailed",
+    "AcquireAllTimeout",
     "AcquireCancelled",
     "AcquireTimeout",
     "AgentError",
@@ -67,6 +72,7 @@ __all__ = [
     "JobFaulted",
     "LeaseExpired",
     "LockLost",
+    "LockOrderError",
     "MetricsServerError",
     "MissingEngineMethod",
     "NoWeightReload",
@@ -179,6 +185,74 @@ class AcquireTimeout(TimeSliceError, TimeoutError):
         super().__init__(
             f"job {job_id!r} was not granted group {group_id!r} within {timeout_s:.3g} s{held}; "
             "the wait was cancelled. Retry with a longer timeout, or see `timeslice status` for who holds it"
+        )
+
+
+class AcquireAllFailed(TimeSliceError):
+    """``acquire_all`` (or ``on_accelerators(groups=...)``) failed at ``group_id``, one of ``groups`` (the call's
+    groups, in the order it takes them); ``error`` is that group's own error (also ``__cause__``). Before this is
+    raised every group the call took is given back (``released``) and its wait withdrawn: the job holds and waits
+    for nothing of the call, but for ``kept``, the groups it held before the call. ``unanswered``: released groups
+    whose release got no answer (the bus was away): the orchestrator frees them when their lease lapses."""
+
+    def __init__(self, job_id: str, groups: tuple[str, ...], group_id: str, error: BaseException, *,
+                 released: tuple[str, ...], kept: tuple[str, ...] = (), unanswered: tuple[str, ...] = ()) -> None:
+        self.job_id = job_id
+        self.groups = groups
+        self.group_id = group_id
+        self.error = error
+        self.released = released
+        self.kept = kept
+        self.unanswered = unanswered
+        TimeSliceError.__init__(self, f"job {job_id!r} could not take groups {list(groups)} at once: group "
+                                      f"{group_id!r} failed ({error}); {_given_back(released, kept, unanswered)}")
+
+
+class AcquireAllTimeout(AcquireAllFailed, AcquireTimeout):
+    """``acquire_all`` was not granted ``group_id`` within ``timeout_s``, the bound of the whole call; also an
+    :class:`AcquireTimeout` (and a ``TimeoutError``), as a single acquire's timeout is. ``holder``: the group's
+    holder then (None: nobody, or not known)."""
+
+    def __init__(self, job_id: str, groups: tuple[str, ...], group_id: str, error: BaseException, *,
+                 timeout_s: float, holder: str | None, released: tuple[str, ...], kept: tuple[str, ...] = (),
+                 unanswered: tuple[str, ...] = ()) -> None:
+        self.timeout_s = timeout_s
+        self.holder = holder
+        AcquireAllFailed.__init__(self, job_id, groups, group_id, error, released=released, kept=kept,
+                                  unanswered=unanswered)
+        held = f" (held by {holder!r})" if holder else ""
+        self.args = (f"job {job_id!r} was not granted group {group_id!r}{held} within {timeout_s:.3g} s, the bound "
+                     f"of acquire_all({list(groups)}); {_given_back(released, kept, unanswered)}. Retry with a "
+                     "longer timeout, or see `timeslice status` for who holds it",)
+
+
+def _given_back(released: tuple[str, ...], kept: tuple[str, ...], unanswered: tuple[str, ...]) -> str:
+    out = (f"released what the call took ({', '.join(map(repr, released))})" if released
+           else "the call had taken nothing")
+    if unanswered:
+        out += (f" (no answer to the release of {', '.join(map(repr, unanswered))}: the orchestrator frees it when "
+                "its lease lapses)")
+    out += " and withdrew its wait; nothing of the call is held or queued"
+    if kept:
+        out += f"; still held from before the call: {', '.join(map(repr, kept))}"
+    return out
+
+
+class LockOrderError(TimeSliceError):
+    """Job ``job_id`` asked for ``group_id`` while it holds ``held``, groups that sort after it. A job takes its
+    groups in one global order (sorted ids), so that jobs holding several can never wait for each other in a cycle;
+    asking against it is refused at once, before anything is sent (nothing held is given up)."""
+
+    def __init__(self, job_id: str, group_id: str, held: tuple[str, ...]) -> None:
+        self.job_id = job_id
+        self.group_id = group_id
+        self.held = held
+        every = sorted({group_id, *held})
+        them = ", ".join(map(repr, held))
+        super().__init__(
+            f"job {job_id!r} asked for group {group_id!r} while it holds {them}, which sort after it: a job takes "
+            "its groups in sorted order, so that two jobs can never each hold what the other waits for (deadlock). "
+            f"Release {them} first, or take them together with acquire_all({every!r}) (docs/multi-pool.md)"
         )
 
 
