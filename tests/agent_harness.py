@@ -36,12 +36,14 @@ class AgentProcess:
     def __init__(self, nats_url: str, node: str, log_path: Path) -> None:
         self.nats_url, self.node, self.log_path = nats_url, node, log_path
         self.proc: subprocess.Popen[bytes] | None = None
+        self.args: tuple[str, ...] = ()  # more flags for the next start(), e.g. ("--no-overlap-restores",)
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child holds it; closed right after the fork
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "timeslice_agent", "--node-id", self.node, "--nats-url", self.nats_url],
+                [sys.executable, "-m", "timeslice_agent", "--node-id", self.node, "--nats-url", self.nats_url,
+                 *self.args],
                 cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         finally:
             log.close()

@@ -24,6 +24,7 @@ What each test checks:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -366,6 +367,56 @@ async def test_agent_killed_during_snapshot_and_restarted_grants_only_once_the_s
     await a.wait("released")
     _, _, checker = await op_events(nats_url, g)  # the invariant checker agrees with the whole story
     assert checker.unpublished_grants() == []
+
+
+@pytest.mark.slow
+async def test_a_restarted_agent_restores_the_incoming_job_only_after_the_outgoing_suspend_it_follows(
+    spawn: Spawn, agent: AgentProcess, observer: AsyncTimeSliceClient, nats_url: str
+) -> None:
+    """The agent dies during a switch whose restore waits for the outgoing job's snapshot (``Restore.after``), and
+    the incoming job is announced first when it comes back (its key sorts first). The orchestrator sends its
+    restore again before the snapshot it follows: that snapshot runs nowhere yet, so ``after`` named nothing to
+    wait for, and the restore began beside a suspend still moving the outgoing state off the device (two contexts
+    on it at once, without the room rule's leave). Now a restore also waits for a job of its group whose state a
+    restart left in doubt (TRANSITIONING, its last operation one the restore follows)."""
+    agent.stop()  # the restore must wait for the snapshot: no room rule's leave to start beside it
+    agent.args = ("--no-overlap-restores",)
+    agent.start()
+    await agent.wait_ready()
+    g = "agent-dies-order"
+    z = spawn(g, "z", handler="slow", mb=4, slow_s=60)  # outgoing: its key sorts after the incoming one's
+    b = spawn(g, "b", handler="numpy", mb=1)
+    await z.wait("ready", timeout=START)
+    await b.wait("ready", timeout=START)
+    b.send("acquire")
+    await b.wait("worked")
+    b.send("release")
+    await b.wait("released")
+    z.send("acquire")  # b's state is moved off at this switch (its suspend is not the slow one)
+    await z.wait("worked")
+    assert (await agent.jobs())["b"]["state"] == "SAVED"
+    b.send("acquire")
+    await eventually(queued(observer, g, "b"), what="b queued behind z")
+    z.send("release")
+    await z.wait("suspend_start")  # the switch: z's snapshot runs (blocked), b's restore waits for it
+
+    agent.kill()
+    agent.start()
+    await agent.wait_ready()
+    await eventually(lambda: _placed(observer, g, {"z", "b"}), what="jobs placed again by the new agent")
+    early = None
+    with contextlib.suppress(AssertionError):
+        early = await b.wait("resume_start", timeout=3.0)  # the old code began b's restore within this
+    assert early is None, f"b's restore began at {early} while z's suspend still ran"
+
+    z.send("unblock")
+    suspended = await z.wait("suspended")
+    resumed = await b.wait("resume_start", timeout=30)
+    assert resumed["t"] >= suspended["t"], (resumed, suspended)
+    granted = await b.wait("granted", n=2, timeout=30)
+    assert granted["context_restored"] is True
+    rec = await eventually(lambda: _held_by(observer, g, "b"), what="record stored")
+    assert not rec.faulted, rec.faulted
 
 
 async def test_agent_killed_during_snapshot_for_good_grants_at_the_snapshot_deadline_and_faults_the_job(

@@ -23,6 +23,7 @@ from timeslice_client.protocol import (
     JobUnregistered,
     ProcessOwner,
     RegisterJob,
+    Restore,
     encode,
     subjects,
 )
@@ -128,6 +129,13 @@ class JobBook:
         await stored.publish(self._js, subjects.agent_event(self.node, ctx.group),
                              encode(JobUnregistered(group=ctx.group, job=ctx.job, node=self.node)))
         log.info("unregistered job: %s", why, extra={"node": self.node, "job": ctx.job, "group": ctx.group})
+
+    def in_doubt(self, cmd: Restore) -> list[str]:
+        """The snapshots ``cmd`` follows that a restart of this agent left in doubt: another job of its group is
+        TRANSITIONING in one of them (its ``last_op_id``, set when an operation begins: its own process may still be
+        moving its state off the device) until the orchestrator sends that snapshot again and it ends."""
+        return [j.last_op_id for j in self.jobs.values() if j.group == cmd.group and j.job != cmd.job
+                and j.state is JobState.TRANSITIONING and j.last_op_id is not None and j.last_op_id in cmd.after]
 
     def registration(self, ctx: JobContext) -> JobContext | None:
         """The job's registration now, when it is still the one ``ctx`` was taken from: the same group and

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Iterable
+from typing import Final
 
 __all__ = ["RunningOps"]
+
+MAX_SEEN: Final = 4096  # op ids remembered as begun by this agent (a restore follows at most 64)
 
 
 class RunningOps:
@@ -15,13 +19,22 @@ class RunningOps:
 
     def __init__(self) -> None:
         self._running: dict[str, asyncio.Event] = {}
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()  # begun here, newest last
 
     def start(self, op_id: str) -> bool:
         """Register ``op_id`` as running; False when it runs already (a redelivered command)."""
         if op_id in self._running:
             return False
         self._running[op_id] = asyncio.Event()
+        self._seen[op_id] = None
+        self._seen.move_to_end(op_id)
+        while len(self._seen) > MAX_SEEN:
+            self._seen.popitem(last=False)
         return True
+
+    def seen(self, op_id: str) -> bool:
+        """Whether ``op_id`` began on this agent since it started (running, or ended)."""
+        return op_id in self._seen
 
     def answered(self, op_id: str) -> None:
         """Its result is decided: the operations that follow it may start."""

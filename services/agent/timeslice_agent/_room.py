@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
+from typing import Final
 
 from timeslice_client.protocol import JobContext, JobState, Restore
 
@@ -33,6 +35,8 @@ from ._nvml import gpu_source
 from ._ordering import RunningOps
 
 __all__ = ["PROCESS_LEVEL", "RestoreOrder", "Turn", "fits", "free_device_bytes", "restore_size"]
+
+_DOUBT_POLL_S: Final = 0.02  # how often a restore looks again for the snapshot a restart left in doubt
 
 PROCESS_LEVEL = frozenset({"freeze"})  # backends that stop or start processes: their order is kept
 
@@ -75,10 +79,12 @@ class Turn:
 class RestoreOrder:
     """Orders a node's restores after the snapshots they follow, unless the node has room for both."""
 
-    def __init__(self, running: RunningOps, *, enabled: bool = True, margin_bytes: int = 1 << 30,
+    def __init__(self, running: RunningOps, *, doubt: Callable[[Restore], list[str]] = lambda cmd: [],
+                 enabled: bool = True, margin_bytes: int = 1 << 30,
                  margin_fraction: float = 0.1, free_bytes: Callable[[], int | None] = free_device_bytes,
                  free_bytes_blocks: Callable[[], bool] = lambda: gpu_source() is not None) -> None:
         self._running = running
+        self._doubt = doubt  # JobBook.in_doubt: the snapshots a restart left in doubt that a restore follows
         self._free_bytes_blocks = free_bytes_blocks
         self.enabled = enabled
         self.margin_bytes = margin_bytes
@@ -121,4 +127,16 @@ class RestoreOrder:
             finally:
                 self.reserved -= need
             return
-        yield Turn(error=await self._running.wait(cmd.after, cmd.deadline_ms / 1000))
+        yield Turn(error=await self._running.wait(cmd.after, cmd.deadline_ms / 1000) or await self._settled(cmd))
+
+    async def _settled(self, cmd: Restore) -> str | None:
+        """Wait until no snapshot ``cmd`` follows is left in doubt by a restart (``doubt``); an error at its deadline.
+        After a restart the orchestrator sends a switch's operations again job by job, so a restore can come before
+        the snapshot it follows, which then runs nowhere yet: ``RunningOps.wait`` had nothing to wait for. Once that
+        snapshot begins here, its answer is waited for as any other's."""
+        deadline_s = cmd.deadline_ms / 1000
+        while ops := [op for op in self._doubt(cmd) if not self._running.seen(op)]:
+            if time.time() >= deadline_s:
+                return f"deadline passed while {ops[0]}, which this restore follows, was left in doubt by a restart"
+            await asyncio.sleep(_DOUBT_POLL_S)  # until it is sent again (only after a restart of this agent)
+        return await self._running.wait(cmd.after, deadline_s)

@@ -111,8 +111,8 @@ class Agent:
         self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()
         self._running = RunningOps()  # a restore waits for the snapshots it follows (Restore.after)…
         self._order = RestoreOrder(  # …unless the node has room for both
-            self._running, enabled=self.config.overlap_restores, margin_bytes=self.config.overlap_margin_bytes,
-            margin_fraction=self.config.overlap_margin_fraction)
+            self._running, doubt=self._book.in_doubt, enabled=self.config.overlap_restores,
+            margin_bytes=self.config.overlap_margin_bytes, margin_fraction=self.config.overlap_margin_fraction)
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
@@ -404,8 +404,8 @@ class Agent:
             before = ctx.state
             if before is JobState.TRANSITIONING:  # cut short by a restart of this agent: where it started from
                 before = JobState.RUNNING if kind is OpKind.SNAPSHOT else JobState.SAVED
-            ctx = await self._book.save(msgspec.structs.replace(ctx, state=JobState.TRANSITIONING, epoch=cmd.epoch),
-                                   wait=False)
+            ctx = await self._book.save(msgspec.structs.replace(ctx, state=JobState.TRANSITIONING, epoch=cmd.epoch,
+                                        last_op_id=cmd.op_id, last_op_ok=None, last_op_error=None), wait=False)
             assert self._nc is not None
             await self._nc.publish(subjects.agent_op(self.node), encode(OpStarted(
                 op_id=cmd.op_id, group=cmd.group, job=cmd.job, node=self.node, kind=kind, epoch=cmd.epoch,

@@ -62,7 +62,9 @@ async def _status(args: argparse.Namespace) -> int:
         return 0
     print(f"{'JOB':<20} {'GROUP':<16} {'STATE':<14} {'BACKENDS':<22} {'PROCESSES':<16} LAST OP")
     for j in jobs:
-        last = f"{j.get('last_op_id') or '-'} {'ok' if j.get('last_op_ok') else (j.get('last_op_error') or '')}"
+        outcome = ("running" if j.get("state") == "TRANSITIONING" else "") if j.get("last_op_ok") is None else (
+            "ok" if j.get("last_op_ok") else (j.get("last_op_error") or "failed"))
+        last = f"{j.get('last_op_id') or '-'} {outcome}"
         procs = _processes(j.get("pids") or (), j.get("pgid"))
         print(f"{j['job']:<20} {j['group']:<16} {j['state']:<14} {'+'.join(j['backends']):<22} {procs:<16} {last}")
         if j.get("reason"):
