@@ -23,10 +23,17 @@ PINNED: dict[str, set[str]] = {
         "GpuAccounting", "GpuProcess", "GpuSource", "NoopBackend", "OpContext", "OperationInProgress", "Outcome",
         "ProcessState", "available_backends", "register_backend", "unavailable_backends",
     },
+    "timeslice_client.integrations": set(),  # each integration is a module of its own (OPTIONAL below)
     "timeslice_orchestrator": {
         "EmbeddedNatsError", "NatsServer", "Orchestrator", "OrchestratorConfig", "OrchestratorError",
         "OrchestratorMetrics", "apply", "find_nats_server", "new_record", "next_deadline",
     },
+}
+
+
+# Modules that need an extra: pinned the same way where the extra is installed (``needs``: its import name).
+OPTIONAL: dict[str, tuple[str, set[str]]] = {
+    "timeslice_client.integrations.trl": ("trl", {"HoldCounts", "OffloadCounts", "TimeSliceCallback", "attach"}),
 }
 
 
@@ -48,4 +55,16 @@ def test_the_public_names_are_the_pinned_ones_and_resolve(package: str) -> None:
 def test_every_public_modules_all_resolves(module: str) -> None:
     mod = importlib.import_module(module)
     missing = [n for n in getattr(mod, "__all__", ()) if not hasattr(mod, n)]
+    assert not missing, f"{module}.__all__ names what it does not define: {missing}"
+
+
+@pytest.mark.parametrize("module", sorted(OPTIONAL))
+def test_the_public_names_of_modules_that_need_an_extra_are_the_pinned_ones(module: str) -> None:
+    needs, pinned = OPTIONAL[module]
+    pytest.importorskip(needs, reason=f"{module} needs {needs}, which is not installed")
+    mod = importlib.import_module(module)
+    exported = set(mod.__all__)
+    assert len(exported) == len(mod.__all__), f"{module}.__all__ lists a name twice"
+    assert exported == pinned, f"added: {sorted(exported - pinned)}, dropped: {sorted(pinned - exported)}"
+    missing = [n for n in mod.__all__ if not hasattr(mod, n)]
     assert not missing, f"{module}.__all__ names what it does not define: {missing}"

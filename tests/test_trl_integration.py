@@ -35,9 +35,10 @@ BUILT_TIMEOUT_S = 90.0  # four interpreters importing torch, transformers and TR
 RUN_TIMEOUT_S = 60.0
 _THREADS = dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), "1")
 
-needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
-                               reason="trl is not installed: pip install 'timeslice-client[trl]' "
-                                      "(scripts/bootstrap --torch installs it)")
+needs_trl = pytest.mark.skipif(
+    importlib.util.find_spec("trl") is None,
+    reason="trl is not installed: pip install 'timeslice-client[trl]' (scripts/bootstrap --torch installs it)",
+)
 
 
 @dataclass
@@ -68,8 +69,10 @@ class Job:
                     await t
         if not self.lines[word].is_set():
             tail = self.log.read_text(errors="replace")[-3000:]
-            raise AssertionError(f"{self.name} ({self.group}) not {word} within {timeout} s "
-                                 f"(exit status {self.proc.returncode}):\n{tail}")
+            raise AssertionError(
+                f"{self.name} ({self.group}) not {word} within {timeout} s "
+                f"(exit status {self.proc.returncode}):\n{tail}"
+            )
 
     async def tell(self, word: str) -> None:
         assert self.proc.stdin is not None
@@ -84,12 +87,32 @@ class Job:
 async def start(tmp_path: Path, nats_url: str, name: str, group: str, seed: int, *, use_async: bool) -> Job:
     out, log = tmp_path / f"{group}-{name}.json", tmp_path / f"{group}-{name}.log"
     env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning", PYTHONPATH=os.pathsep.join(sys.path), **_THREADS)
-    argv = [sys.executable, "-m", "tests.workers.trl_grpo_job", "--job", name, "--group", group, "--nats-url",
-            nats_url, "--node-id", NODE, "--out", str(out), "--seed", str(seed), "--steps", str(STEPS),
-            "--reward-ms", str(REWARD_MS), *(["--async-reward"] if use_async else [])]
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.workers.trl_grpo_job",
+        "--job",
+        name,
+        "--group",
+        group,
+        "--nats-url",
+        nats_url,
+        "--node-id",
+        NODE,
+        "--out",
+        str(out),
+        "--seed",
+        str(seed),
+        "--steps",
+        str(STEPS),
+        "--reward-ms",
+        str(REWARD_MS),
+        *(["--async-reward"] if use_async else []),
+    ]
     with log.open("ab") as f:
-        proc = await asyncio.create_subprocess_exec(*argv, cwd=ROOT, env=env, stdin=asyncio.subprocess.PIPE,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=f)
+        proc = await asyncio.create_subprocess_exec(
+            *argv, cwd=ROOT, env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=f
+        )
     return Job(name, group, out, log, proc)
 
 
@@ -173,17 +196,21 @@ async def test_two_trl_grpo_jobs_share_a_group_bit_identical_to_solo_and_faster(
 
     back_to_back = solo["job-1"]["train_s"] + solo["job-2"]["train_s"]
     shared_s = max(r["end"] for r in shared.values()) - min(r["start"] for r in shared.values())
-    print(f"\nTRL GRPO x2, {STEPS} steps, {REWARD_MS} ms reward: back to back {back_to_back:.2f} s "
-          f"(solo {solo['job-1']['train_s']:.2f} + {solo['job-2']['train_s']:.2f}), shared {shared_s:.2f} s "
-          f"= {shared_s / back_to_back:.2f}x; {n_handoffs} handoffs; moved per switch "
-          f"{shared['job-1']['counts']['offload']['last_suspend_bytes']} B")
+    print(
+        f"\nTRL GRPO x2, {STEPS} steps, {REWARD_MS} ms reward: back to back {back_to_back:.2f} s "
+        f"(solo {solo['job-1']['train_s']:.2f} + {solo['job-2']['train_s']:.2f}), shared {shared_s:.2f} s "
+        f"= {shared_s / back_to_back:.2f}x; {n_handoffs} handoffs; moved per switch "
+        f"{shared['job-1']['counts']['offload']['last_suspend_bytes']} B"
+    )
     assert shared_s < back_to_back, (shared_s, back_to_back)
 
 
 def test_import_timeslice_client_does_not_import_the_integration_or_trl() -> None:
-    code = ("import sys, timeslice_client; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('trl', 'transformers') "
-            "or m.startswith('timeslice_client.integrations')))")
+    code = (
+        "import sys, timeslice_client; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('trl', 'transformers') "
+        "or m.startswith('timeslice_client.integrations')))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", r.stdout
@@ -194,3 +221,34 @@ def test_without_trl_the_import_names_the_extra() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode != 0
     assert "ModuleNotFoundError" in r.stderr and "pip install 'timeslice-client[trl]'" in r.stderr, r.stderr
+
+
+@needs_trl
+async def test_the_example_trains_through_the_stack_as_it_trains_without_it(tmp_path: Path) -> None:
+    """examples/trl_grpo.py, as the docs run it: with timeslice its final weights are those of ``--plain``."""
+    async with embedded_stack(tmp_path / "stack", NODE) as stack:
+        env = dict(os.environ, TIMESLICE_NATS_URL=stack.nats_url, TIMESLICE_NODE_ID=NODE, **_THREADS)
+
+        async def example(*extra: str) -> str:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                str(ROOT / "examples" / "trl_grpo.py"),
+                "--job",
+                "example",
+                "--steps",
+                "3",
+                "--reward-ms",
+                "10",
+                *extra,
+                env=env,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            out, err = await asyncio.wait_for(proc.communicate(), BUILT_TIMEOUT_S + RUN_TIMEOUT_S)
+            assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
+            (line,) = [ln for ln in out.decode().splitlines() if ln.startswith("example: 3 steps in")]
+            return line
+
+        shared, plain = await asyncio.gather(example(), example("--plain"))
+    assert "moved out 0x" in shared and "waited" in shared, shared  # alone in its group: nothing moved
+    assert shared.split("weights sha256 ")[1] == plain.split("weights sha256 ")[1], (shared, plain)

@@ -3,7 +3,7 @@
 Run as::
 
     python -m tests.workers.trl_grpo_job --job J --group G --nats-url URL --node-id N --out RESULT.json \
-        [--seed 0] [--steps 6] [--reward-ms 300] [--async-reward]
+        [--seed 0] [--steps 6] [--reward-ms 300] [--async-reward] [--hidden 32] [--layers 2]
 
 Nothing is downloaded: the model is a tiny randomly initialised ``LlamaForCausalLM`` built from a config, the
 tokenizer a word-level one built here with ``tokenizers``, the dataset an in-memory ``datasets.Dataset`` and the
@@ -50,11 +50,20 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def model(seed: int) -> LlamaForCausalLM:
+def model(seed: int, hidden: int, layers: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    cfg = LlamaConfig(
+        vocab_size=len(WORDS),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -86,8 +95,9 @@ def digest(trainer: GRPOTrainer) -> tuple[str, int]:
     n = 0
     named = sorted(trainer.model.state_dict().items())
     opt = trainer.optimizer.state_dict()["state"]
-    named += [(f"optimizer/{i}.{k}", v) for i in sorted(opt) for k, v in sorted(opt[i].items())
-              if isinstance(v, torch.Tensor)]
+    named += [
+        (f"optimizer/{i}.{k}", v) for i in sorted(opt) for k, v in sorted(opt[i].items()) if isinstance(v, torch.Tensor)
+    ]
     for name, t in named:
         a = t.detach().cpu().contiguous().clone()  # never .numpy() on the live tensor: it pins the storage
         h.update(f"{name}|{a.dtype}|{tuple(a.shape)}|".encode())
@@ -113,11 +123,27 @@ def say(word: str) -> None:
 def run(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     args = GRPOConfig(
-        output_dir=str(Path(a.out).parent / f"trl-{a.job}-{a.group}"), per_device_train_batch_size=8,
-        num_generations=4, max_completion_length=8, max_steps=a.steps, learning_rate=1e-3, logging_steps=1,
-        report_to=[], save_strategy="no", seed=a.seed, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
-    trainer = GRPOTrainer(model=model(a.seed), reward_funcs=reward_function(a.reward_ms / 1000, a.async_reward),
-                          args=args, train_dataset=dataset(), processing_class=tokenizer())
+        output_dir=str(Path(a.out).parent / f"trl-{a.job}-{a.group}"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=a.steps,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=a.seed,
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(
+        model=model(a.seed, a.hidden, a.layers),
+        reward_funcs=reward_function(a.reward_ms / 1000, a.async_reward),
+        args=args,
+        train_dataset=dataset(),
+        processing_class=tokenizer(),
+    )
     with TimeSliceClient(a.job, a.group, a.nats_url, lease_seconds=30, acquire_timeout=120) as client:
         say("built")
         wait_for("go")
@@ -127,9 +153,17 @@ def run(a: argparse.Namespace) -> None:
         end = time.time()
         with client.on_accelerators():  # the state may be off the device since train() released
             sha, tensors = digest(trainer)
-        result = {"job": a.job, "group": a.group, "start": start, "end": end, "train_s": end - start,
-                  "sha256": sha, "tensors": tensors, "steps": trainer.state.global_step,
-                  "counts": dataclasses.asdict(callback.counts)}
+        result = {
+            "job": a.job,
+            "group": a.group,
+            "start": start,
+            "end": end,
+            "train_s": end - start,
+            "sha256": sha,
+            "tensors": tensors,
+            "steps": trainer.state.global_step,
+            "counts": dataclasses.asdict(callback.counts),
+        }
         Path(a.out).write_text(json.dumps(result))
         say("done")
         wait_for("exit")
@@ -146,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--reward-ms", type=float, default=300.0)
     p.add_argument("--async-reward", action="store_true")
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--layers", type=int, default=2)
     run(p.parse_args(argv))
     return 0
 

@@ -49,8 +49,10 @@ class CountingHandler:
         """Forward to ``inner`` from now on; refused while the current one's state is suspended (it would be lost)."""
         with self._lock:
             if self._suspended:
-                raise HandlerError("the state is suspended (off the device): replace the handler only while the job "
-                                   "holds the group and its state is back")
+                raise HandlerError(
+                    "the state is suspended (off the device): replace the handler only while the job "
+                    "holds the group and its state is back"
+                )
             self._inner = inner
 
     def _target(self) -> WorkloadHandler:
@@ -64,8 +66,14 @@ class CountingHandler:
             result = self._target().suspend(mode, tags)
             c = self._counts
             self._counts = OffloadCounts(
-                c.suspends + 1, c.resumes, c.suspend_ms + (time.perf_counter() - t0) * 1000, c.resume_ms,
-                c.bytes_out + result.bytes_moved, c.bytes_in, result.bytes_moved)
+                c.suspends + 1,
+                c.resumes,
+                c.suspend_ms + (time.perf_counter() - t0) * 1000,
+                c.resume_ms,
+                c.bytes_out + result.bytes_moved,
+                c.bytes_in,
+                result.bytes_moved,
+            )
             self._suspended = True
             return result
 
@@ -75,7 +83,13 @@ class CountingHandler:
             result = self._target().resume(mode, tags)
             c = self._counts
             self._counts = OffloadCounts(
-                c.suspends, c.resumes + 1, c.suspend_ms, c.resume_ms + (time.perf_counter() - t0) * 1000,
-                c.bytes_out, c.bytes_in + result.bytes_moved, c.last_suspend_bytes)
+                c.suspends,
+                c.resumes + 1,
+                c.suspend_ms,
+                c.resume_ms + (time.perf_counter() - t0) * 1000,
+                c.bytes_out,
+                c.bytes_in + result.bytes_moved,
+                c.last_suspend_bytes,
+            )
             self._suspended = False
             return result

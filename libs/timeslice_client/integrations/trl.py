@@ -63,12 +63,15 @@ try:
 except ModuleNotFoundError as exc:
     if (exc.name or "").split(".")[0] not in ("torch", "trl", "transformers", "accelerate", "datasets"):
         raise
-    raise ModuleNotFoundError(f"timeslice_client.integrations.trl needs TRL, which is not installed ({exc}): "
-                              "pip install 'timeslice-client[trl]'", name=exc.name) from exc
+    raise ModuleNotFoundError(
+        f"timeslice_client.integrations.trl needs TRL, which is not installed ({exc}): "
+        "pip install 'timeslice-client[trl]'",
+        name=exc.name,
+    ) from exc
 
 from ..torch_offload import TorchOffloadHandler
 
-__all__ = ["HoldCounts", "TimeSliceCallback", "attach"]
+__all__ = ["HoldCounts", "OffloadCounts", "TimeSliceCallback", "attach"]
 
 log = logging.getLogger("timeslice.integrations.trl")
 
@@ -122,8 +125,10 @@ class TimeSliceCallback(TrainerCallback):  # type: ignore[misc]  # transformers 
     ) -> None:
         super().__init__()
         if not isinstance(client, TimeSliceClient):
-            raise InvalidRequest(f"TimeSliceCallback needs a TimeSliceClient, not {type(client).__name__} (the "
-                                 "trainer's callbacks are called on its own thread, without an event loop)")
+            raise InvalidRequest(
+                f"TimeSliceCallback needs a TimeSliceClient, not {type(client).__name__} (the "
+                "trainer's callbacks are called on its own thread, without an event loop)"
+            )
         self.client = client
         self.modules = dict(modules or {})
         self.node_id = node_id
@@ -155,9 +160,12 @@ class TimeSliceCallback(TrainerCallback):  # type: ignore[misc]  # transformers 
         """``fn`` (a TRL reward function, plain or async) runs with the group released while training is on; the
         group is held again before the call returns. Reward functions running at once share one release."""
         if isinstance(fn, torch.nn.Module):
-            raise InvalidRequest(f"{type(fn).__name__} is a reward model: it runs on the accelerators, so it stays "
-                                 "inside the hold (pass it to the trainer unwrapped)")
+            raise InvalidRequest(
+                f"{type(fn).__name__} is a reward model: it runs on the accelerators, so it stays "
+                "inside the hold (pass it to the trainer unwrapped)"
+            )
         if _is_async(fn):
+
             @functools.wraps(fn)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
                 await asyncio.to_thread(self._leave)
@@ -228,22 +236,28 @@ class TimeSliceCallback(TrainerCallback):  # type: ignore[misc]  # transformers 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
         if model is None or optimizer is None:
-            raise InvalidRequest("on_train_begin came without the trainer's model or optimizer: add the callback to "
-                                 "a transformers Trainer (TRL's GRPOTrainer)", job_id=self.client.job_id)
+            raise InvalidRequest(
+                "on_train_begin came without the trainer's model or optimizer: add the callback to "
+                "a transformers Trainer (TRL's GRPOTrainer)",
+                job_id=self.client.job_id,
+            )
         if self.client.holding:
             raise InvalidRequest(
                 f"job {self.client.job_id!r} already holds group {self.client.group_id!r} as training begins: the "
                 "TRL integration takes and gives back the hold itself, so call trainer.train() outside "
                 "client.on_accelerators() (and after client.release())",
-                group_id=self.client.group_id, job_id=self.client.job_id)
+                group_id=self.client.group_id,
+                job_id=self.client.job_id,
+            )
         optimizer = _plain_optimizer(optimizer)
         moved = (id(model), id(optimizer), *(id(m) for m in self.modules.values()))
         with self._lock:
             if self.channel is None:  # first train(): register before the first hold, so every switch moves us
                 self.handler.replace(self._offload(model, optimizer))
                 self._moved = moved
-                self.channel = self.client.register_workload(self.handler, node_id=self.node_id,
-                                                             op_timeout=self.op_timeout)
+                self.channel = self.client.register_workload(
+                    self.handler, node_id=self.node_id, op_timeout=self.op_timeout
+                )
             self._take()
             self._ours = True
             if moved != self._moved:  # a later train() with new objects: swapped while their state is here
@@ -277,15 +291,17 @@ def attach(trainer: Any, client: TimeSliceClient, **options: Any) -> TimeSliceCa
     its reference model with the weights when it has one (tag ``ref``). Call it before ``trainer.train()``."""
     reward_funcs = getattr(trainer, "reward_funcs", None)
     if not isinstance(reward_funcs, list):
-        raise InvalidRequest(f"{type(trainer).__name__} has no list of reward functions: attach() is for TRL's "
-                             "GRPOTrainer (for another Trainer, add a TimeSliceCallback yourself)")
+        raise InvalidRequest(
+            f"{type(trainer).__name__} has no list of reward functions: attach() is for TRL's "
+            "GRPOTrainer (for another Trainer, add a TimeSliceCallback yourself)"
+        )
     modules = dict(options.pop("modules", None) or {})
     ref = getattr(trainer, "ref_model", None)
     if isinstance(ref, torch.nn.Module) and "ref" not in modules:
         modules["ref"] = ref
     callback = TimeSliceCallback(client, modules=modules, **options)
-    trainer.reward_funcs[:] = [f if isinstance(f, torch.nn.Module) else callback.off_accelerators(f)
-                               for f in reward_funcs]  # TRL named them at init: the names stay
+    trainer.reward_funcs[:] = [
+        f if isinstance(f, torch.nn.Module) else callback.off_accelerators(f) for f in reward_funcs
+    ]  # TRL named them at init: the names stay
     trainer.add_callback(callback)
     return callback
-
