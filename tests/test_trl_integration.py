@@ -1,14 +1,15 @@
 """The TRL integration for real: two TRL GRPO jobs (separate processes, ``tests/workers/trl_grpo_job.py``: a tiny
 random Llama built from a config, a tokenizer built in-process, an in-memory dataset, Python reward functions that
-take 300 ms each, standing for a reward model) run each alone and then sharing one group through the real stack (a
+take 400 ms each, standing for a reward model) run each alone and then sharing one group through the real stack (a
 nats-server, the orchestrator and the node's snapshot agent, as ``timeslice demo`` runs them).
 
 Asserted: each job's final weights and optimizer state after sharing are bit-identical to its solo run; the jobs
 really switched (the group changed hands at every reward phase, as the stream replays it, and each job's state was
 moved off and back by its offload handler, every byte); the holds bracket generation and training exactly (one
 acquire at train begin and one after each reward call, one release at each reward call and one at train end); and
-the shared run took less wall time than the two solo runs back to back. Plus: the integration is not imported by
-``import timeslice_client``, and without TRL its import names the extra to install."""
+the shared run took less wall time than the two solo runs back to back (below 0.8 of it). Plus: the example runs
+through the stack to the weights it reaches without it; ``import timeslice_client`` does not import the integration;
+without TRL the integration's import names the extra to install."""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ from timeslice_cli.demo._stack import embedded_stack
 ROOT = Path(__file__).resolve().parents[1]
 NODE = "n-trl"
 STEPS = 6
-REWARD_MS = 300
+REWARD_MS = 400
+# Shared must beat back to back by this much: jobs that never release at reward scoring run one after the other
+# (0.95-0.99x measured), sharing ones overlap one's reward with the other's generation and training (0.5-0.6x).
+GOAL_RATIO = 0.8
 BUILT_TIMEOUT_S = 90.0  # four interpreters importing torch, transformers and TRL at once on two cores
 RUN_TIMEOUT_S = 60.0
 _THREADS = dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), "1")
@@ -202,7 +206,7 @@ async def test_two_trl_grpo_jobs_share_a_group_bit_identical_to_solo_and_faster(
         f"= {shared_s / back_to_back:.2f}x; {n_handoffs} handoffs; moved per switch "
         f"{shared['job-1']['counts']['offload']['last_suspend_bytes']} B"
     )
-    assert shared_s < back_to_back, (shared_s, back_to_back)
+    assert shared_s < GOAL_RATIO * back_to_back, (shared_s, back_to_back)
 
 
 def test_import_timeslice_client_does_not_import_the_integration_or_trl() -> None:
