@@ -153,6 +153,8 @@ def run(a: argparse.Namespace) -> None:
         end = time.time()
         with client.on_accelerators():  # the state may be off the device since train() released
             sha, tensors = digest(trainer)
+            # In the hold, so every suspend so far has been resumed (after it, the other job may move us out again).
+            counts = dataclasses.asdict(callback.counts)
         result = {
             "job": a.job,
             "group": a.group,
@@ -162,7 +164,7 @@ def run(a: argparse.Namespace) -> None:
             "sha256": sha,
             "tensors": tensors,
             "steps": trainer.state.global_step,
-            "counts": dataclasses.asdict(callback.counts),
+            "counts": counts,
         }
         Path(a.out).write_text(json.dumps(result))
         say("done")

@@ -295,6 +295,13 @@ def attach(trainer: Any, client: TimeSliceClient, **options: Any) -> TimeSliceCa
             f"{type(trainer).__name__} has no list of reward functions: attach() is for TRL's "
             "GRPOTrainer (for another Trainer, add a TimeSliceCallback yourself)"
         )
+    handler = getattr(trainer, "callback_handler", None)
+    if any(isinstance(cb, TimeSliceCallback) for cb in getattr(handler, "callbacks", ())):
+        raise InvalidRequest(
+            "this trainer has a TimeSliceCallback already: attach() once per trainer",
+            group_id=client.group_id,
+            job_id=client.job_id,
+        )
     modules = dict(options.pop("modules", None) or {})
     ref = getattr(trainer, "ref_model", None)
     if isinstance(ref, torch.nn.Module) and "ref" not in modules:
