@@ -280,6 +280,8 @@ async def test_the_callback_refuses_a_hold_it_did_not_take_a_reward_model_and_a_
 
     client = TimeSliceClient("refusals", "g-refusals", nats_url, bind_process=False)
     try:
+        with pytest.raises(InvalidRequest, match="the integration's own"):
+            TimeSliceCallback(client, modules={"weights": torch.nn.Linear(2, 1)})
         callback = TimeSliceCallback(client)
         with pytest.raises(InvalidRequest, match="reward model"):
             callback.off_accelerators(torch.nn.Linear(2, 1))

@@ -131,6 +131,11 @@ class TimeSliceCallback(TrainerCallback):  # type: ignore[misc]  # transformers 
             )
         self.client = client
         self.modules = dict(modules or {})
+        for tag in self.modules.keys() & {"weights", "optimizer"}:
+            raise InvalidRequest(
+                f"modules= tag {tag!r} is the integration's own (the model, the optimizer): name it otherwise",
+                job_id=client.job_id,
+            )
         self.node_id = node_id
         self.op_timeout = op_timeout
         self.device = device
@@ -265,12 +270,9 @@ class TimeSliceCallback(TrainerCallback):  # type: ignore[misc]  # transformers 
                 self._moved = moved
 
     def _offload(self, model: Any, optimizer: Any) -> TorchOffloadHandler:
-        modules: dict[str, Any] = {"weights": model}
-        for tag, module in self.modules.items():
-            if tag in ("weights", "optimizer"):
-                raise InvalidRequest(f"modules= tag {tag!r} is the integration's own: name it otherwise")
-            modules[tag] = module
-        return TorchOffloadHandler(modules=modules, optimizers={"optimizer": optimizer}, device=self.device)
+        return TorchOffloadHandler(
+            modules={"weights": model, **self.modules}, optimizers={"optimizer": optimizer}, device=self.device
+        )
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._ensure_held()  # generation (in the step's first training_step) runs in the hold
