@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import tempfile
 import time
 from typing import Any
 
@@ -29,7 +30,7 @@ from trl import GRPOConfig, GRPOTrainer
 WORDS = ["<pad>", "<eos>", "<unk>", *(f"w{i}" for i in range(61))]
 
 
-def build(a: argparse.Namespace) -> GRPOTrainer:
+def build(a: argparse.Namespace, output_dir: str) -> GRPOTrainer:
     tk = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
@@ -55,7 +56,7 @@ def build(a: argparse.Namespace) -> GRPOTrainer:
         return [c.split().count("w3") - 0.1 * len(c.split()) for c in completions]
 
     args = GRPOConfig(
-        output_dir=f"/tmp/trl-example-{a.job}",
+        output_dir=output_dir,  # nothing is saved (save_strategy="no")
         per_device_train_batch_size=8,
         num_generations=4,
         max_completion_length=8,
@@ -79,19 +80,7 @@ def weights_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--job", default="grpo-a")
-    p.add_argument("--group", default="gpus-0")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--reward-ms", type=float, default=300.0)
-    p.add_argument("--plain", action="store_true", help="without timeslice (the baseline)")
-    a = p.parse_args()
-    torch.set_num_threads(1)
-    trainer = build(a)
+def run(a: argparse.Namespace, trainer: GRPOTrainer) -> None:
     if a.plain:
         t0 = time.perf_counter()
         trainer.train()
@@ -114,6 +103,22 @@ def main() -> None:
             f"({c.offload.resume_ms:.0f} ms), {c.offload.last_suspend_bytes / 1e6:.1f} MB each; "
             f"weights sha256 {sha}"
         )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--job", default="grpo-a")
+    p.add_argument("--group", default="gpus-0")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--reward-ms", type=float, default=300.0)
+    p.add_argument("--plain", action="store_true", help="without timeslice (the baseline)")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="trl-grpo-") as output_dir:
+        run(a, build(a, output_dir))
 
 
 if __name__ == "__main__":
