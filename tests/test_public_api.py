@@ -25,11 +25,18 @@ PINNED: dict[str, set[str]] = {
         "OpContext", "OperationInProgress", "Outcome", "ProcessState", "Refusal", "Refused", "UnknownProcessState",
         "available_backends", "register_backend", "unavailable_backends",
     },
+    "timeslice_client.integrations": set(),  # each integration is a module of its own (OPTIONAL below)
     "timeslice_orchestrator": {
         "AuthError", "Deposed", "EmbeddedNatsError", "LeaderWaitTimeout", "LeadershipError", "NatsServer", "NotLeader",
         "Orchestrator", "OrchestratorConfig", "OrchestratorError", "OrchestratorMetrics", "ReplayError",
         "ServiceFailed", "Unusable", "apply", "find_nats_server", "new_record", "next_deadline",
     },
+}
+
+
+# Modules that need an extra: pinned the same way where the extra is installed (``needs``: its import name).
+OPTIONAL: dict[str, tuple[str, set[str]]] = {
+    "timeslice_client.integrations.trl": ("trl", {"HoldCounts", "OffloadCounts", "TimeSliceCallback", "attach"}),
 }
 
 
@@ -79,3 +86,14 @@ def test_each_packages_errors_form_one_tree_under_its_root(package: str) -> None
     elsewhere = sorted(n for n, c in classes.items() if c.__module__ != errors_mod.__name__)
     assert not elsewhere, f"{package}: {elsewhere} are defined outside {errors_mod.__name__}"
 
+
+@pytest.mark.parametrize("module", sorted(OPTIONAL))
+def test_the_public_names_of_modules_that_need_an_extra_are_the_pinned_ones(module: str) -> None:
+    needs, pinned = OPTIONAL[module]
+    pytest.importorskip(needs, reason=f"{module} needs {needs}, which is not installed")
+    mod = importlib.import_module(module)
+    exported = set(mod.__all__)
+    assert len(exported) == len(mod.__all__), f"{module}.__all__ lists a name twice"
+    assert exported == pinned, f"added: {sorted(exported - pinned)}, dropped: {sorted(pinned - exported)}"
+    missing = [n for n in mod.__all__ if not hasattr(mod, n)]
+    assert not missing, f"{module}.__all__ names what it does not define: {missing}"

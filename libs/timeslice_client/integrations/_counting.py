@@ -1,0 +1,95 @@
+"""A workload handler that forwards to another and counts what it did: the figures an integration reports."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from ..errors import HandlerError
+from ..handlers import HandlerResult, WorkloadHandler
+from ..protocol import SuspendMode
+
+__all__ = ["CountingHandler", "OffloadCounts"]
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadCounts:
+    """What the handler did so far: calls, their total time (ms, the handler's own) and the bytes they moved."""
+
+    suspends: int = 0
+    resumes: int = 0
+    suspend_ms: float = 0.0
+    resume_ms: float = 0.0
+    bytes_out: int = 0  # device -> host, over all suspends
+    bytes_in: int = 0  # host -> device, over all resumes
+    last_suspend_bytes: int = 0  # what the latest suspend moved (the size of one switch's state)
+
+
+class CountingHandler:
+    """Forwards ``suspend``/``resume`` to ``inner`` and counts them. ``inner`` may be replaced (:meth:`replace`) while
+    its state is on the device, so a registration outlives the objects it moves (a trainer's second ``train()``)."""
+
+    def __init__(self, inner: WorkloadHandler | None = None) -> None:
+        self._inner = inner
+        self._suspended = False
+        self._counts = OffloadCounts()
+        self._lock = threading.Lock()
+
+    @property
+    def inner(self) -> WorkloadHandler | None:
+        return self._inner
+
+    @property
+    def counts(self) -> OffloadCounts:
+        with self._lock:
+            return self._counts
+
+    def replace(self, inner: WorkloadHandler) -> None:
+        """Forward to ``inner`` from now on; refused while the current one's state is suspended (it would be lost)."""
+        with self._lock:
+            if self._suspended:
+                raise HandlerError(
+                    "the state is suspended (off the device): replace the handler only while the job "
+                    "holds the group and its state is back"
+                )
+            self._inner = inner
+
+    def _target(self) -> WorkloadHandler:
+        if self._inner is None:
+            raise HandlerError("nothing to move yet: the integration registers its objects when training begins")
+        return self._inner
+
+    def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        with self._lock:
+            t0 = time.perf_counter()
+            result = self._target().suspend(mode, tags)
+            c = self._counts
+            self._counts = OffloadCounts(
+                c.suspends + 1,
+                c.resumes,
+                c.suspend_ms + (time.perf_counter() - t0) * 1000,
+                c.resume_ms,
+                c.bytes_out + result.bytes_moved,
+                c.bytes_in,
+                result.bytes_moved,
+            )
+            self._suspended = True
+            return result
+
+    def resume(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        with self._lock:
+            t0 = time.perf_counter()
+            result = self._target().resume(mode, tags)
+            c = self._counts
+            self._counts = OffloadCounts(
+                c.suspends,
+                c.resumes + 1,
+                c.suspend_ms,
+                c.resume_ms + (time.perf_counter() - t0) * 1000,
+                c.bytes_out,
+                c.bytes_in + result.bytes_moved,
+                c.last_suspend_bytes,
+            )
+            self._suspended = False
+            return result
