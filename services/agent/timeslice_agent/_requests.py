@@ -232,7 +232,8 @@ class Requests:
         if ctx is None:
             return AgentReply(ok=True)
         try:
-            async with asyncio.timeout(self._unregister_wait_s), self._locks.hold(job):
+            async with asyncio.timeout(self._unregister_wait_s) as waited, self._locks.hold(job):
+                waited.reschedule(None)  # the bound is on the wait; the unregistration's writes have their own
                 ctx = self._book.jobs.get(job)  # what the operation left (it may have ended the registration)
                 if ctx is not None and ctx.group == group:
                     await self._book.unregister(ctx, "unregistered by the job")
