@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -87,3 +89,19 @@ def test_the_plain_output_is_one_line_per_check_and_a_verdict(nats_url: str) -> 
     assert out.returncode == 1, out
     assert [ln.split()[1] for ln in lines[:-1]] == ["bus", "stream", "orchestrator", "agents", "groups"], lines
     assert lines[0].startswith("OK") and lines[-1] == "NOT healthy", lines
+
+
+def test_colour_only_on_a_terminal_or_when_forced_and_never_with_no_color(nats_url: str) -> None:
+    def run(**env: str) -> str:
+        base = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR")}
+        out = subprocess.run([sys.executable, "-m", "timeslice_cli", "health", "--nats-url", nats_url, "--timeout",
+                              "2"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+                             env={**base, **env})
+        return out.stdout
+
+    plain = run()
+    assert "\x1b" not in plain and plain.splitlines()[-1] == "NOT healthy", plain  # a pipe: the text as it is
+    forced = run(FORCE_COLOR="1")
+    assert "\x1b[" in forced and "NOT healthy" in forced, forced
+    assert re.search(r"\x1b\[[0-9;]*3[0-9]m", forced), forced  # a colour
+    assert not re.search(r"\x1b\[[0-9;]*3[0-9]m", run(FORCE_COLOR="1", NO_COLOR="1"))  # bold may stay

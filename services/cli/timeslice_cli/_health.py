@@ -19,14 +19,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import enum
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ._common import add_nats_flag, emit_json
+from ._term import show
 
 __all__ = ["Check", "Status", "register", "run_checks"]
+
+
+_STYLES = ((r"(?m)^OK\b", "green"), (r"(?m)^WARN\b", "yellow"), (r"(?m)^FAIL\b", "bold red"),
+           (r"(?m)^healthy$", "bold green"), (r"(?m)^NOT healthy$", "bold red"))
 
 
 class Status(enum.StrEnum):
@@ -168,9 +174,8 @@ async def _run(args: argparse.Namespace) -> int:
                                         for c in checks]})
     else:
         width = max(len(c.name) for c in checks)
-        for c in checks:
-            print(f"{c.status.value.upper():<4}  {c.name:<{width}}  {c.detail}")
-        print("healthy" if ok else "NOT healthy", flush=True)
+        lines = [f"{c.status.value.upper():<4}  {c.name:<{width}}  {c.detail}" for c in checks]
+        show(sys.stdout, "\n".join([*lines, "healthy" if ok else "NOT healthy"]), _STYLES)
     return 0 if ok else 1
 
 

@@ -41,11 +41,14 @@ from timeslice_orchestrator._leadership import LeaderRecord, read_leader
 from timeslice_orchestrator._quarantine import read_quarantined
 
 from ._common import add_nats_flag
+from ._term import show
 
 __all__ = ["View", "fit", "read_control", "read_view", "register", "render_json", "render_table"]
 
 _ctx_decoder = msgspec.json.Decoder(JobContext)
-_CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: plain ANSI, any terminal
+#: How ``status`` colours a terminal (``_term``): states, and what needs a person's eye.
+STATE_STYLES = ((r"\bHELD\b", "green"), (r"\b(SWITCHING|TRANSITIONING)\b", "yellow"), (r"\bIDLE\w*\b", "dim"),
+                (r"\b(FAULTED|QUARANTINED|UNREADABLE)\b|faulted:", "bold red"), (r"(?m)^leader: none.*", "bold red"))
 
 
 @dataclass
@@ -227,9 +230,11 @@ def _print(view: View, args: argparse.Namespace, out: TextIO, *, clear: bool) ->
         out.write(render_json(recs, jobs, now_ms, indent=None if args.watch else 2, view=view) + "\n")
     elif clear and out.isatty():
         width = shutil.get_terminal_size((120, 40)).columns
-        out.write(_CLEAR + fit(render_table(recs, jobs, now_ms, view=view), width) + "\n")
+        show(out, fit(render_table(recs, jobs, now_ms, view=view), width), STATE_STYLES, clear=True)
+    elif clear:
+        out.write(render_table(recs, jobs, now_ms, view=view) + "\n\n")
     else:
-        out.write(render_table(recs, jobs, now_ms, view=view) + ("\n\n" if clear else "\n"))
+        show(out, render_table(recs, jobs, now_ms, view=view), STATE_STYLES)
     out.flush()
 
 
