@@ -21,7 +21,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
+import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -35,8 +38,10 @@ import pytest
 from timeslice_agent import Agent, AgentConfig
 from timeslice_client import InvalidRequest, TimeSliceClient
 from timeslice_client.integrations.slime import TimeSliceCallback
+from timeslice_orchestrator.grpc_shim import GrpcConfig, OrchestratorGrpcShim
 from timeslice_orchestrator.service import Orchestrator
 
+from .grpc_proto_client import OrchestratorClient
 from .helpers import running
 from .workers import slime_standins as slime
 
@@ -296,3 +301,113 @@ def test_import_timeslice_client_does_not_import_the_slime_integration() -> None
             "print(sorted(m for m in sys.modules if m.startswith('timeslice_client.integrations')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
+
+
+# --------------------------------------------------------------------------- part two: the reference's package
+
+
+@pytest.fixture
+async def shim(nats_url: str, orchestrator: Orchestrator) -> AsyncIterator[OrchestratorGrpcShim]:
+    s = OrchestratorGrpcShim(GrpcConfig(host="127.0.0.1", port=0, lease_s=10, liveness_interval_s=0.2),
+                             nats_url=nats_url)
+    await s.start()
+    try:
+        yield s
+    finally:
+        await s.stop()
+
+
+REF_STEPS = 3
+REF_ARGS = {"steps": REF_STEPS, "size": 4096, "gen_s": 0.1, "train_s": 0.1, "sync_s": 0.02}
+LOCK_LINE = re.compile(r"^\[timeslice\] job=(\S+) (ACQUIRE|RELEASE) role=(trainer|sampler) group=(\S+)")
+
+
+def lock_lines(stdout: str) -> list[tuple[str, str]]:
+    """The (ACQUIRE/RELEASE, role) lines the reference package prints for each call it makes."""
+    return [(m[2], m[3]) for line in stdout.splitlines() if (m := LOCK_LINE.match(line))]
+
+
+def sync_driver_calls(steps: int) -> list[tuple[str, str]]:
+    """The calls of the reference package for the synchronous driver without evals: init (both: trainer first),
+    then per step generate (sampler), train (trainer), weight sync (both); each phase's end releases what it took,
+    sampler first."""
+    both = [("ACQUIRE", "trainer"), ("ACQUIRE", "sampler"), ("RELEASE", "sampler"), ("RELEASE", "trainer")]
+    step = [("ACQUIRE", "sampler"), ("RELEASE", "sampler"), ("ACQUIRE", "trainer"), ("RELEASE", "trainer"), *both]
+    return both + step * steps
+
+
+def overlaps(work: dict[str, list[list[Any]]], pool: str) -> list[str]:
+    """Intervals of one pool during which both jobs' actors worked on it."""
+    spans = sorted((t0, t1, job) for job, w in work.items() for p, _, t0, t1 in w if p == pool)
+    bad = []
+    for (a0, a1, ja), (b0, b1, jb) in itertools.pairwise(spans):
+        if ja != jb and b0 < a1:
+            bad.append(f"{pool}: {ja} [{a0:.3f}, {a1:.3f}] and {jb} [{b0:.3f}, {b1:.3f}]")
+    return bad
+
+
+@pytest.mark.parametrize("service", ["accelerator_orchestrator", "timeslice_orchestrator"])
+async def test_the_reference_slime_package_works_unchanged_over_our_grpc_api(
+    tmp_path: Path, nats_url: str, shim: OrchestratorGrpcShim, service: str
+) -> None:
+    """Two slime jobs with the reference's ``timeslice_slime`` callback, each its own process with the reference's
+    environment, share the trainers and samplers pools through our gRPC shim: both finish, their actors never
+    worked on a pool at once, each made exactly the reference's calls, and each reached the state it reaches
+    without timeslice. ``service``: the reference client's stub (the older name it binds, or the renamed one)."""
+    groups = {"trainer": "trainers", "sampler": "samplers"}
+    seeds = {"ref-a": 1, "ref-b": 2}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_") or k in (
+        "TIMESLICE_AGENT_SOCKET", "TIMESLICE_REFERENCE_PATH")}
+    base.update(PYTHONPATH=os.pathsep.join(sys.path), TIMESLICE_ORCH_ADDR=f"127.0.0.1:{shim.port}",
+                TIMESLICE_TRAINER_GROUP=groups["trainer"], TIMESLICE_SAMPLER_GROUP=groups["sampler"],
+                TIMESLICE_REFERENCE_SERVICE=service)
+    extra = [f"--{k.replace('_', '-')}={v}" for k, v in REF_ARGS.items()]
+    since = int(time.time() * 1000)
+    procs = {}
+    for job, seed in seeds.items():
+        procs[job] = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.workers.slime_reference_job", "--out", str(tmp_path / f"{job}.json"),
+            f"--seed={seed}", *extra, cwd=ROOT, env=dict(base, TIMESLICE_JOB_ID=job),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        outs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs.values())), JOB_TIMEOUT_S)
+    finally:
+        for p in procs.values():
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
+    until = int(time.time() * 1000)
+    stdout = {}
+    for (job, p), (out, err) in zip(procs.items(), outs, strict=True):
+        assert p.returncode == 0, f"{job} exited {p.returncode}:\n{err.decode(errors='replace')[-3000:]}"
+        stdout[job] = out.decode()
+    results = {job: json.loads((tmp_path / f"{job}.json").read_text()) for job in seeds}
+    used = results["ref-a"]["used"]
+    print(f"\nreference slime package over {service}: {used}; callback {results['ref-a']['callback']}")
+    if os.environ.get("TIMESLICE_REFERENCE_REQUIRED"):
+        assert used["timeslice"] == used["timeslice_slime"] == "real", used
+
+    for job, seed in seeds.items():
+        calls = lock_lines(stdout[job])
+        if used["timeslice_slime"] == "stand-in":
+            assert calls == sync_driver_calls(REF_STEPS), (job, calls)
+        held: set[str] = set()
+        for op, role in calls:  # whatever its version: trainer first, never twice, nothing left held
+            if op == "ACQUIRE":
+                assert role not in held and not (role == "trainer" and "sampler" in held), (job, calls)
+                held.add(role)
+            else:
+                held.discard(role)
+        assert held == set() and len(calls) >= 4 * (REF_STEPS + 1), (job, calls)
+        args = slime.Args(num_rollout=REF_STEPS, seed=seed, size=REF_ARGS["size"], gen_s=0.0, train_s=0.0,
+                          sync_s=0.0)
+        assert results[job]["digest"] == plain(args, slime.train).digest, f"{job}: state differs from plain"
+    work = {job: r["work"] for job, r in results.items()}
+    assert overlaps(work, "trainer") == [] and overlaps(work, "sampler") == []
+    for group in groups.values():
+        n, faults, violations = await handoffs(nats_url, group, since, until)
+        assert n >= 1 and faults == 0 and violations == 0, (group, n, faults, violations)
+    with OrchestratorClient(f"127.0.0.1:{shim.port}") as c:
+        for group in groups.values():  # nothing held, nobody waiting: every hold was given back
+            g = (await asyncio.to_thread(c.get_status, group)).group
+            assert g.locking_job == "" and g.waiter_queue_depth == 0, g
