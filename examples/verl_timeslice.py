@@ -44,7 +44,7 @@ Array = np.ndarray[Any, Any]
 class Holds(Protocol):
     """What :func:`fit` asks of its holds: :class:`VerlHolds`, or :class:`Unshared` for a run without timeslice."""
 
-    def rollout(self) -> contextlib.AbstractContextManager[None]: ...
+    def rollout(self, *, keep: bool = False) -> contextlib.AbstractContextManager[None]: ...
     def reward_model(self) -> contextlib.AbstractContextManager[None]: ...
     def update(self) -> contextlib.AbstractContextManager[None]: ...
     def weight_sync(self) -> contextlib.AbstractContextManager[None]: ...
@@ -61,7 +61,7 @@ def fit(trainer: Trainer, holds: Holds) -> None:
     for step, batch_dict in enumerate(trainer.train_dataloader(), start=1):
         batch = DataProto.from_single_dict(batch_dict)
         gen_batch = batch.pop(["input_ids"])
-        with holds.rollout():  # timeslice: the rollout pool (the one pool, with the hybrid engine)
+        with holds.rollout(keep=trainer.use_rm):  # timeslice: the rollout pool (the one pool: hybrid engine)
             if trainer.hybrid_engine:  # the sharding manager loads the actor's weights into the engine first
                 gen_batch_output = trainer.actor_rollout_wg.generate_sequences(gen_batch)
             else:
@@ -94,7 +94,7 @@ def fit(trainer: Trainer, holds: Holds) -> None:
 class Unshared:
     """No holds: the job alone on its accelerators (``--plain``, and the baseline of the tests)."""
 
-    def rollout(self) -> contextlib.AbstractContextManager[None]:
+    def rollout(self, *, keep: bool = False) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     reward_model = update = weight_sync = rollout

@@ -146,13 +146,15 @@ class PhaseHolds:
             return self._give_back(self._unused())
 
     @contextlib.contextmanager
-    def phase(self, name: str, groups: Iterable[str]) -> Iterator[None]:
-        """``begin`` on entry, ``end`` on exit (also when the block raises)."""
+    def phase(self, name: str, groups: Iterable[str], *, keep: bool = False) -> Iterator[None]:
+        """``begin`` on entry, ``end`` on exit (also when the block raises; ``keep`` as ``end``'s, but not then)."""
         self.begin(name, groups)
+        ok = False
         try:
             yield
+            ok = True
         finally:
-            self.end(name)
+            self.end(name, keep=keep and ok)
 
     def end_turn(self) -> tuple[str, ...]:
         """Give back the groups kept (``end(..., keep=True)``) that no open phase needs: those released."""

@@ -28,7 +28,11 @@ phase          role        the driver's calls inside it
 :class:`~timeslice_client.integrations._phase_holds.PhaseHolds`: a phase's begin takes what it needs, its end gives
 back what no open phase needs. So each pool is held exactly while the driver works on it, and another job uses it
 in between: job B generates on the sampler pool while job A trains on the trainer pool. Several groups at once are
-taken in the client's one global order (docs/multi-pool.md), so jobs never deadlock on the two pools.
+taken in the client's one global order (docs/multi-pool.md), so jobs never deadlock on the two pools. Two
+refinements: the trainer pool is kept from ``train`` into the ``weight_sync`` that follows it in the synchronous
+driver (when the trainer's group sorts first, so that the sync only adds the sampler's); and with one pool the group
+is kept from phase to phase and changes hands once a rollout (``turn="rollout"``), since one pool has nothing to
+overlap and each handoff moves the whole state.
 
 Use it as slime's callback (the whole change to a slime job)::
 
@@ -38,7 +42,7 @@ Use it as slime's callback (the whole change to a slime job)::
 
 or with a client of your own (``TimeSliceCallback(client, trainer_group=..., sampler_group=...)``; the client's own
 group is the default for both), calling ``on_phase_begin``/``on_phase_end`` or ``with callback.phase("train",
-"trainer"):`` where the driver's loop has no callback.
+"trainer", rollout_id):`` where the driver's loop has no callbacks (THUDM/slime's ``train.py`` before the protocol).
 
 What moves on a switch is registered by the processes that hold it, with their node's agent: each Megatron actor
 its model and optimizer (``TorchOffloadHandler``), each SGLang engine its weights and KV cache (the in-process
@@ -195,13 +199,15 @@ class TimeSliceCallback:
     # ------------------------------------------------------------------ for loops of one's own
 
     @contextlib.contextmanager
-    def phase(self, phase: str, role: str) -> Iterator[None]:
-        """``with callback.phase("train", "trainer"):`` around a phase's work: begin on entry, end on exit."""
-        self.on_phase_begin(phase, role)
+    def phase(self, phase: str, role: str, rollout_id: int | None = None) -> Iterator[None]:
+        """``with callback.phase("train", "trainer", rollout_id):`` around a phase's work: begin on entry, end on
+        exit. ``rollout_id`` is the context slime's driver passes (``turn="rollout"`` needs it)."""
+        context = None if rollout_id is None else {"rollout_id": rollout_id}
+        self.on_phase_begin(phase, role, context)
         try:
             yield
         finally:
-            self.on_phase_end(phase, role)
+            self.on_phase_end(phase, role, context)
 
     def register(self, role: str, handler: WorkloadHandler, *, node_id: str | None = None,
                  **options: Any) -> WorkloadChannel:

@@ -99,14 +99,17 @@ class VerlHolds:
                                  job_id=self.client.job_id) from None
 
     @contextlib.contextmanager
-    def phase(self, phase: str) -> Iterator[None]:
-        """``with holds.phase("update"):``: the phase's pools held while the block runs."""
-        with self.holds.phase(phase, self.pools(phase)):
+    def phase(self, phase: str, *, keep: bool = False) -> Iterator[None]:
+        """``with holds.phase("update"):``: the phase's pools held while the block runs. ``keep``: the next phase
+        follows at once: its pools stay held into it when it needs them (given back when it begins if not)."""
+        with self.holds.phase(phase, self.pools(phase), keep=keep):
             yield
 
-    def rollout(self) -> contextlib.AbstractContextManager[None]:
-        """Around ``generate_sequences`` (the hybrid engine's weight load into the engine happens in it)."""
-        return self.phase("rollout")
+    def rollout(self, *, keep: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Around ``generate_sequences`` (the hybrid engine's weight load into the engine happens in it). ``keep``:
+        a reward model scores next (``use_rm``): with one pool the group stays held for it, instead of changing
+        hands for the moment between the two."""
+        return self.phase("rollout", keep=keep)
 
     def reward_model(self) -> contextlib.AbstractContextManager[None]:
         """Around ``rm_wg.compute_rm_score`` (a rule-based or remote reward needs no hold: call it outside)."""
