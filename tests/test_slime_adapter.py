@@ -51,7 +51,7 @@ STEPS = int(os.environ.get("TIMESLICE_SLIME_STEPS", "6"))
 SIZE = int(os.environ.get("TIMESLICE_SLIME_SIZE", "4096"))  # float64s per array: 32 KB each
 # Each call's time (s): generation, training, the weight sync. A switch costs tens of ms on the 2-core VM (the
 # orchestrator's protocol and the agents'); phases much shorter than that would measure the switch alone.
-GEN_S, TRAIN_S, SYNC_S = 0.15, 0.15, 0.02
+GEN_S, TRAIN_S, SYNC_S = 0.2, 0.2, 0.02
 GOAL_RATIO = 0.9  # two pools, trainer first: shared against back to back
 JOB_TIMEOUT_S = 60.0
 
