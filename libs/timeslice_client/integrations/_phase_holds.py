@@ -169,7 +169,6 @@ class PhaseHolds:
 
     # ------------------------------------------------------------------ plumbing (under _lock)
 
-
     def _take(self, order: list[str]) -> None:
         """Each group of ``order`` (sorted) through a scope of its own; ``acquire_timeout`` bounds them all (None:
         each waits at most the client's ``acquire_timeout``)."""

@@ -9,19 +9,19 @@ update_weights``, the *trainer* pool). The phase-callback protocol (``slime/util
 ``train.py``, ``train_async.py``) brackets each of them with ``on_phase_begin(phase, role, context)`` /
 ``on_phase_end(phase, role, context)`` and calls ``close()`` after the loop. The roles say which pool a phase uses:
 
-=============  ==========  ====================================================================================
-phase          role        the driver's calls inside it
-=============  ==========  ====================================================================================
-``init``       both        create the placement groups, the rollout manager and the actor; the first
-                           ``update_weights`` (trainer to sampler, NCCL)
-``generate``   sampler     ``rollout_manager.generate(rollout_id)`` (rollouts and their rewards)
-``offload``    sampler     ``rollout_manager.offload()`` (``--offload-rollout``)
-``create``     trainer     ``actor_model.create()`` (``--release-train``)
-``train``      trainer     ``actor_model.async_train``, ``save_model``, ``clear_memory``
-``onload``     sampler     ``rollout_manager.onload_weights()`` / ``onload_kv()`` (``--offload-rollout``)
-``weight_sync``  both      ``actor_model.update_weights()``: the trainer broadcasts to the engines (NCCL)
-``eval``       sampler     ``rollout_manager.eval(rollout_id)``
-=============  ==========  ====================================================================================
+===============  =======  ==============================================================================
+phase            role     the driver's calls inside it
+===============  =======  ==============================================================================
+``init``         both     create the placement groups, the rollout manager and the actor; the first
+                          ``update_weights`` (trainer to sampler, NCCL)
+``generate``     sampler  ``rollout_manager.generate(rollout_id)`` (rollouts and their rewards)
+``offload``      sampler  ``rollout_manager.offload()`` (``--offload-rollout``)
+``create``       trainer  ``actor_model.create()`` (``--release-train``)
+``train``        trainer  ``actor_model.async_train``, ``save_model``, ``clear_memory``
+``onload``       sampler  ``rollout_manager.onload_weights()`` / ``onload_kv()`` (``--offload-rollout``)
+``weight_sync``  both     ``actor_model.update_weights()``: the trainer broadcasts to the engines (NCCL)
+``eval``         sampler  ``rollout_manager.eval(rollout_id)``
+===============  =======  ==============================================================================
 
 :class:`TimeSliceCallback` maps the roles onto groups (two pools: ``trainer`` and ``sampler`` are two groups, and
 ``both`` takes the two at once; one pool, slime's ``--colocate``: every role is the one group) and holds them with
@@ -37,8 +37,9 @@ overlap and each handoff moves the whole state.
 Use it as slime's callback (the whole change to a slime job)::
 
     python train.py ... --phase-callback-path timeslice_client.integrations.slime.TimeSliceCallback
-    # TIMESLICE_JOB_ID=job-a TIMESLICE_TRAINER_GROUP=trainers TIMESLICE_SAMPLER_GROUP=samplers (two pools)
-    # or TIMESLICE_GROUP=gpus-0 (one pool); TIMESLICE_NATS_URL as for any client
+    # TIMESLICE_JOB_ID=job-a TIMESLICE_TRAINER_GROUP=a-trainer TIMESLICE_SAMPLER_GROUP=b-sampler (two pools:
+    # name them so that the trainer's sorts first), or TIMESLICE_GROUP=gpus-0 (one pool); TIMESLICE_NATS_URL as
+    # for any client
 
 or with a client of your own (``TimeSliceCallback(client, trainer_group=..., sampler_group=...)``; the client's own
 group is the default for both), calling ``on_phase_begin``/``on_phase_end`` or ``with callback.phase("train",
@@ -46,10 +47,11 @@ group is the default for both), calling ``on_phase_begin``/``on_phase_end`` or `
 
 What moves on a switch is registered by the processes that hold it, with their node's agent: each Megatron actor
 its model and optimizer (``TorchOffloadHandler``), each SGLang engine its weights and KV cache (the in-process
-handler of :mod:`timeslice_client.sglang_engine`), through ``timeslice_client.register_workload(job_id, group_id,
-handler, node_id=...)`` in the actor's process; :meth:`TimeSliceCallback.register` does it for state living in the
-driver's process. slime's own ``--offload-train``/``--offload-rollout`` do the same moves at every step, whether or
-not another job waits: leave them off (the reference project found they conflict with whole-process checkpoints).
+handler of :mod:`timeslice_client.sglang_engine`), through a client of the job in the actor's process that never
+acquires (``TimeSliceClient(job_id, group_id, bind_process=False).register_workload(handler, node_id=...)``);
+:meth:`TimeSliceCallback.register` does it for state living in the driver's process. slime's own
+``--offload-train``/``--offload-rollout`` do the same moves at every step, whether or not another job waits: leave
+them off (the reference project found they conflict with whole-process checkpoints).
 
 The reference project (llm-d-incubation/llm-d-rl-time-slicing) integrates through the same protocol with its
 ``timeslice_slime`` package (``pkg/integrations/slime/timeslice_slime/callback.py`` and ``locks.py``): one gRPC
