@@ -134,7 +134,8 @@ async def agents(nats_url: str, nodes: list[str]) -> AsyncIterator[None]:
 async def two_jobs(nats_url: str, actor: str, rollout: str) -> tuple[dict[str, Run], dict[str, Run], Pools]:
     seeds = {"verl-a": 1, "verl-b": 2}
     colocated = actor == rollout
-    solo = {job: plain(seed, colocated) for job, seed in seeds.items()}
+    # Off the event loop: the orchestrator serves from it (a blocked loop would let its leadership lapse).
+    solo = {job: await asyncio.to_thread(plain, seed, colocated) for job, seed in seeds.items()}
     pools = Pools()
     async with agents(nats_url, [NODES["actor"]] if colocated else list(NODES.values())):
         runs = await asyncio.wait_for(asyncio.gather(*(
