@@ -26,6 +26,8 @@ PINNED: dict[str, set[str]] = {
         "available_backends", "register_backend", "unavailable_backends",
     },
     "timeslice_client.integrations": set(),  # each integration is a module of its own (OPTIONAL below)
+    "timeslice_client.integrations.slime": {"ENV", "ROLES", "TURNS", "PhaseCounts", "TimeSliceCallback"},
+    "timeslice_client.integrations.verl": {"PHASES", "PhaseCounts", "VerlHolds"},
     "timeslice_orchestrator": {
         "AuthError", "Deposed", "EmbeddedNatsError", "LeaderWaitTimeout", "LeadershipError", "NatsServer", "NotLeader",
         "Orchestrator", "OrchestratorConfig", "OrchestratorError", "OrchestratorMetrics", "ReplayError",
