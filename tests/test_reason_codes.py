@@ -5,6 +5,8 @@ type, not by class name, and the core's limits are the ones ``apply`` is given."
 
 from __future__ import annotations
 
+import msgspec
+import pytest
 from timeslice_client.protocol import Cancel, DequeueCode, Dequeued, RevokeCode, Revoked
 from timeslice_orchestrator.metrics import OrchestratorMetrics
 
@@ -86,3 +88,17 @@ def test_the_cores_limits_are_injected_not_global() -> None:
     assert [n.code for n in notices(actions, Refused)] == [ErrorCode.INVALID]
     _, actions = apply(new_record("g"), short, 1, 1, Limits(min_lease_ms=100))
     assert not notices(actions, Refused)
+
+
+@pytest.mark.parametrize("kind", ["dequeued", "revoked"])
+def test_a_notice_with_a_code_this_client_does_not_know_is_read_without_it(kind: str) -> None:
+    """A newer orchestrator may add a code: today's client reads that notice as one without a code (None, as
+    from an orchestrator older than the codes) instead of refusing the whole notice and missing the dequeue."""
+    from timeslice_client.protocol import Dequeued, Revoked, decode_notice
+
+    fields = {"dequeued": '"request_id":"r","reason":"a reason"', "revoked": '"epoch":3,"reason":"a reason"'}[kind]
+    data = f'{{"type":"{kind}","group":"g","job":"j",{fields},"code":"added_later"}}'.encode()
+    n = decode_notice(data)
+    assert isinstance(n, Dequeued if kind == "dequeued" else Revoked) and n.code is None and n.reason == "a reason"
+    with pytest.raises(msgspec.ValidationError):  # anything else wrong still refuses it
+        decode_notice(data.replace(b'"group":"g"', b'"group":7'))

@@ -28,7 +28,7 @@ message is a new tag. Consumers of an older version reject unknown tags loudly.
 
 from __future__ import annotations
 
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Literal, cast
 
 import msgspec
 
@@ -541,7 +541,18 @@ def decode_input(data: bytes) -> InputEvent:
 
 
 def decode_notice(data: bytes) -> Notice:
-    return _notice_decoder.decode(data)
+    """A notice; one whose ``code`` a newer orchestrator added (unknown here) reads as one without a code (None, as
+    from an orchestrator older than the codes), so that the notice itself is never lost to an added code."""
+    try:
+        return _notice_decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raw = msgspec.json.decode(data)
+        if not isinstance(raw, dict) or raw.get("code") is None:
+            raise
+        try:  # valid but for its code: the code was one this client does not know
+            return cast(Notice, msgspec.convert({**raw, "code": None}, Notice))
+        except msgspec.ValidationError:
+            raise exc from None
 
 
 def decode_record(data: bytes) -> GroupRecord:
