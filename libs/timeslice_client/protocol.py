@@ -32,7 +32,6 @@ from typing import Annotated, Final, Literal, cast
 
 import msgspec
 
-from ._agent_records import AgentInfo, DeviceInfo, JobContext, ProcessOwner
 from ._bounds import DEFAULT_OP_TIMEOUT_MS, Count, Elapsed, Id, Ms, Name, OpId, OpTimeoutMs, Reason, RequestId, Text
 from ._codes import DequeueCode, ErrorCode, GroupState, JobState, OpKind, RevokeCode, SuspendMode
 from ._names import subjects, validate_id
@@ -89,7 +88,6 @@ __all__ = [
     "SuspendMode",
     "SwitchRecord",
     "Tick",
-    "TrailRecord",
     "UnregisterJob",
     "WaiterRecord",
     "WorkloadCommand",
@@ -230,9 +228,6 @@ class OpResult(_Msg, frozen=True, tag="op_result"):
     # covers only its end, work_ms the workload's whole call.
     began_at_release: bool = False
     work_ms: Elapsed | None = None
-    # A restore that ran beside the snapshots its ``Restore.after`` names, by the agent's room rule (its OpStarted said
-    # so too): the core may grant on it before those snapshots end. An older agent never says so: not overlapped.
-    overlapped: bool = False
 
 
 InputEvent = (
@@ -491,16 +486,6 @@ class SwitchRecord(_Rec, frozen=True):
     started_at_ms: int
     ops: tuple[OpRecord, ...] = ()
     restored: bool = False  # a restore of the incoming job succeeded: its grant says context_restored
-    beside: tuple[str, ...] = ()  # nodes where it succeeded beside the snapshots there (OpResult.overlapped)
-
-
-class TrailRecord(_Rec, frozen=True):
-    """The outgoing job's snapshots still running after the switch of ``epoch`` granted on restore: the incoming
-    job's restore on each of their nodes ran beside them by the agent's room rule and succeeded. No switch starts
-    while they run (never three contexts on a device)."""
-
-    epoch: int
-    ops: tuple[OpRecord, ...]
 
 
 class GroupRecord(_Rec, frozen=True):
@@ -521,7 +506,71 @@ class GroupRecord(_Rec, frozen=True):
     saved: dict[str, tuple[str, ...]] = {}  # job -> nodes where its context is saved (snapshot done)
     lost_nodes: tuple[str, ...] = ()  # nodes whose agent was lost and has not registered a job since
     last_seq: int = 0
-    trailing: TrailRecord | None = None  # snapshots of the last switch still running beside its grant
+
+
+class ProcessOwner(_Rec, frozen=True):
+    """The process that proved a job's registration through the agent's Unix socket (its peer credentials), and
+    the start times (``/proc/<pid>/stat``, clock ticks since boot) that tell the registered processes from later
+    ones that reuse their numbers: ``pid_starts`` one per registered pid, ``group_start`` the process group's
+    leader's (None when the group had no leader)."""
+
+    pid: int
+    uid: int
+    gid: int
+    start: int
+    pid_starts: tuple[int, ...] = ()
+    group_start: int | None = None
+
+
+class JobContext(_Rec, frozen=True):
+    """One job's context on one node (KV ``jobs``, key ``<node>.<job>``), kept by that node's agent."""
+
+    node: str
+    job: str
+    group: str
+    state: JobState
+    backends: tuple[str, ...] = ()
+    pids: tuple[int, ...] = ()
+    pgid: int | None = None
+    mode: SuspendMode = SuspendMode.OFFLOAD
+    tags: tuple[str, ...] = ()
+    op_timeout_ms: int = DEFAULT_OP_TIMEOUT_MS
+    endpoints: tuple[str, ...] = ()
+    reason: str | None = None
+    epoch: int = 0
+    last_op_id: str | None = None
+    last_op_ok: bool | None = None
+    last_op_error: str | None = None
+    bytes_moved: int = 0
+    device_bytes_freed: int = 0
+    elapsed_ms: float = 0.0
+    updated_ms: int = 0
+    owner: ProcessOwner | None = None  # None: not proven; process-level backends then never act
+    channel: str | None = None  # RegisterJob.channel: the workload channel that registered it
+    # How the state now saved was suspended, when a request's own settings did it (None: the registered ones): the
+    # restore after it resumes it the same way.
+    saved_mode: SuspendMode | None = None
+    saved_tags: tuple[str, ...] | None = None
+
+
+class DeviceInfo(_Rec, frozen=True):
+    index: int
+    uuid: str
+    name: str = ""
+    memory_used_bytes: int = 0
+    memory_total_bytes: int = 0
+
+
+class AgentInfo(_Rec, frozen=True):
+    """An agent's liveness record (KV ``agents``, key = node id, with a TTL)."""
+
+    node: str
+    pid: int
+    started_at_ms: int
+    backends: tuple[str, ...] = ()
+    devices: tuple[DeviceInfo, ...] = ()
+    host_memory_total_bytes: int = 0
+    host_memory_available_bytes: int = 0
 
 
 # --------------------------------------------------------------------------- codecs
