@@ -36,7 +36,8 @@ from failover import Handoffs
 sys.path.insert(0, str(c.ROOT))  # the loopback cluster the tests use
 from timeslice_client import AsyncTimeSliceClient
 from timeslice_client.bus import connect
-from timeslice_client.protocol import STREAM
+from timeslice_client.errors import TimeSliceError
+from timeslice_client.protocol import STREAM, Granted, decode_notice
 from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.replay._read import read_window
 
@@ -100,6 +101,47 @@ async def _consumer_elected(js: Any, durable: str, dead: str, t0: float, timeout
     return timeout
 
 
+class _Handoffs(Handoffs):
+    """``Handoffs`` that also keeps each grant's epoch and wall-clock receipt, to tell a grant decided late from one
+    delivered late (the stream stores the orchestrator's ``Granted`` notices: their stream time is when it sent it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[tuple[float, int, float]] = []  # (acquire sent, monotonic), epoch, wall-clock receipt
+        self.trial_starts: list[float] = []  # monotonic time of each trial's kill
+
+    async def job(self, client: AsyncTimeSliceClient) -> None:
+        while not self.stop.is_set():
+            try:
+                asked = time.monotonic()
+                g = await client.acquire(timeout=60)
+                self.grants.append((asked, time.monotonic()))
+                self.received.append((asked, g.epoch, time.time()))
+                self.granted.set()
+                await client.release()
+            except TimeSliceError as exc:  # a release whose answer was lost in a failover: the next acquire tells
+                self.errors.append(f"{client.job_id}: {exc.__class__.__name__}")
+                if len(self.errors) > 1000:
+                    raise
+
+    def first_after(self, t: float) -> tuple[int, float] | None:
+        """The epoch and wall-clock receipt of the first grant of an acquire sent after ``t`` (monotonic)."""
+        after = [(wall, epoch) for asked, epoch, wall in self.received if asked > t]
+        return (min(after)[1], min(after)[0]) if after else None
+
+
+def _sent_at(stream: list[tuple[int, int, str, bytes]]) -> dict[int, float]:
+    """Epoch -> wall-clock seconds the orchestrator's ``Granted`` notice of it was stored (its stream time)."""
+    out: dict[int, float] = {}
+    for _, ts_ms, subject, data in stream:
+        if subject.startswith(f"ts.v1.notice.{GROUP}.") and b'"granted"' in data:
+            with contextlib.suppress(Exception):
+                n = decode_notice(data)
+                if isinstance(n, Granted):
+                    out.setdefault(n.epoch, ts_ms / 1000)
+    return out
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     tmp = c.scratch_dir("stream-leader")
@@ -110,7 +152,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     procs = [c.Orchestrator(url, tmp / f"orchestrator-{i}.log", ("--replicas", "3")) for i in range(2)]
     nc = await connect(url)
     js = nc.jetstream()
-    h = Handoffs()
+    h = _Handoffs()
+    kills: list[float] = []  # wall-clock time of each trial's kill
     a = AsyncTimeSliceClient("job-a", GROUP, url, fast_reacquire=False, request_timeout=30)
     b = AsyncTimeSliceClient("job-b", GROUP, url, fast_reacquire=False, request_timeout=30)
     result: dict[str, Any] = {"command": c.command_line(), "machine": c.machine_facts(), "seed": args.seed}
@@ -135,6 +178,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             probes = [probe.jetstream(timeout=0.2) for _ in range(len(moved) + 1)]
             await asyncio.sleep(rng.uniform(0.0, 0.05))  # a random instant between grants, not a wait for anything
             t0 = time.monotonic()
+            kills.append(time.time())
             cluster.kill(lead)
             try:
                 *elections, consumer_election = await asyncio.gather(
@@ -143,6 +187,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 await probe.close()
             resume = await h.next_grant_after(t0)
+            h.trial_starts.append(t0)
             election = elections[moved.index(STREAM)]
             # The lock writes the stream, its records (KV_groups) and its leader's lease (KV_leader): a grant needs all
             # three led again, and the orchestrator's durable consumer (its inputs) when it lost its leader too.
@@ -167,6 +212,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         stream = [(e.seq, e.ts_ms, e.subject, e.data) for e in await read_window(url, max_events=10**7)]
         checker.feed_all(stream)  # raises InvariantViolation, naming the rule, on any violation
         st = checker.stats[GROUP]
+        sent = _sent_at(stream)
+        for trial, t0, killed_at in zip(trials, h.trial_starts, kills, strict=True):
+            first = h.first_after(t0)
+            if first is not None and first[0] in sent:  # the counted grant: when it was sent, when it arrived
+                trial["grant_sent_s"] = round(sent[first[0]] - killed_at, 3)
+                trial["grant_received_s"] = round(first[1] - killed_at, 3)
         result["trials"] = trials
         result["handoffs"] = len(h.grants)
         result["release_errors"] = len(h.errors)
@@ -205,6 +256,10 @@ def print_report(res: dict[str, Any]) -> bool:
           f"max {max(t['resume_s'] for t in trials):.2f} s")
     print(f"resume beyond the lock's streams' elections (TIMESLICE, KV_groups, KV_leader): p50 "
           f"{statistics.median(over):.2f} s, max {max(over):.2f} s")
+    for i, t in enumerate(trials, 1):
+        if "grant_sent_s" in t:  # late decided (sent) or late delivered (received)?
+            print(f"  trial {i}: the counted grant was sent {t['grant_sent_s']:.2f} s after the kill and received "
+                  f"{t['grant_received_s']:.2f} s after it")
     ok = max(over) <= GOAL_MARGIN_S and res["violations"] == 0 and res["orchestrators_alive"] == 2
     print(f"goal resume <= election + {GOAL_MARGIN_S:.0f} s in every trial: "
           f"{'met' if max(over) <= GOAL_MARGIN_S else 'MISSED'}; violations: {res['violations']}; "

@@ -32,6 +32,7 @@ from typing import Annotated, Final, Literal, cast
 
 import msgspec
 
+from ._agent_info import AgentInfo, DeviceInfo
 from ._bounds import DEFAULT_OP_TIMEOUT_MS, Count, Elapsed, Id, Ms, Name, OpId, OpTimeoutMs, Reason, RequestId, Text
 from ._codes import DequeueCode, ErrorCode, GroupState, JobState, OpKind, RevokeCode, SuspendMode
 from ._names import subjects, validate_id
@@ -553,26 +554,6 @@ class JobContext(_Rec, frozen=True):
     saved_tags: tuple[str, ...] | None = None
 
 
-class DeviceInfo(_Rec, frozen=True):
-    index: int
-    uuid: str
-    name: str = ""
-    memory_used_bytes: int = 0
-    memory_total_bytes: int = 0
-
-
-class AgentInfo(_Rec, frozen=True):
-    """An agent's liveness record (KV ``agents``, key = node id, with a TTL)."""
-
-    node: str
-    pid: int
-    started_at_ms: int
-    backends: tuple[str, ...] = ()
-    devices: tuple[DeviceInfo, ...] = ()
-    host_memory_total_bytes: int = 0
-    host_memory_available_bytes: int = 0
-
-
 # --------------------------------------------------------------------------- codecs
 
 _encoder: Final = msgspec.json.Encoder()
@@ -590,15 +571,14 @@ def decode_input(data: bytes) -> InputEvent:
 
 
 def decode_notice(data: bytes) -> Notice:
-    """A notice; one whose ``code`` a newer orchestrator added (unknown here) reads as one without a code (None, as
-    from an orchestrator older than the codes), so that the notice itself is never lost to an added code."""
+    """A notice; a ``code`` a newer orchestrator added reads as None (as from one older than the codes)."""
     try:
         return _notice_decoder.decode(data)
     except msgspec.ValidationError as exc:
         raw = msgspec.json.decode(data)
         if not isinstance(raw, dict) or raw.get("code") is None:
             raise
-        try:  # valid but for its code: the code was one this client does not know
+        try:  # valid but for its code: one this client does not know
             return cast(Notice, msgspec.convert({**raw, "code": None}, Notice))
         except msgspec.ValidationError:
             raise exc from None
