@@ -16,6 +16,7 @@ the agent's command with ``ok=False`` and that message. No exception of the engi
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -89,7 +90,7 @@ class Step:
 # --------------------------------------------------------------------------- the handler
 
 
-class SleepHandler:
+class SleepHandler(abc.ABC):
     """The shared state machine; subclasses say which engine calls a suspend and a wake make (see the module doc).
 
     Thread-safe: every call (and :meth:`using`) holds one lock, waited for at most ``lock_timeout`` seconds.
@@ -199,20 +200,25 @@ class SleepHandler:
         wanted = self._known(tags) or frozenset(self.memory_tags)
         return tuple(t for t in self.memory_tags if t in wanted)
 
+    @abc.abstractmethod
     def _loses_weights(self, mode: SuspendMode, todo: tuple[str, ...]) -> bool:
-        raise NotImplementedError
+        """Whether suspending ``todo`` in ``mode`` drops the weights' contents (a reload is then due)."""
 
+    @abc.abstractmethod
     def _loss_cause(self, mode: SuspendMode) -> str:
-        raise NotImplementedError
+        """What drops the weights in ``mode``, for the error that asks for a reload hook."""
 
+    @abc.abstractmethod
     def _reload_hint(self) -> str:
-        raise NotImplementedError
+        """How to give the reload hook this engine needs."""
 
+    @abc.abstractmethod
     def _sleep_steps(self, mode: SuspendMode, todo: tuple[str, ...]) -> list[Step]:
-        raise NotImplementedError
+        """The engine calls that put ``todo`` to sleep in ``mode``, in order."""
 
+    @abc.abstractmethod
     def _wake_step(self, tags: tuple[str, ...]) -> Step:
-        raise NotImplementedError
+        """The engine call that wakes ``tags``."""
 
     def _probe(self) -> bool | None:
         """Whether the engine says it is sleeping (any part of it); None: it cannot say."""
