@@ -34,6 +34,22 @@ from .workers import read_stream
 GROUP = "g-unreg-op"
 
 
+async def _switch_under_way(a: Workload, b: Workload, observer: AsyncTimeSliceClient) -> None:
+    """``a`` holds, ``b`` waits, ``a`` releases: the switch's snapshot of ``a`` runs, blocked in ``a``'s handler."""
+    await a.wait("ready")
+    await b.wait("ready")
+    a.send("acquire")
+    await a.wait("granted")
+    b.send("acquire")
+
+    async def b_waits() -> bool:
+        return "b" in [w.job for w in (await observer.status()).queue]
+
+    await eventually(b_waits, what="b waiting")
+    a.send("release")
+    await a.wait("suspend_start")
+
+
 async def test_an_unregistration_during_a_snapshot_waits_for_it_and_the_next_grant_follows_the_suspend(
         orchestrator: object, nats_url: str, tmp_path: Path) -> None:
     agent = Agent(AgentConfig(node_id=NODE, nats_url=nats_url))
@@ -42,18 +58,7 @@ async def test_an_unregistration_during_a_snapshot_waits_for_it_and_the_next_gra
         b = Workload(tmp_path, nats_url, GROUP, "b", NODE)
         nc = await nats.connect(nats_url)
         try:
-            await a.wait("ready")
-            await b.wait("ready")
-            a.send("acquire")
-            await a.wait("granted")
-            b.send("acquire")
-
-            async def b_waits() -> bool:
-                return "b" in [w.job for w in (await observer.status()).queue]
-
-            await eventually(b_waits, what="b waiting")
-            a.send("release")
-            await a.wait("suspend_start")  # the switch's snapshot of a runs, blocked in a's handler
+            await _switch_under_way(a, b, observer)  # the switch's snapshot of a runs, blocked in a's handler
 
             # The job itself (its process, with its own credential) asks to leave while its state is moving.
             asked = asyncio.ensure_future(nc.request(subjects.agent_rpc(NODE, "unregister", "a"),
@@ -99,18 +104,7 @@ async def test_an_unregistration_that_outwaits_its_bound_is_answered_busy_and_th
         b = Workload(tmp_path, nats_url, GROUP + "-b", "b", NODE)
         nc = await nats.connect(nats_url)
         try:
-            await a.wait("ready")
-            await b.wait("ready")
-            a.send("acquire")
-            await a.wait("granted")
-            b.send("acquire")
-
-            async def b_waits() -> bool:
-                return "b" in [w.job for w in (await observer.status()).queue]
-
-            await eventually(b_waits, what="b waiting")
-            a.send("release")
-            await a.wait("suspend_start")
+            await _switch_under_way(a, b, observer)
             subject = subjects.agent_rpc(NODE, "unregister", "a")
             data = encode(UnregisterJob(group=GROUP + "-b", job="a"))
             first = asyncio.ensure_future(nc.request(subject, data, timeout=30))
