@@ -105,3 +105,28 @@ def test_colour_only_on_a_terminal_or_when_forced_and_never_with_no_color(nats_u
     assert "\x1b[" in forced and "NOT healthy" in forced, forced
     assert re.search(r"\x1b\[[0-9;]*3[0-9]m", forced), forced  # a colour
     assert not re.search(r"\x1b\[[0-9;]*3[0-9]m", run(FORCE_COLOR="1", NO_COLOR="1"))  # bold may stay
+
+
+async def test_a_hostile_agent_record_is_shown_bounded_and_a_garbage_one_is_not_live(
+        orchestrator: object, nats_url: str) -> None:
+    """KV ``agents`` is anyone's to write on an open bus: a record with 40 backends of 10,000 characters is shown
+    cut, a value that is no record is not a live agent, and neither ends the command."""
+    import msgspec
+    from timeslice_client.bus import connect
+    from timeslice_client.protocol import AGENTS_BUCKET, AgentInfo
+
+    nc = await connect(nats_url)
+    try:
+        async with AsyncTimeSliceClient("j", "g-health", nats_url) as job:  # the orchestrator leads by now
+            await job.acquire(timeout=30)
+            await job.release()
+        kv = await nc.jetstream().key_value(AGENTS_BUCKET)
+        await kv.put("huge", msgspec.json.encode(AgentInfo(node="huge", pid=1, started_at_ms=0,
+                                                           backends=tuple("b" * 10_000 for _ in range(40)))))
+        await kv.put("garbage", b"\x00 not json")
+        rc, doc, _ = await health_async(nats_url)
+    finally:
+        await nc.close()
+    detail = next(c["detail"] for c in doc["checks"] if c["name"] == "agents")  # type: ignore[union-attr]
+    assert rc == 0 and statuses(doc)["agents"] == "ok", doc
+    assert "huge" in detail and "garbage" not in detail and len(detail) < 600, detail[:300]

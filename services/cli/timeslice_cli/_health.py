@@ -35,6 +35,9 @@ _STYLES = ((r"(?m)^OK\b", "green"), (r"(?m)^WARN\b", "yellow"), (r"(?m)^FAIL\b",
            (r"(?m)^healthy$", "bold green"), (r"(?m)^NOT healthy$", "bold red"))
 
 
+_MAX_SHOWN = 8  # agents, and backends of one agent, named in the line
+
+
 class Status(enum.StrEnum):
     OK = "ok"
     WARN = "warn"
@@ -108,8 +111,7 @@ async def _agents(nc: Any, timeout: float, nodes: list[str]) -> Check:
     except Exception as exc:
         return Check("agents", Status.FAIL, f"the agents' heartbeats cannot be read ({type(exc).__name__})")
     missing = [n for n in nodes if n not in live]
-    shown = ", ".join(f"{n} ({'+'.join(a.backends) or 'no backends'}, up {_age(a.started_at_ms)})"
-                      for n, a in sorted(live.items())) or "none"
+    shown = _agents_shown(live)
     if missing:
         return Check("agents", Status.FAIL, f"no live agent on {', '.join(missing)} (start `timeslice agent "
                                             f"--node-id {missing[0]}` there); live: {shown}")
@@ -117,6 +119,21 @@ async def _agents(nc: Any, timeout: float, nodes: list[str]) -> Check:
         return Check("agents", Status.WARN, "no node agent runs: the lock works, but switches move no state "
                                             "(`timeslice agent` on each GPU node)")
     return Check("agents", Status.OK, f"{len(live)} live: {shown}")
+
+
+def _agents_shown(live: dict[str, Any]) -> str:
+    """The live agents, as a line of bounded length: each record is anyone's write into KV ``agents``."""
+    def one(node: str, a: Any) -> str:
+        backends = "+".join(_cut(b, 32) for b in a.backends[:_MAX_SHOWN]) or "no backends"
+        return f"{_cut(node, 64)} ({backends}, up {_age(a.started_at_ms)})"
+
+    names = sorted(live)
+    more = f", and {len(names) - _MAX_SHOWN} more" if len(names) > _MAX_SHOWN else ""
+    return (", ".join(one(n, live[n]) for n in names[:_MAX_SHOWN]) + more) or "none"
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 async def _groups(nc: Any, timeout: float) -> Check:
