@@ -117,6 +117,7 @@ class SimBus:
         self._inbox: collections.deque[tuple[float, InputEvent]] = collections.deque()
         self._outbox: collections.deque[tuple[float, Notice]] = collections.deque()
         self._ticks: dict[str, asyncio.TimerHandle] = {}
+        self._drained = asyncio.Event()  # set after each delivery (see ``quiet``)
         self.clients: dict[tuple[str, str], SimMember] = {}
         self.believed: dict[str, str | None] = dict.fromkeys(GROUPS)  # group -> the client that believes it holds
 
@@ -139,6 +140,14 @@ class SimBus:
     def _drain_in(self) -> None:
         while self._inbox and self._inbox[0][0] <= self.loop.time() + _EPS:
             self._apply(self._inbox.popleft()[1])
+        self._drained.set()
+
+    async def quiet(self, timeout: float = 10.0) -> None:
+        """Until no message is in flight: every input applied, every notice delivered (and what they caused)."""
+        async with asyncio.timeout(timeout):
+            while self._inbox or self._outbox:
+                self._drained.clear()
+                await self._drained.wait()
 
     def _apply(self, ev: InputEvent) -> None:
         g = ev.group
@@ -165,6 +174,7 @@ class SimBus:
             client = self.clients.get((n.group, n.job))
             if client is not None:
                 client.on_notice(n)
+        self._drained.set()
 
     def check_order_at_the_core(self) -> None:
         """No job waits for a group while the core has it holding one that sorts after it."""
@@ -389,7 +399,7 @@ async def _run_step(plan: JobPlan, step: Step, jg: JobGroups[SimMember], bus: Si
         if isinstance(exc, AcquireAllFailed):
             assert exc.kept == () and exc.groups == tuple(order) and exc.group_id in order
         assert jg.held() == (), f"{plan.name} still holds {jg.held()} after a failed acquire_all"
-        await asyncio.sleep(2 * bus.latency + 0.001)  # its last messages (the withdrawal) land
+        await bus.quiet()  # its last messages (the withdrawal) land
         bus.nothing_of(plan.name, order)
         raise
     finally:
@@ -414,7 +424,7 @@ def _simulate(plans: list[JobPlan], latency_ms: int) -> SimBus:
         async with asyncio.timeout(10 * PATIENT_S), asyncio.TaskGroup() as tg:
             jobs = [tg.create_task(_run_job(p, bus)) for p in plans]
             tg.create_task(watch(jobs))
-        await asyncio.sleep(2 * bus.latency + 0.001)  # the last messages land (a withdrawal, its answer)
+        await bus.quiet()  # the last messages land (a withdrawal, its answer)
         if bus.failure.done():
             bus.failure.result()
         bus.failure.cancel()
