@@ -19,7 +19,6 @@ uses them unchanged, else stand-ins that make the same calls on stubs compiled f
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import itertools
 import json
@@ -27,9 +26,8 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +41,7 @@ from timeslice_orchestrator.service import Orchestrator
 
 from .grpc_proto_client import OrchestratorClient
 from .helpers import running
+from .pool_watch import PoolWatch
 from .workers import slime_standins as slime
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,15 +58,8 @@ JOB_TIMEOUT_S = 60.0
 # --------------------------------------------------------------------------- the probe
 
 
-class Pools:
-    """Who works on which group now, across jobs: a call of a job's actor must run in that job's hold of the group
-    and never beside another job's call there. Violations are collected (raising would stop an actor's thread)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._inside: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        self.violations: list[str] = []
-        self.calls: collections.Counter[tuple[str, str]] = collections.Counter()
+class Pools(PoolWatch):
+    """The watch (tests/pool_watch.py), told each call's group as this framework's pools name it."""
 
     def work(self, job: str, callback: TimeSliceCallback | None) -> slime.Work:
         def on_work(pool: str, call: str) -> Any:
@@ -75,23 +67,10 @@ class Pools:
 
         return on_work
 
-    @contextlib.contextmanager
-    def _inside_pool(self, job: str, callback: TimeSliceCallback | None, pool: str, call: str) -> Iterator[None]:
+    def _inside_pool(self, job: str, callback: TimeSliceCallback | None, pool: str,
+                     call: str) -> contextlib.AbstractContextManager[None]:
         group = callback.groups_of(pool)[0] if callback is not None else pool
-        with self._lock:
-            if callback is not None and group not in callback.holds.held:
-                self.violations.append(f"{job}: {call} on {pool} ({group}) outside its hold "
-                                       f"(held: {callback.holds.held}, open: {callback.holds.open_phases})")
-            others = sorted(j for j, n in self._inside[group].items() if n and j != job)
-            if others:
-                self.violations.append(f"{job}: {call} on {group} while {others} worked there")
-            self._inside[group][job] += 1
-            self.calls[job, call] += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._inside[group][job] -= 1
+        return self.inside(job, pool, group, call, callback.holds if callback is not None else None)
 
 
 @dataclass

@@ -14,14 +14,12 @@ other updates). Plus: the example runs as a script, through a stack, to the stat
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import importlib.util
 import os
 import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -34,6 +32,7 @@ from timeslice_client import InvalidRequest, TimeSliceClient
 from timeslice_client.integrations.verl import VerlHolds
 
 from .helpers import running
+from .pool_watch import PoolWatch
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = int(os.environ.get("TIMESLICE_VERL_STEPS", "5"))
@@ -54,14 +53,8 @@ def load_example() -> ModuleType:
 ex = load_example()
 
 
-class Pools:
-    """Who works on which group now, across jobs (violations collected: see tests/test_slime_adapter.py)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._inside: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        self.violations: list[str] = []
-        self.calls: collections.Counter[tuple[str, str]] = collections.Counter()
+class Pools(PoolWatch):
+    """The watch (tests/pool_watch.py), told each call's group as this framework's pools name it."""
 
     def work(self, job: str, holds: VerlHolds | None) -> Any:
         def on_work(pool: str, call: str) -> Any:
@@ -69,24 +62,11 @@ class Pools:
 
         return on_work
 
-    @contextlib.contextmanager
-    def _inside_pool(self, job: str, holds: VerlHolds | None, pool: str, call: str) -> Iterator[None]:
+    def _inside_pool(self, job: str, holds: VerlHolds | None, pool: str,
+                     call: str) -> contextlib.AbstractContextManager[None]:
         group = pool if holds is None else {"actor": holds.actor_pool, "rollout": holds.rollout_pool,
                                             "reward": holds.reward_pool}[pool]
-        with self._lock:
-            if holds is not None and group not in holds.holds.held:
-                self.violations.append(f"{job}: {call} on {pool} ({group}) outside its hold "
-                                       f"(held: {holds.holds.held}, open: {holds.holds.open_phases})")
-            others = sorted(j for j, n in self._inside[group].items() if n and j != job)
-            if others:
-                self.violations.append(f"{job}: {call} on {group} while {others} worked there")
-            self._inside[group][job] += 1
-            self.calls[job, call] += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._inside[group][job] -= 1
+        return self.inside(job, pool, group, call, holds.holds if holds is not None else None)
 
 
 @dataclass

@@ -1,0 +1,38 @@
+"""Who works on which group now, across jobs, for the framework integrations' tests (slime, veRL): a call of a
+job's worker must run in that job's hold of the group and never beside another job's call there. Violations are
+collected, not raised (raising would stop a worker's thread); ``calls`` counts each job's calls by name."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+
+class PoolWatch:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.violations: list[str] = []
+        self.calls: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    @contextlib.contextmanager
+    def inside(self, job: str, pool: str, group: str, call: str, holds: Any | None) -> Iterator[None]:
+        """``job``'s ``call`` on ``pool`` (its group ``group``); ``holds``: the integration's phase holds (``held``,
+        ``open_phases``), None for a run without timeslice."""
+        with self._lock:
+            if holds is not None and group not in holds.held:
+                self.violations.append(f"{job}: {call} on {pool} ({group}) outside its hold "
+                                       f"(held: {holds.held}, open: {holds.open_phases})")
+            others = sorted(j for j, n in self._inside[group].items() if n and j != job)
+            if others:
+                self.violations.append(f"{job}: {call} on {group} while {others} worked there")
+            self._inside[group][job] += 1
+            self.calls[job, call] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside[group][job] -= 1
