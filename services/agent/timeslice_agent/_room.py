@@ -127,10 +127,11 @@ class RestoreOrder:
             finally:
                 self.reserved -= need
             return
-        yield Turn(error=await self._running.wait(cmd.after, cmd.deadline_ms / 1000) or await self._settled(cmd))
+        yield Turn(error=await self._settled(cmd))
 
     async def _settled(self, cmd: Restore) -> str | None:
-        """Wait until no snapshot ``cmd`` follows is left in doubt by a restart (``doubt``); an error at its deadline.
+        """Wait until every snapshot ``cmd`` follows is answered, also one a restart left in doubt (``doubt``); an error
+        at its deadline.
         After a restart the orchestrator sends a switch's operations again job by job, so a restore can come before
         the snapshot it follows, which then runs nowhere yet: ``RunningOps.wait`` had nothing to wait for. Once that
         snapshot begins here, its answer is waited for as any other's."""
