@@ -30,8 +30,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["CLEANUP_S", "DEFAULT_BUDGET_S", "DEVICE_LIMIT_S", "MAX_BUDGET_S", "MIN_SECTION_S", "Budget",
-           "LineReader", "die_with_parent", "run_bounded", "run_sections", "write_json_atomic"]
+__all__ = [
+    "CLEANUP_S",
+    "DEFAULT_BUDGET_S",
+    "DEVICE_LIMIT_S",
+    "MAX_BUDGET_S",
+    "MIN_SECTION_S",
+    "Budget",
+    "LineReader",
+    "die_with_parent",
+    "run_bounded",
+    "run_sections",
+    "write_json_atomic",
+]
 
 DEVICE_LIMIT_S = 600.0  # the GPU machine's limit on one command
 CLEANUP_S = 20.0  # what stopping a section's processes may add after the budget ran out, in total
@@ -67,8 +78,10 @@ class Budget:
         return max(0.5, min(natural_s, self.left()))
 
     def why_spent(self) -> str:
-        return (f"the {self.total_s:.0f} s budget was spent ({self.elapsed():.0f} s elapsed): run it on its own "
-                f"(--only), or raise --budget-s (at most {MAX_BUDGET_S:.0f})")
+        return (
+            f"the {self.total_s:.0f} s budget was spent ({self.elapsed():.0f} s elapsed): run it on its own "
+            f"(--only), or raise --budget-s (at most {MAX_BUDGET_S:.0f})"
+        )
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -85,8 +98,9 @@ def write_json_atomic(path: Path, data: Any) -> None:
         raise
 
 
-def run_sections(rep: Any, steps: Sequence[tuple[str, Callable[[], None]]], budget: Budget,
-                 save: Callable[[], None]) -> None:
+def run_sections(
+    rep: Any, steps: Sequence[tuple[str, Callable[[], None]]], budget: Budget, save: Callable[[], None]
+) -> None:
     """Run ``steps`` in order on the report ``rep`` (a ``_gpu_report.Report``); save it before the first and after
     each one (``next_section``: the one that runs next, ``complete`` once all are through). A step the budget no
     longer fits is skipped, its reason in ``rep.skipped``; a step that raises is recorded in ``rep.errors``."""
@@ -142,8 +156,9 @@ def stop_tree(proc: subprocess.Popen[Any], grace_s: float) -> None:
         proc.wait(grace_s)
 
 
-def run_bounded(cmd: Sequence[str], timeout_s: float, *, grace_s: float = CLEANUP_S / 2, what: str = "",
-                **popen: Any) -> int:
+def run_bounded(
+    cmd: Sequence[str], timeout_s: float, *, grace_s: float = CLEANUP_S / 2, what: str = "", **popen: Any
+) -> int:
     """Run ``cmd`` (``popen``: Popen's arguments) for at most ``timeout_s``; its exit status. Over time, or
     interrupted, it is stopped with its whole process tree, and TimeoutError says so."""
     proc = subprocess.Popen(list(cmd), **popen)
@@ -151,8 +166,9 @@ def run_bounded(cmd: Sequence[str], timeout_s: float, *, grace_s: float = CLEANU
         return proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         stop_tree(proc, grace_s)
-        raise TimeoutError(f"{what or cmd[0]} did not finish within {timeout_s:.0f} s: stopped with its child "
-                           "processes") from None
+        raise TimeoutError(
+            f"{what or cmd[0]} did not finish within {timeout_s:.0f} s: stopped with its child processes"
+        ) from None
     except BaseException:
         stop_tree(proc, grace_s)
         raise

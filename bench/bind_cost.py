@@ -55,10 +55,17 @@ async def run(trials: int) -> dict[str, Any]:
         server.stop()
         c.remove_dir(tmp)
     on, off = sorted(first[True]), sorted(first[False])
-    return {"command": c.command_line(), "machine": c.machine_facts(), "trials": trials, "bound": bound,
-            "first_acquire_ms": {"bind": {"p50": c.pct(on, 50), "p95": c.pct(on, 95)},
-                                 "no_bind": {"p50": c.pct(off, 50), "p95": c.pct(off, 95)}},
-            "ratio_p50": c.pct(on, 50) / c.pct(off, 50)}
+    return {
+        "command": c.command_line(),
+        "machine": c.machine_facts(),
+        "trials": trials,
+        "bound": bound,
+        "first_acquire_ms": {
+            "bind": {"p50": c.pct(on, 50), "p95": c.pct(on, 95)},
+            "no_bind": {"p50": c.pct(off, 50), "p95": c.pct(off, 95)},
+        },
+        "ratio_p50": c.pct(on, 50) / c.pct(off, 50),
+    }
 
 
 def main() -> None:
@@ -69,10 +76,12 @@ def main() -> None:
     a = p.parse_args()
     r = asyncio.run(run(5 if a.quick else a.trials))
     f = r["first_acquire_ms"]
-    print(f"first acquire, {r['trials']} trials each (bound: {r['bound']}): "
-          f"bind p50 {f['bind']['p50']:.2f} ms p95 {f['bind']['p95']:.2f} ms; "
-          f"no bind p50 {f['no_bind']['p50']:.2f} ms p95 {f['no_bind']['p95']:.2f} ms; "
-          f"ratio p50 {r['ratio_p50']:.2f}x (baseline: bind off, same run)")
+    print(
+        f"first acquire, {r['trials']} trials each (bound: {r['bound']}): "
+        f"bind p50 {f['bind']['p50']:.2f} ms p95 {f['bind']['p95']:.2f} ms; "
+        f"no bind p50 {f['no_bind']['p50']:.2f} ms p95 {f['no_bind']['p95']:.2f} ms; "
+        f"ratio p50 {r['ratio_p50']:.2f}x (baseline: bind off, same run)"
+    )
     c.write_json(a.json_out, r)
 
 

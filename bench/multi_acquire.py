@@ -42,9 +42,11 @@ async def _measure(url: str, trials: int, claims: bool, tag: str) -> dict[str, A
     times: dict[str, dict[str, list[float]]] = {k: {"acquire": [], "release": []} for k in ("pair", "all")}
     # Each way its own two groups, so that one way's requests never come between the other's release and its
     # next acquire (which would make that acquire's claim give way to a plain acquire).
-    async with (AsyncTimeSliceClient(f"pair-{tag}", f"trainer-{tag}-1", url, **opts) as one,
-                AsyncTimeSliceClient(f"pair-{tag}", f"sampler-{tag}-1", url, **opts) as two,
-                AsyncTimeSliceClient(f"all-{tag}", f"trainer-{tag}-2", url, **opts) as multi):
+    async with (
+        AsyncTimeSliceClient(f"pair-{tag}", f"trainer-{tag}-1", url, **opts) as one,
+        AsyncTimeSliceClient(f"pair-{tag}", f"sampler-{tag}-1", url, **opts) as two,
+        AsyncTimeSliceClient(f"all-{tag}", f"trainer-{tag}-2", url, **opts) as multi,
+    ):
         groups = [f"{g}-{tag}-2" for g in GROUPS]
         t0 = time.perf_counter()
         await multi.acquire_all(groups, timeout=30)  # the first call makes the sibling client (subscribe, flush)
@@ -91,17 +93,24 @@ async def run(trials: int) -> dict[str, Any]:
     finally:
         server.stop()
         c.remove_dir(tmp)
-    return {"command": c.command_line(), "machine": c.machine_facts(), "trials": trials,
-            "claims": claims, "no_claims": plain}
+    return {
+        "command": c.command_line(),
+        "machine": c.machine_facts(),
+        "trials": trials,
+        "claims": claims,
+        "no_claims": plain,
+    }
 
 
 def _line(name: str, r: dict[str, Any]) -> str:
     p, a = r["pair"], r["all"]
-    return (f"{name}: acquire two singles p50 {p['acquire']['p50']:.2f} ms p95 {p['acquire']['p95']:.2f} ms; "
-            f"acquire_all p50 {a['acquire']['p50']:.2f} ms p95 {a['acquire']['p95']:.2f} ms; "
-            f"ratio p50 {r['ratio_acquire_p50']:.2f}x | release two p50 {p['release']['p50']:.2f} ms, "
-            f"release_all p50 {a['release']['p50']:.2f} ms, ratio {r['ratio_release_p50']:.2f}x | "
-            f"first acquire_all (makes the sibling) {r['first_acquire_all_ms']:.2f} ms")
+    return (
+        f"{name}: acquire two singles p50 {p['acquire']['p50']:.2f} ms p95 {p['acquire']['p95']:.2f} ms; "
+        f"acquire_all p50 {a['acquire']['p50']:.2f} ms p95 {a['acquire']['p95']:.2f} ms; "
+        f"ratio p50 {r['ratio_acquire_p50']:.2f}x | release two p50 {p['release']['p50']:.2f} ms, "
+        f"release_all p50 {a['release']['p50']:.2f} ms, ratio {r['ratio_release_p50']:.2f}x | "
+        f"first acquire_all (makes the sibling) {r['first_acquire_all_ms']:.2f} ms"
+    )
 
 
 def main() -> None:

@@ -175,8 +175,9 @@ class ActorWorkerGroup(WorkerGroup):
     """The actor's FSDP/Megatron workers: ``compute_log_prob``, ``update_actor``; with the hybrid engine also the
     rollout (``generate_sequences``) and the reference (``compute_ref_log_prob``, ``ref_in_actor``)."""
 
-    def __init__(self, pool: str, timing: Timing, on_work: Work, dim: int, seed: int,
-                 rollout: RolloutWorkerGroup | None = None) -> None:
+    def __init__(
+        self, pool: str, timing: Timing, on_work: Work, dim: int, seed: int, rollout: RolloutWorkerGroup | None = None
+    ) -> None:
         super().__init__(pool, timing, on_work)
         self.weights = np.random.default_rng(seed).standard_normal(dim) * 0.5
         self.moment = np.zeros(dim)
@@ -292,8 +293,17 @@ class Trainer:
     def state(self) -> dict[str, list[Array]]:
         """The device state, by pool: what the workers register with their node's agent."""
         a, r = self.actor_rollout_wg, self.rollout_wg
-        return {"actor": [a.weights, a.moment, self.ref_policy_wg.weights, self.critic_wg.weights,
-                          self.critic_wg.moment, self.rm_wg.weights], "rollout": [r.served, r.kv]}
+        return {
+            "actor": [
+                a.weights,
+                a.moment,
+                self.ref_policy_wg.weights,
+                self.critic_wg.weights,
+                self.critic_wg.moment,
+                self.rm_wg.weights,
+            ],
+            "rollout": [r.served, r.kv],
+        }
 
     def digest(self) -> str:
         h = hashlib.sha256()
@@ -303,8 +313,16 @@ class Trainer:
         return h.hexdigest()
 
 
-def build(*, seed: int, steps: int, colocated: bool, timing: Timing | None = None, on_work: Work = _nowork,
-          dim: int = 512, batch_size: int = 8) -> Trainer:
+def build(
+    *,
+    seed: int,
+    steps: int,
+    colocated: bool,
+    timing: Timing | None = None,
+    on_work: Work = _nowork,
+    dim: int = 512,
+    batch_size: int = 8,
+) -> Trainer:
     t = timing or Timing()
     rollout = RolloutWorkerGroup("rollout", t, on_work, dim, batch_size)
     actor = ActorWorkerGroup("actor", t, on_work, dim, seed, rollout if colocated else None)
@@ -313,21 +331,34 @@ def build(*, seed: int, steps: int, colocated: bool, timing: Timing | None = Non
         time.sleep(t.reward)  # a sandbox or a judge: the other job's turn on the accelerators
         return -((batch.batch["responses"] - 0.5) ** 2).mean(axis=1)
 
-    return Trainer(colocated, actor, rollout, RefPolicyWorkerGroup("actor", t, on_work, actor.weights),
-                   CriticWorkerGroup("actor", t, on_work, dim), RewardModelWorkerGroup("reward", t, on_work, dim),
-                   reward_fn, steps, seed, batch_size, dim)
+    return Trainer(
+        colocated,
+        actor,
+        rollout,
+        RefPolicyWorkerGroup("actor", t, on_work, actor.weights),
+        CriticWorkerGroup("actor", t, on_work, dim),
+        RewardModelWorkerGroup("reward", t, on_work, dim),
+        reward_fn,
+        steps,
+        seed,
+        batch_size,
+        dim,
+    )
 
 
-def register(client: TimeSliceClient, holds: VerlHolds, trainer: Trainer,
-             nodes: dict[str, str | None]) -> dict[str, CountingHandler]:
+def register(
+    client: TimeSliceClient, holds: VerlHolds, trainer: Trainer, nodes: dict[str, str | None]
+) -> dict[str, CountingHandler]:
     """Register the trainer's state with the agents (``nodes``: by pool, actor and rollout), so that each switch
     of a pool moves that pool's state. One pool: one registration (an agent keeps one context per job)."""
     state = trainer.state()
     if holds.colocated:
         parts = {"actor": NumpyOffloadHandler(actor=state["actor"], rollout=state["rollout"])}
     else:
-        parts = {"actor": NumpyOffloadHandler(actor=state["actor"]),
-                 "rollout": NumpyOffloadHandler(rollout=state["rollout"])}
+        parts = {
+            "actor": NumpyOffloadHandler(actor=state["actor"]),
+            "rollout": NumpyOffloadHandler(rollout=state["rollout"]),
+        }
     handlers = {pool: CountingHandler(h) for pool, h in parts.items()}
     for pool, h in handlers.items():
         group = holds.actor_pool if pool == "actor" else holds.rollout_pool
@@ -366,8 +397,10 @@ def main() -> None:
             digest = trainer.digest()  # in a hold: the state may have been switched out since fit() returned
             moved = sum(h.counts.suspends for h in handlers.values())
         c = holds.counts
-        print(f"{a.job}: {a.steps} steps in {took:.2f} s; {c.acquires} holds, waited {c.waited_ms / 1000:.2f} s; "
-              f"moved out {moved}x; state sha256 {digest}")
+        print(
+            f"{a.job}: {a.steps} steps in {took:.2f} s; {c.acquires} holds, waited {c.waited_ms / 1000:.2f} s; "
+            f"moved out {moved}x; state sha256 {digest}"
+        )
 
 
 if __name__ == "__main__":

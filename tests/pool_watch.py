@@ -24,8 +24,10 @@ class PoolWatch:
         ``open_phases``), None for a run without timeslice."""
         with self._lock:
             if holds is not None and group not in holds.held:
-                self.violations.append(f"{job}: {call} on {pool} ({group}) outside its hold "
-                                       f"(held: {holds.held}, open: {holds.open_phases})")
+                self.violations.append(
+                    f"{job}: {call} on {pool} ({group}) outside its hold "
+                    f"(held: {holds.held}, open: {holds.open_phases})"
+                )
             others = sorted(j for j, n in self._inside[group].items() if n and j != job)
             if others:
                 self.violations.append(f"{job}: {call} on {group} while {others} worked there")

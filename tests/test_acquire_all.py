@@ -84,9 +84,11 @@ async def test_two_jobs_taking_both_pools_in_opposite_orders_never_deadlock(nats
 
 @pytest.mark.usefixtures("orchestrator")
 async def test_a_timeout_on_the_second_group_releases_the_first_and_withdraws_the_wait(nats_url: str) -> None:
-    async with (AsyncTimeSliceClient("a", "trainer", nats_url) as a,
-                AsyncTimeSliceClient("c", "trainer", nats_url) as c,
-                AsyncTimeSliceClient("d", "sampler", nats_url) as d):
+    async with (
+        AsyncTimeSliceClient("a", "trainer", nats_url) as a,
+        AsyncTimeSliceClient("c", "trainer", nats_url) as c,
+        AsyncTimeSliceClient("d", "sampler", nats_url) as d,
+    ):
         await c.acquire(timeout=10)  # the trainer pool is busy
         with pytest.raises(AcquireAllTimeout) as info:
             await a.acquire_all(["trainer", "sampler"], timeout=1.0)  # sampler first (sorted), then trainer
@@ -247,11 +249,13 @@ async def test_a_workload_of_another_group_is_switched_with_that_group(nats_url:
     another job takes the sampler pool, through the sibling client's channel, and resumed at the next grant."""
     log: list[str] = []
     nodes = {"trainer": "node-t", "sampler": "node-s"}
-    async with (running(Orchestrator(OrchestratorConfig(nats_url=nats_url))),
-                running(Agent(AgentConfig(node_id="node-t", nats_url=nats_url))),
-                running(Agent(AgentConfig(node_id="node-s", nats_url=nats_url))),
-                AsyncTimeSliceClient("a", "trainer", nats_url, node_id="node-t", bind_process=False) as a,
-                AsyncTimeSliceClient("b", "sampler", nats_url, node_id="node-s", bind_process=False) as b):
+    async with (
+        running(Orchestrator(OrchestratorConfig(nats_url=nats_url))),
+        running(Agent(AgentConfig(node_id="node-t", nats_url=nats_url))),
+        running(Agent(AgentConfig(node_id="node-s", nats_url=nats_url))),
+        AsyncTimeSliceClient("a", "trainer", nats_url, node_id="node-t", bind_process=False) as a,
+        AsyncTimeSliceClient("b", "sampler", nats_url, node_id="node-s", bind_process=False) as b,
+    ):
         await a.register_workload(Recorder("a-trainer", log), node_id=nodes["trainer"])
         await a.register_workload(Recorder("a-sampler", log), node_id=nodes["sampler"], group_id="sampler")
         await b.register_workload(Recorder("b", log), node_id=nodes["sampler"])
@@ -292,8 +296,10 @@ def test_blocking_clients_in_opposite_orders_never_deadlock(nats_url: str) -> No
             errors.append(exc)
             barrier.abort()
 
-    threads = [threading.Thread(target=job, args=("a", ["trainer", "sampler"])),
-               threading.Thread(target=job, args=("b", ["sampler", "trainer"]))]
+    threads = [
+        threading.Thread(target=job, args=("a", ["trainer", "sampler"])),
+        threading.Thread(target=job, args=("b", ["sampler", "trainer"])),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -304,7 +310,7 @@ def test_blocking_clients_in_opposite_orders_never_deadlock(nats_url: str) -> No
 
 @pytest.mark.usefixtures("orchestrator_process")
 def test_blocking_acquire_all_timeout_releases_the_first(nats_url: str) -> None:
-    with (TimeSliceClient("a", "sampler", nats_url) as a, TimeSliceClient("c", "trainer", nats_url) as c):
+    with TimeSliceClient("a", "sampler", nats_url) as a, TimeSliceClient("c", "trainer", nats_url) as c:
         c.acquire(timeout=10)
         with pytest.raises(AcquireAllTimeout) as info:
             a.acquire_all(["trainer", "sampler"], timeout=1.0)

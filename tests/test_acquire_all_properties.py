@@ -244,8 +244,17 @@ class SimMember:
         fut: asyncio.Future[Notice] = loop.create_future()
         self.pending[rid] = fut
         granted = False
-        self.bus.send(Acquire(group=self.group_id, job=self.job_id, request_id=rid, lease_ms=LEASE_MS,
-                              timeout_ms=int(t * 1000), waiter_ttl_ms=TTL_MS, confirm_ms=TTL_MS))
+        self.bus.send(
+            Acquire(
+                group=self.group_id,
+                job=self.job_id,
+                request_id=rid,
+                lease_ms=LEASE_MS,
+                timeout_ms=int(t * 1000),
+                waiter_ttl_ms=TTL_MS,
+                confirm_ms=TTL_MS,
+            )
+        )
         try:
             try:
                 async with asyncio.timeout_at(deadline):
@@ -323,8 +332,14 @@ class JobPlan:
 
 _hold = st.integers(0, 30)
 _step_one = st.builds(Step, st.just("one"), st.lists(st.sampled_from(GROUPS), min_size=1, max_size=1), _hold)
-_step_all = st.builds(Step, st.just("all"), st.lists(st.sampled_from(GROUPS), min_size=2, max_size=4, unique=True),
-                      _hold, st.booleans(), st.none() | st.integers(0, 40))
+_step_all = st.builds(
+    Step,
+    st.just("all"),
+    st.lists(st.sampled_from(GROUPS), min_size=2, max_size=4, unique=True),
+    _hold,
+    st.booleans(),
+    st.none() | st.integers(0, 40),
+)
 _step_then = st.builds(Step, st.just("then"), st.lists(st.sampled_from(GROUPS), min_size=2, max_size=2), _hold)
 
 
@@ -333,8 +348,9 @@ def _jobs(draw: st.DrawFn) -> list[JobPlan]:
     plans = []
     for i in range(draw(st.integers(2, 6))):
         multi = draw(st.booleans())
-        steps = draw(st.lists(st.one_of(_step_all, _step_then, _step_one) if multi else _step_one,
-                              min_size=1, max_size=4))
+        steps = draw(
+            st.lists(st.one_of(_step_all, _step_then, _step_one) if multi else _step_one, min_size=1, max_size=4)
+        )
         plans.append(JobPlan(f"j{i}", draw(st.booleans()), draw(st.integers(1, 40)), steps))
     return plans
 
@@ -443,8 +459,9 @@ def _run_virtual(coro: Any) -> Any:
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plans=_jobs(), latency_ms=st.integers(0, 5))
-def test_any_mix_of_jobs_finishes_without_deadlock_and_failures_leave_nothing(plans: list[JobPlan],
-                                                                             latency_ms: int) -> None:
+def test_any_mix_of_jobs_finishes_without_deadlock_and_failures_leave_nothing(
+    plans: list[JobPlan], latency_ms: int
+) -> None:
     try:
         bus = _simulate(plans, latency_ms)
     except* AssertionError as group:

@@ -51,7 +51,8 @@ async def _switch_under_way(a: Workload, b: Workload, observer: AsyncTimeSliceCl
 
 
 async def test_an_unregistration_during_a_snapshot_waits_for_it_and_the_next_grant_follows_the_suspend(
-        orchestrator: object, nats_url: str, tmp_path: Path) -> None:
+    orchestrator: object, nats_url: str, tmp_path: Path
+) -> None:
     agent = Agent(AgentConfig(node_id=NODE, nats_url=nats_url))
     async with running(agent, timeout=30), AsyncTimeSliceClient("observer", GROUP, nats_url) as observer:
         a = Workload(tmp_path, nats_url, GROUP, "a", NODE, handler="slow")
@@ -61,8 +62,11 @@ async def test_an_unregistration_during_a_snapshot_waits_for_it_and_the_next_gra
             await _switch_under_way(a, b, observer)  # the switch's snapshot of a runs, blocked in a's handler
 
             # The job itself (its process, with its own credential) asks to leave while its state is moving.
-            asked = asyncio.ensure_future(nc.request(subjects.agent_rpc(NODE, "unregister", "a"),
-                                                     encode(UnregisterJob(group=GROUP, job="a")), timeout=30))
+            asked = asyncio.ensure_future(
+                nc.request(
+                    subjects.agent_rpc(NODE, "unregister", "a"), encode(UnregisterJob(group=GROUP, job="a")), timeout=30
+                )
+            )
             try:
                 # On the old code b was granted within milliseconds here, mid-suspend. Give it the chance.
                 early = await b.wait("granted", timeout=2.0)
@@ -83,8 +87,9 @@ async def test_an_unregistration_during_a_snapshot_waits_for_it_and_the_next_gra
 
             await eventually(a_gone, what="a unregistered")
             stream = await read_stream(nats_url)
-            events = [(seq, decode_input(data)) for seq, _, subj, data in stream
-                      if subj == subjects.agent_event(NODE, GROUP)]
+            events = [
+                (seq, decode_input(data)) for seq, _, subj, data in stream if subj == subjects.agent_event(NODE, GROUP)
+            ]
             result_seq = next(seq for seq, ev in events if isinstance(ev, OpResult) and ev.job == "a")
             gone_seq = next(seq for seq, ev in events if isinstance(ev, JobUnregistered) and ev.job == "a")
             assert result_seq < gone_seq, (result_seq, gone_seq)  # the snapshot's outcome is heard first
@@ -97,7 +102,8 @@ async def test_an_unregistration_during_a_snapshot_waits_for_it_and_the_next_gra
 
 
 async def test_an_unregistration_that_outwaits_its_bound_is_answered_busy_and_the_job_stays(
-        orchestrator: object, nats_url: str, tmp_path: Path) -> None:
+    orchestrator: object, nats_url: str, tmp_path: Path
+) -> None:
     agent = Agent(AgentConfig(node_id=NODE, nats_url=nats_url, unregister_wait_s=0.5))
     async with running(agent, timeout=30), AsyncTimeSliceClient("observer", GROUP + "-b", nats_url) as observer:
         a = Workload(tmp_path, nats_url, GROUP + "-b", "a", NODE, handler="slow")

@@ -71,18 +71,30 @@ def driver() -> Iterator[AnyProcessDriver]:
 
 
 async def test_a_job_that_only_acquires_is_checkpointed_and_restored_on_every_switch(
-        orchestrator: object, nats_url: str, tmp_path: Path, driver: AnyProcessDriver) -> None:
+    orchestrator: object, nats_url: str, tmp_path: Path, driver: AnyProcessDriver
+) -> None:
     env = dict(os.environ, TIMESLICE_NODE_ID=NODE, PYTHONPATH=os.pathsep.join(sys.path))
     async with running(Agent(AgentConfig(node_id=NODE, nats_url=nats_url)), timeout=30) as agent:
-        procs = {job: subprocess.Popen([sys.executable, "-c", JOB, job, GROUP, nats_url, "3",
-                                        str(tmp_path / f"{job}.out")],
-                                       cwd=ROOT, env=env, stdin=subprocess.PIPE) for job in ("a", "b")}
+        procs = {
+            job: subprocess.Popen(
+                [sys.executable, "-c", JOB, job, GROUP, nats_url, "3", str(tmp_path / f"{job}.out")],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.PIPE,
+            )
+            for job in ("a", "b")
+        }
         try:
+
             def finished() -> bool:
                 for job, p in procs.items():
                     assert p.poll() is None, f"job {job} exited with {p.returncode}"
-                return all("done" in (tmp_path / f"{j}.out").read_text() for j in procs
-                           if (tmp_path / f"{j}.out").exists()) and len(list(tmp_path.glob("*.out"))) == 2
+                return (
+                    all(
+                        "done" in (tmp_path / f"{j}.out").read_text() for j in procs if (tmp_path / f"{j}.out").exists()
+                    )
+                    and len(list(tmp_path.glob("*.out"))) == 2
+                )
 
             await eventually(finished, timeout=90, what="both jobs through their rounds")
             jobs = agent.jobs()
@@ -112,7 +124,8 @@ async def test_a_job_that_only_acquires_is_checkpointed_and_restored_on_every_sw
 
 
 async def test_a_client_told_not_to_bind_and_a_host_without_agent_keep_the_lock_alone(
-        orchestrator: object, nats_url: str, driver: AnyProcessDriver) -> None:
+    orchestrator: object, nats_url: str, driver: AnyProcessDriver
+) -> None:
     async with running(Agent(AgentConfig(node_id=NODE, nats_url=nats_url)), timeout=30) as agent:
         async with AsyncTimeSliceClient("quiet", GROUP, nats_url, bind_process=False, node_id=NODE) as c:
             await c.acquire(timeout=10)
@@ -124,8 +137,7 @@ async def test_a_client_told_not_to_bind_and_a_host_without_agent_keep_the_lock_
     assert driver.calls == []
 
 
-async def test_a_node_whose_default_is_none_leaves_a_bound_job_to_the_lock(orchestrator: object,
-                                                                             nats_url: str) -> None:
+async def test_a_node_whose_default_is_none_leaves_a_bound_job_to_the_lock(orchestrator: object, nats_url: str) -> None:
     cfg = AgentConfig(node_id=NODE, nats_url=nats_url, default_backend="none")
     async with running(Agent(cfg), timeout=30) as agent:
         async with AsyncTimeSliceClient("plain", GROUP, nats_url, node_id=NODE) as c:
@@ -136,12 +148,15 @@ async def test_a_node_whose_default_is_none_leaves_a_bound_job_to_the_lock(orche
 
 
 async def test_a_registered_handler_stays_the_jobs_when_its_client_binds(
-        orchestrator: object, nats_url: str, driver: AnyProcessDriver) -> None:
+    orchestrator: object, nats_url: str, driver: AnyProcessDriver
+) -> None:
     from .agent_harness import Recorder
 
     log: list[str] = []
-    async with running(Agent(AgentConfig(node_id=NODE, nats_url=nats_url)), timeout=30) as agent, \
-            AsyncTimeSliceClient("trainer", GROUP, nats_url, node_id=NODE) as c:
+    async with (
+        running(Agent(AgentConfig(node_id=NODE, nats_url=nats_url)), timeout=30) as agent,
+        AsyncTimeSliceClient("trainer", GROUP, nats_url, node_id=NODE) as c,
+    ):
         await c.register_workload(Recorder("trainer", log), node_id=NODE)
         await c.acquire(timeout=10)
         assert c._binding is not None and c._binding.kept
@@ -150,8 +165,9 @@ async def test_a_registered_handler_stays_the_jobs_when_its_client_binds(
     assert driver.calls == []
 
 
-async def test_hostile_bind_fields_are_refused_recorded_and_the_agent_goes_on(orchestrator: object,
-                                                                             nats_url: str) -> None:
+async def test_hostile_bind_fields_are_refused_recorded_and_the_agent_goes_on(
+    orchestrator: object, nats_url: str
+) -> None:
     """The fields this change added to the wire are bounded: an oversized registration token or bind answer is
     refused as undecodable (counted in the agent's refusals), and the agent keeps serving."""
     import msgspec
@@ -162,18 +178,19 @@ async def test_hostile_bind_fields_are_refused_recorded_and_the_agent_goes_on(or
         nc = await connect(nats_url)
         try:
             for bad in ({"channel": "x" * 65}, {"bind": "yes"}):
-                raw = msgspec.json.encode({"type": "register", "group": GROUP, "job": "evil", "backends": [],
-                                           **bad})
+                raw = msgspec.json.encode({"type": "register", "group": GROUP, "job": "evil", "backends": [], **bad})
                 msg = await nc.request(subjects.agent_rpc(NODE, "register", "evil"), raw, timeout=5)
                 reply = msgspec.json.decode(msg.data, type=AgentReply)
                 assert not reply.ok and reply.code == "undecodable", reply
             assert "evil" not in agent.jobs()
             refused = agent.metrics.registry.get_sample_value(
-                "timeslice_agent_refused_total", {"source": "rpc", "reason": "undecodable"})
+                "timeslice_agent_refused_total", {"source": "rpc", "reason": "undecodable"}
+            )
             assert refused is not None and refused >= 2
             with pytest.raises(msgspec.ValidationError):  # a bind answer naming too many backends
-                msgspec.json.decode(msgspec.json.encode({"type": "agent_reply", "ok": True, "backends": ["b"] * 9}),
-                                    type=AgentReply)
+                msgspec.json.decode(
+                    msgspec.json.encode({"type": "agent_reply", "ok": True, "backends": ["b"] * 9}), type=AgentReply
+                )
         finally:
             await nc.close()
         async with AsyncTimeSliceClient("after", GROUP, nats_url, node_id=NODE) as c:  # still serving

@@ -41,8 +41,7 @@ def _llm(device: FakeDevice | None = None, **kw: object) -> FakeLLM:
 
 
 def _sgl(device: FakeDevice | None = None, **kw: object) -> FakeSglangEngine:
-    return FakeSglangEngine(device or FakeDevice(10 * W), "b", _weights(2), kv_bytes=KV, graph_bytes=100,
-                            **kw)  # type: ignore[arg-type]
+    return FakeSglangEngine(device or FakeDevice(10 * W), "b", _weights(2), kv_bytes=KV, graph_bytes=100, **kw)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- vLLM
@@ -74,8 +73,11 @@ def test_vllm_discard_sleeps_level_2_and_reloads_between_waking_the_weights_and_
     h.suspend(DISCARD, frozenset({"weights", "kv_cache"}))
     assert llm.calls == ["sleep(level=2)"] and llm.where() == {"weights": "dropped", "kv_cache": "dropped"}
     h.resume(DISCARD, ALL)
-    assert llm.calls[1:] == ["wake_up(tags=['weights'])", "collective_rpc(reload_weights)",
-                             "wake_up(tags=['kv_cache'])"]
+    assert llm.calls[1:] == [
+        "wake_up(tags=['weights'])",
+        "collective_rpc(reload_weights)",
+        "wake_up(tags=['kv_cache'])",
+    ]
     assert llm.weights_checksum == checksum(_weights(1)), "reloaded from the checkpoint it was made from"
     assert h.awake and not llm.llm_engine.is_sleeping()
 
@@ -265,8 +267,10 @@ def test_sglang_releases_every_memory_type_by_name_and_resumes_the_weights_first
     assert sgl.where() == {"weights": "host", "kv_cache": "dropped", "cuda_graph": "dropped"}
     assert r.device_bytes_freed == W + KV + 100 and sgl.offload_tags == set(SGLANG_MEMORY_TAGS)
     r = h.resume(OFFLOAD, ALL)
-    assert sgl.calls[2:] == ["resume_memory_occupation(tags=['weights'])",
-                             "resume_memory_occupation(tags=['kv_cache', 'cuda_graph'])"]
+    assert sgl.calls[2:] == [
+        "resume_memory_occupation(tags=['weights'])",
+        "resume_memory_occupation(tags=['kv_cache', 'cuda_graph'])",
+    ]
     assert r.device_bytes_freed == W + KV + 100 and sgl.offload_tags == set() and h.awake
     assert sgl.weights_checksum == before and sgl.generate("q")["text"] == f"{before}:q"
 
@@ -276,15 +280,17 @@ def test_sglang_weights_without_a_cpu_backup_are_reloaded_before_the_rest_is_res
     latest = _weights(9)
     sgl.update_weights_from_tensor(named_tensors=[("w", latest)])
     sgl.calls.clear()
-    h = SglangEngineHandler(sgl, reload_weights=lambda: sgl.update_weights_from_tensor(
-        named_tensors=[("w", latest)]))
+    h = SglangEngineHandler(sgl, reload_weights=lambda: sgl.update_weights_from_tensor(named_tensors=[("w", latest)]))
     for mode in (OFFLOAD, DISCARD):  # one release on SGLang: the same calls either way
         sgl.calls.clear()
         h.suspend(mode, ALL)
         assert sgl.where()["weights"] == "dropped"
         h.resume(mode, ALL)
-        assert sgl.calls[2:] == ["resume_memory_occupation(tags=['weights'])", "update_weights_from_tensor()",
-                                 "resume_memory_occupation(tags=['kv_cache', 'cuda_graph'])"]
+        assert sgl.calls[2:] == [
+            "resume_memory_occupation(tags=['weights'])",
+            "update_weights_from_tensor()",
+            "resume_memory_occupation(tags=['kv_cache', 'cuda_graph'])",
+        ]
         assert sgl.weights_checksum == checksum(latest)
 
 
@@ -317,10 +323,13 @@ def test_sglang_repeats_never_reach_the_engine_whose_double_pause_would_exit_the
     h.suspend(OFFLOAD, ALL)
     h.resume(OFFLOAD, ALL)
     h.resume(OFFLOAD, ALL)
-    assert sgl.calls == ["flush_cache()", "release_memory_occupation(tags=['kv_cache'])",
-                         "release_memory_occupation(tags=['weights', 'cuda_graph'])",
-                         "resume_memory_occupation(tags=['weights'])",
-                         "resume_memory_occupation(tags=['kv_cache', 'cuda_graph'])"]
+    assert sgl.calls == [
+        "flush_cache()",
+        "release_memory_occupation(tags=['kv_cache'])",
+        "release_memory_occupation(tags=['weights', 'cuda_graph'])",
+        "resume_memory_occupation(tags=['weights'])",
+        "resume_memory_occupation(tags=['kv_cache', 'cuda_graph'])",
+    ]
     assert sgl.exited is None and h.awake and sgl.generate("q")
 
 
@@ -336,11 +345,11 @@ def test_a_busy_sglang_engine_is_refused_before_anything_is_released() -> None:
     class NoFlush(FakeSglangEngine):  # an engine without flush_cache: SGLang's own assertion answers
         flush_cache = None  # type: ignore[assignment]
 
-    busy = NoFlush(FakeDevice(10 * W), "c", _weights(5), kv_bytes=KV, graph_bytes=1,
-                   enable_weights_cpu_backup=True)
+    busy = NoFlush(FakeDevice(10 * W), "c", _weights(5), kv_bytes=KV, graph_bytes=1, enable_weights_cpu_backup=True)
     busy.inflight = 1
-    with pytest.raises(EngineCallFailed, match="AssertionError: release_memory_occupation should be called only "
-                                               "when server is idle"):
+    with pytest.raises(
+        EngineCallFailed, match="AssertionError: release_memory_occupation should be called only when server is idle"
+    ):
         SglangEngineHandler(busy).suspend(OFFLOAD, ALL)
     assert busy.paused == set()
 
@@ -351,8 +360,11 @@ def test_a_failed_sglang_resume_is_reported_with_the_state_it_left() -> None:
     h = SglangEngineHandler(sgl)
     h.suspend(OFFLOAD, ALL)
     device.alloc("other", "x", KV)  # the weights fit, the rest does not: SGLang's scheduler exits
-    with pytest.raises(EngineCallFailed, match=r"resume_memory_occupation\(tags=\['kv_cache', 'cuda_graph'\]\) "
-                                               r"failed: SchedulerExited.*out of memory") as err:
+    with pytest.raises(
+        EngineCallFailed,
+        match=r"resume_memory_occupation\(tags=\['kv_cache', 'cuda_graph'\]\) "
+        r"failed: SchedulerExited.*out of memory",
+    ) as err:
         h.resume(OFFLOAD, ALL)
     assert "asleep: kv_cache, cuda_graph" in str(err.value) and h.asleep_tags == {"kv_cache", "cuda_graph"}
 
@@ -371,8 +383,10 @@ def test_sglang_engines_that_cannot_release_are_refused_when_the_handler_is_made
 
 
 def test_the_handlers_import_no_engine_and_no_torch() -> None:
-    code = ("import sys, timeslice_client.vllm_engine, timeslice_client.sglang_engine; "
-            "sys.exit(sorted({m.partition('.')[0] for m in sys.modules} & {'vllm', 'sglang', 'torch'}) or 0)")
+    code = (
+        "import sys, timeslice_client.vllm_engine, timeslice_client.sglang_engine; "
+        "sys.exit(sorted({m.partition('.')[0] for m in sys.modules} & {'vllm', 'sglang', 'torch'}) or 0)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], check=False, timeout=60, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
@@ -461,8 +475,9 @@ async def test_two_jobs_hand_a_group_back_and_forth_with_one_engine_awake_at_a_t
         step("a", 1)
         await hand_over(a, b)
         sgl = engines["b"] = FakeSglangEngine(device, "b", latest["b"], kv_bytes=KV, graph_bytes=100)
-        handlers["b"] = SglangEngineHandler(sgl, reload_weights=lambda: sgl.update_weights_from_tensor(
-            named_tensors=[("w", latest["b"])]))
+        handlers["b"] = SglangEngineHandler(
+            sgl, reload_weights=lambda: sgl.update_weights_from_tensor(named_tensors=[("w", latest["b"])])
+        )
         await b.register_workload(handlers["b"], node_id=NODE)
         holder, other = b, a
         for round_ in range(2, 8):
@@ -471,15 +486,17 @@ async def test_two_jobs_hand_a_group_back_and_forth_with_one_engine_awake_at_a_t
             holder, other = other, holder
         step(holder.job_id, 8)
         assert device.peak <= device.capacity
-        assert llm.calls.count("sleep(level=1)") == 4 and sgl.calls.count(
-            "release_memory_occupation(tags=['weights', 'kv_cache', 'cuda_graph'])") == 3
+        assert (
+            llm.calls.count("sleep(level=1)") == 4
+            and sgl.calls.count("release_memory_occupation(tags=['weights', 'kv_cache', 'cuda_graph'])") == 3
+        )
         assert llm.warnings == [] and sgl.exited is None
         await holder.release()
 
 
-
 async def test_an_engine_that_fails_to_sleep_faults_its_job_with_the_engines_words_and_keeps_it_awake(
-        nats_url: str) -> None:
+    nats_url: str,
+) -> None:
     device = FakeDevice(10 * W)
     async with (
         running(Orchestrator(OrchestratorConfig(nats_url=nats_url))),

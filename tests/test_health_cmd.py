@@ -22,8 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def health(url: str, *args: str, timeout: float = 60) -> tuple[int, dict[str, object], float]:
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "timeslice_cli", "health", "--nats-url", url, "--json", *args],
-                         cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "timeslice_cli", "health", "--nats-url", url, "--json", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     elapsed = time.monotonic() - t0
     assert out.stdout, out.stderr
     return out.returncode, json.loads(out.stdout), elapsed
@@ -58,9 +64,12 @@ def test_a_bus_without_an_orchestrator_is_not_healthy(nats_url: str) -> None:
 
 
 async def test_a_running_stack_is_healthy_and_a_required_node_without_an_agent_is_not(
-        orchestrator: object, nats_url: str) -> None:
-    async with running(Agent(AgentConfig(node_id="node-h", nats_url=nats_url))), \
-            AsyncTimeSliceClient("j", "g-health", nats_url) as job:
+    orchestrator: object, nats_url: str
+) -> None:
+    async with (
+        running(Agent(AgentConfig(node_id="node-h", nats_url=nats_url))),
+        AsyncTimeSliceClient("j", "g-health", nats_url) as job,
+    ):
         await job.acquire(timeout=30)  # one group, held
         rc, doc, _ = await health_async(nats_url, "--node-id", "node-h")
         assert rc == 0 and doc["ok"] is True, doc
@@ -83,8 +92,14 @@ async def test_without_agents_it_warns_and_strict_makes_the_warning_fail(orchest
 
 
 def test_the_plain_output_is_one_line_per_check_and_a_verdict(nats_url: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "timeslice_cli", "health", "--nats-url", nats_url, "--timeout", "2"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "timeslice_cli", "health", "--nats-url", nats_url, "--timeout", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 1, out
     assert [ln.split()[1] for ln in lines[:-1]] == ["bus", "stream", "orchestrator", "agents", "groups"], lines
@@ -94,9 +109,15 @@ def test_the_plain_output_is_one_line_per_check_and_a_verdict(nats_url: str) -> 
 def test_colour_only_on_a_terminal_or_when_forced_and_never_with_no_color(nats_url: str) -> None:
     def run(**env: str) -> str:
         base = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR")}
-        out = subprocess.run([sys.executable, "-m", "timeslice_cli", "health", "--nats-url", nats_url, "--timeout",
-                              "2"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
-                             env={**base, **env})
+        out = subprocess.run(
+            [sys.executable, "-m", "timeslice_cli", "health", "--nats-url", nats_url, "--timeout", "2"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={**base, **env},
+        )
         return out.stdout
 
     plain = run()
@@ -108,7 +129,8 @@ def test_colour_only_on_a_terminal_or_when_forced_and_never_with_no_color(nats_u
 
 
 async def test_a_hostile_agent_record_is_shown_bounded_and_a_garbage_one_is_not_live(
-        orchestrator: object, nats_url: str) -> None:
+    orchestrator: object, nats_url: str
+) -> None:
     """KV ``agents`` is anyone's to write on an open bus: a record with 40 backends of 10,000 characters is shown
     cut, a value that is no record is not a live agent, and neither ends the command."""
     import msgspec
@@ -121,8 +143,12 @@ async def test_a_hostile_agent_record_is_shown_bounded_and_a_garbage_one_is_not_
             await job.acquire(timeout=30)
             await job.release()
         kv = await nc.jetstream().key_value(AGENTS_BUCKET)
-        await kv.put("huge", msgspec.json.encode(AgentInfo(node="huge", pid=1, started_at_ms=0,
-                                                           backends=tuple("b" * 10_000 for _ in range(40)))))
+        await kv.put(
+            "huge",
+            msgspec.json.encode(
+                AgentInfo(node="huge", pid=1, started_at_ms=0, backends=tuple("b" * 10_000 for _ in range(40)))
+            ),
+        )
         await kv.put("garbage", b"\x00 not json")
         rc, doc, _ = await health_async(nats_url)
     finally:

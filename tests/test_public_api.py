@@ -10,28 +10,101 @@ import pytest
 
 PINNED: dict[str, set[str]] = {
     "timeslice_client": {
-        "AcquireAllFailed", "AcquireAllTimeout", "AcquireCancelled", "AcquireTimeout", "AgentError", "AgentRefused",
-        "AsyncSnapshotAgentClient", "AsyncTimeSliceClient", "BusUnreachable", "CallbackHandler", "CredentialsError",
-        "Grant", "GroupFull", "GroupQuarantined", "GroupRecord", "GroupState", "HandlerError", "HandlerResult",
-        "InvalidId", "InvalidNatsUrl", "InvalidRequest", "JobFaulted", "JobState", "LeaseExpired", "LockLost",
-        "LockOrderError", "NotHolder", "OperationFailed", "OperationNotFound", "OperationTimeout", "ReleaseResult",
-        "SnapshotAgentClient", "StaleEpoch", "SuspendMode", "TimeSliceClient", "TimeSliceError", "Unavailable",
-        "UnresizableStorage", "WorkloadChannel", "WorkloadHandler", "register_workload",
+        "AcquireAllFailed",
+        "AcquireAllTimeout",
+        "AcquireCancelled",
+        "AcquireTimeout",
+        "AgentError",
+        "AgentRefused",
+        "AsyncSnapshotAgentClient",
+        "AsyncTimeSliceClient",
+        "BusUnreachable",
+        "CallbackHandler",
+        "CredentialsError",
+        "Grant",
+        "GroupFull",
+        "GroupQuarantined",
+        "GroupRecord",
+        "GroupState",
+        "HandlerError",
+        "HandlerResult",
+        "InvalidId",
+        "InvalidNatsUrl",
+        "InvalidRequest",
+        "JobFaulted",
+        "JobState",
+        "LeaseExpired",
+        "LockLost",
+        "LockOrderError",
+        "NotHolder",
+        "OperationFailed",
+        "OperationNotFound",
+        "OperationTimeout",
+        "ReleaseResult",
+        "SnapshotAgentClient",
+        "StaleEpoch",
+        "SuspendMode",
+        "TimeSliceClient",
+        "TimeSliceError",
+        "Unavailable",
+        "UnresizableStorage",
+        "WorkloadChannel",
+        "WorkloadHandler",
+        "register_workload",
     },
     "timeslice_agent": {
-        "Agent", "AgentConfig", "AgentMetrics", "AgentServiceError", "AgentSocketError", "AppChannelBackend",
-        "AppEndpointBackend", "Backend", "BackendError", "BackendUnavailable", "CheckpointDriver", "CudaBackend",
-        "DriverError", "FreezeBackend", "GpuAccounting", "GpuProcess", "GpuSource", "HttpError", "NoopBackend",
-        "OpContext", "OperationInProgress", "Outcome", "ProcessState", "Refusal", "Refused", "UnknownProcessState",
-        "available_backends", "register_backend", "unavailable_backends",
+        "Agent",
+        "AgentConfig",
+        "AgentMetrics",
+        "AgentServiceError",
+        "AgentSocketError",
+        "AppChannelBackend",
+        "AppEndpointBackend",
+        "Backend",
+        "BackendError",
+        "BackendUnavailable",
+        "CheckpointDriver",
+        "CudaBackend",
+        "DriverError",
+        "FreezeBackend",
+        "GpuAccounting",
+        "GpuProcess",
+        "GpuSource",
+        "HttpError",
+        "NoopBackend",
+        "OpContext",
+        "OperationInProgress",
+        "Outcome",
+        "ProcessState",
+        "Refusal",
+        "Refused",
+        "UnknownProcessState",
+        "available_backends",
+        "register_backend",
+        "unavailable_backends",
     },
     "timeslice_client.integrations": set(),  # each integration is a module of its own (OPTIONAL below)
     "timeslice_client.integrations.slime": {"ENV", "ROLES", "TURNS", "PhaseCounts", "TimeSliceCallback"},
     "timeslice_client.integrations.verl": {"PHASES", "PhaseCounts", "VerlHolds"},
     "timeslice_orchestrator": {
-        "AuthError", "Deposed", "EmbeddedNatsError", "LeaderWaitTimeout", "LeadershipError", "NatsServer", "NotLeader",
-        "Orchestrator", "OrchestratorConfig", "OrchestratorError", "OrchestratorMetrics", "ReplayError",
-        "ServiceFailed", "Unusable", "apply", "find_nats_server", "new_record", "next_deadline",
+        "AuthError",
+        "Deposed",
+        "EmbeddedNatsError",
+        "LeaderWaitTimeout",
+        "LeadershipError",
+        "NatsServer",
+        "NotLeader",
+        "Orchestrator",
+        "OrchestratorConfig",
+        "OrchestratorError",
+        "OrchestratorMetrics",
+        "ReplayError",
+        "ServiceFailed",
+        "Unusable",
+        "apply",
+        "find_nats_server",
+        "new_record",
+        "next_deadline",
     },
 }
 
@@ -47,25 +120,40 @@ def test_the_public_names_are_the_pinned_ones_and_resolve(package: str) -> None:
     mod = importlib.import_module(package)
     exported = set(mod.__all__)
     assert len(exported) == len(mod.__all__), f"{package}.__all__ lists a name twice"
-    assert exported == PINNED[package], (f"added: {sorted(exported - PINNED[package])}, "
-                                         f"dropped: {sorted(PINNED[package] - exported)}")
+    assert exported == PINNED[package], (
+        f"added: {sorted(exported - PINNED[package])}, dropped: {sorted(PINNED[package] - exported)}"
+    )
     missing = [n for n in mod.__all__ if not hasattr(mod, n)]
     assert not missing, f"{package}.__all__ names what it does not define: {missing}"
 
 
-@pytest.mark.parametrize("module", ["timeslice_client.protocol", "timeslice_client.bus", "timeslice_client.errors",
-                                    "timeslice_client.handlers", "timeslice_client.workload",
-                                    "timeslice_client.agent_client", "timeslice_client.vllm_engine",
-                                    "timeslice_client.sglang_engine", "timeslice_agent.backends",
-                                    "timeslice_orchestrator.core", "timeslice_orchestrator.service"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "timeslice_client.protocol",
+        "timeslice_client.bus",
+        "timeslice_client.errors",
+        "timeslice_client.handlers",
+        "timeslice_client.workload",
+        "timeslice_client.agent_client",
+        "timeslice_client.vllm_engine",
+        "timeslice_client.sglang_engine",
+        "timeslice_agent.backends",
+        "timeslice_orchestrator.core",
+        "timeslice_orchestrator.service",
+    ],
+)
 def test_every_public_modules_all_resolves(module: str) -> None:
     mod = importlib.import_module(module)
     missing = [n for n in getattr(mod, "__all__", ()) if not hasattr(mod, n)]
     assert not missing, f"{module}.__all__ names what it does not define: {missing}"
 
 
-ROOTS = {"timeslice_client": "TimeSliceError", "timeslice_agent": "AgentServiceError",
-         "timeslice_orchestrator": "OrchestratorError"}
+ROOTS = {
+    "timeslice_client": "TimeSliceError",
+    "timeslice_agent": "AgentServiceError",
+    "timeslice_orchestrator": "OrchestratorError",
+}
 
 
 @pytest.mark.parametrize("package", sorted(ROOTS))

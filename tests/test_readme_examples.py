@@ -42,7 +42,8 @@ def test_the_readme_has_the_examples_this_test_knows() -> None:
 
 
 async def test_every_readme_example_runs_in_order_against_a_real_stack(
-        orchestrator: object, nats_url: str, tmp_path: Path) -> None:
+    orchestrator: object, nats_url: str, tmp_path: Path
+) -> None:
     pytest.importorskip("torch", reason="the README's offload example registers a torch model")
     parts = ["import sys"]
     for i, code in enumerate(readme_examples()):
@@ -55,14 +56,28 @@ async def test_every_readme_example_runs_in_order_against_a_real_stack(
     script = tmp_path / "readme_examples.py"
     script.write_text("\n".join(parts))
     env = {k: v for k, v in os.environ.items() if k not in ("TIMESLICE_CREDS",)}
-    env.update(TIMESLICE_NATS_URL=nats_url, PYTHONPATH=os.pathsep.join(
-        str(ROOT / p) for p in ("libs", "services/orchestrator", "services/agent", "services/cli")))
-    async with running(Agent(AgentConfig(node_id=default_node_id(), nats_url=nats_url,
-                                         socket=str(tmp_path / "agent.sock")))):
+    env.update(
+        TIMESLICE_NATS_URL=nats_url,
+        PYTHONPATH=os.pathsep.join(
+            str(ROOT / p) for p in ("libs", "services/orchestrator", "services/agent", "services/cli")
+        ),
+    )
+    async with running(
+        Agent(AgentConfig(node_id=default_node_id(), nats_url=nats_url, socket=str(tmp_path / "agent.sock")))
+    ):
         env["TIMESLICE_AGENT_SOCKET"] = str(tmp_path / "agent.sock")
-        out = await asyncio.to_thread(subprocess.run, [sys.executable, str(script)], cwd=tmp_path, env=env,
-                                      capture_output=True, text=True, timeout=120, check=False)
+        out = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
     n = len(readme_examples())
     assert out.returncode == 0, f"rc={out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
-    assert [ln for ln in out.stdout.splitlines() if ln.endswith(" ran")] == \
-        [f"example {i + 1} ran" for i in range(n)], out.stdout
+    assert [ln for ln in out.stdout.splitlines() if ln.endswith(" ran")] == [
+        f"example {i + 1} ran" for i in range(n)
+    ], out.stdout

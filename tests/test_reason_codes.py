@@ -49,8 +49,7 @@ def test_the_metrics_count_dequeues_by_code() -> None:
     sim.acquire("b", "b-1")
     old = sim.rec
     actions = sim(Cancel(group=sim.group, job="b", request_id="b-1", reason="timeout"))
-    m.applied(Cancel(group=sim.group, job="b", request_id="b-1", reason="timeout"), old, sim.rec, actions, sim.now,
-              0.0)
+    m.applied(Cancel(group=sim.group, job="b", request_id="b-1", reason="timeout"), old, sim.rec, actions, sim.now, 0.0)
     counts = m._groups[sim.group].dequeued
     assert counts["cancelled"] == 1 and counts["timeout"] == 0, counts
 
@@ -60,8 +59,14 @@ def test_transient_bus_errors_are_told_by_type_not_by_name() -> None:
     import nats.js.errors
     from timeslice_client._publish_rules import transient
 
-    for exc in (nats.errors.NoRespondersError(), nats.js.errors.NoStreamResponseError(), nats.errors.TimeoutError(),
-                nats.errors.ConnectionClosedError(), ConnectionResetError(), TimeoutError()):
+    for exc in (
+        nats.errors.NoRespondersError(),
+        nats.js.errors.NoStreamResponseError(),
+        nats.errors.TimeoutError(),
+        nats.errors.ConnectionClosedError(),
+        ConnectionResetError(),
+        TimeoutError(),
+    ):
         assert transient(exc), exc
 
     class NoRespondersError(Exception):  # a job's own error that happens to share the name

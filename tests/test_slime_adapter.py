@@ -67,8 +67,9 @@ class Pools(PoolWatch):
 
         return on_work
 
-    def _inside_pool(self, job: str, callback: TimeSliceCallback | None, pool: str,
-                     call: str) -> contextlib.AbstractContextManager[None]:
+    def _inside_pool(
+        self, job: str, callback: TimeSliceCallback | None, pool: str, call: str
+    ) -> contextlib.AbstractContextManager[None]:
         group = callback.groups_of(pool)[0] if callback is not None else pool
         return self.inside(job, pool, group, call, callback.holds if callback is not None else None)
 
@@ -95,10 +96,12 @@ def plain(args: slime.Args, driver: Driver) -> Run:
     return Run("plain", actors.digest(), time.monotonic() - t0)
 
 
-def shared_job(name: str, nats_url: str, trainer: str, sampler: str, args: slime.Args, driver: Driver,
-               pools: Pools) -> Run:
-    with TimeSliceClient(name, trainer, nats_url, lease_seconds=10, acquire_timeout=JOB_TIMEOUT_S,
-                         bind_process=False) as client:
+def shared_job(
+    name: str, nats_url: str, trainer: str, sampler: str, args: slime.Args, driver: Driver, pools: Pools
+) -> Run:
+    with TimeSliceClient(
+        name, trainer, nats_url, lease_seconds=10, acquire_timeout=JOB_TIMEOUT_S, bind_process=False
+    ) as client:
         callback = TimeSliceCallback(client, trainer_group=trainer, sampler_group=sampler)
         one_node = callback.colocated
 
@@ -135,8 +138,9 @@ async def agents(nats_url: str, nodes: list[str]) -> AsyncIterator[None]:
         yield
 
 
-async def two_jobs(nats_url: str, trainer: str, sampler: str, args: slime.Args,
-                   driver: Driver) -> tuple[dict[str, Run], dict[str, Run], Pools, dict[str, tuple[int, int, int]]]:
+async def two_jobs(
+    nats_url: str, trainer: str, sampler: str, args: slime.Args, driver: Driver
+) -> tuple[dict[str, Run], dict[str, Run], Pools, dict[str, tuple[int, int, int]]]:
     seeds = {"slime-a": 1, "slime-b": 2}
     # Off the event loop: the orchestrator serves from it (a blocked loop would let its leadership lapse).
     solo = {j: await asyncio.to_thread(plain, replace(args, seed=s), driver) for j, s in seeds.items()}
@@ -144,9 +148,15 @@ async def two_jobs(nats_url: str, trainer: str, sampler: str, args: slime.Args,
     nodes = [NODES["trainer"]] if trainer == sampler else list(NODES.values())
     async with agents(nats_url, nodes):
         since = int(time.time() * 1000)
-        runs = await asyncio.wait_for(asyncio.gather(*(
-            asyncio.to_thread(shared_job, j, nats_url, trainer, sampler, replace(args, seed=s), driver, pools)
-            for j, s in seeds.items())), 2 * JOB_TIMEOUT_S)
+        runs = await asyncio.wait_for(
+            asyncio.gather(
+                *(
+                    asyncio.to_thread(shared_job, j, nats_url, trainer, sampler, replace(args, seed=s), driver, pools)
+                    for j, s in seeds.items()
+                )
+            ),
+            2 * JOB_TIMEOUT_S,
+        )
         until = int(time.time() * 1000)
         moved = {g: await handoffs(nats_url, g, since, until) for g in sorted({trainer, sampler})}
     return solo, {r.job: r for r in runs}, pools, moved
@@ -157,12 +167,14 @@ def figures(what: str, solo: dict[str, Run], shared: dict[str, Run], moved: dict
     wall = max(r.end for r in shared.values()) - min(r.start for r in shared.values())
     offs = [o for r in shared.values() for o in (r.offload or {}).values()]
     suspends = sum(o.suspends for o in offs)
-    print(f"\n{what}: back to back {back_to_back:.2f} s (plain, no timeslice), shared {wall:.2f} s = "
-          f"{wall / back_to_back:.2f}x; handoffs {dict((g, m[0]) for g, m in moved.items())}; "
-          f"{max(o.last_suspend_bytes for o in offs) / 1e3:.0f} kB per switch of a pool; suspends {suspends}, mean "
-          f"{sum(o.suspend_ms for o in offs) / max(1, suspends):.1f} ms, resume mean "
-          f"{sum(o.resume_ms for o in offs) / max(1, sum(o.resumes for o in offs)):.1f} ms; waited "
-          + ", ".join(f"{r.counts.waited_ms / 1000:.2f} s" for r in shared.values()))
+    print(
+        f"\n{what}: back to back {back_to_back:.2f} s (plain, no timeslice), shared {wall:.2f} s = "
+        f"{wall / back_to_back:.2f}x; handoffs {dict((g, m[0]) for g, m in moved.items())}; "
+        f"{max(o.last_suspend_bytes for o in offs) / 1e3:.0f} kB per switch of a pool; suspends {suspends}, mean "
+        f"{sum(o.suspend_ms for o in offs) / max(1, suspends):.1f} ms, resume mean "
+        f"{sum(o.resume_ms for o in offs) / max(1, sum(o.resumes for o in offs)):.1f} ms; waited "
+        + ", ".join(f"{r.counts.waited_ms / 1000:.2f} s" for r in shared.values())
+    )
     return wall / back_to_back
 
 
@@ -182,15 +194,19 @@ def check(solo: dict[str, Run], shared: dict[str, Run], pools: Pools, moved: dic
 
 
 @pytest.mark.usefixtures("orchestrator")
-@pytest.mark.parametrize(("trainer", "sampler"), [("a-trainer", "b-sampler"), ("trainers", "samplers")],
-                         ids=["trainer-sorts-first", "sampler-sorts-first"])
+@pytest.mark.parametrize(
+    ("trainer", "sampler"),
+    [("a-trainer", "b-sampler"), ("trainers", "samplers")],
+    ids=["trainer-sorts-first", "sampler-sorts-first"],
+)
 async def test_two_slime_jobs_share_the_trainer_and_sampler_pools(nats_url: str, trainer: str, sampler: str) -> None:
     """The synchronous driver on two pools: B generates while A trains, the weight sync takes both. When the
     trainer's group sorts first, the trainer pool is kept from training into the weight sync; else it is given
     back and both are taken again in order (and the other job may train in between)."""
     steps = max(STEPS, 8)  # the overlap's gain grows with the rollouts; at 8 it is well clear of the goal
-    args = slime.Args(num_rollout=steps, size=SIZE, gen_s=GEN_S, train_s=TRAIN_S, sync_s=SYNC_S, eval_interval=2,
-                      save_interval=2)
+    args = slime.Args(
+        num_rollout=steps, size=SIZE, gen_s=GEN_S, train_s=TRAIN_S, sync_s=SYNC_S, eval_interval=2, save_interval=2
+    )
     solo, shared, pools, moved = await two_jobs(nats_url, trainer, sampler, args, slime.train)
     check(solo, shared, pools, moved)
     kept = trainer < sampler
@@ -212,8 +228,9 @@ async def test_two_slime_jobs_share_the_trainer_and_sampler_pools(nats_url: str,
 @pytest.mark.usefixtures("orchestrator")
 async def test_two_slime_jobs_share_one_pool_colocated(nats_url: str) -> None:
     """slime's ``--colocate``: every phase on the one group, which changes hands once a rollout (turn="rollout")."""
-    args = slime.Args(num_rollout=STEPS, size=SIZE, gen_s=GEN_S, train_s=TRAIN_S, sync_s=SYNC_S, colocate=True,
-                      offload_rollout=True)
+    args = slime.Args(
+        num_rollout=STEPS, size=SIZE, gen_s=GEN_S, train_s=TRAIN_S, sync_s=SYNC_S, colocate=True, offload_rollout=True
+    )
     solo, shared, pools, moved = await two_jobs(nats_url, "gpus-0", "gpus-0", args, slime.train)
     check(solo, shared, pools, moved)
     for job, run in shared.items():
@@ -228,14 +245,18 @@ async def test_two_slime_jobs_share_one_pool_colocated(nats_url: str) -> None:
 
 
 @pytest.mark.usefixtures("orchestrator")
-@pytest.mark.parametrize(("trainer", "sampler"), [("trainers", "samplers"), ("a-trainer", "b-sampler")],
-                         ids=["sampler-sorts-first", "trainer-sorts-first"])
+@pytest.mark.parametrize(
+    ("trainer", "sampler"),
+    [("trainers", "samplers"), ("a-trainer", "b-sampler")],
+    ids=["sampler-sorts-first", "trainer-sorts-first"],
+)
 async def test_two_slime_async_jobs_pipeline_without_deadlock(nats_url: str, trainer: str, sampler: str) -> None:
     """``train_async.py``: the next generation is dispatched (its sampler hold taken) while the job trains. With
     the sampler pool sorting first, taking it while holding the trainer pool would break the order: the trainer
     pool is given back and both are taken in order (a reorder); with the trainer sorting first, never."""
-    args = slime.Args(num_rollout=STEPS, size=SIZE, gen_s=GEN_S, train_s=TRAIN_S, sync_s=SYNC_S,
-                      update_weights_interval=2)
+    args = slime.Args(
+        num_rollout=STEPS, size=SIZE, gen_s=GEN_S, train_s=TRAIN_S, sync_s=SYNC_S, update_weights_interval=2
+    )
     solo, shared, pools, moved = await two_jobs(nats_url, trainer, sampler, args, slime.train_async)
     check(solo, shared, pools, moved)
     for job, run in shared.items():
@@ -261,12 +282,14 @@ async def test_the_callback_refuses_what_slime_would_not_do(orchestrator: Orches
 
 def test_the_callback_made_by_slime_reads_the_environment() -> None:
     """slime's ``load_phase_callback`` makes the class with no arguments: the environment says what to hold."""
-    code = ("import os, sys; from timeslice_client.integrations.slime import TimeSliceCallback as C\n"
-            "try:\n    C()\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
-            "os.environ.update(TIMESLICE_JOB_ID='j', TIMESLICE_TRAINER_GROUP='t')\n"
-            "try:\n    C()\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
-            "os.environ.update(TIMESLICE_GROUP='g', TIMESLICE_NATS_URL='nats://127.0.0.1:1')\n"
-            "c = C(); print('groups', c.groups, c.colocated, c.client.job_id); c.close()\n")
+    code = (
+        "import os, sys; from timeslice_client.integrations.slime import TimeSliceCallback as C\n"
+        "try:\n    C()\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+        "os.environ.update(TIMESLICE_JOB_ID='j', TIMESLICE_TRAINER_GROUP='t')\n"
+        "try:\n    C()\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+        "os.environ.update(TIMESLICE_GROUP='g', TIMESLICE_NATS_URL='nats://127.0.0.1:1')\n"
+        "c = C(); print('groups', c.groups, c.colocated, c.client.job_id); c.close()\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_") or k == "TIMESLICE_AGENT_SOCKET"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, check=False)
     assert r.returncode == 0, r.stderr
@@ -278,8 +301,10 @@ def test_the_callback_made_by_slime_reads_the_environment() -> None:
 
 
 def test_import_timeslice_client_does_not_import_the_slime_integration() -> None:
-    code = ("import sys, timeslice_client; "
-            "print(sorted(m for m in sys.modules if m.startswith('timeslice_client.integrations')))")
+    code = (
+        "import sys, timeslice_client; "
+        "print(sorted(m for m in sys.modules if m.startswith('timeslice_client.integrations')))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
 
@@ -289,8 +314,9 @@ def test_import_timeslice_client_does_not_import_the_slime_integration() -> None
 
 @pytest.fixture
 async def shim(nats_url: str, orchestrator: Orchestrator) -> AsyncIterator[OrchestratorGrpcShim]:
-    s = OrchestratorGrpcShim(GrpcConfig(host="127.0.0.1", port=0, lease_s=10, liveness_interval_s=0.2),
-                             nats_url=nats_url)
+    s = OrchestratorGrpcShim(
+        GrpcConfig(host="127.0.0.1", port=0, lease_s=10, liveness_interval_s=0.2), nats_url=nats_url
+    )
     await s.start()
     try:
         yield s
@@ -337,19 +363,35 @@ async def test_the_reference_slime_package_works_unchanged_over_our_grpc_api(
     without timeslice. ``service``: the reference client's stub (the older name it binds, or the renamed one)."""
     groups = {"trainer": "trainers", "sampler": "samplers"}
     seeds = {"ref-a": 1, "ref-b": 2}
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_") or k in (
-        "TIMESLICE_AGENT_SOCKET", "TIMESLICE_REFERENCE_PATH")}
-    base.update(PYTHONPATH=os.pathsep.join(sys.path), TIMESLICE_ORCH_ADDR=f"127.0.0.1:{shim.port}",
-                TIMESLICE_TRAINER_GROUP=groups["trainer"], TIMESLICE_SAMPLER_GROUP=groups["sampler"],
-                TIMESLICE_REFERENCE_SERVICE=service)
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("TIMESLICE_") or k in ("TIMESLICE_AGENT_SOCKET", "TIMESLICE_REFERENCE_PATH")
+    }
+    base.update(
+        PYTHONPATH=os.pathsep.join(sys.path),
+        TIMESLICE_ORCH_ADDR=f"127.0.0.1:{shim.port}",
+        TIMESLICE_TRAINER_GROUP=groups["trainer"],
+        TIMESLICE_SAMPLER_GROUP=groups["sampler"],
+        TIMESLICE_REFERENCE_SERVICE=service,
+    )
     extra = [f"--{k.replace('_', '-')}={v}" for k, v in REF_ARGS.items()]
     since = int(time.time() * 1000)
     procs = {}
     for job, seed in seeds.items():
         procs[job] = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tests.workers.slime_reference_job", "--out", str(tmp_path / f"{job}.json"),
-            f"--seed={seed}", *extra, cwd=ROOT, env=dict(base, TIMESLICE_JOB_ID=job),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            sys.executable,
+            "-m",
+            "tests.workers.slime_reference_job",
+            "--out",
+            str(tmp_path / f"{job}.json"),
+            f"--seed={seed}",
+            *extra,
+            cwd=ROOT,
+            env=dict(base, TIMESLICE_JOB_ID=job),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
     try:
         outs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs.values())), JOB_TIMEOUT_S)
     finally:
@@ -380,8 +422,7 @@ async def test_the_reference_slime_package_works_unchanged_over_our_grpc_api(
             else:
                 held.discard(role)
         assert held == set() and len(calls) >= 4 * (REF_STEPS + 1), (job, calls)
-        args = slime.Args(num_rollout=REF_STEPS, seed=seed, size=REF_ARGS["size"], gen_s=0.0, train_s=0.0,
-                          sync_s=0.0)
+        args = slime.Args(num_rollout=REF_STEPS, seed=seed, size=REF_ARGS["size"], gen_s=0.0, train_s=0.0, sync_s=0.0)
         alone = await asyncio.to_thread(plain, args, slime.train)
         assert results[job]["digest"] == alone.digest, f"{job}: state differs from plain"
     work = {job: r["work"] for job, r in results.items()}

@@ -62,10 +62,14 @@ class Pools(PoolWatch):
 
         return on_work
 
-    def _inside_pool(self, job: str, holds: VerlHolds | None, pool: str,
-                     call: str) -> contextlib.AbstractContextManager[None]:
-        group = pool if holds is None else {"actor": holds.actor_pool, "rollout": holds.rollout_pool,
-                                            "reward": holds.reward_pool}[pool]
+    def _inside_pool(
+        self, job: str, holds: VerlHolds | None, pool: str, call: str
+    ) -> contextlib.AbstractContextManager[None]:
+        group = (
+            pool
+            if holds is None
+            else {"actor": holds.actor_pool, "rollout": holds.rollout_pool, "reward": holds.reward_pool}[pool]
+        )
         return self.inside(job, pool, group, call, holds.holds if holds is not None else None)
 
 
@@ -86,8 +90,9 @@ def plain(seed: int, colocated: bool) -> Run:
 
 
 def shared_job(name: str, nats_url: str, actor: str, rollout: str, seed: int, pools: Pools) -> Run:
-    with TimeSliceClient(name, actor, nats_url, lease_seconds=10, acquire_timeout=JOB_TIMEOUT_S,
-                         bind_process=False) as client:
+    with TimeSliceClient(
+        name, actor, nats_url, lease_seconds=10, acquire_timeout=JOB_TIMEOUT_S, bind_process=False
+    ) as client:
         holds = VerlHolds(client, actor_pool=actor, rollout_pool=rollout)
         trainer = ex.build(seed=seed, steps=STEPS, colocated=holds.colocated, on_work=pools.work(name, holds))
         nodes = {"actor": NODES["actor"], "rollout": NODES["actor" if holds.colocated else "rollout"]}
@@ -118,9 +123,15 @@ async def two_jobs(nats_url: str, actor: str, rollout: str) -> tuple[dict[str, R
     solo = {job: await asyncio.to_thread(plain, seed, colocated) for job, seed in seeds.items()}
     pools = Pools()
     async with agents(nats_url, [NODES["actor"]] if colocated else list(NODES.values())):
-        runs = await asyncio.wait_for(asyncio.gather(*(
-            asyncio.to_thread(shared_job, job, nats_url, actor, rollout, seed, pools)
-            for job, seed in seeds.items())), 2 * JOB_TIMEOUT_S)
+        runs = await asyncio.wait_for(
+            asyncio.gather(
+                *(
+                    asyncio.to_thread(shared_job, job, nats_url, actor, rollout, seed, pools)
+                    for job, seed in seeds.items()
+                )
+            ),
+            2 * JOB_TIMEOUT_S,
+        )
     shared = dict(zip(seeds, runs, strict=True))
     assert pools.violations == [], pools.violations[:10]
     for job, run in shared.items():
@@ -135,10 +146,12 @@ def ratio(what: str, solo: dict[str, Run], shared: dict[str, Run]) -> float:
     back_to_back = sum(r.end - r.start for r in solo.values())
     wall = max(r.end for r in shared.values()) - min(r.start for r in shared.values())
     offs = [o for r in shared.values() for o in (r.offload or {}).values()]
-    print(f"\n{what}: back to back {back_to_back:.2f} s (plain), shared {wall:.2f} s = {wall / back_to_back:.2f}x; "
-          f"{max(o.last_suspend_bytes for o in offs) / 1e3:.0f} kB per switch; suspends "
-          f"{sum(o.suspends for o in offs)}; waited "
-          + ", ".join(f"{r.counts.waited_ms / 1000:.2f} s" for r in shared.values()))
+    print(
+        f"\n{what}: back to back {back_to_back:.2f} s (plain), shared {wall:.2f} s = {wall / back_to_back:.2f}x; "
+        f"{max(o.last_suspend_bytes for o in offs) / 1e3:.0f} kB per switch; suspends "
+        f"{sum(o.suspends for o in offs)}; waited "
+        + ", ".join(f"{r.counts.waited_ms / 1000:.2f} s" for r in shared.values())
+    )
     return wall / back_to_back
 
 
@@ -157,8 +170,11 @@ async def test_two_verl_jobs_share_one_pool_hybrid_engine(nats_url: str) -> None
 
 
 @pytest.mark.usefixtures("orchestrator")
-@pytest.mark.parametrize(("actor", "rollout"), [("actor-pool", "rollout-pool"), ("pool-b-actor", "pool-a-rollout")],
-                         ids=["actor-sorts-first", "rollout-sorts-first"])
+@pytest.mark.parametrize(
+    ("actor", "rollout"),
+    [("actor-pool", "rollout-pool"), ("pool-b-actor", "pool-a-rollout")],
+    ids=["actor-sorts-first", "rollout-sorts-first"],
+)
 async def test_two_verl_jobs_share_the_actor_and_rollout_pools(nats_url: str, actor: str, rollout: str) -> None:
     """Two pools: one job generates while the other updates; the weight sync (inside the update) takes both."""
     solo, shared, pools = await two_jobs(nats_url, actor, rollout)
@@ -193,13 +209,28 @@ def test_the_holds_map_the_phases_to_the_pools_and_refuse_an_unknown_one() -> No
 async def test_the_example_runs_through_the_stack_as_it_runs_without_it(tmp_path: Path) -> None:
     """``examples/verl_timeslice.py`` as the docs run it: with timeslice its final state is that of ``--plain``."""
     async with embedded_stack(tmp_path / "stack", "n-verl-example") as stack:
-        env = dict(os.environ, TIMESLICE_NATS_URL=stack.nats_url, TIMESLICE_NODE_ID="n-verl-example",
-                   PYTHONPATH=os.pathsep.join(sys.path))
+        env = dict(
+            os.environ,
+            TIMESLICE_NATS_URL=stack.nats_url,
+            TIMESLICE_NODE_ID="n-verl-example",
+            PYTHONPATH=os.pathsep.join(sys.path),
+        )
 
         async def example(*extra: str) -> str:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, str(ROOT / "examples" / "verl_timeslice.py"), "--job", "ppo-example", "--steps", "3",
-                "--reward-ms", "10", *extra, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+                sys.executable,
+                str(ROOT / "examples" / "verl_timeslice.py"),
+                "--job",
+                "ppo-example",
+                "--steps",
+                "3",
+                "--reward-ms",
+                "10",
+                *extra,
+                env=env,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
             out, err = await asyncio.wait_for(proc.communicate(), JOB_TIMEOUT_S)
             assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
             (line,) = [ln for ln in out.decode().splitlines() if ln.startswith("ppo-example: 3 steps in")]

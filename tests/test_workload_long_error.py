@@ -22,12 +22,15 @@ class Wordy:
 
 
 async def test_a_handlers_long_error_is_its_failure_cut_to_the_bound(nats_url: str) -> None:
-    async with running(Agent(AgentConfig(node_id="node-1", nats_url=nats_url))) as agent, \
-            AsyncTimeSliceClient("x", "g-long", nats_url) as x:
+    async with (
+        running(Agent(AgentConfig(node_id="node-1", nats_url=nats_url))) as agent,
+        AsyncTimeSliceClient("x", "g-long", nats_url) as x,
+    ):
         await x.register_workload(Wordy(), node_id="node-1")
         op_id = await agent.run_standalone("x", OpKind.SNAPSHOT)
-        status = await eventually(lambda: (s := agent.operation(op_id)) is not None and s.done and s,
-                                  what="the snapshot's end")
+        status = await eventually(
+            lambda: (s := agent.operation(op_id)) is not None and s.done and s, what="the snapshot's end"
+        )
         assert status.result is not None and not status.result.ok
         error = status.result.error or ""
         assert "the device is busy: xxx" in error and "garbage" not in error, error[:300]

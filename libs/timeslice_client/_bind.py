@@ -57,14 +57,22 @@ async def bind_process(nc: NATS, group: str, job: str, node: str, *, timeout: fl
         msg = await nc.request(subjects.agent_rpc(node, "register", job), encode(req), timeout=timeout)
         reply = _reply.decode(msg.data)
     except Exception as exc:  # no answer, or not an answer: the lock goes on without the agent
-        log.warning("the agent of node %s did not bind this process (%s); the lock alone", node,
-                    exc.__class__.__name__, extra=ids)
+        log.warning(
+            "the agent of node %s did not bind this process (%s); the lock alone",
+            node,
+            exc.__class__.__name__,
+            extra=ids,
+        )
         return None
     if not reply.ok:
-        log.warning("the agent of node %s refused to bind this process (%s): %s; the lock alone", node, reply.code,
-                    reply.error, extra=ids)
+        log.warning(
+            "the agent of node %s refused to bind this process (%s): %s; the lock alone",
+            node,
+            reply.code,
+            reply.error,
+            extra=ids,
+        )
         return None
     backends = reply.backends or ()
     log.info("bound to the agent of node %s: %s", node, "+".join(backends) or "the lock alone", extra=ids)
     return Binding(node, backends, kept=reply.kept)
-

@@ -100,14 +100,24 @@ class SleepHandler(abc.ABC):
 
     engine: ClassVar[str] = "engine"  # the engine's name in messages
 
-    def __init__(self, memory_tags: Sequence[str], *, reload_weights: ReloadHook | None,
-                 device_bytes: DeviceBytes | None, lock_timeout: float) -> None:
+    def __init__(
+        self,
+        memory_tags: Sequence[str],
+        *,
+        reload_weights: ReloadHook | None,
+        device_bytes: DeviceBytes | None,
+        lock_timeout: float,
+    ) -> None:
         if reload_weights is not None and not callable(reload_weights):
-            raise TypeError(f"reload_weights must be callable (it is called with no arguments), not "
-                            f"{type(reload_weights).__name__!r}")
+            raise TypeError(
+                f"reload_weights must be callable (it is called with no arguments), not "
+                f"{type(reload_weights).__name__!r}"
+            )
         if device_bytes is not None and not callable(device_bytes):
-            raise TypeError(f"device_bytes must be callable (returning the bytes the engine holds on the device), "
-                            f"not {type(device_bytes).__name__!r}")
+            raise TypeError(
+                f"device_bytes must be callable (returning the bytes the engine holds on the device), "
+                f"not {type(device_bytes).__name__!r}"
+            )
         if not lock_timeout > 0:
             raise ValueError(f"lock_timeout must be positive seconds, not {lock_timeout}")
         self.memory_tags = tuple(memory_tags)  # the engine's tags; a wake goes weights first, then this order
@@ -146,8 +156,10 @@ class SleepHandler(abc.ABC):
         most ``lock_timeout``). Optional: a job that generates only inside its holds needs none."""
         with self._locked("use the engine"):
             if self._asleep or self._reload_due:
-                raise HandlerError(f"the {self.engine} is asleep ({self._state()}): use it only inside a hold, after "
-                                   "the acquire that resumes it")
+                raise HandlerError(
+                    f"the {self.engine} is asleep ({self._state()}): use it only inside a hold, after "
+                    "the acquire that resumes it"
+                )
             yield
 
     # ------------------------------------------------------------------ the handler interface
@@ -156,8 +168,11 @@ class SleepHandler(abc.ABC):
         mode = self._mode(mode)
         with self._locked("suspend"):
             if self._reload_due:
-                raise HandlerError(f"the {self.engine}'s last resume did not finish ({self._state()}): resume it "
-                                   "again before suspending it", tag=WEIGHTS)
+                raise HandlerError(
+                    f"the {self.engine}'s last resume did not finish ({self._state()}): resume it "
+                    "again before suspending it",
+                    tag=WEIGHTS,
+                )
             wanted = self._suspend_tags(frozenset(tags))
             todo = tuple(t for t in wanted if t not in self._asleep)
             if not todo:
@@ -173,8 +188,13 @@ class SleepHandler(abc.ABC):
                 except Exception as exc:
                     raise self._failed_sleep(step, exc, todo, loses) from exc
             if self._asks() is False:  # it returned, yet says it is awake: nothing was freed
-                raise EngineCallFailed(self.engine, steps[-1].call, "it returned, but the engine reports it is not "
-                                       "sleeping", "the engine is awake, nothing changed", rolled_back=True)
+                raise EngineCallFailed(
+                    self.engine,
+                    steps[-1].call,
+                    "it returned, but the engine reports it is not sleeping",
+                    "the engine is awake, nothing changed",
+                    rolled_back=True,
+                )
             self._asleep.update(todo)
             self._weights_lost = self._weights_lost or loses
             return HandlerResult(device_bytes_freed=self._delta(before, self._measure()))
@@ -188,9 +208,13 @@ class SleepHandler(abc.ABC):
             before = self._measure()
             woke = self._wake(wanted)
             if woke and not self._asleep and not self._reload_due and self._asks() is True:
-                raise EngineCallFailed(self.engine, "wake-up", "every memory tag was woken, but the engine still "
-                                       "reports it is sleeping", "its memory is back but it is not usable (paused "
-                                       "scheduling?); restart the job", rolled_back=False)
+                raise EngineCallFailed(
+                    self.engine,
+                    "wake-up",
+                    "every memory tag was woken, but the engine still reports it is sleeping",
+                    "its memory is back but it is not usable (paused scheduling?); restart the job",
+                    rolled_back=False,
+                )
             return HandlerResult(device_bytes_freed=self._delta(self._measure(), before))
 
     # ------------------------------------------------------------------ the engine's side (subclasses)
@@ -236,8 +260,10 @@ class SleepHandler(abc.ABC):
             woke = True
         if WEIGHTS in wanted and self._reload_due:
             assert self.reload_weights is not None  # _weights_lost is set only with a hook
-            self._call(Step("reload_weights()", self.reload_weights),
-                       "the weights are awake but not reloaded; a resume again retries the reload")
+            self._call(
+                Step("reload_weights()", self.reload_weights),
+                "the weights are awake but not reloaded; a resume again retries the reload",
+            )
             self._reload_due = False
             woke = True
         rest = tuple(t for t in self.memory_tags if t != WEIGHTS and t in wanted and t in self._asleep)
@@ -251,8 +277,9 @@ class SleepHandler(abc.ABC):
         try:
             step.run()
         except Exception as exc:
-            raise EngineCallFailed(self.engine, step.call, describe(exc), f"{state} ({self._state()})",
-                                   rolled_back=False) from exc
+            raise EngineCallFailed(
+                self.engine, step.call, describe(exc), f"{state} ({self._state()})", rolled_back=False
+            ) from exc
 
     def _failed_sleep(self, step: Step, exc: Exception, todo: tuple[str, ...], loses: bool) -> EngineCallFailed:
         """A sleep call raised: find out whether the engine is asleep, and if so wake it again (the contract: a failed
@@ -267,10 +294,16 @@ class SleepHandler(abc.ABC):
         try:
             self._wake(frozenset(todo))
         except EngineCallFailed as again:
-            return EngineCallFailed(self.engine, step.call, reason, f"it went to sleep anyway and waking it again "
-                                    f"failed ({again}); restart the job", rolled_back=False)
-        return EngineCallFailed(self.engine, step.call, reason, "it went to sleep anyway; woke it again",
-                                rolled_back=True)
+            return EngineCallFailed(
+                self.engine,
+                step.call,
+                reason,
+                f"it went to sleep anyway and waking it again failed ({again}); restart the job",
+                rolled_back=False,
+            )
+        return EngineCallFailed(
+            self.engine, step.call, reason, "it went to sleep anyway; woke it again", rolled_back=True
+        )
 
     def _asks(self) -> bool | None:
         """``_probe()``, None when it raises (the answer is then unknown, never an error of its own)."""
@@ -285,8 +318,10 @@ class SleepHandler(abc.ABC):
     def _known(self, tags: frozenset[str]) -> frozenset[str]:
         unknown = sorted(t for t in tags if t not in self.memory_tags)
         if unknown:
-            raise HandlerError(f"unknown tags {unknown[:8]}: this {self.engine} handler has {list(self.memory_tags)}",
-                               tag=str(unknown[0])[:64])
+            raise HandlerError(
+                f"unknown tags {unknown[:8]}: this {self.engine} handler has {list(self.memory_tags)}",
+                tag=str(unknown[0])[:64],
+            )
         return tags
 
     def _state(self) -> str:
@@ -319,9 +354,11 @@ class SleepHandler(abc.ABC):
     @contextlib.contextmanager
     def _locked(self, what: str) -> Iterator[None]:
         if not self._lock.acquire(timeout=self.lock_timeout):
-            raise HandlerError(f"could not {what}: another call has held this {self.engine} handler for over "
-                               f"{self.lock_timeout:g} s (a block inside using(), or a suspend or resume still "
-                               "running)")
+            raise HandlerError(
+                f"could not {what}: another call has held this {self.engine} handler for over "
+                f"{self.lock_timeout:g} s (a block inside using(), or a suspend or resume still "
+                "running)"
+            )
         try:
             yield
         finally:

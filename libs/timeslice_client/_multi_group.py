@@ -106,11 +106,21 @@ def take_order(groups: Iterable[str]) -> tuple[str, ...]:
 def sibling(owner: AsyncTimeSliceClient, group: str) -> AsyncTimeSliceClient:
     """A client of ``owner``'s job for ``group``: the same options, ``owner``'s connection (connected), its
     ``JobGroups``. It does not bind the process to the node's agent: the process's context is the owner group's."""
-    sib = type(owner)(owner.job_id, group, owner.nats_url, owner.lease_ms / 1000,
-                      acquire_timeout=owner.acquire_timeout, request_timeout=owner.request_timeout,
-                      waiter_ttl_seconds=owner.waiter_ttl_ms / 1000, confirm_seconds=owner.confirm_ms / 1000,
-                      connect_timeout=owner.connect_timeout, fast_reacquire=owner.fast_reacquire, nc=owner._nc,
-                      bind_process=False, node_id=owner.node_id)
+    sib = type(owner)(
+        owner.job_id,
+        group,
+        owner.nats_url,
+        owner.lease_ms / 1000,
+        acquire_timeout=owner.acquire_timeout,
+        request_timeout=owner.request_timeout,
+        waiter_ttl_seconds=owner.waiter_ttl_ms / 1000,
+        confirm_seconds=owner.confirm_ms / 1000,
+        connect_timeout=owner.connect_timeout,
+        fast_reacquire=owner.fast_reacquire,
+        nc=owner._nc,
+        bind_process=False,
+        node_id=owner.node_id,
+    )
     sib._groups = owner._groups
     return sib
 
@@ -147,8 +157,11 @@ class JobGroups(Generic[M]):
             if self.closed:
                 raise TimeSliceError("this client is closed; make a new one")
             if len(self.members) >= MAX_GROUPS:
-                raise InvalidRequest(f"a client takes at most {MAX_GROUPS} groups; it has {sorted(self.members)}",
-                                     group_id=group, job_id=self.owner.job_id)
+                raise InvalidRequest(
+                    f"a client takes at most {MAX_GROUPS} groups; it has {sorted(self.members)}",
+                    group_id=group,
+                    job_id=self.owner.job_id,
+                )
             await self.owner.connect()  # the siblings share its connection
             m = self._make(group)
             try:
@@ -246,8 +259,10 @@ class JobGroups(Generic[M]):
                 failed.append((g, exc))
         if failed:
             where, error = failed[0]
-            error.add_note(f"release_all of job {self.owner.job_id!r} failed at group {where!r}"
-                           f"{f' (and {[f for f, _ in failed[1:]]})' if failed[1:] else ''}; it released {list(out)}")
+            error.add_note(
+                f"release_all of job {self.owner.job_id!r} failed at group {where!r}"
+                f"{f' (and {[f for f, _ in failed[1:]]})' if failed[1:] else ''}; it released {list(out)}"
+            )
             raise error
         return out
 
@@ -268,8 +283,12 @@ class JobGroups(Generic[M]):
                 try:
                     await m.close()
                 except Exception:
-                    log.warning("closing the client of group %s failed", m.group_id, exc_info=True,
-                                extra={"group": m.group_id, "job": m.job_id})
+                    log.warning(
+                        "closing the client of group %s failed",
+                        m.group_id,
+                        exc_info=True,
+                        extra={"group": m.group_id, "job": m.job_id},
+                    )
 
 
 async def _to_the_end(cleanup: Coroutine[Any, Any, T]) -> T:
@@ -297,15 +316,27 @@ async def _give_back(taken: list[M]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         try:
             await m.release()
         except TimeSliceError as exc:  # lost already (LockLost), or no answer (Unavailable): no longer held here
-            log.warning("release of group %s after a failed acquire_all: %s", m.group_id, exc,
-                        extra={"group": m.group_id, "job": m.job_id})
+            log.warning(
+                "release of group %s after a failed acquire_all: %s",
+                m.group_id,
+                exc,
+                extra={"group": m.group_id, "job": m.job_id},
+            )
             if not isinstance(exc, LockLost):
                 unanswered.append(m.group_id)
     return tuple(released), tuple(unanswered)
 
 
-def _failed(job: str, order: tuple[str, ...], group: str, exc: BaseException, timeout: float,
-            released: tuple[str, ...], kept: tuple[str, ...], unanswered: tuple[str, ...]) -> BaseException:
+def _failed(
+    job: str,
+    order: tuple[str, ...],
+    group: str,
+    exc: BaseException,
+    timeout: float,
+    released: tuple[str, ...],
+    kept: tuple[str, ...],
+    unanswered: tuple[str, ...],
+) -> BaseException:
     """The error a failed multi-group call raises: a timeout is ``AcquireAllTimeout``, another error of the package's
     ``AcquireAllFailed``; anything else (cancellation, Ctrl-C, a bug) goes on as it is, with a note."""
     if isinstance(exc, LockOrderError):  # the rule said no (before anything was asked of that group)
@@ -313,12 +344,22 @@ def _failed(job: str, order: tuple[str, ...], group: str, exc: BaseException, ti
             exc.add_note(f"acquire_all({list(order)}) released what it had taken: {list(released)}")
         return exc
     if isinstance(exc, AcquireTimeout):
-        return AcquireAllTimeout(job, order, group, exc, timeout_s=timeout, holder=exc.holder, released=released,
-                                 kept=kept, unanswered=unanswered)
+        return AcquireAllTimeout(
+            job,
+            order,
+            group,
+            exc,
+            timeout_s=timeout,
+            holder=exc.holder,
+            released=released,
+            kept=kept,
+            unanswered=unanswered,
+        )
     if isinstance(exc, TimeSliceError):
         return AcquireAllFailed(job, order, group, exc, released=released, kept=kept, unanswered=unanswered)
-    exc.add_note(f"acquire_all({list(order)}) of job {job!r} was stopped at group {group!r}; it released "
-                 f"{list(released)}")
+    exc.add_note(
+        f"acquire_all({list(order)}) of job {job!r} was stopped at group {group!r}; it released {list(released)}"
+    )
     return exc
 
 
@@ -450,16 +491,23 @@ class _SyncSibling:
         return grant
 
     def release(self) -> ReleaseResult:
-        result: ReleaseResult = self._runner._run(self._member.release(),
-                                                  self._runner._margin(self._member.request_timeout))
+        result: ReleaseResult = self._runner._run(
+            self._member.release(), self._runner._margin(self._member.request_timeout)
+        )
         return result
 
 
 class SyncGroups:
     """The blocking client's per-group scopes: its own (``owner``, ``scopes``) and one per sibling, made lazily."""
 
-    def __init__(self, runner: _Runner, owner: _SyncClient, scopes: SyncScopes,
-                 groups: JobGroups[AsyncTimeSliceClient], acquire_timeout: float) -> None:
+    def __init__(
+        self,
+        runner: _Runner,
+        owner: _SyncClient,
+        scopes: SyncScopes,
+        groups: JobGroups[AsyncTimeSliceClient],
+        acquire_timeout: float,
+    ) -> None:
         self.runner = runner
         self.acquire_timeout = acquire_timeout
         self._groups = groups

@@ -114,22 +114,32 @@ class SglangEngineHandler(SleepHandler):
 
     engine = "SGLang engine"
 
-    def __init__(self, engine: object, *, reload_weights: ReloadHook | None = None,
-                 weights_backed_up: bool | None = None, memory_tags: Iterable[str] = SGLANG_MEMORY_TAGS,
-                 device_bytes: DeviceBytes | None = None, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> None:
+    def __init__(
+        self,
+        engine: object,
+        *,
+        reload_weights: ReloadHook | None = None,
+        weights_backed_up: bool | None = None,
+        memory_tags: Iterable[str] = SGLANG_MEMORY_TAGS,
+        device_bytes: DeviceBytes | None = None,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    ) -> None:
         require_methods(engine, "SGLang Engine", ("release_memory_occupation", "resume_memory_occupation"), _HINT)
         if attribute(engine, "server_args.enable_memory_saver") is False:
-            raise EngineNotSleepable("SGLang engine", "enable_memory_saver=True",
-                                     "make it with sglang.Engine(..., enable_memory_saver=True) "
-                                     "(--enable-memory-saver for a server)")
+            raise EngineNotSleepable(
+                "SGLang engine",
+                "enable_memory_saver=True",
+                "make it with sglang.Engine(..., enable_memory_saver=True) (--enable-memory-saver for a server)",
+            )
         if weights_backed_up is None:
             weights_backed_up = attribute(engine, "server_args.enable_weights_cpu_backup") is True
         self.sgl: Any = engine  # duck-typed: the methods called were checked above
         self.weights_backed_up = weights_backed_up
         flush = getattr(engine, "flush_cache", None)
         self._flush = flush if callable(flush) else None
-        super().__init__(_checked(memory_tags), reload_weights=reload_weights, device_bytes=device_bytes,
-                         lock_timeout=lock_timeout)
+        super().__init__(
+            _checked(memory_tags), reload_weights=reload_weights, device_bytes=device_bytes, lock_timeout=lock_timeout
+        )
 
     def _loses_weights(self, mode: SuspendMode, todo: tuple[str, ...]) -> bool:
         return WEIGHTS in todo and not self.weights_backed_up
@@ -138,27 +148,37 @@ class SglangEngineHandler(SleepHandler):
         return "releasing the weights of an engine without enable_weights_cpu_backup"
 
     def _reload_hint(self) -> str:
-        return ("pass reload_weights= (e.g. a call of engine.update_weights_from_tensor with the trainer's weights), "
-                "start the engine with enable_weights_cpu_backup=True, or register tags that leave out 'weights'")
+        return (
+            "pass reload_weights= (e.g. a call of engine.update_weights_from_tensor with the trainer's weights), "
+            "start the engine with enable_weights_cpu_backup=True, or register tags that leave out 'weights'"
+        )
 
     def _sleep_steps(self, mode: SuspendMode, todo: tuple[str, ...]) -> list[Step]:
         steps = []
         if KV_CACHE in todo and self._flush is not None:
             steps.append(Step("Engine.flush_cache()", self._flush_or_refuse))
-        steps.append(Step(f"Engine.release_memory_occupation(tags={list(todo)})",
-                          lambda: self.sgl.release_memory_occupation(tags=list(todo))))
+        steps.append(
+            Step(
+                f"Engine.release_memory_occupation(tags={list(todo)})",
+                lambda: self.sgl.release_memory_occupation(tags=list(todo)),
+            )
+        )
         return steps
 
     def _flush_or_refuse(self) -> None:
         assert self._flush is not None
         out = self._flush()
         if getattr(out, "success", out) is False:
-            raise CacheNotFlushed("it answered success=False: requests are queued or running; finish or abort "
-                                "generation before releasing the group")
+            raise CacheNotFlushed(
+                "it answered success=False: requests are queued or running; finish or abort "
+                "generation before releasing the group"
+            )
 
     def _wake_step(self, tags: tuple[str, ...]) -> Step:
-        return Step(f"Engine.resume_memory_occupation(tags={list(tags)})",
-                    lambda: self.sgl.resume_memory_occupation(tags=list(tags)))
+        return Step(
+            f"Engine.resume_memory_occupation(tags={list(tags)})",
+            lambda: self.sgl.resume_memory_occupation(tags=list(tags)),
+        )
 
     def _unprobed_failure(self) -> str:
         return "SGLang checks that it is idle before it releases anything, so it is taken as still holding its memory"
@@ -167,9 +187,11 @@ class SglangEngineHandler(SleepHandler):
 def _checked(tags: Iterable[str]) -> tuple[str, ...]:
     out = tuple(tags)
     if not 1 <= len(out) <= _MAX_TAGS or len(set(out)) != len(out):
-        raise ValueError(f"memory_tags must be 1 to {_MAX_TAGS} distinct tags, not {list(out)[:_MAX_TAGS + 1]}")
+        raise ValueError(f"memory_tags must be 1 to {_MAX_TAGS} distinct tags, not {list(out)[: _MAX_TAGS + 1]}")
     for tag in out:
         if not isinstance(tag, str) or not 0 < len(tag) <= _MAX_TAG_CHARS:
-            raise ValueError(f"memory_tags: each tag is a string of 1 to {_MAX_TAG_CHARS} characters, not "
-                             f"{str(tag)[:_MAX_TAG_CHARS + 1]!r}")
+            raise ValueError(
+                f"memory_tags: each tag is a string of 1 to {_MAX_TAG_CHARS} characters, not "
+                f"{str(tag)[: _MAX_TAG_CHARS + 1]!r}"
+            )
     return out

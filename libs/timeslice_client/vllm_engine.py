@@ -108,28 +108,40 @@ class VllmEngineHandler(SleepHandler):
 
     engine = "vLLM engine"
 
-    def __init__(self, llm: object, *, reload_weights: ReloadHook | None = None,
-                 device_bytes: DeviceBytes | None = None, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> None:
+    def __init__(
+        self,
+        llm: object,
+        *,
+        reload_weights: ReloadHook | None = None,
+        device_bytes: DeviceBytes | None = None,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    ) -> None:
         require_methods(llm, "vLLM LLM", ("sleep", "wake_up"), _HINT)
-        for path in ("llm_engine.model_config.enable_sleep_mode", "llm_engine.vllm_config.model_config."
-                     "enable_sleep_mode"):
+        for path in (
+            "llm_engine.model_config.enable_sleep_mode",
+            "llm_engine.vllm_config.model_config.enable_sleep_mode",
+        ):
             if attribute(llm, path) is False:
-                raise EngineNotSleepable("vLLM engine", "enable_sleep_mode=True",
-                                         "make it with LLM(..., enable_sleep_mode=True)")
+                raise EngineNotSleepable(
+                    "vLLM engine", "enable_sleep_mode=True", "make it with LLM(..., enable_sleep_mode=True)"
+                )
         self.llm: Any = llm  # duck-typed: the methods called were checked above
         probe = attribute(llm, "llm_engine.is_sleeping")
         if not callable(probe):
             probe = attribute(llm, "is_sleeping")
         self._is_sleeping: Callable[[], object] | None = probe if callable(probe) else None
-        super().__init__(VLLM_MEMORY_TAGS, reload_weights=reload_weights, device_bytes=device_bytes,
-                         lock_timeout=lock_timeout)
+        super().__init__(
+            VLLM_MEMORY_TAGS, reload_weights=reload_weights, device_bytes=device_bytes, lock_timeout=lock_timeout
+        )
 
     def _suspend_tags(self, tags: frozenset[str]) -> tuple[str, ...]:
         part = self._known(tags)
         if part and part != frozenset(VLLM_MEMORY_TAGS):
-            raise HandlerError(f"vLLM's LLM.sleep(level) puts the whole engine to sleep, so it cannot suspend "
-                               f"{sorted(part)} alone: register tags=() or ('weights', 'kv_cache')",
-                               tag=sorted(part)[0])
+            raise HandlerError(
+                f"vLLM's LLM.sleep(level) puts the whole engine to sleep, so it cannot suspend "
+                f"{sorted(part)} alone: register tags=() or ('weights', 'kv_cache')",
+                tag=sorted(part)[0],
+            )
         return VLLM_MEMORY_TAGS
 
     def _loses_weights(self, mode: SuspendMode, todo: tuple[str, ...]) -> bool:
@@ -139,13 +151,16 @@ class VllmEngineHandler(SleepHandler):
         return "mode discard (LLM.sleep(level=2))"
 
     def _reload_hint(self) -> str:
-        return ("pass reload_weights=lambda: llm.collective_rpc('reload_weights') (or your own weight update), or "
-                "register mode offload (level 1 keeps the weights in host memory)")
+        return (
+            "pass reload_weights=lambda: llm.collective_rpc('reload_weights') (or your own weight update), or "
+            "register mode offload (level 1 keeps the weights in host memory)"
+        )
 
     def _sleep_steps(self, mode: SuspendMode, todo: tuple[str, ...]) -> list[Step]:
         if self._asleep:  # a part woke alone (resume of one tag): LLM.sleep would log "already sleeping", do nothing
-            raise HandlerError(f"the vLLM engine is partly awake ({self._state()}): resume the rest before "
-                               "suspending it again")
+            raise HandlerError(
+                f"the vLLM engine is partly awake ({self._state()}): resume the rest before suspending it again"
+            )
         level = 2 if mode is SuspendMode.DISCARD else 1
         return [Step(f"LLM.sleep(level={level})", lambda: self.llm.sleep(level=level))]
 

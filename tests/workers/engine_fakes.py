@@ -60,8 +60,10 @@ class FakeDevice:
         with self.lock:
             used = sum(self.held.values())
             if used + nbytes > self.capacity:
-                raise FakeCudaOOM(f"CUDA out of memory. Tried to allocate {nbytes} bytes for {owner}/{tag} "
-                                  f"({used} of {self.capacity} bytes in use)")
+                raise FakeCudaOOM(
+                    f"CUDA out of memory. Tried to allocate {nbytes} bytes for {owner}/{tag} "
+                    f"({used} of {self.capacity} bytes in use)"
+                )
             self.held[(owner, tag)] = self.held.get((owner, tag), 0) + nbytes
             self.peak = max(self.peak, used + nbytes)
 
@@ -125,8 +127,16 @@ class FakeLLM(_Knobs):
     ``reset_prefix_cache``, ``generate``, and ``llm_engine.is_sleeping()``. ``reload_staging``: a reload allocates
     a staging buffer the size of the weights while it runs (a loader reading the checkpoint)."""
 
-    def __init__(self, device: FakeDevice, name: str, weights: bytes, *, kv_bytes: int,
-                 enable_sleep_mode: bool = True, reload_staging: bool = False) -> None:
+    def __init__(
+        self,
+        device: FakeDevice,
+        name: str,
+        weights: bytes,
+        *,
+        kv_bytes: int,
+        enable_sleep_mode: bool = True,
+        reload_staging: bool = False,
+    ) -> None:
         super().__init__()
         self.device, self.name, self.kv_bytes = device, name, kv_bytes
         self.llm_engine = _FakeLLMEngine(self, enable_sleep_mode)
@@ -182,16 +192,22 @@ class FakeLLM(_Knobs):
             raise
         for tag in todo:
             if tag == WEIGHTS:
-                self._weights = bytearray(self._backup) if self._backup is not None else bytearray(
-                    [_EMPTY] * len(self._checkpoint))
+                self._weights = (
+                    bytearray(self._backup) if self._backup is not None else bytearray([_EMPTY] * len(self._checkpoint))
+                )
                 self._backup = None
             else:
                 self._kv = bytearray(self.kv_bytes)
         self._sleeping.difference_update(todo)
         self._leave(call)
 
-    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple[Any, ...] = (),
-                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
         call = f"collective_rpc({method})"
         self._enter(call)
         if self._weights is None:
@@ -248,12 +264,22 @@ class FakeSglangEngine(_Knobs):
 
     ALL = (KV, WEIGHTS, GRAPH)  # GPU_MEMORY_ALL_TYPES
 
-    def __init__(self, device: FakeDevice, name: str, weights: bytes, *, kv_bytes: int, graph_bytes: int,
-                 enable_memory_saver: bool = True, enable_weights_cpu_backup: bool = False) -> None:
+    def __init__(
+        self,
+        device: FakeDevice,
+        name: str,
+        weights: bytes,
+        *,
+        kv_bytes: int,
+        graph_bytes: int,
+        enable_memory_saver: bool = True,
+        enable_weights_cpu_backup: bool = False,
+    ) -> None:
         super().__init__()
         self.device, self.name = device, name
-        self.server_args = SimpleNamespace(enable_memory_saver=enable_memory_saver,
-                                           enable_weights_cpu_backup=enable_weights_cpu_backup)
+        self.server_args = SimpleNamespace(
+            enable_memory_saver=enable_memory_saver, enable_weights_cpu_backup=enable_weights_cpu_backup
+        )
         self.sizes = {WEIGHTS: len(weights), KV: kv_bytes, GRAPH: graph_bytes}
         for tag, n in self.sizes.items():
             device.alloc(name, tag, n)
@@ -344,8 +370,9 @@ class FakeSglangEngine(_Knobs):
         except FakeCudaOOM as exc:
             self._exit(f"cudaError error: 2 (out of memory) [{exc}]")
         if tag == WEIGHTS:
-            self._weights = bytearray(self._backup) if self._backup is not None else bytearray(
-                [_EMPTY] * self.sizes[WEIGHTS])
+            self._weights = (
+                bytearray(self._backup) if self._backup is not None else bytearray([_EMPTY] * self.sizes[WEIGHTS])
+            )
         self.paused.discard(tag)
 
     # ------------------------------------------------------------------ the test's view
@@ -356,5 +383,8 @@ class FakeSglangEngine(_Knobs):
 
     def where(self) -> dict[str, str]:
         weights = "device" if WEIGHTS not in self.paused else "host" if self._backup is not None else "dropped"
-        return {WEIGHTS: weights, KV: "dropped" if KV in self.paused else "device",
-                GRAPH: "dropped" if GRAPH in self.paused else "device"}
+        return {
+            WEIGHTS: weights,
+            KV: "dropped" if KV in self.paused else "device",
+            GRAPH: "dropped" if GRAPH in self.paused else "device",
+        }

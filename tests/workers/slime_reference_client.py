@@ -40,11 +40,22 @@ SERVICES = {
     "accelerator_orchestrator": (LEGACY_PROTO, "AcceleratorOrchestratorService"),
     "timeslice_orchestrator": (ORCHESTRATOR_PROTO, "TimeSliceOrchestratorService"),
 }
-DEFAULT_SERVICE_CONFIG = json.dumps({"methodConfig": [{
-    "name": [{"service": "timeslice.orchestrator.AcceleratorOrchestratorService"}],
-    "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "1s", "backoffMultiplier": 2.0,
-                    "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED", "ABORTED", "DEADLINE_EXCEEDED"]},
-}]})
+DEFAULT_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "timeslice.orchestrator.AcceleratorOrchestratorService"}],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2.0,
+                    "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED", "ABORTED", "DEADLINE_EXCEEDED"],
+                },
+            }
+        ]
+    }
+)
 DEFAULT_CHANNEL_OPTIONS: list[tuple[str, Any]] = [("grpc.service_config", DEFAULT_SERVICE_CONFIG)]
 
 
@@ -72,13 +83,19 @@ class YieldResult:
 
 
 class TimeSliceOrchestratorClient:
-    def __init__(self, target: str, job_id: str | None = None, group_id: str | None = None,
-                 channel_options: list[tuple[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        job_id: str | None = None,
+        group_id: str | None = None,
+        channel_options: list[tuple[str, Any]] | None = None,
+    ) -> None:
         proto, service = SERVICES[os.environ.get("TIMESLICE_REFERENCE_SERVICE", "accelerator_orchestrator")]
         self.target, self.job_id, self.group_id = target, job_id, group_id
         self.pb = compile_proto(proto)
         self._channel: grpc.Channel | None = grpc.insecure_channel(
-            target, options=DEFAULT_CHANNEL_OPTIONS if channel_options is None else channel_options)
+            target, options=DEFAULT_CHANNEL_OPTIONS if channel_options is None else channel_options
+        )
         self._stub = Stub(self._channel, self.pb, service)
 
     def __enter__(self) -> TimeSliceOrchestratorClient:
@@ -92,8 +109,9 @@ class TimeSliceOrchestratorClient:
             self._channel.close()
             self._channel = None
 
-    def acquire(self, job_id: str | None = None, group_id: str | None = None,
-                timeout_sec: float | None = None) -> AcquireResult:
+    def acquire(
+        self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None
+    ) -> AcquireResult:
         req = self.pb.AcquireRequest(job_id=self._job(job_id), group_id=self._group(group_id))
         try:
             r = self._stub.Acquire(req, timeout=timeout_sec)
@@ -101,8 +119,9 @@ class TimeSliceOrchestratorClient:
             raise OrchestratorError(e) from e
         return AcquireResult(r.success, r.waited_ms, r.context_restored)
 
-    def release(self, job_id: str | None = None, group_id: str | None = None,
-                timeout_sec: float | None = None) -> YieldResult:
+    def release(
+        self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None
+    ) -> YieldResult:
         req = self.pb.YieldRequest(job_id=self._job(job_id), group_id=self._group(group_id))
         try:
             r = self._stub.Yield(req, timeout=timeout_sec)
@@ -112,8 +131,9 @@ class TimeSliceOrchestratorClient:
 
     def get_status(self, group_id: str | None = None, timeout_sec: float | None = None) -> Any:
         try:
-            return self._stub.GetGroupStatus(self.pb.GetGroupStatusRequest(group_id=self._group(group_id)),
-                                             timeout=timeout_sec)
+            return self._stub.GetGroupStatus(
+                self.pb.GetGroupStatusRequest(group_id=self._group(group_id)), timeout=timeout_sec
+            )
         except grpc.RpcError as e:
             raise OrchestratorError(e) from e
 
@@ -124,8 +144,9 @@ class TimeSliceOrchestratorClient:
             raise OrchestratorError(e) from e
 
     @contextlib.contextmanager
-    def on_accelerators(self, job_id: str | None = None, group_id: str | None = None,
-                        timeout_sec: float | None = None) -> Iterator[AcquireResult]:
+    def on_accelerators(
+        self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None
+    ) -> Iterator[AcquireResult]:
         result = self.acquire(job_id, group_id, timeout_sec)
         try:
             yield result

@@ -78,8 +78,9 @@ def setup(reference: str | None) -> dict[str, str]:
     if _importable("slime.utils.phase_callback", "PhaseCallback"):
         used["slime"] = "real"
     else:
-        mods = {n: types.ModuleType(n) for n in ("slime", "slime.utils", "slime.utils.phase_callback",
-                                                  "slime.utils.misc")}
+        mods = {
+            n: types.ModuleType(n) for n in ("slime", "slime.utils", "slime.utils.phase_callback", "slime.utils.misc")
+        }
         mods["slime"].__path__ = []
         mods["slime.utils"].__path__ = []
         mods["slime.utils.phase_callback"].PhaseCallback = PhaseCallback  # type: ignore[attr-defined]
@@ -106,8 +107,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     used = setup(os.environ.get("TIMESLICE_REFERENCE_PATH"))
     from slime.utils.phase_callback import load_phase_callback as load
 
-    args = slime.Args(num_rollout=a.steps, seed=a.seed, size=a.size, gen_s=a.gen_s, train_s=a.train_s,
-                      sync_s=a.sync_s)
+    args = slime.Args(num_rollout=a.steps, seed=a.seed, size=a.size, gen_s=a.gen_s, train_s=a.train_s, sync_s=a.sync_s)
     work: list[tuple[str, str, float, float]] = []
 
     @contextlib.contextmanager
@@ -122,8 +122,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     actors = slime.Actors(args, on_work=on_work)
     start = time.time()
     slime.train(args, actors, phase_cb)
-    return {"used": used, "callback": f"{type(phase_cb).__module__}.{type(phase_cb).__qualname__}",
-            "digest": actors.digest(), "work": work, "start": start, "end": time.time()}
+    return {
+        "used": used,
+        "callback": f"{type(phase_cb).__module__}.{type(phase_cb).__qualname__}",
+        "digest": actors.digest(),
+        "work": work,
+        "start": start,
+        "end": time.time(),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -34,8 +34,9 @@ def _say(msg: str) -> None:
 
 
 class RoleLocks:
-    def __init__(self, job_id: str | None, orch_addr: str | None, trainer_group: str | None,
-                 sampler_group: str | None) -> None:
+    def __init__(
+        self, job_id: str | None, orch_addr: str | None, trainer_group: str | None, sampler_group: str | None
+    ) -> None:
         self.job_id = job_id
         self.groups = {TRAINER: trainer_group, SAMPLER: sampler_group}
         self.enabled = bool(job_id and orch_addr and trainer_group and sampler_group)
@@ -54,8 +55,9 @@ class RoleLocks:
     @classmethod
     def from_env(cls) -> RoleLocks:
         e = os.environ.get
-        return cls(e("TIMESLICE_JOB_ID"), e("TIMESLICE_ORCH_ADDR"), e("TIMESLICE_TRAINER_GROUP"),
-                   e("TIMESLICE_SAMPLER_GROUP"))
+        return cls(
+            e("TIMESLICE_JOB_ID"), e("TIMESLICE_ORCH_ADDR"), e("TIMESLICE_TRAINER_GROUP"), e("TIMESLICE_SAMPLER_GROUP")
+        )
 
     def held(self, role: str) -> bool:
         return role in self._held
@@ -67,16 +69,20 @@ class RoleLocks:
             return
         r = self._clients[role].acquire(group_id=self.groups[role], timeout_sec=ACQUIRE_TIMEOUT_S)
         self._held.add(role)
-        _say(f"job={self.job_id} ACQUIRE role={role} group={self.groups[role]} waited={r.waited_ms}ms "
-             f"context_restored={r.context_restored}")
+        _say(
+            f"job={self.job_id} ACQUIRE role={role} group={self.groups[role]} waited={r.waited_ms}ms "
+            f"context_restored={r.context_restored}"
+        )
 
     def release(self, role: str) -> None:
         if not self.enabled or role not in self._held:
             return
         try:
             r = self._clients[role].release(group_id=self.groups[role])
-            _say(f"job={self.job_id} RELEASE role={role} group={self.groups[role]} "
-                 f"pending_waiters={r.pending_waiters} snapshot_deferred={r.snapshot_deferred}")
+            _say(
+                f"job={self.job_id} RELEASE role={role} group={self.groups[role]} "
+                f"pending_waiters={r.pending_waiters} snapshot_deferred={r.snapshot_deferred}"
+            )
         except Exception as exc:  # as the package: a failed release never stops the job
             _say(f"job={self.job_id} RELEASE role={role} FAILED: {exc}")
         finally:

@@ -90,11 +90,15 @@ class Actors:
         actor = ActorModel(self, rng.standard_normal(a.size), np.zeros(a.size))
         rollout = RolloutManager(self, np.zeros(a.size), np.zeros(a.size))
         if a.colocate:  # one pool: one registration of the job's on the one node
-            self.handlers["trainer"] = CountingHandler(NumpyOffloadHandler(
-                weights=[actor.weights], optimizer=[actor.moment], engine=[rollout.served, rollout.kv]))
+            self.handlers["trainer"] = CountingHandler(
+                NumpyOffloadHandler(
+                    weights=[actor.weights], optimizer=[actor.moment], engine=[rollout.served, rollout.kv]
+                )
+            )
         else:
-            self.handlers["trainer"] = CountingHandler(NumpyOffloadHandler(weights=[actor.weights],
-                                                                           optimizer=[actor.moment]))
+            self.handlers["trainer"] = CountingHandler(
+                NumpyOffloadHandler(weights=[actor.weights], optimizer=[actor.moment])
+            )
             self.handlers["sampler"] = CountingHandler(NumpyOffloadHandler(engine=[rollout.served, rollout.kv]))
         if self.register is not None:
             for role, handler in self.handlers.items():
@@ -204,8 +208,9 @@ class ActorModel:
             pass
 
 
-def should_run_periodic_action(rollout_id: int, interval: int | None, num_rollout_per_epoch: int | None,
-                               num_rollout: int | None = None) -> bool:
+def should_run_periodic_action(
+    rollout_id: int, interval: int | None, num_rollout_per_epoch: int | None, num_rollout: int | None = None
+) -> bool:
     """``slime.utils.misc.should_run_periodic_action``."""
     if interval is None:
         return False
@@ -245,8 +250,9 @@ def train(args: Args, actors: Actors, phase_cb: PhaseCallback | None) -> None:
         if phase_cb:
             phase_cb.on_phase_begin("train", "trainer", ctx)
         ray_get(actor_model.async_train(rollout_id, rollout_data_ref))
-        if release_train or should_run_periodic_action(rollout_id, args.save_interval, num_rollout_per_epoch,
-                                                       args.num_rollout):
+        if release_train or should_run_periodic_action(
+            rollout_id, args.save_interval, num_rollout_per_epoch, args.num_rollout
+        ):
             actor_model.save_model(rollout_id, force_sync=release_train or rollout_id == args.num_rollout - 1)
         if not args.offload_train:
             actor_model.clear_memory()
@@ -283,8 +289,9 @@ def train_async(args: Args, actors: Actors, phase_cb: PhaseCallback | None) -> N
 
     if phase_cb:
         phase_cb.on_phase_begin("generate", "sampler", {"rollout_id": args.start_rollout_id})
-    rollout_data_next_future: concurrent.futures.Future[np.ndarray[Any, Any]] | None = (
-        rollout_manager.generate_remote(args.start_rollout_id))
+    rollout_data_next_future: concurrent.futures.Future[np.ndarray[Any, Any]] | None = rollout_manager.generate_remote(
+        args.start_rollout_id
+    )
     rollout_data_curr_ref: np.ndarray[Any, Any] | None = None
     for rollout_id in range(args.start_rollout_id, args.num_rollout):
         ctx = {"rollout_id": rollout_id}
@@ -303,8 +310,9 @@ def train_async(args: Args, actors: Actors, phase_cb: PhaseCallback | None) -> N
             rollout_data_next_future = rollout_manager.generate_remote(rollout_id + 1)
         assert rollout_data_curr_ref is not None
         ray_get(actor_model.async_train(rollout_id, rollout_data_curr_ref))
-        if release_train or should_run_periodic_action(rollout_id, args.save_interval, num_rollout_per_epoch,
-                                                       args.num_rollout):
+        if release_train or should_run_periodic_action(
+            rollout_id, args.save_interval, num_rollout_per_epoch, args.num_rollout
+        ):
             actor_model.save_model(rollout_id, force_sync=release_train or rollout_id == args.num_rollout - 1)
         if phase_cb:
             phase_cb.on_phase_end("train", "trainer", ctx)
@@ -327,8 +335,9 @@ def train_async(args: Args, actors: Actors, phase_cb: PhaseCallback | None) -> N
     ray_get(rollout_manager.dispose())
 
 
-def _phase(phase_cb: PhaseCallback | None, phase: str, role: str, ctx: dict[str, Any],
-           call: Callable[..., object], *args: Any) -> None:
+def _phase(
+    phase_cb: PhaseCallback | None, phase: str, role: str, ctx: dict[str, Any], call: Callable[..., object], *args: Any
+) -> None:
     """``if phase_cb: phase_cb.on_phase_begin(...)``, the call, ``if phase_cb: phase_cb.on_phase_end(...)``."""
     if phase_cb:
         phase_cb.on_phase_begin(phase, role, ctx)

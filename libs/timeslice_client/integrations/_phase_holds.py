@@ -104,8 +104,9 @@ class PhaseHolds:
         ``AcquireTimeout``)."""
         need = frozenset(() if isinstance(groups, str) else groups)
         if not need:
-            raise InvalidRequest(f"phase {phase!r} names no groups (a list of group ids, not {groups!r})",
-                                 job_id=self.client.job_id)
+            raise InvalidRequest(
+                f"phase {phase!r} names no groups (a list of group ids, not {groups!r})", job_id=self.client.job_id
+            )
         with self._lock:
             self._give_back(g for g in self._unused() if g not in need)  # kept by a phase that ended with keep
             missing = set(need - self._scopes.keys())
@@ -119,8 +120,10 @@ class PhaseHolds:
                     self._take(sorted(missing))
                 except TimeSliceError as exc:
                     if above:
-                        exc.add_note(f"phase {phase!r} gave back {above} to take {sorted(missing)} in order; they "
-                                     f"are not held now, though open phases {self.open_phases} need them")
+                        exc.add_note(
+                            f"phase {phase!r} gave back {above} to take {sorted(missing)} in order; they "
+                            f"are not held now, though open phases {self.open_phases} need them"
+                        )
                     raise
             self._open.append((phase, need))
             self._add(phases=1)
@@ -215,12 +218,18 @@ class PhaseHolds:
             raise first
         return tuple(released)
 
-    def _add(self, *, phases: int = 0, acquires: int = 0, releases: int = 0, waited_ms: float = 0.0,
-             reorders: int = 0) -> None:
+    def _add(
+        self, *, phases: int = 0, acquires: int = 0, releases: int = 0, waited_ms: float = 0.0, reorders: int = 0
+    ) -> None:
         with self._figures:
             c = self._counts
-            self._counts = PhaseCounts(c.phases + phases, c.acquires + acquires, c.releases + releases,
-                                       c.waited_ms + waited_ms, c.reorders + reorders)
+            self._counts = PhaseCounts(
+                c.phases + phases,
+                c.acquires + acquires,
+                c.releases + releases,
+                c.waited_ms + waited_ms,
+                c.reorders + reorders,
+            )
 
     def _snapshot(self) -> PhaseCounts:  # under _figures
         now = time.monotonic()

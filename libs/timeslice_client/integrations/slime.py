@@ -119,24 +119,34 @@ class TimeSliceCallback:
         self.client = client
         self.trainer_group, self.sampler_group = trainer, sampler
         self.groups: dict[str, tuple[str, ...]] = {
-            "trainer": (trainer,), "sampler": (sampler,), "both": tuple(sorted({trainer, sampler}))}
+            "trainer": (trainer,),
+            "sampler": (sampler,),
+            "both": tuple(sorted({trainer, sampler})),
+        }
         self.turn = turn or ("rollout" if trainer == sampler else "phase")
         if self.turn not in TURNS:
-            raise InvalidRequest(f"turn={self.turn!r}: a job's turn on a pool is one of {list(TURNS)}",
-                                 job_id=client.job_id)
+            raise InvalidRequest(
+                f"turn={self.turn!r}: a job's turn on a pool is one of {list(TURNS)}", job_id=client.job_id
+            )
         self.holds = PhaseHolds(client, acquire_timeout=acquire_timeout)
         self._rollout: object = None  # the rollout_id of the latest phase (turn="rollout")
         self._closed = False
         if self._own:
             atexit.register(self.close)  # a driver that dies in its loop never calls close(): give the pools back
-        log.info("slime phases of job %s on %s", client.job_id,
-                 f"one pool {trainer!r}" if trainer == sampler else f"trainer {trainer!r}, sampler {sampler!r}")
+        log.info(
+            "slime phases of job %s on %s",
+            client.job_id,
+            f"one pool {trainer!r}" if trainer == sampler else f"trainer {trainer!r}, sampler {sampler!r}",
+        )
         if sampler < trainer:
             log.warning(
                 "job %s: the sampler's group %r sorts before the trainer's %r, so each weight sync gives the trainer "
                 "pool back and takes both again in order, and another job may train in between; name the pools so "
                 "that the trainer's sorts first (e.g. 'a-trainer', 'b-sampler') to keep it (docs/integrations.md)",
-                client.job_id, sampler, trainer)
+                client.job_id,
+                sampler,
+                trainer,
+            )
 
     @property
     def colocated(self) -> bool:
@@ -211,25 +221,30 @@ class TimeSliceCallback:
         finally:
             self.on_phase_end(phase, role, context)
 
-    def register(self, role: str, handler: WorkloadHandler, *, node_id: str | None = None,
-                 **options: Any) -> WorkloadChannel:
+    def register(
+        self, role: str, handler: WorkloadHandler, *, node_id: str | None = None, **options: Any
+    ) -> WorkloadChannel:
         """Register ``handler`` (state living in this process) with the agent of ``node_id`` in the group of
         ``role`` (``trainer`` or ``sampler``), so that a switch of that pool moves it; ``options`` as
         :meth:`TimeSliceClient.register_workload`'s. State in slime's Ray actors is registered by the actors."""
         if role not in ("trainer", "sampler"):
-            raise InvalidRequest(f"register state by pool: role 'trainer' or 'sampler', not {role!r}",
-                                 job_id=self.client.job_id)
+            raise InvalidRequest(
+                f"register state by pool: role 'trainer' or 'sampler', not {role!r}", job_id=self.client.job_id
+            )
         (group,) = self.groups_of(role)
         return self.client.register_workload(handler, node_id=node_id, group_id=group, **options)
 
     def _check_open(self, phase: str) -> None:
         if self._closed:
-            raise InvalidRequest(f"phase {phase!r} began after close(): make a new callback for a new run",
-                                 job_id=self.client.job_id)
+            raise InvalidRequest(
+                f"phase {phase!r} began after close(): make a new callback for a new run", job_id=self.client.job_id
+            )
 
 
-def _from_env(env: Mapping[str, str], timeout: float | None,
-              ) -> tuple[TimeSliceClient, str, str, float | None]:
+def _from_env(
+    env: Mapping[str, str],
+    timeout: float | None,
+) -> tuple[TimeSliceClient, str, str, float | None]:
     """The client and groups ``TimeSliceCallback()`` takes from the environment."""
     job = env.get(ENV["job"], "").strip()
     if not job:

@@ -95,8 +95,9 @@ class VerlHolds:
         try:
             return by_phase[phase]
         except KeyError:
-            raise InvalidRequest(f"veRL phase {phase!r}: the phases are {list(PHASES)}",
-                                 job_id=self.client.job_id) from None
+            raise InvalidRequest(
+                f"veRL phase {phase!r}: the phases are {list(PHASES)}", job_id=self.client.job_id
+            ) from None
 
     @contextlib.contextmanager
     def phase(self, phase: str, *, keep: bool = False) -> Iterator[None]:

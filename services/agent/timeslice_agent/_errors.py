@@ -77,8 +77,12 @@ class UnknownProcessState(DriverError):
 
     def __init__(self, pid: int, value: int) -> None:
         self.value = value
-        super().__init__("cuCheckpointProcessGetState", pid, f"CU_PROCESS_STATE_{value}",
-                         "a process state this agent does not know (a newer driver's); upgrade the agent")
+        super().__init__(
+            "cuCheckpointProcessGetState",
+            pid,
+            f"CU_PROCESS_STATE_{value}",
+            "a process state this agent does not know (a newer driver's); upgrade the agent",
+        )
 
 
 class HttpError(AgentServiceError):

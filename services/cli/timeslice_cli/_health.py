@@ -31,8 +31,13 @@ from ._term import show
 __all__ = ["Check", "Status", "register", "run_checks"]
 
 
-_STYLES = ((r"(?m)^OK\b", "green"), (r"(?m)^WARN\b", "yellow"), (r"(?m)^FAIL\b", "bold red"),
-           (r"(?m)^healthy$", "bold green"), (r"(?m)^NOT healthy$", "bold red"))
+_STYLES = (
+    (r"(?m)^OK\b", "green"),
+    (r"(?m)^WARN\b", "yellow"),
+    (r"(?m)^FAIL\b", "bold red"),
+    (r"(?m)^healthy$", "bold green"),
+    (r"(?m)^NOT healthy$", "bold red"),
+)
 
 
 _MAX_SHOWN = 8  # agents, and backends of one agent, named in the line
@@ -63,16 +68,27 @@ async def _stream(nc: Any, timeout: float) -> Check:
         async with asyncio.timeout(timeout):
             info = await nc.jetstream().stream_info(STREAM)
     except Exception as exc:
-        return Check("stream", Status.FAIL, f"stream {STREAM} cannot be read ({type(exc).__name__}); an "
-                                            "orchestrator creates it: `timeslice up` or `timeslice orchestrator`")
+        return Check(
+            "stream",
+            Status.FAIL,
+            f"stream {STREAM} cannot be read ({type(exc).__name__}); an "
+            "orchestrator creates it: `timeslice up` or `timeslice orchestrator`",
+        )
     replicas = info.config.num_replicas or 1
     cluster = info.cluster
     if replicas > 1 and (cluster is None or not cluster.leader):
-        return Check("stream", Status.FAIL, f"stream {STREAM} ({replicas} replicas) has no leader: the NATS "
-                                            "cluster is electing one, or has lost its quorum")
+        return Check(
+            "stream",
+            Status.FAIL,
+            f"stream {STREAM} ({replicas} replicas) has no leader: the NATS "
+            "cluster is electing one, or has lost its quorum",
+        )
     where = f", leader {cluster.leader}" if cluster is not None and cluster.leader else ""
-    lagging = [r.name for r in (cluster.replicas or []) if cluster is not None and (not r.current or r.offline)] \
-        if cluster is not None else []
+    lagging = (
+        [r.name for r in (cluster.replicas or []) if cluster is not None and (not r.current or r.offline)]
+        if cluster is not None
+        else []
+    )
     detail = f"{STREAM}: {info.state.messages} messages, {replicas} replica{'s' if replicas > 1 else ''}{where}"
     if lagging:
         return Check("stream", Status.WARN, f"{detail}; replicas behind or offline: {', '.join(lagging)}")
@@ -87,8 +103,12 @@ async def _orchestrator(nc: Any, timeout: float) -> Check:
     except Exception as exc:
         return Check("orchestrator", Status.FAIL, f"the leader lease cannot be read ({type(exc).__name__})")
     if leader is None:
-        return Check("orchestrator", Status.FAIL, "no orchestrator leads: nothing is granted until one runs "
-                                                  "(`timeslice up`, or `timeslice orchestrator --nats-url URL`)")
+        return Check(
+            "orchestrator",
+            Status.FAIL,
+            "no orchestrator leads: nothing is granted until one runs "
+            "(`timeslice up`, or `timeslice orchestrator --nats-url URL`)",
+        )
     return Check("orchestrator", Status.OK, f"{leader.holder} leads, term {leader.term}, for {_age(leader.since_ms)}")
 
 
@@ -113,16 +133,24 @@ async def _agents(nc: Any, timeout: float, nodes: list[str]) -> Check:
     missing = [n for n in nodes if n not in live]
     shown = _agents_shown(live)
     if missing:
-        return Check("agents", Status.FAIL, f"no live agent on {', '.join(missing)} (start `timeslice agent "
-                                            f"--node-id {missing[0]}` there); live: {shown}")
+        return Check(
+            "agents",
+            Status.FAIL,
+            f"no live agent on {', '.join(missing)} (start `timeslice agent "
+            f"--node-id {missing[0]}` there); live: {shown}",
+        )
     if not live:
-        return Check("agents", Status.WARN, "no node agent runs: the lock works, but switches move no state "
-                                            "(`timeslice agent` on each GPU node)")
+        return Check(
+            "agents",
+            Status.WARN,
+            "no node agent runs: the lock works, but switches move no state (`timeslice agent` on each GPU node)",
+        )
     return Check("agents", Status.OK, f"{len(live)} live: {shown}")
 
 
 def _agents_shown(live: dict[str, Any]) -> str:
     """The live agents, as a line of bounded length: each record is anyone's write into KV ``agents``."""
+
     def one(node: str, a: Any) -> str:
         backends = "+".join(_cut(b, 32) for b in a.backends[:_MAX_SHOWN]) or "no backends"
         return f"{_cut(node, 64)} ({backends}, up {_age(a.started_at_ms)})"
@@ -147,14 +175,20 @@ async def _groups(nc: Any, timeout: float) -> Check:
     bad = [f"{g} (quarantined: {why})" for g, why in sorted(view.quarantined.items())]
     bad += [f"{k} (unreadable: {why})" for k, why in sorted(view.unreadable.items())]
     if bad:
-        return Check("groups", Status.FAIL, f"{len(bad)} not served: {'; '.join(bad[:5])}"
-                                            f"{' …' if len(bad) > 5 else ''} (docs/availability.md)")
+        return Check(
+            "groups",
+            Status.FAIL,
+            f"{len(bad)} not served: {'; '.join(bad[:5])}{' …' if len(bad) > 5 else ''} (docs/availability.md)",
+        )
     faulted = sorted(f"{j} in {g}" for g, r in view.groups.items() for j in r.faulted)
     held = sum(1 for r in view.groups.values() if r.holder is not None)
     detail = f"{len(view.groups)} groups, {held} held"
     if faulted:
-        return Check("groups", Status.WARN, f"{detail}; faulted: {', '.join(faulted[:5])}"
-                                            f"{' …' if len(faulted) > 5 else ''} (`timeslice clear-fault`)")
+        return Check(
+            "groups",
+            Status.WARN,
+            f"{detail}; faulted: {', '.join(faulted[:5])}{' …' if len(faulted) > 5 else ''} (`timeslice clear-fault`)",
+        )
     return Check("groups", Status.OK, detail)
 
 
@@ -170,8 +204,11 @@ async def run_checks(nats_url: str | None, *, timeout: float = 5.0, nodes: list[
     try:
         checks = [Check("bus", Status.OK, f"connected to {nc.connected_url.netloc if nc.connected_url else '?'}")]
         steps: list[Callable[[], Awaitable[Check]]] = [
-            lambda: _stream(nc, timeout), lambda: _orchestrator(nc, timeout),
-            lambda: _agents(nc, timeout, nodes or []), lambda: _groups(nc, timeout)]
+            lambda: _stream(nc, timeout),
+            lambda: _orchestrator(nc, timeout),
+            lambda: _agents(nc, timeout, nodes or []),
+            lambda: _groups(nc, timeout),
+        ]
         for step in steps:
             checks.append(await step())
         return checks
@@ -187,8 +224,7 @@ async def _run(args: argparse.Namespace) -> int:
     failing = {Status.FAIL, Status.WARN} if args.strict else {Status.FAIL}
     ok = not any(c.status in failing for c in checks)
     if args.json:
-        emit_json({"ok": ok, "checks": [{"name": c.name, "status": str(c.status), "detail": c.detail}
-                                        for c in checks]})
+        emit_json({"ok": ok, "checks": [{"name": c.name, "status": str(c.status), "detail": c.detail} for c in checks]})
     else:
         width = max(len(c.name) for c in checks)
         lines = [f"{c.status.value.upper():<4}  {c.name:<{width}}  {c.detail}" for c in checks]
@@ -205,10 +241,16 @@ def _timeout(text: str) -> float:
 
 def register(sub: Any) -> None:
     """Add ``health`` to the ``timeslice`` command's subparsers."""
-    h = sub.add_parser("health", help="can the stack grant now? bus, stream, orchestrator, agents, groups; exit 1 "
-                                      "when not")
-    h.add_argument("--node-id", action="append", default=[], metavar="NODE",
-                   help="require a live agent on this node (repeat for several)")
+    h = sub.add_parser(
+        "health", help="can the stack grant now? bus, stream, orchestrator, agents, groups; exit 1 when not"
+    )
+    h.add_argument(
+        "--node-id",
+        action="append",
+        default=[],
+        metavar="NODE",
+        help="require a live agent on this node (repeat for several)",
+    )
     h.add_argument("--strict", action="store_true", help="a warning (no agent, a faulted job) fails too")
     h.add_argument("--timeout", type=_timeout, default=5.0, help="seconds each check may take (default 5)")
     h.add_argument("--json", action="store_true", help="the checks as one JSON document on stdout")
