@@ -30,6 +30,7 @@ from timeslice_client.protocol import JobContext, WorkloadCommand, WorkloadReply
 from ._app_endpoint import AppEndpointBackend, make_app_endpoint_backend
 from ._backend_api import Backend, BackendError, BackendUnavailable, OpContext, Outcome
 from ._cuda import CudaBackend, cuda_unavailable_reason, make_cuda_backend
+from ._process_stop import NotStopped, group_members, wait_stopped
 
 __all__ = [
     "AppChannelBackend",
@@ -64,12 +65,31 @@ class NoopBackend:
 
 
 class FreezeBackend:
-    """SIGSTOP on snapshot, SIGCONT on restore, for the job's PIDs or its process group."""
+    """SIGSTOP on snapshot, SIGCONT on restore, for the job's PIDs or its process group.
+
+    A snapshot ends only once every thread of those processes reads as stopped in ``/proc`` (``_process_stop``):
+    ``kill`` returns before the threads stop. If they have not within ``stop_timeout`` seconds (or the operation's
+    deadline, if sooner), the processes are continued again and the snapshot fails with the threads that ran."""
 
     name = "freeze"
 
+    def __init__(self, *, proc: str = "/proc", stop_timeout: float = 10.0) -> None:
+        self._proc = proc
+        self._stop_timeout = stop_timeout
+
     async def snapshot(self, ctx: JobContext, op: OpContext) -> Outcome:
         self._signal(ctx, signal.SIGSTOP)
+        targets = set(ctx.pids)
+        if ctx.pgid is not None:
+            targets |= group_members(ctx.pgid, proc=self._proc)
+        try:
+            await wait_stopped(targets, timeout=min(self._stop_timeout, op.remaining()), proc=self._proc)
+        except BaseException as exc:  # not stopped in time, or the operation cancelled: leave the job running
+            with contextlib.suppress(BackendError):
+                self._signal(ctx, signal.SIGCONT)
+            if isinstance(exc, NotStopped):
+                raise BackendError(f"freeze backend: job {ctx.job!r} did not stop: {exc}") from exc
+            raise
         return Outcome()
 
     async def restore(self, ctx: JobContext, op: OpContext) -> Outcome:
