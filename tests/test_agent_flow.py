@@ -265,7 +265,8 @@ async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node_unless_th
             else:
                 # The record the switch is at: the orchestrator grants in the same step that takes the last result,
                 # so a grant before a's snapshot ended would show in it.
-                rec = await eventually(lambda: _switching(b, restored=False, released_by="a"), what="the switch's record")
+                rec = await eventually(lambda: _switching(b, restored=False, released_by="a"),
+                                       what="the switch's record")
                 assert rec.holder is None and rec.switch is not None, rec
                 assert sorted(o.kind.value for o in rec.switch.ops) == ["restore", "snapshot"], rec.switch
                 assert not tb.done()
