@@ -51,8 +51,10 @@ class OpFacts:
     def __init__(self) -> None:
         self._snapshots: dict[_Key, set[str]] = {}  # started, not ended: op ids
         self._issued: dict[str, str] = {}  # of those, the ones the core issued (and waits for): op id -> job
-        # (node, group, epoch) of running snapshots -> the job whose restore of that switch succeeded beside them
-        self._beside: dict[_Key, str] = {}
+        # (node, group) -> (epoch, job) of the latest restore there that succeeded beside its switch's snapshots.
+        # Kept apart from the running snapshots: the agent may publish a snapshot's OpStarted after the OpResult of
+        # the restore beside it (it starts both at once), and a restarted agent begins the same snapshot again.
+        self._beside: dict[tuple[str, str], tuple[int, str]] = {}
 
     def started(self, op: OpStarted, seq: int, rec: GroupRecord | None) -> None:
         """An ``OpStarted``; ``rec`` is the fold's record of its group at that point of the stream."""
@@ -83,8 +85,8 @@ class OpFacts:
         if isinstance(ev, OpResult):
             key = (ev.node, ev.group, ev.epoch)
             self._end(key, ev.op_id)
-            if ev.kind is OpKind.RESTORE and ev.ok and ev.overlapped and key in self._snapshots:
-                self._beside[key] = ev.job
+            if ev.kind is OpKind.RESTORE and ev.ok and ev.overlapped:
+                self._beside[(ev.node, ev.group)] = (ev.epoch, ev.job)
         elif isinstance(ev, AgentLost | JobUnregistered):  # its context is gone, or nobody can say any more
             for key in [k for k in self._snapshots if k[0] == ev.node and k[1] == ev.group]:
                 for op_id in sorted(self._snapshots[key]):
@@ -98,7 +100,6 @@ class OpFacts:
         self._issued.pop(op_id, None)
         if not running:
             del self._snapshots[key]
-            self._beside.pop(key, None)
 
     def core_ended(self, before: GroupRecord, after: GroupRecord) -> None:
         """The fold applied an event: the core's operations that left its records without an answer (a deadline)
@@ -116,7 +117,7 @@ class OpFacts:
                 continue
             for op_id in sorted(ids):
                 job = self._issued.get(op_id)
-                if job is None or job == n.job or self._beside.get((node, group, epoch)) == n.job:
+                if job is None or job == n.job or self._beside.get((node, group)) == (epoch, n.job):
                     continue
                 raise InvariantViolation(
                     "grant-beside-restore",

@@ -110,7 +110,6 @@ class _Snap:
     failed: bool
     events: list[StreamEvent]
     epoch: int = -1  # its switch's (-1: unknown)
-    beside: str | None = None  # the job whose restore of that switch succeeded beside it (a grant on restore)
 
 
 @dataclass
@@ -139,6 +138,10 @@ class _Group:
     op_timeouts: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, job) -> ms
     gone: set[tuple[str, str]] = field(default_factory=set)  # (node, job) unregistered and not registered again
     left: set[str] = field(default_factory=set)  # op ids started before their job left the node, not yet answered
+    # node -> (epoch, job) of the latest restore there that succeeded beside its switch's snapshots (a grant on
+    # restore). Kept apart from the snapshots: the agent may publish a snapshot's OpStarted after that restore's
+    # OpResult (it starts both at once), and a restarted agent begins the same snapshot again.
+    beside: dict[str, tuple[int, str]] = field(default_factory=dict)
 
 
 class StreamChecks:
@@ -254,9 +257,7 @@ class StreamChecks:
             left = inp.op_id in g.left
             g.left.discard(inp.op_id)
             if inp.kind is OpKind.RESTORE and inp.ok and inp.overlapped:
-                for (node, _), snap in g.snapshots.items():
-                    if node == inp.node and snap.epoch == inp.epoch and not snap.failed:
-                        snap.beside = inp.job
+                g.beside[inp.node] = (inp.epoch, inp.job)
             if inp.kind is OpKind.SNAPSHOT:
                 if inp.ok or key in g.gone or left:
                     # A job whose processes ended mid-snapshot is unregistered first, then its snapshot answered as
@@ -353,7 +354,8 @@ class StreamChecks:
     def _loaded(self, name: str, g: _Group, ev: StreamEvent, n: Granted) -> None:
         faulted = self._faulted(name)
         for (node, job), snap in sorted(g.snapshots.items()):
-            if job == n.job or (snap.failed and job in faulted) or (not snap.failed and snap.beside == n.job):
+            if job == n.job or (snap.failed and job in faulted) or (not snap.failed
+                                                                    and g.beside.get(node) == (snap.epoch, n.job)):
                 continue  # (the last: a grant on restore, the snapshot trailing it)
             timeout = g.op_timeouts.get((node, job), DEFAULT_OP_TIMEOUT_MS)
             if not snap.failed and job in faulted and ev.ts_ms >= snap.events[0].ts_ms + timeout:
