@@ -24,7 +24,7 @@ the ratio of each order's median handoff to the same run's ``in-order`` one, and
 operations it waited for (the stack's own bus hops, the same in every order). Goal (issue 27): where the room rule
 allows both contexts, the median handoff ≤ the restore time + 10 ms.
 
-Run: ``python bench/grant_on_restore.py [--n 20] [--snapshot-ms 200] [--restore-ms 20] [--layout up|apart]
+Run: ``python bench/grant_on_restore.py [--n 20] [--quick] [--snapshot-ms 200] [--restore-ms 20] [--layout up|apart]
 [--json-out FILE]``.
 """
 
@@ -277,10 +277,13 @@ def main() -> None:
     p.add_argument("--role", choices=("driver", "agent", "stack"), default="driver", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--order", choices=ORDERS, help=argparse.SUPPRESS)
+    p.add_argument("--quick", action="store_true", help="6 handoffs per order (checks the pipeline, no figures)")
     a = p.parse_args()
     if a.role != "driver":
         _service(a.role, a.url, a.order)
         return
+    if a.quick:
+        a.n = 6
     res = run(a.n, a.snapshot_ms, a.restore_ms, a.hold_ms, a.state_mib, a.layout)
     for line in _lines(res):
         print(line)
