@@ -15,11 +15,12 @@ from typing import Any
 
 from _report_format import NA, X, _cmd, _met, _n, _table
 from _report_robust import _chaos, _failover, _handoff_auth, _stream_leader
+from _report_switch import _grant_on_restore
 
 NOTES = Path(__file__).resolve().parent / "NOTES.md"
 BUSY_LOAD = 1.0  # a run that started above this 1-min load average was not on a quiet machine
-ORDER = ("handoff", "handoff_auth", "bind_cost", "offload", "busy_suspend", "scale", "recovery", "failover",
-         "stream_leader", "chaos", "trace_replay")
+ORDER = ("handoff", "handoff_auth", "bind_cost", "offload", "busy_suspend", "grant_on_restore", "scale", "recovery",
+         "failover", "stream_leader", "chaos", "trace_replay")
 
 
 def load_results(results: Path) -> dict[str, dict[str, Any]]:
@@ -432,6 +433,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]]]] = {
     "bind_cost": ("Binding a process to its agent (bench/bind_cost.py)", _bind_cost),
     "offload": ("Offload (bench/offload.py)", _offload),
     "busy_suspend": ("Suspend beside a busy thread (bench/busy_suspend.py)", _busy_suspend),
+    "grant_on_restore": ("Grant on restore (bench/grant_on_restore.py)", _grant_on_restore),
     "scale": ("Scale (bench/scale.py)", _scale),
     "recovery": ("Recovery (bench/recovery.py)", _recovery),
     "failover": ("Failover (bench/failover.py)", _failover),

@@ -114,10 +114,11 @@ class Sim:
     def register(self, job: str, node: str, *, op_timeout_ms: int = 10_000) -> list[Action]:
         return self(JobRegistered(group=self.group, job=job, node=node, op_timeout_ms=op_timeout_ms))
 
-    def result(self, cmd: Snapshot | Restore, ok: bool = True, *, dt: int = 0) -> list[Action]:
+    def result(self, cmd: Snapshot | Restore, ok: bool = True, *, dt: int = 0, **kw: Any) -> list[Action]:
+        """The agent's answer to ``cmd`` (``kw``: more of OpResult's fields, e.g. ``overlapped=True``)."""
         kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
         return self(OpResult(group=self.group, op_id=cmd.op_id, node=cmd.node, job=cmd.job, kind=kind,
-                             epoch=cmd.epoch, ok=ok, error=None if ok else "backend said no"), dt=dt)
+                             epoch=cmd.epoch, ok=ok, error=None if ok else "backend said no", **kw), dt=dt)
 
     def tick(self, *, dt: int = 0) -> list[Action]:
         return self(Tick(group=self.group), dt=dt)

@@ -166,6 +166,17 @@ async def _switching(c: AsyncTimeSliceClient, *, restored: bool, released_by: st
     return rec if done or granted else None
 
 
+async def _held(c: AsyncTimeSliceClient, job: str):  # type: ignore[no-untyped-def]
+    """The group's record once ``job`` holds it (records are stored behind commands: earlier ones are skipped)."""
+    rec = await c.status()
+    return rec if rec.holder is not None and rec.holder.job == job else None
+
+
+async def _trail_ended(c: AsyncTimeSliceClient) -> bool:
+    rec = await c.status()
+    return rec.trailing is None and rec.holder is not None and "a" in rec.saved
+
+
 async def test_failed_snapshot_faults_only_that_job(nats_url: str, agent: Agent) -> None:
     log: list[str] = []
     async with AsyncTimeSliceClient("a", "gf", nats_url) as a, AsyncTimeSliceClient("b", "gf", nats_url) as b:
@@ -196,8 +207,9 @@ async def _faulted(c: AsyncTimeSliceClient, job: str):  # type: ignore[no-untype
 async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node_unless_there_is_room(
         nats_url: str, overlap: bool, layout: str) -> None:
     """The orchestrator sends b's restore together with a's snapshot (``Restore.after``). With overlap off the
-    agent runs the restore only once the snapshot on its node has ended; with it on (the default) and room on
-    the node, the restore runs beside the snapshot. Either way b is granted only once both ended."""
+    agent runs the restore only once the snapshot on its node has ended, and b is granted once both ended; with it
+    on (the default) and room on the node, the restore runs beside the snapshot, says so in its result
+    (``OpResult.overlapped``), and b is granted on it while a's snapshot still runs (grant on restore)."""
     log: list[str] = []
     go = threading.Event()
     nc = await connect(nats_url)
@@ -244,17 +256,25 @@ async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node_unless_th
                 assert log[0] == "b:suspend" and sorted(log[1:]) == ["a:suspend start", "b:resume"], log
             else:
                 assert log == ["b:suspend", "a:suspend start"]
-            # The record that took b's restore result (overlapped), or the one the switch is at (in order):
-            # the orchestrator grants in the same step that takes the last result, so a grant before a's
-            # snapshot ended would show in it.
-            rec = await eventually(lambda: _switching(b, restored=overlap, released_by="a"), what="the switch's record")
-            assert rec.holder is None and rec.switch is not None, rec
-            pending = sorted(o.kind.value for o in rec.switch.ops)
-            assert pending == (["snapshot"] if overlap else ["restore", "snapshot"]), rec.switch
-            assert not tb.done()
+            if overlap:  # granted on b's restore: a's snapshot trails the grant
+                gb = await asyncio.wait_for(tb, 10)
+                rec = await eventually(lambda: _held(b, "b"), what="the record of b's grant")  # stored after the grant
+                assert rec.holder is not None and rec.holder.job == "b" and rec.switch is None, rec
+                assert rec.trailing is not None and [o.job for o in rec.trailing.ops] == ["a"], rec
+                assert "a:suspend" not in log  # a's suspend still runs
+            else:
+                # The record the switch is at: the orchestrator grants in the same step that takes the last result,
+                # so a grant before a's snapshot ended would show in it.
+                rec = await eventually(lambda: _switching(b, restored=False, released_by="a"),
+                                       what="the switch's record")
+                assert rec.holder is None and rec.switch is not None, rec
+                assert sorted(o.kind.value for o in rec.switch.ops) == ["restore", "snapshot"], rec.switch
+                assert not tb.done()
             go.set()
             gb = await tb
             assert gb.context_restored
+            if overlap:
+                await eventually(lambda: _trail_ended(b), what="a's snapshot ended, b holding on")
             if overlap:
                 assert log[3:] == ["a:suspend"], log
             else:

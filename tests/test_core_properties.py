@@ -6,17 +6,20 @@ after every event: the record invariants (``check_record``), mutual exclusion as
 strict FIFO among the waiters still waiting, rising grant epochs, no grant to a request that left, no
 waiter lost without a notice, grants only after every restore succeeded, fencing (late or forged
 operation results change nothing), ``next_deadline`` (nothing expires before it, something does at
-it), idempotence and determinism. At the end the whole run is encoded as a stream and checked by
-:class:`StreamChecker`. Unit tests: ``test_core_semantics.py``, ``test_invariant_checkers.py``.
+it), idempotence and determinism. Grant on restore: an agent answering a restore while a snapshot of its switch
+still runs on its node ran it beside (and says so, ``OpResult.overlapped``, unless it is an older agent); a grant
+made before those snapshots ended must have such a restore beside each of them, never two jobs run, and a node
+holds two contexts only while a switch moves one off and one on or while a snapshot trails a grant beside the
+active job's (``core_agents.check_contexts``); a trailing snapshot that fails faults only its job. At the end the
+whole run, with the agents' ``OpStarted`` facts, is encoded as a stream and checked by :class:`StreamChecker`.
+Unit tests: ``test_core_semantics.py``, ``test_invariant_checkers.py``, ``test_grant_on_restore.py``.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -46,27 +49,18 @@ from timeslice_client.protocol import (
     Revoked,
     Snapshot,
     Tick,
-    encode,
-    subjects,
 )
+from timeslice_orchestrator._op_facts import pending_ops
 from timeslice_orchestrator.core import LIMITS, Action, Transition, apply, new_record, next_deadline
-from timeslice_orchestrator.invariants import StreamChecker, check_record
+from timeslice_orchestrator.invariants import check_record
 
-from .core_sim import JOBS, NODES, SEQ_GAP, T0, G, action_message, commands, input_subject, notices, tag
+from .core_agents import BesideRules, Message, Step, check_contexts, check_run, op_started, pending_epoch, runs_beside
+from .core_sim import JOBS, NODES, SEQ_GAP, T0, G, commands, input_subject, notices, tag
 
 # --------------------------------------------------------------------------- the state machine
 
 
-@dataclass
-class Step:
-    ev: InputEvent
-    now: int
-    seq: int
-    rec: GroupRecord
-    actions: list[Action]
-
-
-class CoreMachine(RuleBasedStateMachine):
+class CoreMachine(BesideRules, RuleBasedStateMachine):
     """A model of what the notices promise, checked against ``apply()`` after every event."""
 
     def __init__(self) -> None:
@@ -89,6 +83,8 @@ class CoreMachine(RuleBasedStateMachine):
         # (job, epoch) a client may claim: the last job input was its release, answered with nobody waiting
         self.claimable: tuple[str, int] | None = None
         self.since_release: list[str] = []  # the non-job events since (what a claim must be immune to)
+        self.beside: set[tuple[str, int]] = set()  # (node, epoch): a restore that succeeded beside a snapshot there
+        self.facts: list[Message] = []  # the agents' facts that come before the next event (a restore's OpStarted)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -108,7 +104,8 @@ class CoreMachine(RuleBasedStateMachine):
         old = self.rec
         self.seq += SEQ_GAP  # room for the notices in the stream built at the end
         new, actions = apply(old, ev, self.now, self.seq)
-        self.steps.append(Step(ev, self.now, self.seq, new, actions))
+        self.steps.append(Step(ev, self.now, self.seq, new, actions, before=self.facts))
+        self.facts = []
         self.rec = new
         self.failed = True
         self.check_step(old, new, ev, actions)
@@ -146,10 +143,15 @@ class CoreMachine(RuleBasedStateMachine):
         else:
             assert changes == []
         cmds = commands(actions)
+        sent_before = set(self.ops)
+        check_contexts(new)
+        if new.trailing is not None and new.queue and new.holder is None:
+            event("waiters wait for a trailing snapshot")
         for c in cmds:
             sw = new.switch
-            assert sw is not None and c.epoch == sw.epoch == new.epoch, (c, sw)
-            assert c.op_id in {op.op_id for op in sw.ops}
+            pending = {op.op_id: op for op in pending_ops(new)}
+            assert c.op_id in pending and c.epoch == pending_epoch(new), (c, new)
+            assert new.trailing is not None or (sw is not None and c.epoch == new.epoch), (c, sw)
             if c.op_id in self.ops:  # sent again, unchanged: to the node's agent announcing that very job, or as
                 first, result = self.ops[c.op_id]  # unanswered for LIMITS.resend_ms since it last went out
                 announced = isinstance(ev, JobRegistered) and (ev.job, ev.node) == (c.job, c.node)
@@ -162,16 +164,20 @@ class CoreMachine(RuleBasedStateMachine):
                     assert isinstance(first, Restore) and set(c.after) <= set(first.after), (c, first)
                 event("operation sent again")
                 continue
+            assert sw is not None and new.trailing is None, "while snapshots trail, no new operation goes out"
             if isinstance(c, Restore):
                 assert sw.to is not None and c.job == sw.to.job and c.node in new.placements[c.job]
             else:
                 assert (sw.to is None or c.job != sw.to.job) and new.loaded.get(c.node) == c.job
             self.ops[c.op_id] = (c, [None])
             self.sent_at[c.op_id] = self.now
-        self.check_notices(new, ev, notices(actions), cmds)
+            if isinstance(c, Snapshot):  # the agent starts it at once (a restore: when it is answered, below)
+                self.steps[-1].after.append(op_started(pending[c.op_id], c.epoch))
+        self.check_notices(old, new, ev, notices(actions), [c for c in cmds if c.op_id not in sent_before])
         self.reconcile()
 
-    def check_notices(self, new: GroupRecord, ev: InputEvent, ns: list[Notice], cmds: list[Any]) -> None:
+    def check_notices(self, old: GroupRecord, new: GroupRecord, ev: InputEvent, ns: list[Notice],
+                      cmds: list[Any]) -> None:
         pending = (ev.job, ev.request_id) if isinstance(ev, Acquire) else None
         resolved = pending is None
 
@@ -214,6 +220,12 @@ class CoreMachine(RuleBasedStateMachine):
                     self.holder = (n.job, n.epoch, n.request_id)
                     continue
                 assert self.holder is None, f"granted {n.job} at {n.epoch} while {self.holder} holds"
+                # While snapshots trail a grant on restore, only the job granted then (the active one) is granted.
+                assert new.trailing is None or n.epoch == new.trailing.epoch or n.job == old.active_job, (n, old)
+                if new.trailing is not None and new.trailing.epoch == n.epoch:  # a grant on restore
+                    assert all((op.node, n.epoch) in self.beside and op.job != n.job for op in new.trailing.ops), \
+                        f"granted {n.job} while snapshots ran with no restore of it beside them: {new.trailing}"
+                    event("grant on restore")
                 assert n.epoch > self.max_epoch, f"grant epoch {n.epoch} after {self.max_epoch}"
                 assert i == len(ns) - 1, f"a new grant is the last notice of its event: {ns}"
                 assert not cmds, "a grant never comes with new snapshot/restore commands"
@@ -409,10 +421,9 @@ class CoreMachine(RuleBasedStateMachine):
         """Mostly a job involved right now (holder, switch target, being snapshotted, waiting, faulted)."""
         rec = self.rec
         involved = {j for j in (rec.active_job, rec.holder.job if rec.holder else None) if j is not None}
-        if rec.switch is not None:
-            involved |= {op.job for op in rec.switch.ops}
-            if rec.switch.to is not None:
-                involved.add(rec.switch.to.job)
+        involved |= {op.job for op in pending_ops(rec)}
+        if rec.switch is not None and rec.switch.to is not None:
+            involved.add(rec.switch.to.job)
         involved |= {w.job for w in rec.queue} | set(rec.faulted)
         if involved and data.draw(st.integers(0, 3)) > 0:
             return data.draw(st.sampled_from(sorted(involved)))
@@ -488,53 +499,67 @@ class CoreMachine(RuleBasedStateMachine):
         assert sw is not None and sw.to is not None
         self.step(JobRegistered(group=G, job=sw.to.job, node=node, op_timeout_ms=5_000))
 
-    def answer(self, op: OpRecord, epoch: int, ok: bool) -> None:
-        if self.now < op.deadline_ms:  # else it times out before this answer is applied
+    def answer(self, op: OpRecord, epoch: int, ok: bool, *, reports: bool = True) -> None:
+        """The agent's answer. A restore answered while a snapshot of its switch is pending on its node ran beside
+        it (the room rule); the agent says so unless it is an older one (``reports``)."""
+        beside = runs_beside(self.rec, op)
+        if op.kind is OpKind.RESTORE:
+            self.facts.append(op_started(op, epoch, overlapped=beside))
+        on_time = self.now < op.deadline_ms  # else it times out before this answer is applied
+        if on_time:
             self.ops[op.op_id][1][0] = ok
+            if ok and beside and reports:
+                self.beside.add((op.node, epoch))
+        tr, holder = self.rec.trailing, self.rec.holder
         self.step(OpResult(group=G, op_id=op.op_id, node=op.node, job=op.job, kind=op.kind, epoch=epoch, ok=ok,
-                           error=None if ok else "backend failed"))
+                           error=None if ok else "backend failed", overlapped=beside and reports))
+        if tr is not None and op in tr.ops and not ok:
+            # A failed trailing snapshot (rolled back: its context stays beside the holder's) faults its job only.
+            assert op.job in self.rec.faulted and op not in pending_ops(self.rec), self.rec
+            assert holder is None or holder.lease_deadline_ms <= self.now or self.rec.holder == holder
+            event("trailing snapshot failed" if on_time else "trailing snapshot timed out")
 
-    @precondition(lambda self: self.rec.switch is not None)
-    @rule(data=st.data(), ok=st.sampled_from([True, True, False]))
-    def op_result(self, data: st.DataObject, ok: bool) -> None:
-        sw = self.rec.switch
-        assert sw is not None
-        self.answer(data.draw(st.sampled_from(sw.ops)), sw.epoch, ok)
+    @precondition(lambda self: pending_ops(self.rec))
+    @rule(data=st.data(), ok=st.sampled_from([True, True, False]), reports=st.sampled_from([True, True, False]))
+    def op_result(self, data: st.DataObject, ok: bool, reports: bool) -> None:
+        self.answer(data.draw(st.sampled_from(pending_ops(self.rec))), pending_epoch(self.rec), ok, reports=reports)
 
-    @precondition(lambda self: self.rec.switch is not None or self.holder is not None)
-    @rule(release=st.booleans())
-    def agents_answer_all(self, release: bool) -> None:
+    @precondition(lambda self: pending_ops(self.rec) or self.holder is not None)
+    @rule(release=st.booleans(), restores_first=st.booleans(), trail=st.booleans())
+    def agents_answer_all(self, release: bool, restores_first: bool, trail: bool) -> None:
         """Responsive agents: every pending operation succeeds, phase after phase (after the holder's
-        release, if ``release``): a smooth handoff."""
+        release, if ``release``): a smooth handoff; with ``restores_first``, the restores end first (beside), and
+        with ``trail`` the snapshots a grant on restore left running are left to other rules."""
         if release and self.holder is not None:
             self.release()
         for _ in range(4):
-            sw = self.rec.switch
-            if sw is None:
+            ops = sorted(pending_ops(self.rec), key=lambda o: (o.kind is OpKind.SNAPSHOT) == restores_first)
+            if not ops or (trail and self.rec.trailing is not None):
                 return
-            for op in sw.ops:
-                self.answer(op, sw.epoch, True)
+            epoch = pending_epoch(self.rec)
+            for op in ops:
+                if op in pending_ops(self.rec) and pending_epoch(self.rec) == epoch:
+                    self.answer(op, epoch, True)
 
     @rule(data=st.data(), kind=st.sampled_from(["late", "forged", "phase", "duplicate"]), ok=st.booleans())
     def noise(self, data: st.DataObject, kind: str, ok: bool) -> None:
         """Events that must change nothing (beyond what time changes)."""
-        sw = self.rec.switch
         if kind == "phase":
             self.step_inert(Phase(group=G, job=data.draw(st.sampled_from(JOBS)), name="train", edge="start"))
-        elif kind == "forged" and sw is not None:
+        elif kind == "forged" and pending_ops(self.rec):
             # A pending operation's id with an older epoch: fenced off.
-            op = data.draw(st.sampled_from(sw.ops))
+            op = data.draw(st.sampled_from(pending_ops(self.rec)))
             self.step_inert(OpResult(group=G, op_id=op.op_id, node=op.node, job=op.job, kind=op.kind,
-                                     epoch=sw.epoch - 1, ok=ok))
+                                     epoch=pending_epoch(self.rec) - 1, ok=ok, overlapped=ok))
         elif kind == "late":
             # An answer for an operation that is no longer pending (answered, timed out, older switch).
-            pending = {op.op_id for op in sw.ops} if sw is not None else set()
+            pending = {op.op_id for op in pending_ops(self.rec)}
             old = [c for c, _ in self.ops.values() if c.op_id not in pending]
             if old:
                 c = data.draw(st.sampled_from(old))
                 kind_ = OpKind.SNAPSHOT if isinstance(c, Snapshot) else OpKind.RESTORE
                 self.step_inert(OpResult(group=G, op_id=c.op_id, node=c.node, job=c.job, kind=kind_, epoch=c.epoch,
-                                         ok=ok))
+                                         ok=ok, overlapped=ok))
         elif kind == "duplicate" and self.rec.last_seq > 0:
             # Re-applying an event already reflected in the record: the same object, no actions.
             done = [s for s in self.steps if s.seq <= self.rec.last_seq]
@@ -559,39 +584,8 @@ class CoreMachine(RuleBasedStateMachine):
             assert new is not self.rec, f"nothing expired at the next deadline {nd}"
 
     def teardown(self) -> None:
-        if self.failed:
-            return
-        # Determinism: the same events give the same records and the same actions.
-        rec = new_record(G)
-        for s in self.steps:
-            rec, actions = apply(rec, s.ev, s.now, s.seq)
-            assert rec == s.rec and actions == s.actions
-        # The run as a stream (inputs at their own seqs, the published actions right after them): the
-        # checker's fold agrees with the notices; redeliveries and junk are tolerated.
-        stream: list[tuple[int, int, str, bytes]] = []
-        junk = 0
-        for i, s in enumerate(self.steps):
-            stream.append((s.seq, s.now, input_subject(s.ev), encode(s.ev)))
-            for j, a in enumerate(s.actions, 1):
-                stream.append((s.seq + j, s.now, *action_message(G, a)))
-            if i % 7 == 3:
-                stream.append((s.seq + SEQ_GAP - 2, s.now, subjects.job(G, "a", "acquire"), b'{"type": "acquire"}'))
-                stream.append((s.seq + SEQ_GAP - 1, s.now, "ts.v1.other.thing", b"\x00"))
-                junk += 1
-        checker = StreamChecker()
-        for k, msg in enumerate(stream):
-            checker.feed(*msg)
-            if k % 5 == 0:
-                checker.feed(*msg)  # a redelivery
-        if not self.steps:
-            return
-        got = checker.records[G]
-        assert msgspec.structs.replace(got, last_seq=0) == msgspec.structs.replace(self.rec, last_seq=0)
-        stats = checker.stats[G]
-        assert (stats.grants, stats.fold_grants, stats.max_epoch) == (self.grants, self.grants, self.max_epoch)
-        assert checker.unpublished_grants() == []
-        assert checker.rejected == junk
-        assert stats.holder == (self.holder[:2] if self.holder else None)
+        if not self.failed:
+            check_run(self.steps, self.rec, self.grants, self.max_epoch, self.holder[:2] if self.holder else None)
 
 
 CoreMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,

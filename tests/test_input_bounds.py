@@ -40,7 +40,8 @@ def _id(prefix: str, i: int, n: int = 64) -> str:
 
 def test_a_record_at_every_limit_at_once_stays_far_below_the_payload_limit() -> None:
     """The worst record inputs can build: ``max_queue`` waiters with the longest ids, ``max_placements`` (job, node)
-    pairs all saved, loaded and faulted with the longest reasons, ``max_lost_nodes`` lost nodes, a switch."""
+    pairs all saved, loaded and faulted with the longest reasons, ``max_lost_nodes`` lost nodes, a switch with a
+    restore beside a snapshot on every node."""
     rid = "r" * 128
     waiter = WaiterRecord(job=_id("j", 0), request_id=rid, enqueued_at_ms=BIG_MS, deadline_ms=BIG_MS,
                           alive_until_ms=BIG_MS, lease_ms=LIMITS.max_lease_ms, waiter_ttl_ms=LIMITS.max_ttl_ms,
@@ -60,7 +61,8 @@ def test_a_record_at_every_limit_at_once_stays_far_below_the_payload_limit() -> 
         placements=placements,
         op_timeouts={f"{node}/{job}": BIG_MS for job, node in pairs},
         queue=tuple(msgspec_replace(waiter, job=_id("j", i)) for i in range(LIMITS.max_queue)),
-        switch=SwitchRecord(to=waiter, epoch=BIG_MS, phase=OpKind.SNAPSHOT, started_at_ms=BIG_MS, ops=ops),
+        switch=SwitchRecord(to=waiter, epoch=BIG_MS, phase=OpKind.SNAPSHOT, started_at_ms=BIG_MS, ops=ops,
+                            beside=tuple(node for _, node in pairs)),  # (a switch and trailing snapshots never both)
         faulted={_id("f", i): "e" * LIMITS.max_reason for i in range(LIMITS.max_placements)},
         saved={job: nodes for job, nodes in placements.items()},
         lost_nodes=tuple(_id("l", i) for i in range(LIMITS.max_lost_nodes)),

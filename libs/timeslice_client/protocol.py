@@ -89,6 +89,7 @@ __all__ = [
     "SuspendMode",
     "SwitchRecord",
     "Tick",
+    "TrailRecord",
     "UnregisterJob",
     "WaiterRecord",
     "WorkloadCommand",
@@ -229,6 +230,9 @@ class OpResult(_Msg, frozen=True, tag="op_result"):
     # covers only its end, work_ms the workload's whole call.
     began_at_release: bool = False
     work_ms: Elapsed | None = None
+    # A restore that ran beside the snapshots its ``Restore.after`` names, by the agent's room rule (its OpStarted said
+    # so too): the core may grant on it before those snapshots end. An older agent never says so: not overlapped.
+    overlapped: bool = False
 
 
 InputEvent = (
@@ -487,6 +491,16 @@ class SwitchRecord(_Rec, frozen=True):
     started_at_ms: int
     ops: tuple[OpRecord, ...] = ()
     restored: bool = False  # a restore of the incoming job succeeded: its grant says context_restored
+    beside: tuple[str, ...] = ()  # nodes where it succeeded beside the snapshots there (OpResult.overlapped)
+
+
+class TrailRecord(_Rec, frozen=True):
+    """The outgoing job's snapshots still running after the switch of ``epoch`` granted on restore: the incoming
+    job's restore on each of their nodes ran beside them by the agent's room rule and succeeded. No switch starts
+    while they run (never three contexts on a device)."""
+
+    epoch: int
+    ops: tuple[OpRecord, ...]
 
 
 class GroupRecord(_Rec, frozen=True):
@@ -507,6 +521,7 @@ class GroupRecord(_Rec, frozen=True):
     saved: dict[str, tuple[str, ...]] = {}  # job -> nodes where its context is saved (snapshot done)
     lost_nodes: tuple[str, ...] = ()  # nodes whose agent was lost and has not registered a job since
     last_seq: int = 0
+    trailing: TrailRecord | None = None  # snapshots of the last switch still running beside its grant
 
 
 class ProcessOwner(_Rec, frozen=True):

@@ -5,8 +5,10 @@ on its node that it follows, because the incoming context may need the memory th
 the node has room for both contexts at once, the agent starts the restore at once: the incoming job's
 host-to-device copy then runs beside the outgoing job's device-to-host copy (on a GPU they use the two
 directions of the link), and the restore's round trip to its workload leaves the switch's critical path.
-The grant still waits for every operation of the switch (the orchestrator's rule), so the incoming job runs
-only once the outgoing one is saved.
+Such a restore's result says so (``OpResult.overlapped``), and on it the orchestrator grants the incoming job
+while the outgoing snapshot still runs (grant on restore: the incoming job runs, the outgoing one only has its
+state copied out; no other switch of the group starts before that snapshot ended). Otherwise the grant waits for
+every operation of the switch.
 
 A restore overlaps only when all of this holds (else it waits, as before):
 

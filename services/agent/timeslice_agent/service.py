@@ -346,12 +346,12 @@ class Agent:
         self.metrics.operation(result, outcome)
 
     def _result(self, cmd: Snapshot | Restore, kind: OpKind, backend: str, *, ok: bool, error: str | None = None,
-                outcome: Outcome | None = None, elapsed_ms: float = 0.0) -> OpResult:
+                outcome: Outcome | None = None, elapsed_ms: float = 0.0, overlapped: bool = False) -> OpResult:
         out = outcome or Outcome()
         return OpResult(group=cmd.group, op_id=cmd.op_id, node=self.node, job=cmd.job, kind=kind, epoch=cmd.epoch,
                         ok=ok, error=cap(error) if error else error, backend=backend, bytes_moved=out.bytes_moved,
                         device_bytes_freed=out.device_bytes_freed, elapsed_ms=elapsed_ms,
-                        began_at_release=out.began_at_release, work_ms=out.work_ms)
+                        began_at_release=out.began_at_release, work_ms=out.work_ms, overlapped=overlapped)
 
     async def _execute(self, cmd: Snapshot | Restore, kind: OpKind, asked: OpSettings | None = None
                        ) -> tuple[OpResult, bool]:
@@ -427,7 +427,7 @@ class Agent:
                 return self._remember(result), True
             state, failure, outcome = performed
             result = self._result(cmd, kind, backend, ok=failure is None, error=failure, outcome=outcome,
-                                  elapsed_ms=elapsed)
+                                  elapsed_ms=elapsed, overlapped=overlapped)  # beside: the core may grant on it
             # A restore that follows this operation (Restore.after) may start now: its first publish comes
             # after this result's on the connection, so the stream shows the result first. Neither waits for
             # the stream's answer to the result, nor for the KV write below.

@@ -17,6 +17,8 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from timeslice_client.protocol import AgentLost, GroupRecord, encode, subjects
 
+from ._op_facts import pending_ops
+
 __all__ = ["publish_agent_lost", "referenced_nodes", "watch_agents"]
 
 log = logging.getLogger("timeslice.orchestrator")
@@ -70,7 +72,7 @@ def referenced_nodes(records: Iterable[GroupRecord]) -> set[str]:
 async def publish_agent_lost(js: JetStreamContext, records: Mapping[str, GroupRecord], node: str) -> None:
     """``AgentLost`` into every group that still refers to ``node``."""
     for g, rec in records.items():
-        pending = rec.switch is not None and any(op.node == node for op in rec.switch.ops)
+        pending = any(op.node == node for op in pending_ops(rec))  # the switch's, or snapshots trailing a grant
         if pending or node in rec.loaded or any(node in ns for ns in rec.placements.values()):
             log.warning("agent lost", extra={"node": node, "group": g})
             try:

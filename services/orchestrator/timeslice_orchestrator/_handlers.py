@@ -265,10 +265,11 @@ def _on_registered(w: Work, ev: JobRegistered) -> None:
     if w.active_job == ev.job and ev.node not in w.loaded:
         w.loaded[ev.node] = ev.job
     sw = w.switch
-    # The job's operations still pending on that node are sent again: an agent announces its jobs when it
-    # restarts, and a restarted agent has forgotten the commands it had taken. Without this, the switch would
-    # wait for their deadline, and then fault their jobs (the incoming one too) for the agent's restart.
-    for op in sw.ops if sw is not None else ():
+    # The job's operations still pending on that node (the switch's, or snapshots trailing a grant) are sent again:
+    # an agent announces its jobs when it restarts, and a restarted agent has forgotten the commands it had taken.
+    # Without this, the switch would wait for their deadline, and then fault their jobs (the incoming one too) for
+    # the agent's restart.
+    for op in w.pending_ops():
         if op.node == ev.node and op.job == ev.job:
             w.resend(op)
     if (sw is not None and sw.phase is OpKind.RESTORE and sw.to is not None and sw.to.job == ev.job
@@ -301,14 +302,15 @@ def _on_unregistered(w: Work, ev: JobUnregistered) -> None:
 
 
 def _on_op_result(w: Work, ev: OpResult) -> None:
-    sw = w.switch
-    if sw is None or sw.epoch != ev.epoch:
+    sw, tr = w.switch, w.trailing
+    epoch = tr.epoch if tr is not None else sw.epoch if sw is not None else None
+    if epoch != ev.epoch:
         return  # a late answer from an earlier switch: fenced off
-    for op in sw.ops:
+    for op in w.pending_ops():
         # The node and job must be the operation's too: an agent answers only for its own node's operations (its
         # subject names its node, which the bus checked), never for another node's by naming its op id.
         if op.op_id == ev.op_id and op.node == ev.node and op.job == ev.job:
-            w.op_done(op, ok=ev.ok, error=ev.error)
+            w.op_done(op, ok=ev.ok, error=ev.error, beside=ev.overlapped)
             return
 
 
@@ -320,9 +322,9 @@ def _on_agent_lost(w: Work, ev: AgentLost) -> None:
     contexts on it at once. The snapshot ends when an agent on that node answers it (a restarted agent announces
     the job, is sent the snapshot again and answers once the job's state is off the device), or at its deadline,
     which faults the job: its state could not be known. A restore on that node cannot run: it ends, faulting its
-    job unless it never started (queued behind a snapshot there) and nothing of the job is saved on that node."""
-    sw = w.switch
-    ops = sw.ops if sw is not None else ()
+    job unless it never started (queued behind a snapshot there) and nothing of the job is saved on that node. A
+    snapshot trailing a grant on restore stays pending in the same way, and the holder keeps the group."""
+    ops = w.pending_ops()
     snapshotting = {op.node for op in ops if op.kind is OpKind.SNAPSHOT}
     queued = [op for op in ops if op.node == ev.node and op.kind is OpKind.RESTORE and op.node in snapshotting]
     _fail_ops(w, lambda op: op.node == ev.node and op.kind is OpKind.RESTORE and op not in queued,
@@ -335,8 +337,7 @@ def _on_agent_lost(w: Work, ev: AgentLost) -> None:
     if ev.node not in w.lost_nodes:
         w.lost_nodes = (*w.lost_nodes, ev.node)[-w.limits.max_lost_nodes :]  # the oldest loss is forgotten first
         w.touch("agent lost")
-    sw = w.switch
-    snapshotting_jobs = {op.job for op in (sw.ops if sw is not None else ()) if op.node == ev.node}
+    snapshotting_jobs = {op.job for op in w.pending_ops() if op.node == ev.node}
     for job, nodes in list(w.placements.items()):
         if ev.node in nodes and ev.node not in w.saved.get(job, ()) and job not in snapshotting_jobs:
             # A job whose context is saved there keeps the placement: that context still has to come back; so does
@@ -354,10 +355,7 @@ def _on_agent_lost(w: Work, ev: AgentLost) -> None:
 
 
 def _fail_ops(w: Work, pred: Callable[[OpRecord], bool], error: str, *, fault: bool = True) -> None:
-    sw = w.switch
-    if sw is None:
-        return
-    for op in sw.ops:
+    for op in w.pending_ops():
         if pred(op):
             w.op_done(op, ok=False, error=error, fault=fault)
 

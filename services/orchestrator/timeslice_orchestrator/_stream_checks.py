@@ -16,7 +16,9 @@ operation events, and reports, per group:
 * ``grant-while-loaded``: a new grant to job B while the stream shows job A's context possibly still on a
   node of the group: A's snapshot there started (``OpStarted``) with no ``OpResult`` yet, or ended
   ``ok=False`` while A was neither unregistered from that node nor faulted (the fold's record says whether
-  it is).
+  it is). The one exception is a grant on restore: B's restore of the same switch on that node ended ``ok`` saying
+  it ran beside A's snapshot (``OpResult.overlapped``, the agent's room rule) while that snapshot still ran; B
+  (and only B) may then be granted before it ends.
 
 A grant that repeats a (job, epoch) already granted (the holder's re-acquire, a grant re-sent to a waiter
 that had not heard it, a restarted orchestrator re-publishing) is not a new grant and is not checked again.
@@ -107,6 +109,7 @@ class Violation:
 class _Snap:
     failed: bool
     events: list[StreamEvent]
+    epoch: int = -1  # its switch's (-1: unknown)
 
 
 @dataclass
@@ -135,6 +138,10 @@ class _Group:
     op_timeouts: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, job) -> ms
     gone: set[tuple[str, str]] = field(default_factory=set)  # (node, job) unregistered and not registered again
     left: set[str] = field(default_factory=set)  # op ids started before their job left the node, not yet answered
+    # node -> (epoch, job) of the latest restore there that succeeded beside its switch's snapshots (a grant on
+    # restore). Kept apart from the snapshots: the agent may publish a snapshot's OpStarted after that restore's
+    # OpResult (it starts both at once), and a restarted agent begins the same snapshot again.
+    beside: dict[str, tuple[int, str]] = field(default_factory=dict)
 
 
 class StreamChecks:
@@ -249,6 +256,8 @@ class StreamChecks:
             key = (inp.node, inp.job)
             left = inp.op_id in g.left
             g.left.discard(inp.op_id)
+            if inp.kind is OpKind.RESTORE and inp.ok and inp.overlapped:
+                g.beside[inp.node] = (inp.epoch, inp.job)
             if inp.kind is OpKind.SNAPSHOT:
                 if inp.ok or key in g.gone or left:
                     # A job whose processes ended mid-snapshot is unregistered first, then its snapshot answered as
@@ -273,7 +282,7 @@ class StreamChecks:
         g.ops[op.op_id] = _Op(ev, op.node, op.job, budgets=2 if op.kind is OpKind.RESTORE else 1)
         self._progress(g, ev)
         if op.kind is OpKind.SNAPSHOT:
-            g.snapshots[(op.node, op.job)] = _Snap(failed=False, events=[ev])
+            g.snapshots[(op.node, op.job)] = _Snap(failed=False, events=[ev], epoch=op.epoch)
 
     def _notice(self, ev: StreamEvent, n: Notice) -> None:
         name = n.group
@@ -345,8 +354,9 @@ class StreamChecks:
     def _loaded(self, name: str, g: _Group, ev: StreamEvent, n: Granted) -> None:
         faulted = self._faulted(name)
         for (node, job), snap in sorted(g.snapshots.items()):
-            if job == n.job or (snap.failed and job in faulted):
-                continue
+            if job == n.job or (snap.failed and job in faulted) or (not snap.failed
+                                                                    and g.beside.get(node) == (snap.epoch, n.job)):
+                continue  # (the last: a grant on restore, the snapshot trailing it)
             timeout = g.op_timeouts.get((node, job), DEFAULT_OP_TIMEOUT_MS)
             if not snap.failed and job in faulted and ev.ts_ms >= snap.events[0].ts_ms + timeout:
                 continue  # unanswered past its deadline: the job was faulted, its state unknown (the core's rule)

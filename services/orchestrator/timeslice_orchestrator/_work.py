@@ -27,6 +27,7 @@ from timeslice_client.protocol import (
     Snapshot,
     StateChanged,
     SwitchRecord,
+    TrailRecord,
     WaiterRecord,
 )
 
@@ -94,6 +95,7 @@ class Work:
     faulted: dict[str, str]
     saved: dict[str, tuple[str, ...]]
     lost_nodes: tuple[str, ...]
+    trailing: TrailRecord | None = None
     actions: list[Action] = field(default_factory=list)
     changed: bool = False
     reason: str = ""
@@ -119,6 +121,7 @@ class Work:
             faulted=dict(rec.faulted),
             saved=dict(rec.saved),
             lost_nodes=rec.lost_nodes,
+            trailing=rec.trailing,
         )
 
     def finish(self, rec: GroupRecord, seq: int) -> tuple[GroupRecord, list[Action]]:
@@ -157,14 +160,15 @@ class Work:
             saved=self.saved,
             lost_nodes=self.lost_nodes,
             last_seq=seq,
+            trailing=self.trailing,
         )
         return new, self.actions
 
     def _derive_state(self) -> GroupState:
         if self.holder is not None:
             return GroupState.LOCKED
-        if self.switch is not None:
-            return GroupState.SWITCHING
+        if self.switch is not None or (self.trailing is not None and self.queue):
+            return GroupState.SWITCHING  # (a waiter's switch starts once the trailing snapshots ended)
         if self.active_job is not None:
             return GroupState.IDLE_YIELDED
         return GroupState.IDLE
@@ -277,6 +281,9 @@ class Work:
                 self.queue[i] = fresh
             elif now >= wr.alive_until_ms:
                 self.drop_waiter(i, DequeueCode.LOST, "waiter lost (no renewal)")
+        for op in self.trailing.ops if self.trailing is not None else ():
+            if now >= op.deadline_ms:
+                self.op_done(op, ok=False, error=f"{op.kind} on node {op.node} timed out")
         sw = self.switch
         if sw is None:
             return
@@ -310,7 +317,7 @@ class Work:
         while True:
             sw = self.switch
             if sw is not None:
-                if sw.ops:
+                if sw.ops and not self._beside_only(sw):
                     return
                 if sw.phase is OpKind.SNAPSHOT and sw.to is not None and sw.to.job not in self.faulted:
                     self.start_restores(sw)
@@ -318,20 +325,31 @@ class Work:
                 self.switch = None
                 to = sw.to
                 if to is not None and to.job not in self.faulted:
+                    if sw.ops:  # grant on restore: the outgoing snapshots trail the grant
+                        self.trailing = TrailRecord(epoch=sw.epoch, ops=sw.ops)
                     self.grant(to, sw.epoch, sw.restored)
                     return
                 if to is not None:
                     self.refuse(to.job, to.request_id, ErrorCode.JOB_FAULTED, self.faulted[to.job])
                 self.touch("switch ended without grant")
                 continue
-            if self.holder is not None or not self.queue:
-                return
+            if self.holder is not None or not self.queue or self.trailing is not None:
+                return  # (no switch while snapshots trail: its restores would make a third context)
             wr = self.queue.pop(0)
             self.touch("next waiter")
             if wr.job in self.faulted:
                 self.refuse(wr.job, wr.request_id, ErrorCode.JOB_FAULTED, self.faulted[wr.job])
                 continue
             self.start_switch(wr)
+
+    def _beside_only(self, sw: SwitchRecord) -> bool:
+        """Grant on restore: whether the incoming job may be granted although operations of ``sw`` are pending. Only
+        when every one is a snapshot on a node where the incoming job's restore succeeded beside it, by the agent's
+        room rule (``OpResult.overlapped``), and its context counts as loaded there now."""
+        to = sw.to
+        return (to is not None and to.job not in self.faulted and sw.phase is OpKind.RESTORE
+                and all(op.kind is OpKind.SNAPSHOT and op.node in sw.beside and self.loaded.get(op.node) == to.job
+                        for op in sw.ops))
 
     def start_switch(self, wr: WaiterRecord) -> None:
         """Snapshot every loaded context that is not the incoming job's and, in the same breath, restore the
@@ -373,30 +391,46 @@ class Work:
         """Send again the running switch's commands that are unanswered for ``Limits.resend_ms`` (after the event's
         own changes: only operations still pending go out). A command published while the stream could not store it
         never reached its agent; one that did is answered once more with the same outcome."""
-        sw = self.switch
         now = self.now
-        due = {op.op_id for op in (sw.ops if sw is not None else ()) if op.resend_at_ms and now >= op.resend_at_ms}
-        if sw is None or not due:
+        due = {op.op_id for op in self.pending_ops() if op.resend_at_ms and now >= op.resend_at_ms}
+        if not due:
             return
-        self.switch = msgspec.structs.replace(sw, ops=tuple(
-            msgspec.structs.replace(op, resend_at_ms=now + self.limits.resend_ms) if op.op_id in due else op
-            for op in sw.ops))
-        for op in self.switch.ops:
+        self._set_resend_at(due, now + self.limits.resend_ms)
+        for op in self.pending_ops():
             if op.op_id in due:
                 self.resend(op)
         self.touch("operations sent again")
+
+    def pending_ops(self) -> tuple[OpRecord, ...]:
+        """The running switch's operations, or the snapshots trailing the last grant (never both at once)."""
+        if self.trailing is not None:
+            return self.trailing.ops
+        return self.switch.ops if self.switch is not None else ()
+
+    def _set_resend_at(self, op_ids: set[str], at: int) -> None:
+        def again(ops: tuple[OpRecord, ...]) -> tuple[OpRecord, ...]:
+            return tuple(msgspec.structs.replace(o, resend_at_ms=at) if o.op_id in op_ids else o for o in ops)
+
+        if self.trailing is not None:
+            self.trailing = msgspec.structs.replace(self.trailing, ops=again(self.trailing.ops))
+        elif self.switch is not None:
+            self.switch = msgspec.structs.replace(self.switch, ops=again(self.switch.ops))
 
     def resend(self, op: OpRecord) -> None:
         """Send an operation of the running switch again, as it was sent (a restore after the snapshots still
         pending on its node). For an agent that registered the job anew: one that restarted has forgotten the
         commands it had taken; one that still runs the operation answers the same op id as before. Its next timed
         resend (``resend_due``) counts from now."""
-        sw = self.switch
-        assert sw is not None
         again = self.now + self.limits.resend_ms
         if op.resend_at_ms and op.resend_at_ms != again:
-            self.switch = sw = msgspec.structs.replace(sw, ops=tuple(
-                msgspec.structs.replace(o, resend_at_ms=again) if o.op_id == op.op_id else o for o in sw.ops))
+            self._set_resend_at({op.op_id}, again)
+        tr = self.trailing
+        if tr is not None:  # a trailing snapshot, at the epoch of the switch that granted on restore
+            self.actions.append(Command(Snapshot(op_id=op.op_id, group=self.group, job=op.job, node=op.node,
+                                                 epoch=tr.epoch, deadline_ms=op.deadline_ms)))
+            return
+        sw = self.switch
+        assert sw is not None
         cmd: AgentCommand
         if op.kind is OpKind.SNAPSHOT:
             cmd = Snapshot(op_id=op.op_id, group=self.group, job=op.job, node=op.node, epoch=sw.epoch,
@@ -432,14 +466,25 @@ class Work:
         self.actions.append(Command(cmd))
         return op
 
-    def op_done(self, op: OpRecord, *, ok: bool, error: str | None, fault: bool = True) -> None:
-        """An operation of the running switch ended. ``fault=False``: it failed because its job left the
-        node (nothing is left there to move), which does not fault the job."""
-        sw = self.switch
-        assert sw is not None
-        restored = sw.restored or (ok and op.kind is OpKind.RESTORE)  # the grant says a context came back
-        self.switch = msgspec.structs.replace(sw, ops=tuple(o for o in sw.ops if o.op_id != op.op_id),
-                                              restored=restored)
+    def op_done(self, op: OpRecord, *, ok: bool, error: str | None, fault: bool = True, beside: bool = False) -> None:
+        """An operation of the running switch, or a trailing snapshot, ended. ``fault=False``: it failed because its
+        job left the node (nothing is left there to move), which does not fault the job. ``beside``: a restore
+        that ran beside the snapshots on its node (the agent's room rule, ``OpResult.overlapped``).
+
+        A trailing snapshot that fails faults its job as any failed snapshot does: its context was rolled back and
+        stays on the device beside the holder's, but a faulted job is never granted, so only the holder runs."""
+        tr = self.trailing
+        if tr is not None and any(o.op_id == op.op_id for o in tr.ops):
+            left = tuple(o for o in tr.ops if o.op_id != op.op_id)
+            self.trailing = msgspec.structs.replace(tr, ops=left) if left else None
+        else:
+            sw = self.switch
+            assert sw is not None
+            restored = sw.restored or (ok and op.kind is OpKind.RESTORE)  # the grant says a context came back
+            near = ((*sw.beside, op.node) if ok and beside and op.kind is OpKind.RESTORE and op.node not in sw.beside
+                    else sw.beside)
+            self.switch = msgspec.structs.replace(sw, ops=tuple(o for o in sw.ops if o.op_id != op.op_id),
+                                                  restored=restored, beside=near)
         if op.kind is OpKind.SNAPSHOT or not ok:
             if self.loaded.get(op.node) == op.job:
                 del self.loaded[op.node]

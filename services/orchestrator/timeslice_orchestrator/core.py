@@ -19,7 +19,8 @@ Semantics, per group:
 * a holder's lease starts as a short confirmation window (``confirm_ms``) and becomes ``lease_ms``
   at the first renewal, so a waiter that died just before its grant is passed over within seconds;
 * a switch snapshots every loaded context that is not the incoming job's, then restores the
-  incoming job where it is registered, and grants only when every restore succeeded; a failed
+  incoming job where it is registered, and grants only when every restore succeeded (and, but for a grant
+  on restore, below, every snapshot ended); a failed
   operation faults that job only, and the group moves on. The restores are sent together with the
   snapshots: each names the snapshots on its node that the agent finishes first (``Restore.after``),
   so no round trip through the orchestrator sits between a snapshot and the restore after it;
@@ -31,7 +32,19 @@ Semantics, per group:
   job), or its job left the node (unregistered: its processes are gone), or its deadline passed (its job is
   faulted: its state could not be known). The loss of the agent running a snapshot ends nothing: the job's own
   process may still be suspending it. ``timeslice check`` reports a grant made while a snapshot of another job
-  had started and not ended (``grant-while-loaded``);
+  had started and not ended (``grant-while-loaded``), but for the one exception below;
+* **grant on restore**, the one exception: while a switch's snapshot of the outgoing job still runs on a node,
+  the incoming job is granted once its restore is done *only* if that restore ran beside the snapshot by the
+  agent's room rule and said so (``OpResult.overlapped``; an older agent never does) and succeeded, on every
+  node where a snapshot still runs (``Work._beside_only``). Otherwise the order stays snapshot, restore, grant.
+  Two contexts then share a device, but only one job runs: the outgoing job no longer holds (it released, or
+  its client stopped holding before its hold was revoked), and its process only has its state copied out.
+  Those snapshots go on as ``GroupRecord.trailing`` (at their switch's epoch), ended as any snapshot is: an
+  answer, the job's unregistration, or the deadline (which faults the job); an agent's loss ends nothing. A
+  trailing snapshot that fails was rolled back: its job is faulted (its context stays on the device beside the
+  holder's, and a faulted job is never granted), and the holder keeps the group. No switch starts while
+  snapshots trail (the group is SWITCHING if jobs wait): the next switch's restore would be a third context on
+  the device;
 * **time the lock could not hear does not count against a waiter**: a wait's liveness deadline found passed by
   more than ``Limits.deaf_after_ms`` when it is checked was not checked on time (nothing reached the stream: its
   leader was being elected, or no orchestrator published ticks), so the waiter's renewals may have been lost with
@@ -73,12 +86,12 @@ def next_deadline(rec: GroupRecord) -> int | None:
     if rec.holder is not None:
         times.append(rec.holder.lease_deadline_ms)
     times.extend(min(w.deadline_ms, w.alive_until_ms) for w in rec.queue)
-    if rec.switch is not None:
-        times.extend(op.deadline_ms for op in rec.switch.ops)
-        times.extend(op.resend_at_ms for op in rec.switch.ops if op.resend_at_ms)
-        if rec.switch.to is not None:
-            to = rec.switch.to
-            times.append(min(to.deadline_ms, to.alive_until_ms))
+    ops = (rec.switch.ops if rec.switch is not None else ()) + (rec.trailing.ops if rec.trailing is not None else ())
+    times.extend(op.deadline_ms for op in ops)
+    times.extend(op.resend_at_ms for op in ops if op.resend_at_ms)
+    if rec.switch is not None and rec.switch.to is not None:
+        to = rec.switch.to
+        times.append(min(to.deadline_ms, to.alive_until_ms))
     return min(times) if times else None
 
 

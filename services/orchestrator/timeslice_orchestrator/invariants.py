@@ -20,21 +20,18 @@ Both raise :class:`InvariantViolation`, which names the rule and carries the val
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
 import msgspec
 from timeslice_client.protocol import (
     Acquire,
-    AgentLost,
     Granted,
     GroupRecord,
     GroupState,
     InputEvent,
-    JobUnregistered,
     OpKind,
-    OpResult,
     OpStarted,
     Release,
     Released,
@@ -45,7 +42,9 @@ from timeslice_client.protocol import (
     validate_id,
 )
 
+from ._op_facts import OpFacts, pending_ops
 from ._subjects import check_names, route, subject_matches
+from ._violation import InvariantViolation
 from .core import Action, Notify, apply, new_record
 
 __all__ = [
@@ -60,43 +59,13 @@ __all__ = [
 _op_started_decoder: Final = msgspec.json.Decoder(OpStarted)
 
 
-class InvariantViolation(Exception):
-    """An invariant does not hold. ``rule`` names it; ``values`` holds what shows it."""
-
-    def __init__(
-        self,
-        rule: str,
-        detail: str,
-        *,
-        group: str | None = None,
-        seq: int | None = None,
-        values: Mapping[str, object] | None = None,
-    ) -> None:
-        self.rule = rule
-        self.detail = detail
-        self.group = group
-        self.seq = seq
-        self.values: dict[str, object] = dict(values or {})
-        where = ""
-        if group is not None:
-            where += f" in group {group!r}"
-        if seq is not None:
-            where += f" at stream seq {seq}"
-        shown = "".join(f"\n  {k} = {v!r}" for k, v in self.values.items())
-        super().__init__(f"invariant {rule!r} violated{where}: {detail}{shown}")
-
-    def at(self, seq: int) -> InvariantViolation:
-        """The same violation, located at stream sequence ``seq``."""
-        return InvariantViolation(self.rule, self.detail, group=self.group, seq=seq, values=self.values)
-
-
 # --------------------------------------------------------------------------- record invariants
 
 
 def _expected_state(rec: GroupRecord) -> GroupState:
     if rec.holder is not None:
         return GroupState.LOCKED
-    if rec.switch is not None:
+    if rec.switch is not None or (rec.trailing is not None and rec.queue):
         return GroupState.SWITCHING
     if rec.active_job is not None:
         return GroupState.IDLE_YIELDED
@@ -153,7 +122,7 @@ def check_record(rec: GroupRecord) -> None:
                        "while a job holds the group, no other job's context is on its accelerators",
                        holder=h.job, others=others)
     elif rec.switch is None:
-        if rec.queue:
+        if rec.queue and rec.trailing is None:
             raise fail("idle-with-waiters",
                        "nobody holds and no switch runs, yet jobs wait (no grant would ever come)",
                        queue=queued, state=rec.state)
@@ -210,8 +179,8 @@ def check_record(rec: GroupRecord) -> None:
         if both:
             raise fail("saved-loaded", "a context is either saved or loaded on a node, not both", job=job,
                        nodes=both)
-    pending = {(op.node, op.job) for op in (rec.switch.ops if rec.switch is not None else ())
-               if op.kind is OpKind.SNAPSHOT}
+    _check_trailing(rec, fail)
+    pending = {(op.node, op.job) for op in pending_ops(rec) if op.kind is OpKind.SNAPSHOT}
     lost_loaded = sorted(n for n in rec.lost_nodes if n in rec.loaded and (n, rec.loaded[n]) not in pending)
     if lost_loaded:
         raise fail("lost-not-loaded", "no context counts as loaded on a node whose agent is lost, but one whose "
@@ -221,6 +190,36 @@ def check_record(rec: GroupRecord) -> None:
     if set(rec.op_timeouts) != pairs:
         raise fail("op-timeouts", "operation timeouts are kept for exactly the registered (node, job) pairs",
                    op_timeouts=sorted(rec.op_timeouts), registered=sorted(pairs))
+
+
+def _check_trailing(rec: GroupRecord, fail: Callable[..., InvariantViolation]) -> None:
+    """Snapshots trailing a grant on restore: the one co-residency of two jobs' contexts that a record may show."""
+    tr = rec.trailing
+    if tr is None:
+        return
+    if rec.switch is not None:
+        raise fail("trailing-switch", "no switch runs while snapshots trail a grant (its restores would make a third "
+                   "context on a device)", trailing=tr, switch=rec.switch)
+    if not tr.ops or tr.epoch > rec.epoch:
+        raise fail("trailing-ops", "trailing snapshots are pending operations of an earlier (or the current) epoch",
+                   trailing=tr, epoch=rec.epoch)
+    nodes = [op.node for op in tr.ops]
+    if len(set(nodes)) != len(nodes) or len({op.op_id for op in tr.ops}) != len(nodes):
+        raise fail("trailing-one-per-node", "at most one snapshot trails on a node, each with its own id", trailing=tr)
+    holder = rec.holder.job if rec.holder is not None else None
+    for op in tr.ops:
+        if op.kind is not OpKind.SNAPSHOT:
+            raise fail("trailing-snapshots", "only snapshots trail a grant", op=op)
+        if rec.active_job is None or op.job in (rec.active_job, holder) or rec.loaded.get(op.node) == op.job:
+            raise fail("trailing-beside", "a trailing snapshot's job neither holds nor is the active job nor counts "
+                       "as loaded: the one context beside it on its node is the active job's (a grant on restore)",
+                       op=op, active_job=rec.active_job, holder=holder, loaded=rec.loaded)
+        if rec.loaded.get(op.node, rec.active_job) != rec.active_job:
+            raise fail("trailing-beside", "beside a trailing snapshot, only the active job's context is loaded",
+                       op=op, active_job=rec.active_job, loaded=rec.loaded)
+        if op.node not in rec.placements.get(op.job, ()):
+            raise fail("trailing-placed", "a trailing snapshot's job is registered on its node (its unregistration "
+                       "ends the snapshot)", op=op, placements=rec.placements.get(op.job, ()))
 
 
 # --------------------------------------------------------------------------- the stream checker
@@ -282,8 +281,7 @@ class StreamChecker:
         self.duplicates = 0
         self.ignored = 0
         self.notices = 0
-        # Snapshots started on a node and not ended yet: (node, group, epoch) -> op ids.
-        self._snapshots_running: dict[tuple[str, str, int], set[str]] = {}
+        self._facts = OpFacts()  # the agents' facts: operations started and ended, what ran beside what
         for group, rec in (records or {}).items():
             check_record(rec)
             self.records[group] = rec
@@ -345,28 +343,7 @@ class StreamChecker:
         except (msgspec.DecodeError, msgspec.ValidationError):
             self.ignored += 1
             return
-        key = (op.node, op.group, op.epoch)
-        if op.kind is OpKind.SNAPSHOT:
-            self._snapshots_running.setdefault(key, set()).add(op.op_id)
-        elif not op.overlapped and (running := self._snapshots_running.get(key)):
-            # An overlapped restore says the node had room for both contexts; the grant still waits for all.
-            raise InvariantViolation("node-restore-after-snapshot",
-                                     "on a node, a restore starts only after its switch's snapshots there ended "
-                                     "(or beside them, saying so: overlapped)",
-                                     group=op.group, seq=seq,
-                                     values={"restore": op, "snapshots_running": sorted(running)})
-
-    def _ops_ended(self, ev: InputEvent) -> None:
-        if isinstance(ev, OpResult):
-            key = (ev.node, ev.group, ev.epoch)
-            running = self._snapshots_running.get(key)
-            if running is not None:
-                running.discard(ev.op_id)
-                if not running:
-                    del self._snapshots_running[key]
-        elif isinstance(ev, AgentLost | JobUnregistered):  # the orchestrator ends that node's operations
-            for key in [k for k in self._snapshots_running if k[0] == ev.node and k[1] == ev.group]:
-                del self._snapshots_running[key]
+        self._facts.started(op, seq, self.records.get(op.group))
 
     def _view(self, group: str) -> _GroupView:
         view = self._views.get(group)
@@ -399,7 +376,7 @@ class StreamChecker:
             if group:
                 self._view(group).stats.rejected += 1
             return []
-        self._ops_ended(ev)
+        self._facts.ended(ev)
         rec = self.records.get(group) or new_record(group)
         try:
             new, actions = apply(rec, ev, now_ms, seq)
@@ -425,12 +402,15 @@ class StreamChecker:
         if new.epoch < rec.epoch:
             raise InvariantViolation("fold-epoch", "the epoch never goes down", group=group, seq=seq,
                                      values={"before": rec.epoch, "after": new.epoch, "event": ev})
+        self._facts.core_ended(rec, new)
         holder = (rec.holder.job, rec.holder.epoch) if rec.holder is not None else None
         for a in actions:
             if not isinstance(a, Notify):
                 continue
             n = a.notice
             if isinstance(n, Granted):
+                if holder != (n.job, n.epoch):
+                    self._facts.granted(n, seq)
                 self._fold_grant(view, seq, n, holder)
                 holder = (n.job, n.epoch)
             elif isinstance(n, Released | Revoked):

@@ -170,7 +170,7 @@ class OrchestratorMetrics(Collector):
                 why = _dequeue_reason(n.code)
                 if why is not None:
                     s.dequeued[why] += 1
-        if s.vacated_ms is not None and new.holder is None and new.switch is None:
+        if s.vacated_ms is not None and new.holder is None and new.switch is None and not (new.trailing and new.queue):
             s.vacated_ms = None  # nobody was due: the group went idle, no handoff is under way
         if new.faulted:
             s.faults += len(new.faulted.keys() - old.faulted.keys())

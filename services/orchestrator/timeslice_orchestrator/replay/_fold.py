@@ -32,6 +32,7 @@ from timeslice_client.protocol import (
     subjects,
 )
 
+from .._op_facts import pending_ops
 from ..core import Action, Command, Notify
 from ..invariants import InvariantViolation, StreamChecker, subject_matches
 from ._model import (
@@ -96,8 +97,8 @@ def _waiting(rec: GroupRecord | None) -> dict[str, int]:
 def _lane_states(rec: GroupRecord, early: Set[str] = frozenset()) -> dict[tuple[str, str], str]:
     """(node, job) -> the context's state as the record tells it. A restore issued with the snapshots counts
     as moving only once no snapshot is pending on its node (the agent runs it after them), unless its
-    ``OpStarted`` said it overlapped them (its op id in ``early``)."""
-    ops = rec.switch.ops if rec.switch is not None else ()
+    ``OpStarted`` said it overlapped them (its op id in ``early``). A snapshot trailing a grant on restore moves too."""
+    ops = pending_ops(rec)
     snapshotting = {op.node for op in ops if op.kind is OpKind.SNAPSHOT}
     pending = {(op.node, op.job) for op in ops
                if op.kind is OpKind.SNAPSHOT or op.node not in snapshotting or op.op_id in early}
@@ -227,8 +228,8 @@ class _Folder:
                 issued = OpBar(op_id=c.op_id, kind=str(kind), epoch=c.epoch, start_ms=ts, issued_ms=ts)
                 self.ops[c.op_id] = issued
                 self._lane(c.node, c.job, after.group).ops.append(issued)
-        pending_after = {op.op_id for op in after.switch.ops} if after.switch is not None else set()
-        for op in before.switch.ops if before is not None and before.switch is not None else ():
+        pending_after = {op.op_id for op in pending_ops(after)}  # a snapshot trailing a grant is still pending
+        for op in pending_ops(before):
             bar = self.ops.get(op.op_id)
             if op.op_id not in pending_after and bar is not None and bar.end_ms is None:
                 bar.end_ms, bar.ok = ts, False  # ended by the core without an answer (timeout, agent lost)
