@@ -81,7 +81,8 @@ class FreezeBackend:
         self._signal(ctx, signal.SIGSTOP)
         targets = set(ctx.pids)
         if ctx.pgid is not None:
-            targets |= group_members(ctx.pgid, proc=self._proc)
+            # (a scan of every process on the node: off the agent's loop, which other jobs' operations share)
+            targets |= await asyncio.to_thread(group_members, ctx.pgid, proc=self._proc)
         try:
             await wait_stopped(targets, timeout=min(self._stop_timeout, op.remaining()), proc=self._proc)
         except BaseException as exc:  # not stopped in time, or the operation cancelled: leave the job running
