@@ -32,7 +32,7 @@ from typing import Annotated, Final, Literal, cast
 
 import msgspec
 
-from ._agent_info import AgentInfo, DeviceInfo
+from ._agent_info import AgentInfo, DeviceInfo, JobContext, ProcessOwner
 from ._bounds import DEFAULT_OP_TIMEOUT_MS, Count, Elapsed, Id, Ms, Name, OpId, OpTimeoutMs, Reason, RequestId, Text
 from ._codes import DequeueCode, ErrorCode, GroupState, JobState, OpKind, RevokeCode, SuspendMode
 from ._names import subjects, validate_id
@@ -522,51 +522,6 @@ class GroupRecord(_Rec, frozen=True):
     lost_nodes: tuple[str, ...] = ()  # nodes whose agent was lost and has not registered a job since
     last_seq: int = 0
     trailing: TrailRecord | None = None  # snapshots of the last switch still running beside its grant
-
-
-class ProcessOwner(_Rec, frozen=True):
-    """The process that proved a job's registration through the agent's Unix socket (its peer credentials), and
-    the start times (``/proc/<pid>/stat``, clock ticks since boot) that tell the registered processes from later
-    ones that reuse their numbers: ``pid_starts`` one per registered pid, ``group_start`` the process group's
-    leader's (None when the group had no leader)."""
-
-    pid: int
-    uid: int
-    gid: int
-    start: int
-    pid_starts: tuple[int, ...] = ()
-    group_start: int | None = None
-
-
-class JobContext(_Rec, frozen=True):
-    """One job's context on one node (KV ``jobs``, key ``<node>.<job>``), kept by that node's agent."""
-
-    node: str
-    job: str
-    group: str
-    state: JobState
-    backends: tuple[str, ...] = ()
-    pids: tuple[int, ...] = ()
-    pgid: int | None = None
-    mode: SuspendMode = SuspendMode.OFFLOAD
-    tags: tuple[str, ...] = ()
-    op_timeout_ms: int = DEFAULT_OP_TIMEOUT_MS
-    endpoints: tuple[str, ...] = ()
-    reason: str | None = None
-    epoch: int = 0
-    last_op_id: str | None = None
-    last_op_ok: bool | None = None
-    last_op_error: str | None = None
-    bytes_moved: int = 0
-    device_bytes_freed: int = 0
-    elapsed_ms: float = 0.0
-    updated_ms: int = 0
-    owner: ProcessOwner | None = None  # None: not proven; process-level backends then never act
-    channel: str | None = None  # RegisterJob.channel: the workload channel that registered it
-    # How the state now saved was suspended, when a request's own settings did it (None: the registered ones): the
-    # restore after it resumes it the same way.
-    saved_mode: SuspendMode | None = None
-    saved_tags: tuple[str, ...] | None = None
 
 
 # --------------------------------------------------------------------------- codecs

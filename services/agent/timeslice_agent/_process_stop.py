@@ -14,6 +14,8 @@ import os
 import time
 from collections.abc import Iterable
 
+from ._ownership import ProcFS
+
 __all__ = ["NotStopped", "group_members", "running_threads", "wait_stopped"]
 
 # Thread states (proc(5)) in which a thread runs no user code: stopped, traced-stopped, zombie, dead.
@@ -65,23 +67,13 @@ def running_threads(pids: Iterable[int], *, proc: str = "/proc") -> dict[str, st
 
 
 def group_members(pgid: int, *, proc: str = "/proc") -> frozenset[int]:
-    """The processes whose process group is ``pgid`` (from each ``<proc>/<pid>/stat``)."""
-    members: set[int] = set()
+    """The processes whose process group is ``pgid`` (each ``<proc>/<pid>/stat``, read by ``_ownership.ProcFS``)."""
+    fs = ProcFS(proc)
     try:
         entries = os.listdir(proc)
     except OSError:
         return frozenset()
-    for name in entries:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"{proc}/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            if int(fields[2]) == pgid:
-                members.add(int(name))
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
-    return frozenset(members)
+    return frozenset(int(n) for n in entries if n.isdigit() and (st := fs.stat(int(n))) is not None and st.pgrp == pgid)
 
 
 async def wait_stopped(pids: Iterable[int], *, timeout: float, proc: str = "/proc") -> float:
