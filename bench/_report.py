@@ -19,8 +19,20 @@ from _report_switch import _grant_on_restore
 
 NOTES = Path(__file__).resolve().parent / "NOTES.md"
 BUSY_LOAD = 1.0  # a run that started above this 1-min load average was not on a quiet machine
-ORDER = ("handoff", "handoff_auth", "bind_cost", "offload", "busy_suspend", "grant_on_restore", "scale", "recovery",
-         "failover", "stream_leader", "chaos", "trace_replay")
+ORDER = (
+    "handoff",
+    "handoff_auth",
+    "bind_cost",
+    "offload",
+    "busy_suspend",
+    "grant_on_restore",
+    "scale",
+    "recovery",
+    "failover",
+    "stream_leader",
+    "chaos",
+    "trace_replay",
+)
 
 
 def load_results(results: Path) -> dict[str, dict[str, Any]]:
@@ -42,50 +54,111 @@ def load_results(results: Path) -> dict[str, dict[str, Any]]:
 def _handoff(r: dict[str, Any]) -> list[str]:
     p1, p1_99, p2 = r.get("handoff_p50_ms"), r.get("handoff_p99_ms"), r.get("reacquire_p50_ms")
     rows = [
-        ["P1 handoff (bus client)", _n(p1, 3, " ms"), _n(p1_99, 3, " ms"),
-         f"{_n(r.get('handoff_vs_baseline'))}{X} NATS request-reply", "p50 ≤ 1.5 ms, p99 ≤ 5 ms (issue 2)",
-         _met(p1 is not None and p1_99 is not None and p1 <= 1.5 and p1_99 <= 5)],
-        ["P2 same-job re-acquire" + (" (a claim)" if "reacquire_vs_pub_ack" in r else ""), _n(p2, 3, " ms"),
-         _n(r.get("reacquire_p99_ms"), 3, " ms"),
-         f"{_n(r.get('reacquire_vs_baseline'))}{X} NATS request-reply"
-         + (f", {_n(r['reacquire_vs_pub_ack'])}{X} JetStream publish+PubAck" if "reacquire_vs_pub_ack" in r else ""),
-         "p50 ≤ 1 ms (issue 2)", _met(p2 is not None and p2 <= 1.0)],
+        [
+            "P1 handoff (bus client)",
+            _n(p1, 3, " ms"),
+            _n(p1_99, 3, " ms"),
+            f"{_n(r.get('handoff_vs_baseline'))}{X} NATS request-reply",
+            "p50 ≤ 1.5 ms, p99 ≤ 5 ms (issue 2)",
+            _met(p1 is not None and p1_99 is not None and p1 <= 1.5 and p1_99 <= 5),
+        ],
+        [
+            "P2 same-job re-acquire" + (" (a claim)" if "reacquire_vs_pub_ack" in r else ""),
+            _n(p2, 3, " ms"),
+            _n(r.get("reacquire_p99_ms"), 3, " ms"),
+            f"{_n(r.get('reacquire_vs_baseline'))}{X} NATS request-reply"
+            + (f", {_n(r['reacquire_vs_pub_ack'])}{X} JetStream publish+PubAck" if "reacquire_vs_pub_ack" in r else ""),
+            "p50 ≤ 1 ms (issue 2)",
+            _met(p2 is not None and p2 <= 1.0),
+        ],
     ]
     if "reacquire_plain_p50_ms" in r:
-        rows.append(["P2 through the orchestrator (`fast_reacquire=False`)", _n(r["reacquire_plain_p50_ms"], 3, " ms"),
-                     _n(r.get("reacquire_plain_p99_ms"), 3, " ms"),
-                     f"{_n(r.get('reacquire_plain_vs_floor'))}{X} the floor below", "", f"{NA}"])
+        rows.append(
+            [
+                "P2 through the orchestrator (`fast_reacquire=False`)",
+                _n(r["reacquire_plain_p50_ms"], 3, " ms"),
+                _n(r.get("reacquire_plain_p99_ms"), 3, " ms"),
+                f"{_n(r.get('reacquire_plain_vs_floor'))}{X} the floor below",
+                "",
+                f"{NA}",
+            ]
+        )
     for key, name in (("handoff", "P1"), ("reacquire", "P2")):
         if f"{key}_sync_p50_ms" in r:
             ratio = r.get(f"{key}_sync_vs_async")
-            rows.append([f"{name} through `TimeSliceClient` (the blocking client)",
-                         _n(r[f"{key}_sync_p50_ms"], 3, " ms"), _n(r.get(f"{key}_sync_p99_ms"), 3, " ms"),
-                         f"{_n(ratio)}{X} {name} (async client)", f"p50 ≤ 1.25{X} the async client's (issue 25)",
-                         _met(ratio is not None and ratio <= 1.25)])
+            rows.append(
+                [
+                    f"{name} through `TimeSliceClient` (the blocking client)",
+                    _n(r[f"{key}_sync_p50_ms"], 3, " ms"),
+                    _n(r.get(f"{key}_sync_p99_ms"), 3, " ms"),
+                    f"{_n(ratio)}{X} {name} (async client)",
+                    f"p50 ≤ 1.25{X} the async client's (issue 25)",
+                    _met(ratio is not None and ratio <= 1.25),
+                ]
+            )
     if "grpc_handoff_p50_ms" in r:
         g50, gb = r["grpc_handoff_p50_ms"], r.get("grpc_baseline_unary_p50_ms")
-        rows.append(["P3 handoff through gRPC", _n(g50, 3, " ms"), _n(r.get("grpc_handoff_p99_ms"), 3, " ms"),
-                     f"{_n(g50 / gb if gb else None)}{X} plain gRPC call", "none in issues 2, 3, 6", f"{NA}"])
-    rows += [["baseline: NATS request-reply", _n(r.get("baseline_reqrep_p50_ms"), 3, " ms"),
-              _n(r.get("baseline_reqrep_p99_ms"), 3, " ms"), "", "", ""]]
+        rows.append(
+            [
+                "P3 handoff through gRPC",
+                _n(g50, 3, " ms"),
+                _n(r.get("grpc_handoff_p99_ms"), 3, " ms"),
+                f"{_n(g50 / gb if gb else None)}{X} plain gRPC call",
+                "none in issues 2, 3, 6",
+                f"{NA}",
+            ]
+        )
+    rows += [
+        [
+            "baseline: NATS request-reply",
+            _n(r.get("baseline_reqrep_p50_ms"), 3, " ms"),
+            _n(r.get("baseline_reqrep_p99_ms"), 3, " ms"),
+            "",
+            "",
+            "",
+        ]
+    ]
     if "floor_js_p50_ms" in r:
-        rows.append(["floor: JetStream publish → push consumer → core notice, no lock",
-                     _n(r["floor_js_p50_ms"], 3, " ms"), _n(r.get("floor_js_p99_ms"), 3, " ms"),
-                     f"P1 {_n(r.get('handoff_vs_floor'))}{X}, P2 {_n(r.get('reacquire_vs_floor'))}{X} this floor",
-                     "", ""])
+        rows.append(
+            [
+                "floor: JetStream publish → push consumer → core notice, no lock",
+                _n(r["floor_js_p50_ms"], 3, " ms"),
+                _n(r.get("floor_js_p99_ms"), 3, " ms"),
+                f"P1 {_n(r.get('handoff_vs_floor'))}{X}, P2 {_n(r.get('reacquire_vs_floor'))}{X} this floor",
+                "",
+                "",
+            ]
+        )
     if "floor_pub_ack_p50_ms" in r:
-        rows.append(["of it: the JetStream publish until its PubAck (a claim's floor)",
-                     _n(r["floor_pub_ack_p50_ms"], 3, " ms"), _n(r.get("floor_pub_ack_p99_ms"), 3, " ms"), "", "", ""])
+        rows.append(
+            [
+                "of it: the JetStream publish until its PubAck (a claim's floor)",
+                _n(r["floor_pub_ack_p50_ms"], 3, " ms"),
+                _n(r.get("floor_pub_ack_p99_ms"), 3, " ms"),
+                "",
+                "",
+                "",
+            ]
+        )
     if "grpc_baseline_unary_p50_ms" in r:
-        rows.append(["baseline: plain gRPC unary call", _n(r["grpc_baseline_unary_p50_ms"], 3, " ms"),
-                     _n(r.get("grpc_baseline_unary_p99_ms"), 3, " ms"), "", "", ""])
+        rows.append(
+            [
+                "baseline: plain gRPC unary call",
+                _n(r["grpc_baseline_unary_p50_ms"], 3, " ms"),
+                _n(r.get("grpc_baseline_unary_p99_ms"), 3, " ms"),
+                "",
+                "",
+                "",
+            ]
+        )
     return [
         "Two job processes ping-pong one group through the embedded stack. P1 = job A calls `release()` → "
         "job B's pending `acquire()` returns; P2 = one job alone releases and re-acquires (IDLE_YIELDED): "
         "since nobody waited, the re-acquire is a claim, stored with the stream's sequence check and returned at "
         "its PubAck (`Acquire.claim_epoch`); through the orchestrator it waits for the grant notice instead; "
         f"P3 = the same ping-pong through the gRPC API. {r.get('samples', '?')} handoffs after a "
-        f"{r.get('gap_ms', '?')} ms idle gap each; the first tenth dropped as warm-up.", "",
+        f"{r.get('gap_ms', '?')} ms idle gap each; the first tenth dropped as warm-up.",
+        "",
         *_cmd(r),
         *_table(["measure", "p50", "p99", "ratio to same-run baseline (p50)", "goal", "verdict"], rows),
     ]
@@ -94,9 +167,19 @@ def _handoff(r: dict[str, Any]) -> list[str]:
 def _offload(r: dict[str, Any]) -> list[str]:
     rows = []
     for s in r.get("sizes", []):
-        rows.append([f"{s.get('gib', '?'):g} GiB", _n(s.get("offload_gbps")), _n(s.get("offload_vs_copy")),
-                     _n(s.get("restore_gbps")), _n(s.get("restore_vs_fresh")), _n(s.get("restore_vs_copy")),
-                     _n(s.get("base_copy_gbps")), _n(s.get("base_fresh_gbps")), _n(s.get("overhead_ms"), 2, " ms")])
+        rows.append(
+            [
+                f"{s.get('gib', '?'):g} GiB",
+                _n(s.get("offload_gbps")),
+                _n(s.get("offload_vs_copy")),
+                _n(s.get("restore_gbps")),
+                _n(s.get("restore_vs_fresh")),
+                _n(s.get("restore_vs_copy")),
+                _n(s.get("base_copy_gbps")),
+                _n(s.get("base_fresh_gbps")),
+                _n(s.get("overhead_ms"), 2, " ms"),
+            ]
+        )
     sizes = r.get("sizes", [])
     off = min((s["offload_vs_copy"] for s in sizes), default=None)
     rst = min((s["restore_vs_fresh"] for s in sizes), default=None)
@@ -108,15 +191,29 @@ def _offload(r: dict[str, Any]) -> list[str]:
         "over the handler's own time, medians of "
         f"{r.get('cycles', '?')} cycles. Baselines in the same run for the same bytes: copy(1) = `dst.copy_(src)` "
         "into a preallocated buffer; fresh(2) = allocate + copy (memory re-obtained from the OS, as a CPU restore "
-        "must). Switch overhead = release → the other job's `acquire()` returns, minus the handler calls.", "",
+        "must). Switch overhead = release → the other job's `acquire()` returns, minus the handler calls.",
+        "",
         *_cmd(r),
-        *_table(["size", "offload GB/s", f"{X}copy(1)", "restore GB/s", f"{X}fresh(2)", f"{X}copy(1)",
-                 "copy(1) GB/s", "fresh(2) GB/s", "switch overhead"], rows),
+        *_table(
+            [
+                "size",
+                "offload GB/s",
+                f"{X}copy(1)",
+                "restore GB/s",
+                f"{X}fresh(2)",
+                f"{X}copy(1)",
+                "copy(1) GB/s",
+                "fresh(2) GB/s",
+                "switch overhead",
+            ],
+            rows,
+        ),
         f"Against issue 3: offload ≥ 80% of the same-run copy: worst {_n(off)}{X} — "
         f"{_met(off is not None and off >= 0.8)}; "
         f"restore ≥ 80%: worst {_n(rst)}{X} fresh(2) — {_met(rst is not None and rst >= 0.8)}, worst {_n(rst1)}{X} "
         f"copy(1) — {_met(rst1 is not None and rst1 >= 0.8)}; switch adds ≤ 5 ms beyond the copies: worst "
-        f"{_n(over, 2, ' ms')} — {_met(over is not None and over <= 5)}.", "",
+        f"{_n(over, 2, ' ms')} — {_met(over is not None and over <= 5)}.",
+        "",
         *_paired(sizes),
         *_handed_back(sizes),
         *_switch_floor(r),
@@ -125,14 +222,21 @@ def _offload(r: dict[str, Any]) -> list[str]:
 
 def _paired(sizes: list[dict[str, Any]]) -> list[str]:
     """Where recorded: each offload against job A's own copy of the same tensors at the start of the hold before it."""
-    parts = [f"{s.get('gib', '?'):g} GiB {_n(s['offload_vs_pair'])}{X} (the copy {_n(s.get('pair_copy_gbps'))} GB/s)"
-             for s in sizes if s.get("offload_vs_pair") is not None]
+    parts = [
+        f"{s.get('gib', '?'):g} GiB {_n(s['offload_vs_pair'])}{X} (the copy {_n(s.get('pair_copy_gbps'))} GB/s)"
+        for s in sizes
+        if s.get("offload_vs_pair") is not None
+    ]
     if not parts:
         return []
-    return ["Offload against the copy paired with it (job A's plain copy of the same tensors into a touched buffer "
-            "of its own, timed at the start of the hold before each offload; median of the per-cycle ratios), "
-            "which the host's memory-bandwidth drift between the baselines before and after a size does not move: "
-            + "; ".join(parts) + ".", ""]
+    return [
+        "Offload against the copy paired with it (job A's plain copy of the same tensors into a touched buffer "
+        "of its own, timed at the start of the hold before each offload; median of the per-cycle ratios), "
+        "which the host's memory-bandwidth drift between the baselines before and after a size does not move: "
+        + "; ".join(parts)
+        + ".",
+        "",
+    ]
 
 
 def _handed_back(sizes: list[dict[str, Any]]) -> list[str]:
@@ -149,24 +253,38 @@ def _handed_back(sizes: list[dict[str, Any]]) -> list[str]:
         if off["during"]:
             part += f" ({_n(off['during_ms'], 0, ' ms')} median, the others {_n(off['others_ms'], 0, ' ms')})"
         parts.append(part)
-    return ["Calls during which this VM's guest handed free memory back to its host (virtio-balloon free page "
+    return (
+        [
+            "Calls during which this VM's guest handed free memory back to its host (virtio-balloon free page "
             "reporting, counted by its kernel; the first cycle of each size left out): " + "; ".join(parts) + ".",
-            ""] if parts else []
+            "",
+        ]
+        if parts
+        else []
+    )
 
 
 def _busy_suspend(r: dict[str, Any]) -> list[str]:
-    rows = [[name, _n(x.get("suspend_ms"), 1, " ms"), _n(x.get("suspend_x_idle"), 1, X),
-             _n(x.get("resume_ms"), 1, " ms"), _n(x.get("resume_x_idle"), 1, X)]
-            for name, x in r.get("conditions", {}).items()]
+    rows = [
+        [
+            name,
+            _n(x.get("suspend_ms"), 1, " ms"),
+            _n(x.get("suspend_x_idle"), 1, X),
+            _n(x.get("resume_ms"), 1, " ms"),
+            _n(x.get("resume_x_idle"), 1, X),
+        ]
+        for name, x in r.get("conditions", {}).items()
+    ]
     return [
         f"The torch handler over {r.get('tensors', '?')} {r.get('device', 'cpu')} tensors of "
         f"{r.get('tensor_kib', '?')} KiB "
         f"({_n(r.get('mb'), 0, ' MB')}), called from a thread of its own as the workload channel calls it, while "
         "another thread of the job runs Python (a job scoring rewards after it yielded). Medians of "
-        f"{r.get('reps', '?')} cycles; baseline (idle: that thread sleeps) in the same run. \"per storage\": one "
-        "copy call per storage (the CUDA path); \"batched\": every copy in one call (the CPU path); \"prompt\": "
+        f'{r.get("reps", "?")} cycles; baseline (idle: that thread sleeps) in the same run. "per storage": one '
+        'copy call per storage (the CUDA path); "batched": every copy in one call (the CPU path); "prompt": '
         f"the GIL switch interval at {_n((r.get('prompt_interval_s') or 0) * 1e3, 1, ' ms')} while the command "
-        "runs, as the workload channel sets it.", "",
+        "runs, as the workload channel sets it.",
+        "",
         *_cmd(r),
         *_table(["condition", "suspend", f"{X}idle", "resume", f"{X}idle"], rows),
         *_busy_channel(r.get("channel") or {}),
@@ -176,13 +294,16 @@ def _busy_suspend(r: dict[str, Any]) -> list[str]:
 def _busy_channel(channel: dict[str, Any]) -> list[str]:
     if not channel:
         return []
-    rows = [[name, _n(x.get("p50_ms"), 2, " ms"), _n(x.get("x_idle"), 1, X), _n(x.get("p90_ms"), 2, " ms")]
-            for name, x in channel.items()]
+    rows = [
+        [name, _n(x.get("p50_ms"), 2, " ms"), _n(x.get("x_idle"), 1, X), _n(x.get("p90_ms"), 2, " ms")]
+        for name, x in channel.items()
+    ]
     return [
         "Through the workload channel: a job process with a do-nothing handler (and, when busy, a thread spinning "
-        "in Python), commands sent as the agent sends them, round trip timed by the sender. \"lowered per "
-        "command\": the interval goes down once the command is read; \"armed\": it is down already, as after "
-        "the job's release.", "",
+        'in Python), commands sent as the agent sends them, round trip timed by the sender. "lowered per '
+        'command": the interval goes down once the command is read; "armed": it is down already, as after '
+        "the job's release.",
+        "",
         *_table(["condition", "round trip p50", f"{X}idle", "p90"], rows),
     ]
 
@@ -192,16 +313,20 @@ def _switch_floor(r: dict[str, Any]) -> list[str]:
     if not f:
         return []
     ratios = ", ".join(f"{_n(s.get('overhead_vs_floor'))}{X} at {s.get('gib', '?'):g} GiB" for s in r.get("sizes", []))
-    layout = ("the agent stand-in in the orchestrator stand-in's process, which stores the command and asks the "
-              "workloads itself, three processes" if f.get("colocated") else
-              "the agent stand-in apart, reached through a push consumer, four processes")
+    layout = (
+        "the agent stand-in in the orchestrator stand-in's process, which stores the command and asks the "
+        "workloads itself, three processes"
+        if f.get("colocated")
+        else "the agent stand-in apart, reached through a push consumer, four processes"
+    )
     return [
         "Switch floor, same run and server (`bench/_switch_floor.py`): the switch's bus hops with no timeslice "
         "code in them (release through the stream → a stored command → core requests to both workloads, "
         f"answered at once → the result through the stream → a stored grant), {layout}, "
         f"{f.get('n', '?')} switches after a {_n(f.get('gap_ms'), 0)} ms idle gap each: p50 "
         f"{_n(f.get('p50_ms'), 2, ' ms')}, p90 {_n(f.get('p90_ms'), 2, ' ms')}, p99 {_n(f.get('p99_ms'), 2, ' ms')}. "
-        f"Switch overhead median, as a multiple of this floor's p50: {ratios}.", "",
+        f"Switch overhead median, as a multiple of this floor's p50: {ratios}.",
+        "",
     ]
 
 
@@ -209,13 +334,22 @@ def _scale(r: dict[str, Any]) -> list[str]:
     rows = []
     for x in r.get("rows", []):
         load = "saturated" if not x.get("hold_ms") else f"paced (hold {x['hold_ms']:.0f} ms)"
-        rows.append([str(x["groups"]), load, _n(x["handoffs_per_s"], 0), _n(x["handoff_p50_ms"], 2, " ms"),
-                     _n(x["handoff_p99_ms"], 2, " ms"), _n(x["orch_cpu_us_per_handoff"], 0, " µs"),
-                     _n(x["orch_cpu_util"] * 100, 0, "%"),
-                     f"{_n(x['nats_cpu_us_per_handoff'], 0)} / {_n(x['loadgen_cpu_us_per_handoff'], 0)} µs",
-                     _n(x["bus_msgs_per_handoff"]),
-                     _n(x["baseline"]["publishes_per_s"], 0), _n(x["baseline_handoffs_per_s"], 0),
-                     _n(x["ratio_to_bus"])])
+        rows.append(
+            [
+                str(x["groups"]),
+                load,
+                _n(x["handoffs_per_s"], 0),
+                _n(x["handoff_p50_ms"], 2, " ms"),
+                _n(x["handoff_p99_ms"], 2, " ms"),
+                _n(x["orch_cpu_us_per_handoff"], 0, " µs"),
+                _n(x["orch_cpu_util"] * 100, 0, "%"),
+                f"{_n(x['nats_cpu_us_per_handoff'], 0)} / {_n(x['loadgen_cpu_us_per_handoff'], 0)} µs",
+                _n(x["bus_msgs_per_handoff"]),
+                _n(x["baseline"]["publishes_per_s"], 0),
+                _n(x["baseline_handoffs_per_s"], 0),
+                _n(x["ratio_to_bus"]),
+            ]
+        )
     v = r.get("verdict", {})
     g = r.get("goals", {})
     d = r["rows"][0]["duration_s"] if r.get("rows") else "?"
@@ -228,18 +362,34 @@ def _scale(r: dict[str, Any]) -> list[str]:
         "published → the next job's grant seen by it. CPU from `/proc/<pid>/stat`. Baseline, same server, "
         "same run, before the orchestrator starts: G chains of JetStream publish + ack into a scratch stream; "
         "*bus limit* = those publishes/s ÷ the messages the bus stored per handoff (stream + `groups` bucket); "
-        "ratio = handoffs/s ÷ bus limit.", "",
+        "ratio = handoffs/s ÷ bus limit.",
+        "",
         *_cmd(r),
-        *_table(["groups", "load", "handoffs/s", "p50", "p99", "orch CPU/handoff", "orch CPU",
-                 "nats-server / load generator CPU/handoff", "msgs/handoff",
-                 "baseline publish+ack/s", "bus limit handoffs/s", "ratio"], rows),
+        *_table(
+            [
+                "groups",
+                "load",
+                "handoffs/s",
+                "p50",
+                "p99",
+                "orch CPU/handoff",
+                "orch CPU",
+                "nats-server / load generator CPU/handoff",
+                "msgs/handoff",
+                "baseline publish+ack/s",
+                "bus limit handoffs/s",
+                "ratio",
+            ],
+            rows,
+        ),
         f"Against issue 6 (at {v.get('largest_groups', '?')} groups): ≥ {_n(g.get('handoffs_per_s'), 0)} "
         f"handoffs/s — saturated {_n(v.get('max_handoffs_per_s'), 0)}/s, {_met(v.get('rate_goal_met'))}; "
         f"p99 ≤ {_n(g.get('p99_ms'), 0)} ms at that rate — paced p99 {_n(v.get('paced_p99_ms'), 2, ' ms')} at "
         f"{_n(v.get('paced_handoffs_per_s'), 0)}/s, {_met(v.get('p99_goal_met'))}; flat per-event cost — "
         f"orchestrator CPU per handoff at the largest G is {_n(v.get('cpu_per_handoff_growth'))}{X} that at the "
         f"smallest (goal ≤ {_n(g.get('flat_factor'), 1)}{X}), {_met(v.get('flat_goal_met'))}. "
-        f"{v.get('note', '')}", "",
+        f"{v.get('note', '')}",
+        "",
     ]
 
 
@@ -248,11 +398,19 @@ def _recovery(r: dict[str, Any]) -> list[str]:
     rows = []
     for x in r.get("rows", []):
         load = "saturated" if not x.get("hold_ms") else f"paced (hold {x['hold_ms']:.0f} ms)"
-        rows.append([_n(x["kv_keys_before_kill"], 0), f"{x['busy_groups']}, {load}",
-                     _n(x["first_grant_after_spawn_s"], 3, " s"), _n(x["first_grant_after_kill_s"], 3, " s"),
-                     _n(x["half_rate_after_spawn_s"], 3, " s"), _n(x["ready_after_spawn_s"], 3, " s"),
-                     _n(x["pre_kill_grants_per_s"], 0), _n(x.get("replay_backlog", {}).get("unacked_inputs"), 0),
-                     f"{_n(x.get('ratio_to_cold'))}{X}"])
+        rows.append(
+            [
+                _n(x["kv_keys_before_kill"], 0),
+                f"{x['busy_groups']}, {load}",
+                _n(x["first_grant_after_spawn_s"], 3, " s"),
+                _n(x["first_grant_after_kill_s"], 3, " s"),
+                _n(x["half_rate_after_spawn_s"], 3, " s"),
+                _n(x["ready_after_spawn_s"], 3, " s"),
+                _n(x["pre_kill_grants_per_s"], 0),
+                _n(x.get("replay_backlog", {}).get("unacked_inputs"), 0),
+                f"{_n(x.get('ratio_to_cold'))}{X}",
+            ]
+        )
     return [
         "`kill -9` of the orchestrator process while the busy groups hand off continuously (4 jobs each, raw "
         "wire protocol; *saturated*: a granted job releases at once, *paced*: each holder holds the time "
@@ -267,12 +425,25 @@ def _recovery(r: dict[str, Any]) -> list[str]:
         f"median of {b.get('reps', '?')}; ratio = first grant after the restart ÷ that. *Inputs to replay*: "
         "events delivered to the killed process but not yet acknowledged (acknowledged only once the record "
         "reflecting them is stored); the new process re-applies them, re-issuing their grants (duplicates to "
-        "the jobs), before anything new can be granted.", "",
+        "the jobs), before anything new can be granted.",
+        "",
         *_cmd(r),
-        *_table(["groups in KV", "busy groups, load", "first grant", "first grant (from kill)",
-                 "half the pre-kill rate", "orchestrator ready", "pre-kill grants/s", "inputs to replay",
-                 "ratio to cold start"], rows),
-        f"Against issue 6: grants flow again within 1 s at 1,000 groups — {_recovery_at_1000(r)}.", "",
+        *_table(
+            [
+                "groups in KV",
+                "busy groups, load",
+                "first grant",
+                "first grant (from kill)",
+                "half the pre-kill rate",
+                "orchestrator ready",
+                "pre-kill grants/s",
+                "inputs to replay",
+                "ratio to cold start",
+            ],
+            rows,
+        ),
+        f"Against issue 6: grants flow again within 1 s at 1,000 groups — {_recovery_at_1000(r)}.",
+        "",
     ]
 
 
@@ -293,13 +464,27 @@ def _recovery_at_1000(r: dict[str, Any]) -> str:
 def _trace_rows(block: dict[str, Any]) -> list[list[str]]:
     rows = []
     for i, a in enumerate(block.get("alone", [])):
-        rows.append([f"job {i} alone (baseline)", _n(a["wall_s"], 0, " s"), _n(a["throughput_steps_per_h"], 1),
-                     _n(a["duty_cycle"] * 100, 1, "%"), _n(a["switching_share"] * 100, 1, "%"), f"{NA}"])
+        rows.append(
+            [
+                f"job {i} alone (baseline)",
+                _n(a["wall_s"], 0, " s"),
+                _n(a["throughput_steps_per_h"], 1),
+                _n(a["duty_cycle"] * 100, 1, "%"),
+                _n(a["switching_share"] * 100, 1, "%"),
+                f"{NA}",
+            ]
+        )
     for k, f in block.get("shared", {}).items():
-        rows.append([f"{k} jobs sharing", _n(f["wall_s"], 0, " s"), _n(f["throughput_steps_per_h"], 1),
-                     _n(f["duty_cycle"] * 100, 1, "%"), _n(f["switching_share"] * 100, 1, "%"),
-                     f"{_n(f['speedup_vs_back_to_back'])}{X} "
-                     f"({_n(f['throughput_vs_one_alone'])}{X} one job's steps/h)"])
+        rows.append(
+            [
+                f"{k} jobs sharing",
+                _n(f["wall_s"], 0, " s"),
+                _n(f["throughput_steps_per_h"], 1),
+                _n(f["duty_cycle"] * 100, 1, "%"),
+                _n(f["switching_share"] * 100, 1, "%"),
+                f"{_n(f['speedup_vs_back_to_back'])}{X} ({_n(f['throughput_vs_one_alone'])}{X} one job's steps/h)",
+            ]
+        )
     return rows
 
 
@@ -314,25 +499,36 @@ def _trace(r: dict[str, Any]) -> list[str]:
         "same schedules folded through the pure core with a simulated agent in simulated time. Baseline: each "
         "job alone; ratio: the shared run's speedup over the same jobs run back to back. Times are modelled "
         "seconds. Duty cycle = time some job holds the group ÷ wall time; switching = another job's release → "
-        "the next grant. Issue 6 names no numeric goal for these figures.", "",
+        "the next grant. Issue 6 names no numeric goal for these figures.",
+        "",
         *_cmd(r),
     ]
     for name, p in r.get("profiles", {}).items():
         out += [f"### {name}", "", p.get("description", ""), ""]
         head = ["run", "wall", "steps/h", "duty cycle", "lost to switching", "speedup vs back to back"]
         if "real" in p:
-            out += [f"Real, {p['real']['steps']} steps per job, time ÷ {p['real']['compression']:.0f}:", "",
-                    *_table(head, _trace_rows(p["real"]))]
+            out += [
+                f"Real, {p['real']['steps']} steps per job, time ÷ {p['real']['compression']:.0f}:",
+                "",
+                *_table(head, _trace_rows(p["real"])),
+            ]
         if "sim" in p:
             s = p["sim"]
-            out += [f"Sim, {s['steps']} steps per job, bus pass {s['hop_ms']:.2f} ms; {s['events']:,} events "
-                    f"applied in {s['cpu_s']:.2f} s of CPU:", "", *_table(head, _trace_rows(s))]
+            out += [
+                f"Sim, {s['steps']} steps per job, bus pass {s['hop_ms']:.2f} ms; {s['events']:,} events "
+                f"applied in {s['cpu_s']:.2f} s of CPU:",
+                "",
+                *_table(head, _trace_rows(s)),
+            ]
         if "sim_calibrated" in p:
             s = p["sim_calibrated"]
-            out += [f"Sim at the real run's steps with the bus pass calibrated from the real run "
-                    f"({s['hop_ms']:.1f} ms modelled per pass): worst relative difference to real "
-                    f"{p['agreement']['worst_relative_diff']:.1%} (throughput, duty cycle, speedup at 2 and 3 jobs).",
-                    "", *_table(head, _trace_rows(s))]
+            out += [
+                f"Sim at the real run's steps with the bus pass calibrated from the real run "
+                f"({s['hop_ms']:.1f} ms modelled per pass): worst relative difference to real "
+                f"{p['agreement']['worst_relative_diff']:.1%} (throughput, duty cycle, speedup at 2 and 3 jobs).",
+                "",
+                *_table(head, _trace_rows(s)),
+            ]
     return out
 
 
@@ -342,15 +538,28 @@ def _gpu(results: dict[str, dict[str, Any]]) -> list[str]:
     checks = {n: r for n, r in results.items() if n.startswith("gpu_check")}
     offloads = {n: r for n, r in results.items() if n.startswith("offload_gpu")}
     if not checks and not offloads:
-        return ["No GPU run was made: `bench/results/gpu_check.json` is absent (`bench/gpu_check.py` writes it "
-                "on a CUDA machine).", ""]
+        return [
+            "No GPU run was made: `bench/results/gpu_check.json` is absent (`bench/gpu_check.py` writes it "
+            "on a CUDA machine).",
+            "",
+        ]
     out: list[str] = []
     for name, r in checks.items():
-        out += [f"`bench/results/{name}.json` (written by `bench/gpu_check.py`{_gpu_command(r)}):", "", "```",
-                *_gpu_lines(r), "```", ""]
+        out += [
+            f"`bench/results/{name}.json` (written by `bench/gpu_check.py`{_gpu_command(r)}):",
+            "",
+            "```",
+            *_gpu_lines(r),
+            "```",
+            "",
+        ]
     for name, r in offloads.items():
-        out += [f"`bench/offload.py` on the GPU machine (`bench/results/{name}.json`, device "
-                f"{r.get('device', '?')}, {r.get('cpus', '?')} CPUs):", "", *_offload(r)]
+        out += [
+            f"`bench/offload.py` on the GPU machine (`bench/results/{name}.json`, device "
+            f"{r.get('device', '?')}, {r.get('cpus', '?')} CPUs):",
+            "",
+            *_offload(r),
+        ]
     return out
 
 
@@ -374,17 +583,23 @@ def _gpu_lines(r: dict[str, Any]) -> list[str]:
 
 def _demo(r: dict[str, Any] | None) -> list[str]:
     if r is None:
-        return ["`timeslice demo` not run: no `bench/results/demo.json` (write it with "
-                "`timeslice demo -o bench/results/demo.json`).", ""]
+        return [
+            "`timeslice demo` not run: no `bench/results/demo.json` (write it with "
+            "`timeslice demo -o bench/results/demo.json`).",
+            "",
+        ]
     ratio = r.get("ratio")
     return [
         f"`timeslice demo`: {r.get('jobs', '?')} jobs {X} {r.get('steps', '?')} steps, {r.get('backend', '?')} model. "
         f"Shared wall time {_n(r.get('shared_s'), 2, ' s')} vs back to back {_n(r.get('back_to_back_s'), 2, ' s')} "
         f"(the same-run baseline): ratio {_n(ratio)} — goal < 0.8 (issue 6) "
         f"{_met(ratio is not None and ratio < 0.8)}; final weights bit-identical to the solo runs: "
-        f"{_n(r.get('all_identical'))}.", "",
-        "```", f"timeslice demo --jobs {r.get('jobs', '?')} --steps {r.get('steps', '?')} "
-        "-o bench/results/demo.json", "```", "",
+        f"{_n(r.get('all_identical'))}.",
+        "",
+        "```",
+        f"timeslice demo --jobs {r.get('jobs', '?')} --steps {r.get('steps', '?')} -o bench/results/demo.json",
+        "```",
+        "",
         *_demo_lock(r.get("shared_lock")),
     ]
 
@@ -399,7 +614,8 @@ def _demo_lock(lock: dict[str, Any] | None) -> list[str]:
         f"next grant, the offload and restore included), waits p50 {_n(lock.get('wait_p50_ms'), 1, ' ms')}, "
         f"snapshot p50 {_n(lock.get('snapshot_p50_ms'), 1, ' ms')} at {_n(lock.get('snapshot_gbps'), 2, ' GB/s')}, "
         f"restore p50 {_n(lock.get('restore_p50_ms'), 1, ' ms')} at {_n(lock.get('restore_gbps'), 2, ' GB/s')}, "
-        f"faults {_n(lock.get('faults'), 0)}, invariant violations {_n(lock.get('violations'), 0)}.", "",
+        f"faults {_n(lock.get('faults'), 0)}, invariant violations {_n(lock.get('violations'), 0)}.",
+        "",
     ]
 
 
@@ -443,34 +659,46 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]]]] = {
 }
 
 
-def render(results: dict[str, dict[str, Any]], *, generator: str, quick: bool,
-           failures: dict[str, str] | None = None) -> str:
+def render(
+    results: dict[str, dict[str, Any]], *, generator: str, quick: bool, failures: dict[str, str] | None = None
+) -> str:
     """The whole of docs/benchmarks.md."""
     failures = failures or {}
     results_here = {n: r for n, r in results.items() if not n.startswith(("gpu_check", "offload_gpu"))}
     machines = [r["machine"] for r in results_here.values() if isinstance(r.get("machine"), dict)]
     m = machines[0] if machines else {}
     lines = [
-        "# Benchmarks", "",
+        "# Benchmarks",
+        "",
         f"Generated by `{generator}` from `bench/results/*.json`; do not edit by hand (the lab diary, written by "
         "hand, is `bench/NOTES.md`, linked at the end). Every figure comes with the command that produced it and a "
         "baseline measured **in the same run** on the same machine; ratios to that baseline are the comparable "
-        "figures across machines and runs.", "",
+        "figures across machines and runs.",
+        "",
     ]
-    loads = [r["machine"]["loadavg_1m"] for r in results_here.values()
-             if isinstance(r.get("machine"), dict) and isinstance(r["machine"].get("loadavg_1m"), int | float)]
+    loads = [
+        r["machine"]["loadavg_1m"]
+        for r in results_here.values()
+        if isinstance(r.get("machine"), dict) and isinstance(r["machine"].get("loadavg_1m"), int | float)
+    ]
     if loads and max(loads) > BUSY_LOAD:
-        lines += [f"**Some runs below were made while other work loaded this {m.get('cores', '?')}-core machine "
-                  f"(1-min load average up to {max(loads):.1f} at their start): latencies and rates are pessimistic; "
-                  "take the figures again on a quiet machine before quoting them.**", ""]
+        lines += [
+            f"**Some runs below were made while other work loaded this {m.get('cores', '?')}-core machine "
+            f"(1-min load average up to {max(loads):.1f} at their start): latencies and rates are pessimistic; "
+            "take the figures again on a quiet machine before quoting them.**",
+            "",
+        ]
     if quick:
-        lines += ["**This is a quick pass (`--quick`): short runs, for checking the pipeline, not figures to "
-                  "quote.**", ""]
+        lines += [
+            "**This is a quick pass (`--quick`): short runs, for checking the pipeline, not figures to quote.**",
+            "",
+        ]
     lines += [
         f"Machine: {m.get('cores', '?')} cores ({m.get('cpu_model', '?')}), {m.get('memory_gb', '?')} GB, "
         f"Python {m.get('python', '?')}, {m.get('nats_server', 'nats-server ?')}, nats-py {m.get('nats_py', '?')}, "
         f"{m.get('platform', '?')}; no GPU unless the GPU section says otherwise. Load averages are given per run "
-        "(other work on the machine moves latencies).", "",
+        "(other work on the machine moves latencies).",
+        "",
     ]
     for name in ORDER:
         title, fn = SECTIONS[name]
@@ -487,10 +715,14 @@ def render(results: dict[str, dict[str, Any]], *, generator: str, quick: bool,
     lines += ["## GPU (bench/gpu_check.py)", "", *_gpu(results)]
     lines += ["## Demo (`timeslice demo`)", "", *_demo(results.get("demo"))]
     if NOTES.exists():
-        lines += ["## The lab diary", "",
-                  "How these figures came about is in the hand-written lab diary, "
-                  "[`bench/NOTES.md`](../bench/NOTES.md): earlier runs and their spread, where a handoff's and a "
-                  "switch's time goes, the changes that did and did not help, this VM's memory effects on CPU "
-                  "restores, and how the GPU runs were made (and what went wrong in the first of them, fixed since). "
-                  "No run regenerates it, and its figures come from the runs it names, not from the tables above.", ""]
+        lines += [
+            "## The lab diary",
+            "",
+            "How these figures came about is in the hand-written lab diary, "
+            "[`bench/NOTES.md`](../bench/NOTES.md): earlier runs and their spread, where a handoff's and a "
+            "switch's time goes, the changes that did and did not help, this VM's memory effects on CPU "
+            "restores, and how the GPU runs were made (and what went wrong in the first of them, fixed since). "
+            "No run regenerates it, and its figures come from the runs it names, not from the tables above.",
+            "",
+        ]
     return "\n".join(lines).rstrip() + "\n"

@@ -109,9 +109,14 @@ def _service(role: str, url: str, order: str) -> None:
 
 def _spawn(role: str, url: str, order: str, log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--role", role, "--url", url,
-                                 "--order", order], cwd=_common.ROOT, env=_common.child_env(),
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--role", role, "--url", url, "--order", order],
+            cwd=_common.ROOT,
+            env=_common.child_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 async def _waiting(c: Any, job: str, timeout: float = 30.0) -> None:
@@ -145,8 +150,9 @@ async def _op_times(url: str, out: dict[tuple[str, str], list[float]]) -> None:
         await nc.close()
 
 
-async def _measure(urls: dict[str, str], n: int, snapshot_ms: float, restore_ms: float, hold_ms: float,
-                   state_mib: float) -> dict[str, list[float]]:
+async def _measure(
+    urls: dict[str, str], n: int, snapshot_ms: float, restore_ms: float, hold_ms: float, state_mib: float
+) -> dict[str, list[float]]:
     from timeslice_client import AsyncTimeSliceClient
 
     handler = _Modelled(snapshot_ms / 1000, restore_ms / 1000, int(state_mib * MIB))
@@ -183,8 +189,7 @@ async def _measure(urls: dict[str, str], n: int, snapshot_ms: float, restore_ms:
     return handoffs
 
 
-def run(n: int, snapshot_ms: float, restore_ms: float, hold_ms: float, state_mib: float,
-        layout: str) -> dict[str, Any]:
+def run(n: int, snapshot_ms: float, restore_ms: float, hold_ms: float, state_mib: float, layout: str) -> dict[str, Any]:
     from timeslice_orchestrator.embedded import NatsServer
 
     started = time.monotonic()
@@ -203,9 +208,14 @@ def run(n: int, snapshot_ms: float, restore_ms: float, hold_ms: float, state_mib
             servers.append(NatsServer(tmp / "nats"))
             url = servers[-1].start()
             urls = dict.fromkeys(ORDERS, url)
-            procs.append(subprocess.Popen([sys.executable, "-m", "timeslice_orchestrator", "orchestrator",
-                                           "--nats-url", url], cwd=_common.ROOT, env=_common.child_env(),
-                                          stdin=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url],
+                    cwd=_common.ROOT,
+                    env=_common.child_env(),
+                    stdin=subprocess.DEVNULL,
+                )
+            )
             procs += [_spawn("agent", url, order, tmp / f"agent-{order}.log") for order in ORDERS]
         handoffs = _common.loop_run(_measure(urls, n, snapshot_ms, restore_ms, hold_ms, state_mib))
         ops: dict[tuple[str, str], list[float]] = {(o, k): [] for o in ORDERS for k in ("snapshot", "restore")}
@@ -224,17 +234,28 @@ def run(n: int, snapshot_ms: float, restore_ms: float, hold_ms: float, state_mib
         # What the handoff waits for, of the operations' own time: both, the longer, or the restore alone.
         waited = {"in-order": snapshot + restore, "beside": max(snapshot, restore)}.get(order, restore)
         rows[order] = {
-            "handoff_p50_ms": statistics.median(h), "handoff_p95_ms": _common.pct(h, 95),
-            "restore_p50_ms": restore, "restore_p95_ms": _common.pct(r, 95), "snapshot_p50_ms": snapshot,
+            "handoff_p50_ms": statistics.median(h),
+            "handoff_p95_ms": _common.pct(h, 95),
+            "restore_p50_ms": restore,
+            "restore_p95_ms": _common.pct(r, 95),
+            "snapshot_p50_ms": snapshot,
             "handoff_less_restore_p50_ms": statistics.median(h) - restore,
             "beyond_operations_p50_ms": statistics.median(h) - waited,
-            "ratio_to_in_order": statistics.median(h) / base, "n": len(h), "handoffs_ms": h,
+            "ratio_to_in_order": statistics.median(h) / base,
+            "n": len(h),
+            "handoffs_ms": h,
         }
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", "bench/grant_on_restore.py", *sys.argv[1:]]),
-        "machine": _common.machine_facts(), "layout": layout, "snapshot_ms": snapshot_ms, "restore_ms": restore_ms,
-        "hold_ms": hold_ms, "state_mib": state_mib, "orders": rows, "wall_s": time.monotonic() - started,
+        "machine": _common.machine_facts(),
+        "layout": layout,
+        "snapshot_ms": snapshot_ms,
+        "restore_ms": restore_ms,
+        "hold_ms": hold_ms,
+        "state_mib": state_mib,
+        "orders": rows,
+        "wall_s": time.monotonic() - started,
         "loadavg_end": os.getloadavg()[0],
     }
 
@@ -244,23 +265,33 @@ def _median(xs: list[float]) -> float:
 
 
 def _lines(res: dict[str, Any]) -> Iterator[str]:
-    yield (f"grant on restore ({res['layout']}): modelled snapshot {res['snapshot_ms']:.0f} ms, restore "
-           f"{res['restore_ms']:.0f} ms, "
-           f"hold {res['hold_ms']:.0f} ms, {res['orders']['in-order']['n']} handoffs per order (load "
-           f"{res['loadavg_end']:.2f})")
-    yield (f"{'order':<18} {'handoff p50':>12} {'p95':>9} {'restore p50':>12} {'p95':>8} {'less restore':>13} "
-           f"{'beyond ops':>11} {'ratio':>7}")
+    yield (
+        f"grant on restore ({res['layout']}): modelled snapshot {res['snapshot_ms']:.0f} ms, restore "
+        f"{res['restore_ms']:.0f} ms, "
+        f"hold {res['hold_ms']:.0f} ms, {res['orders']['in-order']['n']} handoffs per order (load "
+        f"{res['loadavg_end']:.2f})"
+    )
+    yield (
+        f"{'order':<18} {'handoff p50':>12} {'p95':>9} {'restore p50':>12} {'p95':>8} {'less restore':>13} "
+        f"{'beyond ops':>11} {'ratio':>7}"
+    )
     for order, r in res["orders"].items():
-        yield (f"{order:<18} {r['handoff_p50_ms']:>9.1f} ms {r['handoff_p95_ms']:>6.1f} ms "
-               f"{r['restore_p50_ms']:>9.1f} ms {r['restore_p95_ms']:>5.1f} ms "
-               f"{r['handoff_less_restore_p50_ms']:>10.1f} ms {r['beyond_operations_p50_ms']:>8.1f} ms "
-               f"{r['ratio_to_in_order']:>6.2f}x")
-    yield ("(beyond ops: the handoff less what it waited for of the operations' own time: snapshot + restore "
-           "in-order, the longer of the two beside, the restore alone on a grant on restore)")
+        yield (
+            f"{order:<18} {r['handoff_p50_ms']:>9.1f} ms {r['handoff_p95_ms']:>6.1f} ms "
+            f"{r['restore_p50_ms']:>9.1f} ms {r['restore_p95_ms']:>5.1f} ms "
+            f"{r['handoff_less_restore_p50_ms']:>10.1f} ms {r['beyond_operations_p50_ms']:>8.1f} ms "
+            f"{r['ratio_to_in_order']:>6.2f}x"
+        )
+    yield (
+        "(beyond ops: the handoff less what it waited for of the operations' own time: snapshot + restore "
+        "in-order, the longer of the two beside, the restore alone on a grant on restore)"
+    )
     g = res["orders"]["grant-on-restore"]
     ok = g["handoff_p50_ms"] <= g["restore_p50_ms"] + 10
-    yield (f"goal (handoff p50 <= restore p50 + 10 ms where the room rule allows both): "
-           f"{g['handoff_p50_ms']:.1f} <= {g['restore_p50_ms'] + 10:.1f} ms: {'met' if ok else 'NOT met'}")
+    yield (
+        f"goal (handoff p50 <= restore p50 + 10 ms where the room rule allows both): "
+        f"{g['handoff_p50_ms']:.1f} <= {g['restore_p50_ms'] + 10:.1f} ms: {'met' if ok else 'NOT met'}"
+    )
 
 
 def main() -> None:
@@ -271,9 +302,13 @@ def main() -> None:
     p.add_argument("--hold-ms", type=float, default=250.0, help="each hold; longer than a snapshot")
     p.add_argument("--state-mib", type=float, default=64.0, help="bytes each handler reports moving")
     p.add_argument("--json-out", default=None)
-    p.add_argument("--layout", choices=("up", "apart"), default="up",
-                   help="up: each agent in its orchestrator's process (as `timeslice up`); apart: the agents as "
-                        "processes of their own (as `timeslice agent` on a node)")
+    p.add_argument(
+        "--layout",
+        choices=("up", "apart"),
+        default="up",
+        help="up: each agent in its orchestrator's process (as `timeslice up`); apart: the agents as "
+        "processes of their own (as `timeslice agent` on a node)",
+    )
     p.add_argument("--role", choices=("driver", "agent", "stack"), default="driver", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--order", choices=ORDERS, help=argparse.SUPPRESS)

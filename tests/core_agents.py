@@ -43,9 +43,18 @@ class Step:
 
 
 def op_started(op: OpRecord, epoch: int, *, overlapped: bool = False) -> Message:
-    return subjects.agent_op(op.node), encode(OpStarted(op_id=op.op_id, group=G, job=op.job, node=op.node,
-                                                        kind=op.kind, epoch=epoch, backend="noop",
-                                                        overlapped=overlapped))
+    return subjects.agent_op(op.node), encode(
+        OpStarted(
+            op_id=op.op_id,
+            group=G,
+            job=op.job,
+            node=op.node,
+            kind=op.kind,
+            epoch=epoch,
+            backend="noop",
+            overlapped=overlapped,
+        )
+    )
 
 
 def pending_epoch(rec: GroupRecord) -> int:
@@ -59,8 +68,7 @@ def pending_epoch(rec: GroupRecord) -> int:
 def runs_beside(rec: GroupRecord, op: OpRecord) -> bool:
     """Whether a restore answered now ran beside a snapshot of its switch still pending on its node (an agent that
     answers it before that snapshot ended started it beside, by the room rule)."""
-    return op.kind is OpKind.RESTORE and any(o.kind is OpKind.SNAPSHOT and o.node == op.node
-                                             for o in pending_ops(rec))
+    return op.kind is OpKind.RESTORE and any(o.kind is OpKind.SNAPSHOT and o.node == op.node for o in pending_ops(rec))
 
 
 def check_contexts(rec: GroupRecord) -> None:
@@ -133,8 +141,7 @@ class BesideRules:
             m.step(JobUnregistered(group=G, job=op.job, node=op.node))
 
 
-def check_run(steps: list[Step], rec: GroupRecord, grants: int, max_epoch: int,
-              holder: tuple[str, int] | None) -> None:
+def check_run(steps: list[Step], rec: GroupRecord, grants: int, max_epoch: int, holder: tuple[str, int] | None) -> None:
     """Determinism (the same events give the same records and actions), then the run as a stream, with the agents'
     facts, through :class:`StreamChecker`: its fold agrees with the notices; redeliveries and junk are tolerated."""
     again = new_record(G)

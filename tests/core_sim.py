@@ -108,8 +108,9 @@ class Sim:
     def renew(self, job: str, epoch: int | None = None, *, dt: int = 0) -> list[Action]:
         h = self.rec.holder
         assert h is not None
-        return self(Renew(group=self.group, job=job, request_id=h.request_id,
-                          epoch=h.epoch if epoch is None else epoch), dt=dt)
+        return self(
+            Renew(group=self.group, job=job, request_id=h.request_id, epoch=h.epoch if epoch is None else epoch), dt=dt
+        )
 
     def register(self, job: str, node: str, *, op_timeout_ms: int = 10_000) -> list[Action]:
         return self(JobRegistered(group=self.group, job=job, node=node, op_timeout_ms=op_timeout_ms))
@@ -117,8 +118,20 @@ class Sim:
     def result(self, cmd: Snapshot | Restore, ok: bool = True, *, dt: int = 0, **kw: Any) -> list[Action]:
         """The agent's answer to ``cmd`` (``kw``: more of OpResult's fields, e.g. ``overlapped=True``)."""
         kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
-        return self(OpResult(group=self.group, op_id=cmd.op_id, node=cmd.node, job=cmd.job, kind=kind,
-                             epoch=cmd.epoch, ok=ok, error=None if ok else "backend said no", **kw), dt=dt)
+        return self(
+            OpResult(
+                group=self.group,
+                op_id=cmd.op_id,
+                node=cmd.node,
+                job=cmd.job,
+                kind=kind,
+                epoch=cmd.epoch,
+                ok=ok,
+                error=None if ok else "backend said no",
+                **kw,
+            ),
+            dt=dt,
+        )
 
     def tick(self, *, dt: int = 0) -> list[Action]:
         return self(Tick(group=self.group), dt=dt)

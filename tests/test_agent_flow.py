@@ -108,8 +108,7 @@ async def test_switch_snapshots_then_restores_then_grants(nats_url: str, agent: 
             ev = decode_input((await results.next_msg(timeout=0.5)).data)
             if isinstance(ev, OpResult):
                 outcomes.append(ev)
-    assert any(o.kind == "snapshot" and o.ok and o.bytes_moved == 100 and o.backend == "app_channel"
-               for o in outcomes)
+    assert any(o.kind == "snapshot" and o.ok and o.bytes_moved == 100 and o.backend == "app_channel" for o in outcomes)
     await nc.close()
     # Each command reached the agent once: beside the orchestrator directly (its stream copy only acknowledged),
     # apart through the stream.
@@ -121,8 +120,11 @@ async def test_switch_snapshots_then_restores_then_grants(nats_url: str, agent: 
     # The stream stores each command before anything the agent writes about it, and the agent acknowledges
     # every delivered copy.
     first: dict[tuple[str, str], int] = {}
-    kinds = {subjects.agent_cmd("node-1"): "cmd", subjects.agent_op("node-1"): "op",
-             subjects.agent_event("node-1", "gs"): "evt"}
+    kinds = {
+        subjects.agent_cmd("node-1"): "cmd",
+        subjects.agent_op("node-1"): "op",
+        subjects.agent_event("node-1", "gs"): "evt",
+    }
     for seq, _, subj, data in await read_stream(nats_url):
         op_id = msgspec.json.decode(data).get("op_id") if subj in kinds else None  # None: not an operation's
         if op_id is not None:
@@ -205,7 +207,8 @@ async def _faulted(c: AsyncTimeSliceClient, job: str):  # type: ignore[no-untype
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
 async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node_unless_there_is_room(
-        nats_url: str, overlap: bool, layout: str) -> None:
+    nats_url: str, overlap: bool, layout: str
+) -> None:
     """The orchestrator sends b's restore together with a's snapshot (``Restore.after``). With overlap off the
     agent runs the restore only once the snapshot on its node has ended, and b is granted once both ended; with it
     on (the default) and room on the node, the restore runs beside the snapshot, says so in its result
@@ -215,8 +218,11 @@ async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node_unless_th
     nc = await connect(nats_url)
     cfg = AgentConfig(node_id="node-1", nats_url=nats_url, overlap_restores=overlap)
     try:
-        async with stack(nats_url, layout, cfg) as agent, AsyncTimeSliceClient("a", "gp", nats_url) as a, \
-                AsyncTimeSliceClient("b", "gp", nats_url) as b:
+        async with (
+            stack(nats_url, layout, cfg) as agent,
+            AsyncTimeSliceClient("a", "gp", nats_url) as a,
+            AsyncTimeSliceClient("b", "gp", nats_url) as b,
+        ):
             await a.register_workload(Blocking("a", log, go), node_id="node-1")
             await b.register_workload(Recorder("b", log), node_id="node-1")
             await b.acquire(timeout=10)  # b runs first, so that it has a context to restore later
@@ -265,8 +271,9 @@ async def test_restore_sent_with_the_snapshot_waits_for_it_on_the_node_unless_th
             else:
                 # The record the switch is at: the orchestrator grants in the same step that takes the last result,
                 # so a grant before a's snapshot ended would show in it.
-                rec = await eventually(lambda: _switching(b, restored=False, released_by="a"),
-                                       what="the switch's record")
+                rec = await eventually(
+                    lambda: _switching(b, restored=False, released_by="a"), what="the switch's record"
+                )
                 assert rec.holder is None and rec.switch is not None, rec
                 assert sorted(o.kind.value for o in rec.switch.ops) == ["restore", "snapshot"], rec.switch
                 assert not tb.done()
@@ -311,8 +318,13 @@ async def test_a_job_unregistered_mid_operation_stays_gone(nats_url: str, again:
             op_id = await agent.run_standalone("x", OpKind.SNAPSHOT)
             await eventually(lambda: log == ["x:suspend start"], what="x's suspend started")
             rpc = functools.partial(nc.request, timeout=5)
-            leave = asyncio.ensure_future(nc.request(subjects.agent_rpc("node-1", "unregister", "x"),
-                                                     encode(UnregisterJob(group="g1", job="x")), timeout=30))
+            leave = asyncio.ensure_future(
+                nc.request(
+                    subjects.agent_rpc("node-1", "unregister", "x"),
+                    encode(UnregisterJob(group="g1", job="x")),
+                    timeout=30,
+                )
+            )
             await eventually(lambda: "x" in agent.leaving(), what="the unregistration waits")
             assert "x" in agent.jobs() and not leave.done()  # not while its snapshot runs
             group = "g1" if again == "same group" else "g2"
@@ -322,8 +334,9 @@ async def test_a_job_unregistered_mid_operation_stays_gone(nats_url: str, again:
                 assert msgspec.json.decode(busy.data, type=AgentReply).code == "busy"
                 assert agent.jobs()["x"].group == "g1" and agent.jobs()["x"].tags != ("fresh",)
             go.set()
-            status = await eventually(lambda: (s := agent.operation(op_id)) is not None and s.done and s,
-                                      what="the snapshot's end")
+            status = await eventually(
+                lambda: (s := agent.operation(op_id)) is not None and s.done and s, what="the snapshot's end"
+            )
             assert status.result is not None and status.result.ok
             assert msgspec.json.decode((await asyncio.wait_for(leave, 30)).data, type=AgentReply).ok
             if again is not None:

@@ -68,8 +68,9 @@ async def _outgoing_saved(obs: AsyncTimeSliceClient, group: str) -> GroupRecord 
     return rec if rec.trailing is None and rec.holder is not None and "a" in rec.saved else None
 
 
-async def _switch_to_b(tmp: Path, url: str, node: str, group: str, observer: AsyncTimeSliceClient,
-                       started: list[Workload]) -> tuple[Workload, Workload]:
+async def _switch_to_b(
+    tmp: Path, url: str, node: str, group: str, observer: AsyncTimeSliceClient, started: list[Workload]
+) -> tuple[Workload, Workload]:
     """b runs first (so that its context is saved, with its size), then a; b waits and a releases: a's suspend
     blocks (it began at the release: early suspend), the switch's restore of b goes out with a's snapshot."""
     a = Workload(tmp, url, group, "a", node, handler="slow", mb=4, slow_s=60)
@@ -92,15 +93,24 @@ async def _switch_to_b(tmp: Path, url: str, node: str, group: str, observer: Asy
 
 async def _ops(url: str, node: str, group: str) -> tuple[list[tuple[int, Any]], list[tuple[int, OpStarted]]]:
     stream = await read_stream(url)
-    results = [(seq, ev) for seq, _, subj, data in stream if subj == subjects.agent_event(node, group)
-               and isinstance(ev := decode_input(data), OpResult)]
-    started = [(seq, op) for seq, _, subj, data in stream if subj == subjects.agent_op(node)
-               and (op := msgspec.json.decode(data, type=OpStarted)).group == group]
+    results = [
+        (seq, ev)
+        for seq, _, subj, data in stream
+        if subj == subjects.agent_event(node, group) and isinstance(ev := decode_input(data), OpResult)
+    ]
+    started = [
+        (seq, op)
+        for seq, _, subj, data in stream
+        if subj == subjects.agent_op(node) and (op := msgspec.json.decode(data, type=OpStarted)).group == group
+    ]
     return results, started
 
 
 async def test_the_incoming_job_is_granted_on_its_restore_beside_the_running_snapshot_only_with_room(
-    agents: dict[str, AgentProcess], workloads: list[Workload], observer: AsyncTimeSliceClient, nats_url: str,
+    agents: dict[str, AgentProcess],
+    workloads: list[Workload],
+    observer: AsyncTimeSliceClient,
+    nats_url: str,
     tmp_path: Path,
 ) -> None:
     # Room for both contexts: b is granted on its restore while a's suspend still blocks.

@@ -33,8 +33,15 @@ def _run(script: str, *args: str, timeout: float = 120, tmpdir: Path | None = No
     if tmpdir is not None:
         env["TMPDIR"] = str(tmpdir)
     try:
-        proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=timeout, check=False)
+        proc = subprocess.run(
+            [sys.executable, str(BENCH / script), *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
     assert proc.returncode == 0, f"{script} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
@@ -46,17 +53,64 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, s
     """One short run of each benchmark; their result files in one folder, their printed reports by name."""
     out = tmp_path_factory.mktemp("bench-results")
     printed = {
-        "scale": _run("scale.py", "--groups", "2", "--duration", "1.5", "--warmup", "0.5", "--baseline-duration",
-                      "1", "--json-out", str(out / "scale.json")),
-        "recovery": _run("recovery.py", "--kv-groups", "20", "--busy", "10", "--pre", "1", "--post", "2",
-                         "--cold-reps", "1", "--json-out", str(out / "recovery.json")),
+        "scale": _run(
+            "scale.py",
+            "--groups",
+            "2",
+            "--duration",
+            "1.5",
+            "--warmup",
+            "0.5",
+            "--baseline-duration",
+            "1",
+            "--json-out",
+            str(out / "scale.json"),
+        ),
+        "recovery": _run(
+            "recovery.py",
+            "--kv-groups",
+            "20",
+            "--busy",
+            "10",
+            "--pre",
+            "1",
+            "--post",
+            "2",
+            "--cold-reps",
+            "1",
+            "--json-out",
+            str(out / "recovery.json"),
+        ),
         # 3 repetitions: each condition's figure is their median, so one sample slowed by the suite's other
         # workers (an idle resume of 30 ms once, against ~5 ms) does not decide the comparison below.
-        "busy_suspend": _run("busy_suspend.py", "--tensors", "40", "--tensor-kib", "64", "--reps", "3",
-                             "--requests", "4", "--json-out", str(out / "busy_suspend.json")),
-        "trace_replay": _run("trace_replay.py", "--mode", "both", "--profiles", "grpo_sync", "--steps", "2",
-                             "--sim-steps", "4", "--compression", "400", "--json-out",
-                             str(out / "trace_replay.json")),
+        "busy_suspend": _run(
+            "busy_suspend.py",
+            "--tensors",
+            "40",
+            "--tensor-kib",
+            "64",
+            "--reps",
+            "3",
+            "--requests",
+            "4",
+            "--json-out",
+            str(out / "busy_suspend.json"),
+        ),
+        "trace_replay": _run(
+            "trace_replay.py",
+            "--mode",
+            "both",
+            "--profiles",
+            "grpo_sync",
+            "--steps",
+            "2",
+            "--sim-steps",
+            "4",
+            "--compression",
+            "400",
+            "--json-out",
+            str(out / "trace_replay.json"),
+        ),
     }
     return out, printed
 
@@ -112,8 +166,13 @@ def test_busy_suspend_compares_each_condition_to_idle(results: tuple[Path, dict[
     folder, printed = results
     data = _load(folder, "busy_suspend")
     conds = data["conditions"]
-    assert list(conds) == ["idle", "busy, per storage", "busy, per storage, prompt", "busy, batched",
-                           "busy, batched, prompt"]
+    assert list(conds) == [
+        "idle",
+        "busy, per storage",
+        "busy, per storage, prompt",
+        "busy, batched",
+        "busy, batched, prompt",
+    ]
     assert data["device"] == "cpu"
     assert conds["idle"]["suspend_x_idle"] == 1.0 and all(x["suspend_ms"] > 0 for x in conds.values())
     # Left at 5 ms, one storage at a time: the copies wait for the GIL (40 storages each way, several calls each).
@@ -130,12 +189,28 @@ def test_busy_suspend_compares_each_condition_to_idle(results: tuple[Path, dict[
 def test_run_all_writes_the_document(results: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
     folder, _ = results
     doc = tmp_path / "benchmarks.md"
-    handoff = {"bench": "handoff", "command": "python bench/handoff.py --n 10", "machine": {"cores": 2},
-               "n": 10, "gap_ms": 2.0, "samples": 9, "handoff_p50_ms": 1.2, "handoff_p99_ms": 3.0,
-               "reacquire_p50_ms": 1.1, "reacquire_p99_ms": 2.0, "baseline_reqrep_p50_ms": 0.6,
-               "baseline_reqrep_p99_ms": 1.0, "handoff_vs_baseline": 2.0, "reacquire_vs_baseline": 1.8,
-               "reacquire_vs_pub_ack": 1.25, "reacquire_plain_p50_ms": 1.4, "reacquire_plain_p99_ms": 2.5,
-               "reacquire_plain_vs_floor": 1.1, "floor_pub_ack_p50_ms": 0.88, "floor_pub_ack_p99_ms": 1.5}
+    handoff = {
+        "bench": "handoff",
+        "command": "python bench/handoff.py --n 10",
+        "machine": {"cores": 2},
+        "n": 10,
+        "gap_ms": 2.0,
+        "samples": 9,
+        "handoff_p50_ms": 1.2,
+        "handoff_p99_ms": 3.0,
+        "reacquire_p50_ms": 1.1,
+        "reacquire_p99_ms": 2.0,
+        "baseline_reqrep_p50_ms": 0.6,
+        "baseline_reqrep_p99_ms": 1.0,
+        "handoff_vs_baseline": 2.0,
+        "reacquire_vs_baseline": 1.8,
+        "reacquire_vs_pub_ack": 1.25,
+        "reacquire_plain_p50_ms": 1.4,
+        "reacquire_plain_p99_ms": 2.5,
+        "reacquire_plain_vs_floor": 1.1,
+        "floor_pub_ack_p50_ms": 0.88,
+        "floor_pub_ack_p99_ms": 1.5,
+    }
     (folder / "handoff.json").write_text(json.dumps(handoff))
     _run("run_all.py", "--no-run", "--results", str(folder), "--doc", str(doc))
     text = doc.read_text()
@@ -143,8 +218,16 @@ def test_run_all_writes_the_document(results: tuple[Path, dict[str, str]], tmp_p
     assert "1.25\u00d7 JetStream publish" in text
     assert "| P2 through the orchestrator (`fast_reacquire=False`) | 1.400 ms | 2.500 ms |" in text
     assert "| of it: the JetStream publish until its PubAck (a claim's floor) | 0.880 ms | 1.500 ms |" in text
-    for section in ("## Handoff", "## Offload", "## Suspend beside a busy thread", "## Scale", "## Recovery",
-                    "## Trace replay", "## GPU", "## Demo"):
+    for section in (
+        "## Handoff",
+        "## Offload",
+        "## Suspend beside a busy thread",
+        "## Scale",
+        "## Recovery",
+        "## Trace replay",
+        "## GPU",
+        "## Demo",
+    ):
         assert section in text
     assert "| busy, armed |" in text and "| busy, batched, prompt |" in text
     assert "python bench/handoff.py --n 10" in text and "python bench/scale.py --groups 2" in text
@@ -152,14 +235,32 @@ def test_run_all_writes_the_document(results: tuple[Path, dict[str, str]], tmp_p
     assert "No GPU run was made" in text and "`timeslice demo` not run" in text
     assert "Machine: 2 cores" in text
 
-    (folder / "demo.json").write_text(json.dumps({"jobs": 2, "steps": 3, "backend": "numpy", "shared_s": 7.0,
-                                                  "back_to_back_s": 10.0, "ratio": 0.7, "all_identical": True}))
-    (folder / "gpu_check.json").write_text(json.dumps({
-        "date": "2026-11-30T15:14:36+00:00", "command": "python bench/gpu_check.py --only baseline",
-        "env": {"device": "NVIDIA H200", "driver": "580"},
-        "baseline": {"bytes": 4e9, "reps": 5, "d2h_gbps": 55.25, "h2d_gbps": 55.34, "duplex_gbps": 99.3}}))
-    (folder / "offload_gpu_cuda.json").write_text(json.dumps({"device": "cuda", "cpus": 16, "sizes": [],
-                                                            "machine": {"cores": 16, "loadavg_1m": 5.0}}))
+    (folder / "demo.json").write_text(
+        json.dumps(
+            {
+                "jobs": 2,
+                "steps": 3,
+                "backend": "numpy",
+                "shared_s": 7.0,
+                "back_to_back_s": 10.0,
+                "ratio": 0.7,
+                "all_identical": True,
+            }
+        )
+    )
+    (folder / "gpu_check.json").write_text(
+        json.dumps(
+            {
+                "date": "2026-11-30T15:14:36+00:00",
+                "command": "python bench/gpu_check.py --only baseline",
+                "env": {"device": "NVIDIA H200", "driver": "580"},
+                "baseline": {"bytes": 4e9, "reps": 5, "d2h_gbps": 55.25, "h2d_gbps": 55.34, "duplex_gbps": 99.3},
+            }
+        )
+    )
+    (folder / "offload_gpu_cuda.json").write_text(
+        json.dumps({"device": "cuda", "cpus": 16, "sizes": [], "machine": {"cores": 16, "loadavg_1m": 5.0}})
+    )
     _run("run_all.py", "--no-run", "--results", str(folder), "--doc", str(doc))
     text = doc.read_text()
     assert "NVIDIA H200" in text and "No GPU run was made" not in text
@@ -176,21 +277,39 @@ def test_switch_floor_times_its_hops(nats_url: str, colocated: bool, tmp_path: P
     server; its processes' files are removed afterwards."""
     flags = ["--colocated"] if colocated else []
     for _ in range(2):  # a second measurement on the same server replaces the first one's stream
-        data = json.loads(_run("_switch_floor.py", "--url", nats_url, "--n", "12", "--gap-ms", "5", *flags,
-                               timeout=90, tmpdir=tmp_path))  # (the server's own files are here too)
+        data = json.loads(
+            _run(
+                "_switch_floor.py", "--url", nats_url, "--n", "12", "--gap-ms", "5", *flags, timeout=90, tmpdir=tmp_path
+            )
+        )  # (the server's own files are here too)
         assert data["n"] == 11 and data["gap_ms"] == 5.0 and data["colocated"] is colocated
         assert 0 < data["p50_ms"] <= data["p90_ms"] <= data["p99_ms"] < 1000
         assert list(tmp_path.glob("ts-bench-swfloor-*")) == []
 
 
 def test_offload_report_shows_the_switch_floor(tmp_path: Path) -> None:
-    size = {"gib": 1, "offload_gbps": 10.0, "offload_vs_copy": 0.9, "restore_gbps": 8.0, "restore_vs_fresh": 0.9,
-            "restore_vs_copy": 0.7, "base_copy_gbps": 11.0, "base_fresh_gbps": 9.0, "overhead_ms": 7.5,
-            "overhead_vs_floor": 1.875}
-    offload = {"bench": "offload", "command": "python bench/offload.py --sizes 1", "machine": {"cores": 2},
-               "device": "cpu", "cycles": 5, "sizes": [size], "agent": "in the orchestrator's process",
-               "switch_floor": {"n": 36, "gap_ms": 200.0, "colocated": True, "p50_ms": 4.0, "p90_ms": 4.5,
-                                "p99_ms": 6.0}}
+    size = {
+        "gib": 1,
+        "offload_gbps": 10.0,
+        "offload_vs_copy": 0.9,
+        "restore_gbps": 8.0,
+        "restore_vs_fresh": 0.9,
+        "restore_vs_copy": 0.7,
+        "base_copy_gbps": 11.0,
+        "base_fresh_gbps": 9.0,
+        "overhead_ms": 7.5,
+        "overhead_vs_floor": 1.875,
+    }
+    offload = {
+        "bench": "offload",
+        "command": "python bench/offload.py --sizes 1",
+        "machine": {"cores": 2},
+        "device": "cpu",
+        "cycles": 5,
+        "sizes": [size],
+        "agent": "in the orchestrator's process",
+        "switch_floor": {"n": 36, "gap_ms": 200.0, "colocated": True, "p50_ms": 4.0, "p90_ms": 4.5, "p99_ms": 6.0},
+    }
     (tmp_path / "offload.json").write_text(json.dumps(offload))
     doc = tmp_path / "benchmarks.md"
     _run("run_all.py", "--no-run", "--results", str(tmp_path), "--doc", str(doc))
@@ -212,17 +331,31 @@ def test_offload_report_shows_the_switch_floor(tmp_path: Path) -> None:
     size["offload_handed_back"] = {"calls": 9, "during": 0, "during_ms": float("nan"), "others_ms": 330.0, "gib": []}
     (tmp_path / "offload.json").write_text(json.dumps(offload))
     _run("run_all.py", "--no-run", "--results", str(tmp_path), "--doc", str(doc))
-    assert ("guest handed free memory back to its host (virtio-balloon free page reporting, counted by its kernel; "
-            "the first cycle of each size left out): 1 GiB: 2 of 9 restores (2,134 ms median, the others 410 ms), "
-            "0 of 9 offloads.") in doc.read_text()
+    assert (
+        "guest handed free memory back to its host (virtio-balloon free page reporting, counted by its kernel; "
+        "the first cycle of each size left out): 1 GiB: 2 of 9 restores (2,134 ms median, the others 410 ms), "
+        "0 of 9 offloads."
+    ) in doc.read_text()
 
 
 def test_grant_on_restore_times_each_order_in_one_run(tmp_path: Path) -> None:
     """``bench/grant_on_restore.py``: each order's handoffs ran through the real stack, and where the agent said
     its restore ran beside the snapshot the handoff did not wait for the snapshot (shorter than it)."""
     out = tmp_path / "gor.json"
-    printed = _run("grant_on_restore.py", "--n", "3", "--snapshot-ms", "150", "--restore-ms", "10", "--hold-ms",
-                   "170", "--json-out", str(out), timeout=180)
+    printed = _run(
+        "grant_on_restore.py",
+        "--n",
+        "3",
+        "--snapshot-ms",
+        "150",
+        "--restore-ms",
+        "10",
+        "--hold-ms",
+        "170",
+        "--json-out",
+        str(out),
+        timeout=180,
+    )
     assert "goal (handoff p50 <= restore p50 + 10 ms" in printed, printed
     orders = json.loads(out.read_text())["orders"]
     assert [(o, r["n"]) for o, r in orders.items()] == [("in-order", 3), ("beside", 3), ("grant-on-restore", 3)]

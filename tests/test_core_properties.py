@@ -159,7 +159,11 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
                 self.sent_at[c.op_id] = self.now
                 assert result == [None], f"operation {c.op_id} sent again after its result"
                 assert type(c) is type(first) and (c.job, c.node, c.epoch, c.deadline_ms) == (
-                    first.job, first.node, first.epoch, first.deadline_ms), (c, first)
+                    first.job,
+                    first.node,
+                    first.epoch,
+                    first.deadline_ms,
+                ), (c, first)
                 if isinstance(c, Restore):
                     assert isinstance(first, Restore) and set(c.after) <= set(first.after), (c, first)
                 event("operation sent again")
@@ -176,8 +180,9 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
         self.check_notices(old, new, ev, notices(actions), [c for c in cmds if c.op_id not in sent_before])
         self.reconcile()
 
-    def check_notices(self, old: GroupRecord, new: GroupRecord, ev: InputEvent, ns: list[Notice],
-                      cmds: list[Any]) -> None:
+    def check_notices(
+        self, old: GroupRecord, new: GroupRecord, ev: InputEvent, ns: list[Notice], cmds: list[Any]
+    ) -> None:
         pending = (ev.job, ev.request_id) if isinstance(ev, Acquire) else None
         resolved = pending is None
 
@@ -201,13 +206,19 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
             if isinstance(n, Granted):
                 assert self.rid_job.get(n.request_id) == n.job, f"grant for a request {n.job} never made: {n}"
                 assert n.request_id not in self.departed, f"grant to a request that had left: {n}"
-                if (isinstance(ev, Renew) and ev.epoch is None and self.holder == (n.job, n.epoch, n.request_id)
-                        and (ev.job, ev.request_id) == (n.job, n.request_id)):
+                if (
+                    isinstance(ev, Renew)
+                    and ev.epoch is None
+                    and self.holder == (n.job, n.epoch, n.request_id)
+                    and (ev.job, ev.request_id) == (n.job, n.request_id)
+                ):
                     # The grantee still renews its wait: it has not heard of its grant, which is sent again as it was.
                     expired = ("timeout", "waiter lost (no renewal)")  # what this event's time may have dropped first
-                    assert not cmds and all(isinstance(m, Dequeued) and m.request_id != n.request_id
-                                            and m.reason in expired for m in ns if m is not n), \
-                        f"a re-sent grant comes alone (but for expiries): {ns}"
+                    assert not cmds and all(
+                        isinstance(m, Dequeued) and m.request_id != n.request_id and m.reason in expired
+                        for m in ns
+                        if m is not n
+                    ), f"a re-sent grant comes alone (but for expiries): {ns}"
                     assert new.holder is not None and not new.holder.confirmed, "only an unconfirmed grant is re-sent"
                     assert (n.waited_ms, n.context_restored) == (new.holder.waited_ms, new.holder.restored)
                     event("grant re-sent")
@@ -223,8 +234,9 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
                 # While snapshots trail a grant on restore, only the job granted then (the active one) is granted.
                 assert new.trailing is None or n.epoch == new.trailing.epoch or n.job == old.active_job, (n, old)
                 if new.trailing is not None and new.trailing.epoch == n.epoch:  # a grant on restore
-                    assert all((op.node, n.epoch) in self.beside and op.job != n.job for op in new.trailing.ops), \
+                    assert all((op.node, n.epoch) in self.beside and op.job != n.job for op in new.trailing.ops), (
                         f"granted {n.job} while snapshots ran with no restore of it beside them: {new.trailing}"
+                    )
                     event("grant on restore")
                 assert n.epoch > self.max_epoch, f"grant epoch {n.epoch} after {self.max_epoch}"
                 assert i == len(ns) - 1, f"a new grant is the last notice of its event: {ns}"
@@ -239,8 +251,9 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
                 restores = [r for c, r in self.ops.values() if isinstance(c, Restore) and c.epoch == n.epoch]
                 # "dropped": its node's agent was lost while it waited behind a snapshot there, with nothing
                 # of its job saved on that node (so nothing to bring back, and that placement is gone).
-                assert all(r in ([True], ["dropped"]) for r in restores), \
+                assert all(r in ([True], ["dropped"]) for r in restores), (
                     f"granted before every restore succeeded: {restores}"
+                )
                 assert n.context_restored == any(r == [True] for r in restores)
                 placed = set(new.placements.get(n.job, ()))
                 loaded_here = {node for node, j in new.loaded.items() if j == n.job}
@@ -348,8 +361,17 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
     @rule(job=st.sampled_from(JOBS))
     def acquire_patient(self, job: str) -> None:
         """A waiter that stays: long timeout, long liveness window, long confirmation window."""
-        self.step(Acquire(group=G, job=job, request_id=self.fresh_rid(job), lease_ms=60_000, timeout_ms=600_000,
-                          waiter_ttl_ms=120_000, confirm_ms=60_000))
+        self.step(
+            Acquire(
+                group=G,
+                job=job,
+                request_id=self.fresh_rid(job),
+                lease_ms=60_000,
+                timeout_ms=600_000,
+                waiter_ttl_ms=120_000,
+                confirm_ms=60_000,
+            )
+        )
 
     @precondition(lambda self: self.holder is not None)
     @rule()
@@ -369,8 +391,16 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
         agents, faults cleared), the core grants exactly the claimed epoch (the client returned already)."""
         assert self.claimable is not None
         job, epoch = self.claimable
-        ev = Acquire(group=G, job=job, request_id=self.fresh_rid(job), lease_ms=lease, timeout_ms=0,
-                     waiter_ttl_ms=ttl, confirm_ms=confirm, claim_epoch=epoch)
+        ev = Acquire(
+            group=G,
+            job=job,
+            request_id=self.fresh_rid(job),
+            lease_ms=lease,
+            timeout_ms=0,
+            waiter_ttl_ms=ttl,
+            confirm_ms=confirm,
+            claim_epoch=epoch,
+        )
         between = sorted(set(self.since_release))
         grants = notices(self.step(ev), Granted)
         assert [(n.job, n.epoch, n.request_id) for n in grants] == [(job, epoch, ev.request_id)], grants
@@ -379,8 +409,9 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
             event(f"claim granted after {t}")
 
     @precondition(lambda self: self.holder is not None)
-    @rule(data=st.data(), others=st.lists(st.sampled_from(["wait", "tick", "agents", "clear_fault", "late"]),
-                                          max_size=6))
+    @rule(
+        data=st.data(), others=st.lists(st.sampled_from(["wait", "tick", "agents", "clear_fault", "late"]), max_size=6)
+    )
     def release_then_claim(self, data: st.DataObject, others: list[str]) -> None:
         """The holder releases; if nobody waited, non-job events of every kind come before its claim."""
         self.release()
@@ -392,8 +423,12 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
             elif kind == "tick":
                 self.tick()
             elif kind == "agents":
-                self.agents(data, data.draw(st.sampled_from(["register", "unregister", "lost"])),
-                            data.draw(st.sampled_from(NODES)), 5_000)
+                self.agents(
+                    data,
+                    data.draw(st.sampled_from(["register", "unregister", "lost"])),
+                    data.draw(st.sampled_from(NODES)),
+                    5_000,
+                )
             elif kind == "clear_fault":
                 self.clear_fault(data)
             else:
@@ -486,8 +521,12 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
             if sw is not None:
                 snapshotting = {op.node for op in sw.ops if op.kind is OpKind.SNAPSHOT}
                 for op in sw.ops:
-                    if (op.kind is OpKind.RESTORE and op.node == node and node in snapshotting
-                            and node not in self.rec.saved.get(op.job, ())):
+                    if (
+                        op.kind is OpKind.RESTORE
+                        and op.node == node
+                        and node in snapshotting
+                        and node not in self.rec.saved.get(op.job, ())
+                    ):
                         self.ops[op.op_id][1][0] = "dropped"
             self.step(AgentLost(group=G, node=node))
 
@@ -511,8 +550,19 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
             if ok and beside and reports:
                 self.beside.add((op.node, epoch))
         tr, holder = self.rec.trailing, self.rec.holder
-        self.step(OpResult(group=G, op_id=op.op_id, node=op.node, job=op.job, kind=op.kind, epoch=epoch, ok=ok,
-                           error=None if ok else "backend failed", overlapped=beside and reports))
+        self.step(
+            OpResult(
+                group=G,
+                op_id=op.op_id,
+                node=op.node,
+                job=op.job,
+                kind=op.kind,
+                epoch=epoch,
+                ok=ok,
+                error=None if ok else "backend failed",
+                overlapped=beside and reports,
+            )
+        )
         if tr is not None and op in tr.ops and not ok:
             # A failed trailing snapshot (rolled back: its context stays beside the holder's) faults its job only.
             assert op.job in self.rec.faulted and op not in pending_ops(self.rec), self.rec
@@ -549,8 +599,18 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
         elif kind == "forged" and pending_ops(self.rec):
             # A pending operation's id with an older epoch: fenced off.
             op = data.draw(st.sampled_from(pending_ops(self.rec)))
-            self.step_inert(OpResult(group=G, op_id=op.op_id, node=op.node, job=op.job, kind=op.kind,
-                                     epoch=pending_epoch(self.rec) - 1, ok=ok, overlapped=ok))
+            self.step_inert(
+                OpResult(
+                    group=G,
+                    op_id=op.op_id,
+                    node=op.node,
+                    job=op.job,
+                    kind=op.kind,
+                    epoch=pending_epoch(self.rec) - 1,
+                    ok=ok,
+                    overlapped=ok,
+                )
+            )
         elif kind == "late":
             # An answer for an operation that is no longer pending (answered, timed out, older switch).
             pending = {op.op_id for op in pending_ops(self.rec)}
@@ -558,8 +618,11 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
             if old:
                 c = data.draw(st.sampled_from(old))
                 kind_ = OpKind.SNAPSHOT if isinstance(c, Snapshot) else OpKind.RESTORE
-                self.step_inert(OpResult(group=G, op_id=c.op_id, node=c.node, job=c.job, kind=kind_, epoch=c.epoch,
-                                         ok=ok, overlapped=ok))
+                self.step_inert(
+                    OpResult(
+                        group=G, op_id=c.op_id, node=c.node, job=c.job, kind=kind_, epoch=c.epoch, ok=ok, overlapped=ok
+                    )
+                )
         elif kind == "duplicate" and self.rec.last_seq > 0:
             # Re-applying an event already reflected in the record: the same object, no actions.
             done = [s for s in self.steps if s.seq <= self.rec.last_seq]
@@ -588,6 +651,10 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
             check_run(self.steps, self.rec, self.grants, self.max_epoch, self.holder[:2] if self.holder else None)
 
 
-CoreMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
-                                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+CoreMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 TestCoreStateMachine = CoreMachine.TestCase

@@ -218,11 +218,22 @@ def _trail(rec: GroupRecord, **kw: Any) -> GroupRecord:
 
 
 def _switching(rec: GroupRecord) -> GroupRecord:
-    to = WaiterRecord(job="b", request_id="r", enqueued_at_ms=0, deadline_ms=2**40, alive_until_ms=2**40,
-                      lease_ms=30_000, waiter_ttl_ms=5_000, confirm_ms=3_000)
+    to = WaiterRecord(
+        job="b",
+        request_id="r",
+        enqueued_at_ms=0,
+        deadline_ms=2**40,
+        alive_until_ms=2**40,
+        lease_ms=30_000,
+        waiter_ttl_ms=5_000,
+        confirm_ms=3_000,
+    )
     ops = _op(rec, op_id="other")
-    return msgspec.structs.replace(rec, state=GroupState.SWITCHING, switch=SwitchRecord(
-        to=to, epoch=rec.epoch, phase=OpKind.SNAPSHOT, started_at_ms=0, ops=ops))
+    return msgspec.structs.replace(
+        rec,
+        state=GroupState.SWITCHING,
+        switch=SwitchRecord(to=to, epoch=rec.epoch, phase=OpKind.SNAPSHOT, started_at_ms=0, ops=ops),
+    )
 
 
 BROKEN: dict[str, Any] = {
@@ -232,7 +243,8 @@ BROKEN: dict[str, Any] = {
     "trailing-snapshots": lambda: _trail(r := _trailing_record(), ops=_op(r, kind=OpKind.RESTORE)),
     "trailing-beside": lambda: _trail(r := _trailing_record(), ops=_op(r, job="b")),
     "trailing-placed": lambda: msgspec.structs.replace(
-        r := _trailing_record(), placements={"b": r.placements["b"]}, op_timeouts={"n1/b": 10_000}),
+        r := _trailing_record(), placements={"b": r.placements["b"]}, op_timeouts={"n1/b": 10_000}
+    ),
 }
 
 
@@ -250,14 +262,37 @@ def test_check_record_allows_no_other_trailing_snapshot(rule: str) -> None:
 
 def _started(sim: Sim, cmd: Snapshot | Restore, *, overlapped: bool = False) -> None:
     kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
-    sim.stream.append((len(sim.stream) + 1, sim.now, subjects.agent_op(cmd.node), encode(OpStarted(
-        op_id=cmd.op_id, group=G, job=cmd.job, node=cmd.node, kind=kind, epoch=cmd.epoch, backend="app_channel",
-        overlapped=overlapped))))
+    sim.stream.append(
+        (
+            len(sim.stream) + 1,
+            sim.now,
+            subjects.agent_op(cmd.node),
+            encode(
+                OpStarted(
+                    op_id=cmd.op_id,
+                    group=G,
+                    job=cmd.job,
+                    node=cmd.node,
+                    kind=kind,
+                    epoch=cmd.epoch,
+                    backend="app_channel",
+                    overlapped=overlapped,
+                )
+            ),
+        )
+    )
 
 
 def _inject_grant(sim: Sim, job: str, epoch: int) -> None:
-    g = Granted(group=G, job=job, request_id=f"{job}-forged", epoch=epoch, waited_ms=0, context_restored=True,
-                lease_deadline_ms=0)
+    g = Granted(
+        group=G,
+        job=job,
+        request_id=f"{job}-forged",
+        epoch=epoch,
+        waited_ms=0,
+        context_restored=True,
+        lease_deadline_ms=0,
+    )
     sim.stream.append((len(sim.stream) + 1, sim.now, subjects.notice(G, job), encode(g)))
 
 
@@ -309,8 +344,9 @@ def test_a_restore_starting_where_a_snapshot_trails_is_a_third_context() -> None
     sim, snap, restore = _agent_switch()
     sim.result(restore, overlapped=True)
     sim.register("c", "n1")
-    third = Restore(op_id=f"{G}:{snap.epoch + 1}:restore:n1", group=G, job="c", node="n1", epoch=snap.epoch + 1,
-                    deadline_ms=2**40)
+    third = Restore(
+        op_id=f"{G}:{snap.epoch + 1}:restore:n1", group=G, job="c", node="n1", epoch=snap.epoch + 1, deadline_ms=2**40
+    )
     _started(sim, third, overlapped=True)
     with pytest.raises(InvariantViolation) as info:
         StreamChecker().feed_all(sim.stream)
@@ -321,17 +357,33 @@ def test_op_facts_admit_a_grant_beside_a_running_snapshot_only_after_the_grantee
     sim, cmds = beside_switch()
     (snap,), restore = _split(cmds)
     facts = OpFacts()
-    facts.started(OpStarted(op_id=snap.op_id, group=G, job="a", node="n1", kind=OpKind.SNAPSHOT, epoch=snap.epoch,
-                            backend="noop"), 1, sim.rec)
-    grant = Granted(group=G, job="b", request_id="r", epoch=snap.epoch, waited_ms=0, context_restored=True,
-                    lease_deadline_ms=0)
+    facts.started(
+        OpStarted(
+            op_id=snap.op_id, group=G, job="a", node="n1", kind=OpKind.SNAPSHOT, epoch=snap.epoch, backend="noop"
+        ),
+        1,
+        sim.rec,
+    )
+    grant = Granted(
+        group=G, job="b", request_id="r", epoch=snap.epoch, waited_ms=0, context_restored=True, lease_deadline_ms=0
+    )
     with pytest.raises(InvariantViolation) as info:
         facts.granted(grant, 2)
     assert info.value.rule == "grant-beside-restore"
     from timeslice_client.protocol import OpResult
 
-    facts.ended(OpResult(group=G, op_id=restore.op_id, node="n1", job="b", kind=OpKind.RESTORE, epoch=snap.epoch,
-                         ok=True, overlapped=True))
+    facts.ended(
+        OpResult(
+            group=G,
+            op_id=restore.op_id,
+            node="n1",
+            job="b",
+            kind=OpKind.RESTORE,
+            epoch=snap.epoch,
+            ok=True,
+            overlapped=True,
+        )
+    )
     facts.granted(grant, 3)  # beside b's restore: a grant on restore
     with pytest.raises(InvariantViolation):
         facts.granted(msgspec.structs.replace(grant, job="c", epoch=snap.epoch + 1), 4)  # nobody else
@@ -342,8 +394,11 @@ def _started_after_result(sim: Sim, snap: Snapshot, restore: Restore) -> None:
     ten-minute chaos run showed 17 times: the agent starts both operations at once, and the snapshot's start was
     published after the restore beside it had ended)."""
     result = subjects.agent_event(restore.node, G)
-    at = next(i for i, (_, _, subject, data) in enumerate(sim.stream)
-              if subject == result and msgspec.json.decode(data).get("op_id") == restore.op_id)
+    at = next(
+        i
+        for i, (_, _, subject, data) in enumerate(sim.stream)
+        if subject == result and msgspec.json.decode(data).get("op_id") == restore.op_id
+    )
     _started(sim, snap)
     moved = sim.stream.pop()
     sim.stream.insert(at + 1, moved)

@@ -43,26 +43,49 @@ def test_a_record_at_every_limit_at_once_stays_far_below_the_payload_limit() -> 
     pairs all saved, loaded and faulted with the longest reasons, ``max_lost_nodes`` lost nodes, a switch with a
     restore beside a snapshot on every node."""
     rid = "r" * 128
-    waiter = WaiterRecord(job=_id("j", 0), request_id=rid, enqueued_at_ms=BIG_MS, deadline_ms=BIG_MS,
-                          alive_until_ms=BIG_MS, lease_ms=LIMITS.max_lease_ms, waiter_ttl_ms=LIMITS.max_ttl_ms,
-                          confirm_ms=LIMITS.max_ttl_ms)
+    waiter = WaiterRecord(
+        job=_id("j", 0),
+        request_id=rid,
+        enqueued_at_ms=BIG_MS,
+        deadline_ms=BIG_MS,
+        alive_until_ms=BIG_MS,
+        lease_ms=LIMITS.max_lease_ms,
+        waiter_ttl_ms=LIMITS.max_ttl_ms,
+        confirm_ms=LIMITS.max_ttl_ms,
+    )
     pairs = [(_id("j", i % 16), _id("n", i)) for i in range(LIMITS.max_placements)]
     placements: dict[str, tuple[str, ...]] = {}
     for job, node in pairs:
         placements[job] = (*placements.get(job, ()), node)
-    ops = tuple(OpRecord(op_id="o" * 256, node=node, job=job, kind=OpKind.SNAPSHOT, deadline_ms=BIG_MS)
-                for job, node in pairs)
+    ops = tuple(
+        OpRecord(op_id="o" * 256, node=node, job=job, kind=OpKind.SNAPSHOT, deadline_ms=BIG_MS) for job, node in pairs
+    )
     rec = GroupRecord(
-        group=_id("g", 0), epoch=BIG_MS,
-        holder=HolderRecord(job=_id("h", 0), request_id=rid, epoch=BIG_MS, granted_at_ms=BIG_MS, lease_ms=BIG_MS,
-                            lease_deadline_ms=BIG_MS, waiter_ttl_ms=BIG_MS, waited_ms=BIG_MS),
+        group=_id("g", 0),
+        epoch=BIG_MS,
+        holder=HolderRecord(
+            job=_id("h", 0),
+            request_id=rid,
+            epoch=BIG_MS,
+            granted_at_ms=BIG_MS,
+            lease_ms=BIG_MS,
+            lease_deadline_ms=BIG_MS,
+            waiter_ttl_ms=BIG_MS,
+            waited_ms=BIG_MS,
+        ),
         active_job=_id("h", 0),
         loaded={node: job for job, node in pairs},
         placements=placements,
         op_timeouts={f"{node}/{job}": BIG_MS for job, node in pairs},
         queue=tuple(msgspec_replace(waiter, job=_id("j", i)) for i in range(LIMITS.max_queue)),
-        switch=SwitchRecord(to=waiter, epoch=BIG_MS, phase=OpKind.SNAPSHOT, started_at_ms=BIG_MS, ops=ops,
-                            beside=tuple(node for _, node in pairs)),  # (a switch and trailing snapshots never both)
+        switch=SwitchRecord(
+            to=waiter,
+            epoch=BIG_MS,
+            phase=OpKind.SNAPSHOT,
+            started_at_ms=BIG_MS,
+            ops=ops,
+            beside=tuple(node for _, node in pairs),
+        ),  # (a switch and trailing snapshots never both)
         faulted={_id("f", i): "e" * LIMITS.max_reason for i in range(LIMITS.max_placements)},
         saved={job: nodes for job, nodes in placements.items()},
         lost_nodes=tuple(_id("l", i) for i in range(LIMITS.max_lost_nodes)),
@@ -111,7 +134,7 @@ async def test_oversized_request_ids_are_refused_and_every_group_goes_on(nats_ur
     try:
         got = await _notices(nc, "big")
         for i in range(2):
-            raw = (b'{"type":"acquire","group":"big","job":"j%d","request_id":"' % i + b"x" * 600_000 + b'"}')
+            raw = b'{"type":"acquire","group":"big","job":"j%d","request_id":"' % i + b"x" * 600_000 + b'"}'
             await js.publish(subjects.job("big", f"j{i}", "acquire"), raw)
         await eventually(lambda: len(got) >= 2, what="both refused")
         assert all(getattr(n, "code", None) == "INVALID" for n in got), got
@@ -122,8 +145,9 @@ async def test_oversized_request_ids_are_refused_and_every_group_goes_on(nats_ur
         await nc.close()
 
 
-async def test_a_full_queue_refuses_with_a_typed_error_and_the_record_stays_small(nats_url: str,
-                                                                                  orch: Orchestrator) -> None:
+async def test_a_full_queue_refuses_with_a_typed_error_and_the_record_stays_small(
+    nats_url: str, orch: Orchestrator
+) -> None:
     """~4,900 waiters used to push the record past the payload limit (the old ``max_queue`` of 10,000 could never
     be reached). Now the queue stops at ``max_queue`` with QUEUE_FULL, which the client raises as ``GroupFull``."""
     nc = await connect(nats_url)
@@ -134,15 +158,22 @@ async def test_a_full_queue_refuses_with_a_typed_error_and_the_record_stays_smal
             long_ms = 600_000
             for i in range(LIMITS.max_queue + 20):
                 job = f"w{i}"
-                ev = Acquire(group="full", job=job, request_id=os.urandom(16).hex(), timeout_ms=long_ms,
-                             waiter_ttl_ms=long_ms, confirm_ms=long_ms)
+                ev = Acquire(
+                    group="full",
+                    job=job,
+                    request_id=os.urandom(16).hex(),
+                    timeout_ms=long_ms,
+                    waiter_ttl_ms=long_ms,
+                    confirm_ms=long_ms,
+                )
                 await js.publish(subjects.job("full", job, "acquire"), encode(ev))
 
             async def queue_len() -> int:
                 return len((await holder.status()).queue)
 
-            await eventually(lambda: _at_least(queue_len, LIMITS.max_queue), timeout=60, interval=0.2,
-                             what="the queue filled up")
+            await eventually(
+                lambda: _at_least(queue_len, LIMITS.max_queue), timeout=60, interval=0.2, what="the queue filled up"
+            )
             async with AsyncTimeSliceClient("late", "full", nats_url) as late:
                 with pytest.raises(GroupFull) as info:
                     await late.acquire(timeout=10)

@@ -236,7 +236,16 @@ class OpResult(_Msg, frozen=True, tag="op_result"):
 
 
 InputEvent = (
-    Acquire | Release | Renew | Cancel | Phase | Tick | ClearFault | AgentLost | JobRegistered | JobUnregistered
+    Acquire
+    | Release
+    | Renew
+    | Cancel
+    | Phase
+    | Tick
+    | ClearFault
+    | AgentLost
+    | JobRegistered
+    | JobUnregistered
     | OpResult
 )
 

@@ -81,10 +81,17 @@ class Turn:
 class RestoreOrder:
     """Orders a node's restores after the snapshots they follow, unless the node has room for both."""
 
-    def __init__(self, running: RunningOps, *, doubt: Callable[[Restore], list[str]] = lambda cmd: [],
-                 enabled: bool = True, margin_bytes: int = 1 << 30,
-                 margin_fraction: float = 0.1, free_bytes: Callable[[], int | None] = free_device_bytes,
-                 free_bytes_blocks: Callable[[], bool] = lambda: gpu_source() is not None) -> None:
+    def __init__(
+        self,
+        running: RunningOps,
+        *,
+        doubt: Callable[[Restore], list[str]] = lambda cmd: [],
+        enabled: bool = True,
+        margin_bytes: int = 1 << 30,
+        margin_fraction: float = 0.1,
+        free_bytes: Callable[[], int | None] = free_device_bytes,
+        free_bytes_blocks: Callable[[], bool] = lambda: gpu_source() is not None,
+    ) -> None:
         self._running = running
         self._doubt = doubt  # JobBook.in_doubt: the snapshots a restart left in doubt that a restore follows
         self._free_bytes_blocks = free_bytes_blocks
@@ -101,8 +108,9 @@ class RestoreOrder:
             return await asyncio.to_thread(self._free_bytes)
         return self._free_bytes()
 
-    def may_overlap(self, cmd: Restore, ctx: JobContext | None, group_jobs: Iterable[JobContext],
-                    free: int | None) -> int:
+    def may_overlap(
+        self, cmd: Restore, ctx: JobContext | None, group_jobs: Iterable[JobContext], free: int | None
+    ) -> int:
         """The bytes to reserve when ``cmd`` may start beside its snapshots, else 0."""
         if not self.enabled or not self._running.any_running(cmd.after):
             return 0
@@ -114,8 +122,7 @@ class RestoreOrder:
         return need if fits(need, free, self.reserved, self.margin_bytes, self.margin_fraction) else 0
 
     @contextlib.asynccontextmanager
-    async def turn(self, cmd: Restore, ctx: JobContext | None, group_jobs: Iterable[JobContext]
-                   ) -> AsyncIterator[Turn]:
+    async def turn(self, cmd: Restore, ctx: JobContext | None, group_jobs: Iterable[JobContext]) -> AsyncIterator[Turn]:
         """Wait for this restore's turn; its reservation, if it overlaps, lasts until the block ends."""
         jobs = tuple(group_jobs)
         need = 0

@@ -134,8 +134,9 @@ class AppChannelBackend:
         return await self._call(ctx, op, "resume")
 
     async def _call(self, ctx: JobContext, op: OpContext, action: Literal["suspend", "resume"]) -> Outcome:
-        cmd = WorkloadCommand(op_id=op.op_id, action=action, mode=ctx.mode, tags=ctx.tags, epoch=op.epoch,
-                              channel=ctx.channel)
+        cmd = WorkloadCommand(
+            op_id=op.op_id, action=action, mode=ctx.mode, tags=ctx.tags, epoch=op.epoch, channel=ctx.channel
+        )
         subject = subjects.workload_rpc(self._node, ctx.job)
         try:
             msg = await self._ask(subject, encode(cmd), op)
@@ -145,14 +146,15 @@ class AppChannelBackend:
         try:
             reply = msgspec.json.decode(msg.data, type=WorkloadReply)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise BackendError(f"workload {ctx.job!r} answered {action} with garbage: {exc}",
-                               rolled_back=False) from exc
+            raise BackendError(
+                f"workload {ctx.job!r} answered {action} with garbage: {exc}", rolled_back=False
+            ) from exc
         if not reply.ok:
             # The handler contract: a failed suspend rolled itself back; a failed resume did not.
-            raise BackendError(f"workload {ctx.job!r} failed to {action}: {reply.error}",
-                               rolled_back=action == "suspend")
+            raise BackendError(
+                f"workload {ctx.job!r} failed to {action}: {reply.error}", rolled_back=action == "suspend"
+            )
         return Outcome(reply.bytes_moved, reply.device_bytes_freed, reply.elapsed_ms, reply.began_at_release)
-
 
     async def _ask(self, subject: str, data: bytes, op: OpContext) -> Msg:
         """The workload's answer, asking again every ``_ASK_AGAIN_S`` until the operation's deadline: a connection
@@ -196,8 +198,9 @@ _PROBES: dict[str, Probe] = {"cuda": cuda_unavailable_reason}
 _PROCESS_FREE: set[str] = {"noop", "app_channel", "app_endpoint"}
 
 
-def register_backend(name: str, factory: BackendFactory, *, probe: Probe | None = None,
-                     touches_processes: bool | None = None) -> None:
+def register_backend(
+    name: str, factory: BackendFactory, *, probe: Probe | None = None, touches_processes: bool | None = None
+) -> None:
     """Add (or replace) a backend. ``probe`` returns None where it can run, else the reason it cannot.
     ``touches_processes``: whether it signals, stops or checkpoints the job's processes (then a registration
     must prove them); None keeps what a replaced backend said, and a new one is taken to touch them."""
@@ -247,9 +250,7 @@ def node_default_backend(setting: str) -> str | None:
 def make_backend(name: str, nc: NATS, node: str) -> Backend:
     factory = _FACTORIES.get(name)
     if factory is None:
-        raise BackendUnavailable(
-            f"unknown backend {name!r}; this agent has {', '.join(available_backends())}"
-        )
+        raise BackendUnavailable(f"unknown backend {name!r}; this agent has {', '.join(available_backends())}")
     probe = _PROBES.get(name)
     reason = probe() if probe is not None else None
     if reason is not None:

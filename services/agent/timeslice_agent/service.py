@@ -90,8 +90,9 @@ class OperationStatus:
 class Agent:
     """Run with ``await Agent(config).run()``; stop with ``shutdown()`` (idempotent)."""
 
-    def __init__(self, config: AgentConfig | None = None, *, nc: NATS | None = None,
-                 metrics: AgentMetrics | None = None) -> None:
+    def __init__(
+        self, config: AgentConfig | None = None, *, nc: NATS | None = None, metrics: AgentMetrics | None = None
+    ) -> None:
         self.config = config or AgentConfig()
         self.metrics = metrics if metrics is not None else AgentMetrics()
         self.node = validate_id("node", self.config.node_id)
@@ -101,18 +102,31 @@ class Agent:
         self._heartbeat: Heartbeat | None = None  # once connected
         self._book = JobBook(self.node, refused=lambda code: self.metrics.refusal("kv", code))  # KV ``jobs``
         self._locks = JobLocks()  # one per job id, while in use
-        self._guard = ProcessGuard(proc=ProcFS(self.config.proc_root), allowed_uids=self.config.allowed_uids,
-                                   any_uid=self.config.allow_other_uids)
-        self._requests = Requests(self.node, self._book, self._locks, self.metrics,  # ts.rpc.agent.<node>.*
-                                  guard=self._guard, default_backend=self.config.default_backend,
-                                  unregister_wait_s=self.config.unregister_wait_s)
+        self._guard = ProcessGuard(
+            proc=ProcFS(self.config.proc_root),
+            allowed_uids=self.config.allowed_uids,
+            any_uid=self.config.allow_other_uids,
+        )
+        self._requests = Requests(
+            self.node,
+            self._book,
+            self._locks,
+            self.metrics,  # ts.rpc.agent.<node>.*
+            guard=self._guard,
+            default_backend=self.config.default_backend,
+            unregister_wait_s=self.config.unregister_wait_s,
+        )
         self._peer: PeerServer | None = None  # the agent socket, while running
         self._epochs: dict[str, int] = {}
         self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()
         self._running = RunningOps()  # a restore waits for the snapshots it follows (Restore.after)…
         self._order = RestoreOrder(  # …unless the node has room for both
-            self._running, doubt=self._book.in_doubt, enabled=self.config.overlap_restores,
-            margin_bytes=self.config.overlap_margin_bytes, margin_fraction=self.config.overlap_margin_fraction)
+            self._running,
+            doubt=self._book.in_doubt,
+            enabled=self.config.overlap_restores,
+            margin_bytes=self.config.overlap_margin_bytes,
+            margin_fraction=self.config.overlap_margin_fraction,
+        )
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
@@ -153,10 +167,12 @@ class Agent:
                 await heartbeat.once()
                 await self._book.recover()
                 r, node = self._requests, self.node
-                for subject, cb in ((subjects.agent_rpc_jobs(node, "register"), r.on_register),
-                                    (subjects.agent_rpc_jobs(node, "unregister"), r.on_unregister),
-                                    (subjects.agent_rpc(node, "clear_fault"), r.on_clear_fault),
-                                    (subjects.agent_rpc(node, "status"), r.on_status)):
+                for subject, cb in (
+                    (subjects.agent_rpc_jobs(node, "register"), r.on_register),
+                    (subjects.agent_rpc_jobs(node, "unregister"), r.on_unregister),
+                    (subjects.agent_rpc(node, "clear_fault"), r.on_clear_fault),
+                    (subjects.agent_rpc(node, "status"), r.on_status),
+                ):
                     self._subs.append(await nc.subscribe(subject, cb=cb))
                 await self._subscribe_commands()
                 tg.create_task(heartbeat.loop(self.config.heartbeat_s, self._stop))
@@ -216,11 +232,20 @@ class Agent:
             policy, start = DeliverPolicy.BY_START_SEQUENCE, floor + 1
         else:
             policy, start = (DeliverPolicy.ALL if exists else DeliverPolicy.NEW), None
-        await js.add_consumer(STREAM, ConsumerConfig(
-            durable_name=durable, description=f"commands for agent {self.node}", deliver_subject=deliver,
-            deliver_policy=policy, opt_start_seq=start, ack_policy=AckPolicy.EXPLICIT, ack_wait=30,
-            max_ack_pending=1024, filter_subject=subjects.agent_cmd(self.node),
-        ))
+        await js.add_consumer(
+            STREAM,
+            ConsumerConfig(
+                durable_name=durable,
+                description=f"commands for agent {self.node}",
+                deliver_subject=deliver,
+                deliver_policy=policy,
+                opt_start_seq=start,
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=30,
+                max_ack_pending=1024,
+                filter_subject=subjects.agent_cmd(self.node),
+            ),
+        )
 
     # ------------------------------------------------------------------ operations
 
@@ -257,8 +282,13 @@ class Agent:
             if msg.subject != subjects.agent_cmd(self.node):
                 # Someone's consumer pushed a stream message at this agent's deliver subject: it keeps its own subject
                 # (a job's stored payload, say), and only the orchestrator publishes on the command subject.
-                log_refusal(self.metrics, self.node, "command", Refusal.WRONG_SUBJECT,
-                            f"refused a message delivered from {shown(msg.subject)}, not from the command subject")
+                log_refusal(
+                    self.metrics,
+                    self.node,
+                    "command",
+                    Refusal.WRONG_SUBJECT,
+                    f"refused a message delivered from {shown(msg.subject)}, not from the command subject",
+                )
             else:
                 await self._take_delivered(msg.data)
         except Exception:  # not expected: a command must never end the agent, nor stay unacknowledged
@@ -299,8 +329,12 @@ class Agent:
             return
         assert self._js is not None
         try:
-            await self._js.publish(subjects.agent_event(self.node, cmd.group), encode(result), timeout=5,
-                                   headers={"Nats-Msg-Id": f"{cmd.op_id}:refused"})
+            await self._js.publish(
+                subjects.agent_event(self.node, cmd.group),
+                encode(result),
+                timeout=5,
+                headers={"Nats-Msg-Id": f"{cmd.op_id}:refused"},
+            )
         except Exception as err:
             log.warning("refusal not published: %r", err, extra={"node": self.node, **ids})
 
@@ -345,16 +379,40 @@ class Agent:
             outcome = "failed" if ctx is None or ctx.state is JobState.FAULTED else "rolled_back"
         self.metrics.operation(result, outcome)
 
-    def _result(self, cmd: Snapshot | Restore, kind: OpKind, backend: str, *, ok: bool, error: str | None = None,
-                outcome: Outcome | None = None, elapsed_ms: float = 0.0, overlapped: bool = False) -> OpResult:
+    def _result(
+        self,
+        cmd: Snapshot | Restore,
+        kind: OpKind,
+        backend: str,
+        *,
+        ok: bool,
+        error: str | None = None,
+        outcome: Outcome | None = None,
+        elapsed_ms: float = 0.0,
+        overlapped: bool = False,
+    ) -> OpResult:
         out = outcome or Outcome()
-        return OpResult(group=cmd.group, op_id=cmd.op_id, node=self.node, job=cmd.job, kind=kind, epoch=cmd.epoch,
-                        ok=ok, error=cap(error) if error else error, backend=backend, bytes_moved=out.bytes_moved,
-                        device_bytes_freed=out.device_bytes_freed, elapsed_ms=elapsed_ms,
-                        began_at_release=out.began_at_release, work_ms=out.work_ms, overlapped=overlapped)
+        return OpResult(
+            group=cmd.group,
+            op_id=cmd.op_id,
+            node=self.node,
+            job=cmd.job,
+            kind=kind,
+            epoch=cmd.epoch,
+            ok=ok,
+            error=cap(error) if error else error,
+            backend=backend,
+            bytes_moved=out.bytes_moved,
+            device_bytes_freed=out.device_bytes_freed,
+            elapsed_ms=elapsed_ms,
+            began_at_release=out.began_at_release,
+            work_ms=out.work_ms,
+            overlapped=overlapped,
+        )
 
-    async def _execute(self, cmd: Snapshot | Restore, kind: OpKind, asked: OpSettings | None = None
-                       ) -> tuple[OpResult, bool]:
+    async def _execute(
+        self, cmd: Snapshot | Restore, kind: OpKind, asked: OpSettings | None = None
+    ) -> tuple[OpResult, bool]:
         """Run one operation (``asked``: a request's own settings); returns its result and whether it was
         published already."""
         if (done := self._results.get(cmd.op_id)) is not None:
@@ -367,8 +425,9 @@ class Agent:
                 return self._remember(self._result(cmd, kind, "none", ok=False, error=turn.error)), False
             return await self._execute_now(cmd, kind, overlapped=turn.overlapped, asked=asked)
 
-    async def _execute_now(self, cmd: Snapshot | Restore, kind: OpKind, *, overlapped: bool,
-                           asked: OpSettings | None) -> tuple[OpResult, bool]:
+    async def _execute_now(
+        self, cmd: Snapshot | Restore, kind: OpKind, *, overlapped: bool, asked: OpSettings | None
+    ) -> tuple[OpResult, bool]:
         """``_execute`` once the operation's turn has come (``overlapped``: a restore beside its snapshots)."""
         async with self._locks.hold(cmd.job):
             if (done := self._results.get(cmd.op_id)) is not None:
@@ -383,8 +442,9 @@ class Agent:
             backend = "+".join(ctx.backends)
             newest = self._epochs.get(cmd.group, 0)
             if cmd.epoch < newest:
-                return self._result(cmd, kind, backend, ok=False,
-                                    error=f"stale epoch {cmd.epoch} (group {cmd.group!r} is at {newest})"), False
+                return self._result(
+                    cmd, kind, backend, ok=False, error=f"stale epoch {cmd.epoch} (group {cmd.group!r} is at {newest})"
+                ), False
             self._epochs[cmd.group] = cmd.epoch
             if ctx.state is JobState.FAULTED:
                 error = f"job is faulted: {ctx.reason}"
@@ -404,12 +464,33 @@ class Agent:
             before = ctx.state
             if before is JobState.TRANSITIONING:  # cut short by a restart of this agent: where it started from
                 before = JobState.RUNNING if kind is OpKind.SNAPSHOT else JobState.SAVED
-            ctx = await self._book.save(msgspec.structs.replace(ctx, state=JobState.TRANSITIONING, epoch=cmd.epoch,
-                                        last_op_id=cmd.op_id, last_op_ok=None, last_op_error=None), wait=False)
+            ctx = await self._book.save(
+                msgspec.structs.replace(
+                    ctx,
+                    state=JobState.TRANSITIONING,
+                    epoch=cmd.epoch,
+                    last_op_id=cmd.op_id,
+                    last_op_ok=None,
+                    last_op_error=None,
+                ),
+                wait=False,
+            )
             assert self._nc is not None
-            await self._nc.publish(subjects.agent_op(self.node), encode(OpStarted(
-                op_id=cmd.op_id, group=cmd.group, job=cmd.job, node=self.node, kind=kind, epoch=cmd.epoch,
-                backend=backend, overlapped=overlapped)))
+            await self._nc.publish(
+                subjects.agent_op(self.node),
+                encode(
+                    OpStarted(
+                        op_id=cmd.op_id,
+                        group=cmd.group,
+                        job=cmd.job,
+                        node=self.node,
+                        kind=kind,
+                        epoch=cmd.epoch,
+                        backend=backend,
+                        overlapped=overlapped,
+                    )
+                ),
+            )
             if overlapped:
                 self.metrics.overlapped.labels(backend).inc()
             t0 = time.perf_counter()
@@ -426,25 +507,47 @@ class Agent:
                 await self._publish_result(result)
                 return self._remember(result), True
             state, failure, outcome = performed
-            result = self._result(cmd, kind, backend, ok=failure is None, error=failure, outcome=outcome,
-                                  elapsed_ms=elapsed, overlapped=overlapped)  # beside: the core may grant on it
+            result = self._result(
+                cmd,
+                kind,
+                backend,
+                ok=failure is None,
+                error=failure,
+                outcome=outcome,
+                elapsed_ms=elapsed,
+                overlapped=overlapped,
+            )  # beside: the core may grant on it
             # A restore that follows this operation (Restore.after) may start now: its first publish comes
             # after this result's on the connection, so the stream shows the result first. Neither waits for
             # the stream's answer to the result, nor for the KV write below.
             self._running.answered(cmd.op_id)
             await self._publish_result(result)  # the orchestrator waits on this; the KV write can follow
             if (current := self._book.registration(ctx)) is None:  # unregistered meanwhile: not brought back
-                log.info("job unregistered during the %s: its outcome is not stored", kind,
-                         extra={"node": self.node, "job": cmd.job, "group": cmd.group, "op_id": cmd.op_id})
+                log.info(
+                    "job unregistered during the %s: its outcome is not stored",
+                    kind,
+                    extra={"node": self.node, "job": cmd.job, "group": cmd.group, "op_id": cmd.op_id},
+                )
                 return self._remember(result), True
-            await self._book.save(msgspec.structs.replace(
-                current, state=state, reason=failure if state is JobState.FAULTED else None, last_op_id=cmd.op_id,
-                last_op_ok=failure is None, last_op_error=failure, bytes_moved=outcome.bytes_moved,
-                device_bytes_freed=outcome.device_bytes_freed, elapsed_ms=elapsed, **settled(ran, current, state)))
+            await self._book.save(
+                msgspec.structs.replace(
+                    current,
+                    state=state,
+                    reason=failure if state is JobState.FAULTED else None,
+                    last_op_id=cmd.op_id,
+                    last_op_ok=failure is None,
+                    last_op_error=failure,
+                    bytes_moved=outcome.bytes_moved,
+                    device_bytes_freed=outcome.device_bytes_freed,
+                    elapsed_ms=elapsed,
+                    **settled(ran, current, state),
+                )
+            )
             return self._remember(result), True
 
-    async def _perform_watched(self, ctx: JobContext, op: OpContext, kind: OpKind,
-                               before: JobState) -> tuple[JobState, str | None, Outcome] | None:
+    async def _perform_watched(
+        self, ctx: JobContext, op: OpContext, kind: OpKind, before: JobState
+    ) -> tuple[JobState, str | None, Outcome] | None:
         """Run the job's composed backends (``_compose.perform``) while watching its processes: ``None``
         when they all exited before the operation finished (it is cancelled then, not waited out)."""
         assert self._nc is not None
@@ -454,8 +557,15 @@ class Agent:
             try:
                 self._guard.verify(ctx)  # the processes are still the ones the job proved to own
             except Refused as exc:
-                log_refusal(self.metrics, node, "command", exc.code, f"refused to act on the job's processes: {exc}",
-                            job=ctx.job, op_id=op.op_id)
+                log_refusal(
+                    self.metrics,
+                    node,
+                    "command",
+                    exc.code,
+                    f"refused to act on the job's processes: {exc}",
+                    job=ctx.job,
+                    op_id=op.op_id,
+                )
                 if kind is OpKind.RESTORE:
                     return JobState.FAULTED, f"refused ({exc.code}): {exc}", Outcome()
                 state = JobState.IDLE if before is JobState.IDLE else JobState.RUNNING  # nothing was done
@@ -464,8 +574,9 @@ class Agent:
             op = dataclasses.replace(op, may_act=lambda pid: guard.may_act(ctx, pid))
         outcome = await until_exited(perform(backends, ctx, op, kind, before), ctx.pids, self.config.pid_check_s)
         if outcome is None:
-            log.warning("job's processes exited during a %s", kind, extra={"node": node, "job": ctx.job,
-                                                                           "op_id": op.op_id})
+            log.warning(
+                "job's processes exited during a %s", kind, extra={"node": node, "job": ctx.job, "op_id": op.op_id}
+            )
         return outcome
 
     def _remember(self, result: OpResult) -> OpResult:
@@ -477,8 +588,12 @@ class Agent:
     async def _publish_result(self, result: OpResult) -> None:
         """The outcome, to the orchestrator: retried through an election (``_stored``), deduplicated by op id."""
         assert self._js is not None
-        await stored.publish(self._js, subjects.agent_event(self.node, result.group), encode(result),
-                             headers={"Nats-Msg-Id": f"{result.op_id}:result"})
+        await stored.publish(
+            self._js,
+            subjects.agent_event(self.node, result.group),
+            encode(result),
+            headers={"Nats-Msg-Id": f"{result.op_id}:result"},
+        )
 
     # ------------------------------------------------------------------ standalone operations
 
@@ -520,24 +635,42 @@ class Agent:
         check_idle(job, self._locks.users(job), self._standalone)  # OperationInProgress: answered at once
         async with self._locks.hold(job):
             current = self._book.jobs.get(job)
-            ctx = standalone_context(current, self.node, job, kind, group=group, backends=backends, pids=pids,
-                                     endpoints=endpoints)
+            ctx = standalone_context(
+                current, self.node, job, kind, group=group, backends=backends, pids=pids, endpoints=endpoints
+            )
             if ctx is not current:
-                check_registration(RegisterJob(group=ctx.group, job=job, backends=ctx.backends, pids=ctx.pids,
-                                               pgid=ctx.pgid, mode=ctx.mode, tags=ctx.tags, endpoints=ctx.endpoints,
-                                               op_timeout_ms=ctx.op_timeout_ms))  # Refused: a ValueError
+                check_registration(
+                    RegisterJob(
+                        group=ctx.group,
+                        job=job,
+                        backends=ctx.backends,
+                        pids=ctx.pids,
+                        pgid=ctx.pgid,
+                        mode=ctx.mode,
+                        tags=ctx.tags,
+                        endpoints=ctx.endpoints,
+                        op_timeout_ms=ctx.op_timeout_ms,
+                    )
+                )  # Refused: a ValueError
                 if acts_on_processes(ctx.backends):  # only processes the registration proved (Refused)
                     ctx = await asyncio.to_thread(self._guard.standalone, current, ctx)
                 ctx = await self._book.save(ctx)
         op_id = f"standalone-{uuid.uuid4().hex}"
         budget_ms = int(timeout_s * 1000) if timeout_s else ctx.op_timeout_ms
         cls = Snapshot if kind is OpKind.SNAPSHOT else Restore
-        cmd = cls(op_id=op_id, group=ctx.group, job=job, node=self.node, epoch=self._epochs.get(ctx.group, 0),
-                  deadline_ms=now_ms() + budget_ms)
+        cmd = cls(
+            op_id=op_id,
+            group=ctx.group,
+            job=job,
+            node=self.node,
+            epoch=self._epochs.get(ctx.group, 0),
+            deadline_ms=now_ms() + budget_ms,
+        )
         self._standalone[op_id] = (job, time.monotonic())
         asked = OpSettings(mode=mode, tags=tags)
         nothing_to_move = (kind is OpKind.SNAPSHOT and ctx.state is JobState.SAVED) or (
-            kind is OpKind.RESTORE and ctx.state in (JobState.RUNNING, JobState.IDLE))
+            kind is OpKind.RESTORE and ctx.state in (JobState.RUNNING, JobState.IDLE)
+        )
         if nothing_to_move:
             await self._standalone_op(cmd, kind, asked)  # answered at once: complete before the caller asks
         else:
@@ -592,8 +725,11 @@ class Agent:
                                 await self._book.unregister(ctx, "its processes are gone")
                 except Exception as exc:  # one job's check never ends the loop (nor the agent)
                     self.metrics.task_error("pid_check")
-                    log.warning("checking the job's processes failed: %r", exc,
-                                extra={"node": self.node, "group": ctx.group, "job": ctx.job})
+                    log.warning(
+                        "checking the job's processes failed: %r",
+                        exc,
+                        extra={"node": self.node, "group": ctx.group, "job": ctx.job},
+                    )
 
 
 class _Stopped(Exception):

@@ -47,8 +47,13 @@ __all__ = ["View", "fit", "read_control", "read_view", "register", "render_json"
 
 _ctx_decoder = msgspec.json.Decoder(JobContext)
 #: How ``status`` colours a terminal (``_term``): states, and what needs a person's eye.
-STATE_STYLES = ((r"\bHELD\b", "green"), (r"\b(SWITCHING|TRANSITIONING)\b", "yellow"), (r"\bIDLE\w*\b", "dim"),
-                (r"\b(FAULTED|QUARANTINED|UNREADABLE)\b|faulted:", "bold red"), (r"(?m)^leader: none.*", "bold red"))
+STATE_STYLES = (
+    (r"\bHELD\b", "green"),
+    (r"\b(SWITCHING|TRANSITIONING)\b", "yellow"),
+    (r"\bIDLE\w*\b", "dim"),
+    (r"\b(FAULTED|QUARANTINED|UNREADABLE)\b|faulted:", "bold red"),
+    (r"(?m)^leader: none.*", "bold red"),
+)
 
 
 @dataclass
@@ -162,8 +167,9 @@ def _nodes(rec: GroupRecord) -> list[str]:
     return sorted(nodes)
 
 
-def render_table(recs: Iterable[GroupRecord], jobs: Iterable[JobContext], now_ms: int, *,
-                 view: View | None = None) -> str:
+def render_table(
+    recs: Iterable[GroupRecord], jobs: Iterable[JobContext], now_ms: int, *, view: View | None = None
+) -> str:
     """The human table: who leads, one line per group, then its nodes, job states and faults indented below;
     quarantined groups and unreadable records last."""
     by_group: dict[str, list[JobContext]] = {}
@@ -172,8 +178,11 @@ def render_table(recs: Iterable[GroupRecord], jobs: Iterable[JobContext], now_ms
     lines = []
     if view is not None:
         ld = view.leader
-        lines.append(f"leader: {ld.holder} (term {ld.term}, for {_dur(now_ms - ld.since_ms)})" if ld is not None
-                     else "leader: none (no orchestrator leads: start one, or wait for a standby to take over)")
+        lines.append(
+            f"leader: {ld.holder} (term {ld.term}, for {_dur(now_ms - ld.since_ms)})"
+            if ld is not None
+            else "leader: none (no orchestrator leads: start one, or wait for a standby to take over)"
+        )
     lines.append(f"{'GROUP':<20} {'STATE':<13} {'HOLDER':<16} {'EPOCH':>6} {'FOR':>8}  {'ACTIVE':<16} QUEUE (waited)")
     recs = list(recs)
     if not recs:
@@ -181,8 +190,10 @@ def render_table(recs: Iterable[GroupRecord], jobs: Iterable[JobContext], now_ms
     for r in recs:
         started = r.holder.granted_at_ms if r.holder is not None else r.since_ms
         held = _dur(now_ms - started) if started else "-"
-        lines.append(f"{r.group:<20} {r.state:<13} {(r.holder.job if r.holder else '-'):<16} {r.epoch:>6} {held:>8}  "
-                     f"{(r.active_job or '-'):<16} {_queue(r, now_ms)}")
+        lines.append(
+            f"{r.group:<20} {r.state:<13} {(r.holder.job if r.holder else '-'):<16} {r.epoch:>6} {held:>8}  "
+            f"{(r.active_job or '-'):<16} {_queue(r, now_ms)}"
+        )
         pad = " " * 21
         nodes = _nodes(r)
         if nodes:
@@ -203,8 +214,9 @@ def render_table(recs: Iterable[GroupRecord], jobs: Iterable[JobContext], now_ms
     return "\n".join(lines)
 
 
-def render_json(recs: list[GroupRecord], jobs: list[JobContext], now_ms: int, *, indent: int | None = 2,
-                view: View | None = None) -> str:
+def render_json(
+    recs: list[GroupRecord], jobs: list[JobContext], now_ms: int, *, indent: int | None = 2, view: View | None = None
+) -> str:
     """The records and job contexts exactly as stored (KV ``groups`` and ``jobs``), and the time of reading; with
     ``view``, also who leads, the quarantined groups and the records that do not decode."""
     doc: dict[str, Any] = {"now_ms": now_ms, "groups": msgspec.to_builtins(recs), "jobs": msgspec.to_builtins(jobs)}
@@ -289,8 +301,10 @@ async def _watch(nc: NATS, view: View, args: argparse.Namespace) -> None:
 
     gap = 1.0 / args.max_rate
     async with asyncio.TaskGroup() as tg:
-        followers = [tg.create_task(_follow(groups_kv, on_group, changed)),
-                     tg.create_task(_follow(jobs_kv, on_job, changed))]
+        followers = [
+            tg.create_task(_follow(groups_kv, on_group, changed)),
+            tg.create_task(_follow(jobs_kv, on_job, changed)),
+        ]
         try:
             while not stop.is_set():
                 await read_control(nc, view, timeout_s=0.5)
@@ -336,8 +350,11 @@ def register(sub: Any) -> None:
     """Add ``status`` to the ``timeslice`` command's subparsers."""
     st = sub.add_parser("status", help="groups: state, holder, epoch, held for, queue, and job states per node")
     st.add_argument("--group", default=None, help="one group (default: all)")
-    st.add_argument("--json", action="store_true",
-                    help="the stored records and job states as JSON on stdout (with --watch: one document a line)")
+    st.add_argument(
+        "--json",
+        action="store_true",
+        help="the stored records and job states as JSON on stdout (with --watch: one document a line)",
+    )
     st.add_argument("--watch", action="store_true", help="refresh live as the records change (Ctrl-C to stop)")
     st.add_argument("--max-rate", type=_rate, default=4.0, help="with --watch: at most this many refreshes a second")
     add_nats_flag(st)

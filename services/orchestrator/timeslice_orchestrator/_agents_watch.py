@@ -24,8 +24,13 @@ __all__ = ["publish_agent_lost", "referenced_nodes", "watch_agents"]
 log = logging.getLogger("timeslice.orchestrator")
 
 
-async def watch_agents(kv: KeyValue, js: JetStreamContext, records: Callable[[], Mapping[str, GroupRecord]],
-                       stop: asyncio.Event, known: asyncio.Event) -> None:
+async def watch_agents(
+    kv: KeyValue,
+    js: JetStreamContext,
+    records: Callable[[], Mapping[str, GroupRecord]],
+    stop: asyncio.Event,
+    known: asyncio.Event,
+) -> None:
     """Until ``stop``: publish ``AgentLost`` for each node whose key goes away. ``known`` is set once the
     bucket's current keys were read (and the nodes the records name without a key were reported lost)."""
     alive: set[str] = set()

@@ -55,8 +55,18 @@ def _on_acquire(w: Work, ev: Acquire) -> None:
         w.holder = msgspec.structs.replace(
             h, request_id=ev.request_id, confirmed=True, lease_ms=ev.lease_ms, lease_deadline_ms=now + ev.lease_ms
         )
-        w.notify(Granted(group=w.group, job=ev.job, request_id=ev.request_id, epoch=h.epoch, waited_ms=0,
-                         context_restored=False, lease_deadline_ms=now + ev.lease_ms, waiters=len(w.queue)))
+        w.notify(
+            Granted(
+                group=w.group,
+                job=ev.job,
+                request_id=ev.request_id,
+                epoch=h.epoch,
+                waited_ms=0,
+                context_restored=False,
+                lease_deadline_ms=now + ev.lease_ms,
+                waiters=len(w.queue),
+            )
+        )
         w.touch("re-acquired by holder")
         return
     wr = WaiterRecord(
@@ -84,8 +94,13 @@ def _on_acquire(w: Work, ev: Acquire) -> None:
         w.grant(wr, w.epoch + 1, restored=False)
         return
     if len(w.queue) >= lim.max_queue:
-        w.refuse(ev.job, ev.request_id, ErrorCode.QUEUE_FULL, f"group queue is full ({lim.max_queue} waiters)",
-                 limit=lim.max_queue)
+        w.refuse(
+            ev.job,
+            ev.request_id,
+            ErrorCode.QUEUE_FULL,
+            f"group queue is full ({lim.max_queue} waiters)",
+            limit=lim.max_queue,
+        )
         return
     w.queue.append(wr)
     w.touch("enqueued")
@@ -136,10 +151,20 @@ def _on_claim(w: Work, ev: Acquire) -> None:
     why = _unclaimable(w, ev)
     if why is None:
         now = w.now
-        w.grant(WaiterRecord(job=ev.job, request_id=ev.request_id, enqueued_at_ms=now, deadline_ms=now,
-                             alive_until_ms=now + ev.waiter_ttl_ms, lease_ms=ev.lease_ms,
-                             waiter_ttl_ms=ev.waiter_ttl_ms, confirm_ms=ev.confirm_ms),
-                ev.claim_epoch, restored=False)
+        w.grant(
+            WaiterRecord(
+                job=ev.job,
+                request_id=ev.request_id,
+                enqueued_at_ms=now,
+                deadline_ms=now,
+                alive_until_ms=now + ev.waiter_ttl_ms,
+                lease_ms=ev.lease_ms,
+                waiter_ttl_ms=ev.waiter_ttl_ms,
+                confirm_ms=ev.confirm_ms,
+            ),
+            ev.claim_epoch,
+            restored=False,
+        )
         return
     reason = f"claim of epoch {ev.claim_epoch} not honoured: {why}; acquire again"
     w.refuse(ev.job, ev.request_id, ErrorCode.INVALID, reason)
@@ -154,22 +179,35 @@ def _on_release(w: Work, ev: Release) -> None:
         to = sw.to if h is None and sw is not None else None
         if sw is not None and to is not None and to.job == ev.job and to.request_id == ev.request_id:
             # Released before the grant arrived (a client that gave up): leave the switch target.
-            w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason="released before grant",
-                              code=DequeueCode.RELEASED_BEFORE_GRANT))
+            w.notify(
+                Dequeued(
+                    group=w.group,
+                    job=ev.job,
+                    request_id=ev.request_id,
+                    reason="released before grant",
+                    code=DequeueCode.RELEASED_BEFORE_GRANT,
+                )
+            )
             w.switch = msgspec.structs.replace(sw, to=None)
             w.touch("switch target released")
             return
-        w.refuse(ev.job, ev.request_id, ErrorCode.NOT_HOLDER,
-                 f"job {ev.job!r} does not hold group {w.group!r}")
+        w.refuse(ev.job, ev.request_id, ErrorCode.NOT_HOLDER, f"job {ev.job!r} does not hold group {w.group!r}")
         return
     if ev.epoch != h.epoch:
-        w.refuse(ev.job, ev.request_id, ErrorCode.STALE_EPOCH,
-                 f"epoch {ev.epoch} is not the current epoch {h.epoch}")
+        w.refuse(ev.job, ev.request_id, ErrorCode.STALE_EPOCH, f"epoch {ev.epoch} is not the current epoch {h.epoch}")
         return
     w.holder = None
     pending = len(w.queue)
-    w.notify(Released(group=w.group, job=ev.job, request_id=ev.request_id, epoch=h.epoch,
-                      pending_waiters=pending, snapshot_deferred=pending == 0))
+    w.notify(
+        Released(
+            group=w.group,
+            job=ev.job,
+            request_id=ev.request_id,
+            epoch=h.epoch,
+            pending_waiters=pending,
+            snapshot_deferred=pending == 0,
+        )
+    )
     w.touch("released")
 
 
@@ -208,14 +246,22 @@ def _on_renew(w: Work, ev: Renew) -> None:
         # publish but not receive) must not keep the group until its acquire timeout; its grant then lapses at its
         # deadline and passes on.
         if not h.confirmed and h.resends < w.limits.max_grant_resends:
-            w.holder = h = msgspec.structs.replace(h, lease_deadline_ms=max(h.lease_deadline_ms,
-                                                                            now + h.waiter_ttl_ms),
-                                                   resends=h.resends + 1)
+            w.holder = h = msgspec.structs.replace(
+                h, lease_deadline_ms=max(h.lease_deadline_ms, now + h.waiter_ttl_ms), resends=h.resends + 1
+            )
             w.touch("granted waiter renewed")
             w.notify_grant(h)
         return
-    w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason="not waiting", lost=True,
-                      code=DequeueCode.NOT_WAITING))
+    w.notify(
+        Dequeued(
+            group=w.group,
+            job=ev.job,
+            request_id=ev.request_id,
+            reason="not waiting",
+            lost=True,
+            code=DequeueCode.NOT_WAITING,
+        )
+    )
 
 
 def _on_cancel(w: Work, ev: Cancel) -> None:
@@ -225,8 +271,9 @@ def _on_cancel(w: Work, ev: Cancel) -> None:
             return
     sw = w.switch
     if sw is not None and sw.to is not None and sw.to.request_id == ev.request_id and sw.to.job == ev.job:
-        w.notify(Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason=ev.reason,
-                          code=DequeueCode.CANCELLED))
+        w.notify(
+            Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason=ev.reason, code=DequeueCode.CANCELLED)
+        )
         w.switch = msgspec.structs.replace(sw, to=None)
         w.touch(f"waiter {ev.reason}")
         return
@@ -235,8 +282,16 @@ def _on_cancel(w: Work, ev: Cancel) -> None:
         # The grant crossed the cancel: the caller will never use it, so it is released.
         w.holder = None
         pending = len(w.queue)
-        w.notify(Released(group=w.group, job=ev.job, request_id=ev.request_id, epoch=h.epoch,
-                          pending_waiters=pending, snapshot_deferred=pending == 0))
+        w.notify(
+            Released(
+                group=w.group,
+                job=ev.job,
+                request_id=ev.request_id,
+                epoch=h.epoch,
+                pending_waiters=pending,
+                snapshot_deferred=pending == 0,
+            )
+        )
         w.touch(f"grant {ev.reason}")
 
 
@@ -272,9 +327,14 @@ def _on_registered(w: Work, ev: JobRegistered) -> None:
     for op in w.pending_ops():
         if op.node == ev.node and op.job == ev.job:
             w.resend(op)
-    if (sw is not None and sw.phase is OpKind.RESTORE and sw.to is not None and sw.to.job == ev.job
-            and w.loaded.get(ev.node) != ev.job
-            and not any(op.node == ev.node and op.kind is OpKind.RESTORE for op in sw.ops)):
+    if (
+        sw is not None
+        and sw.phase is OpKind.RESTORE
+        and sw.to is not None
+        and sw.to.job == ev.job
+        and w.loaded.get(ev.node) != ev.job
+        and not any(op.node == ev.node and op.kind is OpKind.RESTORE for op in sw.ops)
+    ):
         # The incoming job appeared on one more node while its restores run: restore it there too.
         op = w.restore_op(sw, ev.node, ev.job, suffix=f":{w.seq}")  # unique if re-registered
         w.switch = msgspec.structs.replace(sw, ops=(*sw.ops, op))
@@ -295,8 +355,7 @@ def _on_unregistered(w: Work, ev: JobUnregistered) -> None:
     # it: a snapshot of it ends without faulting the job (it may come back and register again). A restore of
     # the incoming job cannot bring anything back: that still faults it (it is refused, not granted empty).
     gone = f"job unregistered from node {ev.node}"
-    _fail_ops(w, lambda op: op.node == ev.node and op.job == ev.job and op.kind is OpKind.SNAPSHOT, gone,
-              fault=False)
+    _fail_ops(w, lambda op: op.node == ev.node and op.job == ev.job and op.kind is OpKind.SNAPSHOT, gone, fault=False)
     _fail_ops(w, lambda op: op.node == ev.node and op.job == ev.job, gone)
     w.touch("job unregistered")
 
@@ -327,13 +386,24 @@ def _on_agent_lost(w: Work, ev: AgentLost) -> None:
     ops = w.pending_ops()
     snapshotting = {op.node for op in ops if op.kind is OpKind.SNAPSHOT}
     queued = [op for op in ops if op.node == ev.node and op.kind is OpKind.RESTORE and op.node in snapshotting]
-    _fail_ops(w, lambda op: op.node == ev.node and op.kind is OpKind.RESTORE and op not in queued,
-              f"agent on node {ev.node} was lost during the operation")
+    _fail_ops(
+        w,
+        lambda op: op.node == ev.node and op.kind is OpKind.RESTORE and op not in queued,
+        f"agent on node {ev.node} was lost during the operation",
+    )
     for op in queued:
         stranded = ev.node in w.saved.get(op.job, ())
-        w.op_done(op, ok=False, fault=stranded,
-                  error=(f"its context is saved on node {ev.node}, whose agent was lost; restart the agent there, "
-                         "then clear the fault") if stranded else f"agent on node {ev.node} was lost")
+        w.op_done(
+            op,
+            ok=False,
+            fault=stranded,
+            error=(
+                f"its context is saved on node {ev.node}, whose agent was lost; restart the agent there, "
+                "then clear the fault"
+            )
+            if stranded
+            else f"agent on node {ev.node} was lost",
+        )
     if ev.node not in w.lost_nodes:
         w.lost_nodes = (*w.lost_nodes, ev.node)[-w.limits.max_lost_nodes :]  # the oldest loss is forgotten first
         w.touch("agent lost")
@@ -373,4 +443,3 @@ HANDLERS: dict[type[Any], Callable[[Work, Any], None]] = {
     OpResult: _on_op_result,
     AgentLost: _on_agent_lost,
 }
-

@@ -41,8 +41,7 @@ def pending_ops(rec: GroupRecord | None) -> tuple[OpRecord, ...]:
     """The operations ``rec`` shows the core waiting for: its switch's, or the snapshots trailing its last grant."""
     if rec is None:
         return ()
-    return ((rec.switch.ops if rec.switch is not None else ())
-            + (rec.trailing.ops if rec.trailing is not None else ()))
+    return (rec.switch.ops if rec.switch is not None else ()) + (rec.trailing.ops if rec.trailing is not None else ())
 
 
 class OpFacts:
@@ -67,18 +66,30 @@ class OpFacts:
         running = self._snapshots.get(key)
         if not op.overlapped and running:
             # An overlapped restore says the node had room for both contexts.
-            raise InvariantViolation("node-restore-after-snapshot",
-                                     "on a node, a restore starts only after its switch's snapshots there ended "
-                                     "(or beside them, saying so: overlapped)",
-                                     group=op.group, seq=seq,
-                                     values={"restore": op, "snapshots_running": sorted(running)})
-        older = sorted(i for (node, group, epoch), ids in self._snapshots.items()
-                       if (node, group) == (op.node, op.group) and epoch < op.epoch for i in ids if i in self._issued)
+            raise InvariantViolation(
+                "node-restore-after-snapshot",
+                "on a node, a restore starts only after its switch's snapshots there ended "
+                "(or beside them, saying so: overlapped)",
+                group=op.group,
+                seq=seq,
+                values={"restore": op, "snapshots_running": sorted(running)},
+            )
+        older = sorted(
+            i
+            for (node, group, epoch), ids in self._snapshots.items()
+            if (node, group) == (op.node, op.group) and epoch < op.epoch
+            for i in ids
+            if i in self._issued
+        )
         if older:
-            raise InvariantViolation("restore-after-trailing",
-                                     "a restore never starts on a node while a snapshot of an earlier switch still "
-                                     "runs there (never three contexts on a device)",
-                                     group=op.group, seq=seq, values={"restore": op, "snapshots_running": older})
+            raise InvariantViolation(
+                "restore-after-trailing",
+                "a restore never starts on a node while a snapshot of an earlier switch still "
+                "runs there (never three contexts on a device)",
+                group=op.group,
+                seq=seq,
+                values={"restore": op, "snapshots_running": older},
+            )
 
     def ended(self, ev: InputEvent) -> None:
         """An input event, before the fold applies it."""
@@ -123,5 +134,13 @@ class OpFacts:
                     "grant-beside-restore",
                     "a new grant comes only once the snapshots of other jobs ended, but beside one of the same switch "
                     "on a node where the grantee's restore ran beside it (the agent's room rule) and succeeded",
-                    group=group, seq=seq, values={"granted": n, "snapshot": op_id, "snapshot_job": job,
-                                                  "node": node, "snapshot_epoch": epoch})
+                    group=group,
+                    seq=seq,
+                    values={
+                        "granted": n,
+                        "snapshot": op_id,
+                        "snapshot_job": job,
+                        "node": node,
+                        "snapshot_epoch": epoch,
+                    },
+                )

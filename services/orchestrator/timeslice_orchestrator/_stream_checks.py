@@ -153,9 +153,14 @@ class StreamChecks:
     messages before are still read, to know the state there).
     """
 
-    def __init__(self, *, stuck_after_ms: int | None = None,
-                 faulted: Callable[[str], Mapping[str, str]] = lambda _g: {},
-                 since_seq: int = 0, since_ms: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        stuck_after_ms: int | None = None,
+        faulted: Callable[[str], Mapping[str, str]] = lambda _g: {},
+        since_seq: int = 0,
+        since_ms: int | None = None,
+    ) -> None:
         self.stuck_after_ms = stuck_after_ms
         self._faulted = faulted
         self._since_seq = since_seq
@@ -307,21 +312,48 @@ class StreamChecks:
     def _new_grant(self, name: str, g: _Group, ev: StreamEvent, n: Granted) -> None:
         owner = g.owners.get(n.epoch)
         if owner is not None:
-            self._report(Violation(Kind.EPOCH_DUPLICATE, name, ev.seq, ev.ts_ms,
-                                   f"epoch {n.epoch} granted to job {n.job!r} was granted to job {owner[0]!r} "
-                                   f"before (seq {owner[1].seq})", (n.epoch,), (owner[0], n.job),
-                                   (owner[1], ev)))
+            self._report(
+                Violation(
+                    Kind.EPOCH_DUPLICATE,
+                    name,
+                    ev.seq,
+                    ev.ts_ms,
+                    f"epoch {n.epoch} granted to job {n.job!r} was granted to job {owner[0]!r} "
+                    f"before (seq {owner[1].seq})",
+                    (n.epoch,),
+                    (owner[0], n.job),
+                    (owner[1], ev),
+                )
+            )
         elif n.epoch <= g.max_epoch and g.max_event is not None:
-            self._report(Violation(Kind.EPOCH_REGRESSION, name, ev.seq, ev.ts_ms,
-                                   f"job {n.job!r} was granted epoch {n.epoch}, below epoch {g.max_epoch} granted "
-                                   f"before (seq {g.max_event.seq})", (n.epoch, g.max_epoch),
-                                   (_job_of(g.max_event), n.job), (g.max_event, ev)))
+            self._report(
+                Violation(
+                    Kind.EPOCH_REGRESSION,
+                    name,
+                    ev.seq,
+                    ev.ts_ms,
+                    f"job {n.job!r} was granted epoch {n.epoch}, below epoch {g.max_epoch} granted "
+                    f"before (seq {g.max_event.seq})",
+                    (n.epoch, g.max_epoch),
+                    (_job_of(g.max_event), n.job),
+                    (g.max_event, ev),
+                )
+            )
         h = g.holder
         if h is not None and h[0] != n.job:
-            self._report(Violation(Kind.OVERLAPPING_HOLDS, name, ev.seq, ev.ts_ms,
-                                   f"job {n.job!r} was granted epoch {n.epoch} while job {h[0]!r} still held epoch "
-                                   f"{h[1]} (granted at seq {h[2].seq}, never released or revoked)",
-                                   (h[1], n.epoch), (h[0], n.job), (h[2], ev)))
+            self._report(
+                Violation(
+                    Kind.OVERLAPPING_HOLDS,
+                    name,
+                    ev.seq,
+                    ev.ts_ms,
+                    f"job {n.job!r} was granted epoch {n.epoch} while job {h[0]!r} still held epoch "
+                    f"{h[1]} (granted at seq {h[2].seq}, never released or revoked)",
+                    (h[1], n.epoch),
+                    (h[0], n.job),
+                    (h[2], ev),
+                )
+            )
         self._departed(name, g, ev, n)
         self._loaded(name, g, ev, n)
         if owner is None:
@@ -337,36 +369,71 @@ class StreamChecks:
         if left is not None:
             how = "cancelled" if left.subject.startswith("ts.v1.job.") else "dequeued"
             shown = (acq[1], left, ev) if acq is not None and acq[1].seq < left.seq else (left, ev)
-            self._report(Violation(Kind.GRANT_TO_DEPARTED, name, ev.seq, ev.ts_ms,
-                                   f"job {n.job!r} was granted epoch {n.epoch} for request {n.request_id!r}, which "
-                                   f"had {how} (seq {left.seq}) and did not acquire again",
-                                   (n.epoch,), (n.job,), shown))
+            self._report(
+                Violation(
+                    Kind.GRANT_TO_DEPARTED,
+                    name,
+                    ev.seq,
+                    ev.ts_ms,
+                    f"job {n.job!r} was granted epoch {n.epoch} for request {n.request_id!r}, which "
+                    f"had {how} (seq {left.seq}) and did not acquire again",
+                    (n.epoch,),
+                    (n.job,),
+                    shown,
+                )
+            )
         elif acq is not None and acq[0].claim_epoch is None:
             a, aev = acq
             deadline = aev.ts_ms + a.timeout_ms
             if decided >= deadline and decided > aev.ts_ms:
-                self._report(Violation(Kind.GRANT_TO_DEPARTED, name, ev.seq, ev.ts_ms,
-                                       f"job {n.job!r} was granted epoch {n.epoch} for request {n.request_id!r} at "
-                                       f"stream time {decided}, {decided - deadline} ms after its acquire's "
-                                       f"deadline (timeout_ms={a.timeout_ms}): the waiter had timed out",
-                                       (n.epoch,), (n.job,), (aev, ev)))
+                self._report(
+                    Violation(
+                        Kind.GRANT_TO_DEPARTED,
+                        name,
+                        ev.seq,
+                        ev.ts_ms,
+                        f"job {n.job!r} was granted epoch {n.epoch} for request {n.request_id!r} at "
+                        f"stream time {decided}, {decided - deadline} ms after its acquire's "
+                        f"deadline (timeout_ms={a.timeout_ms}): the waiter had timed out",
+                        (n.epoch,),
+                        (n.job,),
+                        (aev, ev),
+                    )
+                )
 
     def _loaded(self, name: str, g: _Group, ev: StreamEvent, n: Granted) -> None:
         faulted = self._faulted(name)
         for (node, job), snap in sorted(g.snapshots.items()):
-            if job == n.job or (snap.failed and job in faulted) or (not snap.failed
-                                                                    and g.beside.get(node) == (snap.epoch, n.job)):
+            if (
+                job == n.job
+                or (snap.failed and job in faulted)
+                or (not snap.failed and g.beside.get(node) == (snap.epoch, n.job))
+            ):
                 continue  # (the last: a grant on restore, the snapshot trailing it)
             timeout = g.op_timeouts.get((node, job), DEFAULT_OP_TIMEOUT_MS)
             if not snap.failed and job in faulted and ev.ts_ms >= snap.events[0].ts_ms + timeout:
                 continue  # unanswered past its deadline: the job was faulted, its state unknown (the core's rule)
-            why = (f"its snapshot there failed (seq {snap.events[-1].seq}) and the job was neither unregistered "
-                   "from the node nor faulted") if snap.failed else \
-                f"its snapshot there started (seq {snap.events[0].seq}) and had not ended"
-            self._report(Violation(Kind.GRANT_WHILE_LOADED, name, ev.seq, ev.ts_ms,
-                                   f"job {n.job!r} was granted epoch {n.epoch} while the context of job {job!r} may "
-                                   f"still be loaded on node {node!r}: {why}", (n.epoch,), (job, n.job),
-                                   (*snap.events, ev)))
+            why = (
+                (
+                    f"its snapshot there failed (seq {snap.events[-1].seq}) and the job was neither unregistered "
+                    "from the node nor faulted"
+                )
+                if snap.failed
+                else f"its snapshot there started (seq {snap.events[0].seq}) and had not ended"
+            )
+            self._report(
+                Violation(
+                    Kind.GRANT_WHILE_LOADED,
+                    name,
+                    ev.seq,
+                    ev.ts_ms,
+                    f"job {n.job!r} was granted epoch {n.epoch} while the context of job {job!r} may "
+                    f"still be loaded on node {node!r}: {why}",
+                    (n.epoch,),
+                    (job, n.job),
+                    (*snap.events, ev),
+                )
+            )
         for key in [k for k in g.snapshots if k[1] == n.job]:
             del g.snapshots[key]  # the grantee's own context is where it belongs
 
@@ -381,8 +448,13 @@ class StreamChecks:
             g = self._groups[name]
             if g.stuck_reported or now - g.stall_from <= self._threshold(g):
                 continue
-            if any(now <= op.started.ts_ms + op.budgets * g.op_timeouts.get((op.node, op.job), DEFAULT_OP_TIMEOUT_MS)
-                   + STUCK_MARGIN_MS for op in g.ops.values()):
+            if any(
+                now
+                <= op.started.ts_ms
+                + op.budgets * g.op_timeouts.get((op.node, op.job), DEFAULT_OP_TIMEOUT_MS)
+                + STUCK_MARGIN_MS
+                for op in g.ops.values()
+            ):
                 continue  # an operation still runs within its timeout: the switch is moving
             g.stuck_reported = True
             waiting = sorted(g.waiters.items(), key=lambda kv: kv[1][1].seq)
@@ -393,14 +465,21 @@ class StreamChecks:
                 shown.append(ev)
             holder = f"job {g.holder[0]!r} holds epoch {g.holder[1]}" if g.holder else "nobody holds it"
             since = f"seq {g.last_progress.seq}" if g.last_progress is not None else "the first waiter"
-            self._report(Violation(
-                Kind.STUCK_GROUP, name, ev.seq, ev.ts_ms,
-                f"{len(waiting)} job(s) waited ({', '.join(j for j, _ in waiting)}) for "
-                f"{(now - g.stall_from) / 1000:.1f} s of stream time with nothing moving since {since} (no grant, "
-                f"no hold ending, no dequeue, no agent operation, no renewal by a holder; threshold "
-                f"{self._threshold(g) / 1000:.1f} s); {holder}",
-                (g.holder[1],) if g.holder else ((g.max_epoch,) if g.max_epoch else ()),
-                tuple(j for j, _ in waiting), tuple(sorted(shown, key=lambda e: e.seq))))
+            self._report(
+                Violation(
+                    Kind.STUCK_GROUP,
+                    name,
+                    ev.seq,
+                    ev.ts_ms,
+                    f"{len(waiting)} job(s) waited ({', '.join(j for j, _ in waiting)}) for "
+                    f"{(now - g.stall_from) / 1000:.1f} s of stream time with nothing moving since {since} (no grant, "
+                    f"no hold ending, no dequeue, no agent operation, no renewal by a holder; threshold "
+                    f"{self._threshold(g) / 1000:.1f} s); {holder}",
+                    (g.holder[1],) if g.holder else ((g.max_epoch,) if g.max_epoch else ()),
+                    tuple(j for j, _ in waiting),
+                    tuple(sorted(shown, key=lambda e: e.seq)),
+                )
+            )
 
     # ------------------------------------------------------------------ results
 

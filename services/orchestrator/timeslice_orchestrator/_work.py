@@ -237,8 +237,16 @@ class Work:
 
     def drop_waiter(self, i: int, code: DequeueCode, reason: str) -> None:
         wr = self.queue.pop(i)
-        self.notify(Dequeued(group=self.group, job=wr.job, request_id=wr.request_id, reason=reason,
-                             lost=code is DequeueCode.LOST, code=code))
+        self.notify(
+            Dequeued(
+                group=self.group,
+                job=wr.job,
+                request_id=wr.request_id,
+                reason=reason,
+                lost=code is DequeueCode.LOST,
+                code=code,
+            )
+        )
         self.touch(f"waiter {reason}")
 
     def unsave(self, job: str, node: str) -> None:
@@ -287,15 +295,26 @@ class Work:
         sw = self.switch
         if sw is None:
             return
-        if (sw.to is not None and sw.to.deadline_ms > now >= sw.to.alive_until_ms
-                and (fresh := self._unheard(sw.to)) is not None):
+        if (
+            sw.to is not None
+            and sw.to.deadline_ms > now >= sw.to.alive_until_ms
+            and (fresh := self._unheard(sw.to)) is not None
+        ):
             self.switch = sw = msgspec.structs.replace(sw, to=fresh)
         if sw.to is not None and now >= min(sw.to.deadline_ms, sw.to.alive_until_ms):
             to = sw.to
             code = DequeueCode.TIMEOUT if now >= to.deadline_ms else DequeueCode.LOST
             why = "timeout" if code is DequeueCode.TIMEOUT else "waiter lost (no renewal)"
-            self.notify(Dequeued(group=self.group, job=to.job, request_id=to.request_id, reason=why,
-                                 lost=code is DequeueCode.LOST, code=code))
+            self.notify(
+                Dequeued(
+                    group=self.group,
+                    job=to.job,
+                    request_id=to.request_id,
+                    reason=why,
+                    lost=code is DequeueCode.LOST,
+                    code=code,
+                )
+            )
             self.switch = sw = msgspec.structs.replace(sw, to=None)
             self.touch(f"waiter {why}")
         for op in sw.ops:
@@ -347,9 +366,15 @@ class Work:
         when every one is a snapshot on a node where the incoming job's restore succeeded beside it, by the agent's
         room rule (``OpResult.overlapped``), and its context counts as loaded there now."""
         to = sw.to
-        return (to is not None and to.job not in self.faulted and sw.phase is OpKind.RESTORE
-                and all(op.kind is OpKind.SNAPSHOT and op.node in sw.beside and self.loaded.get(op.node) == to.job
-                        for op in sw.ops))
+        return (
+            to is not None
+            and to.job not in self.faulted
+            and sw.phase is OpKind.RESTORE
+            and all(
+                op.kind is OpKind.SNAPSHOT and op.node in sw.beside and self.loaded.get(op.node) == to.job
+                for op in sw.ops
+            )
+        )
 
     def start_switch(self, wr: WaiterRecord) -> None:
         """Snapshot every loaded context that is not the incoming job's and, in the same breath, restore the
@@ -376,8 +401,11 @@ class Work:
         if stranded:
             # Its state is offloaded on a node whose agent is gone: granting now would hand it freed memory.
             self.switch = msgspec.structs.replace(sw, phase=OpKind.RESTORE)
-            self.fault(job, f"its context is saved on node {stranded[0]}, whose agent was lost; restart the agent "
-                            "there, then clear the fault")
+            self.fault(
+                job,
+                f"its context is saved on node {stranded[0]}, whose agent was lost; restart the agent "
+                "there, then clear the fault",
+            )
             return
         ops = [
             self.restore_op(sw, node, job)
@@ -426,19 +454,37 @@ class Work:
             self._set_resend_at({op.op_id}, again)
         tr = self.trailing
         if tr is not None:  # a trailing snapshot, at the epoch of the switch that granted on restore
-            self.actions.append(Command(Snapshot(op_id=op.op_id, group=self.group, job=op.job, node=op.node,
-                                                 epoch=tr.epoch, deadline_ms=op.deadline_ms)))
+            self.actions.append(
+                Command(
+                    Snapshot(
+                        op_id=op.op_id,
+                        group=self.group,
+                        job=op.job,
+                        node=op.node,
+                        epoch=tr.epoch,
+                        deadline_ms=op.deadline_ms,
+                    )
+                )
+            )
             return
         sw = self.switch
         assert sw is not None
         cmd: AgentCommand
         if op.kind is OpKind.SNAPSHOT:
-            cmd = Snapshot(op_id=op.op_id, group=self.group, job=op.job, node=op.node, epoch=sw.epoch,
-                           deadline_ms=op.deadline_ms)
+            cmd = Snapshot(
+                op_id=op.op_id, group=self.group, job=op.job, node=op.node, epoch=sw.epoch, deadline_ms=op.deadline_ms
+            )
         else:
             after = tuple(o.op_id for o in sw.ops if o.node == op.node and o.kind is OpKind.SNAPSHOT)
-            cmd = Restore(op_id=op.op_id, group=self.group, job=op.job, node=op.node, epoch=sw.epoch,
-                          deadline_ms=op.deadline_ms, after=after)
+            cmd = Restore(
+                op_id=op.op_id,
+                group=self.group,
+                job=op.job,
+                node=op.node,
+                epoch=sw.epoch,
+                deadline_ms=op.deadline_ms,
+                after=after,
+            )
         self.actions.append(Command(cmd))
 
     def restore_op(self, sw: SwitchRecord, node: str, job: str, suffix: str = "") -> OpRecord:
@@ -446,23 +492,44 @@ class Work:
         counts from when they are due at the latest."""
         first = tuple(op for op in sw.ops if op.node == node and op.kind is OpKind.SNAPSHOT)
         start = max((op.deadline_ms for op in first), default=self.now)
-        return self.op(OpKind.RESTORE, node, job, sw.epoch, suffix, after=tuple(op.op_id for op in first),
-                       start_ms=start)
+        return self.op(
+            OpKind.RESTORE, node, job, sw.epoch, suffix, after=tuple(op.op_id for op in first), start_ms=start
+        )
 
-    def op(self, kind: OpKind, node: str, job: str, epoch: int, suffix: str = "", *, after: tuple[str, ...] = (),
-           start_ms: int | None = None) -> OpRecord:
+    def op(
+        self,
+        kind: OpKind,
+        node: str,
+        job: str,
+        epoch: int,
+        suffix: str = "",
+        *,
+        after: tuple[str, ...] = (),
+        start_ms: int | None = None,
+    ) -> OpRecord:
         timeout = self.op_timeouts.get(f"{node}/{job}", DEFAULT_OP_TIMEOUT_MS)
         op = OpRecord(
-            op_id=f"{self.group}:{epoch}:{kind}:{node}{suffix}", node=node, job=job, kind=kind,
+            op_id=f"{self.group}:{epoch}:{kind}:{node}{suffix}",
+            node=node,
+            job=job,
+            kind=kind,
             deadline_ms=(self.now if start_ms is None else start_ms) + timeout,
             resend_at_ms=self.now + self.limits.resend_ms,
         )
         if kind is OpKind.SNAPSHOT:
-            cmd: AgentCommand = Snapshot(op_id=op.op_id, group=self.group, job=job, node=node, epoch=epoch,
-                                         deadline_ms=op.deadline_ms)
+            cmd: AgentCommand = Snapshot(
+                op_id=op.op_id, group=self.group, job=job, node=node, epoch=epoch, deadline_ms=op.deadline_ms
+            )
         else:
-            cmd = Restore(op_id=op.op_id, group=self.group, job=job, node=node, epoch=epoch,
-                          deadline_ms=op.deadline_ms, after=after)
+            cmd = Restore(
+                op_id=op.op_id,
+                group=self.group,
+                job=job,
+                node=node,
+                epoch=epoch,
+                deadline_ms=op.deadline_ms,
+                after=after,
+            )
         self.actions.append(Command(cmd))
         return op
 
@@ -481,10 +548,14 @@ class Work:
             sw = self.switch
             assert sw is not None
             restored = sw.restored or (ok and op.kind is OpKind.RESTORE)  # the grant says a context came back
-            near = ((*sw.beside, op.node) if ok and beside and op.kind is OpKind.RESTORE and op.node not in sw.beside
-                    else sw.beside)
-            self.switch = msgspec.structs.replace(sw, ops=tuple(o for o in sw.ops if o.op_id != op.op_id),
-                                                  restored=restored, beside=near)
+            near = (
+                (*sw.beside, op.node)
+                if ok and beside and op.kind is OpKind.RESTORE and op.node not in sw.beside
+                else sw.beside
+            )
+            self.switch = msgspec.structs.replace(
+                sw, ops=tuple(o for o in sw.ops if o.op_id != op.op_id), restored=restored, beside=near
+            )
         if op.kind is OpKind.SNAPSHOT or not ok:
             if self.loaded.get(op.node) == op.job:
                 del self.loaded[op.node]

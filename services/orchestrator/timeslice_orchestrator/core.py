@@ -95,8 +95,9 @@ def next_deadline(rec: GroupRecord) -> int | None:
     return min(times) if times else None
 
 
-def apply(rec: GroupRecord, ev: InputEvent, now_ms: int, seq: int,
-          limits: Limits = LIMITS) -> tuple[GroupRecord, list[Action]]:
+def apply(
+    rec: GroupRecord, ev: InputEvent, now_ms: int, seq: int, limits: Limits = LIMITS
+) -> tuple[GroupRecord, list[Action]]:
     """Apply one event. Returns ``rec`` itself (same object) when nothing changed. ``limits``: the bounds the core
     holds every record to (the defaults unless a caller, e.g. a test, gives its own).
 
@@ -111,4 +112,3 @@ def apply(rec: GroupRecord, ev: InputEvent, now_ms: int, seq: int,
     w.advance()
     w.resend_due()
     return w.finish(rec, seq)
-

@@ -79,12 +79,17 @@ def check_record(rec: GroupRecord) -> None:
         return InvariantViolation(rule, detail, group=rec.group, values=values)
 
     if rec.epoch < 0 or rec.last_seq < 0:
-        raise fail("counters", "epoch and last_seq are never negative", epoch=rec.epoch,
-                   last_seq=rec.last_seq)
+        raise fail("counters", "epoch and last_seq are never negative", epoch=rec.epoch, last_seq=rec.last_seq)
     expected = _expected_state(rec)
     if rec.state != expected:
-        raise fail("state", f"state is {rec.state} but holder/switch/active_job say {expected}",
-                   state=rec.state, holder=rec.holder, switch=rec.switch, active_job=rec.active_job)
+        raise fail(
+            "state",
+            f"state is {rec.state} but holder/switch/active_job say {expected}",
+            state=rec.state,
+            holder=rec.holder,
+            switch=rec.switch,
+            active_job=rec.active_job,
+        )
 
     queued = [w.job for w in rec.queue]
     if len(set(queued)) != len(queued):
@@ -94,50 +99,56 @@ def check_record(rec: GroupRecord) -> None:
         raise fail("queue-unique-request", "a request id waits at most once", queue=rids)
     faulted_waiters = sorted(set(queued) & rec.faulted.keys())
     if faulted_waiters:
-        raise fail("queue-faulted", "faulted jobs do not wait in the queue", faulted=faulted_waiters,
-                   faults=rec.faulted)
+        raise fail(
+            "queue-faulted", "faulted jobs do not wait in the queue", faulted=faulted_waiters, faults=rec.faulted
+        )
 
     h = rec.holder
     if h is not None:
         if rec.switch is not None:
-            raise fail("holder-switch", "a group is never both held and switching", holder=h,
-                       switch=rec.switch)
+            raise fail("holder-switch", "a group is never both held and switching", holder=h, switch=rec.switch)
         if rec.active_job != h.job:
-            raise fail("holder-active", "the holder's context is the active one", holder=h.job,
-                       active_job=rec.active_job)
+            raise fail(
+                "holder-active", "the holder's context is the active one", holder=h.job, active_job=rec.active_job
+            )
         if h.epoch != rec.epoch:
-            raise fail("holder-epoch", "the holder holds the current epoch", holder_epoch=h.epoch,
-                       epoch=rec.epoch)
+            raise fail("holder-epoch", "the holder holds the current epoch", holder_epoch=h.epoch, epoch=rec.epoch)
         if h.job in queued:
-            raise fail("holder-queued", "the holder does not also wait in the queue", holder=h.job,
-                       queue=queued)
+            raise fail("holder-queued", "the holder does not also wait in the queue", holder=h.job, queue=queued)
         if h.job in rec.faulted:
-            raise fail("holder-faulted", "a faulted job never holds", holder=h.job,
-                       fault=rec.faulted[h.job])
+            raise fail("holder-faulted", "a faulted job never holds", holder=h.job, fault=rec.faulted[h.job])
         if h.lease_ms <= 0:
             raise fail("holder-lease", "a holder has a positive lease", holder=h)
         others = {n: j for n, j in rec.loaded.items() if j != h.job}
         if others:
-            raise fail("loaded-exclusive",
-                       "while a job holds the group, no other job's context is on its accelerators",
-                       holder=h.job, others=others)
+            raise fail(
+                "loaded-exclusive",
+                "while a job holds the group, no other job's context is on its accelerators",
+                holder=h.job,
+                others=others,
+            )
     elif rec.switch is None:
         if rec.queue and rec.trailing is None:
-            raise fail("idle-with-waiters",
-                       "nobody holds and no switch runs, yet jobs wait (no grant would ever come)",
-                       queue=queued, state=rec.state)
+            raise fail(
+                "idle-with-waiters",
+                "nobody holds and no switch runs, yet jobs wait (no grant would ever come)",
+                queue=queued,
+                state=rec.state,
+            )
         if rec.active_job is not None:
             others = {n: j for n, j in rec.loaded.items() if j != rec.active_job}
             if others:
-                raise fail("loaded-exclusive",
-                           "an idle-yielded group has only its active job's context loaded",
-                           active_job=rec.active_job, others=others)
+                raise fail(
+                    "loaded-exclusive",
+                    "an idle-yielded group has only its active job's context loaded",
+                    active_job=rec.active_job,
+                    others=others,
+                )
 
     sw = rec.switch
     if sw is not None:
         if sw.epoch != rec.epoch:
-            raise fail("switch-epoch", "a switch runs at the current epoch", switch_epoch=sw.epoch,
-                       epoch=rec.epoch)
+            raise fail("switch-epoch", "a switch runs at the current epoch", switch_epoch=sw.epoch, epoch=rec.epoch)
         if not sw.ops:
             raise fail("switch-stuck", "a switch always waits for at least one operation", switch=sw)
         ids = [op.op_id for op in sw.ops]
@@ -146,50 +157,68 @@ def check_record(rec: GroupRecord) -> None:
         if sw.phase is OpKind.SNAPSHOT:
             early = [op for op in sw.ops if op.kind is OpKind.RESTORE]
             if early:
-                raise fail("switch-phase", "no restore is pending before the switch issued its restores",
-                           ops=early)
+                raise fail("switch-phase", "no restore is pending before the switch issued its restores", ops=early)
         target = sw.to.job if sw.to is not None else None
         if target is not None and target in queued:
-            raise fail("switch-target-queued", "the switch target does not also wait in the queue",
-                       target=target, queue=queued)
+            raise fail(
+                "switch-target-queued", "the switch target does not also wait in the queue", target=target, queue=queued
+            )
         if any(op.kind is OpKind.SNAPSHOT and op.job == target for op in sw.ops):
-            raise fail("switch-snapshot-target", "the incoming job is never snapshotted", target=target,
-                       ops=sw.ops)
+            raise fail("switch-snapshot-target", "the incoming job is never snapshotted", target=target, ops=sw.ops)
         restoring = {op.job for op in sw.ops if op.kind is OpKind.RESTORE}
         if len(restoring) > 1 or (target is not None and restoring and restoring != {target}):
-            raise fail("switch-restore-target", "a switch restores only the incoming job",
-                       target=target, ops=sw.ops)
+            raise fail("switch-restore-target", "a switch restores only the incoming job", target=target, ops=sw.ops)
         if rec.active_job is not None and rec.active_job != target:
-            raise fail("switch-active", "while switching, the active job is the incoming one or none",
-                       active_job=rec.active_job, target=target)
+            raise fail(
+                "switch-active",
+                "while switching, the active job is the incoming one or none",
+                active_job=rec.active_job,
+                target=target,
+            )
 
     for job, nodes in rec.placements.items():
         if not nodes or len(set(nodes)) != len(nodes):
-            raise fail("placements", "a placement names at least one node, each once", job=job,
-                       nodes=nodes)
+            raise fail("placements", "a placement names at least one node, each once", job=job, nodes=nodes)
     for node, job in rec.loaded.items():
         if node not in rec.placements.get(job, ()):
-            raise fail("loaded-placed", "a loaded context belongs to a job registered on that node",
-                       node=node, job=job, placements=rec.placements)
+            raise fail(
+                "loaded-placed",
+                "a loaded context belongs to a job registered on that node",
+                node=node,
+                job=job,
+                placements=rec.placements,
+            )
     for job, nodes in rec.saved.items():
         if not nodes or not set(nodes) <= set(rec.placements.get(job, ())):
-            raise fail("saved-placed", "a saved context belongs to a job registered on that node", job=job,
-                       saved=nodes, placements=rec.placements.get(job, ()))
+            raise fail(
+                "saved-placed",
+                "a saved context belongs to a job registered on that node",
+                job=job,
+                saved=nodes,
+                placements=rec.placements.get(job, ()),
+            )
         both = sorted(n for n in nodes if rec.loaded.get(n) == job)
         if both:
-            raise fail("saved-loaded", "a context is either saved or loaded on a node, not both", job=job,
-                       nodes=both)
+            raise fail("saved-loaded", "a context is either saved or loaded on a node, not both", job=job, nodes=both)
     _check_trailing(rec, fail)
     pending = {(op.node, op.job) for op in pending_ops(rec) if op.kind is OpKind.SNAPSHOT}
     lost_loaded = sorted(n for n in rec.lost_nodes if n in rec.loaded and (n, rec.loaded[n]) not in pending)
     if lost_loaded:
-        raise fail("lost-not-loaded", "no context counts as loaded on a node whose agent is lost, but one whose "
-                   "snapshot there is still pending (it may still be on the device)",
-                   nodes=lost_loaded, loaded=rec.loaded)
+        raise fail(
+            "lost-not-loaded",
+            "no context counts as loaded on a node whose agent is lost, but one whose "
+            "snapshot there is still pending (it may still be on the device)",
+            nodes=lost_loaded,
+            loaded=rec.loaded,
+        )
     pairs = {f"{n}/{j}" for j, nodes in rec.placements.items() for n in nodes}
     if set(rec.op_timeouts) != pairs:
-        raise fail("op-timeouts", "operation timeouts are kept for exactly the registered (node, job) pairs",
-                   op_timeouts=sorted(rec.op_timeouts), registered=sorted(pairs))
+        raise fail(
+            "op-timeouts",
+            "operation timeouts are kept for exactly the registered (node, job) pairs",
+            op_timeouts=sorted(rec.op_timeouts),
+            registered=sorted(pairs),
+        )
 
 
 def _check_trailing(rec: GroupRecord, fail: Callable[..., InvariantViolation]) -> None:
@@ -198,11 +227,19 @@ def _check_trailing(rec: GroupRecord, fail: Callable[..., InvariantViolation]) -
     if tr is None:
         return
     if rec.switch is not None:
-        raise fail("trailing-switch", "no switch runs while snapshots trail a grant (its restores would make a third "
-                   "context on a device)", trailing=tr, switch=rec.switch)
+        raise fail(
+            "trailing-switch",
+            "no switch runs while snapshots trail a grant (its restores would make a third context on a device)",
+            trailing=tr,
+            switch=rec.switch,
+        )
     if not tr.ops or tr.epoch > rec.epoch:
-        raise fail("trailing-ops", "trailing snapshots are pending operations of an earlier (or the current) epoch",
-                   trailing=tr, epoch=rec.epoch)
+        raise fail(
+            "trailing-ops",
+            "trailing snapshots are pending operations of an earlier (or the current) epoch",
+            trailing=tr,
+            epoch=rec.epoch,
+        )
     nodes = [op.node for op in tr.ops]
     if len(set(nodes)) != len(nodes) or len({op.op_id for op in tr.ops}) != len(nodes):
         raise fail("trailing-one-per-node", "at most one snapshot trails on a node, each with its own id", trailing=tr)
@@ -211,15 +248,30 @@ def _check_trailing(rec: GroupRecord, fail: Callable[..., InvariantViolation]) -
         if op.kind is not OpKind.SNAPSHOT:
             raise fail("trailing-snapshots", "only snapshots trail a grant", op=op)
         if rec.active_job is None or op.job in (rec.active_job, holder) or rec.loaded.get(op.node) == op.job:
-            raise fail("trailing-beside", "a trailing snapshot's job neither holds nor is the active job nor counts "
-                       "as loaded: the one context beside it on its node is the active job's (a grant on restore)",
-                       op=op, active_job=rec.active_job, holder=holder, loaded=rec.loaded)
+            raise fail(
+                "trailing-beside",
+                "a trailing snapshot's job neither holds nor is the active job nor counts "
+                "as loaded: the one context beside it on its node is the active job's (a grant on restore)",
+                op=op,
+                active_job=rec.active_job,
+                holder=holder,
+                loaded=rec.loaded,
+            )
         if rec.loaded.get(op.node, rec.active_job) != rec.active_job:
-            raise fail("trailing-beside", "beside a trailing snapshot, only the active job's context is loaded",
-                       op=op, active_job=rec.active_job, loaded=rec.loaded)
+            raise fail(
+                "trailing-beside",
+                "beside a trailing snapshot, only the active job's context is loaded",
+                op=op,
+                active_job=rec.active_job,
+                loaded=rec.loaded,
+            )
         if op.node not in rec.placements.get(op.job, ()):
-            raise fail("trailing-placed", "a trailing snapshot's job is registered on its node (its unregistration "
-                       "ends the snapshot)", op=op, placements=rec.placements.get(op.job, ()))
+            raise fail(
+                "trailing-placed",
+                "a trailing snapshot's job is registered on its node (its unregistration ends the snapshot)",
+                op=op,
+                placements=rec.placements.get(op.job, ()),
+            )
 
 
 # --------------------------------------------------------------------------- the stream checker
@@ -381,8 +433,9 @@ class StreamChecker:
         try:
             new, actions = apply(rec, ev, now_ms, seq)
         except Exception as exc:
-            raise InvariantViolation("core-raised", f"apply() raised {exc!r}", group=group, seq=seq,
-                                     values={"event": ev, "record": rec}) from exc
+            raise InvariantViolation(
+                "core-raised", f"apply() raised {exc!r}", group=group, seq=seq, values={"event": ev, "record": rec}
+            ) from exc
         self.applied += 1
         view = self._view(group)
         view.stats.events += 1
@@ -392,16 +445,26 @@ class StreamChecker:
             view.stats.claims += 1
         if new is rec:
             if actions:
-                raise InvariantViolation("core-unchanged", "an unchanged record comes with no actions",
-                                         group=group, seq=seq, values={"actions": actions})
+                raise InvariantViolation(
+                    "core-unchanged",
+                    "an unchanged record comes with no actions",
+                    group=group,
+                    seq=seq,
+                    values={"actions": actions},
+                )
             return actions
         try:
             check_record(new)
         except InvariantViolation as exc:
             raise exc.at(seq) from None
         if new.epoch < rec.epoch:
-            raise InvariantViolation("fold-epoch", "the epoch never goes down", group=group, seq=seq,
-                                     values={"before": rec.epoch, "after": new.epoch, "event": ev})
+            raise InvariantViolation(
+                "fold-epoch",
+                "the epoch never goes down",
+                group=group,
+                seq=seq,
+                values={"before": rec.epoch, "after": new.epoch, "event": ev},
+            )
         self._facts.core_ended(rec, new)
         holder = (rec.holder.job, rec.holder.epoch) if rec.holder is not None else None
         for a in actions:
@@ -426,12 +489,21 @@ class StreamChecker:
     def _fold_grant(view: _GroupView, seq: int, n: Granted, holder: tuple[str, int] | None) -> None:
         if holder != (n.job, n.epoch):  # not the holder's re-acquire, so a new grant
             if holder is not None:
-                raise InvariantViolation("fold-grant-exclusive", "the fold grants only when nobody holds",
-                                         group=n.group, seq=seq, values={"granted": n, "holder": holder})
+                raise InvariantViolation(
+                    "fold-grant-exclusive",
+                    "the fold grants only when nobody holds",
+                    group=n.group,
+                    seq=seq,
+                    values={"granted": n, "holder": holder},
+                )
             if n.epoch <= view.fold_max_epoch:
-                raise InvariantViolation("fold-grant-epoch", "every new grant raises the epoch",
-                                         group=n.group, seq=seq,
-                                         values={"granted": n, "max_epoch": view.fold_max_epoch})
+                raise InvariantViolation(
+                    "fold-grant-epoch",
+                    "every new grant raises the epoch",
+                    group=n.group,
+                    seq=seq,
+                    values={"granted": n, "max_epoch": view.fold_max_epoch},
+                )
             view.fold_max_epoch = n.epoch
             view.stats.fold_grants += 1
         view.decided.setdefault((n.job, n.epoch), set()).add(n.request_id)
@@ -443,11 +515,21 @@ class StreamChecker:
         try:
             notice = decode_notice(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise InvariantViolation("notice-malformed", f"a published notice does not decode: {exc}",
-                                     group=group, seq=seq, values={"subject": subject, "data": data}) from exc
+            raise InvariantViolation(
+                "notice-malformed",
+                f"a published notice does not decode: {exc}",
+                group=group,
+                seq=seq,
+                values={"subject": subject, "data": data},
+            ) from exc
         if notice.group != group or notice.job != job:
-            raise InvariantViolation("notice-subject", "a notice goes out on its own group and job's subject",
-                                     group=group, seq=seq, values={"subject": subject, "notice": notice})
+            raise InvariantViolation(
+                "notice-subject",
+                "a notice goes out on its own group and job's subject",
+                group=group,
+                seq=seq,
+                values={"subject": subject, "notice": notice},
+            )
         self.notices += 1
         if not isinstance(notice, Granted | Released | Revoked):
             return
@@ -464,16 +546,29 @@ class StreamChecker:
             # The end of the hold before it may be missing the same way, so the order of notices proves nothing
             # here; the fold (the core never grants while another job holds) does.
             view.stats.unstored_grants += 1
-            self._published_grant(view, seq, Granted(group=group, job=notice.job, epoch=notice.epoch,
-                                                     request_id=next(iter(view.decided[(notice.job, notice.epoch)])),
-                                                     waited_ms=0, context_restored=False, lease_deadline_ms=0),
-                                  unstored=True)
+            self._published_grant(
+                view,
+                seq,
+                Granted(
+                    group=group,
+                    job=notice.job,
+                    epoch=notice.epoch,
+                    request_id=next(iter(view.decided[(notice.job, notice.epoch)])),
+                    waited_ms=0,
+                    context_restored=False,
+                    lease_deadline_ms=0,
+                ),
+                unstored=True,
+            )
             owner = notice.job
         if owner != notice.job:
-            raise InvariantViolation("notice-end-unknown",
-                                     f"{type(notice).__name__} ends a hold that was never granted",
-                                     group=group, seq=seq,
-                                     values={"notice": notice, "epoch_granted_to": owner})
+            raise InvariantViolation(
+                "notice-end-unknown",
+                f"{type(notice).__name__} ends a hold that was never granted",
+                group=group,
+                seq=seq,
+                values={"notice": notice, "epoch_granted_to": owner},
+            )
         st = view.stats
         if isinstance(notice, Released):
             st.releases += 1
@@ -487,26 +582,40 @@ class StreamChecker:
         group = n.group
         if n.request_id not in view.decided.get((n.job, n.epoch), ()):
             at_epoch = sorted((j, e, sorted(r)) for (j, e), r in view.decided.items() if e == n.epoch)
-            raise InvariantViolation("grant-agrees-with-fold",
-                                     "a published grant is one the pure core decided from the same events",
-                                     group=group, seq=seq, values={"granted": n, "fold_at_epoch": at_epoch})
+            raise InvariantViolation(
+                "grant-agrees-with-fold",
+                "a published grant is one the pure core decided from the same events",
+                group=group,
+                seq=seq,
+                values={"granted": n, "fold_at_epoch": at_epoch},
+            )
         owner = view.epoch_owner.get(n.epoch)
         if owner is not None:
             if owner != n.job:
-                raise InvariantViolation("grant-epoch-unique", "two jobs never get the same epoch",
-                                         group=group, seq=seq,
-                                         values={"granted": n, "epoch_granted_before_to": owner})
+                raise InvariantViolation(
+                    "grant-epoch-unique",
+                    "two jobs never get the same epoch",
+                    group=group,
+                    seq=seq,
+                    values={"granted": n, "epoch_granted_before_to": owner},
+                )
             st.repeated_grants += 1  # the holder's re-acquire, or a grant re-issued after a crash
         else:
             if n.epoch <= st.max_epoch:
-                raise InvariantViolation("grant-epoch-rising", "grant epochs never go backwards",
-                                         group=group, seq=seq,
-                                         values={"granted": n, "max_epoch": st.max_epoch})
+                raise InvariantViolation(
+                    "grant-epoch-rising",
+                    "grant epochs never go backwards",
+                    group=group,
+                    seq=seq,
+                    values={"granted": n, "max_epoch": st.max_epoch},
+                )
             if self.check_order and st.holder is not None and not unstored:
                 raise InvariantViolation(
                     "grant-exclusive",
                     "a new grant is published only after the previous holder was told its hold ended",
-                    group=group, seq=seq, values={"granted": n, "still_holding": st.holder},
+                    group=group,
+                    seq=seq,
+                    values={"granted": n, "still_holding": st.holder},
                 )
             view.epoch_owner[n.epoch] = n.job
             st.max_epoch = n.epoch
@@ -522,7 +631,10 @@ def _check_claim(seq: int, ev: Acquire, before: GroupRecord, actions: list[Actio
         n = a.notice if isinstance(a, Notify) else None
         if isinstance(n, Granted) and (n.job, n.epoch, n.request_id) == (ev.job, ev.claim_epoch, ev.request_id):
             return
-    raise InvariantViolation("claim-honoured",
-                             "a claim (the job's next input after its release with nobody waiting) is granted at "
-                             "the epoch it claims", group=ev.group, seq=seq,
-                             values={"claim": ev, "record_before": before, "actions": actions})
+    raise InvariantViolation(
+        "claim-honoured",
+        "a claim (the job's next input after its release with nobody waiting) is granted at the epoch it claims",
+        group=ev.group,
+        seq=seq,
+        values={"claim": ev, "record_before": before, "actions": actions},
+    )

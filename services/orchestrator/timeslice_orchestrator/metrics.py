@@ -45,7 +45,24 @@ __all__ = ["APPLY_BUCKETS", "DURATION_BUCKETS", "OrchestratorMetrics"]
 # acquire that waits for another job's phase takes seconds to a minute. Longer waits land in +Inf and
 # still count in _sum, which keeps the mean honest.
 DURATION_BUCKETS: Final = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
 )
 # Seconds. ``apply`` is pure Python at ~20-40 µs per event (measured on a 2-core VM), so its histogram starts at
 # 5 µs; 100 ms would mean the event loop stalled (GC, a huge queue), which is what this histogram is for.
@@ -138,8 +155,9 @@ class OrchestratorMetrics(Collector):
         s.last_epoch = s.epoch = rec.epoch
         s.queue_depth = _depth(rec)
 
-    def applied(self, ev: InputEvent, old: GroupRecord, new: GroupRecord, actions: list[Action], now_ms: int,
-                seconds: float) -> None:
+    def applied(
+        self, ev: InputEvent, old: GroupRecord, new: GroupRecord, actions: list[Action], now_ms: int, seconds: float
+    ) -> None:
         """One event went through ``apply`` in ``seconds``, turning ``old`` into ``new`` with ``actions``."""
         t = type(ev)
         self._events[t] = self._events.get(t, 0) + 1
@@ -197,25 +215,38 @@ class OrchestratorMetrics(Collector):
 
     def _families(self, groups: list[tuple[str, _Group]], events: dict[str, int]) -> Iterator[Metric]:
         wait = HistogramMetricFamily(
-            "timeslice_acquire_wait_seconds", "Time from a job's acquire to its grant (the grant's waited_ms).",
-            labels=["group"])
+            "timeslice_acquire_wait_seconds",
+            "Time from a job's acquire to its grant (the grant's waited_ms).",
+            labels=["group"],
+        )
         handoff = HistogramMetricFamily(
-            "timeslice_handoff_seconds", "Time from the holder leaving (release, cancel or revoke) to the next "
+            "timeslice_handoff_seconds",
+            "Time from the holder leaving (release, cancel or revoke) to the next "
             "job's grant, snapshots and restores included; stream timestamps, millisecond resolution.",
-            labels=["group"])
-        depth = GaugeMetricFamily("timeslice_queue_depth", "Jobs waiting for the group, the one being switched to "
-                                  "included.", labels=["group"])
-        epoch = GaugeMetricFamily("timeslice_group_epoch", "The group's current epoch (fencing token).",
-                                  labels=["group"])
+            labels=["group"],
+        )
+        depth = GaugeMetricFamily(
+            "timeslice_queue_depth", "Jobs waiting for the group, the one being switched to included.", labels=["group"]
+        )
+        epoch = GaugeMetricFamily(
+            "timeslice_group_epoch", "The group's current epoch (fencing token).", labels=["group"]
+        )
         grants = CounterMetricFamily("timeslice_grants", "Grants that raised the epoch.", labels=["group"])
-        releases = CounterMetricFamily("timeslice_releases", "Holds ended by the holder (release, or cancel after "
-                                       "grant).", labels=["group"])
+        releases = CounterMetricFamily(
+            "timeslice_releases", "Holds ended by the holder (release, or cancel after grant).", labels=["group"]
+        )
         expiries = CounterMetricFamily(
-            "timeslice_lease_expiries", "Holds revoked by the orchestrator: reason lease_expired (the holder stopped "
-            "renewing) or grant_unconfirmed (the grantee never confirmed).", labels=["group", "reason"])
+            "timeslice_lease_expiries",
+            "Holds revoked by the orchestrator: reason lease_expired (the holder stopped "
+            "renewing) or grant_unconfirmed (the grantee never confirmed).",
+            labels=["group", "reason"],
+        )
         cancelled = CounterMetricFamily(
-            "timeslice_waiters_cancelled", "Waiters that left the queue without a grant, by reason: cancelled, "
-            "timeout, lost (stopped renewing), faulted.", labels=["group", "reason"])
+            "timeslice_waiters_cancelled",
+            "Waiters that left the queue without a grant, by reason: cancelled, "
+            "timeout, lost (stopped renewing), faulted.",
+            labels=["group", "reason"],
+        )
         faults = CounterMetricFamily("timeslice_faults", "Jobs marked faulted in the group.", labels=["group"])
         for g, s in groups:
             wait.add_metric([g], s.acquire_wait.buckets(), s.acquire_wait.sum)
@@ -229,27 +260,66 @@ class OrchestratorMetrics(Collector):
                 expiries.add_metric([g, reason], n)
             for reason, n in list(s.dequeued.items()):
                 cancelled.add_metric([g, reason], n)
-        applied = CounterMetricFamily("timeslice_events_applied", "Events applied through the core, by event type.",
-                                      labels=["type"])
+        applied = CounterMetricFamily(
+            "timeslice_events_applied", "Events applied through the core, by event type.", labels=["type"]
+        )
         for tag, n in sorted(events.items()):
             applied.add_metric([tag], n)
-        quarantined = GaugeMetricFamily("timeslice_groups_quarantined", "Groups not served because their record "
-                                        "cannot be loaded, decoded or stored (alarm on > 0; `timeslice status` "
-                                        "shows which and why).", value=self.quarantined)
-        leading = GaugeMetricFamily("timeslice_orchestrator_leading", "1 while this orchestrator leads, 0 while it "
-                                    "stands by (exactly one instance should show 1).", value=self.leading)
-        term = GaugeMetricFamily("timeslice_orchestrator_term", "The leadership term of this instance's latest "
-                                 "election (terms only grow).", value=self.term)
-        elections = CounterMetricFamily("timeslice_orchestrator_elections", "Times this instance was elected "
-                                        "leader.", value=self.elections)
-        losses = CounterMetricFamily("timeslice_orchestrator_leadership_losses", "Times this instance lost or gave "
-                                     "up the leadership.", value=self.leader_losses)
-        rejected = CounterMetricFamily("timeslice_events_rejected", "Events refused before the core (malformed or "
-                                       "on an unknown subject).", value=self.rejected)
-        latency = HistogramMetricFamily("timeslice_apply_seconds", "Time spent in the pure core per event.",
-                                        buckets=self.apply_latency.buckets(), sum_value=self.apply_latency.sum)
-        yield from (wait, handoff, depth, epoch, grants, releases, expiries, cancelled, faults, applied, rejected,
-                    quarantined, leading, term, elections, losses, latency)
+        quarantined = GaugeMetricFamily(
+            "timeslice_groups_quarantined",
+            "Groups not served because their record "
+            "cannot be loaded, decoded or stored (alarm on > 0; `timeslice status` "
+            "shows which and why).",
+            value=self.quarantined,
+        )
+        leading = GaugeMetricFamily(
+            "timeslice_orchestrator_leading",
+            "1 while this orchestrator leads, 0 while it stands by (exactly one instance should show 1).",
+            value=self.leading,
+        )
+        term = GaugeMetricFamily(
+            "timeslice_orchestrator_term",
+            "The leadership term of this instance's latest election (terms only grow).",
+            value=self.term,
+        )
+        elections = CounterMetricFamily(
+            "timeslice_orchestrator_elections", "Times this instance was elected leader.", value=self.elections
+        )
+        losses = CounterMetricFamily(
+            "timeslice_orchestrator_leadership_losses",
+            "Times this instance lost or gave up the leadership.",
+            value=self.leader_losses,
+        )
+        rejected = CounterMetricFamily(
+            "timeslice_events_rejected",
+            "Events refused before the core (malformed or on an unknown subject).",
+            value=self.rejected,
+        )
+        latency = HistogramMetricFamily(
+            "timeslice_apply_seconds",
+            "Time spent in the pure core per event.",
+            buckets=self.apply_latency.buckets(),
+            sum_value=self.apply_latency.sum,
+        )
+        yield from (
+            wait,
+            handoff,
+            depth,
+            epoch,
+            grants,
+            releases,
+            expiries,
+            cancelled,
+            faults,
+            applied,
+            rejected,
+            quarantined,
+            leading,
+            term,
+            elections,
+            losses,
+            latency,
+        )
 
 
 def _depth(rec: GroupRecord) -> int:

@@ -100,8 +100,11 @@ def _lane_states(rec: GroupRecord, early: Set[str] = frozenset()) -> dict[tuple[
     ``OpStarted`` said it overlapped them (its op id in ``early``). A snapshot trailing a grant on restore moves too."""
     ops = pending_ops(rec)
     snapshotting = {op.node for op in ops if op.kind is OpKind.SNAPSHOT}
-    pending = {(op.node, op.job) for op in ops
-               if op.kind is OpKind.SNAPSHOT or op.node not in snapshotting or op.op_id in early}
+    pending = {
+        (op.node, op.job)
+        for op in ops
+        if op.kind is OpKind.SNAPSHOT or op.node not in snapshotting or op.op_id in early
+    }
     out: dict[tuple[str, str], str] = {}
     for job, nodes in rec.placements.items():
         for node in nodes:
@@ -210,8 +213,9 @@ class _Folder:
 
     # ------------------------------------------------------------------ what one event changed
 
-    def _observe(self, w: _GroupWatch, ts: int, before: GroupRecord | None, after: GroupRecord,
-                 actions: list[Action]) -> None:
+    def _observe(
+        self, w: _GroupWatch, ts: int, before: GroupRecord | None, after: GroupRecord, actions: list[Action]
+    ) -> None:
         notices = [a.notice for a in actions if isinstance(a, Notify)]
         self._observe_switch(w, ts, before, after)
         self._observe_waits(w, ts, before, after, notices)
@@ -242,8 +246,7 @@ class _Folder:
             return
         if cur is not None:
             cur.end_ms = ts
-            cur.end = next((n.reason for n in notices if isinstance(n, Revoked) and n.epoch == cur.epoch),
-                           "released")
+            cur.end = next((n.reason for n in notices if isinstance(n, Revoked) and n.epoch == cur.epoch), "released")
             w.last_hold = cur
             w.hold = None
         if after.holder is None:
@@ -258,11 +261,13 @@ class _Folder:
         w.timeline.holds.append(hold)
         prev = w.last_hold
         if prev is not None and prev.job != hold.job and prev.end_ms is not None:
-            w.timeline.handoffs.append(Handoff(from_job=prev.job, to_job=hold.job, epoch=hold.epoch,
-                                               released_ms=prev.end_ms, granted_ms=ts))
+            w.timeline.handoffs.append(
+                Handoff(from_job=prev.job, to_job=hold.job, epoch=hold.epoch, released_ms=prev.end_ms, granted_ms=ts)
+            )
 
-    def _observe_waits(self, w: _GroupWatch, ts: int, before: GroupRecord | None, after: GroupRecord,
-                       notices: Sequence[Notice]) -> None:
+    def _observe_waits(
+        self, w: _GroupWatch, ts: int, before: GroupRecord | None, after: GroupRecord, notices: Sequence[Notice]
+    ) -> None:
         now = _waiting(after)
         for job, wait in list(w.waits.items()):
             if job in now:
@@ -300,8 +305,11 @@ class _Folder:
             w.timeline.switches.append(cur)
         if sw.to is None:
             cur.to_job = None
-        if (sw.phase is OpKind.RESTORE and cur.restore_from_ms is None
-                and not any(op.kind is OpKind.SNAPSHOT for op in sw.ops)):
+        if (
+            sw.phase is OpKind.RESTORE
+            and cur.restore_from_ms is None
+            and not any(op.kind is OpKind.SNAPSHOT for op in sw.ops)
+        ):
             cur.restore_from_ms = ts  # restores are issued with the snapshots; they run once those ended
         for op in sw.ops:
             if op.kind is OpKind.SNAPSHOT and op.job not in cur.snapshotted:
@@ -385,12 +393,22 @@ class _Folder:
         until = until_ms if until_ms is not None else max(last, since)
         groups = {g: _clip_timeline(w.timeline, since) for g, w in sorted(self.groups.items())}
         lanes = {k: _clip_lane(lane, since) for k, lane in sorted(self.lanes.items())}
-        phases = {j: [p for p in spans if _overlaps(p.start_ms, p.end_ms, since)]
-                  for j, spans in sorted(self.phases.items())}
+        phases = {
+            j: [p for p in spans if _overlaps(p.start_ms, p.end_ms, since)] for j, spans in sorted(self.phases.items())
+        }
         phases = {j: spans for j, spans in phases.items() if spans}
         summary = summarize(groups, lanes, phases, since, until)
-        return Replay(since_ms=since, until_ms=until, groups=groups, nodes=lanes, phases=phases, summary=summary,
-                      violations=self.violations, first_seq=self.first_seq, last_seq=self.last_seq)
+        return Replay(
+            since_ms=since,
+            until_ms=until,
+            groups=groups,
+            nodes=lanes,
+            phases=phases,
+            summary=summary,
+            violations=self.violations,
+            first_seq=self.first_seq,
+            last_seq=self.last_seq,
+        )
 
 
 def _overlaps(start: int, end: int | None, since: int) -> bool:
@@ -406,16 +424,19 @@ def _clip_timeline(tl: GroupTimeline, since: int) -> GroupTimeline:
         switches=[s for s in tl.switches if _overlaps(s.start_ms, s.end_ms, since)],
         handoffs=[h for h in tl.handoffs if h.granted_ms >= since],
         faults=[f for f in tl.faults if f.ts_ms >= since],
-        lease_expiries=sum(1 for h in tl.holds
-                           if h.end_ms is not None and h.end_ms >= since and h.end != "released"),
+        lease_expiries=sum(1 for h in tl.holds if h.end_ms is not None and h.end_ms >= since and h.end != "released"),
         events=tl.events,
     )
 
 
 def _clip_lane(lane: JobLane, since: int) -> JobLane:
-    return JobLane(node=lane.node, job=lane.job, group=lane.group,
-                   states=[s for s in lane.states if _overlaps(s.start_ms, s.end_ms, since)],
-                   ops=[o for o in lane.ops if _overlaps(o.start_ms, o.end_ms, since)])
+    return JobLane(
+        node=lane.node,
+        job=lane.job,
+        group=lane.group,
+        states=[s for s in lane.states if _overlaps(s.start_ms, s.end_ms, since)],
+        ops=[o for o in lane.ops if _overlaps(o.start_ms, o.end_ms, since)],
+    )
 
 
 def fold_events(
