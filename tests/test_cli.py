@@ -197,29 +197,49 @@ async def test_status_watch_into_a_file_writes_no_control_codes(nats_url: str, t
     assert "gpipe" in text
 
 
+async def _read_some(fd: int, wait_s: float = 1.0) -> bytes:
+    """What the terminal's master side has within ``wait_s`` (b"" when nothing, or the other side is closed)."""
+    ready, _, _ = await asyncio.to_thread(select.select, [fd], [], [], wait_s)
+    if not ready:
+        return b""
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # EIO: every slave side is closed (the CLI exited)
+        return b""
+
+
 @pytest.mark.usefixtures("orchestrator")
-async def test_status_watch_on_a_terminal_fits_its_width(nats_url: str) -> None:
+async def test_status_watch_on_a_terminal_fits_its_width(nats_url: str, tmp_path: Path) -> None:
     async with AsyncTimeSliceClient("a-job-with-a-long-name", "a-group-with-a-long-name", nats_url) as a:
         await a.acquire(timeout=10)
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 52, 0, 0))
         env = _env()
         env.pop("COLUMNS", None)
-        proc = subprocess.Popen([*CLI, "status", "--watch", "--nats-url", nats_url], stdin=slave, stdout=slave,
-                                stderr=subprocess.PIPE, env=env, cwd=ROOT)
+        # stderr to a file, not a pipe nobody reads: a pipe that fills would block the CLI and look like a hang
+        err = tmp_path / "stderr.txt"
+        with err.open("wb") as err_file:
+            proc = subprocess.Popen([*CLI, "status", "--watch", "--nats-url", nats_url], stdin=slave, stdout=slave,
+                                    stderr=err_file, env=env, cwd=ROOT)
         os.close(slave)
         seen = b""
         try:
             deadline = time.monotonic() + 20
             while seen.count(b"\x1b[2J") < 2 and time.monotonic() < deadline:  # two frames, each on a cleared screen
-                ready, _, _ = await asyncio.to_thread(select.select, [master], [], [], 1.0)
-                if ready:
-                    seen += os.read(master, 65536)
-        finally:
+                seen += await _read_some(master)
             proc.send_signal(signal.SIGINT)
-            proc.wait(20)
+            # keep reading the terminal while the CLI stops: its frames must never wait on a full pty
+            deadline = time.monotonic() + 20
+            while proc.poll() is None and time.monotonic() < deadline:
+                seen += await _read_some(master, wait_s=0.2)
+            exited = proc.poll()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
             os.close(master)
         await a.release()
+    assert exited == 0, f"status --watch did not stop within 20 s of SIGINT (rc {exited}): {err.read_text()[-3000:]}"
     frame = seen.split(b"\x1b[2J")[1].decode(errors="replace")
     frame = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", frame)  # the colours and the cursor's move home: no width
     lines = [ln.rstrip("\r") for ln in frame.split("\n") if ln.strip()]
