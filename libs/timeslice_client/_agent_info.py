@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Final
+
 import msgspec
 
 from ._bounds import DEFAULT_OP_TIMEOUT_MS
 from ._codes import JobState, SuspendMode
 
-__all__ = ["AgentInfo", "DeviceInfo", "JobContext", "ProcessOwner"]
+__all__ = ["MAX_JOB_PARTS", "AgentInfo", "DeviceInfo", "JobContext", "JobPart", "ProcessOwner"]
+
+MAX_JOB_PARTS: Final = 64  # registrations of one job on one node (its processes: workers, actors, engines)
 
 
 class _Rec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -49,8 +53,26 @@ class ProcessOwner(_Rec, frozen=True):
     group_start: int | None = None
 
 
+class JobPart(_Rec, frozen=True):
+    """One more registration of a job on a node, beside the one ``JobContext``'s own fields describe: a job spread
+    over several processes there (a trainer's workers, a rollout engine, Ray actors) registers each, and a switch
+    moves them all. The fields mean what ``JobContext``'s of the same names mean."""
+
+    backends: tuple[str, ...] = ()
+    pids: tuple[int, ...] = ()
+    pgid: int | None = None
+    mode: SuspendMode = SuspendMode.OFFLOAD
+    tags: tuple[str, ...] = ()
+    op_timeout_ms: int = DEFAULT_OP_TIMEOUT_MS
+    endpoints: tuple[str, ...] = ()
+    owner: ProcessOwner | None = None
+    channel: str | None = None
+
+
 class JobContext(_Rec, frozen=True):
-    """One job's context on one node (KV ``jobs``, key ``<node>.<job>``), kept by that node's agent."""
+    """One job's context on one node (KV ``jobs``, key ``<node>.<job>``), kept by that node's agent. Its own
+    backends, processes and settings are its first registration's; ``parts`` holds the others (``JobPart``), and
+    ``state`` is the whole job's: every part moves in each operation."""
 
     node: str
     job: str
@@ -78,3 +100,4 @@ class JobContext(_Rec, frozen=True):
     # restore after it resumes it the same way.
     saved_mode: SuspendMode | None = None
     saved_tags: tuple[str, ...] | None = None
+    parts: Annotated[tuple[JobPart, ...], msgspec.Meta(max_length=MAX_JOB_PARTS - 1)] = ()

@@ -32,7 +32,7 @@ from typing import Annotated, Final, Literal, cast
 
 import msgspec
 
-from ._agent_info import AgentInfo, DeviceInfo, JobContext, ProcessOwner
+from ._agent_info import MAX_JOB_PARTS, AgentInfo, DeviceInfo, JobContext, JobPart, ProcessOwner
 from ._bounds import DEFAULT_OP_TIMEOUT_MS, Count, Elapsed, Id, Ms, Name, OpId, OpTimeoutMs, Reason, RequestId, Text
 from ._codes import DequeueCode, ErrorCode, GroupState, JobState, OpKind, RevokeCode, SuspendMode
 from ._names import subjects, validate_id
@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_OP_TIMEOUT_MS",
     "GROUPS_BUCKET",
     "JOBS_BUCKET",
+    "MAX_JOB_PARTS",
     "STREAM",
     "STREAM_SUBJECTS",
     "Acquire",
@@ -65,6 +66,7 @@ __all__ = [
     "InputEvent",
     "JobContext",
     "JobEvent",
+    "JobPart",
     "JobRegistered",
     "JobState",
     "JobUnregistered",
@@ -407,8 +409,12 @@ class RegisterJob(_Msg, frozen=True, tag="register"):
 
 
 class UnregisterJob(_Msg, frozen=True, tag="unregister"):
+    """A job leaves its node's agent. ``channel``: only the registration of that workload channel leaves (the job's
+    other processes stay registered); None: the whole job."""
+
     group: Id
     job: Id
+    channel: Name | None = None
 
 
 class ClearJobFault(_Msg, frozen=True, tag="clear_job_fault"):

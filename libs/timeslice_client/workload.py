@@ -176,7 +176,7 @@ class WorkloadChannel:
         self._lock: asyncio.Lock  # made by _open(), on the channel's loop
         self._busy = False
         self._armed = False  # the interval is lowered until the next command is answered (see arm())
-        self._answers: dict[str, WorkloadReply] = {}
+        self._answers: dict[tuple[str, str], WorkloadReply] = {}  # by (op id, action): only the latest
         self._closed = False
         self.early_suspend = early_suspend  # begin the suspend at a contended release (see suspend_early())
         self._early: concurrent.futures.Future[_Early] | None = None  # always awaited: by a command, settle, close
@@ -274,7 +274,9 @@ class WorkloadChannel:
                     await self._on_thread(self._quiesce())
         if self._registered and self.nc.is_connected:
             with contextlib.suppress(Exception):
-                await self._agent("unregister", encode(UnregisterJob(group=self.group_id, job=self.job_id)))
+                # its own registration only: other processes (or channels) of the job stay registered
+                await self._agent("unregister", encode(UnregisterJob(group=self.group_id, job=self.job_id,
+                                                                     channel=self.token)))
         await self._shut()
         with self._gate:
             self._early = None  # nobody takes it now: the suspend begun at the release is left as it is
@@ -441,12 +443,15 @@ class WorkloadChannel:
             self.disarm()
 
     async def _answer(self, cmd: WorkloadCommand) -> WorkloadReply:
-        """One command's answer: the same for the same op id (a retry repeats the latest op)."""
+        """One command's answer: the same for the same op id and action (a retry repeats the latest op). A resume
+        with the op id of the suspend before it is the agent undoing that suspend (another part of the switch failed):
+        it runs."""
         async with self._exclusive():
-            answer = self._answers.get(cmd.op_id)
+            key = (cmd.op_id, cmd.action)
+            answer = self._answers.get(key)
             if answer is None:
                 answer = _within_bounds(await self._handle(cmd))
-                self._answers = {cmd.op_id: answer}  # only the latest
+                self._answers = {key: answer}  # only the latest
             return answer
 
     async def _handle(self, cmd: WorkloadCommand) -> WorkloadReply:

@@ -1,13 +1,16 @@
 """Running a job's composed backends for one operation: in order for a snapshot (application suspend
 first, then process-level), in reverse for a restore; a snapshot step that fails is undone by restoring the
-steps before it, so the job runs again (FAULTED only when that undo fails too). And running an operation
-while the job's processes are watched, so one whose job exited ends at once instead of at its timeout."""
+steps before it, so the job runs again (FAULTED only when that undo fails too). A job of several parts (its
+registrations on the node, ``_job_parts``) runs them all at once, each part's backends in that order; a snapshot one
+part could not take and undid is undone in the parts that took it too, so the whole job runs again. And running an
+operation while the job's processes are watched, so one whose job exited ends at once instead of at its timeout."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from timeslice_client.protocol import JobContext, JobState, OpKind
@@ -15,9 +18,61 @@ from timeslice_client.protocol import JobContext, JobState, OpKind
 from ._backend_api import Backend, BackendError, OpContext, Outcome
 from ._host import alive
 
-__all__ = ["perform", "until_exited"]
+__all__ = ["Step", "perform", "perform_parts", "until_exited"]
 
 T = TypeVar("T")
+Performed = tuple[JobState, str | None, Outcome]
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One part of a job in an operation: its backends, its context (the settings it runs with) and its ``OpContext``
+    (what its backends may act on)."""
+
+    backends: Sequence[Backend]
+    ctx: JobContext
+    op: OpContext
+
+
+async def perform_parts(steps: Sequence[Step], kind: OpKind, before: JobState) -> Performed:
+    """Run the operation in every part at once (``perform`` each); the job's new state, the errors (each named by its
+    part when there are several) and the outcomes summed. A restore is done when every part's is, and faults the
+    job when one fails. A snapshot is done when every part took it; when one faulted, the job is faulted; when a part
+    failed and undid its own steps, the parts that took it are restored too (the job faulted if one cannot be), so
+    the whole job runs again."""
+    if len(steps) == 1:
+        return await perform(steps[0].backends, steps[0].ctx, steps[0].op, kind, before)
+    async with asyncio.TaskGroup() as tg:
+        tasks = [tg.create_task(perform(s.backends, s.ctx, s.op, kind, before)) for s in steps]
+    results = [t.result() for t in tasks]
+    total = Outcome()
+    for _, _, outcome in results:
+        total += outcome
+    errors = "; ".join(f"{_named(s.ctx)}: {err}" for s, (_, err, _) in zip(steps, results, strict=True) if err)
+    done = JobState.SAVED if kind is OpKind.SNAPSHOT else JobState.RUNNING
+    if all(state is done for state, _, _ in results):
+        return done, None, total
+    if kind is OpKind.RESTORE or any(state is JobState.FAULTED for state, _, _ in results):
+        return JobState.FAULTED, errors, total
+    took = [s for s, (state, _, _) in zip(steps, results, strict=True) if state is JobState.SAVED]
+    undo_s = max(5.0, max(s.ctx.op_timeout_ms for s in took) / 1000)
+    async with asyncio.TaskGroup() as tg:
+        undos = [tg.create_task(perform(s.backends, s.ctx, OpContext(s.op.op_id, s.op.epoch, time.monotonic() + undo_s,
+                                                                     s.op.may_act), OpKind.RESTORE, JobState.SAVED))
+                 for s in took]
+    failed = "; ".join(f"{_named(s.ctx)}: {u.result()[1]}" for s, u in zip(took, undos, strict=True)
+                       if u.result()[0] is not JobState.RUNNING)
+    if failed:
+        return JobState.FAULTED, f"{errors}; undoing the parts that took the snapshot failed too: {failed}", total
+    return (JobState.RUNNING if before is not JobState.IDLE else JobState.IDLE), f"{errors} (rolled back in every " \
+        f"part)", total
+
+
+def _named(ctx: JobContext) -> str:
+    """A part as errors name it: its processes, else its channel."""
+    if ctx.pids:
+        return f"part of pid {ctx.pids[0]}"
+    return f"part of channel {ctx.channel}" if ctx.channel else "part without processes"
 
 
 async def perform(backends: Sequence[Backend], ctx: JobContext, op: OpContext, kind: OpKind,

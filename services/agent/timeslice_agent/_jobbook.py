@@ -31,6 +31,7 @@ from timeslice_client.protocol import (
 from . import _stored as stored
 from ._app_endpoint import check_endpoints
 from ._host import alive
+from ._job_parts import all_backends, put_part, same_part, views, without_dead
 from ._untrusted import MAX_JOBS, Refusal, Refused, check_processes, check_registration, shown
 from .backends import make_backend
 
@@ -88,20 +89,22 @@ class JobBook:
         old = self.jobs.get(req.job)
         if old is not None and old.group != req.group:
             return AgentReply(ok=False, error=f"job {req.job!r} is registered in group {old.group!r} on this node")
-        same_process = old is not None and old.pids == req.pids and old.pgid == req.pgid
-        if old is not None and not same_process and old.pids and not any(alive(p) for p in old.pids):
-            # Other processes take the job's place on this node, and the registered ones are gone (a job killed and
-            # started again before the agent's check saw it): their context went with them. Said first, so the
-            # orchestrator ends what it had pending for them as "job gone" rather than charge the newcomer with it.
-            await self.unregister(old, "its processes are gone; other processes registered as the job")
-            old = None
-        state = old.state if (old is not None and same_process) else JobState.IDLE
-        ctx = JobContext(node=self.node, job=req.job, group=req.group, state=state, backends=req.backends,
+        new = JobContext(node=self.node, job=req.job, group=req.group, state=JobState.IDLE, backends=req.backends,
                          pids=req.pids, pgid=req.pgid, mode=req.mode, tags=req.tags, op_timeout_ms=req.op_timeout_ms,
-                         endpoints=req.endpoints, reason=old.reason if same_process and old else None, owner=owner,
-                         channel=req.channel)
-        if old is not None and same_process:  # how its saved state was suspended, for the restore after it
-            ctx = msgspec.structs.replace(ctx, saved_mode=old.saved_mode, saved_tags=old.saved_tags)
+                         endpoints=req.endpoints, owner=owner, channel=req.channel)
+        if old is not None and not any(same_part(v, new) for v in views(old)):
+            living, dropped = without_dead(old, alive)
+            if living is None:
+                # Other processes take the job's place on this node, and the registered ones are gone (a job killed
+                # and started again before the agent's check saw it): their context went with them. Said first, so
+                # the orchestrator ends what it had pending for them as "job gone" rather than charge the newcomer.
+                await self.unregister(old, "its processes are gone; other processes registered as the job")
+                old = None
+            elif dropped:
+                log.info("dropped %d registrations of the job whose processes are gone", dropped,
+                         extra={"node": self.node, "job": req.job, "group": req.group})
+                old = living
+        ctx, _ = put_part(old, new)  # Refused: too many parts, or a process another part's backend acts on
         ctx = await self.save(ctx)
         await self.announce(ctx)
         log.info("registered job (%s)", f"proven by pid {owner.pid}, uid {owner.uid}" if owner else "unproven",
@@ -116,8 +119,8 @@ class JobBook:
 
     async def announce(self, ctx: JobContext) -> None:
         assert self._js is not None
-        ev = JobRegistered(group=ctx.group, job=ctx.job, node=self.node, backend="+".join(ctx.backends),
-                           op_timeout_ms=ctx.op_timeout_ms)
+        ev = JobRegistered(group=ctx.group, job=ctx.job, node=self.node, backend="+".join(all_backends(ctx)),
+                           op_timeout_ms=max(v.op_timeout_ms for v in views(ctx)))
         await stored.publish(self._js, subjects.agent_event(self.node, ctx.group), encode(ev))  # through an election
 
     async def unregister(self, ctx: JobContext, why: str) -> None:
@@ -138,12 +141,14 @@ class JobBook:
                 and j.state is JobState.TRANSITIONING and j.last_op_id is not None and j.last_op_id in cmd.after]
 
     def registration(self, ctx: JobContext) -> JobContext | None:
-        """The job's registration now, when it is still the one ``ctx`` was taken from: the same group and
-        processes (it may have registered again meanwhile, as ``register`` keeps the state of the same
-        process). None when the job unregistered, or registered again in another group or as other processes:
-        an operation that ends then must not write its outcome over that."""
+        """The job's registration now, when it is still the one ``ctx`` was taken from: the same group and at least
+        one part in common (parts may have registered again, come or gone meanwhile, as ``register`` keeps the
+        job's state). None when the job unregistered, or registered again in another group or as other processes
+        only: an operation that ends then must not write its outcome over that."""
         current = self.jobs.get(ctx.job)
-        if current is None or (current.group, current.pids, current.pgid) != (ctx.group, ctx.pids, ctx.pgid):
+        if current is None or current.group != ctx.group:
+            return None
+        if not any(same_part(a, b) for a in views(ctx) for b in views(current)):
             return None
         return current
 
@@ -161,10 +166,12 @@ class JobBook:
                 continue
             if entry.value and (ctx := self._readable(key, entry.value)) is not None:
                 self.jobs[ctx.job] = ctx
-        for ctx in list(self.jobs.values()):
-            if ctx.pids and not any(alive(p) for p in ctx.pids):
-                await self.unregister(ctx, "its processes are gone")
+        for found in list(self.jobs.values()):
+            living, dropped = without_dead(found, alive)
+            if living is None:
+                await self.unregister(found, "its processes are gone")
                 continue
+            ctx = await self.save(living) if dropped else found
             if ctx.state is JobState.TRANSITIONING:
                 await self.save(msgspec.structs.replace(
                     ctx, reason="the agent restarted during an operation; it runs again when the orchestrator "
@@ -185,9 +192,10 @@ class JobBook:
             try:
                 if ctx.node != self.node or key != f"{self.node}.{ctx.job}":
                     raise Refused(Refusal.WRONG_NODE, f"it names node {shown(ctx.node)} and job {shown(ctx.job)}")
-                check_registration(RegisterJob(group=ctx.group, job=ctx.job, backends=ctx.backends, pids=ctx.pids,
-                                               pgid=ctx.pgid, mode=ctx.mode, tags=ctx.tags, endpoints=ctx.endpoints,
-                                               op_timeout_ms=ctx.op_timeout_ms))
+                for v in views(ctx):
+                    check_registration(RegisterJob(group=v.group, job=v.job, backends=v.backends, pids=v.pids,
+                                                   pgid=v.pgid, mode=v.mode, tags=v.tags, endpoints=v.endpoints,
+                                                   op_timeout_ms=v.op_timeout_ms))
                 return ctx
             except Refused as exc:
                 problem = exc

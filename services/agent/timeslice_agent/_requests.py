@@ -39,6 +39,7 @@ from timeslice_client.protocol import (
 )
 
 from ._job_locks import JobLocks
+from ._job_parts import part_count, views, without_channel
 from ._jobbook import JobBook
 from ._ownership import Peer, ProcessGuard
 from ._untrusted import Refusal, Refused, cap, check_id, check_processes, shown
@@ -194,9 +195,10 @@ class Requests:
                 raise Refused(Refusal.UNPROVEN, "this agent serves no socket (--socket off), so a proof is none")
             peer = self._proofs(req.proof, job)
             current = self._book.jobs.get(job)
-            if req.bind and current is not None and current.group == req.group and current.pids == (peer.pid,):
+            mine = next((v for v in views(current) if v.pids == (peer.pid,)), None) if current is not None else None
+            if req.bind and current is not None and current.group == req.group and mine is not None:
                 # The process's own registration (a handler, or a bind before: its pid as this agent sees it) stays.
-                return AgentReply(ok=True, state=current.state, backends=current.backends, kept=True)
+                return AgentReply(ok=True, state=current.state, backends=mine.backends, kept=True)
             if peer.own_pid == peer.pid:  # the agent's pid namespace: what no job may name is said first
                 check_processes(req.pids, req.pgid, req.backends)
             try:
@@ -236,7 +238,13 @@ class Requests:
                 waited.reschedule(None)  # the bound is on the wait; the unregistration's writes have their own
                 ctx = self._book.jobs.get(job)  # what the operation left (it may have ended the registration)
                 if ctx is not None and ctx.group == group:
-                    await self._book.unregister(ctx, "unregistered by the job")
+                    rest = without_channel(ctx, req.channel) if req.channel is not None else None
+                    if rest is None:
+                        await self._book.unregister(ctx, "unregistered by the job")
+                    elif rest is not ctx:  # one of its processes leaves; the job goes on in the others
+                        await self._book.save(rest)
+                        log.info("a registration of the job left (channel %s); %d stay", req.channel,
+                                 part_count(rest), extra={"node": self.node, "job": job, "group": group})
         except TimeoutError:
             return await self._busy(job, f"waited {self._unregister_wait_s:g} s for it")
         return AgentReply(ok=True)

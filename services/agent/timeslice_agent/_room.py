@@ -33,6 +33,7 @@ from typing import Final
 from timeslice_client.protocol import JobContext, JobState, Restore
 
 from ._host import host_memory
+from ._job_parts import all_backends
 from ._nvml import gpu_source
 from ._ordering import RunningOps
 
@@ -116,7 +117,7 @@ class RestoreOrder:
             return 0
         if ctx is None or ctx.state is not JobState.SAVED:
             return 0
-        if any(PROCESS_LEVEL.intersection(j.backends) for j in (ctx, *group_jobs)):
+        if any(PROCESS_LEVEL.intersection(all_backends(j)) for j in (ctx, *group_jobs)):
             return 0
         need = restore_size(ctx)
         return need if fits(need, free, self.reserved, self.margin_bytes, self.margin_fraction) else 0

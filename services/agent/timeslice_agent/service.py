@@ -20,6 +20,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -54,11 +55,12 @@ from timeslice_client.protocol import (
 from timeslice_client.workload import default_node_id
 
 from . import _stored as stored
-from ._compose import perform, until_exited
+from ._compose import Step, perform_parts, until_exited
 from ._config import AgentConfig
 from ._heartbeat import Heartbeat
 from ._host import alive
 from ._job_locks import JobLocks
+from ._job_parts import all_backends, all_pids, views, without_dead
 from ._jobbook import JobBook, now_ms
 from ._ordering import RunningOps
 from ._ownership import ProcessGuard, ProcFS
@@ -439,7 +441,7 @@ class Agent:
             if ctx.group != cmd.group:  # neither moves this job nor the other group's epoch fence
                 error = f"job {cmd.job!r} is registered in group {ctx.group!r} on node {self.node!r}, not {cmd.group!r}"
                 return self._result(cmd, kind, "none", ok=False, error=error), False
-            backend = "+".join(ctx.backends)
+            backend = "+".join(all_backends(ctx))
             newest = self._epochs.get(cmd.group, 0)
             if cmd.epoch < newest:
                 return self._result(
@@ -495,7 +497,7 @@ class Agent:
                 self.metrics.overlapped.labels(backend).inc()
             t0 = time.perf_counter()
             ran = run_context(ctx, kind, asked)  # the request's own settings, never stored as the job's
-            performed = await self._perform_watched(ran, op, kind, before)
+            performed = await self._perform_watched(ctx, op, kind, before, asked)
             elapsed = (time.perf_counter() - t0) * 1000
             if performed is None:
                 # The job's processes ended mid-operation: nothing is left to move. Unregister it first, so
@@ -546,33 +548,38 @@ class Agent:
             return self._remember(result), True
 
     async def _perform_watched(
-        self, ctx: JobContext, op: OpContext, kind: OpKind, before: JobState
+        self, ctx: JobContext, op: OpContext, kind: OpKind, before: JobState, asked: OpSettings | None
     ) -> tuple[JobState, str | None, Outcome] | None:
-        """Run the job's composed backends (``_compose.perform``) while watching its processes: ``None``
-        when they all exited before the operation finished (it is cancelled then, not waited out)."""
+        """Run the job's composed backends (``_compose.perform``), every part of it at once (``_job_parts``), with
+        the request's own settings (``asked``), while watching its processes: ``None`` when they all exited before
+        the operation finished (it is cancelled then, not waited out)."""
         assert self._nc is not None
-        nc, node = self._nc, self.node
-        backends = [make_backend(b, nc, node) for b in ctx.backends]
-        if acting := acts_on_processes(ctx.backends):
-            try:
-                self._guard.verify(ctx)  # the processes are still the ones the job proved to own
-            except Refused as exc:
-                log_refusal(
-                    self.metrics,
-                    node,
-                    "command",
-                    exc.code,
-                    f"refused to act on the job's processes: {exc}",
-                    job=ctx.job,
-                    op_id=op.op_id,
-                )
-                if kind is OpKind.RESTORE:
-                    return JobState.FAULTED, f"refused ({exc.code}): {exc}", Outcome()
-                state = JobState.IDLE if before is JobState.IDLE else JobState.RUNNING  # nothing was done
-                return state, f"{'+'.join(acting)} refused ({exc.code}): {exc} (nothing done)", Outcome()
-            guard = self._guard
-            op = dataclasses.replace(op, may_act=lambda pid: guard.may_act(ctx, pid))
-        outcome = await until_exited(perform(backends, ctx, op, kind, before), ctx.pids, self.config.pid_check_s)
+        nc, node, guard = self._nc, self.node, self._guard
+        steps: list[Step] = []
+        for part in views(ctx):
+            part_op = op
+            if acting := acts_on_processes(part.backends):
+                try:
+                    guard.verify(part)  # the processes are still the ones the job proved to own
+                except Refused as exc:
+                    log_refusal(
+                        self.metrics,
+                        node,
+                        "command",
+                        exc.code,
+                        f"refused to act on the job's processes: {exc}",
+                        job=ctx.job,
+                        op_id=op.op_id,
+                    )
+                    if kind is OpKind.RESTORE:
+                        return JobState.FAULTED, f"refused ({exc.code}): {exc}", Outcome()
+                    state = JobState.IDLE if before is JobState.IDLE else JobState.RUNNING  # nothing was done
+                    return state, f"{'+'.join(acting)} refused ({exc.code}): {exc} (nothing done)", Outcome()
+                part_op = dataclasses.replace(op, may_act=functools.partial(guard.may_act, part))
+            backends = [make_backend(b, nc, node) for b in part.backends]
+            steps.append(Step(backends, run_context(part, kind, asked), part_op))
+        work = perform_parts(steps, kind, before)
+        outcome = await until_exited(work, all_pids(ctx), self.config.pid_check_s)
         if outcome is None:
             log.warning(
                 "job's processes exited during a %s", kind, extra={"node": node, "job": ctx.job, "op_id": op.op_id}
@@ -719,10 +726,14 @@ class Agent:
                 return
             for ctx in list(self._book.jobs.values()):
                 try:
-                    if ctx.pids and not any(alive(p) for p in ctx.pids):
+                    living, dropped = without_dead(ctx, alive)
+                    if dropped:
                         async with self._locks.hold(ctx.job):
                             if self._book.jobs.get(ctx.job) is ctx:
-                                await self._book.unregister(ctx, "its processes are gone")
+                                if living is None:
+                                    await self._book.unregister(ctx, "its processes are gone")
+                                else:  # the job goes on in its other processes
+                                    await self._book.save(living)
                 except Exception as exc:  # one job's check never ends the loop (nor the agent)
                     self.metrics.task_error("pid_check")
                     log.warning(
