@@ -17,7 +17,6 @@ import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from timeslice_agent import Agent
 from timeslice_agent._errors import Refusal, Refused
 from timeslice_agent._job_parts import (
     all_backends,
@@ -43,15 +42,17 @@ from timeslice_client.protocol import (
     subjects,
 )
 
-from .agent_harness import NODE, START, AgentProcess, Recorder, Workload, one, op_events, queued
+from .agent_harness import NODE, START, AgentProcess, Recorder, Workload, one, op_events, queued, timeslice
 from .helpers import eventually
 from .test_agent_flow import stack
 
 
-def _part(pids: tuple[int, ...] = (), channel: str | None = None, backends: tuple[str, ...] = ("app_channel",),
-          **kw: Any) -> JobContext:
-    return JobContext(node="n", job="j", group="g", state=JobState.IDLE, pids=pids, channel=channel,
-                      backends=backends, **kw)
+def _part(
+    pids: tuple[int, ...] = (), channel: str | None = None, backends: tuple[str, ...] = ("app_channel",), **kw: Any
+) -> JobContext:
+    return JobContext(
+        node="n", job="j", group="g", state=JobState.IDLE, pids=pids, channel=channel, backends=backends, **kw
+    )
 
 
 # --------------------------------------------------------------------------- the rules, on contexts
@@ -115,8 +116,9 @@ def test_parts_leave_by_channel_and_by_death() -> None:
     assert without_dead(_part((), "c1"), lambda pid: False) == (_part((), "c1"), 0)  # no pids: never dead
 
 
-_parts = st.lists(st.tuples(st.integers(2, 40), st.sampled_from(["app_channel", "noop", "cuda"])), min_size=1,
-                  max_size=8)
+_parts = st.lists(
+    st.tuples(st.integers(2, 40), st.sampled_from(["app_channel", "noop", "cuda"])), min_size=1, max_size=8
+)
 
 
 @given(_parts)
@@ -142,9 +144,13 @@ async def test_every_registration_of_a_process_is_suspended_and_resumed(nats_url
     third client of the job takes the holds, so no handler begins its suspend at the release (early suspend): the
     agent's commands move both."""
     log: list[str] = []
-    async with stack(nats_url, "apart"), AsyncTimeSliceClient("a", "gs", nats_url) as holder, \
-            AsyncTimeSliceClient("a", "gs", nats_url) as a1, AsyncTimeSliceClient("a", "gs", nats_url) as a2, \
-            AsyncTimeSliceClient("b", "gs", nats_url) as b:
+    async with (
+        stack(nats_url, "apart"),
+        AsyncTimeSliceClient("a", "gs", nats_url) as holder,
+        AsyncTimeSliceClient("a", "gs", nats_url) as a1,
+        AsyncTimeSliceClient("a", "gs", nats_url) as a2,
+        AsyncTimeSliceClient("b", "gs", nats_url) as b,
+    ):
         await a1.register_workload(Recorder("a1", log), node_id="node-1")
         await a2.register_workload(Recorder("a2", log), node_id="node-1")
         await b.register_workload(Recorder("b", log), node_id="node-1")
@@ -200,9 +206,7 @@ async def _parts_of(agent: AgentProcess, job: str, n: int) -> dict[str, Any]:
     return await eventually(check, interval=0.05, what=f"job {job} registered as {n} processes")
 
 
-async def test_a_switch_moves_every_process_of_the_job(
-    workers: Any, agent: AgentProcess, nats_url: str
-) -> None:
+async def test_a_switch_moves_every_process_of_the_job(workers: Any, agent: AgentProcess, nats_url: str) -> None:
     g = "parts"
     a1 = workers(g, "a", "a1", handler="numpy", mb=4)  # the process that takes the holds
     a2 = workers(g, "a", "a2", handler="numpy", mb=2)  # another process of the job: registers, never acquires
@@ -211,6 +215,9 @@ async def test_a_switch_moves_every_process_of_the_job(
     await b.wait("ready", timeout=START)
     ctx = await _parts_of(agent, "a", 2)
     assert {ctx["pids"][0], ctx["parts"][0]["pids"][0]} == {a1.pid, a2.pid}
+    rc, out = await timeslice(nats_url, "agent-status", "--node-id", NODE)
+    row = next(line for line in out.splitlines() if line.startswith("a "))
+    assert rc == 0 and f"pids {ctx['pids'][0]},{ctx['parts'][0]['pids'][0]}" in row, out
 
     async with AsyncTimeSliceClient("observer", "observer", nats_url) as observer:
         a1.send("acquire")
@@ -264,9 +271,7 @@ async def test_a_process_that_died_leaves_the_job_registered_in_the_others(worke
     assert ctx["pids"] == [a1.pid]
 
 
-async def test_a_part_that_cannot_suspend_undoes_the_others(
-    workers: Any, agent: AgentProcess, nats_url: str
-) -> None:
+async def test_a_part_that_cannot_suspend_undoes_the_others(workers: Any, agent: AgentProcess, nats_url: str) -> None:
     g = "undo"
     a1 = workers(g, "a", "a1", handler="numpy", mb=2)
     a2 = workers(g, "a", "a2", handler="failing", mb=1)

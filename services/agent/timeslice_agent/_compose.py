@@ -57,15 +57,30 @@ async def perform_parts(steps: Sequence[Step], kind: OpKind, before: JobState) -
     took = [s for s, (state, _, _) in zip(steps, results, strict=True) if state is JobState.SAVED]
     undo_s = max(5.0, max(s.ctx.op_timeout_ms for s in took) / 1000)
     async with asyncio.TaskGroup() as tg:
-        undos = [tg.create_task(perform(s.backends, s.ctx, OpContext(s.op.op_id, s.op.epoch, time.monotonic() + undo_s,
-                                                                     s.op.may_act), OpKind.RESTORE, JobState.SAVED))
-                 for s in took]
-    failed = "; ".join(f"{_named(s.ctx)}: {u.result()[1]}" for s, u in zip(took, undos, strict=True)
-                       if u.result()[0] is not JobState.RUNNING)
+        undos = [
+            tg.create_task(
+                perform(
+                    s.backends,
+                    s.ctx,
+                    OpContext(s.op.op_id, s.op.epoch, time.monotonic() + undo_s, s.op.may_act),
+                    OpKind.RESTORE,
+                    JobState.SAVED,
+                )
+            )
+            for s in took
+        ]
+    failed = "; ".join(
+        f"{_named(s.ctx)}: {u.result()[1]}"
+        for s, u in zip(took, undos, strict=True)
+        if u.result()[0] is not JobState.RUNNING
+    )
     if failed:
         return JobState.FAULTED, f"{errors}; undoing the parts that took the snapshot failed too: {failed}", total
-    return (JobState.RUNNING if before is not JobState.IDLE else JobState.IDLE), f"{errors} (rolled back in every " \
-        f"part)", total
+    return (
+        (JobState.RUNNING if before is not JobState.IDLE else JobState.IDLE),
+        f"{errors} (rolled back in every part)",
+        total,
+    )
 
 
 def _named(ctx: JobContext) -> str:
@@ -75,8 +90,9 @@ def _named(ctx: JobContext) -> str:
     return f"part of channel {ctx.channel}" if ctx.channel else "part without processes"
 
 
-async def perform(backends: Sequence[Backend], ctx: JobContext, op: OpContext, kind: OpKind,
-                  before: JobState) -> tuple[JobState, str | None, Outcome]:
+async def perform(
+    backends: Sequence[Backend], ctx: JobContext, op: OpContext, kind: OpKind, before: JobState
+) -> tuple[JobState, str | None, Outcome]:
     """Run the operation through ``backends``; returns (the job's new state, the error or None, the outcome)."""
     total = Outcome()
     done: list[Backend] = []

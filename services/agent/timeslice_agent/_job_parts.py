@@ -87,8 +87,11 @@ def put_part(ctx: JobContext | None, new: JobContext) -> tuple[JobContext, JobCo
     _check_disjoint(new, others)
     if at is None:
         if len(parts) >= MAX_JOB_PARTS:
-            raise Refused(Refusal.TOO_LARGE, f"job {ctx.job!r} has {len(parts)} registrations on node {ctx.node!r} (at "
-                                             f"most {MAX_JOB_PARTS}); unregister those of processes that are gone")
+            raise Refused(
+                Refusal.TOO_LARGE,
+                f"job {ctx.job!r} has {len(parts)} registrations on node {ctx.node!r} (at "
+                f"most {MAX_JOB_PARTS}); unregister those of processes that are gone",
+            )
         parts.append(new)
     else:
         parts[at] = new
@@ -125,10 +128,13 @@ def _check_disjoint(new: JobContext, others: Iterable[JobContext]) -> None:
             continue
         theirs = set(other.pids) | ({other.pgid} if other.pgid is not None else set())
         if shared := sorted(mine & theirs):
-            raise Refused(Refusal.FORBIDDEN_PROCESS, f"process {shared[0]} is registered for job {new.job!r} already, "
-                                                     f"with {'+'.join(other.backends)}: one registration per process "
-                                                     "acts on it (register its handler through the same channel, or "
-                                                     "unregister the other first)")
+            raise Refused(
+                Refusal.FORBIDDEN_PROCESS,
+                f"process {shared[0]} is registered for job {new.job!r} already, "
+                f"with {'+'.join(other.backends)}: one registration per process "
+                "acts on it (register its handler through the same channel, or "
+                "unregister the other first)",
+            )
 
 
 def _fields(v: JobContext | JobPart) -> dict[str, Any]:

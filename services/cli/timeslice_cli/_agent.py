@@ -65,8 +65,11 @@ async def _status(args: argparse.Namespace) -> int:
         outcome = ("running" if j.get("state") == "TRANSITIONING" else "") if j.get("last_op_ok") is None else (
             "ok" if j.get("last_op_ok") else (j.get("last_op_error") or "failed"))
         last = f"{j.get('last_op_id') or '-'} {outcome}"
-        procs = _processes(j.get("pids") or (), j.get("pgid"))
-        print(f"{j['job']:<20} {j['group']:<16} {j['state']:<14} {'+'.join(j['backends']):<22} {procs:<16} {last}")
+        parts = [j, *(j.get("parts") or ())]  # a job of several processes here: each registered as a part
+        pids = list(dict.fromkeys(p for part in parts for p in part.get("pids") or ()))
+        backends = "+".join(dict.fromkeys(b for part in parts for b in part.get("backends") or ()))
+        procs = _processes(pids, j.get("pgid"))
+        print(f"{j['job']:<20} {j['group']:<16} {j['state']:<14} {backends:<22} {procs:<16} {last}")
         if j.get("reason"):
             print(f"{'':<20} reason: {j['reason']}")
     return 0
