@@ -62,12 +62,13 @@ from ._host import alive
 from ._job_locks import JobLocks
 from ._job_parts import all_backends, all_pids, views, without_dead
 from ._jobbook import JobBook, now_ms
+from ._op_rules import Answer, decide, settle
 from ._ordering import RunningOps
 from ._ownership import ProcessGuard, ProcFS
 from ._peer import PeerServer
 from ._requests import Requests, log_refusal
 from ._room import RestoreOrder
-from ._standalone import OpSettings, check_idle, run_context, settled, standalone_context
+from ._standalone import OpSettings, check_idle, run_context, standalone_context
 from ._untrusted import Refusal, Refused, cap, check_command, check_id, check_registration, refusal_result, shown
 from .backends import OpContext, Outcome, acts_on_processes, make_backend
 from .metrics import AgentMetrics
@@ -435,48 +436,31 @@ class Agent:
             if (done := self._results.get(cmd.op_id)) is not None:
                 return done, False
             ctx = self._book.jobs.get(cmd.job)
-            if ctx is None:
-                error = f"job {cmd.job!r} is not registered on node {self.node!r}"
-                return self._remember(self._result(cmd, kind, "none", ok=False, error=error)), False
-            if ctx.group != cmd.group:  # neither moves this job nor the other group's epoch fence
-                error = f"job {cmd.job!r} is registered in group {ctx.group!r} on node {self.node!r}, not {cmd.group!r}"
-                return self._result(cmd, kind, "none", ok=False, error=error), False
-            backend = "+".join(all_backends(ctx))
-            newest = self._epochs.get(cmd.group, 0)
-            if cmd.epoch < newest:
-                return self._result(
-                    cmd, kind, backend, ok=False, error=f"stale epoch {cmd.epoch} (group {cmd.group!r} is at {newest})"
-                ), False
-            self._epochs[cmd.group] = cmd.epoch
-            if ctx.state is JobState.FAULTED:
-                error = f"job is faulted: {ctx.reason}"
-                return self._remember(self._result(cmd, kind, backend, ok=False, error=error)), False
-            if (kind is OpKind.SNAPSHOT and ctx.state is JobState.SAVED) or (
-                kind is OpKind.RESTORE and ctx.state in (JobState.RUNNING, JobState.IDLE)
-            ):
-                # Nothing to move: already saved, already running, or never ran (nothing was saved).
-                if ctx.state is JobState.IDLE:
-                    await self._book.save(msgspec.structs.replace(ctx, state=JobState.RUNNING, epoch=cmd.epoch))
-                return self._remember(self._result(cmd, kind, backend, ok=True)), False
-            remaining = cmd.deadline_ms / 1000 - time.time()
-            if remaining <= 0:
-                error = "deadline passed before start"
-                return self._remember(self._result(cmd, kind, backend, ok=False, error=error)), False
-            op = OpContext(op_id=cmd.op_id, epoch=cmd.epoch, deadline=time.monotonic() + remaining)
-            before = ctx.state
-            if before is JobState.TRANSITIONING:  # cut short by a restart of this agent: where it started from
-                before = JobState.RUNNING if kind is OpKind.SNAPSHOT else JobState.SAVED
-            ctx = await self._book.save(
-                msgspec.structs.replace(
-                    ctx,
-                    state=JobState.TRANSITIONING,
-                    epoch=cmd.epoch,
-                    last_op_id=cmd.op_id,
-                    last_op_ok=None,
-                    last_op_error=None,
-                ),
-                wait=False,
+            backend = "+".join(all_backends(ctx)) if ctx is not None and ctx.group == cmd.group else "none"
+            verdict, fence = decide(
+                ctx,
+                node=self.node,
+                job=cmd.job,
+                group=cmd.group,
+                op_id=cmd.op_id,
+                epoch=cmd.epoch,
+                deadline_ms=cmd.deadline_ms,
+                kind=kind,
+                newest_epoch=self._epochs.get(cmd.group, 0),
+                now_ms=now_ms(),
             )
+            if fence is not None:
+                self._epochs[cmd.group] = fence
+            if isinstance(verdict, Answer):
+                if verdict.save is not None:
+                    await self._book.save(verdict.save)
+                answer = self._result(cmd, kind, backend, ok=verdict.ok, error=verdict.error)
+                return (self._remember(answer) if verdict.remember else answer), False
+            assert ctx is not None
+            remaining = cmd.deadline_ms / 1000 - time.time()
+            op = OpContext(op_id=cmd.op_id, epoch=cmd.epoch, deadline=time.monotonic() + max(0.001, remaining))
+            before = verdict.before
+            ctx = await self._book.save(verdict.marked, wait=False)
             assert self._nc is not None
             await self._nc.publish(
                 subjects.agent_op(self.node),
@@ -532,17 +516,14 @@ class Agent:
                 )
                 return self._remember(result), True
             await self._book.save(
-                msgspec.structs.replace(
+                settle(
                     current,
+                    ran,
+                    op_id=cmd.op_id,
                     state=state,
-                    reason=failure if state is JobState.FAULTED else None,
-                    last_op_id=cmd.op_id,
-                    last_op_ok=failure is None,
-                    last_op_error=failure,
-                    bytes_moved=outcome.bytes_moved,
-                    device_bytes_freed=outcome.device_bytes_freed,
+                    failure=failure,
+                    outcome=outcome,
                     elapsed_ms=elapsed,
-                    **settled(ran, current, state),
                 )
             )
             return self._remember(result), True
