@@ -281,7 +281,7 @@ class TorchOffloadHandler:
                 if size:
                     fresh = group.host is None or not group.host.fits(size)
                     host = self._host_buffer(group, size)
-                    if fresh and not (self._cuda and host.cached):  # registration faults the pages in itself
+                    if fresh and not self._cuda:  # (on CUDA allocating or registering pinned memory faults it in)
                         host.tensor.zero_()  # fault the pages in now rather than during the first suspend
                     total += host.nbytes
             return total
@@ -289,12 +289,13 @@ class TorchOffloadHandler:
     def release_host_buffers(self) -> int:
         """Free the host buffers of groups that are not suspended; returns the bytes released."""
         with self._lock:
-            released = 0
+            released = cached = 0
             for group in self._groups.values():
                 if group.saved is None and group.host is not None:
                     released += group.host.nbytes
+                    cached += group.host.cached
                     self._release(group)
-            if released and self._cuda:
+            if cached and self._cuda:
                 getattr(torch._C, "_host_emptyCache", lambda: None)()  # torch's cached pinned blocks go too
             return released
 
@@ -360,8 +361,7 @@ class TorchOffloadHandler:
                 return HandlerResult()
             slots = [slot for g in groups for slot in g.saved or ()]
             self._restore_all(slots)  # on failure the groups stay suspended, their host buffers kept
-            moved = sum(s.nbytes for s in slots if s.host is not None)
-            freed = sum(s.nbytes for s in slots)
+            moved, freed = sum(s.nbytes for s in slots if s.host is not None), sum(s.nbytes for s in slots)
             del slots
             for group in groups:
                 group.saved = None
