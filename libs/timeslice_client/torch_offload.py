@@ -68,7 +68,7 @@ from .errors import HandlerError
 from .handlers import HandlerResult
 from .protocol import SuspendMode
 
-__all__ = ["CPU_CHUNK_BYTES", "CUDA_CHUNK_BYTES", "TorchOffloadHandler"]
+__all__ = ["CPU_CHUNK_BYTES", "CUDA_CHUNK_BYTES", "HostRegistrar", "TorchOffloadHandler"]
 
 CUDA_CHUNK_BYTES: Final = 64 << 20
 # On CPU every copy_ is a parallel region whose threads meet at a barrier; on a busy machine each barrier
