@@ -307,6 +307,9 @@ def test_the_cuda_registrar_pins_portable_and_says_why_it_failed(monkeypatch: py
     CudaRegistrar().register(4096, 10)
     CudaRegistrar().unregister(4096)
     assert ok.calls == [("register", 4096, 10, 1), ("unregister", 4096)]  # 1: cudaHostRegisterPortable
+    cleared: list[bool] = []
+    monkeypatch.setattr(_pinned_host, "_clear_last_error", lambda: cleared.append(True))
     monkeypatch.setattr(_pinned_host, "_runtime", lambda: FakeRuntime(2))
     with pytest.raises(OSError, match=r"cudaHostRegister of 10 bytes failed: out of memory \(2\)"):
         CudaRegistrar().register(4096, 10)
+    assert cleared == [True]  # the runtime's last error, which torch's next launch check would report as its own

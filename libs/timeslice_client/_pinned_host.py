@@ -13,6 +13,7 @@ torch's binding (imported when first used); tests pass one that records calls.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import threading
@@ -78,17 +79,23 @@ def _error_string(runtime: Any, code: int) -> str:
 
 
 def _clear_last_error() -> None:
-    """Call ``cudaGetLastError`` of the CUDA runtime torch loaded (found by name among the process's
-    libraries); torch's own binding does not offer it. Best effort."""
+    """Call ``cudaGetLastError`` of the CUDA runtime torch loaded (found by name among the process's libraries;
+    torch's own binding does not offer it). Without it, launch one tiny kernel: torch's launch check reads (and so
+    clears) the error, raising it here instead of at the job's next kernel. Best effort."""
     import ctypes
 
+    cleared = False
     try:
         with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
             paths = {line.split()[-1] for line in maps if "libcudart" in line and "/" in line}
         for path in sorted(paths):
             ctypes.CDLL(path).cudaGetLastError()
+            cleared = True
     except (OSError, AttributeError, IndexError):
         pass
+    if not cleared:
+        with contextlib.suppress(Exception):
+            torch.empty(1, device="cuda").zero_()
 
 
 @dataclass(slots=True)
