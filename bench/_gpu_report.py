@@ -28,6 +28,7 @@ class Report:
     duplex: dict[str, Any] = field(default_factory=dict)
     cuda: dict[str, Any] = field(default_factory=dict)
     switch: dict[str, Any] = field(default_factory=dict)
+    pinned: dict[str, Any] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     wall_s: float = 0.0
@@ -138,6 +139,18 @@ def format_report(rep: Report) -> list[str]:
                          f"B->A {r['overhead_ba_ms']:.2f}, max {r['overhead_max_ms']:.2f}; agent-side "
                          f"{r['agent_side_ms']:.2f}, orchestrator+bus {r['orchestrator_bus_ms']:.2f}); offload "
                          f"{r['offload_vs_copy']:.2f}x, restore {r['restore_vs_copy']:.2f}x the same-run copy")
+    pn = rep.pinned
+    if pn:
+        lines.append(f"host buffers of the handler, {pn['bytes'] / GB:g} GB state, {pn['cycles']} cycles (later "
+                     f"cycles' medians; bit-exact {pn['bit_exact']}):")
+        for kind in ("registered", "cached"):
+            k = pn.get(kind) or {}
+            if k:
+                lines.append(f"  {kind:10s} (in use: {k['in_use']}): suspend {_fmt_gbps(k['offload_gbps'])}, resume "
+                             f"{_fmt_gbps(k['restore_gbps'])}; first cycle {k['first_offload_s']:.2f} + "
+                             f"{k['first_restore_s']:.2f} s; one buffer: allocate {k['alloc_s']:.2f} s, release "
+                             f"{k['release_s']:.2f} s; peak pinned {_gb(k['peak_pinned_bytes'])} GB; held after the "
+                             f"last resume {_gb(k['host_bytes_after'])} GB (RSS +{_gb(k['rss_growth_after'])} GB)")
     for what, ratio, met in rep.goals():
         lines.append(f"goal {what}: {ratio:.0%} of the pinned copy, {'met' if met else 'NOT met'} (>= {GOAL:.0%})")
     for what, ms, met in rep.switch_goals():

@@ -20,7 +20,11 @@ It measures and prints, and writes as JSON (``--out``):
 5. ``switch``: ``bench/offload.py --device cuda`` (1 and 4 GiB, 5 cycles, with its same-run switch floor; the
    stack as in section 2): the whole switch A->B minus the handler calls, per size, and offload/restore against
    the same-run copy (in ``bench/_gpu_switch.py``; its own JSON is written beside ``--out`` as
-   ``<out>.offload.json``).
+   ``<out>.offload.json``);
+6. ``pinned``: the handler's host buffers, exact registered ones (``host_memory="registered"``, the default on
+   CUDA) against torch's cached pinned allocator (``"cached"``), on one state of 4.5 GB (a little above a power of
+   two GiB, where torch's rounding costs most): GB/s each way, allocation and release time, peak pinned bytes,
+   host bytes and RSS left after the last resume (in ``bench/_gpu_pinned.py``).
 
 Goals: torch offload >= 80% of the same-run pinned copy bandwidth each way (issue 7); a switch adds at most
 5 ms beyond the handler calls (issue 3).
@@ -88,6 +92,7 @@ from _gpu_offload import (  # noqa: E402 - bench/ is on the path from here on
     _timed,
     offload,
 )
+from _gpu_pinned import pinned  # noqa: E402
 from _gpu_report import GB, Report, format_report  # noqa: E402
 from _gpu_run import (  # noqa: E402
     CLEANUP_S,
@@ -100,7 +105,7 @@ from _gpu_run import (  # noqa: E402
 )
 from _gpu_switch import switch  # noqa: E402
 
-SECTIONS = ("baseline", "offload", "duplex", "cuda", "switch")
+SECTIONS = ("baseline", "offload", "duplex", "cuda", "switch", "pinned")
 
 
 @dataclass(frozen=True)
@@ -116,13 +121,15 @@ class Plan:
     switch_gib: tuple[float, ...] = (1.0, 4.0)  # bench/offload.py's sizes (GiB) in the switch section
     switch_cycles: int = 5
     switch_floor: int = 40  # switches of the same-run floor
+    pinned_bytes: int = 4_500_000_000  # the pinned section's state (torch's allocator rounds it up to 8 GiB)
 
     @staticmethod
     def make(quick: bool, sizes: Sequence[float] | None = None, cuda_gb: float | None = None,
              switch_gib: Sequence[float] | None = None) -> Plan:
         if quick:
             plan = Plan(baseline_bytes=1 * GB, offload_sizes=(1 * GB,), cycles=2, duplex_bytes=1 * GB,
-                        cuda_bytes=1 * GB, reps=3, switch_gib=(1.0,), switch_cycles=3, switch_floor=20)
+                        cuda_bytes=1 * GB, reps=3, switch_gib=(1.0,), switch_cycles=3, switch_floor=20,
+                        pinned_bytes=1_500_000_000)
         else:
             plan = Plan(baseline_bytes=4 * GB, offload_sizes=(4 * GB, 16 * GB, 40 * GB), cycles=2,
                         duplex_bytes=8 * GB, cuda_bytes=8 * GB, reps=5)
@@ -391,8 +398,15 @@ def run(plan: Plan, only: set[str], device: str = "cuda", agent_process: bool = 
         rep.switch = switch(plan.switch_gib, plan.switch_cycles, plan.switch_floor, device, agent_process,
                             raw_switch_out, timeout_s=budget.left())
 
+    def do_pinned() -> None:
+        rep.pinned = pinned(plan.pinned_bytes, max(plan.cycles, 3))
+        if not rep.pinned["bit_exact"]:
+            rep.errors.append("pinned: restored bytes differ")
+        if why := rep.pinned["registered"]["fallback"]:
+            rep.errors.append(f"pinned: registration fell back to torch's allocator: {why}")
+
     steps = {"baseline": do_baseline, "offload": do_offload, "duplex": do_duplex, "cuda": do_cuda,
-             "switch": do_switch}
+             "switch": do_switch, "pinned": do_pinned}
     run_sections(rep, [(name, steps[name]) for name in SECTIONS if name in only], budget, save)
     return rep
 

@@ -117,6 +117,23 @@ def test_report_switch_goal(gc: ModuleType) -> None:
     assert rep.ok()
 
 
+def test_pinned_section_plumbing_on_cpu(gc: ModuleType) -> None:
+    """The pinned section's both kinds on CPU tensors: bit-exact, the exact buffer gone after the last resume and
+    torch's kept; its report lines."""
+    pytest.importorskip("torch")
+    import _gpu_pinned  # bench/ is on the path once the script is loaded
+
+    r = _gpu_pinned.pinned(24 << 20, 3, device="cpu")
+    reg, cached = r["registered"], r["cached"]
+    assert r["bit_exact"] and reg["in_use"] == "registered" and reg["fallback"] is None
+    assert reg["host_bytes_after"] == 0 and cached["host_bytes_after"] >= r["bytes"]
+    assert len(reg["offload_s"]) == 3 and reg["offload_gbps"] > 0 and cached["restore_gbps"] > 0
+    text = "\n".join(gc.format_report(gc.Report(date="d", pinned=r)))
+    assert "host buffers of the handler" in text and "registered (in use: registered)" in text
+    quick, full = gc.parse_args(["--quick"]).plan, gc.parse_args([]).plan
+    assert "pinned" in gc.SECTIONS and quick.pinned_bytes < full.pinned_bytes
+
+
 def test_switch_plumbing_on_cpu(tmp_path: Path) -> None:
     """The switch section end to end on CPU tensors: bench/offload.py through the stack, its figures kept in the
     check's report and its own JSON beside it. The verdict depends on this machine's speed, the plumbing not."""

@@ -392,13 +392,13 @@ def test_repeated_cycles_reuse_host_buffers(trained: tuple[Net, Any]) -> None:
     assert handler.host_bytes() == 0
     prepared = handler.prepare()
     assert prepared == handler.host_bytes() >= handler.device_bytes()
-    buffers = {tag: g.host.data_ptr() for tag, g in handler._groups.items()}
+    buffers = {tag: g.host.tensor.data_ptr() for tag, g in handler._groups.items()}
     for _ in range(5):
         handler.suspend(OFFLOAD, ALL)
         handler.resume(OFFLOAD, ALL)
         train(model, opt, 1, seed=2)
         assert handler.host_bytes() == prepared
-        assert {tag: g.host.data_ptr() for tag, g in handler._groups.items()} == buffers
+        assert {tag: g.host.tensor.data_ptr() for tag, g in handler._groups.items()} == buffers
     assert handler.release_host_buffers() == prepared and handler.host_bytes() == 0
 
 

@@ -16,10 +16,11 @@ optimizers (read at suspend time, so state created lazily by the first ``step()`
 extra tensors (a tensor, a list/tuple/dict of them, or a callable returning them, read at suspend time).
 
 ``suspend(OFFLOAD)`` copies every device *storage* of the selected groups (storages shared by views or
-tied weights once) into a host buffer that is allocated once per group and reused across cycles (pinned
-memory when CUDA is available), then frees the device memory with ``untyped_storage().resize_(0)``: the
+tied weights once) into one host buffer per group, then frees the device memory with ``resize_(0)``: the
 tensors, Parameters, views and optimizer state entries stay the same Python objects, they just hold no
-memory. ``resume`` re-allocates each storage at its size and copies the bytes back, bit-exact.
+memory. ``resume`` re-allocates each storage at its size and copies the bytes back, bit-exact. On CUDA the host
+buffer is by default exactly the group's bytes, pinned by registration and freed at the resume
+(``host_memory="registered"``; ``"cached"``: torch's pinned allocator, power-of-two sizes kept across cycles).
 ``suspend(DISCARD)`` frees without copying and ``resume`` gives back zero-filled memory (the workload
 rebuilds it). Copies go in chunks (``chunk_bytes``); on CUDA they are queued on a dedicated stream, so
 successive chunks and storages go back to back while earlier storages are freed.
@@ -61,12 +62,13 @@ from typing import Any, Final
 import torch
 
 from ._huge_pages import advise_huge_pages
+from ._pinned_host import HostBuffer, HostMemory, HostMemoryKind, HostRegistrar
 from ._torch_state import check_resizable, named_tensors, plain_storage, several, source, unresizable, walk
 from .errors import HandlerError
 from .handlers import HandlerResult
 from .protocol import SuspendMode
 
-__all__ = ["CPU_CHUNK_BYTES", "CUDA_CHUNK_BYTES", "TorchOffloadHandler"]
+__all__ = ["CPU_CHUNK_BYTES", "CUDA_CHUNK_BYTES", "HostRegistrar", "TorchOffloadHandler"]
 
 CUDA_CHUNK_BYTES: Final = 64 << 20
 # On CPU every copy_ is a parallel region whose threads meet at a barrier; on a busy machine each barrier
@@ -99,7 +101,7 @@ class _Group:
     optimizers: list[Any] = field(default_factory=list)
     sources: list[Any] = field(default_factory=list)  # tensors, containers of tensors, callables
     saved: list[_Slot] | None = None  # set while suspended
-    host: Any = None  # uint8 host buffer, reused across cycles
+    host: HostBuffer | None = None  # cached: reused across cycles; registered: released at the resume
 
     def tensors(self) -> Iterator[Any]:
         for module in self.modules:
@@ -143,6 +145,12 @@ class TorchOffloadHandler:
     on CUDA, hand the freed blocks back to the driver after a suspend (so another process can use them).
     ``device``: whose tensors are suspended, ``"cuda"`` or ``"cpu"``; by default CUDA when available,
     else CPU tensors stand in for the device.
+
+    ``host_memory``: ``"registered"`` (default on CUDA): per suspend one buffer per group of exactly its bytes,
+    pinned by one ``cudaHostRegister``, unpinned and freed at its resume (or ``drop_saved``, a discard, a failed
+    suspend); ``"cached"`` (default on CPU): torch's pinned allocator (power-of-two sizes, kept and reused). A
+    failed registration is logged once and torch's allocator used from then on (``host_memory_in_use``).
+    ``registrar``: what pins (``register(ptr, nbytes)``, ``unregister(ptr)``): CUDA's by default, none on CPU.
     """
 
     def __init__(
@@ -154,6 +162,8 @@ class TorchOffloadHandler:
         chunk_bytes: int | None = None,
         empty_cache: bool = True,
         device: str | None = None,
+        host_memory: HostMemoryKind | None = None,
+        registrar: HostRegistrar | None = None,
     ) -> None:
         if chunk_bytes is not None and chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, not {chunk_bytes}")
@@ -164,6 +174,9 @@ class TorchOffloadHandler:
         self.chunk_bytes = chunk_bytes or (CUDA_CHUNK_BYTES if device == "cuda" else CPU_CHUNK_BYTES)
         self.empty_cache = empty_cache  # CUDA: return freed blocks to the driver after a suspend
         self._cuda = device == "cuda"
+        self._host = HostMemory(
+            host_memory or ("registered" if self._cuda else "cached"), pinned=self._cuda, registrar=registrar
+        )
         # CPU: all copies in one call, then all frees (``_copy_all``); CUDA: per storage on a side stream, each
         # freed once its copy is done. Tests run the per-storage path on CPU tensors too.
         self._batched = not self._cuda
@@ -233,9 +246,19 @@ class TorchOffloadHandler:
         return self._cuda
 
     def host_bytes(self, tags: Iterable[str] = ()) -> int:
-        """Bytes of host buffer the selected groups hold (kept across cycles, see ``release_host_buffers``)."""
+        """Bytes of host buffer the selected groups hold (cached ones are kept across cycles, see
+        ``release_host_buffers``; registered ones only while suspended, or prepared)."""
         with self._lock:
-            return sum(int(g.host.numel()) for g in self._select(frozenset(tags)) if g.host is not None)
+            return sum(g.host.nbytes for g in self._select(frozenset(tags)) if g.host is not None)
+
+    @property
+    def host_memory_in_use(self) -> HostMemoryKind:
+        """What the next host buffer will be (``"cached"`` after a fallback, ``host_memory_fallback`` says why)."""
+        return self._host.in_use
+
+    @property
+    def host_memory_fallback(self) -> str | None:
+        return self._host.fallback_reason
 
     # ------------------------------------------------------------------ host buffers
 
@@ -256,21 +279,36 @@ class TorchOffloadHandler:
                 for _, nbytes in found:
                     size = _align(size, nbytes) + nbytes
                 if size:
-                    fresh = group.host is None or group.host.numel() < size
+                    fresh = group.host is None or not group.host.fits(size)
                     host = self._host_buffer(group, size)
-                    if fresh and not self._cuda:
-                        host.zero_()  # fault the pages in now rather than during the first suspend
-                    total += int(host.numel())
+                    if fresh and not self._cuda:  # (on CUDA allocating or registering pinned memory faults it in)
+                        host.tensor.zero_()  # fault the pages in now rather than during the first suspend
+                    total += host.nbytes
             return total
 
     def release_host_buffers(self) -> int:
         """Free the host buffers of groups that are not suspended; returns the bytes released."""
         with self._lock:
-            released = 0
+            released = cached = 0
             for group in self._groups.values():
                 if group.saved is None and group.host is not None:
-                    released += int(group.host.numel())
-                    group.host = None
+                    released += group.host.nbytes
+                    cached += group.host.cached
+                    self._release(group)
+            if cached and self._cuda:
+                getattr(torch._C, "_host_emptyCache", lambda: None)()  # torch's cached pinned blocks go too
+            return released
+
+    def drop_saved(self, tags: Iterable[str] = ()) -> int:
+        """Forget the host copy of the selected suspended groups without resuming them; returns the host bytes
+        released. Their tensors stay without memory (as after a suspend): rebuild them before use."""
+        with self._lock:
+            released = 0
+            for group in self._select(frozenset(tags)):
+                if group.saved is not None:
+                    group.saved = None
+                    released += group.host.nbytes if group.host is not None else 0
+                    self._release(group)
             return released
 
     # ------------------------------------------------------------------ the handler interface
@@ -289,18 +327,26 @@ class TorchOffloadHandler:
             # Plan everything (and allocate host buffers) before anything moves.
             seen: set[int] = set()
             plans: list[tuple[_Group, list[_Slot]]] = []
-            for group in groups:
-                found = self._live(group, seen)
-                for storage, _ in found:
-                    if not storage.resizable():  # e.g. .numpy() was called on it since the handler was made
-                        raise unresizable(group.tag, storage, group.named(call=True))
-                plans.append((group, self._slots(group, found, offload)))
-            slots = [slot for _, plan in plans for slot in plan]
-            if sync_device:
-                self._sync_devices(slots)
-            self._free_all(slots, offload)
+            try:
+                for group in groups:
+                    found = self._live(group, seen)
+                    for storage, _ in found:
+                        if not storage.resizable():  # e.g. .numpy() was called on it since the handler was made
+                            raise unresizable(group.tag, storage, group.named(call=True))
+                    plans.append((group, self._slots(group, found, offload)))
+                slots = [slot for _, plan in plans for slot in plan]
+                if sync_device:
+                    self._sync_devices(slots)
+                self._free_all(slots, offload)  # copies done (or rolled back) when it returns or raises
+            except BaseException:
+                plans, slots = [], []  # the buffers' views, before the buffers go
+                for group in groups:
+                    self._release(group, keep_cached=True)
+                raise
             for group, plan in plans:
                 group.saved = plan
+                if not offload:
+                    self._release(group, keep_cached=True)  # a prepared exact buffer: the state is dropped
             if self._cuda and self.empty_cache:
                 torch.cuda.empty_cache()
             total = sum(slot.nbytes for slot in slots)
@@ -314,13 +360,13 @@ class TorchOffloadHandler:
             if not groups:
                 return HandlerResult()
             slots = [slot for g in groups for slot in g.saved or ()]
-            self._restore_all(slots)
+            self._restore_all(slots)  # on failure the groups stay suspended, their host buffers kept
+            moved, freed = sum(s.nbytes for s in slots if s.host is not None), sum(s.nbytes for s in slots)
+            del slots
             for group in groups:
                 group.saved = None
-            return HandlerResult(
-                bytes_moved=sum(s.nbytes for s in slots if s.host is not None),
-                device_bytes_freed=sum(s.nbytes for s in slots),
-            )
+                self._release(group, keep_cached=True)  # copies done: exact buffers go back to the OS
+            return HandlerResult(bytes_moved=moved, device_bytes_freed=freed)
 
     # ------------------------------------------------------------------ internals
 
@@ -365,23 +411,24 @@ class TorchOffloadHandler:
             size += nbytes
         if not found:
             return []
-        host = self._host_buffer(group, size)
+        host = self._host_buffer(group, size).tensor
         return [
             _Slot(storage, nbytes, host[off : off + nbytes])
             for (storage, nbytes), off in zip(found, offsets, strict=True)
         ]
 
-    def _host_buffer(self, group: _Group, nbytes: int) -> Any:
-        if group.host is not None and group.host.numel() >= nbytes:
+    def _host_buffer(self, group: _Group, nbytes: int) -> HostBuffer:
+        if group.host is not None and group.host.fits(nbytes):
             return group.host
-        group.host = None  # drop the old buffer before allocating its successor
-        if self._cuda:
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        else:
-            host = torch.empty(nbytes, dtype=torch.uint8)
-            advise_huge_pages(int(host.data_ptr()), nbytes)
-        group.host = host
-        return host
+        self._release(group)  # drop the old buffer before allocating its successor
+        group.host = self._host.allocate(nbytes)
+        return group.host
+
+    def _release(self, group: _Group, *, keep_cached: bool = False) -> None:
+        """Let go of the group's host buffer (``keep_cached``: unless it is a cached one, kept for reuse)."""
+        if group.host is not None and not (keep_cached and group.host.cached):
+            buf, group.host = group.host, None
+            self._host.release(buf)
 
     def _stream(self, device: Any) -> Any:
         index = device.index if device.index is not None else torch.cuda.current_device()
