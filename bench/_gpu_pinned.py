@@ -1,6 +1,7 @@
 """``bench/gpu_check.py``'s ``pinned`` section: ``TorchOffloadHandler``'s host buffers, exact registered ones
-(``host_memory="registered"``: one ``cudaHostRegister`` per suspend, unpinned and freed at the resume) against
-torch's cached pinned allocator (``"cached"``: power-of-two blocks, kept), on one state of ``bytes``.
+(``host_memory="registered"``: pinned by one ``cudaHostRegister`` and kept for the next suspend, the default;
+``registered_per_switch``: ``keep_host_buffers=False``, pinned at every suspend and unpinned and freed at the resume)
+against torch's cached pinned allocator (``"cached"``: power-of-two blocks, kept), on one state of ``bytes``.
 
 Per kind: suspend and resume GB/s (the handler's own time; ``first_*``: the first cycle, which allocates in both
 kinds, ``*_gbps``: the median of the others), the time to allocate and to release one buffer of the state's size
@@ -20,7 +21,14 @@ from _gpu_report import GB
 if TYPE_CHECKING:
     from timeslice_client._pinned_host import HostMemoryKind
 
-__all__ = ["pinned"]
+__all__ = ["VARIANTS", "pinned"]
+
+# (name in the report, host_memory, keep_host_buffers)
+VARIANTS: tuple[tuple[str, HostMemoryKind, bool], ...] = (
+    ("registered", "registered", True),
+    ("registered_per_switch", "registered", False),
+    ("cached", "cached", True),
+)
 
 
 def _rss() -> int:
@@ -66,7 +74,6 @@ def _alloc_release(kind: HostMemoryKind, nbytes: int, device: str) -> tuple[floa
 
 
 def pinned(nbytes: int, cycles: int, device: str = "cuda") -> dict[str, Any]:
-    from timeslice_client._pinned_host import HOST_MEMORY
     from timeslice_client.protocol import SuspendMode
     from timeslice_client.torch_offload import TorchOffloadHandler
 
@@ -74,11 +81,11 @@ def pinned(nbytes: int, cycles: int, device: str = "cuda") -> dict[str, Any]:
     sums = _checksums(state)
     nbytes = sum(int(t.untyped_storage().nbytes()) for t in state)
     out: dict[str, Any] = {"bytes": nbytes, "cycles": cycles, "bit_exact": True}
-    for kind in HOST_MEMORY:  # registered, cached
+    for name, kind, keep in VARIANTS:
         _empty_host_cache(device)
         alloc_s, release_s = _alloc_release(kind, nbytes, device)
         rss0 = _rss()
-        h = TorchOffloadHandler(tensors={"state": state}, device=device, host_memory=kind)
+        h = TorchOffloadHandler(tensors={"state": state}, device=device, host_memory=kind, keep_host_buffers=keep)
         sus: list[float] = []
         res: list[float] = []
         for _ in range(cycles):
@@ -94,7 +101,7 @@ def pinned(nbytes: int, cycles: int, device: str = "cuda") -> dict[str, Any]:
         peak = h._host.peak_registered_bytes if kind == "registered" else None
         if device == "cuda" and (kind == "cached" or h.host_memory_fallback):
             peak = _torch_pinned_peak()
-        out[kind] = {
+        out[name] = {
             "in_use": h.host_memory_in_use,
             "fallback": h.host_memory_fallback,
             "alloc_s": alloc_s,

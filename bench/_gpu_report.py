@@ -143,10 +143,10 @@ def format_report(rep: Report) -> list[str]:
     if pn:
         lines.append(f"host buffers of the handler, {pn['bytes'] / GB:g} GB state, {pn['cycles']} cycles (later "
                      f"cycles' medians; bit-exact {pn['bit_exact']}):")
-        for kind in ("registered", "cached"):
+        for kind in ("registered", "registered_per_switch", "cached"):
             k = pn.get(kind) or {}
             if k:
-                lines.append(f"  {kind:10s} (in use: {k['in_use']}): suspend {_fmt_gbps(k['offload_gbps'])}, resume "
+                lines.append(f"  {kind:21s} (in use: {k['in_use']}): suspend {_fmt_gbps(k['offload_gbps'])}, resume "
                              f"{_fmt_gbps(k['restore_gbps'])}; first cycle {k['first_offload_s']:.2f} + "
                              f"{k['first_restore_s']:.2f} s; one buffer: allocate {k['alloc_s']:.2f} s, release "
                              f"{k['release_s']:.2f} s; peak pinned {_gb(k['peak_pinned_bytes'])} GB; held after the "

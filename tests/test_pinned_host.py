@@ -55,7 +55,9 @@ def one_group(tensors: dict[str, Any]) -> dict[str, Any]:
 
 
 def handler(*args: Any, registrar: Registrar | None = None, **kwargs: Any) -> TorchOffloadHandler:
+    """A handler with registered buffers that go at each resume (``keep_host_buffers=False``), unless told."""
     kwargs.setdefault("device", "cpu")
+    kwargs.setdefault("keep_host_buffers", False)
     return TorchOffloadHandler(*args, host_memory="registered", registrar=registrar or Registrar(), **kwargs)
 
 
@@ -94,6 +96,26 @@ def test_the_buffer_is_exactly_the_state_plus_alignment_and_registered_once() ->
         assert h.host_bytes() == nbytes
         h.resume(OFFLOAD, ALL)
     assert reg.registered == [reg.registered[0]] * 3 and reg.unregistered == 3 and not reg.live
+
+
+def test_by_default_the_exact_buffer_is_pinned_once_and_kept_until_released() -> None:
+    """The default: pinning is paid at the first suspend, not at every switch; the buffer stays exact."""
+    reg = Registrar()
+    tensors = state()
+    before = raw(tensors)
+    h = handler(tensors=one_group(tensors), registrar=reg, keep_host_buffers=True)
+    for _ in range(3):
+        h.suspend(OFFLOAD, ALL)
+        h.resume(OFFLOAD, ALL)
+        assert raw(tensors) == before
+    assert len(reg.registered) == 1 and reg.unregistered == 0 and len(reg.live) == 1
+    ((_, nbytes),) = reg.live.items()
+    assert STATE_BYTES <= nbytes < 1 << 24 and h.host_bytes() == nbytes
+    tensors["extra"] = torch.zeros(4096, dtype=torch.uint8)  # the state grows: a new exact buffer, the old one goes
+    h2 = handler(tensors=one_group(tensors), registrar=reg, keep_host_buffers=True)
+    h2.suspend(OFFLOAD, ALL)
+    h2.resume(OFFLOAD, ALL)
+    assert h.release_host_buffers() == nbytes and h2.release_host_buffers() > nbytes and not reg.live
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["per-storage", "batched"])
@@ -166,7 +188,8 @@ class FailingAt(TorchOffloadHandler):
 
 
 def failing(tensors: dict[str, Any], reg: Registrar, batched: bool) -> FailingAt:
-    h = FailingAt(tensors=one_group(tensors), device="cpu", host_memory="registered", registrar=reg)
+    h = FailingAt(tensors=one_group(tensors), device="cpu", host_memory="registered", registrar=reg,
+                  keep_host_buffers=False)
     h._batched = batched
     return h
 
@@ -260,7 +283,8 @@ def test_host_memory_goes_back_to_the_os_at_resume(registrar: bool) -> None:
     """64 MiB of state: after a cycle the process holds what it held before it, not 64 MiB more (torch's
     allocators keep the buffer; on today's code this grows by the state's size)."""
     big = torch.ones(64 * MiB, dtype=torch.uint8)
-    h = TorchOffloadHandler(big, device="cpu", host_memory="registered", registrar=Registrar() if registrar else None)
+    h = TorchOffloadHandler(big, device="cpu", host_memory="registered", registrar=Registrar() if registrar else None,
+                            keep_host_buffers=False)
     gc.collect()
     start = _rss()
     h.suspend(OFFLOAD, ALL)

@@ -19,8 +19,7 @@ extra tensors (a tensor, a list/tuple/dict of them, or a callable returning them
 tied weights once) into one host buffer per group, then frees the device memory with ``resize_(0)``: the
 tensors, Parameters, views and optimizer state entries stay the same Python objects, they just hold no
 memory. ``resume`` re-allocates each storage at its size and copies the bytes back, bit-exact. On CUDA the host
-buffer is by default exactly the group's bytes, pinned by registration and freed at the resume
-(``host_memory="registered"``; ``"cached"``: torch's pinned allocator, power-of-two sizes kept across cycles).
+buffer is by default exactly the group's bytes, pinned by registration (``host_memory``, below).
 ``suspend(DISCARD)`` frees without copying and ``resume`` gives back zero-filled memory (the workload
 rebuilds it). Copies go in chunks (``chunk_bytes``); on CUDA they are queued on a dedicated stream, so
 successive chunks and storages go back to back while earlier storages are freed.
@@ -146,10 +145,10 @@ class TorchOffloadHandler:
     ``device``: whose tensors are suspended, ``"cuda"`` or ``"cpu"``; by default CUDA when available,
     else CPU tensors stand in for the device.
 
-    ``host_memory``: ``"registered"`` (default on CUDA): per suspend one buffer per group of exactly its bytes,
-    pinned by one ``cudaHostRegister``, unpinned and freed at its resume (or ``drop_saved``, a discard, a failed
-    suspend); ``"cached"`` (default on CPU): torch's pinned allocator (power-of-two sizes, kept and reused). A
-    failed registration is logged once and torch's allocator used from then on (``host_memory_in_use``).
+    ``host_memory``: ``"registered"`` (default on CUDA): one buffer per group of exactly its bytes, pinned by one
+    ``cudaHostRegister``, kept for the next suspend (``keep_host_buffers=False``: freed at each resume) until
+    ``release_host_buffers``, ``drop_saved``, a discard or a failed suspend; ``"cached"`` (default on CPU): torch's
+    pinned allocator (power-of-two sizes). A failed registration is logged once, then torch's allocator is used.
     ``registrar``: what pins (``register(ptr, nbytes)``, ``unregister(ptr)``): CUDA's by default, none on CPU.
     """
 
@@ -164,6 +163,7 @@ class TorchOffloadHandler:
         device: str | None = None,
         host_memory: HostMemoryKind | None = None,
         registrar: HostRegistrar | None = None,
+        keep_host_buffers: bool = True,
     ) -> None:
         if chunk_bytes is not None and chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, not {chunk_bytes}")
@@ -174,6 +174,7 @@ class TorchOffloadHandler:
         self.chunk_bytes = chunk_bytes or (CUDA_CHUNK_BYTES if device == "cuda" else CPU_CHUNK_BYTES)
         self.empty_cache = empty_cache  # CUDA: return freed blocks to the driver after a suspend
         self._cuda = device == "cuda"
+        self.keep_host_buffers = keep_host_buffers  # registered: kept for the next suspend, else freed at resume
         self._host = HostMemory(
             host_memory or ("registered" if self._cuda else "cached"), pinned=self._cuda, registrar=registrar
         )
@@ -365,7 +366,8 @@ class TorchOffloadHandler:
             del slots
             for group in groups:
                 group.saved = None
-                self._release(group, keep_cached=True)  # copies done: exact buffers go back to the OS
+                if not self.keep_host_buffers:  # copies done: exact buffers go back to the OS now
+                    self._release(group, keep_cached=True)
             return HandlerResult(bytes_moved=moved, device_bytes_freed=freed)
 
     # ------------------------------------------------------------------ internals
