@@ -27,11 +27,8 @@ successive chunks and storages go back to back while earlier storages are freed.
 "The device" is CUDA when ``torch.cuda.is_available()`` (only CUDA tensors are touched); otherwise CPU
 tensors play its part, so the whole path runs (and is tested) on machines without an accelerator. On CPU
 the memory a resume re-allocates is fresh from the kernel, which faults and zeroes it on first touch;
-the handler asks for transparent huge pages there (and on its host buffers). On the 2-core dev VM that
-made warm resumes several times faster than 4 KiB faults, but memory that is cold or that the VM gave
-back to its host faulted 3-4x slower with it; the zeroing remains either way (bench/NOTES.md).
-Call :meth:`TorchOffloadHandler.prepare` ahead of the first suspend to allocate and touch the host
-buffers early.
+the handler asks for transparent huge pages there (and on its host buffers): faster warm resumes, slower cold
+ones (bench/NOTES.md). :meth:`TorchOffloadHandler.prepare` allocates the host buffers ahead of the first suspend.
 
 :func:`timeslice_client.torch_swap.swap` switches two handlers of one process (e.g. a colocated trainer and
 rollout engine): on CUDA, when the incoming state fits beside the outgoing one, the outgoing device-to-host and
