@@ -313,3 +313,31 @@ async def test_an_undo_with_the_suspends_op_id_resumes(nats_url: str) -> None:
         finally:
             await nc.close()
     assert log == ["a:suspend", "a:resume"], log
+
+
+async def test_a_process_that_dies_during_the_switch_does_not_hold_it_up(
+    workers: Any, agent: AgentProcess, nats_url: str
+) -> None:
+    """One part's suspend hangs and its process is killed: that part has nothing left to move, so the switch ends
+    when the others are done, not at the operation's deadline (120 s), and nobody is faulted."""
+    g = "dies"
+    a1 = workers(g, "a", "a1", handler="numpy", mb=1)
+    a2 = workers(g, "a", "a2", handler="slow", mb=1)  # its suspend blocks until told
+    b = workers(g, "b", "b", handler="numpy", mb=1)
+    for w in (a1, a2, b):
+        await w.wait("ready", timeout=START)
+    await _parts_of(agent, "a", 2)
+    async with AsyncTimeSliceClient("observer", "observer", nats_url) as observer:
+        a1.send("acquire")
+        await a1.wait("worked")
+        b.send("acquire")
+        await eventually(queued(observer, g, "b"), what="b queued behind a")
+        a1.send("release")
+        await a2.wait("suspend_start")
+        await a1.wait("suspended")
+        a2.close()  # SIGKILL mid-suspend
+        await b.wait("worked", timeout=20)
+        jobs = await agent.wait_states({"a": "SAVED", "b": "RUNNING"})
+        assert jobs["a"]["last_op_ok"] is True, jobs["a"]
+        ctx = await _parts_of(agent, "a", 1)
+        assert ctx["pids"] == [a1.pid]

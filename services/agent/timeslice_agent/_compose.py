@@ -34,47 +34,55 @@ class Step:
     op: OpContext
 
 
-async def perform_parts(steps: Sequence[Step], kind: OpKind, before: JobState) -> Performed:
-    """Run the operation in every part at once (``perform`` each); the job's new state, the errors (each named by its
-    part when there are several) and the outcomes summed. A restore is done when every part's is, and faults the
-    job when one fails. A snapshot is done when every part took it; when one faulted, the job is faulted; when a part
-    failed and undid its own steps, the parts that took it are restored too (the job faulted if one cannot be), so
-    the whole job runs again."""
+async def perform_parts(steps: Sequence[Step], kind: OpKind, before: JobState, check_s: float) -> Performed | None:
+    """Run the operation in every part at once (``perform`` each, watching the part's processes every ``check_s``);
+    the job's new state, the errors (each named by its part when there are several) and the outcomes summed, or
+    None when every part's processes exited before its operation ended (``until_exited``). A part whose processes
+    exit mid-operation has nothing left to move: it counts as done. A restore is done when every part's is, and
+    faults the job when one fails. A snapshot is done when every part took it; when one faulted, the job is faulted;
+    when a part failed and undid its own steps, the parts that took it are restored too (the job faulted if one
+    cannot be), so the whole job runs again."""
+
+    def run(s: Step, k: OpKind, op: OpContext, start: JobState) -> Coroutine[Any, Any, Performed | None]:
+        return until_exited(perform(s.backends, s.ctx, op, k, start), s.ctx.pids, check_s)
+
     if len(steps) == 1:
-        return await perform(steps[0].backends, steps[0].ctx, steps[0].op, kind, before)
+        return await run(steps[0], kind, steps[0].op, before)
     async with asyncio.TaskGroup() as tg:
-        tasks = [tg.create_task(perform(s.backends, s.ctx, s.op, kind, before)) for s in steps]
-    results = [t.result() for t in tasks]
+        tasks = [tg.create_task(run(s, kind, s.op, before)) for s in steps]
+    found = [t.result() for t in tasks]
+    if all(r is None for r in found):
+        return None
+    done = JobState.SAVED if kind is OpKind.SNAPSHOT else JobState.RUNNING
+    results = [r if r is not None else (done, None, Outcome()) for r in found]
     total = Outcome()
     for _, _, outcome in results:
         total += outcome
     errors = "; ".join(f"{_named(s.ctx)}: {err}" for s, (_, err, _) in zip(steps, results, strict=True) if err)
-    done = JobState.SAVED if kind is OpKind.SNAPSHOT else JobState.RUNNING
     if all(state is done for state, _, _ in results):
         return done, None, total
     if kind is OpKind.RESTORE or any(state is JobState.FAULTED for state, _, _ in results):
         return JobState.FAULTED, errors, total
-    took = [s for s, (state, _, _) in zip(steps, results, strict=True) if state is JobState.SAVED]
-    undo_s = max(5.0, max(s.ctx.op_timeout_ms for s in took) / 1000)
+    took = [s for s, r in zip(steps, found, strict=True) if r is not None and r[0] is JobState.SAVED]
+    undo_s = max(5.0, max((s.ctx.op_timeout_ms for s in took), default=0) / 1000)
     async with asyncio.TaskGroup() as tg:
         undos = [
             tg.create_task(
-                perform(
-                    s.backends,
-                    s.ctx,
-                    OpContext(s.op.op_id, s.op.epoch, time.monotonic() + undo_s, s.op.may_act),
+                run(
+                    s,
                     OpKind.RESTORE,
+                    OpContext(s.op.op_id, s.op.epoch, time.monotonic() + undo_s, s.op.may_act),
                     JobState.SAVED,
                 )
             )
             for s in took
         ]
-    failed = "; ".join(
-        f"{_named(s.ctx)}: {u.result()[1]}"
-        for s, u in zip(took, undos, strict=True)
-        if u.result()[0] is not JobState.RUNNING
-    )
-    if failed:
+    failures = []
+    for s, undo in zip(took, undos, strict=True):
+        back = undo.result()  # None: the part's processes exited meanwhile, nothing left to bring back
+        if back is not None and back[0] is not JobState.RUNNING:
+            failures.append(f"{_named(s.ctx)}: {back[1]}")
+    if failed := "; ".join(failures):
         return JobState.FAULTED, f"{errors}; undoing the parts that took the snapshot failed too: {failed}", total
     return (
         (JobState.RUNNING if before is not JobState.IDLE else JobState.IDLE),

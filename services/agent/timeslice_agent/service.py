@@ -55,12 +55,12 @@ from timeslice_client.protocol import (
 from timeslice_client.workload import default_node_id
 
 from . import _stored as stored
-from ._compose import Step, perform_parts, until_exited
+from ._compose import Step, perform_parts
 from ._config import AgentConfig
 from ._heartbeat import Heartbeat
 from ._host import alive
 from ._job_locks import JobLocks
-from ._job_parts import all_backends, all_pids, views, without_dead
+from ._job_parts import all_backends, views, without_dead
 from ._jobbook import JobBook, now_ms
 from ._op_rules import Answer, decide, settle
 from ._ordering import RunningOps
@@ -559,8 +559,7 @@ class Agent:
                 part_op = dataclasses.replace(op, may_act=functools.partial(guard.may_act, part))
             backends = [make_backend(b, nc, node) for b in part.backends]
             steps.append(Step(backends, run_context(part, kind, asked), part_op))
-        work = perform_parts(steps, kind, before)
-        outcome = await until_exited(work, all_pids(ctx), self.config.pid_check_s)
+        outcome = await perform_parts(steps, kind, before, self.config.pid_check_s)  # watching each part's processes
         if outcome is None:
             log.warning(
                 "job's processes exited during a %s", kind, extra={"node": node, "job": ctx.job, "op_id": op.op_id}
