@@ -179,6 +179,12 @@ class Requests:
         if req.job != job:
             raise Refused(Refusal.WRONG_JOB, f"a registration on the subject of job {job!r} names job "
                                              f"{shown(req.job)}; a job registers itself only")
+        return await self.register(req)
+
+    async def register(self, req: RegisterJob) -> AgentReply:
+        """A registration of job ``req.job``, whoever carried it (the bus, or the gRPC ``WorkloadChannel`` for which
+        the caller was authorized as that job). Raises ``Refused``, ``BackendUnavailable``, ``ValueError``."""
+        job = req.job
         if job in self._leaving:  # requests are obeyed in their order: this one comes after the job asked to leave
             return await self._busy(job, "its unregistration waits for it")
         if req.bind:
@@ -226,6 +232,12 @@ class Requests:
         if req.job != job:
             raise Refused(Refusal.WRONG_JOB, f"an unregistration on the subject of job {job!r} names job "
                                              f"{shown(req.job)}; a job unregisters itself only")
+        return await self.unregister(req)
+
+    async def unregister(self, req: UnregisterJob) -> AgentReply:
+        """An unregistration of job ``req.job`` (of its part ``req.channel`` only, when given), whoever carried it;
+        waits for an operation running on the job, at most ``unregister_wait_s`` (then answered ``busy``)."""
+        job = check_id("job", req.job)
         group = check_id("group", req.group)
         ctx = self._book.jobs.get(job)
         if ctx is not None and ctx.group != group:

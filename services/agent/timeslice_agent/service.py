@@ -38,6 +38,7 @@ from timeslice_client.bus import connect, ensure_bus
 from timeslice_client.protocol import (
     STREAM,
     AgentCommand,
+    AgentReply,
     DeviceInfo,
     JobContext,
     JobState,
@@ -48,6 +49,7 @@ from timeslice_client.protocol import (
     Restore,
     Snapshot,
     SuspendMode,
+    UnregisterJob,
     encode,
     subjects,
     validate_id,
@@ -149,6 +151,13 @@ class Agent:
 
     def shutdown(self) -> None:
         self._stop.set()
+
+    async def register(self, req: RegisterJob) -> AgentReply:
+        """A registration that did not come over the bus (the gRPC ``WorkloadChannel``), on the bus's own path."""
+        return await self._requests.register(req)
+
+    async def unregister(self, req: UnregisterJob) -> AgentReply:
+        return await self._requests.unregister(req)
 
     # ------------------------------------------------------------------ lifecycle
 
