@@ -31,6 +31,7 @@ from timeslice_client._grpc.guard import Authenticator, authorize
 from timeslice_client.protocol import RegisterJob, SuspendMode, UnregisterJob
 
 from ._errors import BackendUnavailable, Refusal, Refused
+from ._job_parts import views
 from ._requests import BUSY
 from ._untrusted import cap, check_id, shown
 from ._workload_stream import MAX_STREAMS, StreamCommand, StreamResult, WorkloadStream
@@ -43,7 +44,6 @@ Ctx = grpc.aio.ServicerContext[Any, Any]
 
 REGISTER_WAIT_S: Final = 10.0  # from the stream's start to its RegisterWorkload
 _REGISTER_S: Final = 30.0  # a registration's writes (KV, the JobRegistered event), through an election at worst
-_LEAVE_MARGIN_S: Final = 30.0  # an unregistration's own writes, past its wait for the job's operation
 _MODES: Final = {pb.SUSPEND_MODE_OFFLOAD: SuspendMode.OFFLOAD, pb.SUSPEND_MODE_DISCARD: SuspendMode.DISCARD}
 _TO_PB: Final = {mode: value for value, mode in _MODES.items()}
 _MAX_MODES: Final = 8  # entries of supported_modes (two modes exist; repeats are allowed, not without end)
@@ -69,8 +69,10 @@ class WorkloadChannels:
 
     async def serve(self, requests: Any, ctx: Ctx) -> None:
         if self._open >= MAX_STREAMS:
-            await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self._open} WorkloadChannel streams are open on "
-                                                                f"node {self.agent.node!r} (at most {MAX_STREAMS})")
+            await ctx.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._open} WorkloadChannel streams are open on node {self.agent.node!r} (at most {MAX_STREAMS})",
+            )
         self._open += 1
         try:
             await self._serve(ctx)
@@ -82,8 +84,9 @@ class WorkloadChannels:
             async with asyncio.timeout(REGISTER_WAIT_S):
                 first = await ctx.read()
         except TimeoutError:
-            await self._malformed(ctx, Refusal.OUT_OF_RANGE, f"no RegisterWorkload within {REGISTER_WAIT_S:g} s of "
-                                                             "the stream's start")
+            await self._malformed(
+                ctx, Refusal.OUT_OF_RANGE, f"no RegisterWorkload within {REGISTER_WAIT_S:g} s of the stream's start"
+            )
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:  # the message could not be decoded
@@ -100,29 +103,39 @@ class WorkloadChannels:
             async with writes:
                 await ctx.write(_command(command))
 
-        stream = WorkloadStream(self.agent.node, reg.job, group, supported=reg.supported, default=reg.default,
-                                send=send)
+        stream = WorkloadStream(
+            self.agent.node, reg.job, group, supported=reg.supported, default=reg.default, send=send
+        )
         stream.open()
-        registered = False
         try:
             previous = await self._register(ctx, stream)
-            registered = True
             ids = {"node": self.agent.node, "job": reg.job, "group": group, "peer": ctx.peer()}
             if previous is not None:
                 log.info("a newer WorkloadChannel stream of the job takes the place of the earlier one", extra=ids)
                 previous.close(f"replaced by a newer registration of job {reg.job!r}", replaced=True)
-            log.info("workload registered on a WorkloadChannel stream (modes %s, default %s)",
-                     ",".join(sorted(reg.supported)) or "any", reg.default, extra=ids)
+            log.info(
+                "workload registered on a WorkloadChannel stream (modes %s, default %s)",
+                ",".join(sorted(reg.supported)) or "any",
+                reg.default,
+                extra=ids,
+            )
             await self._follow(ctx, stream)
         finally:
             stream.close("the stream ended")
-            if registered and not stream.replaced:
-                await self._leave(stream)
+            # Also when the stream ended during its registration (cancelled, say): whatever of it was written goes.
+            if self._registered_by(stream):
+                self._leave(stream)
+
+    def _registered_by(self, stream: WorkloadStream) -> bool:
+        """Whether a part of the stream's job is the stream's registration (not when a newer stream replaced it)."""
+        ctx = self.agent.jobs().get(stream.job)
+        return ctx is not None and any(v.channel == stream.token for v in views(ctx))
 
     async def _registration(self, ctx: Ctx, msg: pb.WorkloadMessage) -> _Registration:
         if msg.WhichOneof("message") != "register":
-            await self._malformed(ctx, Refusal.UNDECODABLE, "the first message on a WorkloadChannel stream must be "
-                                                            "a RegisterWorkload")
+            await self._malformed(
+                ctx, Refusal.UNDECODABLE, "the first message on a WorkloadChannel stream must be a RegisterWorkload"
+            )
         r = msg.register
         try:
             job = check_id("job", r.job_id)
@@ -133,26 +146,33 @@ class WorkloadChannels:
             unknown = [m for m in caps.supported_modes if m not in _MODES]
             if unknown or (caps.default_mode and caps.default_mode not in _MODES):
                 bad = unknown[0] if unknown else caps.default_mode
-                raise Refused(Refusal.OUT_OF_RANGE, f"suspend mode {shown(bad)} is none of SUSPEND_MODE_OFFLOAD, "
-                                                    "SUSPEND_MODE_DISCARD")
+                raise Refused(
+                    Refusal.OUT_OF_RANGE,
+                    f"suspend mode {shown(bad)} is none of SUSPEND_MODE_OFFLOAD, SUSPEND_MODE_DISCARD",
+                )
             supported = frozenset(_MODES[m] for m in caps.supported_modes)
             default = _MODES.get(caps.default_mode, SuspendMode.OFFLOAD)
             if supported and default not in supported:
-                raise Refused(Refusal.OUT_OF_RANGE, f"the default mode {default} is not among the supported modes "
-                                                    f"({', '.join(sorted(supported))}): declare default_mode")
+                raise Refused(
+                    Refusal.OUT_OF_RANGE,
+                    f"the default mode {default} is not among the supported modes "
+                    f"({', '.join(sorted(supported))}): declare default_mode",
+                )
             try:
                 tags = msgspec.convert(list(caps.tags), _Tags)
             except msgspec.ValidationError as exc:
-                raise Refused(Refusal.TOO_LARGE, f"capabilities.tags: {exc} (at most 32 tags of 64 characters "
-                                                 "each)") from None
+                raise Refused(
+                    Refusal.TOO_LARGE, f"capabilities.tags: {exc} (at most 32 tags of 64 characters each)"
+                ) from None
         except Refused as exc:
             await self._malformed(ctx, exc.code, str(exc))
         return _Registration(job, group, supported, default, tags)
 
     async def _register(self, ctx: Ctx, stream: WorkloadStream) -> WorkloadStream | None:
         """Register the stream's job (the bus's path); the stream it replaces as the job's, if any."""
-        req = RegisterJob(group=stream.group, job=stream.job, backends=("app_channel",), mode=stream.default,
-                          channel=stream.token)
+        req = RegisterJob(
+            group=stream.group, job=stream.job, backends=("app_channel",), mode=stream.default, channel=stream.token
+        )
         try:
             async with asyncio.timeout(_REGISTER_S), self._registering:
                 reply = await self.agent.register(req)
@@ -160,8 +180,10 @@ class WorkloadChannels:
         except Refused as exc:
             await self._malformed(ctx, exc.code, str(exc))
         except TimeoutError:
-            await ctx.abort(grpc.StatusCode.UNAVAILABLE, f"the registration of job {stream.job!r} did not end within "
-                                                         f"{_REGISTER_S:g} s; register again")
+            await ctx.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the registration of job {stream.job!r} did not end within {_REGISTER_S:g} s; register again",
+            )
         except (BackendUnavailable, ValueError) as exc:
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, cap(str(exc)))
         if not reply.ok:
@@ -192,8 +214,10 @@ class WorkloadChannels:
             await stream.closed.wait()  # the reader ends it, or a newer registration of the job
             reader.cancel()
         if stream.replaced:
-            await ctx.abort(grpc.StatusCode.ABORTED, f"{stream.why}: only the newest WorkloadChannel stream of a job "
-                                                     "takes its commands")
+            await ctx.abort(
+                grpc.StatusCode.ABORTED,
+                f"{stream.why}: only the newest WorkloadChannel stream of a job takes its commands",
+            )
         if refusal is not None:
             await self._malformed(ctx, refusal.code, str(refusal))
 
@@ -205,27 +229,27 @@ class WorkloadChannels:
             raise Refused(Refusal.UNDECODABLE, "a WorkloadMessage with neither register nor result")
         r = msg.result
         if not r.command_id or len(r.command_id) > _OP_ID_MAX:
-            raise Refused(Refusal.TOO_LARGE if r.command_id else Refusal.UNDECODABLE,
-                          f"a CommandResult's command_id must be 1 to {_OP_ID_MAX} characters, not {len(r.command_id)}")
+            raise Refused(
+                Refusal.TOO_LARGE if r.command_id else Refusal.UNDECODABLE,
+                f"a CommandResult's command_id must be 1 to {_OP_ID_MAX} characters, not {len(r.command_id)}",
+            )
         error = r.error if len(r.error) <= MAX_TEXT else r.error[: MAX_TEXT - 1] + "…"
         if not stream.answer(r.command_id, StreamResult(r.ok, error)):
-            log.info("a result for command %s, which waits no more (it timed out, or never was)",
-                     shown(r.command_id), extra={"node": stream.node, "job": stream.job})
+            log.info(
+                "a result for command %s, which waits no more (it timed out, or never was)",
+                shown(r.command_id),
+                extra={"node": stream.node, "job": stream.job},
+            )
 
-    async def _leave(self, stream: WorkloadStream) -> None:
-        """End the registration the stream made, as an unregistration of its channel does."""
-        ids = {"node": stream.node, "job": stream.job, "group": stream.group}
+    def _leave(self, stream: WorkloadStream) -> None:
+        """End the registration the stream made, as an unregistration of its channel does, in the agent's own task:
+        the handler's end (the call cancelled) must not cut it short."""
         req = UnregisterJob(group=stream.group, job=stream.job, channel=stream.token)
-        try:
-            async with asyncio.timeout(self.agent.config.unregister_wait_s + _LEAVE_MARGIN_S):
-                reply = await self.agent.unregister(req)
-        except Exception as exc:  # the agent is stopping, say: its next start drops the registration
-            log.warning("the registration of a closed WorkloadChannel stream did not end: %r", exc, extra=ids)
-            return
-        if reply.ok:
-            log.info("the registration of a WorkloadChannel stream ended with it (%s)", stream.why, extra=ids)
-        else:
-            log.warning("the registration of a closed WorkloadChannel stream did not end: %s", reply.error, extra=ids)
+        ids = {"node": stream.node, "job": stream.job, "group": stream.group}
+        if self.agent.unregister_soon(req):
+            log.info("the registration of a WorkloadChannel stream ends with it (%s)", stream.why, extra=ids)
+        else:  # the agent is stopping, say: its next start drops the registration
+            log.warning("the registration of a closed WorkloadChannel stream could not end now", extra=ids)
 
     async def _malformed(self, ctx: Ctx, code: Refusal, why: str) -> NoReturn:
         self.agent.metrics.refusal("grpc", code)

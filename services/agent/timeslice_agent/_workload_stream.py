@@ -97,8 +97,9 @@ class WorkloadStream:
         if action == "suspend":
             self.check_mode(mode)  # refused, never sent
         if self.closed.is_set():
-            raise StreamClosed(f"the WorkloadChannel stream of job {self.job!r} is closed ({self.why}): nothing was "
-                               f"sent to {action}")
+            raise StreamClosed(
+                f"the WorkloadChannel stream of job {self.job!r} is closed ({self.why}): nothing was sent to {action}"
+            )
         command = StreamCommand(f"{op.op_id[:200]}:{action}:{secrets.token_hex(8)}", action, mode, tags)
         answered: asyncio.Future[StreamResult] = asyncio.get_running_loop().create_future()
         self._pending[command.command_id] = answered
@@ -107,12 +108,18 @@ class WorkloadStream:
                 try:
                     await self._send(command)
                 except Exception as exc:  # the stream is gone: whether the workload got the command is unknown
-                    raise StreamClosed(f"the command to {action} could not be sent on the WorkloadChannel stream "
-                                       f"of job {self.job!r}: {exc!r}", rolled_back=False) from exc
+                    raise StreamClosed(
+                        f"the command to {action} could not be sent on the WorkloadChannel stream "
+                        f"of job {self.job!r}: {exc!r}",
+                        rolled_back=False,
+                    ) from exc
                 return await answered
         except TimeoutError:
-            raise BackendError(f"workload {self.job!r} did not answer {action} on its WorkloadChannel stream before "
-                               "the operation's deadline", rolled_back=False) from None
+            raise BackendError(
+                f"workload {self.job!r} did not answer {action} on its WorkloadChannel stream before "
+                "the operation's deadline",
+                rolled_back=False,
+            ) from None
         finally:
             self._pending.pop(command.command_id, None)
 
@@ -135,8 +142,12 @@ class WorkloadStream:
             del _BY_JOB[(self.node, self.job)]
         for waiting in self._pending.values():
             if not waiting.done():
-                waiting.set_exception(StreamClosed(f"the WorkloadChannel stream of job {self.job!r} closed before "
-                                                   f"the workload answered ({why})", rolled_back=False))
+                waiting.set_exception(
+                    StreamClosed(
+                        f"the WorkloadChannel stream of job {self.job!r} closed before the workload answered ({why})",
+                        rolled_back=False,
+                    )
+                )
 
     # ------------------------------------------------------------------ the directory
 
@@ -171,12 +182,15 @@ async def call(node: str, ctx: JobContext, op: OpContext, action: Action) -> Out
     """The ``app_channel`` backend's suspend or resume of ``ctx`` (a part registered by a stream): on that stream."""
     stream = _BY_TOKEN.get(ctx.channel or "")
     if stream is None or stream.node != node or stream.job != ctx.job:
-        raise BackendError(f"the WorkloadChannel stream that registered job {ctx.job!r} is closed: nothing was sent "
-                           f"to {action}")
+        raise BackendError(
+            f"the WorkloadChannel stream that registered job {ctx.job!r} is closed: nothing was sent to {action}"
+        )
     t0 = time.perf_counter()
     result = await stream.call(action, ctx.mode, ctx.tags, op)
     if not result.ok:
         # As a workload channel's answer says (``AppChannelBackend``): a failed suspend undid itself, a resume did not.
-        raise BackendError(f"workload {ctx.job!r} failed to {action}: {result.error or 'no reason given'}",
-                           rolled_back=action == "suspend")
+        raise BackendError(
+            f"workload {ctx.job!r} failed to {action}: {result.error or 'no reason given'}",
+            rolled_back=action == "suspend",
+        )
     return Outcome(work_ms=(time.perf_counter() - t0) * 1000)

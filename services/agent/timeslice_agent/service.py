@@ -156,8 +156,10 @@ class Agent:
         """A registration that did not come over the bus (the gRPC ``WorkloadChannel``), on the bus's own path."""
         return await self._requests.register(req)
 
-    async def unregister(self, req: UnregisterJob) -> AgentReply:
-        return await self._requests.unregister(req)
+    def unregister_soon(self, req: UnregisterJob) -> bool:
+        """End a registration whose carrier is gone (a closed ``WorkloadChannel`` stream) in a task of the agent's own,
+        as a waiting unregistration does; False when the agent is not serving (or too many wait already)."""
+        return self._requests.unregister_soon(req)
 
     # ------------------------------------------------------------------ lifecycle
 
