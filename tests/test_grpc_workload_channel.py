@@ -381,3 +381,40 @@ async def test_no_stream_registration_outlives_its_agent(nats_url: str, ref_stub
             await kv.get(f"{NODE}.x")
     finally:
         await nc.close()
+
+
+async def test_only_a_caller_that_may_act_as_the_job_registers_it(nats_url: str) -> None:
+    """The door of Snapshot and Restore: a token of job A registers A, not B; no credential is UNAUTHENTICATED."""
+    from timeslice_client._grpc import snapshot_agent_pb2 as pb
+    from timeslice_client._grpc import snapshot_agent_pb2_grpc as pb_grpc
+
+    from .grpc_identity_helpers import new_account, public, user_jwt
+
+    account = new_account()
+    token = (("authorization", f"Bearer {user_jwt(account, 'job', job='job-a')}"),)
+    async with running(Agent(AgentConfig(node_id=NODE, nats_url=nats_url))) as agent:
+        cfg = AgentGrpcConfig(host="127.0.0.1", port=0, trust_account=public(account), local_callers=False)
+        shim = AgentGrpcShim(agent, cfg)
+        port = await shim.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = pb_grpc.SnapshotAgentServiceStub(ch)
+
+                async def refusal(job: str, metadata: Any) -> grpc.StatusCode:
+                    call = stub.WorkloadChannel(metadata=metadata, timeout=10)
+                    await call.write(pb.WorkloadMessage(register=pb.RegisterWorkload(job_id=job, group="g6")))
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await call.read()
+                    return err.value.code()
+
+                assert await refusal("job-b", token) is grpc.StatusCode.PERMISSION_DENIED
+                assert await refusal("job-a", None) is grpc.StatusCode.UNAUTHENTICATED
+                assert agent.jobs() == {}
+                call = stub.WorkloadChannel(metadata=token, timeout=10)
+                await call.write(pb.WorkloadMessage(register=pb.RegisterWorkload(job_id="job-a", group="g6")))
+                await eventually(registered(agent, "job-a"))
+                await call.done_writing()
+                assert await call.read() is grpc.aio.EOF
+                await eventually(lambda: "job-a" not in agent.jobs())
+        finally:
+            await shim.stop()
