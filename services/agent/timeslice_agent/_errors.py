@@ -64,8 +64,10 @@ class UnsupportedMode(BackendError):
     def __init__(self, job: str, mode: object, supported: Iterable[object]) -> None:
         self.job, self.mode = job, str(mode)
         self.supported = tuple(sorted(str(m) for m in supported))
-        super().__init__(f"job {job!r} declared it can suspend in mode {', '.join(self.supported)} only, not "
-                         f"{self.mode}: ask for one of those, or leave the mode unset (its default)")
+        super().__init__(
+            f"job {job!r} declared it can suspend in mode {', '.join(self.supported)} only, not "
+            f"{self.mode}: ask for one of those, or leave the mode unset (its default)"
+        )
 
 
 class DriverError(AgentServiceError):
