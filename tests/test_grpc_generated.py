@@ -97,6 +97,23 @@ AGENT_FIELDS = [
     ("MemoryRegion", "pid", 1, T.TYPE_INT32, False, ""),
     ("MemoryRegion", "address", 2, T.TYPE_UINT64, False, ""),
     ("MemoryRegion", "size_bytes", 3, T.TYPE_UINT64, False, ""),
+    ("WorkloadCapabilities", "supported_modes", 1, T.TYPE_ENUM, True, "SuspendMode"),
+    ("WorkloadCapabilities", "default_mode", 2, T.TYPE_ENUM, False, "SuspendMode"),
+    ("WorkloadCapabilities", "tags", 3, T.TYPE_STRING, True, ""),
+    ("RegisterWorkload", "job_id", 1, T.TYPE_STRING, False, ""),
+    ("RegisterWorkload", "group", 2, T.TYPE_STRING, False, ""),
+    ("RegisterWorkload", "capabilities", 3, T.TYPE_MESSAGE, False, "WorkloadCapabilities"),
+    ("CommandResult", "command_id", 1, T.TYPE_STRING, False, ""),
+    ("CommandResult", "ok", 2, T.TYPE_BOOL, False, ""),
+    ("CommandResult", "error", 3, T.TYPE_STRING, False, ""),
+    ("WorkloadMessage", "register", 1, T.TYPE_MESSAGE, False, "RegisterWorkload"),
+    ("WorkloadMessage", "result", 2, T.TYPE_MESSAGE, False, "CommandResult"),
+    ("SnapshotCommand", "mode", 1, T.TYPE_ENUM, False, "SuspendMode"),
+    ("SnapshotCommand", "tags", 2, T.TYPE_STRING, True, ""),
+    ("RestoreCommand", "tags", 1, T.TYPE_STRING, True, ""),
+    ("AgentCommand", "command_id", 1, T.TYPE_STRING, False, ""),
+    ("AgentCommand", "snapshot", 2, T.TYPE_MESSAGE, False, "SnapshotCommand"),
+    ("AgentCommand", "restore", 3, T.TYPE_MESSAGE, False, "RestoreCommand"),
 ]
 AGENT_ENUMS = {
     "Backend": ["BACKEND_UNSPECIFIED", "BACKEND_CUDA"],
@@ -169,7 +186,10 @@ def test_agent_contract() -> None:
     svc = fd.services_by_name["SnapshotAgentService"]
     assert [(m.name, m.input_type.name, m.output_type.name) for m in svc.methods] == [
         ("Snapshot", "SnapshotRequest", "SnapshotResponse"), ("Restore", "RestoreRequest", "RestoreResponse"),
-        ("GetOperation", "GetOperationRequest", "GetOperationResponse"), ("Status", "StatusRequest", "StatusResponse")]
+        ("GetOperation", "GetOperationRequest", "GetOperationResponse"), ("Status", "StatusRequest", "StatusResponse"),
+        ("WorkloadChannel", "WorkloadMessage", "AgentCommand")]
+    channel = svc.methods_by_name["WorkloadChannel"]
+    assert channel.client_streaming and channel.server_streaming
     _check_fields(fd, AGENT_FIELDS)
     for path, values in AGENT_ENUMS.items():
         assert [(v.name, v.number) for v in _enum(fd, path).values] == [(v, i) for i, v in enumerate(values)]
@@ -178,6 +198,9 @@ def test_agent_contract() -> None:
         "storage_bytes", "snapshot_device_bytes", "error"]  # proto3 `optional`
     oneof = fd.message_types_by_name["BackendConfig"].oneofs_by_name["backend"]
     assert [f.name for f in oneof.fields] == ["cuda", "app_endpoint", "app_channel", "direct_memory", "memory_regions"]
+    for msg, name, fields in (("WorkloadMessage", "message", ["register", "result"]),
+                              ("AgentCommand", "command", ["snapshot", "restore"])):
+        assert [f.name for f in fd.message_types_by_name[msg].oneofs_by_name[name].fields] == fields
     req = fd.message_types_by_name["SnapshotRequest"].fields_by_name["backend"]
     assert req.GetOptions().deprecated
 

@@ -51,8 +51,9 @@ SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
 
 def bind(server: grpc.aio.Server, service: ServiceDescriptor, handlers: Mapping[str, Handler],
          *, name: str | None = None) -> str:
-    """Serve every method of ``service`` with ``handlers[method name]`` (unary-unary), under
-    ``name`` (default: the service's own full name). Returns the name served."""
+    """Serve every method of ``service`` with ``handlers[method name]``, under ``name`` (default: the service's
+    own full name). Returns the name served. A unary method's handler takes the request and returns the response;
+    a streaming one's reads and writes through its context (``await ctx.read()``, ``await ctx.write(...)``)."""
     served = name or service.full_name
     missing = [m.name for m in service.methods if m.name not in handlers]
     if missing:
@@ -61,13 +62,22 @@ def bind(server: grpc.aio.Server, service: ServiceDescriptor, handlers: Mapping[
     for m in service.methods:
         req = message_factory.GetMessageClass(m.input_type)
         resp = message_factory.GetMessageClass(m.output_type)
-        methods[m.name] = grpc.unary_unary_rpc_method_handler(
-            handlers[m.name], request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+        make = _HANDLER_KINDS[(m.client_streaming, m.server_streaming)]
+        methods[m.name] = make(handlers[m.name], request_deserializer=req.FromString,
+                               response_serializer=resp.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(served, methods),))
     register = getattr(server, "add_registered_method_handlers", None)
     if register is not None:  # grpcio >= 1.63: a faster path for known methods
         register(served, methods)
     return served
+
+
+_HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}  # (client streaming, server streaming) -> how grpc serves that method
 
 
 def _read(path: str | Path | None) -> bytes | None:

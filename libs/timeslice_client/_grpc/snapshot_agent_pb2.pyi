@@ -129,6 +129,68 @@ class BackendConfig(_message.Message):
     memory_regions: MemoryRegionsBackendConfig
     def __init__(self, cuda: _Optional[_Union[CudaBackendConfig, _Mapping]] = ..., app_endpoint: _Optional[_Union[AppEndpointConfig, _Mapping]] = ..., app_channel: _Optional[_Union[AppChannelConfig, _Mapping]] = ..., direct_memory: _Optional[_Union[DirectMemoryBackendConfig, _Mapping]] = ..., memory_regions: _Optional[_Union[MemoryRegionsBackendConfig, _Mapping]] = ...) -> None: ...
 
+class WorkloadCapabilities(_message.Message):
+    __slots__ = ("supported_modes", "default_mode", "tags")
+    SUPPORTED_MODES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    supported_modes: _containers.RepeatedScalarFieldContainer[SuspendMode]
+    default_mode: SuspendMode
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, supported_modes: _Optional[_Iterable[_Union[SuspendMode, str]]] = ..., default_mode: _Optional[_Union[SuspendMode, str]] = ..., tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RegisterWorkload(_message.Message):
+    __slots__ = ("job_id", "group", "capabilities")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    group: str
+    capabilities: WorkloadCapabilities
+    def __init__(self, job_id: _Optional[str] = ..., group: _Optional[str] = ..., capabilities: _Optional[_Union[WorkloadCapabilities, _Mapping]] = ...) -> None: ...
+
+class CommandResult(_message.Message):
+    __slots__ = ("command_id", "ok", "error")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    command_id: str
+    ok: bool
+    error: str
+    def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class WorkloadMessage(_message.Message):
+    __slots__ = ("register", "result")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    register: RegisterWorkload
+    result: CommandResult
+    def __init__(self, register: _Optional[_Union[RegisterWorkload, _Mapping]] = ..., result: _Optional[_Union[CommandResult, _Mapping]] = ...) -> None: ...
+
+class SnapshotCommand(_message.Message):
+    __slots__ = ("mode", "tags")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    mode: SuspendMode
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, mode: _Optional[_Union[SuspendMode, str]] = ..., tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RestoreCommand(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AgentCommand(_message.Message):
+    __slots__ = ("command_id", "snapshot", "restore")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
+    command_id: str
+    snapshot: SnapshotCommand
+    restore: RestoreCommand
+    def __init__(self, command_id: _Optional[str] = ..., snapshot: _Optional[_Union[SnapshotCommand, _Mapping]] = ..., restore: _Optional[_Union[RestoreCommand, _Mapping]] = ...) -> None: ...
+
 class SnapshotRequest(_message.Message):
     __slots__ = ("job_id", "group", "backend", "backend_config")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

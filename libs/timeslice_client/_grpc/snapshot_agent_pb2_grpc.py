@@ -55,6 +55,11 @@ class SnapshotAgentServiceStub:
                 request_serializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.StatusRequest.SerializeToString,
                 response_deserializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.WorkloadChannel = channel.stream_stream(
+                '/snapshot_agent.v1alpha1.SnapshotAgentService/WorkloadChannel',
+                request_serializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.WorkloadMessage.SerializeToString,
+                response_deserializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.AgentCommand.FromString,
+                _registered_method=True)
 
 
 class SnapshotAgentServiceServicer:
@@ -89,6 +94,16 @@ class SnapshotAgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WorkloadChannel(self, request_iterator, context):
+        """A workload's registration, as long as the stream lasts: its first message is a RegisterWorkload, and
+        the agent then sends it an AgentCommand for each snapshot or restore of its job (orchestrator switches
+        and the Snapshot/Restore calls above, with BackendConfig.app_channel or none), which it answers with a
+        CommandResult of the same command_id. The registration ends with the stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SnapshotAgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +126,11 @@ def add_SnapshotAgentServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.StatusRequest.FromString,
                     response_serializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.StatusResponse.SerializeToString,
+            ),
+            'WorkloadChannel': grpc.stream_stream_rpc_method_handler(
+                    servicer.WorkloadChannel,
+                    request_deserializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.WorkloadMessage.FromString,
+                    response_serializer=snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.AgentCommand.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +241,33 @@ class SnapshotAgentService:
             '/snapshot_agent.v1alpha1.SnapshotAgentService/Status',
             snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.StatusRequest.SerializeToString,
             snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WorkloadChannel(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/snapshot_agent.v1alpha1.SnapshotAgentService/WorkloadChannel',
+            snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.WorkloadMessage.SerializeToString,
+            snapshot__agent_dot_v1alpha1_dot_snapshot__agent__pb2.AgentCommand.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,8 @@
     TimeSliceError                       (timeslice_client.errors)
     └── AgentServiceError                the agent's own errors
         ├── BackendError                 an operation failed; ``rolled_back``: the job's context is as before
-        │   └── BackendUnavailable       the backend cannot run on this node (driver, library, permission)
+        │   ├── BackendUnavailable       the backend cannot run on this node (driver, library, permission)
+        │   └── UnsupportedMode          a suspend mode the job's workload did not declare (WorkloadChannel)
         ├── DriverError                  a CUDA checkpoint call returned an error (call, pid, driver code)
         │   └── UnknownProcessState      a process state this agent does not know (a newer driver's)
         ├── HttpError                    an app endpoint's request got no answer (refused, reset, timeout)
@@ -19,6 +20,7 @@ Foreign errors (nats-py's, the driver binding's, the OS's) are translated at the
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import Final
 
 from timeslice_client.errors import TimeSliceError
@@ -35,6 +37,7 @@ __all__ = [
     "Refusal",
     "Refused",
     "UnknownProcessState",
+    "UnsupportedMode",
 ]
 
 
@@ -52,6 +55,19 @@ class BackendError(AgentServiceError):
 
 class BackendUnavailable(BackendError):
     """The backend cannot run on this node (missing driver, library or permission)."""
+
+
+class UnsupportedMode(BackendError):
+    """A suspend in ``mode``, which job ``job``'s workload did not declare among the modes it can carry out
+    (``supported``, its ``WorkloadChannel`` registration's): refused, never sent to it, so nothing changed."""
+
+    def __init__(self, job: str, mode: object, supported: Iterable[object]) -> None:
+        self.job, self.mode = job, str(mode)
+        self.supported = tuple(sorted(str(m) for m in supported))
+        super().__init__(
+            f"job {job!r} declared it can suspend in mode {', '.join(self.supported)} only, not "
+            f"{self.mode}: ask for one of those, or leave the mode unset (its default)"
+        )
 
 
 class DriverError(AgentServiceError):

@@ -31,8 +31,9 @@ from timeslice_client.protocol import (
 from . import _stored as stored
 from ._app_endpoint import check_endpoints
 from ._host import alive
-from ._job_parts import all_backends, put_part, same_part, views, without_dead
+from ._job_parts import all_backends, put_part, same_part, views, without_channel, without_dead
 from ._untrusted import MAX_JOBS, Refusal, Refused, check_processes, check_registration, shown
+from ._workload_stream import is_stream_channel
 from .backends import make_backend
 
 __all__ = ["JobBook", "now_ms"]
@@ -168,6 +169,9 @@ class JobBook:
                 self.jobs[ctx.job] = ctx
         for found in list(self.jobs.values()):
             living, dropped = without_dead(found, alive)
+            for v in views(found):  # no WorkloadChannel stream outlives the agent that served it, nor its registration
+                if is_stream_channel(v.channel) and living is not None and v.channel is not None:
+                    living, dropped = without_channel(living, v.channel), dropped + 1
             if living is None:
                 await self.unregister(found, "its processes are gone")
                 continue

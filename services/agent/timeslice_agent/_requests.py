@@ -78,6 +78,7 @@ class Requests:
         self._unregister_wait_s = unregister_wait_s  # AgentConfig.unregister_wait_s
         self._spawn: Spawn | None = None  # while serving: where an unregistration waits for its job's operation
         self._leaving: set[str] = set()  # jobs whose unregistration waits so
+        self._ending = 0  # unregistrations running for registrations whose carrier is gone (``unregister_soon``)
         self._default_backend = default_backend  # AgentConfig.default_backend: what a bound process gets
         self._guard, self._proofs, self._socket_path = guard, proofs, socket_path
         self._js: JetStreamContext | None = None
@@ -179,6 +180,12 @@ class Requests:
         if req.job != job:
             raise Refused(Refusal.WRONG_JOB, f"a registration on the subject of job {job!r} names job "
                                              f"{shown(req.job)}; a job registers itself only")
+        return await self.register(req)
+
+    async def register(self, req: RegisterJob) -> AgentReply:
+        """A registration of job ``req.job``, whoever carried it (the bus, or the gRPC ``WorkloadChannel`` for which
+        the caller was authorized as that job). Raises ``Refused``, ``BackendUnavailable``, ``ValueError``."""
+        job = req.job
         if job in self._leaving:  # requests are obeyed in their order: this one comes after the job asked to leave
             return await self._busy(job, "its unregistration waits for it")
         if req.bind:
@@ -221,11 +228,38 @@ class Requests:
         reply = await self._book.register(msgspec.structs.replace(req, pids=pids, pgid=pgid, proof=None), owner)
         return msgspec.structs.replace(reply, backends=req.backends) if req.bind else reply
 
+    def unregister_soon(self, req: UnregisterJob) -> bool:
+        """Run ``unregister(req)`` in the agent's TaskGroup, where the end of whoever asked cannot cut it short, its
+        outcome logged; False when not serving, or when ``MAX_WAITING_UNREGISTERS`` such ends are running."""
+        if self._spawn is None or self._ending >= MAX_WAITING_UNREGISTERS:
+            return False
+        self._ending += 1
+        self._spawn(self._unregister_logged(req))
+        return True
+
+    async def _unregister_logged(self, req: UnregisterJob) -> None:
+        ids = {"node": self.node, "job": req.job, "group": req.group}
+        try:
+            reply = await self.unregister(req)
+        except Exception as exc:  # the agent is stopping, say: its next start drops what is left
+            log.warning("a registration did not end: %r", exc, extra=ids)
+            return
+        finally:
+            self._ending -= 1
+        if not reply.ok:
+            log.warning("a registration did not end: %s", reply.error, extra=ids)
+
     async def _unregister(self, job: str, data: bytes) -> AgentReply:
         req = _unregister_decoder.decode(data)
         if req.job != job:
             raise Refused(Refusal.WRONG_JOB, f"an unregistration on the subject of job {job!r} names job "
                                              f"{shown(req.job)}; a job unregisters itself only")
+        return await self.unregister(req)
+
+    async def unregister(self, req: UnregisterJob) -> AgentReply:
+        """An unregistration of job ``req.job`` (of its part ``req.channel`` only, when given), whoever carried it;
+        waits for an operation running on the job, at most ``unregister_wait_s`` (then answered ``busy``)."""
+        job = check_id("job", req.job)
         group = check_id("group", req.group)
         ctx = self._book.jobs.get(job)
         if ctx is not None and ctx.group != group:

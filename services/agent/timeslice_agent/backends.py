@@ -27,10 +27,12 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from timeslice_client.protocol import JobContext, WorkloadCommand, WorkloadReply, encode, subjects
 
+from . import _workload_stream
 from ._app_endpoint import AppEndpointBackend, make_app_endpoint_backend
 from ._backend_api import Backend, BackendError, BackendUnavailable, OpContext, Outcome
 from ._cuda import CudaBackend, cuda_unavailable_reason, make_cuda_backend
 from ._process_stop import NotStopped, group_members, wait_stopped
+from ._workload_stream import is_stream_channel
 
 __all__ = [
     "AppChannelBackend",
@@ -119,7 +121,8 @@ class FreezeBackend:
 
 
 class AppChannelBackend:
-    """The workload suspends/resumes itself: it registered over the bus and answers our requests."""
+    """The workload suspends/resumes itself: it registered over the bus and answers our requests, or through the
+    gRPC ``WorkloadChannel`` stream (its registration's channel names the stream), which carries them instead."""
 
     name = "app_channel"
 
@@ -134,6 +137,8 @@ class AppChannelBackend:
         return await self._call(ctx, op, "resume")
 
     async def _call(self, ctx: JobContext, op: OpContext, action: Literal["suspend", "resume"]) -> Outcome:
+        if is_stream_channel(ctx.channel):
+            return await _workload_stream.call(self._node, ctx, op, action)
         cmd = WorkloadCommand(
             op_id=op.op_id, action=action, mode=ctx.mode, tags=ctx.tags, epoch=op.epoch, channel=ctx.channel
         )

@@ -18,7 +18,10 @@ in the stream), with true byte counts and elapsed times.
   agent's user) or anyone on an ``--grpc-insecure`` agent may make them (PERMISSION_DENIED otherwise);
   GetOperation and Status take any identity; no identity is UNAUTHENTICATED.
 * Bad ids → INVALID_ARGUMENT; a job the agent does not know (and no process target to take it on)
-  → FAILED_PRECONDITION.
+  → FAILED_PRECONDITION. A snapshot in a suspend mode that the job's ``WorkloadChannel`` registration did not declare
+  → FAILED_PRECONDITION (nothing is started, nothing sent to the workload).
+* ``WorkloadChannel``: a workload registers its job on the stream and takes its commands there
+  (``_grpc_workload``); the same callers as for Snapshot and Restore may register a job.
 """
 
 from __future__ import annotations
@@ -48,8 +51,11 @@ from timeslice_client._grpc.runtime import SERVER_OPTIONS, Handler, bind
 from timeslice_client.protocol import JobState, OpKind, SuspendMode
 
 from ._config import DEFAULT_GRPC_PORT
+from ._errors import UnsupportedMode
+from ._grpc_workload import WorkloadChannels
 from ._standalone import OperationInProgress
 from ._untrusted import Refusal, Refused, check_id, check_op_id
+from ._workload_stream import of_job
 from .backends import BackendUnavailable, available_backends, unavailable_backends
 from .service import Agent
 
@@ -106,12 +112,14 @@ class AgentGrpcShim:
         self.port: int | None = None
         self.auth = Authenticator(self.config, mutual_tls=self.config.tls_client_ca is not None,
                                   server_port=lambda: self.port)
+        self._channels = WorkloadChannels(agent, self.auth)
 
     async def start(self) -> int:
         cfg = self.config
         self._server = server = grpc.aio.server(options=SERVER_OPTIONS)
         handlers: dict[str, Handler] = {"Snapshot": self._snapshot, "Restore": self._restore,
-                                        "GetOperation": self._get_operation, "Status": self._status}
+                                        "GetOperation": self._get_operation, "Status": self._status,
+                                        "WorkloadChannel": self._channels.serve}
         bind(server, pb.DESCRIPTOR.services_by_name["SnapshotAgentService"], handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -154,6 +162,12 @@ class AgentGrpcShim:
             await self._refuse(ctx, exc)
         await authorize(ctx, self.auth, log, job, group)
         plan = await self._plan(req, ctx)
+        stream = of_job(self.agent.node, job)
+        if kind is OpKind.SNAPSHOT and plan.mode is not None and plan.backends == ("app_channel",) and stream:
+            try:
+                stream.check_mode(plan.mode)
+            except UnsupportedMode as exc:
+                await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         try:
             return await self.agent.run_standalone(job, kind, group=group, backends=plan.backends, pids=plan.pids,
                                                    mode=plan.mode, tags=plan.tags, endpoints=plan.endpoints)

@@ -38,6 +38,7 @@ from timeslice_client.bus import connect, ensure_bus
 from timeslice_client.protocol import (
     STREAM,
     AgentCommand,
+    AgentReply,
     DeviceInfo,
     JobContext,
     JobState,
@@ -48,6 +49,7 @@ from timeslice_client.protocol import (
     Restore,
     Snapshot,
     SuspendMode,
+    UnregisterJob,
     encode,
     subjects,
     validate_id,
@@ -150,6 +152,15 @@ class Agent:
 
     def shutdown(self) -> None:
         self._stop.set()
+
+    async def register(self, req: RegisterJob) -> AgentReply:
+        """A registration that did not come over the bus (the gRPC ``WorkloadChannel``), on the bus's own path."""
+        return await self._requests.register(req)
+
+    def unregister_soon(self, req: UnregisterJob) -> bool:
+        """End a registration whose carrier is gone (a closed ``WorkloadChannel`` stream) in a task of the agent's own,
+        as a waiting unregistration does; False when the agent is not serving (or too many wait already)."""
+        return self._requests.unregister_soon(req)
 
     # ------------------------------------------------------------------ lifecycle
 
