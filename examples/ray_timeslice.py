@@ -144,14 +144,15 @@ class Trainer:
             self.client.close()
 
 
-def _score(batch: torch.Tensor) -> torch.Tensor:
-    """The reward, off the accelerators: how close each output is to its prompt's sign pattern."""
-    time.sleep(REWARD_S)
+def _score(batch: torch.Tensor, reward_s: float) -> torch.Tensor:
+    """The reward, off the accelerators (``reward_s`` of CPU-side time): how close each output is to its prompt's sign
+    pattern."""
+    time.sleep(reward_s)
     prompts, out = batch[:, :DIM], batch[:, DIM:]
     return (prompts.sign() * out).mean(dim=1)
 
 
-def run_job(job: str, seed: int, steps: int, share: _Shared | None) -> dict[str, Any]:
+def run_job(job: str, seed: int, steps: int, share: _Shared | None, reward_s: float = REWARD_S) -> dict[str, Any]:
     """One job: its actors, then ``steps`` rounds of generate (held), score (not held), update + weight sync (held)."""
     rollout, trainer = Rollout.remote(seed, share), Trainer.remote(seed, share)  # type: ignore[attr-defined]
     client = None
@@ -169,7 +170,7 @@ def run_job(job: str, seed: int, steps: int, share: _Shared | None) -> dict[str,
     for _ in range(steps):
         with held():
             batch = ray.get(rollout.generate.remote())
-        rewards = _score(batch)
+        rewards = _score(batch, reward_s)
         with held():
             ray.get(trainer.train.remote(batch, rewards))
             ray.get(rollout.load.remote(ray.get(trainer.weights.remote())))
@@ -199,6 +200,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="rounds of generate, score and update per job")
     p.add_argument("--nats-url", default=None, help="the bus (default: as every client finds it)")
     p.add_argument("--node-id", default=None, help="the node agent's id (default: $TIMESLICE_NODE_ID or host name)")
+    p.add_argument(
+        "--reward-s",
+        type=float,
+        default=REWARD_S,
+        help="seconds each step scores its rollouts on the CPU, without the accelerators (the other job's turn)",
+    )
     p.add_argument("--plain", action="store_true", help="without timeslice, one job after the other (the baseline)")
     args = p.parse_args()
     jobs = [j for j in args.jobs.split(",") if j]
@@ -209,13 +216,14 @@ def main() -> None:
     with _ray(env):
         if args.plain:
             for seed, job in enumerate(jobs, 1):
-                results[job] = run_job(job, seed, args.steps, None)
+                results[job] = run_job(job, seed, args.steps, None, args.reward_s)
         else:
             errors: list[BaseException] = []
 
             def one(seed: int, job: str) -> None:
                 try:
-                    results[job] = run_job(job, seed, args.steps, _Shared(job, args.group, args.nats_url, args.node_id))
+                    share = _Shared(job, args.group, args.nats_url, args.node_id)
+                    results[job] = run_job(job, seed, args.steps, share, args.reward_s)
                 except BaseException as exc:  # reported below, not lost in a thread
                     errors.append(exc)
 

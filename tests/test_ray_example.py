@@ -23,6 +23,10 @@ pytest.importorskip("torch")
 pytest.importorskip("ray")
 
 STEPS = 6
+# The reward step's CPU time (the example's default is 0.25 s). Longer here, so that what sharing saves (the other job
+# runs meanwhile) stays clear of what switching costs on CI's two busy cores: one run there had every switch so slow
+# (11 per job instead of 6) that sharing at 0.25 s took 1.18x back to back.
+REWARD_S = 0.6
 
 
 @pytest.fixture
@@ -44,7 +48,17 @@ def _example(nats_url: str, *args: str) -> dict[str, Any]:
 
 def _run(env: dict[str, str], *args: str) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "ray_timeslice.py"), "--steps", str(STEPS), "--node-id", NODE, *args],
+        [
+            sys.executable,
+            str(ROOT / "examples" / "ray_timeslice.py"),
+            "--steps",
+            str(STEPS),
+            "--reward-s",
+            str(REWARD_S),
+            "--node-id",
+            NODE,
+            *args,
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
