@@ -29,6 +29,7 @@ _COMMANDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("_status", ("status",)),
     ("_events", ("events",)),
     ("_replay", ("replay",)),
+    ("_advise", ("advise",)),
     ("_check", ("check",)),
     ("_health", ("health",)),
     ("_faults", ("clear-fault",)),

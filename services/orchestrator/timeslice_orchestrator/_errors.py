@@ -10,7 +10,8 @@
         ├── Deposed                    another leader's term began: this instance stores nothing more
         ├── EmbeddedNatsError          the embedded nats-server could not be found or did not start
         ├── AuthError                  an auth directory or credential that cannot be used
-        └── ReplayError                the stream could not be read for a replay
+        ├── ReplayError                the stream could not be read for a replay
+        └── AdviseError                ``timeslice advise`` cannot predict from what it was given
 
 Foreign errors (nats-py's, the OS's) are translated where they are met: the record store turns a write that
 cannot be made into ``ServiceFailed`` or ``Unusable``, leadership a refused lease write into ``NotLeader``. Every
@@ -24,6 +25,7 @@ import os
 from timeslice_client.errors import TimeSliceError
 
 __all__ = [
+    "AdviseError",
     "AuthError",
     "Deposed",
     "EmbeddedNatsError",
@@ -103,3 +105,8 @@ class AuthError(OrchestratorError):
 
 class ReplayError(OrchestratorError):
     """The stream could not be read for a replay; the message says why and what to do."""
+
+
+class AdviseError(OrchestratorError):
+    """``timeslice advise`` cannot predict from what it was given (a job with no recorded hold, a job in several
+    groups, a simulation too long); the message says which and what to do."""

@@ -1,0 +1,155 @@
+"""``timeslice advise``: predict what sharing one group would give jobs that ran alone, from their recorded runs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from timeslice_client.protocol import validate_id
+
+from ._common import CliError, add_nats_flag, emit_json
+from ._replay import parse_time
+
+__all__ = ["register"]
+
+
+def _job(text: str) -> str:
+    """``JOB`` or ``JOB@GROUP``, each a valid id."""
+    job, _, group = text.partition("@")
+    try:
+        validate_id("job", job)
+        if group:
+            validate_id("group", group)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give seconds as a number, not {text!r}") from None
+    if not 0 <= value <= 86_400:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 86400 s, not {text}")
+    return value
+
+
+def _hop_ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give milliseconds as a number, not {text!r}") from None
+    if not 0 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1000 ms, not {text}")
+    return value
+
+
+async def _advise(args: argparse.Namespace) -> int:
+    from timeslice_orchestrator.advise import SwitchCost, predict, render_prediction, traces
+    from timeslice_orchestrator.replay import fold_events, read_window
+
+    now = int(time.time() * 1000)
+    try:
+        since = parse_time(args.since, now) if args.since else None
+        until = parse_time(args.until, now) if args.until else None
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if since is not None and until is not None and until <= since:
+        raise CliError(f"--until ({args.until}) must come after --since ({args.since})")
+    given = None
+    if args.snapshot_s is not None or args.restore_s is not None:
+        given = {"*": SwitchCost(snapshot_s=args.snapshot_s or 0.0, restore_s=args.restore_s or 0.0, source="given")}
+    events = await read_window(args.nats_url, since_ms=since, until_ms=until, timeout=args.timeout)
+    replay = fold_events(events, since_ms=since, until_ms=until)
+    jobs = traces(replay, args.jobs, given)
+    prediction = predict(jobs, hop_s=args.hop_ms / 1000, room=args.room)
+    doc: dict[str, Any] = {"traces": [_trace_json(t) for t in jobs], "prediction": prediction.to_json()}
+    if args.json:
+        emit_json(doc)
+    else:
+        sys.stdout.write(render_prediction(prediction, jobs))
+        sys.stdout.flush()
+    if args.output:
+        await asyncio.to_thread(Path(args.output).write_text, json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        print(f"prediction written to {args.output}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _trace_json(t: Any) -> dict[str, Any]:
+    return {
+        "job": t.job,
+        "group": t.group,
+        "wall_s": t.wall_s,
+        "held_s": t.held_s,
+        "holds": t.holds,
+        "switch": {
+            "snapshot_s": t.cost.snapshot_s,
+            "restore_s": t.cost.restore_s,
+            "source": t.cost.source,
+            "samples": t.cost.samples,
+        },
+        "phases": [[p.on_accelerator, p.seconds] for p in t.phases],
+    }
+
+
+def register(sub: Any) -> None:
+    """Add ``advise`` to the ``timeslice`` command's subparsers."""
+    p = sub.add_parser(
+        "advise",
+        help="predict what sharing one group would give jobs that ran alone",
+        description="Read each job's recorded run off the event stream (its holds and the gaps between them), start "
+        "the jobs together on one group in simulated time through the orchestrator's own core, and "
+        "print the predicted makespan, duty cycle and switches beside the same jobs back to back. "
+        "Switch costs are the jobs' own snapshots and restores in the window, or --snapshot-s/--restore-s "
+        "(docs/scheduling.md, 'Predicting a shared run').",
+    )
+    p.add_argument(
+        "jobs",
+        nargs="+",
+        type=_job,
+        metavar="JOB[@GROUP]",
+        help="two jobs or more; @GROUP names the group whose holds make the job's run, when it held several",
+    )
+    p.add_argument(
+        "--since",
+        default=None,
+        help="window start: 10m / 2h ago, ms since the epoch or ISO 8601 (default: the stream's first message)",
+    )
+    p.add_argument("--until", default=None, help="window end, same forms (default: the stream's last message)")
+    p.add_argument(
+        "--snapshot-s",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="a snapshot's seconds, for every job (default: the median of each job's own in the window)",
+    )
+    p.add_argument(
+        "--restore-s",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="a restore's seconds, for every job (default: the median of each job's own in the window)",
+    )
+    p.add_argument(
+        "--room",
+        action="store_true",
+        help="the node fits two jobs' contexts at once: restores run beside the snapshots they follow and "
+        "the incoming job is granted on its restore (default: snapshot, then restore)",
+    )
+    p.add_argument(
+        "--hop-ms",
+        type=_hop_ms,
+        default=1.0,
+        help="one pass through the bus, ms (default 1: a handoff's bus passes on one host)",
+    )
+    p.add_argument("--json", action="store_true", help="the traces and the prediction as JSON on stdout")
+    p.add_argument("-o", "--output", default=None, metavar="FILE", help="also write them as JSON to FILE")
+    add_nats_flag(p)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for reading the stream")
+    p.set_defaults(func=_advise)
