@@ -90,6 +90,7 @@ async def run_demo(args: argparse.Namespace) -> DemoReport:
             report.solo_lock = [await lock_figures(stack.nats_url, [r], html if args.solo and i == 0 else None)
                                 for i, r in enumerate(solo.jobs.values())]
             if shared_set is not None:
+                await _predict(report, stack.nats_url, solo)
                 print(f"shared run: {args.jobs} jobs at once, one accelerator (group {SHARED_GROUP}):", flush=True)
                 shared = await shared_set.run(sequential=False)
                 report.shared, report.shared_s = job_figures(shared), shared.wall_s
@@ -98,6 +99,22 @@ async def run_demo(args: argparse.Namespace) -> DemoReport:
     finally:
         shutil.rmtree(workdir / "nats", ignore_errors=True)  # the stream's files; the report has what matters
     return report
+
+
+async def _predict(report: DemoReport, nats_url: str, solo: RunResult) -> None:
+    """``timeslice advise``'s prediction of the shared run from the solo runs, made before the shared run starts."""
+    from timeslice_orchestrator import OrchestratorError
+
+    from ._predict import predict_shared
+
+    try:
+        p = await predict_shared(nats_url, solo)
+    except OrchestratorError as exc:  # a prediction that cannot be made never stops the demo
+        report.prediction_error = str(exc)
+        return
+    report.predicted_shared_s, report.predicted_switch_costs = p.shared_s, p.switch_costs
+    print(f"timeslice advise, from the solo runs: sharing should take {p.shared_s:.2f} s ({p.switches} switches)",
+          flush=True)
 
 
 async def _main(args: argparse.Namespace) -> int:

@@ -133,12 +133,27 @@ def wait_for(word: str, timeout: float) -> None:
         raise RuntimeError(f"expected {word!r} from the demo runner, got {line!r} (the runner stopped?)")
 
 
+def _time_a_switch(handler: WorkloadHandler, rounds: int = 2) -> tuple[float, float]:
+    """One suspend and resume of ``handler`` (the state's round trip off the accelerator and back: lossless), timed
+    in ms; the last of ``rounds`` (the first allocates the host buffers that later switches reuse)."""
+    suspend_ms = resume_ms = 0.0
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        handler.suspend(SuspendMode.OFFLOAD, frozenset())
+        t1 = time.perf_counter()
+        handler.resume(SuspendMode.OFFLOAD, frozenset())
+        suspend_ms, resume_ms = (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000
+    return suspend_ms, resume_ms
+
+
 def run(a: argparse.Namespace, out: _Out) -> int:
     task = SortTask(length=a.length, prompts=a.prompts, group=a.group_size, seed=a.seed)
     policy = make_policy(a.backend, task, a.hidden, a.seed)
-    handler = _Reporting(policy.handler(), a.job, out)
+    inner = policy.handler()
+    suspend_ms, resume_ms = _time_a_switch(inner)
+    handler = _Reporting(inner, a.job, out)
     latency_s = a.reward_latency_ms / 1000
-    out(m.Built(a.job, policy.backend, torch_available(), os.getpid()))
+    out(m.Built(a.job, policy.backend, torch_available(), os.getpid(), suspend_ms, resume_ms))
     wait_for("register", GO_TIMEOUT_S)
     with TimeSliceClient(a.job, a.group, a.nats_url, lease_seconds=a.lease_seconds) as client:
         # A switch moves ~10 MB here: an operation still unanswered after 30 s means this process is gone.

@@ -20,6 +20,10 @@ class Built(msgspec.Struct, frozen=True, tag="built"):
     backend: str  # "torch" or "numpy"
     torch_available: bool  # whether this interpreter can import torch at all
     pid: int
+    # One suspend and resume of the job's handler, timed before anything runs (the second of two rounds): what a
+    # switch of it costs, for ``timeslice advise``'s prediction of the shared run (demo/_predict.py).
+    suspend_ms: float = 0.0
+    resume_ms: float = 0.0
 
 
 class Ready(msgspec.Struct, frozen=True, tag="ready"):

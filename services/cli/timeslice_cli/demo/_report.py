@@ -133,6 +133,16 @@ class DemoReport:
     solo_lock: list[LockFigures] = field(default_factory=list)
     identity: list[Identity] = field(default_factory=list)
     html: str | None = None
+    predicted_shared_s: float | None = None  # ``timeslice advise``'s prediction from the solo runs (demo/_predict.py)
+    predicted_switch_costs: str = ""  # where its switch costs came from: measured, given, none
+    prediction_error: str | None = None  # why there is no prediction
+
+    @property
+    def prediction_ratio(self) -> float | None:
+        """Predicted over measured shared wall time."""
+        if self.predicted_shared_s is None or not self.shared_s:
+            return None
+        return self.predicted_shared_s / self.shared_s
 
     @property
     def ratio(self) -> float | None:
@@ -143,7 +153,8 @@ class DemoReport:
         return all(i.identical for i in self.identity)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "ratio": self.ratio, "all_identical": self.identical}
+        return {**asdict(self), "ratio": self.ratio, "all_identical": self.identical,
+                "prediction_ratio": self.prediction_ratio}
 
     def render(self) -> str:
         moved = max((f.bytes_per_offload for f in self.shared), default=0)
@@ -163,6 +174,12 @@ class DemoReport:
             verdict = "meets" if self.ratio < GOAL_RATIO else "MISSES"
             lines.append(f"  shared            {self.shared_s:7.2f} s   = {self.ratio:.2f} x back to back "
                          f"({verdict} the < {GOAL_RATIO} goal)")
+        if self.predicted_shared_s is not None:
+            vs = f" = {self.prediction_ratio:.2f} x measured" if self.prediction_ratio is not None else ""
+            lines.append(f"  predicted shared  {self.predicted_shared_s:7.2f} s{vs} (timeslice advise, from the solo "
+                         f"runs; switch costs: {self.predicted_switch_costs})")
+        elif self.prediction_error:
+            lines.append(f"  no prediction: {self.prediction_error}")
         if self.shared_lock is not None:
             g = self.shared_lock
             solo_duty = [s.duty_cycle for s in self.solo_lock]

@@ -45,6 +45,7 @@ class JobTrace:
     phases: tuple[Phase, ...]
     wall_s: float
     cost: SwitchCost = SwitchCost()
+    started_ms: int = 0  # stream time of its first acquire (ms since the epoch; 0: not from a stream)
 
     @property
     def held_s(self) -> float:

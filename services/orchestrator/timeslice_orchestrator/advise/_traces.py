@@ -53,19 +53,16 @@ def _holds(replay: Replay, job: str, group: str | None) -> tuple[str, list[HoldI
 
 
 def measured_cost(replay: Replay, job: str) -> SwitchCost:
-    """The medians of ``job``'s successful snapshots and restores that moved bytes (or, when none reported bytes,
-    of all its successful ones); ``none`` without any."""
-    ops = [
-        op
-        for (_, lane_job), lane in replay.nodes.items()
-        if lane_job == job
-        for op in lane.ops
-        if op.ok and op.copy_ms is not None
-    ]
-    moved = [op for op in ops if op.bytes or op.device_bytes_freed]  # not a context already where it should be
-    chosen = moved or ops
-    snaps = [op.copy_ms / 1000 for op in chosen if op.kind == "snapshot" and op.copy_ms is not None]
-    restores = [op.copy_ms / 1000 for op in chosen if op.kind == "restore" and op.copy_ms is not None]
+    """The medians of ``job``'s successful snapshots and restores that moved its context (reported bytes moved or
+    device bytes freed: an operation on a context already where it should be moves nothing and costs no switch);
+    ``none`` without any."""
+    snaps: list[float] = []
+    restores: list[float] = []
+    for (_, lane_job), lane in replay.nodes.items():
+        for op in lane.ops if lane_job == job else ():
+            ms = op.copy_ms
+            if op.ok and ms is not None and (op.bytes or op.device_bytes_freed):
+                (snaps if op.kind == "snapshot" else restores).append(ms / 1000)
     if not snaps and not restores:
         return SwitchCost()
     return SwitchCost(
@@ -96,6 +93,7 @@ def trace_of(replay: Replay, job: str, group: str | None = None, cost: SwitchCos
         phases=tuple(phases),
         wall_s=(end_ms - first) / 1000,
         cost=cost if cost is not None else measured_cost(replay, job),
+        started_ms=first,
     )
 
 
