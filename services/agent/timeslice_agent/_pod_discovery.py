@@ -12,9 +12,10 @@ node's default backend (``cuda`` where the driver allows), the job id and group 
   rules when a backend acts.
 * **Keeping it current.** A new labelled pod with such processes: its job is registered (the pod's registration is a
   part of the job, its ``channel`` ``pod-<uid>``, so one job may span several pods); changed processes: that part is
-  registered again; the pod gone or without processes: the part leaves, and the job with its last part. Changes
-  wait for the job's lock (never for long: the next scan tries again) and are made only while the job is IDLE or
-  RUNNING: never while an operation moves it, nor to a saved job (its processes stay checkpointed until restored).
+  registered again; the pod gone or without processes: the part leaves, and the job with its last part. Every
+  change waits for the job's lock, so never while an operation moves the job (and never for long: the next scan
+  tries again). A part is added or changed only while the job is IDLE or RUNNING, never to a saved or faulted job
+  (its processes stay checkpointed until restored); a part whose pod is gone leaves in any state.
 * **A job that registered itself** (a handler, a bind: any registration not from a pod) keeps its registration:
   discovery never adds to it, and drops its own parts of that job (while the job is not saved).
 * **Untrusted.** The pod list is checked here, whatever source gave it: a job or group label that is no valid id
@@ -68,14 +69,21 @@ _CHANGEABLE: Final = (JobState.IDLE, JobState.RUNNING)
 def pod_source_for(config: AgentConfig, node: str, metrics: AgentMetrics) -> KubePodSource:
     """The Kubernetes API ``config`` names (in-cluster unless ``pod_api``); raises ``PodListError`` or ``ValueError``
     when it cannot be used, so a misconfigured agent says so at start."""
+
     def refused(code: Refusal) -> None:
         metrics.refusal("pods", code)
 
     node_name, timeout_s = config.pod_node_name or node, config.pod_api_timeout_s
     if config.pod_api is None:
         return KubePodSource.in_cluster(node_name, timeout_s=timeout_s, refused=refused)
-    return KubePodSource(config.pod_api, node_name, token_file=config.pod_token_file, ca_file=config.pod_ca_file,
-                         timeout_s=timeout_s, refused=refused)
+    return KubePodSource(
+        config.pod_api,
+        node_name,
+        token_file=config.pod_token_file,
+        ca_file=config.pod_ca_file,
+        timeout_s=timeout_s,
+        refused=refused,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,12 +128,27 @@ class Selection:
     strangers: tuple[int, ...]
 
 
-def select(pod: Pod, found: Iterable[PodProcess], *, on_gpu: frozenset[int] | None, kept: Collection[int],
-           own_pid: int, allowed_uids: Collection[int] = (), any_uid: bool = False) -> Selection | None:
+def select(
+    pod: Pod,
+    found: Iterable[PodProcess],
+    *,
+    on_gpu: frozenset[int] | None,
+    kept: Collection[int],
+    own_pid: int,
+    allowed_uids: Collection[int] = (),
+    any_uid: bool = False,
+) -> Selection | None:
     """Which of ``found`` (the pod's processes) the agent binds (see the module doc); None: none. ``on_gpu``: the pids
     NVML lists (None: no NVML); ``kept``: those registered for the pod now."""
-    candidates = [p for p in found if p.container_id is not None and p.container_id in pod.containers
-                  and p.pid > 1 and p.pid != own_pid and (on_gpu is None or p.pid in on_gpu or p.pid in kept)]
+    candidates = [
+        p
+        for p in found
+        if p.container_id is not None
+        and p.container_id in pod.containers
+        and p.pid > 1
+        and p.pid != own_pid
+        and (on_gpu is None or p.pid in on_gpu or p.pid in kept)
+    ]
     if not candidates:
         return None
     oldest = min(candidates, key=lambda p: (p.start, p.pid))
@@ -136,8 +159,9 @@ def select(pod: Pod, found: Iterable[PodProcess], *, on_gpu: frozenset[int] | No
     if not ok:
         return None
     chosen = sorted(sorted(ok, key=lambda p: (p.start, p.pid))[:MAX_PIDS], key=lambda p: p.pid)
-    owner = ProcessOwner(pid=oldest.pid, uid=uid, gid=oldest.gid, start=oldest.start,
-                         pid_starts=tuple(p.start for p in chosen))
+    owner = ProcessOwner(
+        pid=oldest.pid, uid=uid, gid=oldest.gid, start=oldest.start, pid_starts=tuple(p.start for p in chosen)
+    )
     return Selection(tuple(p.pid for p in chosen), owner, strangers)
 
 
@@ -156,9 +180,20 @@ def _short(text: str, limit: int = 200) -> str:
 class PodDiscovery:
     """The discovery loop of one agent (see the module doc): ``await run(stop)`` in the agent's TaskGroup."""
 
-    def __init__(self, node: str, source: PodSource, *, config: AgentConfig, book: JobBook, locks: JobLocks,
-                 requests: Requests, guard: ProcessGuard, metrics: AgentMetrics, gpus: GpuSource | None,
-                 nvml_error: str | None = None) -> None:
+    def __init__(
+        self,
+        node: str,
+        source: PodSource,
+        *,
+        config: AgentConfig,
+        book: JobBook,
+        locks: JobLocks,
+        requests: Requests,
+        guard: ProcessGuard,
+        metrics: AgentMetrics,
+        gpus: GpuSource | None,
+        nvml_error: str | None = None,
+    ) -> None:
         self.node, self._source, self._config = node, source, config
         self._book, self._locks, self._requests, self._guard, self._metrics = book, locks, requests, guard, metrics
         self._gpus, self._nvml_error = gpus, nvml_error
@@ -170,16 +205,20 @@ class PodDiscovery:
 
     async def run(self, stop: asyncio.Event) -> None:
         if self._gpus is None:
-            log.info("pod discovery without NVML (%s): every process of a labelled pod's containers is bound to its "
-                     "job, not only those holding device memory", self._nvml_error or "no GPU source",
-                     extra={"node": self.node})
+            log.info(
+                "pod discovery without NVML (%s): every process of a labelled pod's containers is bound to its "
+                "job, not only those holding device memory",
+                self._nvml_error or "no GPU source",
+                extra={"node": self.node},
+            )
         while not stop.is_set():
             try:
                 await self.scan()
             except Exception as exc:  # one failed scan never ends the loop (nor the agent): the next one tries again
                 self._metrics.task_error("pod_scan")
-                log.warning("pod scan failed: %s; trying again in %g s", exc, self._config.pod_scan_s,
-                            extra={"node": self.node})
+                log.warning(
+                    "pod scan failed: %s; trying again in %g s", exc, self._config.pod_scan_s, extra={"node": self.node}
+                )
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._config.pod_scan_s):
                     await stop.wait()
@@ -189,8 +228,12 @@ class PodDiscovery:
         pods = await self._source.list_pods()
         backend = node_default_backend(self._config.default_backend)
         if backend is None:
-            self._once(("node", "no-backend"), "labelled pods are left to the lock alone: this node's default "
-                       "backend (--default-backend %s) moves nothing", self._config.default_backend)
+            self._once(
+                ("node", "no-backend"),
+                "labelled pods are left to the lock alone: this node's default "
+                "backend (--default-backend %s) moves nothing",
+                self._config.default_backend,
+            )
             self.scans += 1
             return
         usable: list[tuple[Pod, str, str]] = []
@@ -202,13 +245,26 @@ class PodDiscovery:
         registered = self._registered_pids()
         wanted: dict[str, list[_Wanted]] = {}
         for pod, job, group in usable:
-            sel = select(pod, found.get(pod.uid, ()), on_gpu=on_gpu, kept=registered.get(pod_channel(pod.uid), ()),
-                         own_pid=self._guard.own_pid, allowed_uids=self._guard.allowed_uids,
-                         any_uid=self._guard.any_uid)
+            sel = select(
+                pod,
+                found.get(pod.uid, ()),
+                on_gpu=on_gpu,
+                kept=registered.get(pod_channel(pod.uid), ()),
+                own_pid=self._guard.own_pid,
+                allowed_uids=self._guard.allowed_uids,
+                any_uid=self._guard.any_uid,
+            )
             if sel is not None and sel.strangers:
-                self._once((pod.uid, "uid", *map(str, sel.strangers)), "pod %s: processes %s run as another uid than "
-                           "its processes' owner (uid %d, pid %d) and are left alone (--allow-uid UID allows one)",
-                           pod.ref, list(sel.strangers), sel.owner.uid, sel.owner.pid, job=job)
+                self._once(
+                    (pod.uid, "uid", *map(str, sel.strangers)),
+                    "pod %s: processes %s run as another uid than "
+                    "its processes' owner (uid %d, pid %d) and are left alone (--allow-uid UID allows one)",
+                    pod.ref,
+                    list(sel.strangers),
+                    sel.owner.uid,
+                    sel.owner.pid,
+                    job=job,
+                )
             if sel is not None:
                 wanted.setdefault(job, []).append(_Wanted(pod, group, sel))
         ours = {ctx.job for ctx in self._book.jobs.values() if any(is_pod_channel(v.channel) for v in views(ctx))}
@@ -217,8 +273,11 @@ class PodDiscovery:
                 await self._reconcile(job, wanted.get(job, []), backend)
             except Exception as exc:  # one job's trouble never holds up the others
                 self._metrics.task_error("pod_scan")
-                log.warning("keeping the pods' registration of the job current failed: %r", exc,
-                            extra={"node": self.node, "job": job})
+                log.warning(
+                    "keeping the pods' registration of the job current failed: %r",
+                    exc,
+                    extra={"node": self.node, "job": job},
+                )
         self._forget({p.uid for p in pods} | set(wanted) | {"node"})
         self.scans += 1
 
@@ -234,8 +293,12 @@ class PodDiscovery:
                 log_refusal(self._metrics, self.node, "pods", exc.code, f"pod {_short(pod.ref)} skipped: {exc}")
             return None
         if group is None:
-            self._once((pod.uid, "group"), "pod %s (job %s) skipped: it has no timeslice.io/group label and the agent "
-                       "no --pod-default-group", pod.ref, job)
+            self._once(
+                (pod.uid, "group"),
+                "pod %s (job %s) skipped: it has no timeslice.io/group label and the agent no --pod-default-group",
+                pod.ref,
+                job,
+            )
             return None
         return job, group
 
@@ -247,8 +310,12 @@ class PodDiscovery:
         return frozenset(p.pid for p in self._gpus.processes())
 
     def _registered_pids(self) -> dict[str, tuple[int, ...]]:
-        return {v.channel: v.pids for ctx in self._book.jobs.values() for v in views(ctx)
-                if v.channel is not None and is_pod_channel(v.channel)}
+        return {
+            v.channel: v.pids
+            for ctx in self._book.jobs.values()
+            for v in views(ctx)
+            if v.channel is not None and is_pod_channel(v.channel)
+        }
 
     # ------------------------------------------------------------------ one job
 
@@ -276,14 +343,18 @@ class PodDiscovery:
                         if channel is not None and (rest := without_channel(ctx, channel)) is not None:
                             ctx = rest
                     await self._book.save(ctx)
-                    log.info("the job registered itself: its pods' registration (%d) is dropped", len(mine),
-                             extra={"node": self.node, "job": job, "group": ctx.group})
+                    log.info(
+                        "the job registered itself: its pods' registration (%d) is dropped",
+                        len(mine),
+                        extra={"node": self.node, "job": job, "group": ctx.group},
+                    )
                 else:
-                    self._once((job, "self"), "job %s registered itself on this node: its pods are left to that "
-                               "registration", job)
+                    self._once(
+                        (job, "self"),
+                        "job %s registered itself on this node: its pods are left to that registration",
+                        job,
+                    )
                 return
-            if ctx.state not in _CHANGEABLE:
-                return  # an operation moves it, or it is saved: looked at again once it runs
             channels = {pod_channel(w.pod.uid) for w in wanted}
             for channel in mine:
                 current = self._book.jobs.get(job)
@@ -295,6 +366,9 @@ class PodDiscovery:
                 else:
                     await self._book.save(rest)
                     log.info("a pod of the job is gone (%s)", channel, extra={"node": self.node, "job": job})
+            ctx = self._book.jobs.get(job)
+            if ctx is not None and ctx.state not in _CHANGEABLE:
+                return  # saved (its processes stay checkpointed until restored) or faulted: changed once it runs
         for w in wanted:
             await self._register(job, w, backend)
 
@@ -309,8 +383,14 @@ class PodDiscovery:
             reply = await self._book.register(req, sel.owner)
         except Refused as exc:
             if self._first((w.pod.uid, "refused", str(exc.code))):
-                log_refusal(self._metrics, self.node, "pods", exc.code, f"pod {_short(w.pod.ref)} not registered: "
-                            f"{exc}", job=job)
+                log_refusal(
+                    self._metrics,
+                    self.node,
+                    "pods",
+                    exc.code,
+                    f"pod {_short(w.pod.ref)} not registered: {exc}",
+                    job=job,
+                )
             return
         except (BackendUnavailable, ValueError) as exc:
             self._once((w.pod.uid, "unusable"), "pod %s: not registered: %s", w.pod.ref, exc, job=job)
@@ -318,8 +398,14 @@ class PodDiscovery:
         if not reply.ok:
             self._once((w.pod.uid, "not-ok"), "pod %s: not registered: %s", w.pod.ref, reply.error, job=job)
             return
-        log.info("pod %s bound to its job: pids %s (owner pid %d, uid %d)", w.pod.ref, list(sel.pids)[:8],
-                 sel.owner.pid, sel.owner.uid, extra={"node": self.node, "job": job, "group": w.group})
+        log.info(
+            "pod %s bound to its job: pids %s (owner pid %d, uid %d)",
+            w.pod.ref,
+            list(sel.pids)[:8],
+            sel.owner.pid,
+            sel.owner.uid,
+            extra={"node": self.node, "job": job, "group": w.group},
+        )
 
     # ------------------------------------------------------------------ said once
 
