@@ -4,14 +4,10 @@ pod list the test controls) and a fake proc root (``<pid>/stat``, ``status``, ``
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 CONTAINERD = "containerd"
 
@@ -21,8 +17,16 @@ def cid(n: int) -> str:
     return f"{n:064x}"
 
 
-def pod_json(uid: str, name: str, *, job: str | None, group: str | None = None, containers: tuple[str, ...] = (),
-             phase: str = "Running", namespace: str = "rl") -> dict[str, Any]:
+def pod_json(
+    uid: str,
+    name: str,
+    *,
+    job: str | None,
+    group: str | None = None,
+    containers: tuple[str, ...] = (),
+    phase: str = "Running",
+    namespace: str = "rl",
+) -> dict[str, Any]:
     """A pod as the API lists it (with more fields than the agent reads, as the real one)."""
     labels = {"app": name}
     if job is not None:
@@ -30,12 +34,23 @@ def pod_json(uid: str, name: str, *, job: str | None, group: str | None = None, 
     if group is not None:
         labels["timeslice.io/group"] = group
     return {
-        "metadata": {"uid": uid, "name": name, "namespace": namespace, "labels": labels,
-                     "resourceVersion": "1", "creationTimestamp": "2025-01-01T00:00:00Z"},
+        "metadata": {
+            "uid": uid,
+            "name": name,
+            "namespace": namespace,
+            "labels": labels,
+            "resourceVersion": "1",
+            "creationTimestamp": "2025-01-01T00:00:00Z",
+        },
         "spec": {"nodeName": "node-a", "containers": [{"name": "main", "image": "trainer:1"}]},
-        "status": {"phase": phase, "hostIP": "10.0.0.1", "containerStatuses": [
-            {"name": f"c{i}", "containerID": f"{CONTAINERD}://{c}", "ready": True, "state": {"running": {}}}
-            for i, c in enumerate(containers)]},
+        "status": {
+            "phase": phase,
+            "hostIP": "10.0.0.1",
+            "containerStatuses": [
+                {"name": f"c{i}", "containerID": f"{CONTAINERD}://{c}", "ready": True, "state": {"running": {}}}
+                for i, c in enumerate(containers)
+            ],
+        },
     }
 
 
@@ -58,8 +73,9 @@ class FakeKubeApi:
                     api.requests.append((self.path, dict(self.headers)))
                     status, body = api.status, api.body
                     if body is None:
-                        body = json.dumps({"kind": "PodList", "apiVersion": "v1", "metadata": {},
-                                           "items": list(api.pods)}).encode()
+                        body = json.dumps(
+                            {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": list(api.pods)}
+                        ).encode()
                     hang = api.hang
                 if hang is not None:
                     hang.wait(10)
@@ -74,8 +90,9 @@ class FakeKubeApi:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="fake-kube-api",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(0.05,), name="fake-kube-api", daemon=True
+        )
 
     @property
     def url(self) -> str:
@@ -98,27 +115,34 @@ class FakeKubeApi:
         self._thread.join(10)
 
 
-@pytest.fixture
-def kube_api() -> Iterator[FakeKubeApi]:
-    with FakeKubeApi() as api:
-        yield api
-
-
-def fake_process(root: Path, pid: int, *, pod_uid: str | None, container: str | None, uid: int = 1000,
-                 gid: int = 1000, start: int = 1000, ppid: int = 1, systemd: bool = True) -> None:
+def fake_process(
+    root: Path,
+    pid: int,
+    *,
+    pod_uid: str | None,
+    container: str | None,
+    uid: int = 1000,
+    gid: int = 1000,
+    start: int = 1000,
+    ppid: int = 1,
+    systemd: bool = True,
+) -> None:
     """Process ``pid`` in the fake proc root ``root``: in container ``container`` of pod ``pod_uid`` (cgroup v2,
     the systemd driver's layout with containerd, or the cgroupfs one), running as ``uid``."""
     d = root / str(pid)
     d.mkdir(parents=True, exist_ok=True)
     rest = ["S", ppid, pid, pid, 0, -1, 4194560, 0, 0, 0, 0, 0, 0, 0, 0, 20, 0, 1, 0, start, 0, 0]
     (d / "stat").write_text(f"{pid} (python3) " + " ".join(map(str, rest)) + "\n")
-    (d / "status").write_text(f"Name:\tpython3\nPid:\t{pid}\nPPid:\t{ppid}\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n"
-                              f"Gid:\t{gid}\t{gid}\t{gid}\t{gid}\n")
+    (d / "status").write_text(
+        f"Name:\tpython3\nPid:\t{pid}\nPPid:\t{ppid}\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n"
+        f"Gid:\t{gid}\t{gid}\t{gid}\t{gid}\n"
+    )
     if pod_uid is None:
         path = "/system.slice/sshd.service"
     elif systemd:
         scope = f"/cri-containerd-{container}.scope" if container else ""
-        path = f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{pod_uid.replace('-', '_')}.slice{scope}"
+        pod = f"kubepods-burstable-pod{pod_uid.replace('-', '_')}.slice"
+        path = f"/kubepods.slice/kubepods-burstable.slice/{pod}{scope}"
     else:
         path = f"/kubepods/besteffort/pod{pod_uid}" + (f"/{container}" if container else "")
     (d / "cgroup").write_text(f"0::{path}\n")
@@ -128,17 +152,3 @@ def remove_process(root: Path, pid: int) -> None:
     for f in ("stat", "status", "cgroup"):
         (root / str(pid) / f).unlink(missing_ok=True)
     (root / str(pid)).rmdir()
-
-
-@pytest.fixture
-def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Real processes standing for the pods' processes (the agent's liveness check reads the real /proc): six
-    ``sleep``s, killed at the end."""
-    procs = [subprocess.Popen(["sleep", "300"]) for _ in range(6)]
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait(10)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,26 +16,44 @@ from timeslice_agent._errors import PodListError
 from timeslice_agent._pods import KubePodSource, Pod, parse_pod_list
 from timeslice_agent._untrusted import Refusal
 
-from .pod_fakes import FakeKubeApi, cid, kube_api, pod_json  # noqa: F401 - kube_api: the fixture
+from .pod_fakes import FakeKubeApi, cid, pod_json
 
 UID_A = "1f4a2b3c-5d6e-4f70-8a9b-0c1d2e3f4a5b"
 UID_B = "2f4a2b3c-5d6e-4f70-8a9b-0c1d2e3f4a5b"
 
 
-async def test_the_query_names_this_node_and_the_label_and_sends_the_token(kube_api: FakeKubeApi,
-                                                                          tmp_path: Path) -> None:
+@pytest.fixture
+def kube_api() -> Iterator[FakeKubeApi]:
+    with FakeKubeApi() as api:
+        yield api
+
+
+async def test_the_query_names_this_node_and_the_label_and_sends_the_token(
+    kube_api: FakeKubeApi, tmp_path: Path
+) -> None:
     token = tmp_path / "token"
     token.write_text("first-token\n")
     kube_api.set_pods(pod_json(UID_A, "trainer-0", job="ppo-a", group="g1", containers=(cid(1), cid(2))))
     source = KubePodSource(kube_api.url, "node-a", token_file=str(token), timeout_s=5)
     pods = await source.list_pods()
-    assert pods == [Pod(uid=UID_A, namespace="rl", name="trainer-0", job="ppo-a", group="g1", phase="Running",
-                        containers=frozenset({cid(1), cid(2)}))]
+    assert pods == [
+        Pod(
+            uid=UID_A,
+            namespace="rl",
+            name="trainer-0",
+            job="ppo-a",
+            group="g1",
+            phase="Running",
+            containers=frozenset({cid(1), cid(2)}),
+        )
+    ]
     path, headers = kube_api.requests[-1]
     url = urllib.parse.urlsplit(path)
     assert url.path == "/api/v1/pods"
-    assert urllib.parse.parse_qs(url.query) == {"fieldSelector": ["spec.nodeName=node-a"],
-                                                "labelSelector": ["timeslice.io/job-id"]}
+    assert urllib.parse.parse_qs(url.query) == {
+        "fieldSelector": ["spec.nodeName=node-a"],
+        "labelSelector": ["timeslice.io/job-id"],
+    }
     assert headers["Authorization"] == "Bearer first-token"
     token.write_text("rotated-token")  # projected service-account tokens are rotated: read at every call
     await source.list_pods()
@@ -79,7 +98,8 @@ def test_parse_keeps_only_container_ids_it_can_read_and_bounds_strings() -> None
     ],
 )
 async def test_an_api_that_refuses_or_answers_garbage_raises_pod_list_error(
-        kube_api: FakeKubeApi, status: int, body: bytes, says: str) -> None:
+    kube_api: FakeKubeApi, status: int, body: bytes, says: str
+) -> None:
     kube_api.status, kube_api.body = status, body
     source = KubePodSource(kube_api.url, "node-a", timeout_s=5, max_bytes=1 << 20)
     with pytest.raises(PodListError, match=says) as caught:
@@ -106,12 +126,12 @@ async def test_nobody_listening_raises_pod_list_error() -> None:
 
 def test_in_cluster_uses_the_service_account_and_says_when_it_runs_in_no_cluster(tmp_path: Path) -> None:
     (tmp_path / "token").write_text("t")
-    (tmp_path / "ca.crt").write_text("")  # not read here: no TLS context is built until a CA is given... below
     with pytest.raises(PodListError, match="KUBERNETES_SERVICE_HOST"):
         KubePodSource.in_cluster("node-a", environ={}, account_dir=str(tmp_path))
     with pytest.raises(PodListError, match="no service-account token"):
-        KubePodSource.in_cluster("node-a", environ={"KUBERNETES_SERVICE_HOST": "10.96.0.1"},
-                                 account_dir=str(tmp_path / "nowhere"))
+        KubePodSource.in_cluster(
+            "node-a", environ={"KUBERNETES_SERVICE_HOST": "10.96.0.1"}, account_dir=str(tmp_path / "nowhere")
+        )
 
 
 def test_in_cluster_builds_the_https_url_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -120,9 +140,11 @@ def test_in_cluster_builds_the_https_url_from_the_environment(tmp_path: Path, mo
     (tmp_path / "token").write_text("t")
     seen: list[str | None] = []
     monkeypatch.setattr(ssl, "create_default_context", lambda cafile=None: seen.append(cafile))
-    source = KubePodSource.in_cluster("node-a", environ={"KUBERNETES_SERVICE_HOST": "fd00::1",
-                                                         "KUBERNETES_SERVICE_PORT": "6443"},
-                                      account_dir=str(tmp_path))
+    source = KubePodSource.in_cluster(
+        "node-a",
+        environ={"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "6443"},
+        account_dir=str(tmp_path),
+    )
     assert source.url.startswith("https://[fd00::1]:6443/api/v1/pods?")
     assert source.token_file == f"{tmp_path}/token" and seen == [f"{tmp_path}/ca.crt"]
 

@@ -151,8 +151,9 @@ def parse_pod_list(data: bytes) -> tuple[list[Pod], list[Problem]]:
     pods: list[Pod] = []
     problems: list[Problem] = []
     if len(listing.items) > MAX_PODS:
-        problems.append((Refusal.TOO_LARGE, f"{len(listing.items)} labelled pods on this node; the first {MAX_PODS} "
-                                            "are used"))
+        problems.append(
+            (Refusal.TOO_LARGE, f"{len(listing.items)} labelled pods on this node; the first {MAX_PODS} are used")
+        )
     for i, raw in enumerate(listing.items[:MAX_PODS]):
         try:
             item = _item_decoder.decode(raw)
@@ -185,8 +186,15 @@ def _pod(item: _PodItem) -> Pod | Problem:
         if c is not None:  # "" while a container is being created
             containers.append(c.group("id"))
     phase = item.status.phase if len(item.status.phase) <= 32 else "Unknown"
-    return Pod(uid=m.uid, namespace=m.namespace, name=m.name, job=job, group=group, phase=phase,
-               containers=frozenset(containers))
+    return Pod(
+        uid=m.uid,
+        namespace=m.namespace,
+        name=m.name,
+        job=job,
+        group=group,
+        phase=phase,
+        containers=frozenset(containers),
+    )
 
 
 class KubePodSource:
@@ -194,15 +202,25 @@ class KubePodSource:
     local proxy or a test); ``token_file``: a bearer token, read for every call; ``ca_file``: the CA to verify the
     server with (None: the system's). ``refused`` counts each pod skipped (by its reason)."""
 
-    def __init__(self, api: str, node_name: str, *, token_file: str | None = None, ca_file: str | None = None,
-                 timeout_s: float = 10.0, max_bytes: int = MAX_POD_LIST_BYTES,
-                 refused: Callable[[Refusal], None] = lambda code: None) -> None:
+    def __init__(
+        self,
+        api: str,
+        node_name: str,
+        *,
+        token_file: str | None = None,
+        ca_file: str | None = None,
+        timeout_s: float = 10.0,
+        max_bytes: int = MAX_POD_LIST_BYTES,
+        refused: Callable[[Refusal], None] = lambda code: None,
+    ) -> None:
         parts = urllib.parse.urlsplit(api)
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
             raise ValueError(f"the Kubernetes API URL {api!r} is not http(s)://host[:port][/path]")
         if _NODE_RE.fullmatch(node_name) is None:
-            raise ValueError(f"{node_name!r} is not a Kubernetes node name (a DNS subdomain: a-z 0-9 . -); give "
-                             "--pod-node-name (the DaemonSet passes spec.nodeName)")
+            raise ValueError(
+                f"{node_name!r} is not a Kubernetes node name (a DNS subdomain: a-z 0-9 . -); give "
+                "--pod-node-name (the DaemonSet passes spec.nodeName)"
+            )
         if timeout_s <= 0 or max_bytes <= 0:
             raise ValueError(f"timeout_s ({timeout_s}) and max_bytes ({max_bytes}) must be positive")
         self._https = parts.scheme == "https"
@@ -215,23 +233,41 @@ class KubePodSource:
         self._refused = refused
 
     @classmethod
-    def in_cluster(cls, node_name: str, *, environ: Mapping[str, str] | None = None,
-                   account_dir: str = SERVICE_ACCOUNT_DIR, timeout_s: float = 10.0,
-                   refused: Callable[[Refusal], None] = lambda code: None) -> KubePodSource:
+    def in_cluster(
+        cls,
+        node_name: str,
+        *,
+        environ: Mapping[str, str] | None = None,
+        account_dir: str = SERVICE_ACCOUNT_DIR,
+        timeout_s: float = 10.0,
+        refused: Callable[[Refusal], None] = lambda code: None,
+    ) -> KubePodSource:
         """The API server of the cluster this agent runs in, as its service account sees it (``PodListError`` when
         it runs in none: no ``KUBERNETES_SERVICE_HOST``, or no service-account token mounted)."""
         env = os.environ if environ is None else environ
         host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
         if not host:
-            raise PodListError("(in-cluster)", "$KUBERNETES_SERVICE_HOST is not set: the agent runs in no Kubernetes "
-                                               "pod; give the API's URL (--pod-api) or run without --pods")
+            raise PodListError(
+                "(in-cluster)",
+                "$KUBERNETES_SERVICE_HOST is not set: the agent runs in no Kubernetes "
+                "pod; give the API's URL (--pod-api) or run without --pods",
+            )
         token = f"{account_dir}/token"
         if not os.path.exists(token):
-            raise PodListError("(in-cluster)", f"no service-account token at {token}: give the agent's pod a service "
-                                               "account (deploy/k8s/agent.yaml) with automountServiceAccountToken")
+            raise PodListError(
+                "(in-cluster)",
+                f"no service-account token at {token}: give the agent's pod a service "
+                "account (deploy/k8s/agent.yaml) with automountServiceAccountToken",
+            )
         netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        return cls(f"https://{netloc}", node_name, token_file=token, ca_file=f"{account_dir}/ca.crt",
-                   timeout_s=timeout_s, refused=refused)
+        return cls(
+            f"https://{netloc}",
+            node_name,
+            token_file=token,
+            ca_file=f"{account_dir}/ca.crt",
+            timeout_s=timeout_s,
+            refused=refused,
+        )
 
     async def list_pods(self) -> list[Pod]:
         """This node's labelled pods now. Raises :class:`PodListError` (no answer within the timeout, an HTTP error,
@@ -259,8 +295,7 @@ class KubePodSource:
         except OSError as exc:
             raise PodListError(self.url, f"the token file {self.token_file} cannot be read: {exc}") from exc
         if len(token) > _MAX_TOKEN or not token.strip():
-            raise PodListError(self.url, f"the token file {self.token_file} is empty or larger than {_MAX_TOKEN} "
-                                         "bytes")
+            raise PodListError(self.url, f"the token file {self.token_file} is empty or larger than {_MAX_TOKEN} bytes")
         return token.decode("ascii", errors="replace").strip()
 
     def _get(self) -> bytes:
@@ -272,8 +307,7 @@ class KubePodSource:
             headers["Authorization"] = f"Bearer {token}"
         conn: http.client.HTTPConnection
         if self._https:
-            conn = http.client.HTTPSConnection(self._host or "", self._port, timeout=self.timeout_s,
-                                               context=self._ssl)
+            conn = http.client.HTTPSConnection(self._host or "", self._port, timeout=self.timeout_s, context=self._ssl)
         else:
             conn = http.client.HTTPConnection(self._host or "", self._port, timeout=self.timeout_s)
         try:
@@ -282,8 +316,9 @@ class KubePodSource:
             body = bytearray()
             while len(body) <= self.max_bytes:
                 if time.monotonic() > deadline:
-                    raise PodListError(self.url, f"the answer took longer than {2 * self.timeout_s:g} s",
-                                       status=resp.status)
+                    raise PodListError(
+                        self.url, f"the answer took longer than {2 * self.timeout_s:g} s", status=resp.status
+                    )
                 chunk = resp.read(min(_CHUNK, self.max_bytes + 1 - len(body)))
                 if not chunk:
                     break
@@ -295,10 +330,17 @@ class KubePodSource:
         finally:
             conn.close()
         if resp.status != 200:
-            hint = (": the agent's service account may not list pods (apply deploy/k8s/agent.yaml's ClusterRole and "
-                    "ClusterRoleBinding)") if resp.status in (401, 403) else ""
-            raise PodListError(self.url, f"HTTP {resp.status}{hint}: {shown(bytes(body[:300]), 320)}",
-                               status=resp.status)
+            hint = (
+                (
+                    ": the agent's service account may not list pods (apply deploy/k8s/agent.yaml's ClusterRole and "
+                    "ClusterRoleBinding)"
+                )
+                if resp.status in (401, 403)
+                else ""
+            )
+            raise PodListError(
+                self.url, f"HTTP {resp.status}{hint}: {shown(bytes(body[:300]), 320)}", status=resp.status
+            )
         if len(body) > self.max_bytes:
             raise PodListError(self.url, f"the answer is larger than {self.max_bytes} bytes", status=resp.status)
         return bytes(body)
