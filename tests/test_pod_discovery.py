@@ -34,6 +34,14 @@ UID_C = "cccccccc-5d6e-4f70-8a9b-0c1d2e3f4a5b"
 SANDBOX = cid(99)  # the pod's "pause" container: in its cgroup, never among its containerStatuses
 
 
+@pytest.fixture(autouse=True)
+def no_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This node has no NVML, even on a GPU machine: a test that wants one passes its own (``Agent(gpus=...)``)."""
+    import timeslice_agent.service as service
+
+    monkeypatch.setattr(service, "gpu_source", lambda: None)
+
+
 @pytest.fixture
 def kube_api() -> Iterator[FakeKubeApi]:
     with FakeKubeApi() as api:
@@ -181,11 +189,8 @@ async def test_jobs_found_through_labelled_pods_are_checkpointed_and_restored_on
 
 
 async def test_without_nvml_every_process_of_the_pods_containers_is_bound_but_never_init_nor_the_agent(
-    nats_url: str, kube_api: FakeKubeApi, proc: Path, sleepers: list[int], monkeypatch: pytest.MonkeyPatch
+    nats_url: str, kube_api: FakeKubeApi, proc: Path, sleepers: list[int]
 ) -> None:
-    import timeslice_agent.service as service
-
-    monkeypatch.setattr(service, "gpu_source", lambda: None)  # this node has no NVML
     s0, s1, pause, q0 = sleepers[:4]
     for pid, start in ((s0, 10), (s1, 11), (os.getpid(), 12), (1, 1)):
         fake_process(proc, pid, pod_uid=UID_A, container=cid(1), uid=1000, start=start)

@@ -139,9 +139,18 @@ class Agent:
         if self.config.pods:
             source = pod_source or pod_source_for(self.config, self.node, self.metrics)  # raises when unusable
             gpus = gpus if gpus is not None else gpu_source()
-            self._pods = PodDiscovery(self.node, source, config=self.config, book=self._book, locks=self._locks,
-                                      requests=self._requests, guard=self._guard, metrics=self.metrics, gpus=gpus,
-                                      nvml_error=gpu_source_error() if gpus is None else None)
+            self._pods = PodDiscovery(
+                self.node,
+                source,
+                config=self.config,
+                book=self._book,
+                locks=self._locks,
+                requests=self._requests,
+                guard=self._guard,
+                metrics=self.metrics,
+                gpus=gpus,
+                nvml_error=gpu_source_error() if gpus is None else None,
+            )
         self._epochs: dict[str, int] = {}
         self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()
         self._running = RunningOps()  # a restore waits for the snapshots it follows (Restore.after)…
