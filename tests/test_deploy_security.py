@@ -104,6 +104,33 @@ def test_every_k8s_component_mounts_its_own_secrets() -> None:
     assert names.index("TIMESLICE_NODE_ID") < names.index("TIMESLICE_CREDS")
 
 
+def test_the_agent_may_read_pods_and_nothing_else() -> None:
+    """--pods needs the agent's service account to list its node's pods: it gets get/list/watch on pods through one
+    ClusterRole bound to it alone, and no RBAC object in the manifests grants more (nor to anybody else)."""
+    k8s = _k8s()
+    agent = k8s["DaemonSet/agent"]["spec"]["template"]["spec"]
+    account = agent["serviceAccountName"]
+    namespace = k8s["DaemonSet/agent"]["metadata"]["namespace"]
+    assert k8s[f"ServiceAccount/{account}"]["metadata"]["namespace"] == namespace
+    assert agent.get("automountServiceAccountToken", True), "the agent reads its token from the mounted account"
+    (c,) = _containers(k8s["DaemonSet/agent"])
+    assert "--pods" in c["args"] and agent["hostPID"] is True
+    roles = {k: d for k, d in k8s.items() if d["kind"] in {"Role", "ClusterRole"}}
+    bindings = {k: d for k, d in k8s.items() if d["kind"] in {"RoleBinding", "ClusterRoleBinding"}}
+    assert len(roles) == 1 and len(bindings) == 1, (sorted(roles), sorted(bindings))
+    ((role_key, role),) = roles.items()
+    for rule in role["rules"]:
+        assert rule["apiGroups"] == [""] and rule["resources"] == ["pods"], rule
+        assert set(rule["verbs"]) <= {"get", "list", "watch"} and "list" in rule["verbs"], rule
+        assert not rule.get("resourceNames") and not rule.get("nonResourceURLs"), rule
+    (binding,) = bindings.values()
+    assert f"{binding['roleRef']['kind']}/{binding['roleRef']['name']}" == role_key
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]
+    for key, doc in _workloads().items():  # no other workload runs as the agent's account
+        if key != "DaemonSet/agent":
+            assert doc["spec"]["template"]["spec"].get("serviceAccountName") != account, key
+
+
 def test_every_compose_component_mounts_its_own_secrets() -> None:
     doc = _compose()
     services = doc["services"]

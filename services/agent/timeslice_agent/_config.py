@@ -7,6 +7,7 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from timeslice_client.bus import BusConfig, parse_servers
+from timeslice_client.protocol import validate_id
 from timeslice_client.workload import default_node_id
 
 __all__ = ["DEFAULT_GRPC_PORT", "AgentConfig"]
@@ -44,6 +45,17 @@ class AgentConfig(BaseSettings):
     # How long a job's unregistration waits for an operation running on it (a snapshot moving its state off the
     # device: an operation's deadline plus a driver call's drain); past it the job stays registered, answered "busy".
     unregister_wait_s: float = Field(default=600.0, gt=0)
+    # Kubernetes (``_pod_discovery``): bind the processes of this node's pods labelled ``timeslice.io/job-id`` to
+    # their jobs, with the default backend, as a bind registration would. Off unless set.
+    pods: bool = False
+    pod_api: str | None = None  # the API server's URL; None: in-cluster (service account, $KUBERNETES_SERVICE_HOST)
+    pod_token_file: str | None = None  # a bearer token for pod_api (in-cluster: the service account's)
+    pod_ca_file: str | None = None  # the CA that signed pod_api's certificate (in-cluster: the service account's)
+    pod_node_name: str | None = None  # this node's Kubernetes name (None: node_id, the DaemonSet's spec.nodeName)
+    pod_scan_s: float = Field(default=5.0, gt=0, le=3600)  # how often the pods and /proc are read
+    pod_api_timeout_s: float = Field(default=10.0, gt=0, le=300)  # one socket operation of the API call
+    # The group of a labelled pod without a ``timeslice.io/group`` label (None: such a pod is skipped).
+    pod_default_group: str | None = None
 
     @field_validator("allowed_uids", mode="before")
     @classmethod
@@ -51,6 +63,11 @@ class AgentConfig(BaseSettings):
         if isinstance(v, str):  # TIMESLICE_AGENT_ALLOWED_UIDS=1000,1001
             return tuple(int(u) for u in v.replace(" ", "").split(",") if u)
         return v
+
+    @field_validator("pod_default_group")
+    @classmethod
+    def _group(cls, v: str | None) -> str | None:
+        return validate_id("group", v) if v is not None else None
 
     @field_validator("nats_url")
     @classmethod

@@ -9,6 +9,7 @@
         │   └── UnknownProcessState      a process state this agent does not know (a newer driver's)
         ├── HttpError                    an app endpoint's request got no answer (refused, reset, timeout)
         ├── AgentSocketError             the agent cannot serve its socket (path, why)
+        ├── PodListError                 the Kubernetes API did not list this node's pods (url, status, why)
         ├── OperationInProgress          a standalone operation asked while another runs on the job (ABORTED)
         └── Refused (also ValueError)    a message the agent will not act on; ``code`` (a Refusal) says why
 
@@ -34,6 +35,7 @@ __all__ = [
     "DriverError",
     "HttpError",
     "OperationInProgress",
+    "PodListError",
     "Refusal",
     "Refused",
     "UnknownProcessState",
@@ -115,6 +117,15 @@ class AgentSocketError(AgentServiceError):
     def __init__(self, path: str, why: str) -> None:
         self.path = path
         super().__init__(f"the agent cannot serve its socket at {path}: {why}")
+
+
+class PodListError(AgentServiceError):
+    """The Kubernetes API at ``url`` did not list this node's pods: no answer, an HTTP ``status`` other than 200
+    (None: no HTTP answer at all), or an answer that is no pod list; ``why`` says which and what to check."""
+
+    def __init__(self, url: str, why: str, *, status: int | None = None) -> None:
+        self.url, self.status, self.why = url, status, why
+        super().__init__(f"listing pods at {url}: {why}")
 
 
 class OperationInProgress(AgentServiceError):

@@ -46,6 +46,11 @@ async def run_agent(args: argparse.Namespace) -> int:
         kwargs["allow_other_uids"] = True
     if args.default_backend:
         kwargs["default_backend"] = args.default_backend
+    if args.pods:
+        kwargs["pods"] = True
+    for flag in ("pod_api", "pod_token_file", "pod_ca_file", "pod_node_name", "pod_scan_s", "pod_default_group"):
+        if (value := getattr(args, flag)) is not None:
+            kwargs[flag] = value
     from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
     from .metrics import AgentMetrics, serve_metrics
@@ -108,6 +113,27 @@ def add_agent_flags(p: argparse.ArgumentParser) -> None:
                         "'auto' (default): the driver checkpoint (cuda) where this node can run it, else the lock "
                         "alone; 'none': the lock alone; or a backend's name, e.g. freeze "
                         "($TIMESLICE_AGENT_DEFAULT_BACKEND)")
+    pods = p.add_argument_group("Kubernetes pods", "bind the processes of this node's pods labelled "
+                                "timeslice.io/job-id (and timeslice.io/group) to those jobs, with the default backend "
+                                "(docs/backends.md, 'Without code changes'; the agent needs hostPID and may read pods)")
+    pods.add_argument("--pods", action="store_true",
+                      help="find jobs through this node's labelled pods: their processes by cgroup in /proc, those "
+                           "holding GPU memory where NVML works ($TIMESLICE_AGENT_PODS=1)")
+    pods.add_argument("--pod-api", default=None, metavar="URL",
+                      help="the Kubernetes API server (default: in-cluster, from the service account and "
+                           "$KUBERNETES_SERVICE_HOST; $TIMESLICE_AGENT_POD_API)")
+    pods.add_argument("--pod-token-file", default=None, metavar="PATH",
+                      help="a bearer token for --pod-api, read at every call ($TIMESLICE_AGENT_POD_TOKEN_FILE)")
+    pods.add_argument("--pod-ca-file", default=None, metavar="PATH",
+                      help="the CA certificate --pod-api's TLS certificate is checked with (default: the system's; "
+                           "$TIMESLICE_AGENT_POD_CA_FILE)")
+    pods.add_argument("--pod-node-name", default=None, metavar="NAME",
+                      help="this node's Kubernetes name (default: the node id; $TIMESLICE_AGENT_POD_NODE_NAME)")
+    pods.add_argument("--pod-scan-s", type=float, default=None, metavar="SECONDS",
+                      help="how often the pods and /proc are read (default 5; $TIMESLICE_AGENT_POD_SCAN_S)")
+    pods.add_argument("--pod-default-group", default=None, metavar="GROUP",
+                      help="the group of a labelled pod without a timeslice.io/group label (default: none, such a "
+                           "pod is skipped; $TIMESLICE_AGENT_POD_DEFAULT_GROUP)")
     add_bus_auth_flags(p)  # its identity and TLS on the bus (docs/security.md)
 
 

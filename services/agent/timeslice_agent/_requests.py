@@ -42,6 +42,7 @@ from ._job_locks import JobLocks
 from ._job_parts import part_count, views, without_channel
 from ._jobbook import JobBook
 from ._ownership import Peer, ProcessGuard
+from ._pods import is_pod_channel
 from ._untrusted import Refusal, Refused, cap, check_id, check_processes, shown
 from .backends import BackendUnavailable, acts_on_processes, node_default_backend
 from .metrics import AgentMetrics
@@ -202,9 +203,11 @@ class Requests:
                 raise Refused(Refusal.UNPROVEN, "this agent serves no socket (--socket off), so a proof is none")
             peer = self._proofs(req.proof, job)
             current = self._book.jobs.get(job)
-            mine = next((v for v in views(current) if v.pids == (peer.pid,)), None) if current is not None else None
+            mine = next((v for v in views(current) if v.pids == (peer.pid,) or (
+                req.bind and is_pod_channel(v.channel) and peer.pid in v.pids)), None) if current is not None else None
             if req.bind and current is not None and current.group == req.group and mine is not None:
-                # The process's own registration (a handler, or a bind before: its pid as this agent sees it) stays.
+                # The process's own registration (a handler, or a bind before: its pid as this agent sees it; or its
+                # pod's, which the agent found through the pod's labels, ``_pod_discovery``) stays.
                 return AgentReply(ok=True, state=current.state, backends=mine.backends, kept=True)
             if peer.own_pid == peer.pid:  # the agent's pid namespace: what no job may name is said first
                 check_processes(req.pids, req.pgid, req.backends)

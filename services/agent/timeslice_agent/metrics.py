@@ -34,8 +34,10 @@ OUTCOMES: Final = (
     "refused",  # not attempted: stale epoch, unknown or faulted job, deadline passed
 )
 
-SOURCES: Final = ("command", "rpc", "grpc", "kv", "socket")  # where a refused message came from (REFUSALS: why)
-TASKS: Final = ("operation", "standalone", "pid_check", "rpc", "command")  # where an unexpected error was caught
+# Where a refused message came from (REFUSALS: why); "pods": the Kubernetes pod list (_pod_discovery).
+SOURCES: Final = ("command", "rpc", "grpc", "kv", "socket", "pods")
+# Where an unexpected error was caught.
+TASKS: Final = ("operation", "standalone", "pid_check", "rpc", "command", "pod_scan")
 
 
 class AgentMetrics:

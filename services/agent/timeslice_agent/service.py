@@ -11,7 +11,9 @@
   and outcome goes to the event stream. An agent that runs in the orchestrator's process on its
   connection (``timeslice up``) is also handed its commands directly (:meth:`Agent.take`), one bus
   hop sooner; the stream's copy then only gets its acknowledgement;
-* notices registered processes that died and unregisters them.
+* notices registered processes that died and unregisters them;
+* on Kubernetes (``AgentConfig.pods``), binds the processes of this node's pods labelled with a job to that job
+  (``_pod_discovery``).
 """
 
 from __future__ import annotations
@@ -64,10 +66,13 @@ from ._host import alive
 from ._job_locks import JobLocks
 from ._job_parts import all_backends, views, without_dead
 from ._jobbook import JobBook, now_ms
+from ._nvml import GpuSource, gpu_source, gpu_source_error
 from ._op_rules import Answer, decide, settle
 from ._ordering import RunningOps
 from ._ownership import ProcessGuard, ProcFS
 from ._peer import PeerServer
+from ._pod_discovery import PodDiscovery, pod_source_for
+from ._pods import PodSource
 from ._requests import Requests, log_refusal
 from ._room import RestoreOrder
 from ._standalone import OpSettings, check_idle, run_context, standalone_context
@@ -96,8 +101,16 @@ class Agent:
     """Run with ``await Agent(config).run()``; stop with ``shutdown()`` (idempotent)."""
 
     def __init__(
-        self, config: AgentConfig | None = None, *, nc: NATS | None = None, metrics: AgentMetrics | None = None
+        self,
+        config: AgentConfig | None = None,
+        *,
+        nc: NATS | None = None,
+        metrics: AgentMetrics | None = None,
+        pod_source: PodSource | None = None,
+        gpus: GpuSource | None = None,
     ) -> None:
+        """``pod_source``, ``gpus``: where the pod discovery (``config.pods``) lists pods and the GPUs' processes
+        (None: the Kubernetes API ``config`` names, this node's NVML)."""
         self.config = config or AgentConfig()
         self.metrics = metrics if metrics is not None else AgentMetrics()
         self.node = validate_id("node", self.config.node_id)
@@ -122,6 +135,22 @@ class Agent:
             unregister_wait_s=self.config.unregister_wait_s,
         )
         self._peer: PeerServer | None = None  # the agent socket, while running
+        self._pods: PodDiscovery | None = None  # labelled pods' processes bound to their jobs (Kubernetes)
+        if self.config.pods:
+            source = pod_source or pod_source_for(self.config, self.node, self.metrics)  # raises when unusable
+            gpus = gpus if gpus is not None else gpu_source()
+            self._pods = PodDiscovery(
+                self.node,
+                source,
+                config=self.config,
+                book=self._book,
+                locks=self._locks,
+                requests=self._requests,
+                guard=self._guard,
+                metrics=self.metrics,
+                gpus=gpus,
+                nvml_error=gpu_source_error() if gpus is None else None,
+            )
         self._epochs: dict[str, int] = {}
         self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()
         self._running = RunningOps()  # a restore waits for the snapshots it follows (Restore.after)…
@@ -191,6 +220,8 @@ class Agent:
                 await self._subscribe_commands()
                 tg.create_task(heartbeat.loop(self.config.heartbeat_s, self._stop))
                 tg.create_task(self._pid_loop())
+                if self._pods is not None:
+                    tg.create_task(self._pods.run(self._stop))
                 log.info("agent ready", extra={"node": self.node})
                 self._ready.set()
                 await self._stop.wait()

@@ -1,0 +1,346 @@
+"""This node's pods that carry a timeslice job label, from the Kubernetes API: the input of ``_pod_discovery``.
+
+* :class:`Pod` is what the agent uses of a pod: its UID (which its processes' cgroups name), namespace and name (for
+  the logs), the raw values of its ``timeslice.io/job-id`` and ``timeslice.io/group`` labels (checked by the
+  discovery, whatever source listed them), its phase and its containers' runtime ids.
+* :class:`PodSource` is the seam (``list_pods()``); :class:`KubePodSource` the real one: one
+  ``GET /api/v1/pods?fieldSelector=spec.nodeName=<node>&labelSelector=timeslice.io/job-id`` per scan, in-cluster by
+  default (the service account's token and CA under ``/var/run/secrets/kubernetes.io/serviceaccount/``, the API at
+  ``$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT``), or an explicit URL (with an optional token file and CA).
+
+Why not the ``kubernetes`` client package: the agent makes one read-only GET per scan, and that package brings about
+a dozen dependencies (``requests``, ``google-auth``, ``websocket-client``, ``oauthlib``, ``durationpy``…) and tens of
+megabytes into the agent's image, plus a second HTTP stack to keep patched. The standard library's ``http.client``
+does the GET, in a thread off the event loop (``asyncio.to_thread``), with a timeout on every socket operation and a
+deadline on the whole call; no proxy is used (the API server is reached directly, as kubelet does) and no redirect
+is followed. The token file is read again for every call: projected service-account tokens are rotated.
+
+The answer is untrusted input: its size is bounded (``max_bytes``), it is decoded strictly where the agent reads it
+and leniently elsewhere (the API sends much more), each pod is decoded on its own (a malformed one is skipped, logged
+and counted, never the whole list), and every string is bounded. A list that is no pod list raises
+:class:`PodListError`, as does an answer other than HTTP 200; the discovery logs it and tries again next scan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import logging
+import os
+import re
+import ssl
+import time
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+import msgspec
+
+from ._errors import PodListError
+from ._untrusted import Refusal, shown
+
+__all__ = [
+    "LABEL_GROUP",
+    "LABEL_JOB",
+    "MAX_PODS",
+    "POD_CHANNEL_PREFIX",
+    "SERVICE_ACCOUNT_DIR",
+    "KubePodSource",
+    "Pod",
+    "PodSource",
+    "is_pod_channel",
+    "parse_pod_list",
+    "pod_channel",
+]
+
+log = logging.getLogger("timeslice.agent")
+
+LABEL_JOB: Final = "timeslice.io/job-id"  # the job a pod's processes are (its value: a job id)
+LABEL_GROUP: Final = "timeslice.io/group"  # its group (optional: AgentConfig.pod_default_group)
+SERVICE_ACCOUNT_DIR: Final = "/var/run/secrets/kubernetes.io/serviceaccount"
+MAX_PODS: Final = 1024  # labelled pods on one node (the kubelet's default max-pods is 110)
+MAX_POD_LIST_BYTES: Final = 8 << 20  # the answer's size (a pod is a few KiB of JSON)
+MAX_CONTAINERS: Final = 64  # container ids read per pod
+POD_CHANNEL_PREFIX: Final = "pod-"  # RegisterJob.channel of a pod's registration: "pod-" + the pod's UID
+_MAX_NAME: Final = 253  # a namespace, name or label value (Kubernetes allows 63 for values, 253 for names)
+_MAX_TOKEN: Final = 64 * 1024
+_CHUNK: Final = 64 * 1024
+_UID_RE: Final = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{32}")
+_NODE_RE: Final = re.compile(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?")  # a DNS subdomain: a node's name
+_CONTAINER_ID_RE: Final = re.compile(r"[a-z0-9-]{1,32}://(?P<id>[0-9a-f]{12,128})")  # "containerd://<hex>"
+
+
+@dataclass(frozen=True, slots=True)
+class Pod:
+    """One labelled pod of this node. ``job`` and ``group`` are the labels' values as listed (checked later);
+    ``containers``: the runtime ids of its containers (``status.containerStatuses``), which its processes' cgroups
+    name; the pod's sandbox ("pause") and the runtime's helpers are not among them."""
+
+    uid: str
+    namespace: str
+    name: str
+    job: str
+    group: str | None
+    phase: str
+    containers: frozenset[str] = frozenset()
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+class PodSource(Protocol):
+    """Where the discovery learns this node's labelled pods. Raises on failure (the scan is then retried)."""
+
+    async def list_pods(self) -> list[Pod]: ...
+
+
+def pod_channel(uid: str) -> str:
+    """The ``channel`` of the registration the discovery makes for the pod ``uid`` (one part of its job)."""
+    return POD_CHANNEL_PREFIX + uid
+
+
+def is_pod_channel(channel: str | None) -> bool:
+    """Whether a registration's ``channel`` is a pod's (made by the discovery)."""
+    return channel is not None and channel.startswith(POD_CHANNEL_PREFIX)
+
+
+# What the agent reads of the API's answer (everything else is ignored).
+class _Meta(msgspec.Struct):
+    uid: str = ""
+    namespace: str = ""
+    name: str = ""
+    labels: dict[str, str] = {}
+
+
+class _ContainerStatus(msgspec.Struct):
+    containerID: str = ""
+
+
+class _Status(msgspec.Struct):
+    phase: str = ""
+    containerStatuses: list[_ContainerStatus] = []
+
+
+class _PodItem(msgspec.Struct):
+    metadata: _Meta = msgspec.field(default_factory=_Meta)
+    status: _Status = msgspec.field(default_factory=_Status)
+
+
+class _PodList(msgspec.Struct):
+    kind: str = ""
+    items: list[msgspec.Raw] = []
+
+
+_list_decoder = msgspec.json.Decoder(_PodList)
+_item_decoder = msgspec.json.Decoder(_PodItem)
+
+Problem = tuple[Refusal, str]  # a pod skipped: why (a metric label) and what (a log line)
+
+
+def parse_pod_list(data: bytes) -> tuple[list[Pod], list[Problem]]:
+    """The labelled pods of an API answer (a ``PodList``), and the pods skipped with why. Raises ``ValueError`` when
+    the answer is no pod list at all."""
+    try:
+        listing = _list_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"the answer is no pod list: {shown(str(exc), 200)}") from None
+    if listing.kind not in ("", "PodList"):
+        raise ValueError(f"the answer is a {shown(listing.kind)}, not a PodList")
+    pods: list[Pod] = []
+    problems: list[Problem] = []
+    if len(listing.items) > MAX_PODS:
+        problems.append(
+            (Refusal.TOO_LARGE, f"{len(listing.items)} labelled pods on this node; the first {MAX_PODS} are used")
+        )
+    for i, raw in enumerate(listing.items[:MAX_PODS]):
+        try:
+            item = _item_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            problems.append((Refusal.UNDECODABLE, f"pod #{i} of the list is malformed: {shown(str(exc), 200)}"))
+            continue
+        pod_or_problem = _pod(item)
+        if isinstance(pod_or_problem, Pod):
+            pods.append(pod_or_problem)
+        else:
+            problems.append(pod_or_problem)
+    return pods, problems
+
+
+def _pod(item: _PodItem) -> Pod | Problem:
+    m = item.metadata
+    where = f"pod {shown(m.namespace, 60)}/{shown(m.name, 80)}"
+    if _UID_RE.fullmatch(m.uid) is None:
+        return Refusal.INVALID_ID, f"{where}: its uid {shown(m.uid)} is no pod UID"
+    if not m.namespace or not m.name or len(m.namespace) > _MAX_NAME or len(m.name) > _MAX_NAME:
+        return Refusal.TOO_LARGE, f"{where} (uid {m.uid}): its namespace or name is empty or too long"
+    job, group = m.labels.get(LABEL_JOB), m.labels.get(LABEL_GROUP)
+    if job is None:
+        return Refusal.INVALID_ID, f"{where} (uid {m.uid}) has no {LABEL_JOB} label"
+    if len(job) > _MAX_NAME or (group is not None and len(group) > _MAX_NAME):
+        return Refusal.TOO_LARGE, f"{where} (uid {m.uid}): a timeslice label is too long"
+    containers = []
+    for s in item.status.containerStatuses[:MAX_CONTAINERS]:
+        c = _CONTAINER_ID_RE.fullmatch(s.containerID)
+        if c is not None:  # "" while a container is being created
+            containers.append(c.group("id"))
+    phase = item.status.phase if len(item.status.phase) <= 32 else "Unknown"
+    return Pod(
+        uid=m.uid,
+        namespace=m.namespace,
+        name=m.name,
+        job=job,
+        group=group,
+        phase=phase,
+        containers=frozenset(containers),
+    )
+
+
+class KubePodSource:
+    """This node's labelled pods from the Kubernetes API at ``api`` (``https://host:port``, or ``http://`` for a
+    local proxy or a test); ``token_file``: a bearer token, read for every call; ``ca_file``: the CA to verify the
+    server with (None: the system's). ``refused`` counts each pod skipped (by its reason)."""
+
+    def __init__(
+        self,
+        api: str,
+        node_name: str,
+        *,
+        token_file: str | None = None,
+        ca_file: str | None = None,
+        timeout_s: float = 10.0,
+        max_bytes: int = MAX_POD_LIST_BYTES,
+        refused: Callable[[Refusal], None] = lambda code: None,
+    ) -> None:
+        parts = urllib.parse.urlsplit(api)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+            raise ValueError(f"the Kubernetes API URL {api!r} is not http(s)://host[:port][/path]")
+        if _NODE_RE.fullmatch(node_name) is None:
+            raise ValueError(
+                f"{node_name!r} is not a Kubernetes node name (a DNS subdomain: a-z 0-9 . -); give "
+                "--pod-node-name (the DaemonSet passes spec.nodeName)"
+            )
+        if timeout_s <= 0 or max_bytes <= 0:
+            raise ValueError(f"timeout_s ({timeout_s}) and max_bytes ({max_bytes}) must be positive")
+        self._https = parts.scheme == "https"
+        self._host, self._port = parts.hostname, parts.port
+        query = urllib.parse.urlencode({"fieldSelector": f"spec.nodeName={node_name}", "labelSelector": LABEL_JOB})
+        self.path = f"{parts.path.rstrip('/')}/api/v1/pods?{query}"
+        self.url = f"{parts.scheme}://{parts.netloc}{self.path}"
+        self.node_name, self.token_file, self.timeout_s, self.max_bytes = node_name, token_file, timeout_s, max_bytes
+        self._ssl = ssl.create_default_context(cafile=ca_file) if self._https else None
+        self._refused = refused
+
+    @classmethod
+    def in_cluster(
+        cls,
+        node_name: str,
+        *,
+        environ: Mapping[str, str] | None = None,
+        account_dir: str = SERVICE_ACCOUNT_DIR,
+        timeout_s: float = 10.0,
+        refused: Callable[[Refusal], None] = lambda code: None,
+    ) -> KubePodSource:
+        """The API server of the cluster this agent runs in, as its service account sees it (``PodListError`` when
+        it runs in none: no ``KUBERNETES_SERVICE_HOST``, or no service-account token mounted)."""
+        env = os.environ if environ is None else environ
+        host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise PodListError(
+                "(in-cluster)",
+                "$KUBERNETES_SERVICE_HOST is not set: the agent runs in no Kubernetes "
+                "pod; give the API's URL (--pod-api) or run without --pods",
+            )
+        token = f"{account_dir}/token"
+        if not os.path.exists(token):
+            raise PodListError(
+                "(in-cluster)",
+                f"no service-account token at {token}: give the agent's pod a service "
+                "account (deploy/k8s/agent.yaml) with automountServiceAccountToken",
+            )
+        netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return cls(
+            f"https://{netloc}",
+            node_name,
+            token_file=token,
+            ca_file=f"{account_dir}/ca.crt",
+            timeout_s=timeout_s,
+            refused=refused,
+        )
+
+    async def list_pods(self) -> list[Pod]:
+        """This node's labelled pods now. Raises :class:`PodListError` (no answer within the timeout, an HTTP error,
+        no pod list); pods that are malformed are skipped, logged and counted."""
+        try:
+            async with asyncio.timeout(self.timeout_s * 3):  # the call's own deadline is 2x; this is its backstop
+                data = await asyncio.to_thread(self._get)
+        except TimeoutError:
+            raise PodListError(self.url, f"no answer within {self.timeout_s * 3:g} s") from None
+        try:
+            pods, problems = parse_pod_list(data)
+        except ValueError as exc:
+            raise PodListError(self.url, str(exc), status=200) from None
+        for code, message in problems:
+            self._refused(code)
+            log.warning("skipped a pod of the list: %s", message, extra={"refusal": str(code)})
+        return pods
+
+    def _token(self) -> str | None:
+        if self.token_file is None:
+            return None
+        try:
+            with open(self.token_file, "rb") as f:
+                token = f.read(_MAX_TOKEN + 1)
+        except OSError as exc:
+            raise PodListError(self.url, f"the token file {self.token_file} cannot be read: {exc}") from exc
+        if len(token) > _MAX_TOKEN or not token.strip():
+            raise PodListError(self.url, f"the token file {self.token_file} is empty or larger than {_MAX_TOKEN} bytes")
+        return token.decode("ascii", errors="replace").strip()
+
+    def _get(self) -> bytes:
+        """The answer's body (blocking: run in a thread). Every socket operation waits at most ``timeout_s``, and
+        the whole call gives up past twice that."""
+        deadline = time.monotonic() + 2 * self.timeout_s
+        headers = {"Accept": "application/json", "User-Agent": "timeslice-agent"}
+        if (token := self._token()) is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        conn: http.client.HTTPConnection
+        if self._https:
+            conn = http.client.HTTPSConnection(self._host or "", self._port, timeout=self.timeout_s, context=self._ssl)
+        else:
+            conn = http.client.HTTPConnection(self._host or "", self._port, timeout=self.timeout_s)
+        try:
+            conn.request("GET", self.path, headers=headers)
+            resp = conn.getresponse()
+            body = bytearray()
+            while len(body) <= self.max_bytes:
+                if time.monotonic() > deadline:
+                    raise PodListError(
+                        self.url, f"the answer took longer than {2 * self.timeout_s:g} s", status=resp.status
+                    )
+                chunk = resp.read(min(_CHUNK, self.max_bytes + 1 - len(body)))
+                if not chunk:
+                    break
+                body += chunk
+        except PodListError:
+            raise
+        except (OSError, http.client.HTTPException, ssl.SSLError) as exc:
+            raise PodListError(self.url, f"no answer: {exc!r}") from exc
+        finally:
+            conn.close()
+        if resp.status != 200:
+            hint = (
+                (
+                    ": the agent's service account may not list pods (apply deploy/k8s/agent.yaml's ClusterRole and "
+                    "ClusterRoleBinding)"
+                )
+                if resp.status in (401, 403)
+                else ""
+            )
+            raise PodListError(
+                self.url, f"HTTP {resp.status}{hint}: {shown(bytes(body[:300]), 320)}", status=resp.status
+            )
+        if len(body) > self.max_bytes:
+            raise PodListError(self.url, f"the answer is larger than {self.max_bytes} bytes", status=resp.status)
+        return bytes(body)
