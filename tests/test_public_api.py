@@ -87,6 +87,7 @@ PINNED: dict[str, set[str]] = {
     "timeslice_client.integrations.slime": {"ENV", "ROLES", "TURNS", "PhaseCounts", "TimeSliceCallback"},
     "timeslice_client.integrations.verl": {"PHASES", "PhaseCounts", "VerlHolds"},
     "timeslice_orchestrator": {
+        "AdviseError",
         "AuthError",
         "Deposed",
         "EmbeddedNatsError",

@@ -2,6 +2,7 @@
 (:mod:`timeslice_orchestrator.core`) inside thin I/O shells (:mod:`timeslice_orchestrator.service`)."""
 
 from ._errors import (
+    AdviseError,
     AuthError,
     Deposed,
     EmbeddedNatsError,
@@ -19,6 +20,7 @@ from .metrics import OrchestratorMetrics
 from .service import Orchestrator, OrchestratorConfig
 
 __all__ = [
+    "AdviseError",
     "AuthError",
     "Deposed",
     "EmbeddedNatsError",
