@@ -55,6 +55,9 @@ def check_report(rep: dict[str, Any], out: str, backend: str) -> None:
     assert lock["snapshot_p50_ms"] is not None and lock["restore_p50_ms"] is not None
     assert 0 < lock["duty_cycle"] <= 1
     assert len(rep["solo_lock"]) == 2
+    # timeslice advise predicted the shared run from the solo runs, before it ran (its accuracy: test_advise_demo.py)
+    assert rep["predicted_shared_s"] > 0 and rep["predicted_switch_costs"] == "timed by each job", rep
+    assert "predicted shared" in out
     html = Path(rep["html"])
     assert html.is_file() and "<html" in html.read_text(errors="replace")[:2000].lower()
     assert "bit-identical" in out and "back to back" in out and f"timeline: {html}" in out
