@@ -328,7 +328,7 @@ async def test_a_context_in_kv_without_a_proof_is_never_acted_on(nats_url: str, 
         async def running_again() -> bool:  # the agent answers first and stores the state back after
             return bool((await a.jobs())["old"]["state"] == "RUNNING")
 
-        await eventually(running_again, timeout=10, what="the refused job's context RUNNING again")
+        await eventually(running_again, timeout=30, what="the refused job's context RUNNING again")
     finally:
         a.stop()
 
