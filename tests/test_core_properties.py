@@ -3,7 +3,8 @@
 It drives ``apply()`` with random job, control and agent events (acquire, release, renew, cancel,
 ticks and time jumps, registrations, operation results both fresh and late, lost agents) and checks
 after every event: the record invariants (``check_record``), mutual exclusion as the notices tell it,
-strict FIFO among the waiters still waiting, rising grant epochs, no grant to a request that left, no
+the waiters served by priority class with ageing (first come, first served within a class: ``_next_waiter``),
+rising grant epochs, no grant to a request that left, no
 waiter lost without a notice, grants only after every restore succeeded, fencing (late or forged
 operation results change nothing), ``next_deadline`` (nothing expires before it, something does at
 it), idempotence and determinism. Grant on restore: an agent answering a restore while a snapshot of its switch
@@ -57,6 +58,11 @@ from timeslice_orchestrator.invariants import check_record
 from .core_agents import BesideRules, Message, Step, check_contexts, check_run, op_started, pending_epoch, runs_beside
 from .core_sim import JOBS, NODES, SEQ_GAP, T0, G, commands, input_subject, notices, tag
 
+# Most acquires at the default class (first come, first served), some at others, so choices by class and by ageing
+# both come up.
+PRIORITIES = st.sampled_from([0, 0, 0, 0, 0, 1, 5, 9])
+
+
 # --------------------------------------------------------------------------- the state machine
 
 
@@ -71,7 +77,8 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
         self.steps: list[Step] = []
         self.rid_counter = itertools.count(1)
         self.rid_job: dict[str, str] = {}  # every acquire's request id -> its job
-        self.entries: dict[str, tuple[int, str]] = {}  # waiting job -> (enqueue order, request id)
+        # waiting job -> (enqueue order, request id, priority class, enqueued at ms)
+        self.entries: dict[str, tuple[int, str, int, int]] = {}
         self.order = itertools.count(1)
         self.departed: set[str] = set()  # request ids that left: dequeued, refused, superseded
         self.holder: tuple[str, int, str] | None = None  # (job, epoch, request id) per the notices
@@ -184,6 +191,8 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
         self, old: GroupRecord, new: GroupRecord, ev: InputEvent, ns: list[Notice], cmds: list[Any]
     ) -> None:
         pending = (ev.job, ev.request_id) if isinstance(ev, Acquire) else None
+        priority = ev.priority if isinstance(ev, Acquire) else 0
+        chosen_before = old.switch.to.job if old.switch is not None and old.switch.to is not None else None
         resolved = pending is None
 
         def enqueue_pending() -> None:
@@ -193,11 +202,11 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
             resolved = True
             job, rid = pending
             cur = self.entries.get(job)
-            if cur is not None:  # a second acquire replaces the request id, keeping the place
+            if cur is not None:  # a second acquire replaces the request id (and class), keeping the place
                 self.departed.add(cur[1])
-                self.entries[job] = (cur[0], rid)
+                self.entries[job] = (cur[0], rid, priority, cur[3])
             else:
-                self.entries[job] = (next(self.order), rid)
+                self.entries[job] = (next(self.order), rid, priority, self.now)
 
         contended = [n for n in ns if isinstance(n, Contended)]
         for i, n in enumerate(ns):
@@ -245,8 +254,8 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
                     enqueue_pending()
                 entry = self.entries.get(n.job)
                 assert entry is not None and entry[1] == n.request_id, f"{n.job} was not waiting with {n}"
-                ahead = sorted((idx, j) for j, (idx, _) in self.entries.items() if idx < entry[0])
-                assert not ahead, f"FIFO: granted {n.job} while {ahead} waited longer"
+                if n.job != chosen_before:  # chosen in this event (else when its switch began: checked then)
+                    self.check_choice(n.job, chosen_before)
                 del self.entries[n.job]
                 restores = [r for c, r in self.ops.values() if isinstance(c, Restore) and c.epoch == n.epoch]
                 # "dropped": its node's agent was lost while it waited behind a snapshot there, with nothing
@@ -298,6 +307,10 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
                 else:
                     assert n.code in (ErrorCode.NOT_HOLDER, ErrorCode.STALE_EPOCH), n
                     assert isinstance(ev, Release | Renew), (ev, n)
+        chosen = new.switch.to.job if new.switch is not None and new.switch.to is not None else None
+        if chosen is not None and chosen != chosen_before:
+            enqueue_pending()  # (an acquire refused or granted above resolved itself already)
+            self.check_choice(chosen, chosen_before)
         if not resolved:
             assert pending is not None
             assert self.holder is None or self.holder[0] != pending[0], "holder's acquire went unanswered"
@@ -310,11 +323,28 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
         else:
             assert not contended, f"contention notice without a new waiter: {ns}"
 
+    def check_choice(self, job: str, excluded: str | None) -> None:
+        """``job`` was the waiter the group passed to: the highest class plus ageing, then the first to ask."""
+
+        def key(j: str) -> tuple[int, int, int]:
+            order, _, prio, enq = self.entries[j]
+            return (prio + (self.now - enq) // LIMITS.priority_ageing_ms, -enq, -order)
+
+        rivals = [j for j in self.entries if j not in (job, excluded)]
+        better = [j for j in rivals if key(j) > key(job)]
+        assert not better, f"passed to {job} {key(job)} while {[(j, key(j)) for j in better]} came first"
+        event("passed by class" if any(key(j)[1:] > key(job)[1:] for j in rivals) else "passed in order")
+
     def reconcile(self) -> None:
         rec = self.rec
-        waiting = ([rec.switch.to] if rec.switch and rec.switch.to else []) + list(rec.queue)
-        model = [(j, rid) for j, (_, rid) in sorted(self.entries.items(), key=lambda kv: kv[1][0])]
-        assert [(w.job, w.request_id) for w in waiting] == model, "waiters (in FIFO order) differ from the model"
+        to = rec.switch.to if rec.switch and rec.switch.to else None
+        waiting = ([to] if to else []) + list(rec.queue)
+        rest = sorted((kv for kv in self.entries.items() if to is None or kv[0] != to.job), key=lambda kv: kv[1][0])
+        model = ([(to.job, self.entries[to.job][1])] if to and to.job in self.entries else []) + [
+            (j, e[1]) for j, e in rest
+        ]
+        assert [(w.job, w.request_id) for w in waiting] == model, f"waiters (in arrival order) differ from the model: {waiting} {self.entries}"
+        assert [w.priority for w in rec.queue] == [e[2] for _, e in rest], "classes differ from the model"
         if self.holder is None:
             assert rec.holder is None, rec.holder
         else:
@@ -351,15 +381,20 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
         ttl=st.sampled_from([300, 2_000, 5_000, 5_000]),
         confirm=st.sampled_from([300, 1_000, 3_000, 3_000]),
         invalid=st.sampled_from([None] * 12 + ["lease_ms", "waiter_ttl_ms", "confirm_ms", "timeout_ms"]),
+        priority=PRIORITIES,
     )
-    def acquire(self, job: str, lease: int, timeout: int, ttl: int, confirm: int, invalid: str | None) -> None:
-        kw: dict[str, Any] = dict(lease_ms=lease, timeout_ms=timeout, waiter_ttl_ms=ttl, confirm_ms=confirm)
+    def acquire(
+        self, job: str, lease: int, timeout: int, ttl: int, confirm: int, invalid: str | None, priority: int
+    ) -> None:
+        kw: dict[str, Any] = dict(
+            lease_ms=lease, timeout_ms=timeout, waiter_ttl_ms=ttl, confirm_ms=confirm, priority=priority
+        )
         if invalid is not None:
             kw[invalid] = {"lease_ms": 10, "waiter_ttl_ms": 10**9, "confirm_ms": 1, "timeout_ms": -1}[invalid]
         self.step(Acquire(group=G, job=job, request_id=self.fresh_rid(job), **kw))
 
-    @rule(job=st.sampled_from(JOBS))
-    def acquire_patient(self, job: str) -> None:
+    @rule(job=st.sampled_from(JOBS), priority=PRIORITIES)
+    def acquire_patient(self, job: str, priority: int = 0) -> None:
         """A waiter that stays: long timeout, long liveness window, long confirmation window."""
         self.step(
             Acquire(
@@ -370,6 +405,7 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
                 timeout_ms=600_000,
                 waiter_ttl_ms=120_000,
                 confirm_ms=60_000,
+                priority=priority,
             )
         )
 
@@ -442,11 +478,11 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
         if self.holder is not None:
             job, epoch, rid = self.holder
             self.step(Renew(group=G, job=job, request_id=rid, epoch=epoch))
-        for job, (_, rid) in sorted(self.entries.items()):
+        for job, (_, rid, _, _) in sorted(self.entries.items()):
             self.step(Renew(group=G, job=job, request_id=rid))
 
     def some_rid(self, data: st.DataObject) -> str | None:
-        rids = [rid for _, rid in self.entries.values()]
+        rids = [e[1] for e in self.entries.values()]
         if self.holder is not None:
             rids.append(self.holder[2])
         rids += sorted(self.rid_job)[-2:]

@@ -40,6 +40,7 @@ from .handlers import WorkloadHandler
 from .protocol import (
     DEFAULT_OP_TIMEOUT_MS,
     GROUPS_BUCKET,
+    MAX_PRIORITY,
     Acquire,
     Cancel,
     Contended,
@@ -85,6 +86,9 @@ class AsyncTimeSliceClient(MultiGroupCalls):
     ``bind_process`` (on by default): the first acquire binds this process to its node's agent (``node_id``:
     ``$TIMESLICE_NODE_ID`` or the host name) when one runs here, so a job without a handler gets its GPU state
     moved by the node's default backend (the driver checkpoint); a registered handler stays the job's.
+
+    ``priority``: this job's class among the group's waiters, 0 (default) to ``MAX_PRIORITY``, higher first, each
+    waiter's rising by one per minute waited (``docs/scheduling.md``, "Priorities"; cooperative: any job may ask any).
     """
 
     def __init__(
@@ -101,9 +105,11 @@ class AsyncTimeSliceClient(MultiGroupCalls):
         connect_timeout: float = 5.0,
         fast_reacquire: bool = True,
         nc: NATS | None = None, creds: CredsPath | None = None, tls: TlsOption | None = None,
-        bind_process: bool = True, node_id: str | None = None,
+        bind_process: bool = True, node_id: str | None = None, priority: int = 0,
     ) -> None:
-        self.job_id = validate_id("job", job_id)
+        self.job_id, self.priority = validate_id("job", job_id), priority
+        if not 0 <= priority <= MAX_PRIORITY:
+            raise InvalidRequest(f"priority must be a class from 0 to {MAX_PRIORITY}, not {priority}")
         self.group_id = validate_id("group", group_id)
         # Checked now (InvalidNatsUrl), and where it came from kept for the error when nobody answers there.
         self._url = resolve_nats_url(nats_url) if nc is None or nats_url else None
@@ -293,7 +299,8 @@ class AsyncTimeSliceClient(MultiGroupCalls):
                 raise AcquireTimeout(self.group_id, self.job_id, timeout, await self._holder_or_none())
             await self._publish(
                 Acquire(group=self.group_id, job=self.job_id, request_id=rid, lease_ms=self.lease_ms,
-                        timeout_ms=int(left * 1000), waiter_ttl_ms=self.waiter_ttl_ms, confirm_ms=self.confirm_ms),
+                        timeout_ms=int(left * 1000), waiter_ttl_ms=self.waiter_ttl_ms, confirm_ms=self.confirm_ms,
+                        priority=self.priority),
                 msg_id=rid,
             )
             # Renewed only once the stream stored the acquire: a renewal stored before it (the acquire's publish

@@ -11,6 +11,7 @@ import msgspec
 
 __all__ = [
     "DEFAULT_OP_TIMEOUT_MS",
+    "MAX_PRIORITY",
     "Count",
     "Elapsed",
     "Id",
@@ -32,6 +33,7 @@ MAX_TEXT: Final = 2048  # characters of an error text on the wire
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]  # error texts
 Ms = Annotated[int, msgspec.Meta(ge=-(2**53), le=2**53)]  # any time or duration in ms: far from int64's edge
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+MAX_PRIORITY: Final = 9  # the highest priority class of an acquire (``Acquire.priority``); 0 is the default
 DEFAULT_OP_TIMEOUT_MS: Final = 120_000  # one agent operation's budget unless the job registers another
 OpTimeoutMs = Annotated[int, msgspec.Meta(ge=1, le=7 * 24 * 3600 * 1000)]  # at most a week
 Elapsed = Annotated[float, msgspec.Meta(ge=0, le=1e12)]  # no NaN, no infinity

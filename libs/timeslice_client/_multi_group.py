@@ -120,6 +120,7 @@ def sibling(owner: AsyncTimeSliceClient, group: str) -> AsyncTimeSliceClient:
         nc=owner._nc,
         bind_process=False,
         node_id=owner.node_id,
+        priority=owner.priority,
     )
     sib._groups = owner._groups
     return sib

@@ -43,7 +43,8 @@ class TimeSliceClient:
     bus), ``waiter_ttl_seconds`` (a wait is dropped when not renewed for this long), ``confirm_seconds``,
     ``connect_timeout``, ``fast_reacquire`` (claims: a re-acquire right after a release nobody waited for returns at
     the stream's PubAck), ``creds`` and ``tls`` (found by ``bus.connect`` when None), ``bind_process`` and ``node_id``
-    (the first acquire binds this process to its node's agent). Not ``nc``: a connection belongs to the loop it was
+    (the first acquire binds this process to its node's agent), ``priority`` (this job's class among the group's
+    waiters, 0 to 9: docs/scheduling.md). Not ``nc``: a connection belongs to the loop it was
     made on, and this client's loop is its own.
     """
 
@@ -64,12 +65,13 @@ class TimeSliceClient:
         tls: TlsOption | None = None,
         bind_process: bool = True,
         node_id: str | None = None,
+        priority: int = 0,
     ) -> None:
         self._client = AsyncTimeSliceClient(
             job_id, group_id, nats_url, lease_seconds, acquire_timeout=acquire_timeout,
             request_timeout=request_timeout, waiter_ttl_seconds=waiter_ttl_seconds, confirm_seconds=confirm_seconds,
             connect_timeout=connect_timeout, fast_reacquire=fast_reacquire, creds=creds, tls=tls,
-            bind_process=bind_process, node_id=node_id)
+            bind_process=bind_process, node_id=node_id, priority=priority)
         self._loop = SharedLoop(f"timeslice-{job_id}")
         self._loop.start()
         self._closed = False

@@ -33,7 +33,20 @@ from typing import Annotated, Final, Literal, cast
 import msgspec
 
 from ._agent_info import MAX_JOB_PARTS, AgentInfo, DeviceInfo, JobContext, JobPart, ProcessOwner
-from ._bounds import DEFAULT_OP_TIMEOUT_MS, Count, Elapsed, Id, Ms, Name, OpId, OpTimeoutMs, Reason, RequestId, Text
+from ._bounds import (
+    DEFAULT_OP_TIMEOUT_MS,
+    MAX_PRIORITY,
+    Count,
+    Elapsed,
+    Id,
+    Ms,
+    Name,
+    OpId,
+    OpTimeoutMs,
+    Reason,
+    RequestId,
+    Text,
+)
 from ._codes import DequeueCode, ErrorCode, GroupState, JobState, OpKind, RevokeCode, SuspendMode
 from ._names import subjects, validate_id
 
@@ -43,6 +56,7 @@ __all__ = [
     "GROUPS_BUCKET",
     "JOBS_BUCKET",
     "MAX_JOB_PARTS",
+    "MAX_PRIORITY",
     "STREAM",
     "STREAM_SUBJECTS",
     "Acquire",
@@ -141,6 +155,10 @@ class Acquire(_Msg, frozen=True, tag="acquire"):
     waiter_ttl_ms: Ms = 5_000
     confirm_ms: Ms = 3_000
     claim_epoch: Count | None = None
+    # The job's priority class, 0 (the default) to MAX_PRIORITY: when the group passes on, the waiter with the highest
+    # class plus one per ``Limits.priority_ageing_ms`` it has waited goes first (ties: who asked first), so no waiter
+    # starves; all at 0 is first come, first served (docs/scheduling.md, "Priorities").
+    priority: Annotated[int, msgspec.Meta(ge=0, le=MAX_PRIORITY)] = 0
 
 
 class Release(_Msg, frozen=True, tag="release"):
@@ -485,6 +503,7 @@ class WaiterRecord(_Rec, frozen=True):
     # A fresh liveness window was given, once, because the check that found this wait silent came too late to tell
     # silence from a lock that could not hear (``Limits.deaf_after_ms``); a renewal clears it.
     forgiven: bool = False
+    priority: int = 0  # the acquire's priority class (``Acquire.priority``)
 
 
 class OpRecord(_Rec, frozen=True):

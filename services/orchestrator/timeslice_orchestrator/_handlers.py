@@ -78,6 +78,7 @@ def _on_acquire(w: Work, ev: Acquire) -> None:
         lease_ms=ev.lease_ms,
         waiter_ttl_ms=ev.waiter_ttl_ms,
         confirm_ms=ev.confirm_ms,
+        priority=ev.priority,
     )
     sw = w.switch
     if sw is not None and sw.to is not None and sw.to.job == ev.job:

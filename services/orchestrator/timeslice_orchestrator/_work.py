@@ -31,6 +31,8 @@ from timeslice_client.protocol import (
     WaiterRecord,
 )
 
+from ._next_waiter import next_waiter
+
 __all__ = ["LIMITS", "Action", "Command", "Limits", "Notify", "Transition", "Work"]
 
 
@@ -71,6 +73,9 @@ class Limits(msgspec.Struct, frozen=True):
     # the stream meanwhile (an election of its leader, no orchestrator to publish ticks), so its renewals may have
     # been lost with everything else. It gets one fresh window rather than being dropped (``WaiterRecord.forgiven``).
     deaf_after_ms: int = 1_000
+    # A waiter's priority class rises by one for each this long it has waited (``_next_waiter``): a waiter of class 0
+    # overtakes newer ones of class 9 after 9 of these.
+    priority_ageing_ms: int = 60_000
 
 
 LIMITS = Limits()
@@ -354,7 +359,7 @@ class Work:
                 continue
             if self.holder is not None or not self.queue or self.trailing is not None:
                 return  # (no switch while snapshots trail: its restores would make a third context)
-            wr = self.queue.pop(0)
+            wr = self.queue.pop(next_waiter(self.queue, self.now, self.limits.priority_ageing_ms))
             self.touch("next waiter")
             if wr.job in self.faulted:
                 self.refuse(wr.job, wr.request_id, ErrorCode.JOB_FAULTED, self.faulted[wr.job])
