@@ -41,7 +41,8 @@
 
 Every error carries the values that explain it as attributes and says in its message what to do. Foreign errors
 (nats-py's, grpc's, the OS's) are translated by type where they are met: ``_publish_rules`` and ``bus`` into
-``Unavailable`` / ``BusUnreachable``, ``agent_client`` into ``AgentError``. The gRPC shims' door (``_grpc.guard``,
+``Unavailable`` / ``BusUnreachable``, ``agent_client`` (by gRPC status code) into ``Unavailable``, ``InvalidRequest``,
+``OperationNotFound`` or ``AgentError``, each ``from`` grpc's error. The gRPC shims' door (``_grpc.guard``,
 ``_grpc.identity``, which re-export their errors from here) answers a ``CallerRefused`` with UNAUTHENTICATED or
 PERMISSION_DENIED. The services' trees hang below the root: ``timeslice_orchestrator.OrchestratorError`` and
 ``timeslice_agent.AgentServiceError``.
