@@ -37,7 +37,7 @@ import time
 from collections.abc import AsyncIterator, Coroutine, Iterable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -48,6 +48,7 @@ from ._agent_socket import ProofUnavailable, prove
 from ._bounds import MAX_TEXT
 from ._prompt import DEFAULT_SWITCH_INTERVAL, prompt_threads
 from ._responder import Responder
+from ._workload_options import WORKLOAD_KEYS, ClientWorkloadOptions, WorkloadOptions, check_options
 from .bus import CredsPath, TlsOption, connect, identity_of, parse_servers
 from .errors import AgentRefused, HandlerError, InvalidRequest, TimeSliceError, Unavailable
 from .handlers import HandlerResult, WorkloadHandler
@@ -64,7 +65,7 @@ from .protocol import (
     validate_id,
 )
 
-__all__ = ["WorkloadChannel", "default_node_id", "register_workload"]
+__all__ = ["ClientWorkloadOptions", "WorkloadChannel", "WorkloadOptions", "default_node_id", "register_workload"]
 
 log = logging.getLogger("timeslice.workload")
 
@@ -498,36 +499,20 @@ async def register_workload(
     group_id: str,
     handler: WorkloadHandler,
     *,
-    mode: SuspendMode | str = SuspendMode.OFFLOAD,
-    tags: Iterable[str] = (),
-    node_id: str | None = None,
     nats_url: str | None = None,
-    backends: Iterable[str] = ("app_channel",),
-    pids: Iterable[int] | None = None,
-    pgid: int | None = None,
-    op_timeout: float = DEFAULT_OP_TIMEOUT_MS / 1000,
-    endpoints: Iterable[str] = (),
-    switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
     agent_socket: str | None = None,
     creds: CredsPath | None = None,
     tls: TlsOption | None = None,
+    **options: Unpack[WorkloadOptions],
 ) -> WorkloadChannel:
     """Register this process with its node's agent; its own NATS connection (``creds``/``tls``: its identity; None:
-    as ``bus.connect`` finds it), closed by ``close()``.
-
-    ``pids``/``pgid`` name the processes a process-level backend (``freeze``) stops; they default to
-    this process, which suits ``app_channel`` (liveness) but not ``freeze`` of the process that calls
-    ``acquire``. They must be this process, its descendants or its own process group, running as its uid: the
-    agent checks that against what its socket (``agent_socket``, see ``WorkloadChannel``) says this process is,
-    and refuses the rest (:class:`AgentRefused`). ``switch_interval``: the process's GIL switch interval (seconds,
-    at most) while it answers a suspend or resume (and, through a client, from the job's release until then), so a
-    main thread busy in Python does not hold up the handler; ``None`` leaves it alone. A channel registered here
-    never suspends early: only a client knows when its job releases (see ``AsyncTimeSliceClient.register_workload``)."""
+    as ``bus.connect`` finds it), closed by ``close()``. ``agent_socket``: see ``WorkloadChannel``; ``options``:
+    :class:`WorkloadOptions`. A channel registered here never suspends early: only a client knows when its job
+    releases (see ``AsyncTimeSliceClient.register_workload``)."""
+    check_options(options, WORKLOAD_KEYS, "register_workload")
     nc = await connect(nats_url, name=f"timeslice-workload-{job_id}", creds=creds, tls=tls)
-    channel = WorkloadChannel(nc, job_id, group_id, handler, node_id=node_id, mode=mode, tags=tags,
-                              backends=backends, pids=pids, pgid=pgid, op_timeout=op_timeout,
-                              own_connection=True, endpoints=endpoints, switch_interval=switch_interval,
-                              agent_socket=agent_socket)
+    channel = WorkloadChannel(nc, job_id, group_id, handler, own_connection=True, agent_socket=agent_socket,
+                              **options)
     try:
         return await channel.start()
     except BaseException:
