@@ -74,7 +74,7 @@ from ._peer import PeerServer
 from ._pod_discovery import PodDiscovery, pod_source_for
 from ._pods import PodSource
 from ._requests import Requests, log_refusal
-from ._room import RestoreOrder
+from ._restore_overlap import RestoreOrder
 from ._standalone import OpSettings, check_idle, run_context, standalone_context
 from ._untrusted import Refusal, Refused, cap, check_command, check_id, check_registration, refusal_result, shown
 from .backends import OpContext, Outcome, acts_on_processes, make_backend
