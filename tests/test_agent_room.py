@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 from timeslice_agent._host import _kib, host_memory
-from timeslice_agent._ordering import RunningOps
 from timeslice_agent._restore_overlap import RestoreOrder, fits, free_device_bytes, restore_size
+from timeslice_agent._running_ops import RunningOps
 from timeslice_client.protocol import JobContext, JobState, Restore
 
 GiB = 1 << 30

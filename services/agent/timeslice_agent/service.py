@@ -68,13 +68,13 @@ from ._job_parts import all_backends, views, without_dead
 from ._jobbook import JobBook, now_ms
 from ._nvml import GpuSource, gpu_source, gpu_source_error
 from ._op_rules import Answer, decide, settle
-from ._ordering import RunningOps
 from ._ownership import ProcessGuard, ProcFS
 from ._peer import PeerServer
 from ._pod_discovery import PodDiscovery, pod_source_for
 from ._pods import PodSource
 from ._requests import Requests, log_refusal
 from ._restore_overlap import RestoreOrder
+from ._running_ops import RunningOps
 from ._standalone import OpSettings, check_idle, run_context, standalone_context
 from ._untrusted import Refusal, Refused, cap, check_command, check_id, check_registration, refusal_result, shown
 from .backends import OpContext, Outcome, acts_on_processes, make_backend
