@@ -63,9 +63,9 @@ from ._compose import Step, perform_parts
 from ._config import AgentConfig
 from ._heartbeat import Heartbeat
 from ._host import alive
+from ._job_book import JobBook, now_ms
 from ._job_locks import JobLocks
 from ._job_parts import all_backends, views, without_dead
-from ._jobbook import JobBook, now_ms
 from ._nvml import GpuSource, gpu_source, gpu_source_error
 from ._op_rules import Answer, decide, settle
 from ._ownership import ProcessGuard, ProcFS
