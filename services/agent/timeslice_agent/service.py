@@ -59,7 +59,7 @@ from timeslice_client.protocol import (
 from timeslice_client.workload import default_node_id
 
 from . import _stored as stored
-from ._compose import Step, perform_parts
+from ._backend_chain import Step, perform_parts
 from ._config import AgentConfig
 from ._heartbeat import Heartbeat
 from ._host import alive
@@ -573,7 +573,7 @@ class Agent:
     async def _perform_watched(
         self, ctx: JobContext, op: OpContext, kind: OpKind, before: JobState, asked: OpSettings | None
     ) -> tuple[JobState, str | None, Outcome] | None:
-        """Run the job's composed backends (``_compose.perform``), every part of it at once (``_job_parts``), with
+        """Run the job's composed backends (``_backend_chain.perform``), every part of it at once (``_job_parts``), with
         the request's own settings (``asked``), while watching its processes: ``None`` when they all exited before
         the operation finished (it is cancelled then, not waited out)."""
         assert self._nc is not None
