@@ -43,11 +43,11 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from . import _prompt
+from . import _switch_interval
 from ._agent_socket import ProofUnavailable, prove
 from ._bounds import MAX_TEXT
-from ._prompt import DEFAULT_SWITCH_INTERVAL, prompt_threads
 from ._responder import Responder
+from ._switch_interval import DEFAULT_SWITCH_INTERVAL, prompt_threads
 from ._workload_options import WORKLOAD_KEYS, ClientWorkloadOptions, WorkloadOptions, check_options
 from .bus import CredsPath, TlsOption, connect, identity_of, parse_servers
 from .errors import AgentRefused, HandlerError, InvalidRequest, TimeSliceError, Unavailable
@@ -314,7 +314,7 @@ class WorkloadChannel:
         with self._gate:
             if self.switch_interval is None or self._armed or self._closed:
                 return
-            _prompt.lower(self.switch_interval)
+            _switch_interval.lower(self.switch_interval)
             self._armed = True
 
     def disarm(self) -> None:
@@ -322,7 +322,7 @@ class WorkloadChannel:
         with self._gate:
             if self._armed:
                 self._armed = False
-                _prompt.restore()
+                _switch_interval.restore()
 
     def suspend_early(self) -> bool:
         """The job released the group while another job waits for it, so the agent's suspend is on its way:
@@ -436,7 +436,7 @@ class WorkloadChannel:
             log.warning("ignored a %s command for another registration of the job", cmd.action,
                         extra={"job": self.job_id, "group": self.group_id, "node": self.node_id, "op_id": cmd.op_id})
             return
-        # A main thread busy in Python would make each step below wait up to 5 ms for the GIL (see _prompt).
+        # A main thread busy in Python would make each step below wait up to 5 ms for the GIL (see _switch_interval).
         with prompt_threads(self.switch_interval):
             answer = await self._answer(cmd)
             await msg.respond(encode(answer))
