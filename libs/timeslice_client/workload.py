@@ -14,8 +14,8 @@ reachable from here) only backends that touch no process register (``app_channel
 The agent then snapshots this job by asking it (``ts.rpc.workload.<node>.<job>``) to ``suspend``
 and restores it with ``resume``. Only the node's agent may publish there (the bus's permissions): that, not
 anything in the message, is why the channel obeys it. The channel answers on a thread of its own, with its own
-event loop and NATS connection (``_responder``), and runs the handler there: the job's own event loop and threads are
-not involved, and the reply leaves as soon as the handler returns.
+event loop and NATS connection (``_channel_thread``), and runs the handler there: the job's own event loop and
+threads are not involved, and the reply leaves as soon as the handler returns.
 
 Early suspend: a channel registered through a client (``AsyncTimeSliceClient.register_workload``) begins its
 suspend at the job's release when the orchestrator has told the job that another job waits (``Contended``),
@@ -46,7 +46,7 @@ from nats.aio.msg import Msg
 from . import _switch_interval
 from ._agent_socket import ProofUnavailable, prove
 from ._bounds import MAX_TEXT
-from ._responder import Responder
+from ._channel_thread import Responder
 from ._switch_interval import DEFAULT_SWITCH_INTERVAL, prompt_threads
 from ._workload_options import WORKLOAD_KEYS, ClientWorkloadOptions, WorkloadOptions, check_options
 from .bus import CredsPath, TlsOption, connect, identity_of, parse_servers
