@@ -67,7 +67,7 @@ def _responder_rows(url: str, n: int, gap: float, fast: bool | None) -> dict[str
     """Each hop timed: call -> the coroutine starts, the coroutine, its end -> the caller has the outcome. ``fast``:
     the loop-thread facade of before on uvloop (True) or asyncio's loop (False); None: the shared loop."""
     from timeslice_client import AsyncTimeSliceClient
-    from timeslice_client._responder import Responder
+    from timeslice_client._channel_thread import Responder
     from timeslice_client._shared_loop import SharedLoop
 
     rows: dict[str, list[float]] = {}

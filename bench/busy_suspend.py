@@ -66,7 +66,7 @@ def _in_thread(fn: Callable[[], Any]) -> float:
 def measure(tensors: int, tensor_kib: int, reps: int, device: str = "cpu") -> dict[str, Any]:
     import torch
     from timeslice_client import SuspendMode
-    from timeslice_client._prompt import DEFAULT_SWITCH_INTERVAL, prompt_threads
+    from timeslice_client._switch_interval import DEFAULT_SWITCH_INTERVAL, prompt_threads
     from timeslice_client.torch_offload import TorchOffloadHandler
 
     per = tensor_kib * 1024 // 4
@@ -106,7 +106,7 @@ CHANNEL_CONDITIONS = ("idle", "busy, left alone", "busy, lowered per command", "
 async def _job(url: str, busy: bool, condition: str) -> None:
     """A job process: a do-nothing handler behind the workload channel, a thread spinning in Python if ``busy``."""
     from timeslice_client import HandlerResult
-    from timeslice_client._prompt import DEFAULT_SWITCH_INTERVAL
+    from timeslice_client._switch_interval import DEFAULT_SWITCH_INTERVAL
     from timeslice_client.workload import register_workload
 
     class Nothing:

@@ -1,4 +1,4 @@
-"""``_compose.until_exited``: an operation runs in the calling task (so its first request leaves with the
+"""``_backend_chain.until_exited``: an operation runs in the calling task (so its first request leaves with the
 caller's writes) and ends as soon as the job's processes are gone, without swallowing other cancellations."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from timeslice_agent._compose import until_exited
+from timeslice_agent._backend_chain import until_exited
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""When the agent lets a restore start beside the snapshots it follows (``_room.RestoreOrder``): the rules,
+"""When the agent lets a restore start beside the snapshots it follows (``_restore_overlap.RestoreOrder``): the rules,
 the reservation of memory while overlapped restores run, and the free-memory reading on this host."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 from timeslice_agent._host import _kib, host_memory
-from timeslice_agent._ordering import RunningOps
-from timeslice_agent._room import RestoreOrder, fits, free_device_bytes, restore_size
+from timeslice_agent._restore_overlap import RestoreOrder, fits, free_device_bytes, restore_size
+from timeslice_agent._running_ops import RunningOps
 from timeslice_client.protocol import JobContext, JobState, Restore
 
 GiB = 1 << 30

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 import pytest
-from timeslice_agent._compose import perform
+from timeslice_agent._backend_chain import perform
 from timeslice_agent._cuda import CudaBackend, CudaPythonDriver, DriverError, ProcessState, UnknownProcessState
 from timeslice_agent._nvml import GpuAccounting
 from timeslice_client.protocol import JobState, OpKind

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 from timeslice_client import AsyncTimeSliceClient, TimeSliceClient
-from timeslice_client._responder import Responder
+from timeslice_client._channel_thread import Responder
 
 from .helpers import eventually_sync
 from .tcp_proxy import TcpProxy

@@ -1,4 +1,5 @@
-"""A workload answers a suspend promptly while its main thread is busy in Python (``timeslice_client._prompt``).
+"""A workload answers a suspend promptly while its main thread is busy in Python
+(``timeslice_client._switch_interval``).
 
 CPython gives the GIL back to a thread that released it (a socket read, a torch copy, a sleep) only every
 switch interval, 5 ms by default, when another thread runs Python all the while. The workload channel lowers
@@ -18,7 +19,7 @@ import msgspec
 import pytest
 from timeslice_agent import Agent, AgentConfig
 from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
-from timeslice_client._prompt import DEFAULT_SWITCH_INTERVAL, prompt_threads
+from timeslice_client._switch_interval import DEFAULT_SWITCH_INTERVAL, prompt_threads
 from timeslice_client.bus import connect
 from timeslice_client.protocol import WorkloadCommand, WorkloadReply, encode, subjects
 from timeslice_client.workload import register_workload

@@ -1,4 +1,4 @@
-"""The workload channel answers on a thread of its own (``timeslice_client._responder``): its own event loop and
+"""The workload channel answers on a thread of its own (``timeslice_client._channel_thread``): its own event loop and
 NATS connection, the handler run right there. The job's event loop stays free while a handler runs, a command
 and a suspend begun at the release never run the handler at the same time, and ``close()`` ends the thread."""
 
@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 from timeslice_client import HandlerResult, SuspendMode, Unavailable, WorkloadChannel
-from timeslice_client._responder import Responder
+from timeslice_client._channel_thread import Responder
 from timeslice_client.bus import connect
 from timeslice_client.protocol import WorkloadCommand, WorkloadReply, encode, subjects
 

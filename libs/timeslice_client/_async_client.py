@@ -9,7 +9,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Iterable
 from types import TracebackType
-from typing import Any, overload
+from typing import Any, Unpack, overload
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -23,9 +23,9 @@ from ._group_reads import groups_kv, read_record
 from ._hold_scope import AsyncHold, AsyncScopes
 from ._keeper import keep
 from ._multi_group import AsyncMultiHold, JobGroups, MultiGroupCalls, sibling
-from ._prompt import DEFAULT_SWITCH_INTERVAL
 from ._publish_rules import publish_stored, request_id
 from ._refusals import refusal_error
+from ._workload_options import CLIENT_WORKLOAD_KEYS, ClientWorkloadOptions, check_options
 from .bus import CredsPath, TlsOption, connect, default_nats_url, kv_keys, resolve_nats_url
 from .errors import (
     AcquireCancelled,
@@ -38,7 +38,6 @@ from .errors import (
 )
 from .handlers import WorkloadHandler
 from .protocol import (
-    DEFAULT_OP_TIMEOUT_MS,
     GROUPS_BUCKET,
     MAX_PRIORITY,
     Acquire,
@@ -53,7 +52,6 @@ from .protocol import (
     Release,
     Released,
     Revoked,
-    SuspendMode,
     decode_notice,
     encode,
     is_group_key,
@@ -445,37 +443,18 @@ class AsyncTimeSliceClient(MultiGroupCalls):
             self._pending.pop(rid, None)
 
     async def register_workload(
-        self,
-        handler: WorkloadHandler,
-        *,
-        mode: SuspendMode | str = SuspendMode.OFFLOAD,
-        tags: Iterable[str] = (),
-        node_id: str | None = None,
-        backends: Iterable[str] = ("app_channel",),
-        pids: Iterable[int] | None = None,
-        pgid: int | None = None,
-        op_timeout: float = DEFAULT_OP_TIMEOUT_MS / 1000,
-        endpoints: Iterable[str] = (),
-        switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
-        early_suspend: bool = True,
-        group_id: str | None = None,
+        self, handler: WorkloadHandler, *, group_id: str | None = None, **options: Unpack[ClientWorkloadOptions]
     ) -> WorkloadChannel:
         """Register this process with its node's agent so a switch moves its state (see ``handlers``); in group
         ``group_id`` (default: the client's own), which may be another of this job's (docs/multi-pool.md).
-        ``endpoints`` name the serving engines of backend ``app_endpoint`` (``"vllm+http://host:port"``,
-        ``"sglang+http://host:port"``). ``switch_interval``: the process's GIL switch interval (seconds, at
-        most) from this job's release until its next command is answered (or it acquires again), so a main
-        thread busy in Python does not hold up the suspend (``None``: left alone; see docs/backends.md).
-        ``early_suspend``: begin the suspend at a release that another job waits for, rather than at the agent's
-        command (see ``release()``; docs/backends.md, "Early suspend"). The channel is closed (unregistered)
-        with the client."""
+        ``options``: :class:`~timeslice_client.workload.ClientWorkloadOptions`. The channel is closed
+        (unregistered) with the client."""
+        check_options(options, CLIENT_WORKLOAD_KEYS, "register_workload")
         c = self if group_id is None or group_id == self.group_id else await self._groups.member(group_id)
         await c.connect()
         assert c._nc is not None
-        channel = WorkloadChannel(c._nc, self.job_id, c.group_id, handler, node_id=node_id, mode=mode,
-                                  tags=tags, backends=backends, pids=pids, pgid=pgid, op_timeout=op_timeout,
-                                  request_timeout=self.request_timeout, endpoints=endpoints,
-                                  switch_interval=switch_interval, early_suspend=early_suspend)
+        channel = WorkloadChannel(c._nc, self.job_id, c.group_id, handler, request_timeout=self.request_timeout,
+                                  **options)
         await channel.start()
         c._channels.append(channel)
         return channel

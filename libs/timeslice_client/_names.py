@@ -1,14 +1,17 @@
-"""Ids and subjects: the rule every group/job/node id follows, and the builders that put ids into subjects
-(re-exported by :mod:`timeslice_client.protocol`, where the subject layout is described)."""
+"""Ids and subjects: the rule every group/job/node id follows, the builders that put ids into subjects
+(re-exported by :mod:`timeslice_client.protocol`, where the subject layout is described), and beside them the
+parsing back: NATS subject matching (:func:`subject_matches`) and the (group, job) an input subject names
+(:func:`route`). The orchestrator's ``_subjects`` checks a payload against its subject with them."""
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Final
 
 from .errors import InvalidId
 
-__all__ = ["AGENT_JOB_VERBS", "AGENT_NODE_VERBS", "subjects", "validate_id"]
+__all__ = ["AGENT_JOB_VERBS", "AGENT_NODE_VERBS", "route", "subject_matches", "subjects", "validate_id"]
 
 _ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 AGENT_JOB_VERBS: Final = ("register", "unregister")  # ts.rpc.agent.<node>.<verb>.<job>
@@ -94,3 +97,28 @@ class _Subjects:
 
 
 subjects: Final = _Subjects()
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` matches one token, a final ``>`` one or more."""
+    p = pattern.split(".")
+    s = subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(s) == len(p)
+
+
+@functools.lru_cache(maxsize=16_384)  # on the hot path; a subject's answer never changes (errors are not cached)
+def route(subject: str) -> tuple[str, str | None]:
+    """(group, job) named by an input subject; raises ValueError for a subject we do not serve."""
+    t = subject.split(".")
+    if len(t) == 6 and t[2] == "job":
+        return validate_id("group", t[3]), validate_id("job", t[4])
+    if len(t) == 5 and t[2] == "ctl":
+        return validate_id("group", t[3]), None
+    if len(t) == 6 and t[2] == "agent" and t[4] == "evt":
+        return validate_id("group", t[5]), None
+    raise ValueError(f"not an input subject: {subject!r}")

@@ -6,17 +6,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Coroutine, Iterable, Iterator
 from types import TracebackType
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, Unpack, overload
 
 from ._async_client import AsyncTimeSliceClient, Grant, ReleaseResult
 from ._hold_scope import SyncHold, SyncScopes
 from ._multi_group import SyncGroups, SyncMultiHold
-from ._prompt import DEFAULT_SWITCH_INTERVAL
 from ._shared_loop import CallTimeout, LoopClosed, SharedLoop
+from ._workload_options import CLIENT_WORKLOAD_KEYS, ClientWorkloadOptions, check_options
 from .bus import CredsPath, TlsOption
 from .errors import TimeSliceError, Unavailable
 from .handlers import WorkloadHandler
-from .protocol import DEFAULT_OP_TIMEOUT_MS, GroupRecord, SuspendMode
+from .protocol import GroupRecord
 from .workload import WorkloadChannel
 
 __all__ = ["TimeSliceClient"]
@@ -169,28 +169,14 @@ class TimeSliceClient:
         return self._run(self._client.list_groups(), self._margin(self._client.request_timeout))
 
     def register_workload(
-        self,
-        handler: WorkloadHandler,
-        *,
-        mode: SuspendMode | str = SuspendMode.OFFLOAD,
-        tags: Iterable[str] = (),
-        node_id: str | None = None,
-        backends: Iterable[str] = ("app_channel",),
-        pids: Iterable[int] | None = None,
-        pgid: int | None = None,
-        op_timeout: float = DEFAULT_OP_TIMEOUT_MS / 1000,
-        endpoints: Iterable[str] = (),
-        switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
-        early_suspend: bool = True,
-        group_id: str | None = None,
+        self, handler: WorkloadHandler, *, group_id: str | None = None, **options: Unpack[ClientWorkloadOptions]
     ) -> WorkloadChannel:
         """Register this process with its node's agent so a switch moves its state; see
-        :meth:`AsyncTimeSliceClient.register_workload` for the options. The handler runs on the channel's own
-        thread; the channel is closed with the client. ``group_id``: in another group of this job's."""
-        coro = self._client.register_workload(
-            handler, mode=mode, tags=tags, node_id=node_id, backends=backends, pids=pids, pgid=pgid,
-            op_timeout=op_timeout, endpoints=endpoints, switch_interval=switch_interval, early_suspend=early_suspend,
-            group_id=group_id)
+        :meth:`AsyncTimeSliceClient.register_workload` (``options``:
+        :class:`~timeslice_client.workload.ClientWorkloadOptions`). The handler runs on the channel's own thread;
+        the channel is closed with the client. ``group_id``: in another group of this job's."""
+        check_options(options, CLIENT_WORKLOAD_KEYS, "register_workload")
+        coro = self._client.register_workload(handler, group_id=group_id, **options)
         return self._run(coro, self._margin(2 * self._client.request_timeout))
 
     @overload

@@ -235,7 +235,7 @@ class SnapshotAgentClient:
         try:
             return self._calls[method](request, timeout=self.timeout if timeout is None else timeout)
         except grpc.RpcError as exc:
-            raise _error(exc, self.target, what) from None
+            raise _error(exc, self.target, what) from exc
 
     def snapshot(self, job_id: str, group: str = "", *, backend: Backend = None, timeout: float | None = None) -> str:
         """Start moving ``job_id``'s context off the accelerators; returns the operation id."""
@@ -313,7 +313,7 @@ class AsyncSnapshotAgentClient:
         try:
             return await self._calls[method](request, timeout=self.timeout if timeout is None else timeout)
         except grpc.RpcError as exc:
-            raise _error(exc, self.target, what) from None
+            raise _error(exc, self.target, what) from exc
 
     async def snapshot(self, job_id: str, group: str = "", *, backend: Backend = None,
                        timeout: float | None = None) -> str:

@@ -29,6 +29,11 @@
     ├── OperationTimeout     it did not finish in the time waited (also TimeoutError; it may still finish)
     ├── CredentialsError     a credentials or TLS file that cannot be used (also ValueError)
     ├── MetricsServerError   a metrics endpoint could not listen (port taken, address not local)
+    ├── GrpcRefusedToStart   gRPC settings that would serve unidentifiable callers, or incomplete ones (also ValueError)
+    ├── TrustError           the account ``--grpc-trust-account`` names could not be read (also ValueError)
+    ├── CallerRefused        a gRPC call refused for who made it (the shims answer it with its status code)
+    │   ├── Unauthenticated     the caller proved no identity (no, bad, expired or revoked credential)
+    │   └── PermissionDenied    the caller is known, but may not do this (another job's Acquire, a reader acting)
     └── LockLost             the caller does not hold the group (any more)
         ├── NotHolder        another job (or nobody) holds the group
         ├── StaleEpoch       the caller's grant is older than the group's current epoch
@@ -36,8 +41,17 @@
 
 Every error carries the values that explain it as attributes and says in its message what to do. Foreign errors
 (nats-py's, grpc's, the OS's) are translated by type where they are met: ``_publish_rules`` and ``bus`` into
-``Unavailable`` / ``BusUnreachable``, ``agent_client`` into ``AgentError``. The services' trees hang below the root:
-``timeslice_orchestrator.OrchestratorError`` and ``timeslice_agent.AgentServiceError``.
+``Unavailable`` / ``BusUnreachable``, ``agent_client`` (by gRPC status code) into ``Unavailable``, ``InvalidRequest``,
+``OperationNotFound`` or ``AgentError``, each ``from`` grpc's error. The gRPC shims' door (``_grpc.guard``,
+``_grpc.identity``, which re-export their errors from here) answers a ``CallerRefused`` with UNAUTHENTICATED or
+PERMISSION_DENIED. The services' trees hang below the root: ``timeslice_orchestrator.OrchestratorError`` and
+``timeslice_agent.AgentServiceError``.
+
+Signals that never reach a caller stay beside the code that raises and catches them: ``_agent_socket.ProofUnavailable``
+(no proof from the agent's socket: the job registers unproven), ``_shared_loop.LoopClosed`` and ``CallTimeout`` (the
+blocking client turns them into ``TimeSliceError`` and ``Unavailable``), ``sglang_engine.CacheNotFlushed`` (becomes an
+``EngineCallFailed``), ``bus._PlacementRefused`` (a ``TimeSliceError`` that ``ensure_bus`` retries within its wait), and
+``_grants._WaitLost`` / ``_Superseded``.
 """
 
 from __future__ import annotations
@@ -60,11 +74,13 @@ __all__ = [
     "AgentError",
     "AgentRefused",
     "BusUnreachable",
+    "CallerRefused",
     "CredentialsError",
     "EngineCallFailed",
     "EngineNotSleepable",
     "GroupFull",
     "GroupQuarantined",
+    "GrpcRefusedToStart",
     "HandlerError",
     "InvalidId",
     "InvalidNatsUrl",
@@ -80,8 +96,11 @@ __all__ = [
     "OperationFailed",
     "OperationNotFound",
     "OperationTimeout",
+    "PermissionDenied",
     "StaleEpoch",
     "TimeSliceError",
+    "TrustError",
+    "Unauthenticated",
     "Unavailable",
     "UnresizableStorage",
 ]
@@ -480,3 +499,27 @@ class EngineCallFailed(HandlerError):
         self.state = state
         self.rolled_back = rolled_back
         super().__init__(f"{engine} {call} failed: {reason}; {state}")
+
+
+class GrpcRefusedToStart(TimeSliceError, ValueError):
+    """The gRPC settings would serve callers nobody can identify, or are incomplete."""
+
+
+class TrustError(TimeSliceError, ValueError):
+    """The trusted account could not be read from what ``--grpc-trust-account`` names."""
+
+
+class CallerRefused(TimeSliceError):
+    """A gRPC call refused for who made it."""
+
+
+class Unauthenticated(CallerRefused):
+    """The caller proved no identity (no, bad, expired or revoked credential)."""
+
+
+class PermissionDenied(CallerRefused):
+    """The caller is known, but may not do this (another job's Acquire or Yield, a reader acting)."""
+
+    def __init__(self, message: str, *, caller: str, job: str, group: str | None) -> None:
+        self.caller, self.job, self.group = caller, job, group
+        super().__init__(message)

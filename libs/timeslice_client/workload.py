@@ -14,8 +14,8 @@ reachable from here) only backends that touch no process register (``app_channel
 The agent then snapshots this job by asking it (``ts.rpc.workload.<node>.<job>``) to ``suspend``
 and restores it with ``resume``. Only the node's agent may publish there (the bus's permissions): that, not
 anything in the message, is why the channel obeys it. The channel answers on a thread of its own, with its own
-event loop and NATS connection (``_responder``), and runs the handler there: the job's own event loop and threads are
-not involved, and the reply leaves as soon as the handler returns.
+event loop and NATS connection (``_channel_thread``), and runs the handler there: the job's own event loop and
+threads are not involved, and the reply leaves as soon as the handler returns.
 
 Early suspend: a channel registered through a client (``AsyncTimeSliceClient.register_workload``) begins its
 suspend at the job's release when the orchestrator has told the job that another job waits (``Contended``),
@@ -37,17 +37,18 @@ import time
 from collections.abc import AsyncIterator, Coroutine, Iterable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from . import _prompt
+from . import _switch_interval
 from ._agent_socket import ProofUnavailable, prove
 from ._bounds import MAX_TEXT
-from ._prompt import DEFAULT_SWITCH_INTERVAL, prompt_threads
-from ._responder import Responder
+from ._channel_thread import Responder
+from ._switch_interval import DEFAULT_SWITCH_INTERVAL, prompt_threads
+from ._workload_options import WORKLOAD_KEYS, ClientWorkloadOptions, WorkloadOptions, check_options
 from .bus import CredsPath, TlsOption, connect, identity_of, parse_servers
 from .errors import AgentRefused, HandlerError, InvalidRequest, TimeSliceError, Unavailable
 from .handlers import HandlerResult, WorkloadHandler
@@ -64,7 +65,7 @@ from .protocol import (
     validate_id,
 )
 
-__all__ = ["WorkloadChannel", "default_node_id", "register_workload"]
+__all__ = ["ClientWorkloadOptions", "WorkloadChannel", "WorkloadOptions", "default_node_id", "register_workload"]
 
 log = logging.getLogger("timeslice.workload")
 
@@ -313,7 +314,7 @@ class WorkloadChannel:
         with self._gate:
             if self.switch_interval is None or self._armed or self._closed:
                 return
-            _prompt.lower(self.switch_interval)
+            _switch_interval.lower(self.switch_interval)
             self._armed = True
 
     def disarm(self) -> None:
@@ -321,7 +322,7 @@ class WorkloadChannel:
         with self._gate:
             if self._armed:
                 self._armed = False
-                _prompt.restore()
+                _switch_interval.restore()
 
     def suspend_early(self) -> bool:
         """The job released the group while another job waits for it, so the agent's suspend is on its way:
@@ -435,7 +436,7 @@ class WorkloadChannel:
             log.warning("ignored a %s command for another registration of the job", cmd.action,
                         extra={"job": self.job_id, "group": self.group_id, "node": self.node_id, "op_id": cmd.op_id})
             return
-        # A main thread busy in Python would make each step below wait up to 5 ms for the GIL (see _prompt).
+        # A main thread busy in Python would make each step below wait up to 5 ms for the GIL (see _switch_interval).
         with prompt_threads(self.switch_interval):
             answer = await self._answer(cmd)
             await msg.respond(encode(answer))
@@ -498,36 +499,20 @@ async def register_workload(
     group_id: str,
     handler: WorkloadHandler,
     *,
-    mode: SuspendMode | str = SuspendMode.OFFLOAD,
-    tags: Iterable[str] = (),
-    node_id: str | None = None,
     nats_url: str | None = None,
-    backends: Iterable[str] = ("app_channel",),
-    pids: Iterable[int] | None = None,
-    pgid: int | None = None,
-    op_timeout: float = DEFAULT_OP_TIMEOUT_MS / 1000,
-    endpoints: Iterable[str] = (),
-    switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
     agent_socket: str | None = None,
     creds: CredsPath | None = None,
     tls: TlsOption | None = None,
+    **options: Unpack[WorkloadOptions],
 ) -> WorkloadChannel:
     """Register this process with its node's agent; its own NATS connection (``creds``/``tls``: its identity; None:
-    as ``bus.connect`` finds it), closed by ``close()``.
-
-    ``pids``/``pgid`` name the processes a process-level backend (``freeze``) stops; they default to
-    this process, which suits ``app_channel`` (liveness) but not ``freeze`` of the process that calls
-    ``acquire``. They must be this process, its descendants or its own process group, running as its uid: the
-    agent checks that against what its socket (``agent_socket``, see ``WorkloadChannel``) says this process is,
-    and refuses the rest (:class:`AgentRefused`). ``switch_interval``: the process's GIL switch interval (seconds,
-    at most) while it answers a suspend or resume (and, through a client, from the job's release until then), so a
-    main thread busy in Python does not hold up the handler; ``None`` leaves it alone. A channel registered here
-    never suspends early: only a client knows when its job releases (see ``AsyncTimeSliceClient.register_workload``)."""
+    as ``bus.connect`` finds it), closed by ``close()``. ``agent_socket``: see ``WorkloadChannel``; ``options``:
+    :class:`WorkloadOptions`. A channel registered here never suspends early: only a client knows when its job
+    releases (see ``AsyncTimeSliceClient.register_workload``)."""
+    check_options(options, WORKLOAD_KEYS, "register_workload")
     nc = await connect(nats_url, name=f"timeslice-workload-{job_id}", creds=creds, tls=tls)
-    channel = WorkloadChannel(nc, job_id, group_id, handler, node_id=node_id, mode=mode, tags=tags,
-                              backends=backends, pids=pids, pgid=pgid, op_timeout=op_timeout,
-                              own_connection=True, endpoints=endpoints, switch_interval=switch_interval,
-                              agent_socket=agent_socket)
+    channel = WorkloadChannel(nc, job_id, group_id, handler, own_connection=True, agent_socket=agent_socket,
+                              **options)
     try:
         return await channel.start()
     except BaseException:

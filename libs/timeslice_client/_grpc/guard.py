@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from ..errors import TimeSliceError
+from ..errors import GrpcRefusedToStart
 from .auth_config import GrpcAuthSettings
 from .identity import (
     CertificateMapper,
@@ -34,10 +34,6 @@ __all__ = ["Authenticator", "GrpcRefusedToStart", "add_port", "authenticate", "a
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 INSECURE = Identity("insecure", "insecure", "anyone (--grpc-insecure)")
-
-
-class GrpcRefusedToStart(TimeSliceError, ValueError):
-    """The gRPC settings would serve callers nobody can identify, or are incomplete."""
 
 
 def is_loopback(host: str) -> bool:

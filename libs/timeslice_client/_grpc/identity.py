@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from ..errors import TimeSliceError
+from ..errors import CallerRefused, PermissionDenied, TrustError, Unauthenticated
 from ._sock_diag import tcp_socket_uid
 
 __all__ = [
@@ -54,26 +54,6 @@ _PRELOAD_RE: Final = re.compile(r"\b(A[A-Z2-7]{55})\b[\"']?\s*[:=]\s*[\"']?(" + 
 ACCOUNT_NAME: Final = "TIMESLICE"
 #: Roles that act as any job: ``timeslice up``'s local user (``nats.creds``) and a shim without authentication.
 ANY_JOB_ROLES: Final = frozenset({"local", "insecure"})
-
-
-class CallerRefused(TimeSliceError):
-    """A gRPC call refused for who made it."""
-
-
-class Unauthenticated(CallerRefused):
-    """The caller proved no identity (no, bad, expired or revoked credential)."""
-
-
-class PermissionDenied(CallerRefused):
-    """The caller is known, but may not do this (another job's Acquire or Yield, a reader acting)."""
-
-    def __init__(self, message: str, *, caller: str, job: str, group: str | None) -> None:
-        self.caller, self.job, self.group = caller, job, group
-        super().__init__(message)
-
-
-class TrustError(TimeSliceError, ValueError):
-    """The trusted account could not be read from what ``--grpc-trust-account`` names."""
 
 
 # ---------------------------------------------------------------------------------------------- identity

@@ -25,7 +25,7 @@ class AgentConfig(BaseSettings):
     heartbeat_s: float = Field(default=2.0, gt=0)
     pid_check_s: float = Field(default=1.0, gt=0)
     max_results: int = Field(default=4096, ge=16)
-    # A restore starts beside the snapshots it follows when the node has room for both contexts (_room.py).
+    # A restore starts beside the snapshots it follows when the node has room for both contexts (_restore_overlap.py).
     overlap_restores: bool = True
     overlap_margin_bytes: int = Field(default=1 << 30, ge=0)
     overlap_margin_fraction: float = Field(default=0.1, ge=0)

@@ -4,7 +4,8 @@
     └── AgentServiceError                the agent's own errors
         ├── BackendError                 an operation failed; ``rolled_back``: the job's context is as before
         │   ├── BackendUnavailable       the backend cannot run on this node (driver, library, permission)
-        │   └── UnsupportedMode          a suspend mode the job's workload did not declare (WorkloadChannel)
+        │   ├── UnsupportedMode          a suspend mode the job's workload did not declare (WorkloadChannel)
+        │   └── StreamClosed             a workload's WorkloadChannel stream ended before it answered a command
         ├── DriverError                  a CUDA checkpoint call returned an error (call, pid, driver code)
         │   └── UnknownProcessState      a process state this agent does not know (a newer driver's)
         ├── HttpError                    an app endpoint's request got no answer (refused, reset, timeout)
@@ -14,8 +15,13 @@
         └── Refused (also ValueError)    a message the agent will not act on; ``code`` (a Refusal) says why
 
 Foreign errors (nats-py's, the driver binding's, the OS's) are translated at the boundary that meets them:
-``_cuda`` into ``DriverError``, ``_app_endpoint`` into ``HttpError``, the checks of ``_untrusted`` into
-``Refused``. Every error carries the values that explain it and says what to do.
+``_cuda`` into ``DriverError``, ``_app_endpoint`` into ``HttpError``, ``_pods`` into ``PodListError``, the checks of
+``_untrusted`` into ``Refused``. Every error carries the values that explain it and says what to do.
+
+Signals that never leave the agent stay beside the code that raises and catches them: ``_process_stop.NotStopped``
+(the ``freeze`` backend turns it into a ``BackendError``), ``_nvml.NvmlUnavailable`` (``gpu_source()`` is then None:
+no GPUs reported), ``_cuda._PidFailed`` (one process's failure, gathered into the operation's ``BackendError``) and
+``service._Stopped`` (ends the task group of ``run()`` once a shutdown is asked).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ __all__ = [
     "PodListError",
     "Refusal",
     "Refused",
+    "StreamClosed",
     "UnknownProcessState",
     "UnsupportedMode",
 ]
@@ -162,3 +169,7 @@ class Refused(AgentServiceError, ValueError):
     def __init__(self, code: Refusal, message: str) -> None:
         self.code = code
         super().__init__(message)
+
+
+class StreamClosed(BackendError):
+    """The stream ended before its workload answered (or before the command could be sent)."""

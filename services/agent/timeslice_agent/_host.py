@@ -31,7 +31,7 @@ def alive(pid: int) -> bool:
 def host_memory() -> tuple[int, int]:
     """(total, available) bytes of host memory, from /proc/meminfo (zeros where it cannot be read).
 
-    Read on a switch's critical path (``_room``): one read of the bytes and two searches, about half the
+    Read on a switch's critical path (``_restore_overlap``): one read of the bytes and two searches, about half the
     time of parsing it line by line."""
     try:
         with open("/proc/meminfo", "rb") as f:

@@ -9,7 +9,7 @@ others'. A registration *is* a part already there, and replaces it, when it come
 registers are one part: the handler replaces the bind), or when either names no processes (nothing tells them
 apart). Process-level backends (``cuda``, ``freeze``) of two parts
 never act on the same process: such a registration is refused, as it would checkpoint or stop that process twice.
-All of it is pure: the agent's ``_jobbook`` and ``service`` keep the records and run the operations."""
+All of it is pure: the agent's ``_job_book`` and ``service`` keep the records and run the operations."""
 
 from __future__ import annotations
 

@@ -40,9 +40,9 @@ from timeslice_client.protocol import JobState, ProcessOwner, RegisterJob
 
 from ._cgroups import read_pod_cgroup
 from ._config import AgentConfig
+from ._job_book import JobBook
 from ._job_locks import JobLocks
 from ._job_parts import views, without_channel
-from ._jobbook import JobBook
 from ._nvml import GpuSource
 from ._ownership import ProcessGuard, ProcFS
 from ._pods import KubePodSource, Pod, PodSource, is_pod_channel, pod_channel

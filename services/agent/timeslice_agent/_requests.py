@@ -38,9 +38,9 @@ from timeslice_client.protocol import (
     subjects,
 )
 
+from ._job_book import JobBook
 from ._job_locks import JobLocks
 from ._job_parts import part_count, views, without_channel
-from ._jobbook import JobBook
 from ._ownership import Peer, ProcessGuard
 from ._pods import is_pod_channel
 from ._untrusted import Refusal, Refused, cap, check_id, check_processes, shown

@@ -25,7 +25,7 @@ from typing import Final, Literal
 from timeslice_client.protocol import JobContext, SuspendMode
 
 from ._backend_api import BackendError, OpContext, Outcome
-from ._errors import UnsupportedMode
+from ._errors import StreamClosed, UnsupportedMode
 
 __all__ = [
     "MAX_STREAMS",
@@ -62,10 +62,6 @@ class StreamResult:
 
 
 Send = Callable[[StreamCommand], Awaitable[None]]
-
-
-class StreamClosed(BackendError):
-    """The stream ended before its workload answered (or before the command could be sent)."""
 
 
 class WorkloadStream:

@@ -59,22 +59,22 @@ from timeslice_client.protocol import (
 from timeslice_client.workload import default_node_id
 
 from . import _stored as stored
-from ._compose import Step, perform_parts
+from ._backend_chain import Step, perform_parts
 from ._config import AgentConfig
 from ._heartbeat import Heartbeat
 from ._host import alive
+from ._job_book import JobBook, now_ms
 from ._job_locks import JobLocks
 from ._job_parts import all_backends, views, without_dead
-from ._jobbook import JobBook, now_ms
 from ._nvml import GpuSource, gpu_source, gpu_source_error
 from ._op_rules import Answer, decide, settle
-from ._ordering import RunningOps
 from ._ownership import ProcessGuard, ProcFS
 from ._peer import PeerServer
 from ._pod_discovery import PodDiscovery, pod_source_for
 from ._pods import PodSource
 from ._requests import Requests, log_refusal
-from ._room import RestoreOrder
+from ._restore_overlap import RestoreOrder
+from ._running_ops import RunningOps
 from ._standalone import OpSettings, check_idle, run_context, standalone_context
 from ._untrusted import Refusal, Refused, cap, check_command, check_id, check_registration, refusal_result, shown
 from .backends import OpContext, Outcome, acts_on_processes, make_backend
@@ -573,7 +573,7 @@ class Agent:
     async def _perform_watched(
         self, ctx: JobContext, op: OpContext, kind: OpKind, before: JobState, asked: OpSettings | None
     ) -> tuple[JobState, str | None, Outcome] | None:
-        """Run the job's composed backends (``_compose.perform``), every part of it at once (``_job_parts``), with
+        """Run the job's composed backends (``_backend_chain.perform``), every part of it at once (``_job_parts``), with
         the request's own settings (``asked``), while watching its processes: ``None`` when they all exited before
         the operation finished (it is cancelled then, not waited out)."""
         assert self._nc is not None

@@ -55,7 +55,7 @@ async def _serve(args: argparse.Namespace, data_dir: Path, lock: _daemon.UpLock)
     from timeslice_client.bus import local_creds_file, url_file
     from timeslice_client.workload import default_node_id
     from timeslice_orchestrator import grpc_shim
-    from timeslice_orchestrator._beside import AgentBeside
+    from timeslice_orchestrator._in_process_agent import AgentBeside
     from timeslice_orchestrator._main import beside_metrics, grpc_wanted, install_stop, metrics_registry, replicated
     from timeslice_orchestrator.embedded import EmbeddedNatsError, NatsServer
     from timeslice_orchestrator.metrics import OrchestratorMetrics
@@ -101,7 +101,8 @@ async def _serve(args: argparse.Namespace, data_dir: Path, lock: _daemon.UpLock)
     advert = url_file()
     agent: asyncio.subprocess.Process | None = None
     try:
-        # The agent runs in this process unless asked otherwise: its commands then skip a bus hop (_beside.py).
+        # The agent runs in this process unless asked otherwise: its commands then skip a bus hop
+        # (_in_process_agent.py).
         beside = None if args.no_agent or args.agent_process else AgentBeside(args.node_id, url, metrics_registry())
         orch = Orchestrator(replicated(OrchestratorConfig(nats_url=url), args.replicas),
                             metrics=OrchestratorMetrics(metrics_registry()), local_agent=beside)

@@ -11,16 +11,19 @@
         ├── EmbeddedNatsError          the embedded nats-server could not be found or did not start
         ├── AuthError                  an auth directory or credential that cannot be used
         ├── ReplayError                the stream could not be read for a replay
+        ├── InvariantViolation         a record or the stream breaks an invariant (``rule``; ``invariants`` checks)
         └── AdviseError                ``timeslice advise`` cannot predict from what it was given
 
 Foreign errors (nats-py's, the OS's) are translated where they are met: the record store turns a write that
 cannot be made into ``ServiceFailed`` or ``Unusable``, leadership a refused lease write into ``NotLeader``. Every
-error carries the values that explain it and says what to do.
+error carries the values that explain it and says what to do. The one signal that never leaves the orchestrator,
+``service._Stopped``, stays beside the code that raises and catches it (it ends the task group of ``run()``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from timeslice_client.errors import TimeSliceError
 
@@ -29,6 +32,7 @@ __all__ = [
     "AuthError",
     "Deposed",
     "EmbeddedNatsError",
+    "InvariantViolation",
     "LeaderWaitTimeout",
     "LeadershipError",
     "NotLeader",
@@ -110,3 +114,34 @@ class ReplayError(OrchestratorError):
 class AdviseError(OrchestratorError):
     """``timeslice advise`` cannot predict from what it was given (a job with no recorded hold, a job in several
     groups, a simulation too long); the message says which and what to do."""
+
+
+class InvariantViolation(OrchestratorError):
+    """An invariant does not hold (raised by ``invariants`` and ``_op_facts``). ``rule`` names it; ``values`` holds
+    what shows it."""
+
+    def __init__(
+        self,
+        rule: str,
+        detail: str,
+        *,
+        group: str | None = None,
+        seq: int | None = None,
+        values: Mapping[str, object] | None = None,
+    ) -> None:
+        self.rule = rule
+        self.detail = detail
+        self.group = group
+        self.seq = seq
+        self.values: dict[str, object] = dict(values or {})
+        where = ""
+        if group is not None:
+            where += f" in group {group!r}"
+        if seq is not None:
+            where += f" at stream seq {seq}"
+        shown = "".join(f"\n  {k} = {v!r}" for k, v in self.values.items())
+        super().__init__(f"invariant {rule!r} violated{where}: {detail}{shown}")
+
+    def at(self, seq: int) -> InvariantViolation:
+        """The same violation, located at stream sequence ``seq``."""
+        return InvariantViolation(self.rule, self.detail, group=self.group, seq=seq, values=self.values)

@@ -23,8 +23,8 @@ from timeslice_client._runner import run
 from timeslice_client.bus import nats_url_arg
 from timeslice_client.errors import TimeSliceError
 
-from ._beside import AgentBeside
 from ._errors import ServiceFailed
+from ._in_process_agent import AgentBeside
 
 if TYPE_CHECKING:
     from .service import OrchestratorConfig

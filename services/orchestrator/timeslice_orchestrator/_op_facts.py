@@ -30,7 +30,7 @@ from timeslice_client.protocol import (
     OpStarted,
 )
 
-from ._violation import InvariantViolation
+from ._errors import InvariantViolation
 
 __all__ = ["OpFacts", "pending_ops"]
 

@@ -1,11 +1,14 @@
-"""Subject rules shared by the orchestrator's shell and the invariant checker: NATS subject matching, and
-the (group, job) an input subject names. One copy, so the checker admits exactly what the orchestrator does."""
+"""Subject rules shared by the orchestrator's shell and the invariant checker: which events an input subject may
+carry, naming what it names (:func:`check_names`). One copy, so the checker admits exactly what the orchestrator does.
+The parsing itself, NATS subject matching and the (group, job) an input subject names, lives beside the builders
+of those subjects, in ``timeslice_client._names`` (re-exported here); this check stays here, since it needs the
+message types, and ``protocol``, which defines them, imports the builders."""
 
 from __future__ import annotations
 
-import functools
 from typing import Final
 
+from timeslice_client._names import route, subject_matches
 from timeslice_client.protocol import (
     Acquire,
     AgentLost,
@@ -19,7 +22,6 @@ from timeslice_client.protocol import (
     Release,
     Renew,
     Tick,
-    validate_id,
 )
 
 __all__ = ["check_names", "route", "subject_matches"]
@@ -30,31 +32,6 @@ __all__ = ["check_names", "route", "subject_matches"]
 _JOB_EVENTS: Final = (Acquire, Release, Renew, Cancel, Phase)
 _CTL_EVENTS: Final = (Tick, ClearFault, AgentLost)
 _AGENT_EVENTS: Final = (JobRegistered, JobUnregistered, OpResult)
-
-
-def subject_matches(pattern: str, subject: str) -> bool:
-    """NATS subject matching: ``*`` matches one token, a final ``>`` one or more."""
-    p = pattern.split(".")
-    s = subject.split(".")
-    for i, tok in enumerate(p):
-        if tok == ">":
-            return len(s) > i
-        if i >= len(s) or (tok != "*" and tok != s[i]):
-            return False
-    return len(s) == len(p)
-
-
-@functools.lru_cache(maxsize=16_384)  # on the hot path; a subject's answer never changes (errors are not cached)
-def route(subject: str) -> tuple[str, str | None]:
-    """(group, job) named by an input subject; raises ValueError for a subject we do not serve."""
-    t = subject.split(".")
-    if len(t) == 6 and t[2] == "job":
-        return validate_id("group", t[3]), validate_id("job", t[4])
-    if len(t) == 5 and t[2] == "ctl":
-        return validate_id("group", t[3]), None
-    if len(t) == 6 and t[2] == "agent" and t[4] == "evt":
-        return validate_id("group", t[5]), None
-    raise ValueError(f"not an input subject: {subject!r}")
 
 
 def _tag(ev: InputEvent) -> str:

@@ -42,9 +42,9 @@ from timeslice_client.protocol import (
     validate_id,
 )
 
+from ._errors import InvariantViolation
 from ._op_facts import OpFacts, pending_ops
 from ._subjects import check_names, route, subject_matches
-from ._violation import InvariantViolation
 from .core import Action, Notify, apply, new_record
 
 __all__ = [

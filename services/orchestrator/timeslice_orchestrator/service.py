@@ -55,11 +55,11 @@ from timeslice_client.protocol import (
 )
 
 from ._agents_watch import watch_agents
-from ._beside import LocalAgent
 from ._catch_up import ack_floor, bind_durable, catch_up, failure, fill_gap
 from ._config import OrchestratorConfig
 from ._delivery import delivery_with_consumer_seq, first, route
 from ._errors import OrchestratorError, ServiceFailed
+from ._in_process_agent import LocalAgent
 from ._leadership import Leadership, LeadershipChange
 from ._lease_guard import confirm_lease
 from ._quarantine import Quarantine

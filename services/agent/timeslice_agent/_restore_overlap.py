@@ -35,7 +35,7 @@ from timeslice_client.protocol import JobContext, JobState, Restore
 from ._host import host_memory
 from ._job_parts import all_backends
 from ._nvml import gpu_source
-from ._ordering import RunningOps
+from ._running_ops import RunningOps
 
 __all__ = ["PROCESS_LEVEL", "RestoreOrder", "Turn", "fits", "free_device_bytes", "restore_size"]
 
