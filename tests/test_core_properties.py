@@ -343,7 +343,9 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
         model = ([(to.job, self.entries[to.job][1])] if to and to.job in self.entries else []) + [
             (j, e[1]) for j, e in rest
         ]
-        assert [(w.job, w.request_id) for w in waiting] == model, f"waiters (in arrival order) differ from the model: {waiting} {self.entries}"
+        assert [(w.job, w.request_id) for w in waiting] == model, (
+            f"waiters (in arrival order) differ from the model: {waiting} {self.entries}"
+        )
         assert [w.priority for w in rec.queue] == [e[2] for _, e in rest], "classes differ from the model"
         if self.holder is None:
             assert rec.holder is None, rec.holder
