@@ -20,6 +20,7 @@ from timeslice_client.protocol import (
     Release,
     Renew,
     Restore,
+    SetPolicy,
     Snapshot,
     Tick,
     encode,
@@ -56,7 +57,7 @@ def tag(ev: msgspec.Struct) -> str:
 def input_subject(ev: InputEvent) -> str:
     if isinstance(ev, Acquire | Release | Renew | Cancel | Phase):
         return subjects.job(ev.group, ev.job, tag(ev))
-    if isinstance(ev, Tick | ClearFault | AgentLost):
+    if isinstance(ev, Tick | ClearFault | AgentLost | SetPolicy):
         return subjects.ctl(ev.group, tag(ev))
     return subjects.agent_event(ev.node, ev.group)
 

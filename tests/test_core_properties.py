@@ -48,8 +48,10 @@ from timeslice_client.protocol import (
     Renew,
     Restore,
     Revoked,
+    SetPolicy,
     Snapshot,
     Tick,
+    YieldRequested,
 )
 from timeslice_orchestrator._op_facts import pending_ops
 from timeslice_orchestrator.core import LIMITS, Action, Transition, apply, new_record, next_deadline
@@ -92,6 +94,7 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
         self.since_release: list[str] = []  # the non-job events since (what a claim must be immune to)
         self.beside: set[tuple[str, int]] = set()  # (node, epoch): a restore that succeeded beside a snapshot there
         self.facts: list[Message] = []  # the agents' facts that come before the next event (a restore's OpStarted)
+        self.yield_asked: set[int] = set()  # epochs whose holder was asked to yield (YieldRequested)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -279,6 +282,14 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
                 assert n.job != ev.job, n
                 assert n.waiters == 1 and new.queue[0].request_id == ev.request_id, (n, new.queue)
                 assert pending[0] not in self.entries, f"a waiter's second acquire is no new contention: {n}"
+            elif isinstance(n, YieldRequested):
+                # Only to the holder, of its hold, once per hold, past the quantum, while someone waits.
+                assert self.holder is not None and self.holder[:2] == (n.job, n.epoch), (n, self.holder)
+                assert n.epoch not in self.yield_asked and n.quantum_ms == new.quantum_ms > 0, n
+                assert new.holder is not None and n.held_ms == self.now - new.holder.granted_at_ms >= n.quantum_ms
+                assert n.waiters == len(new.queue) + (1 if new.switch and new.switch.to else 0) > 0, (n, new)
+                self.yield_asked.add(n.epoch)
+                event("holder asked to yield")
             elif isinstance(n, Released | Revoked):
                 assert self.holder is not None and self.holder[:2] == (n.job, n.epoch), (n, self.holder)
                 self.holder = None
@@ -347,6 +358,9 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
             f"waiters (in arrival order) differ from the model: {waiting} {self.entries}"
         )
         assert [w.priority for w in rec.queue] == [e[2] for _, e in rest], "classes differ from the model"
+        h = rec.holder
+        if h is not None and rec.quantum_ms and waiting and self.now >= h.granted_at_ms + rec.quantum_ms:
+            assert h.epoch in self.yield_asked, f"holder {h.job} held past the quantum while others wait, not asked"
         if self.holder is None:
             assert rec.holder is None, rec.holder
         else:
@@ -375,6 +389,21 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
     @rule()
     def tick(self) -> None:
         self.step(Tick(group=G))
+
+    @rule(quantum=st.sampled_from([0, 500, 5_000, 60_000]))
+    def set_policy(self, quantum: int) -> None:
+        self.step(SetPolicy(group=G, quantum_ms=quantum))
+
+    @precondition(lambda self: self.rec.quantum_ms > 0 and self.rec.holder is not None and self.rec.queue)
+    @rule(extra=st.sampled_from([-1, 0, 0, 1, 50]))
+    def hold_past_quantum(self, extra: int) -> None:
+        """The holder and the waiters renew, then time runs to the holder's quantum (a millisecond short of it, at
+        it, past it) and a tick looks."""
+        self.renew_all()
+        h = self.rec.holder
+        if h is not None:
+            self.now = max(self.now, h.granted_at_ms + self.rec.quantum_ms + extra)
+            self.step(Tick(group=G))
 
     @rule(
         job=st.sampled_from(JOBS),

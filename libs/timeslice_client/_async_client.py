@@ -52,6 +52,7 @@ from .protocol import (
     Release,
     Released,
     Revoked,
+    YieldRequested,
     decode_notice,
     encode,
     is_group_key,
@@ -143,6 +144,7 @@ class AsyncTimeSliceClient(MultiGroupCalls):
         self._published = 0  # job inputs published (a claim is only offered when none came after the release)
         self._claim_filter = subjects.job_inputs(self.group_id)
         self._contended_epoch = 0  # the latest epoch of this job's at which another job was seen waiting
+        self._yield_epoch = 0  # the latest epoch of this job's it was asked to yield at (YieldRequested)
         self._renew_now = False  # the keeper renews every wait and the hold at once (set on reconnect)
         self._scopes = AsyncScopes()  # the open on_accelerators() scopes
         self.node_id = validate_id("node", node_id) if node_id else None  # None: default_node_id() when binding
@@ -219,6 +221,13 @@ class AsyncTimeSliceClient(MultiGroupCalls):
         release. False when this job does not hold the group."""
         hold = self._hold
         return hold is not None and hold.alive() and self._contended_epoch == hold.epoch
+
+    @property
+    def yield_requested(self) -> bool:
+        """This hold ran past the group's quantum while another job waits (``timeslice set-policy``): release at the
+        next phase boundary. A request only: the hold stays valid. False when this job does not hold the group."""
+        hold = self._hold
+        return hold is not None and hold.alive() and self._yield_epoch == hold.epoch
 
     @property
     def epoch(self) -> int | None:
@@ -554,8 +563,13 @@ class AsyncTimeSliceClient(MultiGroupCalls):
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.warning("undecodable notice on %s", msg.subject)
             return
-        if isinstance(n, Contended):
+        if isinstance(n, Contended | YieldRequested):
             self._contended_epoch = max(self._contended_epoch, n.epoch)
+            if isinstance(n, YieldRequested):
+                self._yield_epoch = max(self._yield_epoch, n.epoch)
+                log.info("asked to yield group %s at epoch %d: held %d ms, past its quantum, while %d wait",
+                         self.group_id, n.epoch, n.held_ms, n.waiters, extra={"group": self.group_id,
+                                                                               "job": self.job_id, "epoch": n.epoch})
             return
         if isinstance(n, Revoked):
             if self._hold is not None and self._hold.epoch == n.epoch:

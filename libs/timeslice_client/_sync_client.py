@@ -105,6 +105,12 @@ class TimeSliceClient:
         return self._client.contended
 
     @property
+    def yield_requested(self) -> bool:
+        """This hold ran past the group's quantum while another job waits (``timeslice set-policy``): release at the
+        next phase boundary. A request only: the hold stays valid. False when this job does not hold the group."""
+        return self._client.yield_requested
+
+    @property
     def epoch(self) -> int | None:
         """The epoch of this job's current hold (None when it holds nothing)."""
         return self._client.epoch

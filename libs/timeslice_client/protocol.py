@@ -49,6 +49,7 @@ from ._bounds import (
 )
 from ._codes import DequeueCode, ErrorCode, GroupState, JobState, OpKind, RevokeCode, SuspendMode
 from ._names import subjects, validate_id
+from ._policy_msgs import MAX_QUANTUM_MS, SetPolicy, YieldRequested
 
 __all__ = [
     "AGENTS_BUCKET",
@@ -57,6 +58,7 @@ __all__ = [
     "JOBS_BUCKET",
     "MAX_JOB_PARTS",
     "MAX_PRIORITY",
+    "MAX_QUANTUM_MS",
     "STREAM",
     "STREAM_SUBJECTS",
     "Acquire",
@@ -100,6 +102,7 @@ __all__ = [
     "Restore",
     "RevokeCode",
     "Revoked",
+    "SetPolicy",
     "Snapshot",
     "StateChanged",
     "SuspendMode",
@@ -110,6 +113,7 @@ __all__ = [
     "WaiterRecord",
     "WorkloadCommand",
     "WorkloadReply",
+    "YieldRequested",
     "decode_input",
     "decode_notice",
     "decode_record",
@@ -213,7 +217,7 @@ class AgentLost(_Msg, frozen=True, tag="agent_lost"):
     node: Id
 
 
-ControlEvent = Tick | ClearFault | AgentLost
+ControlEvent = Tick | ClearFault | AgentLost | SetPolicy
 
 
 # --------------------------------------------------------------------------- agent → orchestrator
@@ -264,6 +268,7 @@ InputEvent = (
     | Tick
     | ClearFault
     | AgentLost
+    | SetPolicy
     | JobRegistered
     | JobUnregistered
     | OpResult
@@ -334,7 +339,7 @@ class Contended(_Msg, frozen=True, tag="contended"):
     waiters: int
 
 
-Notice = Granted | Released | Refused | Revoked | Dequeued | Contended
+Notice = Granted | Released | Refused | Revoked | Dequeued | Contended | YieldRequested
 
 
 # --------------------------------------------------------------------------- orchestrator → agent
@@ -556,6 +561,8 @@ class GroupRecord(_Rec, frozen=True):
     lost_nodes: tuple[str, ...] = ()  # nodes whose agent was lost and has not registered a job since
     last_seq: int = 0
     trailing: TrailRecord | None = None  # snapshots of the last switch still running beside its grant
+    quantum_ms: int = 0  # the group's quantum (``SetPolicy``; 0: none)
+    yield_asked_epoch: int = 0  # the last hold asked to yield (``YieldRequested``: once per hold)
 
 
 # --------------------------------------------------------------------------- codecs

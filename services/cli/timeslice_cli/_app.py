@@ -33,6 +33,7 @@ _COMMANDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("_check", ("check",)),
     ("_health", ("health",)),
     ("_faults", ("clear-fault",)),
+    ("_policy", ("set-policy",)),
     ("_agent", ("agent", "agent-status", "agent-clear-fault")),
     ("_auth", ("auth",)),
 )

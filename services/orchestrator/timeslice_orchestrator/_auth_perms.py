@@ -12,7 +12,8 @@ Derived from the subjects and JetStream API calls the code makes (``libs/timesli
 - **orchestrator**: the whole ``ts.`` tree, the JetStream API, the buckets. It alone may publish notices (grants,
   revocations), agent commands and group states. It also runs the in-process agent of ``timeslice up`` and the
   gRPC shim, which acts for the jobs that authenticated on gRPC.
-- **admin**: the reader's rights plus clearing faults (``ts.v1.ctl.*.clear_fault``, ``ts.rpc.agent.*.clear_fault``).
+- **admin**: the reader's rights plus clearing faults (``ts.v1.ctl.*.clear_fault``, ``ts.rpc.agent.*.clear_fault``) and
+  setting a group's policy (``ts.v1.ctl.*.set_policy``).
 - **reader**: reads only (records, stream, ``ts.rpc.agent.*.status``).
 - **local**: the single user of a ``timeslice up`` machine: every job and the admin, never the orchestrator's or an
   agent's rights.
@@ -88,7 +89,7 @@ def _agent(node: str) -> tuple[list[str], list[str]]:
 # The orchestrator's durable (OrchestratorConfig.durable's default): its info names the subject it is delivered on,
 # where an ephemeral consumer could push stored messages at the orchestrator.
 _DENY_READERS: Final = (f"$JS.API.CONSUMER.INFO.{STREAM}.orchestrator",)
-_ADMIN_PUB: Final = ("ts.v1.ctl.*.clear_fault", "ts.rpc.agent.*.clear_fault")
+_ADMIN_PUB: Final = ("ts.v1.ctl.*.clear_fault", "ts.v1.ctl.*.set_policy", "ts.rpc.agent.*.clear_fault")
 _READER_PUB: Final = ("ts.rpc.agent.*.status",)
 
 

@@ -27,6 +27,7 @@ from timeslice_client.protocol import (
     Renew,
     RevokeCode,
     Revoked,
+    SetPolicy,
     Tick,
     WaiterRecord,
 )
@@ -304,6 +305,12 @@ def _on_tick(w: Work, ev: Tick) -> None:
     """Expiries are evaluated for every event; a tick is an event that carries only time."""
 
 
+def _on_set_policy(w: Work, ev: SetPolicy) -> None:
+    if ev.quantum_ms != w.quantum_ms:
+        w.quantum_ms = ev.quantum_ms
+        w.touch(f"policy set: quantum {ev.quantum_ms} ms")
+
+
 def _on_clear_fault(w: Work, ev: ClearFault) -> None:
     if w.faulted.pop(ev.job, None) is not None:
         w.touch("fault cleared")
@@ -439,6 +446,7 @@ HANDLERS: dict[type[Any], Callable[[Work, Any], None]] = {
     Phase: _on_phase,
     Tick: _on_tick,
     ClearFault: _on_clear_fault,
+    SetPolicy: _on_set_policy,
     JobRegistered: _on_registered,
     JobUnregistered: _on_unregistered,
     OpResult: _on_op_result,

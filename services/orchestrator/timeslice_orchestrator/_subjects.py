@@ -21,6 +21,7 @@ from timeslice_client.protocol import (
     Phase,
     Release,
     Renew,
+    SetPolicy,
     Tick,
 )
 
@@ -30,7 +31,7 @@ __all__ = ["check_names", "route", "subject_matches"]
 # inputs under ctl (the verb is the event's tag), an agent's facts under its node's subject. The subject is the
 # identity the bus's permissions checked; the payload must say the same (docs/security.md).
 _JOB_EVENTS: Final = (Acquire, Release, Renew, Cancel, Phase)
-_CTL_EVENTS: Final = (Tick, ClearFault, AgentLost)
+_CTL_EVENTS: Final = (Tick, ClearFault, AgentLost, SetPolicy)
 _AGENT_EVENTS: Final = (JobRegistered, JobUnregistered, OpResult)
 
 

@@ -101,6 +101,8 @@ class Work:
     saved: dict[str, tuple[str, ...]]
     lost_nodes: tuple[str, ...]
     trailing: TrailRecord | None = None
+    quantum_ms: int = 0  # the group's policy (``SetPolicy``) and the last hold asked to yield (``_quantum``)
+    yield_asked_epoch: int = 0
     actions: list[Action] = field(default_factory=list)
     changed: bool = False
     reason: str = ""
@@ -127,6 +129,8 @@ class Work:
             saved=dict(rec.saved),
             lost_nodes=rec.lost_nodes,
             trailing=rec.trailing,
+            quantum_ms=rec.quantum_ms,
+            yield_asked_epoch=rec.yield_asked_epoch,
         )
 
     def finish(self, rec: GroupRecord, seq: int) -> tuple[GroupRecord, list[Action]]:
@@ -166,6 +170,8 @@ class Work:
             lost_nodes=self.lost_nodes,
             last_seq=seq,
             trailing=self.trailing,
+            quantum_ms=self.quantum_ms,
+            yield_asked_epoch=self.yield_asked_epoch,
         )
         return new, self.actions
 

@@ -52,7 +52,10 @@ Semantics, per group:
   being dropped, and a waiter that is really gone is dropped at the end of it;
 * a waiter that renews its wait after its grant has not heard of it (notices are at most once): the grant is
   sent again, unchanged, until the grantee confirms it; a renewal of a wait the core does not know is answered
-  with ``Dequeued(lost=True)``, and the client waits again.
+  with ``Dequeued(lost=True)``, and the client waits again;
+* **who is next, and when a holder is asked to yield**: the waiter with the highest priority class plus its ageing
+  goes first (``_next_waiter``; one class: first come, first served); a holder that held past the group's quantum
+  (``SetPolicy``) while a job waits is asked once to yield (``YieldRequested``, ``_quantum``), never revoked for it.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from __future__ import annotations
 from timeslice_client.protocol import GroupRecord, InputEvent
 
 from ._handlers import HANDLERS
+from ._quantum import ask_to_yield, yield_deadline
 from ._work import LIMITS, Action, Command, Limits, Notify, Transition, Work
 
 __all__ = [
@@ -92,6 +96,8 @@ def next_deadline(rec: GroupRecord) -> int | None:
     if rec.switch is not None and rec.switch.to is not None:
         to = rec.switch.to
         times.append(min(to.deadline_ms, to.alive_until_ms))
+    if (ask := yield_deadline(rec)) is not None:
+        times.append(ask)
     return min(times) if times else None
 
 
@@ -111,4 +117,5 @@ def apply(
     HANDLERS[type(ev)](w, ev)
     w.advance()
     w.resend_due()
+    ask_to_yield(w)
     return w.finish(rec, seq)
