@@ -33,6 +33,7 @@ from timeslice_client.protocol import (
     Released,
     RevokeCode,
     Revoked,
+    YieldRequested,
 )
 
 from ._work import Action, Notify
@@ -112,6 +113,7 @@ class _Group:
     epoch: int = 0
     grants: int = 0
     releases: int = 0
+    yield_requests: int = 0
     faults: int = 0
     expiries: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_EXPIRY_REASONS, 0))
     dequeued: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_DEQUEUE_REASONS, 0))
@@ -177,6 +179,8 @@ class OrchestratorMetrics(Collector):
                     if s.vacated_ms is not None:
                         s.handoff.observe(max(0, now_ms - s.vacated_ms) / 1000)
                         s.vacated_ms = None
+            elif isinstance(n, YieldRequested):
+                s.yield_requests += 1
             elif isinstance(n, Released):
                 s.releases += 1
                 s.vacated_ms = now_ms
@@ -248,6 +252,10 @@ class OrchestratorMetrics(Collector):
             labels=["group", "reason"],
         )
         faults = CounterMetricFamily("timeslice_faults", "Jobs marked faulted in the group.", labels=["group"])
+        yields = CounterMetricFamily(
+            "timeslice_yield_requests", "Holders asked to yield: held past the group's quantum while a job waited.",
+            labels=["group"],
+        )
         for g, s in groups:
             wait.add_metric([g], s.acquire_wait.buckets(), s.acquire_wait.sum)
             handoff.add_metric([g], s.handoff.buckets(), s.handoff.sum)
@@ -256,6 +264,7 @@ class OrchestratorMetrics(Collector):
             grants.add_metric([g], s.grants)
             releases.add_metric([g], s.releases)
             faults.add_metric([g], s.faults)
+            yields.add_metric([g], s.yield_requests)
             for reason, n in list(s.expiries.items()):
                 expiries.add_metric([g, reason], n)
             for reason, n in list(s.dequeued.items()):
@@ -308,6 +317,7 @@ class OrchestratorMetrics(Collector):
             epoch,
             grants,
             releases,
+            yields,
             expiries,
             cancelled,
             faults,
