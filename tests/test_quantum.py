@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from timeslice_client import AsyncTimeSliceClient
 from timeslice_client._names import subject_matches as matches
-from timeslice_client.protocol import Granted, Revoked, SetPolicy, Tick, YieldRequested
+from timeslice_client.protocol import Granted, Renew, Revoked, SetPolicy, Tick, YieldRequested, subjects
 from timeslice_orchestrator._auth_perms import permissions
 from timeslice_orchestrator.core import next_deadline
 
@@ -120,3 +120,26 @@ async def test_set_policy_and_yield_requested_through_the_stack(orchestrator: ob
 async def test_set_policy_refuses_a_quantum_out_of_range(nats_url: str, bad: str) -> None:
     rc, out = await timeslice(nats_url, "set-policy", "--group", "g", "--quantum-s", bad)
     assert rc != 0 and "--quantum-s must lie between" in out
+
+
+def test_replay_shows_who_was_asked_to_yield_and_each_waiters_class() -> None:
+    from timeslice_orchestrator.replay import fold_events, render_summary
+
+    from .replay_streams import StreamBuilder
+
+    b = StreamBuilder()
+    t = 1_000_000
+    b.add(t, subjects.ctl("g", "set_policy"), SetPolicy(group="g", quantum_ms=Q))
+    b.acquire(t + 10, "a", "ra", **PATIENT)
+    b.add(t + 20, subjects.job("g", "a", "renew"), Renew(group="g", job="a", request_id="c", epoch=1))
+    b.acquire(t + 100, "b", "rb", priority=3, **PATIENT)
+    b.tick(t + 10 + Q)  # a's quantum ran out while b waited
+    b.release(t + 10 + Q + 500, "a", "ra", 1)
+    r = fold_events(b.events)
+    assert r.violations == []
+    hold_a, hold_b = r.groups["g"].holds
+    assert hold_a.yield_requested_ms == t + 10 + Q and hold_b.yield_requested_ms is None
+    assert [(w.job, w.priority) for w in r.groups["g"].waits] == [("b", 3)]
+    assert r.summary.groups["g"].yield_requests == 1
+    text = render_summary(r)
+    assert "asked to yield" in text and "g/a at epoch 1, released 500 ms later" in text

@@ -28,6 +28,7 @@ from timeslice_client.protocol import (
     Refused,
     Revoked,
     Snapshot,
+    YieldRequested,
     decode_input,
     subjects,
 )
@@ -220,6 +221,9 @@ class _Folder:
         self._observe_switch(w, ts, before, after)
         self._observe_waits(w, ts, before, after, notices)
         self._observe_hold(w, ts, after, notices)
+        for n in notices:
+            if isinstance(n, YieldRequested) and w.hold is not None and w.hold.epoch == n.epoch:
+                w.hold.yield_requested_ms = ts
         tl = w.timeline
         old_faults = before.faulted if before is not None else {}
         for job, reason in after.faulted.items():
@@ -284,9 +288,10 @@ class _Folder:
                     elif isinstance(n, Refused) and n.job == job:
                         wait.outcome = f"refused: {n.code}"
             del w.waits[job]
+        classes = {wr.job: wr.priority for wr in after.queue}
         for job, enqueued in now.items():
             if job not in w.waits:
-                wait = WaitInterval(job=job, start_ms=enqueued)
+                wait = WaitInterval(job=job, start_ms=enqueued, priority=classes.get(job, 0))
                 w.waits[job] = wait
                 w.timeline.waits.append(wait)
 

@@ -50,6 +50,7 @@ class HoldInterval:
     waited_ms: int = 0
     context_restored: bool = False
     end: str = ""  # "released", or the revocation's reason
+    yield_requested_ms: int | None = None  # when it was asked to yield (held past the quantum while others waited)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class WaitInterval:
     end_ms: int | None = None
     outcome: str = ""  # "granted", a dequeue reason ("timeout", "cancelled", …), "refused: CODE"
     epoch: int | None = None  # the epoch it was granted, if granted
+    priority: int = 0  # the class it waited at (``Acquire.priority``)
 
 
 @dataclass
@@ -188,6 +190,7 @@ class GroupSummary:
     window_ms: int
     grants: int = 0
     handoff_p50_ms: float | None = None  # previous hold ended -> next job granted
+    yield_requests: int = 0  # holders asked to yield (the group's quantum)
 
 
 @dataclass

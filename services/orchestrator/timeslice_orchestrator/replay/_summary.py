@@ -65,6 +65,8 @@ def _group_summary(tl: GroupTimeline, ops: Sequence[OpBar], since: int, until: i
         window_ms=window,
         grants=len(grants),
         handoff_p50_ms=_median([float(h.ms) for h in handoffs]),
+        yield_requests=sum(1 for h in tl.holds if h.yield_requested_ms is not None and since <= h.yield_requested_ms
+                           <= until),
     )
 
 

@@ -64,6 +64,11 @@ def render_summary(replay: Replay) -> str:
                 for j, js in s.jobs.items()]
         lines += ["", *_table(["JOB", "GRANTS", "HELD", "WAITED", *(p.upper() for p in phases)], rows,
                               set(range(1, 4 + len(phases))))]
+    asked = [(g, h) for g, tl in sorted(replay.groups.items()) for h in tl.holds if h.yield_requested_ms is not None]
+    if asked:
+        lines += ["", "asked to yield (held past the group's quantum while others waited):"]
+        lines += [f"  {_when(h.yield_requested_ms or 0)} {g}/{h.job} at epoch {h.epoch}, released "
+                  f"{fmt_ms((h.end_ms - (h.yield_requested_ms or 0)) if h.end_ms else None)} later" for g, h in asked]
     faults = [(g, f) for g, tl in sorted(replay.groups.items()) for f in tl.faults]
     if faults:
         lines += ["", "faults:"] + [f"  {_when(f.ts_ms)} {g}/{f.job}: {f.reason}" for g, f in faults]
