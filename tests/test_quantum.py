@@ -108,6 +108,8 @@ async def test_set_policy_and_yield_requested_through_the_stack(orchestrator: ob
         await eventually(lambda: long_job.yield_requested, timeout=10, what="the holder asked to yield")
         assert time.monotonic() - granted >= 0.3 and long_job.contended and long_job.holding
         assert not waiting.done()  # a request, not a revocation: the hold is still the holder's
+        rc, out = await timeslice(nats_url, "status", "--group", "g-quantum")
+        assert rc == 0 and "quantum: 0.3s (the holder was asked to yield)" in out, out
         await long_job.release()
         await asyncio.wait_for(waiting, 10)
         assert next_job.holding and not next_job.yield_requested and not long_job.yield_requested

@@ -207,6 +207,9 @@ def render_table(
                 lines.append(pad + f"       {c.job}@{c.node}: {c.reason}")
         for job, why in sorted(r.faulted.items()):
             lines.append(pad + f"faulted: {job}: {why}")
+        if r.quantum_ms:
+            asked = r.holder is not None and r.yield_asked_epoch == r.holder.epoch
+            lines.append(pad + f"quantum: {_dur(r.quantum_ms)}" + (" (the holder was asked to yield)" if asked else ""))
     if view is not None:
         for g, why in sorted(view.quarantined.items()):
             lines.append(f"QUARANTINED {g}: {why} (not served; every other group is)")
