@@ -193,3 +193,16 @@ def test_switch_costs_are_the_medians_of_the_jobs_operations_that_moved_its_cont
     assert (cost.snapshot_s, cost.restore_s, cost.source, cost.samples) == (0.2, 0.05, "measured", 4)
     given = SwitchCost(1.0, 2.0, "given")
     assert [t.cost for t in traces(r, ["a", "b"], {"*": given})] == [given, given]
+
+
+def test_a_job_asking_at_a_higher_class_waits_less_in_the_prediction() -> None:
+    import dataclasses
+
+    steps = (on(1), off(0.2)) * 5
+    ts = [trace(j, *steps) for j in ("a", "b", "c")]
+    fifo = predict(ts, hop_s=HOP)
+    ranked = predict([ts[0], ts[1], dataclasses.replace(ts[2], priority=9)], hop_s=HOP)
+    waited = {o.job: o.waited_s for o in ranked.jobs}
+    assert waited["c"] < min(waited["a"], waited["b"])  # c goes first whenever it waits
+    assert {o.job: o.waited_s for o in fifo.jobs}["c"] > waited["c"]
+    assert ranked.makespan_s == pytest.approx(fifo.makespan_s, abs=0.05)  # the same work, only reordered

@@ -41,6 +41,13 @@ async def test_advise_predicts_the_shared_run_of_two_jobs_run_alone(
     rc, out = await timeslice(nats_url, "advise", "adv-a@solo-adv-a", "adv-b@solo-adv-b", "--json")
     assert rc == 0, out
     doc = json.loads(out)
+    rc, ranked = await timeslice(
+        nats_url, "advise", "adv-a@solo-adv-a", "adv-b@solo-adv-b", "--priority", "adv-b=5", "--json"
+    )
+    assert rc == 0, ranked
+    assert [t["priority"] for t in json.loads(ranked)["traces"]] == [0, 5]
+    rc, out2 = await timeslice(nats_url, "advise", "adv-a@solo-adv-a", "adv-b@solo-adv-b", "--priority", "zz=1")
+    assert rc != 0 and "--priority names zz" in out2
     predicted = doc["prediction"]["makespan_s"]
     assert [t["holds"] for t in doc["traces"]] == [STEPS, STEPS]
     for t in doc["traces"]:
@@ -71,3 +78,5 @@ async def test_advise_says_what_it_cannot_predict(orchestrator_process: Orchestr
     assert rc == 2 and "Traceback" not in out  # not an id: a usage error
     rc, out = await timeslice(nats_url, "advise", "adv-c", "adv-c", "--snapshot-s", "-1")
     assert rc == 2
+    rc, out = await timeslice(nats_url, "advise", "adv-c", "adv-c", "--priority", "adv-c=10")
+    assert rc == 2 and "between 0 and 9" in out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -40,6 +41,21 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _class(text: str) -> tuple[str, int]:
+    """``JOB=N``: the priority class a job is to ask at in the prediction."""
+    from timeslice_client.protocol import MAX_PRIORITY
+
+    job, _, n = text.partition("=")
+    try:
+        validate_id("job", job)
+        value = int(n)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give JOB=CLASS (a job id and a whole number), not {text!r}") from None
+    if not 0 <= value <= MAX_PRIORITY:
+        raise argparse.ArgumentTypeError(f"a class lies between 0 and {MAX_PRIORITY}, not {value}")
+    return job, value
+
+
 def _hop_ms(text: str) -> float:
     try:
         value = float(text)
@@ -68,6 +84,10 @@ async def _advise(args: argparse.Namespace) -> int:
     events = await read_window(args.nats_url, since_ms=since, until_ms=until, timeout=args.timeout)
     replay = fold_events(events, since_ms=since, until_ms=until)
     jobs = traces(replay, args.jobs, given)
+    classes = dict(args.priority)
+    if unknown := sorted(set(classes) - {t.job for t in jobs}):
+        raise CliError(f"--priority names {', '.join(unknown)}, not among the jobs predicted")
+    jobs = [dataclasses.replace(t, priority=classes.get(t.job, 0)) for t in jobs]
     prediction = predict(jobs, hop_s=args.hop_ms / 1000, room=args.room)
     doc: dict[str, Any] = {"traces": [_trace_json(t) for t in jobs], "prediction": prediction.to_json()}
     if args.json:
@@ -85,6 +105,7 @@ def _trace_json(t: Any) -> dict[str, Any]:
     return {
         "job": t.job,
         "group": t.group,
+        "priority": t.priority,
         "wall_s": t.wall_s,
         "held_s": t.held_s,
         "holds": t.holds,
@@ -135,6 +156,15 @@ def register(sub: Any) -> None:
         default=None,
         metavar="S",
         help="a restore's seconds, for every job (default: the median of each job's own in the window)",
+    )
+    p.add_argument(
+        "--priority",
+        type=_class,
+        action="append",
+        default=[],
+        metavar="JOB=CLASS",
+        help="the priority class (0-9) a job is to ask at when sharing (default 0: first come, first served); "
+        "repeat for several jobs (docs/scheduling.md, 'Priorities')",
     )
     p.add_argument(
         "--room",

@@ -46,6 +46,7 @@ class JobTrace:
     wall_s: float
     cost: SwitchCost = SwitchCost()
     started_ms: int = 0  # stream time of its first acquire (ms since the epoch; 0: not from a stream)
+    priority: int = 0  # the class it is to ask at when sharing (``Acquire.priority``)
 
     @property
     def held_s(self) -> float:

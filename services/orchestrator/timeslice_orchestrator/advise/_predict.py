@@ -19,7 +19,13 @@ def predict(traces: Sequence[JobTrace], *, hop_s: float = 0.001, room: bool = Fa
     fits two contexts at once (a restore runs beside the snapshot it follows, and the core grants on it)."""
     if len({t.job for t in traces}) != len(traces) or len(traces) < 2:
         raise AdviseError("a prediction takes two jobs or more, each once")
-    run = simulate({t.job: t.phases for t in traces}, {t.job: t.cost for t in traces}, hop_s=hop_s, room=room)
+    run = simulate(
+        {t.job: t.phases for t in traces},
+        {t.job: t.cost for t in traces},
+        hop_s=hop_s,
+        room=room,
+        priorities={t.job: t.priority for t in traces},
+    )
     outcomes, switches = _outcomes(run.log, traces)
     makespan = max(o.shared_s for o in outcomes)
     held = sum(o.held_s for o in outcomes)

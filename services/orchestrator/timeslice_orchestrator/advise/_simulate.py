@@ -73,8 +73,10 @@ class _Sim:
         hop_s: float,
         room: bool,
         group: str,
+        priorities: Mapping[str, int],
     ) -> None:
         self.group, self.hop, self.room, self.costs = group, hop_s, room, costs
+        self.priorities = priorities
         self.rec = new_record(group)
         self.seq = 0
         self.heap: list[tuple[float, int, str, Any]] = []
@@ -150,6 +152,7 @@ class _Sim:
                 timeout_ms=TIMEOUT_MS,
                 waiter_ttl_ms=WAITER_TTL_MS,
                 confirm_ms=CONFIRM_MS,
+                priority=self.priorities.get(job, 0),
             ),
         )
         self.push(t + WAITER_TTL_MS / 3000, "renew_wait", (job, rid))
@@ -236,12 +239,13 @@ def simulate(
     hop_s: float = 0.001,
     room: bool = False,
     group: str = "sim",
+    priorities: Mapping[str, int] | None = None,
 ) -> SimRun:
     """Run every job's ``phases`` from time 0, all on one group; the run's log and the events the core applied.
-    ``costs``: each job's switch costs (a job not named switches for free). Raises ``AdviseError`` past
-    :data:`MAX_EVENTS` events."""
+    ``costs``: each job's switch costs (a job not named switches for free); ``priorities``: each job's priority class
+    (``Acquire.priority``; default 0). Raises ``AdviseError`` past :data:`MAX_EVENTS` events."""
     if hop_s < 0:
         raise ValueError(f"hop_s must be at least 0, not {hop_s}")
-    sim = _Sim(phases, costs, hop_s, room, group)
+    sim = _Sim(phases, costs, hop_s, room, group, priorities or {})
     log = sim.run()
     return SimRun(log=log, events=sim.events)

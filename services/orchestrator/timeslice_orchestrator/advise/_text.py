@@ -20,7 +20,7 @@ def render_prediction(p: Prediction, traces: Sequence[JobTrace]) -> str:
         duty = t.held_s / t.wall_s if t.wall_s > 0 else 0.0
         lines.append(
             f"  {t.job:<{w}}  group {t.group}: {t.wall_s:.2f} s, {t.holds} holds, "
-            f"{t.held_s:.2f} s held ({duty:.0%}); {cost}"
+            f"{t.held_s:.2f} s held ({duty:.0%}); {cost}" + (f"; asks at class {t.priority}" if t.priority else "")
         )
     lines.append(
         f"predicted: the {len(traces)} jobs sharing one group (started together; "
