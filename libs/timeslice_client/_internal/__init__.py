@@ -1,0 +1,21 @@
+"""What timeslice's own services share with one another and with the client library: no part of the public API.
+
+For the orchestrator, the node agent and the ``timeslice`` command (``services/``), and for the tests and benches
+that drive them; never for a job. Nothing here is re-exported by ``timeslice_client``, nothing here keeps a name
+from one release to the next, and a job that imports it gets no help when it moves (the same contract as
+``pip._internal``).
+
+Why a home of its own: the services never import each other (docs/architecture.md), so what two of them need
+lives in the one distribution both install, ``timeslice-client``. Before, it lay among the client's own private
+modules, and a reader could not tell ``_async_client`` (the job's lock, private to the library) from the metrics
+server (shared by the services). The rule now: a service imports from ``timeslice_client`` its public modules
+(``protocol``, ``bus``, ``errors``, ...), the wire pieces both ends of an exchange need (``_grpc``'s stubs,
+``_names``, ``_bounds``, ``_agent_socket``), and this package; the library's other ``_`` modules are its own.
+
+Modules (the names carry no underscore: the package's already says private):
+
+* ``metrics_http``: the Prometheus endpoint of ``--metrics-port`` (orchestrator, agent, ``timeslice up``).
+
+A module here may need what only ``timeslice-server`` installs (``prometheus_client``, ``cryptography``): a job's
+environment lacks them, which is fine, since nothing a job imports loads this package.
+"""
