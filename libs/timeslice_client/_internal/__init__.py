@@ -15,6 +15,7 @@ server (shared by the services). The rule now: a service imports from ``timeslic
 Modules (the names carry no underscore: the package's already says private):
 
 * ``metrics_http``: the Prometheus endpoint of ``--metrics-port`` (orchestrator, agent, ``timeslice up``).
+* ``runner``: runs a service's main coroutine, on uvloop where it is installed.
 
 A module here may need what only ``timeslice-server`` installs (``prometheus_client``, ``cryptography``): a job's
 environment lacks them, which is fine, since nothing a job imports loads this package.

@@ -18,7 +18,7 @@ from typing import Any
 
 from timeslice_client._bus_auth import add_auth_flags as add_bus_auth_flags
 from timeslice_client._bus_auth import auth_from_args, set_process_auth
-from timeslice_client._runner import run
+from timeslice_client._internal.runner import run
 from timeslice_client.bus import nats_url_arg
 from timeslice_client.errors import TimeSliceError
 

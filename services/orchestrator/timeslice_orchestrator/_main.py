@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from timeslice_client._bus_auth import add_auth_flags, auth_from_args, set_process_auth
 from timeslice_client._internal.metrics_http import MetricsEndpoint, serve_metrics
-from timeslice_client._runner import run
+from timeslice_client._internal.runner import run
 from timeslice_client.bus import nats_url_arg
 from timeslice_client.errors import TimeSliceError
 
