@@ -42,10 +42,10 @@
 Every error carries the values that explain it as attributes and says in its message what to do. Foreign errors
 (nats-py's, grpc's, the OS's) are translated by type where they are met: ``_publish_rules`` and ``bus`` into
 ``Unavailable`` / ``BusUnreachable``, ``agent_client`` (by gRPC status code) into ``Unavailable``, ``InvalidRequest``,
-``OperationNotFound`` or ``AgentError``, each ``from`` grpc's error. The gRPC shims' door (``_grpc.guard``,
-``_grpc.identity``, which re-export their errors from here) answers a ``CallerRefused`` with UNAUTHENTICATED or
-PERMISSION_DENIED. The services' trees hang below the root: ``timeslice_orchestrator.OrchestratorError`` and
-``timeslice_agent.AgentServiceError``.
+``OperationNotFound`` or ``AgentError``, each ``from`` grpc's error. The gRPC shims' door (``guard`` and
+``identity`` in ``_internal.grpc_server``, which re-export their errors from here) answers a ``CallerRefused`` with
+UNAUTHENTICATED or PERMISSION_DENIED. The services' trees hang below the root:
+``timeslice_orchestrator.OrchestratorError`` and ``timeslice_agent.AgentServiceError``.
 
 Signals that never reach a caller stay beside the code that raises and catches them: ``_agent_socket.ProofUnavailable``
 (no proof from the agent's socket: the job registers unproven), ``_shared_loop.LoopClosed`` and ``CallTimeout`` (the

@@ -16,6 +16,7 @@ Modules (the names carry no underscore: the package's already says private):
 
 * ``metrics_http``: the Prometheus endpoint of ``--metrics-port`` (orchestrator, agent, ``timeslice up``).
 * ``runner``: runs a service's main coroutine, on uvloop where it is installed.
+* ``grpc_server``: the server side of the gRPC shims: who may call, who a caller is, the port and its door.
 
 A module here may need what only ``timeslice-server`` installs (``prometheus_client``, ``cryptography``): a job's
 environment lacks them, which is fine, since nothing a job imports loads this package.

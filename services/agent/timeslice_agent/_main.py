@@ -85,7 +85,7 @@ def add_agent_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
     p.add_argument("--grpc-tls-key", default=None, help="PEM private key of --grpc-tls-cert")
     p.add_argument("--grpc-tls-client-ca", default=None, help="PEM CA certificate: require client certificates")
-    from timeslice_client._grpc.auth_config import add_auth_flags
+    from timeslice_client._internal.grpc_server.auth_config import add_auth_flags
 
     add_auth_flags(p)  # who may call it (docs/security.md ("Identities on the gRPC APIs"))
     p.add_argument("--metrics-port", type=int, default=-1,
