@@ -45,9 +45,9 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 from timeslice_client._grpc import snapshot_agent_pb2 as pb
-from timeslice_client._grpc.runtime import SERVER_OPTIONS, Handler, bind
 from timeslice_client._internal.grpc_server.auth_config import GrpcAuthSettings, auth_settings_from_args
 from timeslice_client._internal.grpc_server.guard import Authenticator, add_port, authenticate, authorize
+from timeslice_client._internal.grpc_server.serving import SERVER_OPTIONS, Handler, bind
 from timeslice_client.protocol import JobState, OpKind, SuspendMode
 
 from ._config import DEFAULT_GRPC_PORT
