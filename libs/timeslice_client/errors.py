@@ -50,8 +50,8 @@ UNAUTHENTICATED or PERMISSION_DENIED. The services' trees hang below the root:
 Signals that never reach a caller stay beside the code that raises and catches them: ``_agent_socket.ProofUnavailable``
 (no proof from the agent's socket: the job registers unproven), ``_shared_loop.LoopClosed`` and ``CallTimeout`` (the
 blocking client turns them into ``TimeSliceError`` and ``Unavailable``), ``sglang_engine.CacheNotFlushed`` (becomes an
-``EngineCallFailed``), ``bus._PlacementRefused`` (a ``TimeSliceError`` that ``ensure_bus`` retries within its wait), and
-``_grants._WaitLost`` / ``_Superseded``.
+``EngineCallFailed``), ``_internal.bus_layout._PlacementRefused`` (a ``TimeSliceError`` that ``ensure_bus`` retries
+within its wait), and ``_grants._WaitLost`` / ``_Superseded``.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ Modules (the names carry no underscore: the package's already says private):
 * ``metrics_http``: the Prometheus endpoint of ``--metrics-port`` (orchestrator, agent, ``timeslice up``).
 * ``runner``: runs a service's main coroutine, on uvloop where it is installed.
 * ``grpc_server``: the server side of the gRPC shims: who may call, who a caller is, the port and its door.
+* ``bus_layout``: the JetStream stream and key-value buckets, made where missing (``ensure_bus``, ``BusConfig``);
+  connecting stays public, in ``timeslice_client.bus``.
 
 A module here may need what only ``timeslice-server`` installs (``prometheus_client``, ``cryptography``): a job's
 environment lacks them, which is fine, since nothing a job imports loads this package.
