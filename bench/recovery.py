@@ -45,7 +45,8 @@ NEW_PROCESS_FLOOR_S = 0.1  # a restarted orchestrator cannot publish sooner: imp
 
 async def cold_start(tmp: Path) -> dict[str, float]:
     """Spawn → first grant of an acquire already waiting in an empty bus, and spawn → ready."""
-    from timeslice_client.bus import connect, ensure_bus
+    from timeslice_client._internal.bus_layout import ensure_bus
+    from timeslice_client.bus import connect
     from timeslice_client.protocol import Acquire, Granted, decode_notice, encode, subjects
     from timeslice_orchestrator.embedded import NatsServer
 

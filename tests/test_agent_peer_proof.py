@@ -29,7 +29,8 @@ from nats.aio.client import Client as NATS
 from timeslice_agent import Agent, AgentConfig
 from timeslice_client import AgentRefused, CallbackHandler, register_workload
 from timeslice_client._agent_socket import MAX_LINE, Answer, ProofUnavailable, prove
-from timeslice_client.bus import connect, ensure_bus
+from timeslice_client._internal.bus_layout import ensure_bus
+from timeslice_client.bus import connect
 from timeslice_client.protocol import (
     AgentReply,
     JobContext,

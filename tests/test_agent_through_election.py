@@ -15,7 +15,7 @@ import time
 import msgspec
 from timeslice_agent import Agent, AgentConfig
 from timeslice_client import AsyncTimeSliceClient, GroupRecord, Unavailable
-from timeslice_client.bus import BusConfig
+from timeslice_client._internal.bus_layout import BusConfig
 from timeslice_client.protocol import STREAM, OpKind, OpResult, OpStarted, subjects
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 

@@ -29,8 +29,9 @@ from nats.aio.client import Client as NATS
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from timeslice_agent import Agent, AgentConfig
+from timeslice_client._internal.bus_layout import ensure_bus
 from timeslice_client._names import AGENT_JOB_VERBS
-from timeslice_client.bus import connect, ensure_bus
+from timeslice_client.bus import connect
 from timeslice_client.protocol import (
     STREAM,
     AgentReply,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 
 from nats.aio.msg import Msg
-from timeslice_client.bus import connect, ensure_bus
+from timeslice_client._internal.bus_layout import ensure_bus
+from timeslice_client.bus import connect
 from timeslice_client.protocol import (
     STREAM,
     Acquire,

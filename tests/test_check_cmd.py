@@ -22,7 +22,8 @@ from timeslice_cli import _check as _check_cmd
 from timeslice_cli import build_parser
 from timeslice_cli._check import check_events, parse_since
 from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
-from timeslice_client.bus import connect, ensure_bus
+from timeslice_client._internal.bus_layout import ensure_bus
+from timeslice_client.bus import connect
 from timeslice_client.protocol import (
     Cancel,
     ClearFault,

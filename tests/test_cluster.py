@@ -21,7 +21,8 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 from timeslice_client import AsyncTimeSliceClient, LockLost, TimeSliceClient
-from timeslice_client.bus import BusConfig, InvalidNatsUrl, connect, parse_servers
+from timeslice_client._internal.bus_layout import BusConfig
+from timeslice_client.bus import InvalidNatsUrl, connect, parse_servers
 from timeslice_client.errors import Unavailable
 from timeslice_client.handlers import HandlerResult
 from timeslice_client.protocol import AGENTS_BUCKET, GROUPS_BUCKET, JOBS_BUCKET, STREAM, SuspendMode, subjects

@@ -60,7 +60,7 @@ async def test_a_lost_delivery_is_filled_from_the_stream_without_a_new_term(
 
 
 async def test_fill_gap_passes_the_inputs_between_two_sequences_in_order_as_deliveries(nats_url: str) -> None:
-    from timeslice_client.bus import ensure_bus
+    from timeslice_client._internal.bus_layout import ensure_bus
 
     nc = await connect(nats_url)
     try:

@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 import pytest
 from timeslice_client import AsyncTimeSliceClient
-from timeslice_client._grpc.guard import GrpcRefusedToStart
 from timeslice_client._grpc.runtime import channel_credentials
+from timeslice_client._internal.grpc_server.guard import GrpcRefusedToStart
 from timeslice_orchestrator.grpc_shim import GrpcConfig, OrchestratorGrpcShim
 
 from .grpc_identity_helpers import (
@@ -407,7 +407,7 @@ async def test_the_documented_client_snippet_sends_the_token_of_a_creds_file(sta
 
 @pytest.mark.parametrize("quote", ["", '"'])
 def test_the_trusted_account_is_read_from_a_key_a_jwt_or_a_server_config(tmp_path: Path, quote: str) -> None:
-    from timeslice_client._grpc.identity import Trust, TrustError
+    from timeslice_client._internal.grpc_server.identity import Trust, TrustError
 
     operator, system, account = new_key(0x70), new_account(), new_account()
     acc_jwt = account_jwt(account, operator)

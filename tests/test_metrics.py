@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from timeslice_agent import Agent, AgentConfig, AgentMetrics
 from timeslice_client import AcquireTimeout, AsyncTimeSliceClient, HandlerResult, JobState, SuspendMode
-from timeslice_client._metrics_http import MetricsServerError, serve_metrics
+from timeslice_client._internal.metrics_http import MetricsServerError, serve_metrics
 from timeslice_client.bus import connect
 from timeslice_client.protocol import Acquire, GroupRecord, encode, subjects
 from timeslice_orchestrator import Orchestrator, OrchestratorConfig, OrchestratorMetrics

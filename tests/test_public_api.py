@@ -4,7 +4,9 @@ name resolves, and every public module's ``__all__`` lists only what it defines 
 
 from __future__ import annotations
 
+import ast
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -188,3 +190,51 @@ def test_the_public_names_of_modules_that_need_an_extra_are_the_pinned_ones(modu
     assert exported == pinned, f"added: {sorted(exported - pinned)}, dropped: {sorted(pinned - exported)}"
     missing = [n for n in mod.__all__ if not hasattr(mod, n)]
     assert not missing, f"{module}.__all__ names what it does not define: {missing}"
+
+
+#: The client's private modules a service may import, and why (``timeslice_client._internal``'s docstring): the wire
+#: pieces both ends of an exchange need, and two rules the client owns that the services follow. Everything else the
+#: services share lives in ``timeslice_client._internal``; any other ``_`` module is the client's own.
+SHARED_PRIVATE = {
+    "timeslice_client._grpc": "the generated stubs: the job's SnapshotAgentClient and the shims speak one proto",
+    "timeslice_client._names": "subjects, built by the client and parsed back by the orchestrator",
+    "timeslice_client._bounds": "the wire's field bounds, checked at both ends",
+    "timeslice_client._agent_socket": "the agent socket's exchange: the job proves, the agent answers",
+    "timeslice_client._bus_auth": "how a connection's identity is found, and the --creds/--tls-* flags that feed it",
+    "timeslice_client._publish_rules": "which bus errors are transient: the agent retries by the client's rule",
+}
+
+
+def _imports_of_timeslice_client(root: Path) -> dict[str, set[str]]:
+    """Each ``timeslice_client`` module the Python files under ``root`` import (a private name imported from the
+    package itself, ``from timeslice_client import _x``, counts as the module ``timeslice_client._x``) -> the files."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+                if node.module == "timeslice_client":
+                    names = [f"timeslice_client.{a.name}" if a.name.startswith("_") and a.name != "__version__"
+                             else node.module for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name == "timeslice_client" or name.startswith("timeslice_client."):
+                    found.setdefault(name, set()).add(str(path.relative_to(root.parent)))
+    return found
+
+
+def test_the_services_import_only_the_clients_shared_private_modules() -> None:
+    """A service (orchestrator, agent, CLI) imports from ``timeslice_client`` its public modules, ``_internal``, and
+    the private modules of ``SHARED_PRIVATE``; a newcomer can tell the client's own modules from the shared ones."""
+    services = Path(__file__).resolve().parents[1] / "services"
+    stray = {
+        module: sorted(files)
+        for module, files in _imports_of_timeslice_client(services).items()
+        if any(part.startswith("_") for part in module.split(".")[1:2])
+        and module.split(".")[1] != "_internal"
+        and ".".join(module.split(".")[:2]) not in SHARED_PRIVATE
+    }
+    assert not stray, f"services import the client's own private modules (move what they share to _internal): {stray}"

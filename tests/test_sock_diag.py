@@ -1,5 +1,6 @@
-"""The loopback caller's uid, asked of the kernel for the one socket (``_grpc._sock_diag``), as the gRPC shims'
-local identity uses it (``identity.loopback_peer_uid``): right for a live connection, none once it is closed."""
+"""The loopback caller's uid, asked of the kernel for the one socket (``_internal.grpc_server.sock_diag``), as the
+gRPC shims' local identity uses it (``identity.loopback_peer_uid``): right for a live connection, none once it is
+closed."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import sys
 import time
 
 import pytest
-from timeslice_client._grpc._sock_diag import tcp_socket_uid
-from timeslice_client._grpc.identity import loopback_peer_uid
+from timeslice_client._internal.grpc_server.identity import loopback_peer_uid
+from timeslice_client._internal.grpc_server.sock_diag import tcp_socket_uid
 
 from .helpers import eventually_sync
 

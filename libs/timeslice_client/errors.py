@@ -42,16 +42,16 @@
 Every error carries the values that explain it as attributes and says in its message what to do. Foreign errors
 (nats-py's, grpc's, the OS's) are translated by type where they are met: ``_publish_rules`` and ``bus`` into
 ``Unavailable`` / ``BusUnreachable``, ``agent_client`` (by gRPC status code) into ``Unavailable``, ``InvalidRequest``,
-``OperationNotFound`` or ``AgentError``, each ``from`` grpc's error. The gRPC shims' door (``_grpc.guard``,
-``_grpc.identity``, which re-export their errors from here) answers a ``CallerRefused`` with UNAUTHENTICATED or
-PERMISSION_DENIED. The services' trees hang below the root: ``timeslice_orchestrator.OrchestratorError`` and
-``timeslice_agent.AgentServiceError``.
+``OperationNotFound`` or ``AgentError``, each ``from`` grpc's error. The gRPC shims' door (``guard`` and
+``identity`` in ``_internal.grpc_server``, which re-export their errors from here) answers a ``CallerRefused`` with
+UNAUTHENTICATED or PERMISSION_DENIED. The services' trees hang below the root:
+``timeslice_orchestrator.OrchestratorError`` and ``timeslice_agent.AgentServiceError``.
 
 Signals that never reach a caller stay beside the code that raises and catches them: ``_agent_socket.ProofUnavailable``
 (no proof from the agent's socket: the job registers unproven), ``_shared_loop.LoopClosed`` and ``CallTimeout`` (the
 blocking client turns them into ``TimeSliceError`` and ``Unavailable``), ``sglang_engine.CacheNotFlushed`` (becomes an
-``EngineCallFailed``), ``bus._PlacementRefused`` (a ``TimeSliceError`` that ``ensure_bus`` retries within its wait), and
-``_grants._WaitLost`` / ``_Superseded``.
+``EngineCallFailed``), ``_internal.bus_layout._PlacementRefused`` (a ``TimeSliceError`` that ``ensure_bus`` retries
+within its wait), and ``_grants._WaitLost`` / ``_Superseded``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ from typing import Annotated
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
-from timeslice_client.bus import BusConfig, parse_servers
+from timeslice_client._internal.bus_layout import BusConfig
+from timeslice_client.bus import parse_servers
 from timeslice_client.protocol import validate_id
 from timeslice_client.workload import default_node_id
 

@@ -27,7 +27,7 @@ import grpc
 import msgspec
 from timeslice_client._bounds import MAX_TEXT, Name, OpId
 from timeslice_client._grpc import snapshot_agent_pb2 as pb
-from timeslice_client._grpc.guard import Authenticator, authorize
+from timeslice_client._internal.grpc_server.guard import Authenticator, authorize
 from timeslice_client.protocol import RegisterJob, SuspendMode, UnregisterJob
 
 from ._errors import BackendUnavailable, Refusal, Refused

@@ -18,7 +18,7 @@ from typing import Any
 
 from timeslice_client._bus_auth import add_auth_flags as add_bus_auth_flags
 from timeslice_client._bus_auth import auth_from_args, set_process_auth
-from timeslice_client._runner import run
+from timeslice_client._internal.runner import run
 from timeslice_client.bus import nats_url_arg
 from timeslice_client.errors import TimeSliceError
 
@@ -85,7 +85,7 @@ def add_agent_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
     p.add_argument("--grpc-tls-key", default=None, help="PEM private key of --grpc-tls-cert")
     p.add_argument("--grpc-tls-client-ca", default=None, help="PEM CA certificate: require client certificates")
-    from timeslice_client._grpc.auth_config import add_auth_flags
+    from timeslice_client._internal.grpc_server.auth_config import add_auth_flags
 
     add_auth_flags(p)  # who may call it (docs/security.md ("Identities on the gRPC APIs"))
     p.add_argument("--metrics-port", type=int, default=-1,

@@ -13,10 +13,10 @@ in the stream), with true byte counts and elapsed times.
   channel); ``app_channel`` is the workload channel; ``cuda`` and ``app_endpoint`` are used when this
   agent has them. Anything else (``direct_memory``, ``memory_regions``, or a backend not installed
   here) is FAILED_PRECONDITION, naming what this agent supports.
-* **Who calls** (``timeslice_client._grpc.auth_config``): Snapshot and Restore act on the job they name, and only
-  that job's identity (its bearer token or client certificate), the local user (a loopback caller running as the
-  agent's user) or anyone on an ``--grpc-insecure`` agent may make them (PERMISSION_DENIED otherwise);
-  GetOperation and Status take any identity; no identity is UNAUTHENTICATED.
+* **Who calls** (``timeslice_client._internal.grpc_server.auth_config``): Snapshot and Restore act on the job they
+  name, and only that job's identity (its bearer token or client certificate), the local user (a loopback caller
+  running as the agent's user) or anyone on an ``--grpc-insecure`` agent may make them (PERMISSION_DENIED
+  otherwise); GetOperation and Status take any identity; no identity is UNAUTHENTICATED.
 * Bad ids → INVALID_ARGUMENT; a job the agent does not know (and no process target to take it on)
   → FAILED_PRECONDITION. A snapshot in a suspend mode that the job's ``WorkloadChannel`` registration did not declare
   → FAILED_PRECONDITION (nothing is started, nothing sent to the workload).
@@ -45,9 +45,9 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 from timeslice_client._grpc import snapshot_agent_pb2 as pb
-from timeslice_client._grpc.auth_config import GrpcAuthSettings, auth_settings_from_args
-from timeslice_client._grpc.guard import Authenticator, add_port, authenticate, authorize
-from timeslice_client._grpc.runtime import SERVER_OPTIONS, Handler, bind
+from timeslice_client._internal.grpc_server.auth_config import GrpcAuthSettings, auth_settings_from_args
+from timeslice_client._internal.grpc_server.guard import Authenticator, add_port, authenticate, authorize
+from timeslice_client._internal.grpc_server.serving import SERVER_OPTIONS, Handler, bind
 from timeslice_client.protocol import JobState, OpKind, SuspendMode
 
 from ._config import DEFAULT_GRPC_PORT

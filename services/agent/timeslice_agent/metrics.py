@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from timeslice_client._metrics_http import MetricsEndpoint, MetricsServerError, serve_metrics
+from timeslice_client._internal.metrics_http import MetricsEndpoint, MetricsServerError, serve_metrics
 from timeslice_client.protocol import OpResult
 
 from ._untrusted import REFUSALS

@@ -36,7 +36,8 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from timeslice_client._agent_socket import default_socket_path
-from timeslice_client.bus import connect, ensure_bus
+from timeslice_client._internal.bus_layout import ensure_bus
+from timeslice_client.bus import connect
 from timeslice_client.protocol import (
     STREAM,
     AgentCommand,

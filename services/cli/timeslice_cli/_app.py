@@ -181,7 +181,7 @@ def _quiet_stdout() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``timeslice`` command; returns its exit code."""
     from timeslice_client._bus_auth import auth_from_args, set_process_auth
-    from timeslice_client._runner import run
+    from timeslice_client._internal.runner import run
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)

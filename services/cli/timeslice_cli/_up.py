@@ -51,7 +51,7 @@ async def _up(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, data_dir: Path, lock: _daemon.UpLock) -> int:
     from timeslice_client._bus_auth import BusAuth, set_process_auth
-    from timeslice_client._metrics_http import serve_metrics
+    from timeslice_client._internal.metrics_http import serve_metrics
     from timeslice_client.bus import local_creds_file, url_file
     from timeslice_client.workload import default_node_id
     from timeslice_orchestrator import grpc_shim

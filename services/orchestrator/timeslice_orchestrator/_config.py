@@ -7,7 +7,8 @@ from typing import Any
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from timeslice_client.bus import BusConfig, TlsFiles
+from timeslice_client._internal.bus_layout import BusConfig
+from timeslice_client.bus import TlsFiles
 
 __all__ = ["OrchestratorConfig"]
 

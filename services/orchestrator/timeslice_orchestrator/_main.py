@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from timeslice_client._bus_auth import add_auth_flags, auth_from_args, set_process_auth
-from timeslice_client._metrics_http import MetricsEndpoint, serve_metrics
-from timeslice_client._runner import run
+from timeslice_client._internal.metrics_http import MetricsEndpoint, serve_metrics
+from timeslice_client._internal.runner import run
 from timeslice_client.bus import nats_url_arg
 from timeslice_client.errors import TimeSliceError
 
@@ -126,7 +126,7 @@ def add_grpc_flags(parser: argparse.ArgumentParser, default_port: int | None) ->
     parser.add_argument("--grpc-tls-key", default=None, help="PEM private key of --grpc-tls-cert")
     parser.add_argument("--grpc-tls-client-ca", default=None,
                         help="PEM CA certificate: mutual TLS, clients must present a certificate it signed")
-    from timeslice_client._grpc.auth_config import add_auth_flags as add_grpc_auth_flags
+    from timeslice_client._internal.grpc_server.auth_config import add_auth_flags as add_grpc_auth_flags
 
     add_grpc_auth_flags(parser, health=True)  # who may call it (docs/security.md ("Identities on the gRPC APIs"))
 

@@ -15,7 +15,7 @@ callers and bus clients wait in the same FIFO queue of the same group.
 * **Leases.** A gRPC caller holds a lease like any client: the shim's client renews it in the
   background. The caller's liveness is its connection: the shim remembers the connection (peer)
   whose Acquire got the grant and, every ``liveness_interval_s``, lists the server's open connections
-  through channelz (:func:`timeslice_client._grpc.runtime.live_peers`). Once the holder's connection
+  through channelz (:func:`timeslice_client._internal.grpc_server.serving.live_peers`). Once the holder's connection
   has been gone for one lease, the shim gives the group back. A caller that comes back in time on a
   new connection (any Acquire or Yield of that job) carries the hold over to it. Server keepalive
   pings drop connections whose peer vanished without closing them (host or network down). If the shim
@@ -26,12 +26,12 @@ callers and bus clients wait in the same FIFO queue of the same group.
   a gRPC client channel that stays idle (no calls) past its idle timeout (30 min by default in
   gRPC) closes its connection, so holds longer than that need a call in between (e.g.
   GetGroupStatus) or a larger ``grpc.client_idle_timeout_ms``.
-* **Who calls.** Every call comes from an identity (``timeslice_client._grpc.auth_config``): a bearer token
-  (``timeslice auth job``), a client certificate naming a job, or the local user on loopback. Acquire and Yield
-  act as the job they name, and only that job's identity may make them (PERMISSION_DENIED otherwise, also for a
-  hold taken over the bus); ListGroups and GetGroupStatus take any identity. No identity: UNAUTHENTICATED.
-  ``insecure`` (``--grpc-insecure``) serves anyone, and says so when it starts. docs/security.md, "Identities on
-  the gRPC APIs".
+* **Who calls.** Every call comes from an identity (``timeslice_client._internal.grpc_server.auth_config``): a
+  bearer token (``timeslice auth job``), a client certificate naming a job, or the local user on loopback. Acquire
+  and Yield act as the job they name, and only that job's identity may make them (PERMISSION_DENIED otherwise, also
+  for a hold taken over the bus); ListGroups and GetGroupStatus take any identity. No identity: UNAUTHENTICATED.
+  ``insecure`` (``--grpc-insecure``) serves anyone, and says so when it starts. docs/security.md, "Identities on the
+  gRPC APIs".
 * **Errors.** Bad ids → INVALID_ARGUMENT; Yield by a job that does not hold the group →
   PERMISSION_DENIED naming the holder; a faulted job → FAILED_PRECONDITION; the bus unreachable →
   UNAVAILABLE; an unknown group in GetGroupStatus → NOT_FOUND.
@@ -67,9 +67,9 @@ from pydantic_settings import SettingsConfigDict
 from timeslice_client import AsyncTimeSliceClient, Grant
 from timeslice_client._grpc import accelerator_orchestrator_pb2 as legacy_pb2
 from timeslice_client._grpc import timeslice_orchestrator_pb2 as pb
-from timeslice_client._grpc.auth_config import GrpcAuthSettings, auth_settings_from_args
-from timeslice_client._grpc.guard import Authenticator, add_port, authenticate, authorize, serve_health
-from timeslice_client._grpc.runtime import SERVER_OPTIONS, Handler, bind, live_peers, normalize_peer
+from timeslice_client._internal.grpc_server.auth_config import GrpcAuthSettings, auth_settings_from_args
+from timeslice_client._internal.grpc_server.guard import Authenticator, add_port, authenticate, authorize, serve_health
+from timeslice_client._internal.grpc_server.serving import SERVER_OPTIONS, Handler, bind, live_peers, normalize_peer
 from timeslice_client.bus import connect, kv_keys
 from timeslice_client.errors import (
     AcquireCancelled,

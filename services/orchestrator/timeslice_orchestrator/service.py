@@ -42,7 +42,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
-from timeslice_client.bus import connect, ensure_bus
+from timeslice_client._internal.bus_layout import ensure_bus
+from timeslice_client.bus import connect
 from timeslice_client.protocol import (
     ErrorCode,
     GroupRecord,

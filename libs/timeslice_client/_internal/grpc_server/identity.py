@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from ..errors import CallerRefused, PermissionDenied, TrustError, Unauthenticated
-from ._sock_diag import tcp_socket_uid
+from ...errors import CallerRefused, PermissionDenied, TrustError, Unauthenticated
+from .sock_diag import tcp_socket_uid
 
 __all__ = [
     "Account",

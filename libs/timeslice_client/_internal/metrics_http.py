@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from .errors import MetricsServerError
+from ..errors import MetricsServerError
 
 __all__ = ["MetricsEndpoint", "MetricsServerError", "serve_metrics"]
 

@@ -1,7 +1,7 @@
 """Who may call the gRPC shims: the settings and command-line flags, shared by the orchestrator's and the agent's
 shim. Private; no gRPC import here, so the CLIs can add the flags without loading grpc.
 
-Every call is made by an identity (:mod:`timeslice_client._grpc.identity`), found in this order:
+Every call is made by an identity (:mod:`timeslice_client._internal.grpc_server.identity`), found in this order:
 
 1. a bearer token (``authorization: Bearer <user JWT>``, the JWT of a ``timeslice auth ...`` credential), verified
    against the TIMESLICE account (``trust_account``: its public key, a file holding it or its JWT, or the auth dir);

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from ..errors import GrpcRefusedToStart
+from ...errors import GrpcRefusedToStart
 from .auth_config import GrpcAuthSettings
 from .identity import (
     CertificateMapper,
@@ -27,7 +27,7 @@ from .identity import (
     local_callers_supported,
     loopback_peer_uid,
 )
-from .runtime import SERVER_OPTIONS, normalize_peer, server_credentials
+from .serving import SERVER_OPTIONS, normalize_peer, server_credentials
 
 __all__ = ["Authenticator", "GrpcRefusedToStart", "add_port", "authenticate", "authorize", "is_loopback",
            "serve_health"]
