@@ -79,7 +79,9 @@ async def test_a_snapshot_answered_during_an_election_runs_once_and_counts_ok(cl
                         return None
                     return rec if rec.holder is not None and rec.holder.job == "b" else None
 
-                rec = await eventually(stored, timeout=30, what="the record shows b holding")
+                # One read may itself take the client's request_timeout (30 s: a KV read sent to a server the cluster
+                # is still electing around answers only then), so the bound is longer than one read.
+                rec = await eventually(stored, timeout=90, what="the record shows b holding")
                 assert "a" not in rec.faulted, rec.faulted
                 assert rec.holder is not None and gb.epoch == rec.holder.epoch
                 await b.release()
