@@ -8,6 +8,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +32,23 @@ def _job(text: str) -> str:
     return text
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"give seconds as a number, not {text!r}") from None
-    if not 0 <= value <= 86_400:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 86400 s, not {text}")
-    return value
+def _between(unit: str, top: float) -> Callable[[str], float]:
+    """An argparse type: a number of ``unit`` from 0 to ``top``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"give {unit} as a number, not {text!r}") from None
+        if not 0 <= value <= top:
+            raise argparse.ArgumentTypeError(f"must be between 0 and {top:g} {unit}, not {text}")
+        return value
+
+    return parse
+
+
+_seconds = _between("s", 86_400)
+_hop_ms = _between("ms", 1_000)
 
 
 def _class(text: str) -> tuple[str, int]:
@@ -54,16 +64,6 @@ def _class(text: str) -> tuple[str, int]:
     if not 0 <= value <= MAX_PRIORITY:
         raise argparse.ArgumentTypeError(f"a class lies between 0 and {MAX_PRIORITY}, not {value}")
     return job, value
-
-
-def _hop_ms(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"give milliseconds as a number, not {text!r}") from None
-    if not 0 <= value <= 1000:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1000 ms, not {text}")
-    return value
 
 
 async def _advise(args: argparse.Namespace) -> int:
