@@ -49,13 +49,15 @@ async def main() -> None:
         time.sleep(a.switch_ms / 1000)  # the job's own suspend/resume: what an agent kill lands in
         return HandlerResult(bytes_moved=1)
 
-    client = AsyncTimeSliceClient(a.job, a.group, a.nats_url, lease_seconds=a.lease, acquire_timeout=300,
-                                  request_timeout=10)
+    client = AsyncTimeSliceClient(
+        a.job, a.group, a.nats_url, lease_seconds=a.lease, acquire_timeout=300, request_timeout=10
+    )
     async with client:
         if a.node:
             try:
-                await client.register_workload(CallbackHandler(suspend=pause, resume=pause), node_id=a.node,
-                                               op_timeout=30)
+                await client.register_workload(
+                    CallbackHandler(suspend=pause, resume=pause), node_id=a.node, op_timeout=30
+                )
             except TimeSliceError as exc:
                 log("error", where="register", type=exc.__class__.__name__, msg=str(exc)[:300])
         log("ready", pid=os.getpid())

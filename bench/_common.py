@@ -73,8 +73,7 @@ def machine_facts() -> dict[str, Any]:
     with contextlib.suppress(Exception):
         from timeslice_orchestrator.embedded import find_nats_server
 
-        out = subprocess.run([find_nats_server(), "--version"], capture_output=True, text=True, timeout=10,
-                             check=False)
+        out = subprocess.run([find_nats_server(), "--version"], capture_output=True, text=True, timeout=10, check=False)
         nats_version = out.stdout.strip() or out.stderr.strip()
     nats_py = "unknown"
     with contextlib.suppress(Exception):
@@ -143,7 +142,12 @@ class Orchestrator:
             self.started_at = time.monotonic()
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", self.url, *self.args],
-                cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                cwd=ROOT,
+                env=child_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         finally:
             log.close()
 
@@ -189,8 +193,14 @@ def spawn(script: Path, *args: str, log_path: Path | None = None) -> subprocess.
     """A bench worker (``python bench/<script> ...``) in its own process."""
     out: Any = log_path.open("ab") if log_path else None
     try:
-        return subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, env=child_env(),
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT if out else None)
+        return subprocess.Popen(
+            [sys.executable, str(script), *args],
+            cwd=ROOT,
+            env=child_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+        )
     finally:
         if out is not None:
             out.close()
@@ -265,8 +275,9 @@ def remove_dir(path: Path) -> None:
 # ---------------------------------------------------------------------- load generators
 
 
-async def start_loadgens(url: str, tmp: Path, tag: str, groups: int, procs: int, mode: str,
-                         extra: tuple[str, ...] = (), prefix: str = "g") -> list[tuple[Any, Path, Path]]:
+async def start_loadgens(
+    url: str, tmp: Path, tag: str, groups: int, procs: int, mode: str, extra: tuple[str, ...] = (), prefix: str = "g"
+) -> list[tuple[Any, Path, Path]]:
     """Start ``procs`` load generators (``_loadgen.py``) sharing ``groups``; wait until each has subscribed."""
     out = []
     per, rest = divmod(groups, procs)
@@ -276,9 +287,27 @@ async def start_loadgens(url: str, tmp: Path, tag: str, groups: int, procs: int,
         if n == 0:
             continue
         ready, res = tmp / f"{tag}-{k}.ready", tmp / f"{tag}-{k}.json"
-        p = spawn(LOADGEN, "--url", url, "--mode", mode, "--prefix", f"{prefix}{k}", "--first", str(first),
-                  "--count", str(n), "--jobs", str(JOBS), "--ready", str(ready), "--out", str(res), *extra,
-                  log_path=tmp / f"{tag}-{k}.log")
+        p = spawn(
+            LOADGEN,
+            "--url",
+            url,
+            "--mode",
+            mode,
+            "--prefix",
+            f"{prefix}{k}",
+            "--first",
+            str(first),
+            "--count",
+            str(n),
+            "--jobs",
+            str(JOBS),
+            "--ready",
+            str(ready),
+            "--out",
+            str(res),
+            *extra,
+            log_path=tmp / f"{tag}-{k}.log",
+        )
         out.append((p, ready, res))
     deadline = time.monotonic() + 120
     for p, ready, _ in out:
@@ -306,8 +335,9 @@ async def sleep_until(t: float) -> None:
 
 async def stop_loadgens(nc: Any, after_next_grant: float | None = None) -> None:
     """Tell the load generators to stop now, or ``after_next_grant`` seconds after each sees its next grant."""
-    await nc.publish(STOP_SUBJECT, b"" if after_next_grant is None else
-                     json.dumps({"after_next_grant": after_next_grant}).encode())
+    await nc.publish(
+        STOP_SUBJECT, b"" if after_next_grant is None else json.dumps({"after_next_grant": after_next_grant}).encode()
+    )
     await nc.flush()
 
 

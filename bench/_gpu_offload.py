@@ -60,8 +60,9 @@ def _random_state(nbytes: int, pieces: int, device: str = "cuda") -> list[Any]:
     import torch
 
     per = nbytes // pieces // 4
-    return [torch.empty(per, dtype=torch.int32, device=device).random_(-(1 << 31), (1 << 31) - 1)
-            for _ in range(pieces)]
+    return [
+        torch.empty(per, dtype=torch.int32, device=device).random_(-(1 << 31), (1 << 31) - 1) for _ in range(pieces)
+    ]
 
 
 def _sync(device: str) -> None:
@@ -113,8 +114,15 @@ class _TimedHandler:
         t0 = time.perf_counter()
         r = fn(mode, tags)
         dt = time.perf_counter() - t0
-        self.calls.append({"kind": kind, "s": dt, "bytes": r.bytes_moved,
-                           "torch_allocated": self.allocated(), "nvml": _nvml_used(os.getpid())})
+        self.calls.append(
+            {
+                "kind": kind,
+                "s": dt,
+                "bytes": r.bytes_moved,
+                "torch_allocated": self.allocated(),
+                "nvml": _nvml_used(os.getpid()),
+            }
+        )
         return r
 
     def suspend(self, mode: Any, tags: frozenset[str]) -> Any:
@@ -130,8 +138,19 @@ async def _wait_waiter(c: Any, budget: Budget) -> None:
             await asyncio.sleep(0.005)
 
 
-async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, leader: bool, out: Path,
-               ready: Path, done: Path, device: str, budget: Budget) -> None:
+async def _job(
+    url: str,
+    group: str,
+    job: str,
+    nbytes: int,
+    cycles: int,
+    leader: bool,
+    out: Path,
+    ready: Path,
+    done: Path,
+    device: str,
+    budget: Budget,
+) -> None:
     """Job A (``leader``: the big state) or job B. A writes ``done`` when it holds the group for the last time.
     Every wait is cut to ``budget`` (what the check had left when it started the job)."""
     from timeslice_client import AsyncTimeSliceClient
@@ -201,8 +220,11 @@ class Stack:
             orchestrator += ["--with-agent", NODE]
         self.procs.append(subprocess.Popen(orchestrator, env=env, cwd=ROOT))
         if self.agent_process:
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "timeslice_agent", "--node-id", NODE,
-                                                "--nats-url", url], env=env, cwd=ROOT))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "timeslice_agent", "--node-id", NODE, "--nats-url", url], env=env, cwd=ROOT
+                )
+            )
         self.url = url
         asyncio.run(_common.wait_agent(url, NODE, self.budget.bound(60), self.check))
         return url
@@ -215,8 +237,11 @@ class Stack:
 
     def spawn(self, *args: str) -> subprocess.Popen[bytes]:
         """A job process (``gpu_check.py --role job``), its waits cut to what is left of the budget."""
-        p = subprocess.Popen([sys.executable, str(SCRIPT), *args, "--budget-s", f"{self.budget.bound(540):.1f}"],
-                             env=_child_env(), cwd=ROOT)
+        p = subprocess.Popen(
+            [sys.executable, str(SCRIPT), *args, "--budget-s", f"{self.budget.bound(540):.1f}"],
+            env=_child_env(),
+            cwd=ROOT,
+        )
         self.procs.append(p)
         return p
 
@@ -262,29 +287,65 @@ def offload(stack: Stack, nbytes: int, cycles: int, index: int, device: str = "c
     tmp = stack.tmp
     group = f"gpu-check-{index}"
     files = {k: tmp / f"{index}-{k}" for k in ("a.json", "b.json", "a.ready", "b.ready", "a.done")}
-    common = ["--url", stack.url, "--group", group, "--cycles", str(cycles), "--done", str(files["a.done"]),
-              "--device", device]
-    a = stack.spawn("--role", "job", "--job", f"a{index}", "--bytes", str(nbytes), "--leader",
-                    "--out", str(files["a.json"]), "--ready", str(files["a.ready"]), *common)
+    common = [
+        "--url",
+        stack.url,
+        "--group",
+        group,
+        "--cycles",
+        str(cycles),
+        "--done",
+        str(files["a.done"]),
+        "--device",
+        device,
+    ]
+    a = stack.spawn(
+        "--role",
+        "job",
+        "--job",
+        f"a{index}",
+        "--bytes",
+        str(nbytes),
+        "--leader",
+        "--out",
+        str(files["a.json"]),
+        "--ready",
+        str(files["a.ready"]),
+        *common,
+    )
     _wait_file(files["a.ready"], a, stack.budget.bound(300), stack)
-    b = stack.spawn("--role", "job", "--job", f"b{index}", "--bytes", str(min(B_BYTES, nbytes)),
-                    "--out", str(files["b.json"]),
-                    "--ready", str(files["b.ready"]), *common)
+    b = stack.spawn(
+        "--role",
+        "job",
+        "--job",
+        f"b{index}",
+        "--bytes",
+        str(min(B_BYTES, nbytes)),
+        "--out",
+        str(files["b.json"]),
+        "--ready",
+        str(files["b.ready"]),
+        *common,
+    )
     _wait_jobs((a, b), stack.budget.bound(540), stack)
     ra = json.loads(files["a.json"].read_text())
     sus = [c for c in ra["calls"] if c["kind"] == "suspend"]
     res = [c for c in ra["calls"] if c["kind"] == "resume"]
     r: dict[str, Any] = {
-        "bytes": nbytes, "cycles": cycles,
+        "bytes": nbytes,
+        "cycles": cycles,
         "offload_gbps": nbytes / GB / _med([c["s"] for c in sus]) if sus else None,
         "restore_gbps": nbytes / GB / _med([c["s"] for c in res]) if res else None,
-        "offload_s": [c["s"] for c in sus], "restore_s": [c["s"] for c in res],
-        "torch_before": ra["torch_before"], "nvml_before": ra["nvml_before"],
+        "offload_s": [c["s"] for c in sus],
+        "restore_s": [c["s"] for c in res],
+        "torch_before": ra["torch_before"],
+        "nvml_before": ra["nvml_before"],
         "torch_suspended": sus[-1]["torch_allocated"] if sus else None,
         "nvml_suspended": sus[-1]["nvml"] if sus else None,
         "torch_resumed": res[-1]["torch_allocated"] if res else None,
         "nvml_resumed": res[-1]["nvml"] if res else None,
-        "bit_exact": ra.get("bit_exact"), "same_tensors": ra.get("same_tensors"),
+        "bit_exact": ra.get("bit_exact"),
+        "same_tensors": ra.get("same_tensors"),
         "round_trip_ms": _med([s["ba_s"] for s in ra["switches"]]) * 1e3,
     }
     errors = []

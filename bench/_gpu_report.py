@@ -50,8 +50,11 @@ class Report:
 
     def switch_goals(self) -> list[tuple[str, float, bool]]:
         """(what, median overhead in ms, met) for the switch section's sizes."""
-        return [(f"{r['gib']:g} GiB", r["overhead_ms"], r["overhead_ms"] <= SWITCH_GOAL_MS)
-                for r in self.switch.get("sizes", ()) if r.get("overhead_ms") is not None]
+        return [
+            (f"{r['gib']:g} GiB", r["overhead_ms"], r["overhead_ms"] <= SWITCH_GOAL_MS)
+            for r in self.switch.get("sizes", ())
+            if r.get("overhead_ms") is not None
+        ]
 
     def cuda_failure(self) -> str | None:
         """Why the cuda section fails the verdict: the backend refused, or is unavailable, on this GPU machine (the
@@ -61,8 +64,10 @@ class Report:
             return None
         what = "unavailable" if c.get("unavailable") else "refused"
         on = self.env.get("device") or "this GPU machine"
-        return (f"cuda backend {what} on {on}: {c['refused']} (the agent could not checkpoint a job there: fix "
-                "that, or leave the section out with --only and say why)")
+        return (
+            f"cuda backend {what} on {on}: {c['refused']} (the agent could not checkpoint a job there: fix "
+            "that, or leave the section out with --only and say why)"
+        )
 
     def failures(self) -> list[str]:
         """Every reason the run is not ok: errors, the cuda backend, goals not met, sections not run."""
@@ -98,72 +103,95 @@ def format_report(rep: Report) -> list[str]:
     lines = [f"gpu_check {rep.date}; plan {rep.plan}"]
     e = rep.env
     if e:
-        lines.append(f"  device {e.get('device')}, driver {e.get('driver')}, torch {e.get('torch')}, "
-                     f"cuda-python {e.get('cuda_python')}, nvml {e.get('nvml')}, nats-server {e.get('nats_server')}")
+        lines.append(
+            f"  device {e.get('device')}, driver {e.get('driver')}, torch {e.get('torch')}, "
+            f"cuda-python {e.get('cuda_python')}, nvml {e.get('nvml')}, nats-server {e.get('nats_server')}"
+        )
         if "agent" in e:
             lines.append(f"  the node agent runs {e['agent']}")
     b = rep.baseline
     if b:
-        lines.append(f"baseline (plain torch copies, pinned host buffer, {b['bytes'] / GB:g} GB, median of "
-                     f"{b['reps']}): device->host {_fmt_gbps(b['d2h_gbps'])}, host->device {_fmt_gbps(b['h2d_gbps'])},"
-                     f" both at once {_fmt_gbps(b.get('duplex_gbps'))} total")
+        lines.append(
+            f"baseline (plain torch copies, pinned host buffer, {b['bytes'] / GB:g} GB, median of "
+            f"{b['reps']}): device->host {_fmt_gbps(b['d2h_gbps'])}, host->device {_fmt_gbps(b['h2d_gbps'])},"
+            f" both at once {_fmt_gbps(b.get('duplex_gbps'))} total"
+        )
     for r in rep.offload:
-        lines.append(f"offload {r['bytes'] / GB:g} GB through the stack ({r['cycles']} cycles, medians): "
-                     f"snapshot {_fmt_gbps(r.get('offload_gbps'))}, restore {_fmt_gbps(r.get('restore_gbps'))}; "
-                     f"bit-exact {r.get('bit_exact')}, same tensors {r.get('same_tensors')}")
-        lines.append(f"  device memory of job A: torch allocated {r.get('torch_before', 0) / GB:.2f} -> "
-                     f"{r.get('torch_suspended', 0) / GB:.2f} -> {r.get('torch_resumed', 0) / GB:.2f} GB; NVML "
-                     f"{_gb(r.get('nvml_before'))} -> {_gb(r.get('nvml_suspended'))} -> {_gb(r.get('nvml_resumed'))}"
-                     f" GB; A's release -> A's next grant (two switches) {r.get('round_trip_ms', float('nan')):.0f} ms")
+        lines.append(
+            f"offload {r['bytes'] / GB:g} GB through the stack ({r['cycles']} cycles, medians): "
+            f"snapshot {_fmt_gbps(r.get('offload_gbps'))}, restore {_fmt_gbps(r.get('restore_gbps'))}; "
+            f"bit-exact {r.get('bit_exact')}, same tensors {r.get('same_tensors')}"
+        )
+        lines.append(
+            f"  device memory of job A: torch allocated {r.get('torch_before', 0) / GB:.2f} -> "
+            f"{r.get('torch_suspended', 0) / GB:.2f} -> {r.get('torch_resumed', 0) / GB:.2f} GB; NVML "
+            f"{_gb(r.get('nvml_before'))} -> {_gb(r.get('nvml_suspended'))} -> {_gb(r.get('nvml_resumed'))}"
+            f" GB; A's release -> A's next grant (two switches) {r.get('round_trip_ms', float('nan')):.0f} ms"
+        )
     d = rep.duplex
     if d:
-        lines.append(f"duplex swap, 2 x {d['bytes'] / GB:g} GB on one GPU: sequential {d['sequential_s'] * 1e3:.0f} ms,"
-                     f" overlapped {d['overlapped_s'] * 1e3:.0f} ms ({d['speedup']:.2f}x; chosen automatically: "
-                     f"{d['auto_overlap']}); bit-exact {d['bit_exact']}")
+        lines.append(
+            f"duplex swap, 2 x {d['bytes'] / GB:g} GB on one GPU: sequential {d['sequential_s'] * 1e3:.0f} ms,"
+            f" overlapped {d['overlapped_s'] * 1e3:.0f} ms ({d['speedup']:.2f}x; chosen automatically: "
+            f"{d['auto_overlap']}); bit-exact {d['bit_exact']}"
+        )
     c = rep.cuda
     if c:
         if c.get("refused"):
             lines.append(f"cuda backend: {'UNAVAILABLE' if c.get('unavailable') else 'REFUSED'}: {c['refused']}")
         else:
-            lines.append(f"cuda backend on a process holding {c['bytes'] / GB:g} GB: snapshot {c['snapshot_s']:.2f} s "
-                         f"(freed {_gb(c.get('device_bytes_freed'))} GB by NVML), restore {c['restore_s']:.2f} s; "
-                         f"NVML {_gb(c.get('nvml_before'))} -> {_gb(c.get('nvml_checkpointed'))} -> "
-                         f"{_gb(c.get('nvml_restored'))} GB; data intact {c.get('intact')}")
+            lines.append(
+                f"cuda backend on a process holding {c['bytes'] / GB:g} GB: snapshot {c['snapshot_s']:.2f} s "
+                f"(freed {_gb(c.get('device_bytes_freed'))} GB by NVML), restore {c['restore_s']:.2f} s; "
+                f"NVML {_gb(c.get('nvml_before'))} -> {_gb(c.get('nvml_checkpointed'))} -> "
+                f"{_gb(c.get('nvml_restored'))} GB; data intact {c.get('intact')}"
+            )
     sw = rep.switch
     if sw:
         floor = sw.get("floor_p50_ms")
-        lines.append(f"switch through the stack (`{sw['command']}`; the node agent runs {sw['agent']}; {sw['cycles']} "
-                     f"cycles, medians; same-run floor p50 " + (f"{floor:.2f} ms)" if floor else "not measured)"))
+        lines.append(
+            f"switch through the stack (`{sw['command']}`; the node agent runs {sw['agent']}; {sw['cycles']} "
+            f"cycles, medians; same-run floor p50 " + (f"{floor:.2f} ms)" if floor else "not measured)")
+        )
         for r in sw.get("sizes", ()):
-            lines.append(f"  {r['gib']:g} GiB: overhead {r['overhead_ms']:.2f} ms (A->B {r['overhead_ab_ms']:.2f}, "
-                         f"B->A {r['overhead_ba_ms']:.2f}, max {r['overhead_max_ms']:.2f}; agent-side "
-                         f"{r['agent_side_ms']:.2f}, orchestrator+bus {r['orchestrator_bus_ms']:.2f}); offload "
-                         f"{r['offload_vs_copy']:.2f}x, restore {r['restore_vs_copy']:.2f}x the same-run copy")
+            lines.append(
+                f"  {r['gib']:g} GiB: overhead {r['overhead_ms']:.2f} ms (A->B {r['overhead_ab_ms']:.2f}, "
+                f"B->A {r['overhead_ba_ms']:.2f}, max {r['overhead_max_ms']:.2f}; agent-side "
+                f"{r['agent_side_ms']:.2f}, orchestrator+bus {r['orchestrator_bus_ms']:.2f}); offload "
+                f"{r['offload_vs_copy']:.2f}x, restore {r['restore_vs_copy']:.2f}x the same-run copy"
+            )
     pn = rep.pinned
     if pn:
-        lines.append(f"host buffers of the handler, {pn['bytes'] / GB:g} GB state, {pn['cycles']} cycles (later "
-                     f"cycles' medians; bit-exact {pn['bit_exact']}):")
+        lines.append(
+            f"host buffers of the handler, {pn['bytes'] / GB:g} GB state, {pn['cycles']} cycles (later "
+            f"cycles' medians; bit-exact {pn['bit_exact']}):"
+        )
         for kind in ("registered", "registered_per_switch", "cached"):
             k = pn.get(kind) or {}
             if k:
-                lines.append(f"  {kind:21s} (in use: {k['in_use']}): suspend {_fmt_gbps(k['offload_gbps'])}, resume "
-                             f"{_fmt_gbps(k['restore_gbps'])}; first cycle {k['first_offload_s']:.2f} + "
-                             f"{k['first_restore_s']:.2f} s; one buffer: allocate {k['alloc_s']:.2f} s, release "
-                             f"{k['release_s']:.2f} s; peak pinned {_gb(k['peak_pinned_bytes'])} GB; held after the "
-                             f"last resume {_gb(k['host_bytes_after'])} GB (RSS +{_gb(k['rss_growth_after'])} GB)")
+                lines.append(
+                    f"  {kind:21s} (in use: {k['in_use']}): suspend {_fmt_gbps(k['offload_gbps'])}, resume "
+                    f"{_fmt_gbps(k['restore_gbps'])}; first cycle {k['first_offload_s']:.2f} + "
+                    f"{k['first_restore_s']:.2f} s; one buffer: allocate {k['alloc_s']:.2f} s, release "
+                    f"{k['release_s']:.2f} s; peak pinned {_gb(k['peak_pinned_bytes'])} GB; held after the "
+                    f"last resume {_gb(k['host_bytes_after'])} GB (RSS +{_gb(k['rss_growth_after'])} GB)"
+                )
     for what, ratio, met in rep.goals():
         lines.append(f"goal {what}: {ratio:.0%} of the pinned copy, {'met' if met else 'NOT met'} (>= {GOAL:.0%})")
     for what, ms, met in rep.switch_goals():
-        lines.append(f"goal switch overhead {what}: {ms:.2f} ms, {'met' if met else 'NOT met'} "
-                     f"(<= {SWITCH_GOAL_MS:g} ms)")
+        lines.append(
+            f"goal switch overhead {what}: {ms:.2f} ms, {'met' if met else 'NOT met'} (<= {SWITCH_GOAL_MS:g} ms)"
+        )
     for s in rep.skipped:
         lines.append(f"skipped: {s}")
     cuda = rep.cuda_failure()
     for err in [*rep.errors, *([cuda] if cuda else [])]:
         lines.append(f"ERROR: {err}")
     if rep.next_section is not None and not rep.complete:
-        lines.append(f"not complete: saved before section {rep.next_section!r} (done: {', '.join(rep.done) or 'none'})"
-                     " - a run killed there leaves this")
+        lines.append(
+            f"not complete: saved before section {rep.next_section!r} (done: {', '.join(rep.done) or 'none'})"
+            " - a run killed there leaves this"
+        )
     budget = f" of a {rep.budget_s:.0f} s budget" if rep.budget_s else ""
     lines.append(f"{rep.verdict()}; wall time {rep.wall_s:.0f} s{budget}")
     return lines

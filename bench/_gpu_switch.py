@@ -22,25 +22,64 @@ from _gpu_run import run_bounded
 
 __all__ = ["switch"]
 
-_KEPT = ("gib", "overhead_ms", "overhead_ab_ms", "overhead_ba_ms", "overhead_max_ms", "agent_side_ms",
-         "orchestrator_bus_ms", "offload_gbps", "restore_gbps", "offload_vs_copy", "restore_vs_copy",
-         "restore_vs_fresh", "overlapped_switches")
+_KEPT = (
+    "gib",
+    "overhead_ms",
+    "overhead_ab_ms",
+    "overhead_ba_ms",
+    "overhead_max_ms",
+    "agent_side_ms",
+    "orchestrator_bus_ms",
+    "offload_gbps",
+    "restore_gbps",
+    "offload_vs_copy",
+    "restore_vs_copy",
+    "restore_vs_fresh",
+    "overlapped_switches",
+)
 
 
-def switch(sizes_gib: Sequence[float], cycles: int, floor_switches: int, device: str, agent_process: bool,
-           raw_out: Path | None = None, *, timeout_s: float) -> dict[str, Any]:
+def switch(
+    sizes_gib: Sequence[float],
+    cycles: int,
+    floor_switches: int,
+    device: str,
+    agent_process: bool,
+    raw_out: Path | None = None,
+    *,
+    timeout_s: float,
+) -> dict[str, Any]:
     """Run the offload bench on ``device``; its figures per size, the floor and the command (raises when it fails).
     ``timeout_s``: what is left of the check's budget; past it the bench is stopped with its processes."""
     with tempfile.TemporaryDirectory(prefix="ts-gpu-switch-") as tmp:
         out = raw_out or Path(tmp) / "offload.json"
-        args = ["--device", device, "--sizes", ",".join(f"{g:g}" for g in sizes_gib), "--cycles", str(cycles),
-                "--floor-switches", str(floor_switches), *(["--agent-process"] if agent_process else [])]
-        rc = run_bounded([sys.executable, str(ROOT / "bench" / "offload.py"), *args, "--json-out", str(out)],
-                         timeout_s, what="bench/offload.py", env=_child_env(), cwd=ROOT)  # its report streams out
+        args = [
+            "--device",
+            device,
+            "--sizes",
+            ",".join(f"{g:g}" for g in sizes_gib),
+            "--cycles",
+            str(cycles),
+            "--floor-switches",
+            str(floor_switches),
+            *(["--agent-process"] if agent_process else []),
+        ]
+        rc = run_bounded(
+            [sys.executable, str(ROOT / "bench" / "offload.py"), *args, "--json-out", str(out)],
+            timeout_s,
+            what="bench/offload.py",
+            env=_child_env(),
+            cwd=ROOT,
+        )  # its report streams out
         if rc:
             raise RuntimeError(f"bench/offload.py exited with {rc} (its output is above)")
         res = json.loads(out.read_text())
     floor = res.get("switch_floor") or {}
-    return {"command": " ".join(["python bench/offload.py", *args]), "device": res["device"], "agent": res["agent"],
-            "cycles": res["cycles"], "floor_p50_ms": floor.get("p50_ms"),
-            "sizes": [{k: r.get(k) for k in _KEPT} for r in res["sizes"]]}
+    return {
+        "command": " ".join(["python bench/offload.py", *args]),
+        "device": res["device"],
+        "agent": res["agent"],
+        "cycles": res["cycles"],
+        "floor_p50_ms": floor.get("p50_ms"),
+        "sizes": [{k: r.get(k) for k in _KEPT} for r in res["sizes"]],
+    }

@@ -106,14 +106,26 @@ class LoadGen:
     async def _pub(self, group: str, job: str, msg: Acquire | Release) -> None:
         verb = msg.__struct_config__.tag
         assert isinstance(verb, str)
-        await self.nc.publish(subjects.job(group, job, verb), encode(msg), reply=self.ack_inbox,
-                              headers={"Nats-Msg-Id": msg.request_id})
+        await self.nc.publish(
+            subjects.job(group, job, verb), encode(msg), reply=self.ack_inbox, headers={"Nats-Msg-Id": msg.request_id}
+        )
 
     async def _acquire(self, group: str, job: str) -> None:
         rid = self._rid()
         self.pending[(group, job)] = rid
-        await self._pub(group, job, Acquire(group=group, job=job, request_id=rid, lease_ms=LONG_MS,
-                                            timeout_ms=6 * LONG_MS, waiter_ttl_ms=LONG_MS, confirm_ms=LONG_MS))
+        await self._pub(
+            group,
+            job,
+            Acquire(
+                group=group,
+                job=job,
+                request_id=rid,
+                lease_ms=LONG_MS,
+                timeout_ms=6 * LONG_MS,
+                waiter_ttl_ms=LONG_MS,
+                confirm_ms=LONG_MS,
+            ),
+        )
 
     async def _on_ack(self, msg: Msg) -> None:
         self.c.acks += 1
@@ -199,8 +211,9 @@ class LoadGen:
 
     async def _base_pub(self, chain: str) -> None:
         rid = self._rid()
-        await self.nc.publish(f"{BASELINE_SUBJECT}.{chain}", self.payload, reply=f"{self.ack_inbox}.{chain}",
-                              headers={"Nats-Msg-Id": rid})
+        await self.nc.publish(
+            f"{BASELINE_SUBJECT}.{chain}", self.payload, reply=f"{self.ack_inbox}.{chain}", headers={"Nats-Msg-Id": rid}
+        )
 
     # ------------------------------------------------------------------ run
 

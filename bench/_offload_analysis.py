@@ -60,11 +60,20 @@ def switches(a: dict[str, Any], b: dict[str, Any], ops: list[dict[str, Any]], gr
         # Hops by the stream's times: release -> snapshot starts; snapshot result -> restore starts (a restore
         # that waited for the snapshot; none when it overlapped); the last result -> grant returns.
         results = [t for (typ, _), t in at.items() if typ == "op_result"]
-        marks = [t_rel, at.get(("op_started", "snapshot")), at.get(("op_result", "snapshot")),
-                 None if overlapped else at.get(("op_started", "restore")), max(results, default=None), t_grant]
+        marks = [
+            t_rel,
+            at.get(("op_started", "snapshot")),
+            at.get(("op_result", "snapshot")),
+            None if overlapped else at.get(("op_started", "restore")),
+            max(results, default=None),
+            t_grant,
+        ]
         hops = {}
-        for name, i, j in (("release_to_snapshot_start", 0, 1), ("snapshot_result_to_restore_start", 2, 3),
-                           ("last_result_to_grant", 4, 5)):
+        for name, i, j in (
+            ("release_to_snapshot_start", 0, 1),
+            ("snapshot_result_to_restore_start", 2, 3),
+            ("last_result_to_grant", 4, 5),
+        ):
             if marks[i] is not None and marks[j] is not None:
                 hops[name] = (marks[j] - marks[i]) / 1e6
         # The agent's share of the critical path: each operation's time beyond its handler call, of both
@@ -81,14 +90,23 @@ def switches(a: dict[str, Any], b: dict[str, Any], ops: list[dict[str, Any]], gr
             if o["type"] != "op_result" or o["kind"] not in kinds:
                 continue
             end, start = o["t"], o["t"] - o["elapsed_ms"] * 1e6
-            crit_calls += sum(max(0.0, min(c[3], end) - max(c[2], start)) for c in inside
-                              if c[1] == call_of[o["kind"]]) / 1e6
-        out.append({
-            "dir": f"{who}->{other}", "epoch": epoch + 1, "switch_ms": (t_grant - t_rel) / 1e6,
-            "handler_ms": handler_ms, "handler_sum_ms": handler_sum_ms, "agent_ops_ms": op_ms, "hops_ms": hops,
-            "agent_critical_ms": crit_ops - crit_calls, "overlapped": overlapped,
-            "a_call": [big[0][1], (big[0][3] - big[0][2]) / 1e9, big[0][5], _gib_back(big[0])] if big else None,
-        })
+            crit_calls += (
+                sum(max(0.0, min(c[3], end) - max(c[2], start)) for c in inside if c[1] == call_of[o["kind"]]) / 1e6
+            )
+        out.append(
+            {
+                "dir": f"{who}->{other}",
+                "epoch": epoch + 1,
+                "switch_ms": (t_grant - t_rel) / 1e6,
+                "handler_ms": handler_ms,
+                "handler_sum_ms": handler_sum_ms,
+                "agent_ops_ms": op_ms,
+                "hops_ms": hops,
+                "agent_critical_ms": crit_ops - crit_calls,
+                "overlapped": overlapped,
+                "a_call": [big[0][1], (big[0][3] - big[0][2]) / 1e9, big[0][5], _gib_back(big[0])] if big else None,
+            }
+        )
     return out
 
 
@@ -106,12 +124,23 @@ def handed_back(seconds: list[float], back: list[float | None] | None) -> dict[s
         return None
     hit = [t * 1e3 for t, b in zip(seconds, back, strict=True) if b is not None and b >= HANDED_BACK_GIB]
     rest = [t * 1e3 for t, b in zip(seconds, back, strict=True) if b is not None and b < HANDED_BACK_GIB]
-    return {"calls": len(seconds), "during": len(hit), "during_ms": med(hit), "others_ms": med(rest),
-            "gib": [round(b, 3) for b in back if b is not None]}
+    return {
+        "calls": len(seconds),
+        "during": len(hit),
+        "during_ms": med(hit),
+        "others_ms": med(rest),
+        "gib": [round(b, 3) for b in back if b is not None],
+    }
 
 
-def size_result(nbytes: int, a: dict[str, Any], b: dict[str, Any], ops: list[dict[str, Any]], group: str,
-                 base: dict[str, list[float]]) -> dict[str, Any]:
+def size_result(
+    nbytes: int,
+    a: dict[str, Any],
+    b: dict[str, Any],
+    ops: list[dict[str, Any]],
+    group: str,
+    base: dict[str, list[float]],
+) -> dict[str, Any]:
     sw = switches(a, b, ops, group)
     gb = nbytes / 1e9
     off = [s["a_call"][1] for s in sw if s["a_call"] and s["a_call"][0] == "suspend"]
@@ -120,25 +149,35 @@ def size_result(nbytes: int, a: dict[str, Any], b: dict[str, Any], ops: list[dic
     over = [s["switch_ms"] - s["handler_ms"] for s in sw]
     n = sum(1 for r in a["rows"] if r[0] == "release")  # cycles (A releases once per cycle)
     r: dict[str, Any] = {
-        "gib": nbytes / GiB, "bytes": nbytes, "cycles": len(off),
-        "offload_s": off, "restore_s": res,
-        "offload_gbps": gb / med(off), "restore_gbps": gb / med(res),
-        "base_copy_gbps": gb / med(base["copy"]), "base_fresh_gbps": gb / med(base["fresh"]),
-        "base_clone_gbps": gb / med(base["clone"]), "base_free_ms": med(base["free"]) * 1e3,
+        "gib": nbytes / GiB,
+        "bytes": nbytes,
+        "cycles": len(off),
+        "offload_s": off,
+        "restore_s": res,
+        "offload_gbps": gb / med(off),
+        "restore_gbps": gb / med(res),
+        "base_copy_gbps": gb / med(base["copy"]),
+        "base_fresh_gbps": gb / med(base["fresh"]),
+        "base_clone_gbps": gb / med(base["clone"]),
+        "base_free_ms": med(base["free"]) * 1e3,
         "base_samples": base,
         "switch_ab_ms": med([s["switch_ms"] for s in sw if s["dir"] == "A->B"]),
         "switch_ba_ms": med([s["switch_ms"] for s in sw if s["dir"] == "B->A"]),
         "overhead_ab_ms": med([s["switch_ms"] - s["handler_ms"] for s in sw if s["dir"] == "A->B"]),
         "overhead_ba_ms": med([s["switch_ms"] - s["handler_ms"] for s in sw if s["dir"] == "B->A"]),
-        "overhead_ms": med(over), "overhead_max_ms": max(over) if over else float("nan"),
+        "overhead_ms": med(over),
+        "overhead_max_ms": max(over) if over else float("nan"),
         "agent_side_ms": med([s["agent_critical_ms"] for s in sw]),
         "overlapped_switches": sum(1 for s in sw if s["overlapped"]),
         "orchestrator_bus_ms": med([s["switch_ms"] - s["handler_ms"] - s["agent_critical_ms"] for s in sw]),
-        "hops_ms": {k: med([s["hops_ms"][k] for s in sw if k in s["hops_ms"]])
-                    for k in ("release_to_snapshot_start", "snapshot_result_to_restore_start",
-                              "last_result_to_grant")},
+        "hops_ms": {
+            k: med([s["hops_ms"][k] for s in sw if k in s["hops_ms"]])
+            for k in ("release_to_snapshot_start", "snapshot_result_to_restore_start", "last_result_to_grant")
+        },
         "switches": sw,
-        "errors": a["errors"] + b["errors"] + [f"A held device bytes after {len(bad_free)} suspends"] * bool(bad_free)
+        "errors": a["errors"]
+        + b["errors"]
+        + [f"A held device bytes after {len(bad_free)} suspends"] * bool(bad_free)
         + [f"handler calls: A {len(a['calls'])}, B {len(b['calls'])}; expected {2 * n} and {2 * n - 1}"]
         * (len(a["calls"]) != 2 * n or len(b["calls"]) != 2 * n - 1),
         "host_prepared_bytes": a["prepared"],
@@ -166,5 +205,8 @@ def paired(gb: float, offloads: list[float], spans: list[list[int]]) -> dict[str
     copies = [(t1 - t0) / 1e9 for t0, t1 in spans]
     if not copies or len(copies) != len(offloads):
         return {"pair_copy_s": copies, "pair_copy_gbps": None, "offload_vs_pair": None}
-    return {"pair_copy_s": copies, "pair_copy_gbps": gb / med(copies),
-            "offload_vs_pair": med([c / o for c, o in zip(copies, offloads, strict=True)])}
+    return {
+        "pair_copy_s": copies,
+        "pair_copy_gbps": gb / med(copies),
+        "offload_vs_pair": med([c / o for c, o in zip(copies, offloads, strict=True)]),
+    }

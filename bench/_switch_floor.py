@@ -51,13 +51,18 @@ async def _consumer(nc: Any, js: Any, durable: str, subject: str, cb: Any) -> No
     await nc.subscribe(deliver, cb=cb)
     await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
     await nc.flush()
-    await js.add_consumer(STREAM, ConsumerConfig(durable_name=durable, deliver_subject=deliver,
-                                                 ack_policy=AckPolicy.EXPLICIT, filter_subject=subject))
+    await js.add_consumer(
+        STREAM,
+        ConsumerConfig(
+            durable_name=durable, deliver_subject=deliver, ack_policy=AckPolicy.EXPLICIT, filter_subject=subject
+        ),
+    )
 
 
 async def _ask_workloads(nc: Any) -> None:
-    await asyncio.gather(nc.request(_workload("A"), b"suspend", timeout=10),
-                         nc.request(_workload("B"), b"resume", timeout=10))
+    await asyncio.gather(
+        nc.request(_workload("A"), b"suspend", timeout=10), nc.request(_workload("B"), b"resume", timeout=10)
+    )
 
 
 async def _orchestrator(url: str, ready: str, colocated: bool) -> None:
@@ -118,6 +123,7 @@ async def _job(url: str, ready: str, who: str, n: int, gap: float, out: str) -> 
     got: asyncio.Queue[None] = asyncio.Queue(maxsize=1)
     all_granted = asyncio.Event()
     if who == "B":
+
         async def on_grant(msg: Any) -> None:
             rows.append(time.monotonic_ns())
             await nc.publish(GOT, b"")
@@ -126,6 +132,7 @@ async def _job(url: str, ready: str, who: str, n: int, gap: float, out: str) -> 
 
         await nc.subscribe(GRANT, cb=on_grant)
     else:
+
         async def on_got(msg: Any) -> None:
             got.put_nowait(None)
 
@@ -166,8 +173,20 @@ def measure(url: str, n: int, gap_ms: float, colocated: bool = True) -> dict[str
         jobs = []
         for who in ("B", "A"):
             ready, outs[who] = tmp / f"{who}.ready", tmp / f"{who}.json"
-            p = spawn("--role", "job", "--who", who, "--n", str(n), "--gap-ms", str(gap_ms), "--out",
-                      str(outs[who]), "--ready", str(ready))
+            p = spawn(
+                "--role",
+                "job",
+                "--who",
+                who,
+                "--n",
+                str(n),
+                "--gap-ms",
+                str(gap_ms),
+                "--out",
+                str(outs[who]),
+                "--ready",
+                str(ready),
+            )
             _common.wait_file(ready, p, 60, f"switch floor job {who}")
             jobs.append(p)
         for p in jobs:
@@ -178,9 +197,15 @@ def measure(url: str, n: int, gap_ms: float, colocated: bool = True) -> dict[str
     finally:
         _common.stop_procs(procs)
         shutil.rmtree(tmp, ignore_errors=True)
-    lat = [(t1 - t0) / 1e6 for t0, t1 in zip(a, b, strict=True)][max(1, n // 10):]  # the first switches warm up
-    return {"n": len(lat), "gap_ms": gap_ms, "colocated": colocated, "p50_ms": _common.pct(lat, 50),
-            "p90_ms": _common.pct(lat, 90), "p99_ms": _common.pct(lat, 99)}
+    lat = [(t1 - t0) / 1e6 for t0, t1 in zip(a, b, strict=True)][max(1, n // 10) :]  # the first switches warm up
+    return {
+        "n": len(lat),
+        "gap_ms": gap_ms,
+        "colocated": colocated,
+        "p50_ms": _common.pct(lat, 50),
+        "p90_ms": _common.pct(lat, 90),
+        "p99_ms": _common.pct(lat, 99),
+    }
 
 
 def main() -> None:

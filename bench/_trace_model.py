@@ -73,8 +73,10 @@ def load_switch(name_or_path: str) -> SwitchProfile:
 
 def schedule(profile: Profile, steps: int, seed: int) -> list[Step]:
     rng = random.Random(seed)
-    return [[(ph.name, ph.on == "accelerator", rng.uniform(ph.min_s, ph.max_s)) for ph in profile.phases]
-            for _ in range(steps)]
+    return [
+        [(ph.name, ph.on == "accelerator", rng.uniform(ph.min_s, ph.max_s)) for ph in profile.phases]
+        for _ in range(steps)
+    ]
 
 
 def accel_seconds(sched: list[Step]) -> float:

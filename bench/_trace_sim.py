@@ -13,8 +13,9 @@ from timeslice_orchestrator.advise import Phase, SwitchCost
 from timeslice_orchestrator.advise import simulate as simulate_phases
 
 
-def simulate(schedules: dict[str, list[Step]], switch: SwitchProfile, hop_s: float,
-             group: str = "sim") -> tuple[Log, int]:
+def simulate(
+    schedules: dict[str, list[Step]], switch: SwitchProfile, hop_s: float, group: str = "sim"
+) -> tuple[Log, int]:
     """Replay the schedules; returns the run's log and the number of events the core applied."""
     cost = SwitchCost(snapshot_s=switch.snapshot_s, restore_s=switch.restore_s, source="given")
     phases = {j: [Phase(accel, s) for step in sched for _, accel, s in step] for j, sched in schedules.items()}

@@ -85,8 +85,12 @@ def measure(tensors: int, tensor_kib: int, reps: int, device: str = "cpu") -> di
             for _ in range(reps):
                 sus.append(_in_thread(lambda: handler.suspend(SuspendMode.OFFLOAD, all_tags)))
                 res.append(_in_thread(lambda: handler.resume(SuspendMode.OFFLOAD, all_tags)))
-        out[name] = {"suspend_ms": statistics.median(sus) * 1e3, "resume_ms": statistics.median(res) * 1e3,
-                     "suspend_all_ms": [x * 1e3 for x in sus], "resume_all_ms": [x * 1e3 for x in res]}
+        out[name] = {
+            "suspend_ms": statistics.median(sus) * 1e3,
+            "resume_ms": statistics.median(res) * 1e3,
+            "suspend_all_ms": [x * 1e3 for x in sus],
+            "resume_all_ms": [x * 1e3 for x in res],
+        }
     for i, t in enumerate(state):
         if float(t[0]) != float(i) or float(t[-1]) != float(i):
             raise SystemExit(f"tensor {i} came back wrong")
@@ -94,10 +98,17 @@ def measure(tensors: int, tensor_kib: int, reps: int, device: str = "cpu") -> di
     for r in out.values():
         r["suspend_x_idle"] = r["suspend_ms"] / idle["suspend_ms"]
         r["resume_x_idle"] = r["resume_ms"] / idle["resume_ms"]
-    return {"device": device, "tensors": tensors, "tensor_kib": tensor_kib, "reps": reps,
-            "mb": tensors * tensor_kib * 1024 / 1e6,
-            "torch": torch.__version__, "switch_interval_default_s": sys.getswitchinterval(),
-            "prompt_interval_s": DEFAULT_SWITCH_INTERVAL, "conditions": out}
+    return {
+        "device": device,
+        "tensors": tensors,
+        "tensor_kib": tensor_kib,
+        "reps": reps,
+        "mb": tensors * tensor_kib * 1024 / 1e6,
+        "torch": torch.__version__,
+        "switch_interval_default_s": sys.getswitchinterval(),
+        "prompt_interval_s": DEFAULT_SWITCH_INTERVAL,
+        "conditions": out,
+    }
 
 
 CHANNEL_CONDITIONS = ("idle", "busy, left alone", "busy, lowered per command", "busy, armed")
@@ -117,8 +128,9 @@ async def _job(url: str, busy: bool, condition: str) -> None:
             return HandlerResult()
 
     interval = None if condition == "busy, left alone" else DEFAULT_SWITCH_INTERVAL
-    channel = await register_workload("busy-job", "busy-group", Nothing(), node_id="busy-node", nats_url=url,
-                                      switch_interval=interval)
+    channel = await register_workload(
+        "busy-job", "busy-group", Nothing(), node_id="busy-node", nats_url=url, switch_interval=interval
+    )
     with c.python_spinning(busy):
         print("ready", flush=True)
         while True:  # until killed
@@ -147,9 +159,21 @@ async def _channel(requests: int) -> dict[str, Any]:
             try:
                 for condition in CHANNEL_CONDITIONS:
                     busy = condition != "idle"
-                    proc = subprocess.Popen([sys.executable, __file__, "--role", "job", "--url", url, "--condition",
-                                             condition, *(["--busy"] if busy else [])], stdout=subprocess.PIPE,
-                                            text=True)
+                    proc = subprocess.Popen(
+                        [
+                            sys.executable,
+                            __file__,
+                            "--role",
+                            "job",
+                            "--url",
+                            url,
+                            "--condition",
+                            condition,
+                            *(["--busy"] if busy else []),
+                        ],
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
                     try:
                         async with asyncio.timeout(60):
                             line = await asyncio.to_thread(proc.stdout.readline)  # type: ignore[union-attr]
@@ -157,8 +181,9 @@ async def _channel(requests: int) -> dict[str, Any]:
                             raise RuntimeError(f"the job process did not start ({proc.poll()})")
                         rts = []
                         for i in range(requests):
-                            cmd = WorkloadCommand(op_id=f"{condition}-{i}", action="resume" if i % 2 else "suspend",
-                                                  epoch=1)
+                            cmd = WorkloadCommand(
+                                op_id=f"{condition}-{i}", action="resume" if i % 2 else "suspend", epoch=1
+                            )
                             t0 = time.perf_counter()
                             await nc.request(subjects.workload_rpc("busy-node", "busy-job"), encode(cmd), timeout=10)
                             rts.append((time.perf_counter() - t0) * 1e3)
@@ -200,24 +225,35 @@ def main() -> None:
     t0 = time.monotonic()
     r = measure(a.tensors, a.tensor_kib, a.reps, a.device)
     r["channel"] = asyncio.run(_channel(a.requests))
-    print(f"torch handler beside a thread running Python: {r['tensors']} {r['device']} tensors x {r['tensor_kib']} KiB "
-          f"({r['mb']:.0f} MB), {r['reps']} cycles per condition, medians; torch {r['torch']}")
+    print(
+        f"torch handler beside a thread running Python: {r['tensors']} {r['device']} tensors x {r['tensor_kib']} KiB "
+        f"({r['mb']:.0f} MB), {r['reps']} cycles per condition, medians; torch {r['torch']}"
+    )
     print(f"  command: {c.command_line()}")
-    print(f"  GIL switch interval {r['switch_interval_default_s'] * 1e3:g} ms, the channel's "
-          f"{r['prompt_interval_s'] * 1e3:g} ms")
+    print(
+        f"  GIL switch interval {r['switch_interval_default_s'] * 1e3:g} ms, the channel's "
+        f"{r['prompt_interval_s'] * 1e3:g} ms"
+    )
     for name, x in r["conditions"].items():
-        print(f"  {name:26s} suspend {x['suspend_ms']:8.1f} ms ({x['suspend_x_idle']:6.1f}x idle)   "
-              f"resume {x['resume_ms']:8.1f} ms ({x['resume_x_idle']:6.1f}x idle)")
-    print(f"  the workload channel, {a.requests} commands per condition (a do-nothing handler in a job process), "
-          "round trip from this process:")
+        print(
+            f"  {name:26s} suspend {x['suspend_ms']:8.1f} ms ({x['suspend_x_idle']:6.1f}x idle)   "
+            f"resume {x['resume_ms']:8.1f} ms ({x['resume_x_idle']:6.1f}x idle)"
+        )
+    print(
+        f"  the workload channel, {a.requests} commands per condition (a do-nothing handler in a job process), "
+        "round trip from this process:"
+    )
     for name, x in r["channel"].items():
-        print(f"  {name:26s} p50 {x['p50_ms']:6.2f} ms ({x['x_idle']:5.1f}x idle), p90 {x['p90_ms']:6.2f} ms, "
-              f"max {x['max_ms']:6.2f} ms")
+        print(
+            f"  {name:26s} p50 {x['p50_ms']:6.2f} ms ({x['x_idle']:5.1f}x idle), p90 {x['p90_ms']:6.2f} ms, "
+            f"max {x['max_ms']:6.2f} ms"
+        )
     r["wall_s"] = time.monotonic() - t0
     print(f"wall time {r['wall_s']:.0f} s")
     if a.json_out:
-        c.write_json(a.json_out, {"bench": "busy_suspend", "command": c.command_line(),
-                                  "machine": c.machine_facts(), **r})
+        c.write_json(
+            a.json_out, {"bench": "busy_suspend", "command": c.command_line(), "machine": c.machine_facts(), **r}
+        )
 
 
 if __name__ == "__main__":

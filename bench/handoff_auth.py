@@ -73,8 +73,9 @@ def _start_orchestrator(s: _Stack) -> None:
     env = dict(s.env)
     if "_ORCH_CREDS" in env:
         env["TIMESLICE_CREDS"] = env["_ORCH_CREDS"]
-    s.orch = subprocess.Popen([sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", s.url],
-                              env=env, cwd=ROOT)
+    s.orch = subprocess.Popen(
+        [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", s.url], env=env, cwd=ROOT
+    )
 
 
 def _round(s: _Stack, tmp: Path, k: int, n: int, gap_ms: float) -> list[float]:
@@ -86,10 +87,30 @@ def _round(s: _Stack, tmp: Path, k: int, n: int, gap_ms: float) -> list[float]:
             env["TIMESLICE_CREDS"] = env[f"_JOB_{job[-1].upper()}"]
         out = tmp / f"{s.name}-{k}-{job}.json"
         outs.append(out)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / "handoff.py"), "--role", "pingpong", "--url", s.url, "--group",
-             f"bench-{k}", "--job", job, "--n", str(n), "--gap", str(gap_ms / 1000), "--out", str(out)],
-            env=env, cwd=ROOT))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(ROOT / "bench" / "handoff.py"),
+                    "--role",
+                    "pingpong",
+                    "--url",
+                    s.url,
+                    "--group",
+                    f"bench-{k}",
+                    "--job",
+                    job,
+                    "--n",
+                    str(n),
+                    "--gap",
+                    str(gap_ms / 1000),
+                    "--out",
+                    str(out),
+                ],
+                env=env,
+                cwd=ROOT,
+            )
+        )
     for p in procs:
         if p.wait(timeout=600):
             raise RuntimeError(f"a ping-pong worker on the {s.name} stack failed ({p.returncode})")
@@ -97,7 +118,7 @@ def _round(s: _Stack, tmp: Path, k: int, n: int, gap_ms: float) -> list[float]:
     grants = {e: t for kind, e, t in rows if kind == "g"}
     releases = {e: t for kind, e, t in rows if kind == "r"}
     hand = [(grants[e + 1] - releases[e]) / 1e6 for e in sorted(releases) if e + 1 in grants]
-    return hand[len(hand) // 10:]
+    return hand[len(hand) // 10 :]
 
 
 def _cpu_s(pid: int) -> float:
@@ -164,22 +185,29 @@ def main() -> None:
     machine = _common.machine_facts()
     res = run(a.n, a.rounds, a.gap_ms)
     if a.json_out:
-        _common.write_json(a.json_out, {"bench": "handoff_auth", "command": _common.command_line(),
-                                        "machine": machine, **res})
+        _common.write_json(
+            a.json_out, {"bench": "handoff_auth", "command": _common.command_line(), "machine": machine, **res}
+        )
     if a.json:
         print(json.dumps(res))
         return
-    print(f"handoff (A release -> B acquire returns), {res['samples']} samples per stack, idle gap {res['gap_ms']} ms, "
-          f"load {machine.get('loadavg_1m', '?')} at the start")
+    print(
+        f"handoff (A release -> B acquire returns), {res['samples']} samples per stack, idle gap {res['gap_ms']} ms, "
+        f"load {machine.get('loadavg_1m', '?')} at the start"
+    )
     print(f"  plain           p50 {res['plain_p50_ms']:.3f} ms   p99 {res['plain_p99_ms']:.3f} ms")
     for key, label in (("auth", "auth"), ("secure", "auth + TLS")):
-        print(f"  {label:<15} p50 {res[f'{key}_p50_ms']:.3f} ms   p99 {res[f'{key}_p99_ms']:.3f} ms   "
-              f"(x{res[f'{key}_ratio_p50']:.3f} p50, x{res[f'{key}_ratio_p99']:.3f} p99 of plain)")
+        print(
+            f"  {label:<15} p50 {res[f'{key}_p50_ms']:.3f} ms   p99 {res[f'{key}_p99_ms']:.3f} ms   "
+            f"(x{res[f'{key}_ratio_p50']:.3f} p50, x{res[f'{key}_ratio_p99']:.3f} p99 of plain)"
+        )
     print("CPU per handoff (µs; the jobs' share includes their start, the same on each stack):")
     for key, label in (("plain", "plain"), ("auth", "auth"), ("secure", "auth + TLS")):
         c = res[f"{key}_cpu_us_per_handoff"]
-        print(f"  {label:<15} nats-server {c['server']:>5}   orchestrator {c['orchestrator']:>5}   "
-              f"two jobs {c['jobs']:>5}")
+        print(
+            f"  {label:<15} nats-server {c['server']:>5}   orchestrator {c['orchestrator']:>5}   "
+            f"two jobs {c['jobs']:>5}"
+        )
 
 
 if __name__ == "__main__":

@@ -54,15 +54,19 @@ async def _quiet(exc: Exception) -> None:
 
 def _summary(name: str, xs: list[float]) -> str:
     ms = [x * 1000 for x in xs]
-    return (f"{name}: n={len(ms)} p50={pct(ms, 50):.1f} ms p99={pct(ms, 99):.1f} ms "
-            f"min={min(ms):.1f} max={max(ms):.1f}")
+    return f"{name}: n={len(ms)} p50={pct(ms, 50):.1f} ms p99={pct(ms, 99):.1f} ms min={min(ms):.1f} max={max(ms):.1f}"
 
 
 class _Standby:
     def __init__(self, nc: NATS, name: str, a: argparse.Namespace) -> None:
         self.detect: list[float] = []
-        self.lead = Leadership(nc.jetstream(), instance_id=name, ttl_s=a.ttl, renew_s=a.renew,
-                               metrics=lambda k, v: self.detect.append(v) if k == "takeover_s" else None)
+        self.lead = Leadership(
+            nc.jetstream(),
+            instance_id=name,
+            ttl_s=a.ttl,
+            renew_s=a.renew,
+            metrics=lambda k, v: self.detect.append(v) if k == "takeover_s" else None,
+        )
         self.stop = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self.lead.run(self.stop))
 
@@ -85,8 +89,17 @@ async def kills(url: str, a: argparse.Namespace) -> tuple[list[float], list[floa
     try:
         for i in range(a.kills):
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", _LEADER, url, f"proc{i}", str(a.ttl), str(a.renew),
-                stdout=asyncio.subprocess.PIPE, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                sys.executable,
+                "-c",
+                _LEADER,
+                url,
+                f"proc{i}",
+                str(a.ttl),
+                str(a.renew),
+                stdout=asyncio.subprocess.PIPE,
+                cwd=ROOT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
             try:
                 assert proc.stdout is not None
                 line = await asyncio.wait_for(proc.stdout.readline(), 30)

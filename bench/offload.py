@@ -150,8 +150,8 @@ def _state(nbytes: int, pieces: int, device: str) -> tuple[Any, list[Any]]:
     per = nbytes // pieces // 4
     module = torch.nn.Module()
     module.params = torch.nn.ParameterList(
-        torch.nn.Parameter(torch.full((per,), float(i + 1), device=device), requires_grad=False)
-        for i in range(pieces))
+        torch.nn.Parameter(torch.full((per,), float(i + 1), device=device), requires_grad=False) for i in range(pieces)
+    )
     return module, list(module.params)
 
 
@@ -181,8 +181,20 @@ async def _wait_waiter(c: Any) -> None:
         await asyncio.sleep(0.005)
 
 
-async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, hold: float, out: str, ready: str,
-               done: str, leader: bool, device: str, early: bool = True) -> None:
+async def _job(
+    url: str,
+    group: str,
+    job: str,
+    nbytes: int,
+    cycles: int,
+    hold: float,
+    out: str,
+    ready: str,
+    done: str,
+    leader: bool,
+    device: str,
+    early: bool = True,
+) -> None:
     """A (leader: the big state, holds first) or B (the small state); writes its timeline to ``out``.
 
     A writes ``done`` once it holds the group after the last switch; B closes (unregisters) only then:
@@ -235,9 +247,18 @@ async def _job(url: str, group: str, job: str, nbytes: int, cycles: int, hold: f
             deadline = time.monotonic() + 300
             while not Path(done).exists() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-    Path(out).write_text(json.dumps({"rows": rows, "calls": calls, "prepared": prepared, "errors": errors,
-                                     "paired_copies": paired.spans if paired is not None else [],
-                                     "device_bytes": inner.device_bytes()}))
+    Path(out).write_text(
+        json.dumps(
+            {
+                "rows": rows,
+                "calls": calls,
+                "prepared": prepared,
+                "errors": errors,
+                "paired_copies": paired.spans if paired is not None else [],
+                "device_bytes": inner.device_bytes(),
+            }
+        )
+    )
 
 
 async def _stored_ops(url: str, group: str) -> list[dict[str, Any]]:
@@ -278,6 +299,7 @@ async def _stored_ops(url: str, group: str) -> list[dict[str, Any]]:
 def _memory_setup() -> dict[str, Any]:
     """Transparent huge page settings, and whether a virtio balloon reports free pages to the host (a VM that
     takes freed memory back: touching it again costs far more, see bench/NOTES.md)."""
+
     def read(path: str) -> str | None:
         try:
             text = Path(path).read_text().strip()
@@ -290,17 +312,27 @@ def _memory_setup() -> dict[str, Any]:
     for f in Path("/sys/bus/virtio/drivers/virtio_balloon").glob("virtio*/features"):
         bits = read(str(f)) or ""
         reporting = len(bits) > 5 and bits[5] == "1"  # VIRTIO_BALLOON_F_REPORTING
-    return {"thp_enabled": read("/sys/kernel/mm/transparent_hugepage/enabled"),
-            "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag"),
-            "free_page_reporting": reporting}
+    return {
+        "thp_enabled": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+        "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag"),
+        "free_page_reporting": reporting,
+    }
 
 
 def _spawn(*args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, __file__, *args], cwd=ROOT)
 
 
-def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str, floor_n: int,
-        agent_process: bool = False, early: bool = True) -> dict[str, Any]:
+def run(
+    sizes: list[float],
+    cycles: int,
+    hold_ms: float,
+    reps: int,
+    device: str,
+    floor_n: int,
+    agent_process: bool = False,
+    early: bool = True,
+) -> dict[str, Any]:
     import torch
     from timeslice_orchestrator.embedded import NatsServer
 
@@ -311,11 +343,18 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str,
     url = server.start()
     env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
     orchestrator = [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url]
-    procs: list[subprocess.Popen[bytes]] = [
-        subprocess.Popen(orchestrator, env=env),
-        subprocess.Popen([sys.executable, "-m", "timeslice_agent", "--node-id", NODE, "--nats-url", url], env=env,
-                         stderr=subprocess.DEVNULL),
-    ] if agent_process else [subprocess.Popen([*orchestrator, "--with-agent", NODE], env=env)]
+    procs: list[subprocess.Popen[bytes]] = (
+        [
+            subprocess.Popen(orchestrator, env=env),
+            subprocess.Popen(
+                [sys.executable, "-m", "timeslice_agent", "--node-id", NODE, "--nats-url", url],
+                env=env,
+                stderr=subprocess.DEVNULL,
+            ),
+        ]
+        if agent_process
+        else [subprocess.Popen([*orchestrator, "--with-agent", NODE], env=env)]
+    )
     results = []
     floor: dict[str, Any] | None = None
     try:
@@ -324,17 +363,50 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str,
             nbytes = int(size * GiB) // (4 * N_TENSORS) * (4 * N_TENSORS)
             group = f"offload-{i}"
             before = _baselines(nbytes, reps, device)  # before A and B start, and again after they exited
-            common = ["--url", url, "--group", group, "--cycles", str(cycles), "--hold", str(hold_ms / 1000),
-                      "--device", device]
+            common = [
+                "--url",
+                url,
+                "--group",
+                group,
+                "--cycles",
+                str(cycles),
+                "--hold",
+                str(hold_ms / 1000),
+                "--device",
+                device,
+            ]
             a_out, b_out, a_ready, b_ready = (tmp / f"{i}-{n}" for n in ("a.json", "b.json", "a.ready", "b.ready"))
             common += ["--done", str(tmp / f"{i}-a.done")] + ([] if early else ["--no-early-suspend"])
             # Job ids differ per size: the agent keys jobs by id alone (see bench/NOTES.md).
-            a = _spawn("--role", "job", "--job", f"job-a{i}", "--bytes", str(nbytes), "--leader", "--out", str(a_out),
-                       "--ready", str(a_ready), *common)
+            a = _spawn(
+                "--role",
+                "job",
+                "--job",
+                f"job-a{i}",
+                "--bytes",
+                str(nbytes),
+                "--leader",
+                "--out",
+                str(a_out),
+                "--ready",
+                str(a_ready),
+                *common,
+            )
             procs.append(a)
             _common.wait_file(a_ready, a, 120)  # A allocated, prepared, registered and holds the group
-            b = _spawn("--role", "job", "--job", f"job-b{i}", "--bytes", str(B_BYTES), "--out", str(b_out),
-                       "--ready", str(b_ready), *common)
+            b = _spawn(
+                "--role",
+                "job",
+                "--job",
+                f"job-b{i}",
+                "--bytes",
+                str(B_BYTES),
+                "--out",
+                str(b_out),
+                "--ready",
+                str(b_ready),
+                *common,
+            )
             procs.append(b)
             a.wait()
             b.wait()
@@ -360,12 +432,20 @@ def run(sizes: list[float], cycles: int, hold_ms: float, reps: int, device: str,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", "bench/offload.py", *sys.argv[1:]]),
         "device": device if device == "cuda" else "cpu (CPU memory stands in for the device)",
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-        "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-        "cycles": cycles, "hold_ms": hold_ms, "baseline_reps": reps, "memory": _memory_setup(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+        "cycles": cycles,
+        "hold_ms": hold_ms,
+        "baseline_reps": reps,
+        "memory": _memory_setup(),
         "agent": "own process" if agent_process else "in the orchestrator's process",
         "early_suspend": early,
-        "sizes": results, "switch_floor": floor, "wall_s": time.monotonic() - started,
+        "sizes": results,
+        "switch_floor": floor,
+        "wall_s": time.monotonic() - started,
     }
 
 
@@ -380,26 +460,36 @@ def _handed_back_line(r: dict[str, Any]) -> str | None:
         if h["during"]:
             part += f" (median {h['during_ms']:.0f} ms; the others {h['others_ms']:.0f} ms)"
         parts.append(part)
-    return ("  the guest handed memory back to its host (free page reporting, >= "
-            f"{HANDED_BACK_GIB * 1024:.0f} MiB) during {parts[0]}, {parts[1]} (the first cycle left out)")
+    return (
+        "  the guest handed memory back to its host (free page reporting, >= "
+        f"{HANDED_BACK_GIB * 1024:.0f} MiB) during {parts[0]}, {parts[1]} (the first cycle left out)"
+    )
 
 
 def _print(res: dict[str, Any]) -> None:
     la, le = res["loadavg_start"], res["loadavg_end"]
     print(f"offload/restore through the app_channel torch handler, end to end; {res['date']}")
     print(f"  command: {res['command']}")
-    print(f"  device: {res['device']}; torch {res['torch']}, {res['threads']} threads, {res['cpus']} CPUs; "
-          f"load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} at start, {le[0]:.2f} {le[1]:.2f} {le[2]:.2f} at end")
+    print(
+        f"  device: {res['device']}; torch {res['torch']}, {res['threads']} threads, {res['cpus']} CPUs; "
+        f"load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} at start, {le[0]:.2f} {le[1]:.2f} {le[2]:.2f} at end"
+    )
     m = res["memory"]
     rep = {True: "ON (freed memory goes back to the host; touching it again is slow)", False: "off", None: "no balloon"}
-    print(f"  transparent huge pages: enabled {m['thp_enabled']}, defrag {m['thp_defrag']}; virtio-balloon free page "
-          f"reporting: {rep[m['free_page_reporting']]}")
+    print(
+        f"  transparent huge pages: enabled {m['thp_enabled']}, defrag {m['thp_defrag']}; virtio-balloon free page "
+        f"reporting: {rep[m['free_page_reporting']]}"
+    )
     print(f"  the node agent runs {res.get('agent', 'in its own process')}")
-    print(f"  {res['cycles']} cycles per size, medians; host buffers prepared (allocated and touched) before "
-          "timing, so their first touch is not counted")
+    print(
+        f"  {res['cycles']} cycles per size, medians; host buffers prepared (allocated and touched) before "
+        "timing, so their first touch is not counted"
+    )
     print("  bandwidth = bytes / the handler's own time, timed inside the worker; GB = 1e9 bytes")
-    print(f"  baselines in the same run, same bytes and tensor shapes, {res['baseline_reps']} reps each before that "
-          "size's workers start and again after they exited (never beside their memory); medians of both:")
+    print(
+        f"  baselines in the same run, same bytes and tensor shapes, {res['baseline_reps']} reps each before that "
+        "size's workers start and again after they exited (never beside their memory); medians of both:"
+    )
     if res["device"] == "cuda":
         print("    (1) copy  = device tensors -> preallocated pinned host buffer, dst.copy_(src)")
         print("    (2) fresh = pinned host buffer -> newly allocated device memory (after empty_cache(), as the")
@@ -412,45 +502,59 @@ def _print(res: dict[str, Any]) -> None:
         print("        new memory from the OS, faulted and zeroed")
         print("    (2') clone = src.clone(): fresh memory without huge-page advice")
     for r in res["sizes"]:
-        print(f"{r['gib']:g} GiB ({r['bytes'] / 1e9:.2f} GB) in {N_TENSORS} float32 tensors; "
-              f"1-min load average after: {r['loadavg_1m_after']:.2f}")
+        print(
+            f"{r['gib']:g} GiB ({r['bytes'] / 1e9:.2f} GB) in {N_TENSORS} float32 tensors; "
+            f"1-min load average after: {r['loadavg_1m_after']:.2f}"
+        )
         for k, what, sw in (("offload", "A->B", "ab"), ("restore", "B->A", "ba")):
             per = ", ".join(f"{x * 1e3:.0f}" for x in r[f"{k}_s"])
-            print(f"  {k} {r[f'{k}_gbps']:5.2f} GB/s = {r[f'{k}_vs_copy']:.2f} x copy(1), "
-                  f"{r[f'{k}_vs_fresh']:.2f} x fresh(2); switch {what} {r[f'switch_{sw}_ms']:.0f} ms; "
-                  f"per cycle [{per}] ms: first {r[f'{k}_first_gbps']:.2f}, best {r[f'{k}_best_gbps']:.2f} GB/s")
+            print(
+                f"  {k} {r[f'{k}_gbps']:5.2f} GB/s = {r[f'{k}_vs_copy']:.2f} x copy(1), "
+                f"{r[f'{k}_vs_fresh']:.2f} x fresh(2); switch {what} {r[f'switch_{sw}_ms']:.0f} ms; "
+                f"per cycle [{per}] ms: first {r[f'{k}_first_gbps']:.2f}, best {r[f'{k}_best_gbps']:.2f} GB/s"
+            )
         if r.get("pair_copy_gbps") is not None:
-            print(f"  offload = {r['offload_vs_pair']:.2f} x the copy paired with it (1p: A's own copy of the same "
-                  f"tensors at the start of the hold before it, {r['pair_copy_gbps']:.2f} GB/s median; median of "
-                  "the per-cycle ratios)")
+            print(
+                f"  offload = {r['offload_vs_pair']:.2f} x the copy paired with it (1p: A's own copy of the same "
+                f"tensors at the start of the hold before it, {r['pair_copy_gbps']:.2f} GB/s median; median of "
+                "the per-cycle ratios)"
+            )
         if (line := _handed_back_line(r)) is not None:
             print(line)
-        print(f"  baselines: copy(1) {r['base_copy_gbps']:.2f} GB/s (before {r['base_copy_before_gbps']:.2f}, after "
-              f"{r['base_copy_after_gbps']:.2f}), fresh(2) {r['base_fresh_gbps']:.2f} GB/s (before "
-              f"{r['base_fresh_before_gbps']:.2f}, after {r['base_fresh_after_gbps']:.2f}, first "
-              f"{r['base_fresh_first_gbps']:.2f}),"
-              f"\n             "
-              f"clone(2') {r['base_clone_gbps']:.2f} GB/s; "
-              f"freeing the fresh copy {r['base_free_ms']:.0f} ms")
-        print(f"  switch overhead (switch - the handler calls' wall time): A->B {r['overhead_ab_ms']:.2f} ms, "
-              f"B->A {r['overhead_ba_ms']:.2f} ms, median {r['overhead_ms']:.2f} ms, "
-              f"max {r['overhead_max_ms']:.2f} ms; of it agent-side {r['agent_side_ms']:.2f} ms, "
-              f"orchestrator+bus {r['orchestrator_bus_ms']:.2f} ms; restore beside the snapshot in "
-              f"{r.get('overlapped_switches', 0)} of {2 * r['cycles']} switches")
+        print(
+            f"  baselines: copy(1) {r['base_copy_gbps']:.2f} GB/s (before {r['base_copy_before_gbps']:.2f}, after "
+            f"{r['base_copy_after_gbps']:.2f}), fresh(2) {r['base_fresh_gbps']:.2f} GB/s (before "
+            f"{r['base_fresh_before_gbps']:.2f}, after {r['base_fresh_after_gbps']:.2f}, first "
+            f"{r['base_fresh_first_gbps']:.2f}),"
+            f"\n             "
+            f"clone(2') {r['base_clone_gbps']:.2f} GB/s; "
+            f"freeing the fresh copy {r['base_free_ms']:.0f} ms"
+        )
+        print(
+            f"  switch overhead (switch - the handler calls' wall time): A->B {r['overhead_ab_ms']:.2f} ms, "
+            f"B->A {r['overhead_ba_ms']:.2f} ms, median {r['overhead_ms']:.2f} ms, "
+            f"max {r['overhead_max_ms']:.2f} ms; of it agent-side {r['agent_side_ms']:.2f} ms, "
+            f"orchestrator+bus {r['orchestrator_bus_ms']:.2f} ms; restore beside the snapshot in "
+            f"{r.get('overlapped_switches', 0)} of {2 * r['cycles']} switches"
+        )
         h = r["hops_ms"]
-        print("    hops (medians, by the times the stream stored the agent's events): "
-              f"release -> snapshot starts {_ms(h['release_to_snapshot_start'])}, snapshot result -> restore "
-              f"starts {_ms(h['snapshot_result_to_restore_start'])} (restores that waited), last result -> "
-              f"acquire returns {_ms(h['last_result_to_grant'])}")
+        print(
+            "    hops (medians, by the times the stream stored the agent's events): "
+            f"release -> snapshot starts {_ms(h['release_to_snapshot_start'])}, snapshot result -> restore "
+            f"starts {_ms(h['snapshot_result_to_restore_start'])} (restores that waited), last result -> "
+            f"acquire returns {_ms(h['last_result_to_grant'])}"
+        )
         if r["errors"]:
             print(f"  ERRORS: {r['errors']}")
     if (f := res.get("switch_floor")) is not None:
         ratios = ", ".join(f"{r['gib']:g} GiB {r['overhead_vs_floor']:.2f}x" for r in res["sizes"])
         where = "agent stand-in in the orchestrator's process" if f.get("colocated") else "agent stand-in apart"
-        print(f"switch floor (the switch's bus hops with no timeslice code, bench/_switch_floor.py, {where}; "
-              f"{f['n']} switches, "
-              f"{f['gap_ms']:g} ms gap): p50 {f['p50_ms']:.2f} ms, p90 {f['p90_ms']:.2f} ms, p99 {f['p99_ms']:.2f} ms; "
-              f"switch overhead median = {ratios} the floor p50")
+        print(
+            f"switch floor (the switch's bus hops with no timeslice code, bench/_switch_floor.py, {where}; "
+            f"{f['n']} switches, "
+            f"{f['gap_ms']:g} ms gap): p50 {f['p50_ms']:.2f} ms, p90 {f['p90_ms']:.2f} ms, p99 {f['p99_ms']:.2f} ms; "
+            f"switch overhead median = {ratios} the floor p50"
+        )
     off = min(r["offload_vs_copy"] for r in res["sizes"])
     pair = min((r["offload_vs_pair"] for r in res["sizes"] if r.get("offload_vs_pair") is not None), default=None)
     of_pair = "" if pair is None else f" (of the copy paired with it: worst {pair:.0%})"
@@ -458,36 +562,60 @@ def _print(res: dict[str, Any]) -> None:
     rst1 = min(r["restore_vs_copy"] for r in res["sizes"])
     over = max(r["overhead_ms"] for r in res["sizes"])
     ok = "met", "NOT met"
-    print(f"goals: offload >= {GOAL_BW_RATIO:.0%} of copy(1): worst {off:.0%}, {ok[off < GOAL_BW_RATIO]}{of_pair}; "
-          f"restore >= {GOAL_BW_RATIO:.0%} of fresh(2): worst {rst:.0%}, {ok[rst < GOAL_BW_RATIO]} "
-          f"(of copy(1): worst {rst1:.0%}, {ok[rst1 < GOAL_BW_RATIO]}); switch overhead <= {GOAL_OVERHEAD_MS:g} ms: "
-          f"worst median {over:.2f} ms, {ok[over > GOAL_OVERHEAD_MS]}")
+    print(
+        f"goals: offload >= {GOAL_BW_RATIO:.0%} of copy(1): worst {off:.0%}, {ok[off < GOAL_BW_RATIO]}{of_pair}; "
+        f"restore >= {GOAL_BW_RATIO:.0%} of fresh(2): worst {rst:.0%}, {ok[rst < GOAL_BW_RATIO]} "
+        f"(of copy(1): worst {rst1:.0%}, {ok[rst1 < GOAL_BW_RATIO]}); switch overhead <= {GOAL_OVERHEAD_MS:g} ms: "
+        f"worst median {over:.2f} ms, {ok[over > GOAL_OVERHEAD_MS]}"
+    )
     print(f"wall time {res['wall_s']:.0f} s")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1,2,4", help="GiB of state in job A, comma-separated")
-    p.add_argument("--cycles", type=int, default=9,
-                   help="offload+restore cycles per size (medians: this VM makes a minority of cycles several times "
-                        "slower, see docs/benchmarks.md)")
+    p.add_argument(
+        "--cycles",
+        type=int,
+        default=9,
+        help="offload+restore cycles per size (medians: this VM makes a minority of cycles several times "
+        "slower, see docs/benchmarks.md)",
+    )
     p.add_argument("--hold-ms", type=float, default=200.0, help="each holder holds this long before releasing")
-    p.add_argument("--baseline-reps", type=int, default=2,
-                   help="baseline copies per kind and size, before the switches and again after them")
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                   help="where A's state lives (default: cuda when available, else cpu, as the handler chooses)")
+    p.add_argument(
+        "--baseline-reps",
+        type=int,
+        default=2,
+        help="baseline copies per kind and size, before the switches and again after them",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="where A's state lives (default: cuda when available, else cpu, as the handler chooses)",
+    )
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--json-out", help="also write the figures, command and machine facts as JSON here")
-    p.add_argument("--floor-switches", type=int, default=40,
-                   help="switches of the same-run switch floor (bench/_switch_floor.py), each after a --hold-ms gap; "
-                        "0: none")
-    p.add_argument("--agent-process", action="store_true",
-                   help="run the node agent as a process of its own (default: in the orchestrator's process, as "
-                        "`timeslice up` runs it)")
-    p.add_argument("--quick", action="store_true",
-                   help="a short run (0.25 GiB, 2 cycles, 1 baseline rep, 10 floor switches)")
-    p.add_argument("--no-early-suspend", action="store_true",
-                   help="workloads suspend only at the agent's command, not at a release another job waits for")
+    p.add_argument(
+        "--floor-switches",
+        type=int,
+        default=40,
+        help="switches of the same-run switch floor (bench/_switch_floor.py), each after a --hold-ms gap; 0: none",
+    )
+    p.add_argument(
+        "--agent-process",
+        action="store_true",
+        help="run the node agent as a process of its own (default: in the orchestrator's process, as "
+        "`timeslice up` runs it)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="a short run (0.25 GiB, 2 cycles, 1 baseline rep, 10 floor switches)"
+    )
+    p.add_argument(
+        "--no-early-suspend",
+        action="store_true",
+        help="workloads suspend only at the agent's command, not at a release another job waits for",
+    )
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--group", help=argparse.SUPPRESS)
@@ -500,8 +628,22 @@ def main() -> None:
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.role == "job":
-        _loop_run(_job(a.url, a.group, a.job, a.bytes, a.cycles, a.hold, a.out, a.ready, a.done, a.leader,
-                       a.device, not a.no_early_suspend))
+        _loop_run(
+            _job(
+                a.url,
+                a.group,
+                a.job,
+                a.bytes,
+                a.cycles,
+                a.hold,
+                a.out,
+                a.ready,
+                a.done,
+                a.leader,
+                a.device,
+                not a.no_early_suspend,
+            )
+        )
         return
     if a.quick:
         a.sizes, a.cycles, a.baseline_reps, a.floor_switches = "0.25", min(a.cycles, 2), 1, min(a.floor_switches, 10)
@@ -513,11 +655,13 @@ def main() -> None:
 
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     machine = _common.machine_facts()  # when the run starts: its time and load are those of the start
-    res = run(sizes, a.cycles, a.hold_ms, a.baseline_reps, a.device, a.floor_switches, a.agent_process,
-              not a.no_early_suspend)
+    res = run(
+        sizes, a.cycles, a.hold_ms, a.baseline_reps, a.device, a.floor_switches, a.agent_process, not a.no_early_suspend
+    )
     if a.json_out:
-        _common.write_json(a.json_out, {"bench": "offload", "command": _common.command_line(),
-                                        "machine": machine, **res})
+        _common.write_json(
+            a.json_out, {"bench": "offload", "command": _common.command_line(), "machine": machine, **res}
+        )
     if a.json:
         print(json.dumps(res))
     else:

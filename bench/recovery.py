@@ -66,8 +66,9 @@ async def cold_start(tmp: Path) -> dict[str, float]:
         await nc.subscribe(subjects.notice("cold", "j0"), cb=on_notice)
         await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
         await nc.flush()
-        await js.publish(subjects.job("cold", "j0", "acquire"),
-                         encode(Acquire(group="cold", job="j0", request_id="cold-1")))
+        await js.publish(
+            subjects.job("cold", "j0", "acquire"), encode(Acquire(group="cold", job="j0", request_id="cold-1"))
+        )
         orch.start()
         ready_s = await orch.wait_ready(js)
         async with asyncio.timeout(60):
@@ -84,13 +85,18 @@ def _import_s() -> float:
     import subprocess
 
     t = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import timeslice_orchestrator._main, timeslice_orchestrator.service"],
-                   cwd=c.ROOT, env=c.child_env(), check=True)
+    subprocess.run(
+        [sys.executable, "-c", "import timeslice_orchestrator._main, timeslice_orchestrator.service"],
+        cwd=c.ROOT,
+        env=c.child_env(),
+        check=True,
+    )
     return time.monotonic() - t
 
 
-def _recovered_after(times: list[float], t_spawn: float, rate: float, bin_s: float = 0.1,
-                     floor_s: float = 0.0) -> float | None:
+def _recovered_after(
+    times: list[float], t_spawn: float, rate: float, bin_s: float = 0.1, floor_s: float = 0.0
+) -> float | None:
     """Seconds from the spawn until the end of the first 100 ms bin with at least half the pre-kill rate."""
     after = sorted(t for t in times if t > t_spawn + floor_s)
     if not after:
@@ -163,14 +169,26 @@ async def _settled(js: Any, keys: int, timeout: float = 300.0) -> None:
         await asyncio.sleep(0.1)  # polling the bus's counters, bounded by the deadline above
 
 
-async def _kill_under_load(url: str, nc: Any, js: Any, tmp: Path, orch: c.Orchestrator, n_groups: int, busy: int,
-                           pre: float, post: float, hold_ms: float, gens: list[Any]) -> dict[str, Any]:
+async def _kill_under_load(
+    url: str,
+    nc: Any,
+    js: Any,
+    tmp: Path,
+    orch: c.Orchestrator,
+    n_groups: int,
+    busy: int,
+    pre: float,
+    post: float,
+    hold_ms: float,
+    gens: list[Any],
+) -> dict[str, Any]:
     """``busy`` groups hand off (each holder holding ``hold_ms``); kill -9 and restart; the grant timeline."""
     from timeslice_client.protocol import STREAM
 
     tag = "busys" if hold_ms == 0 else "busyp"
-    gens[:] = await c.start_loadgens(url, tmp, tag, busy, 1, "handoff", ("--timeline", "--hold-ms", str(hold_ms)),
-                                     prefix=tag)
+    gens[:] = await c.start_loadgens(
+        url, tmp, tag, busy, 1, "handoff", ("--timeline", "--hold-ms", str(hold_ms)), prefix=tag
+    )
     w0, _ = await c.go(nc, 0.0, pre + MAX_DOWN_S + post)
     await c.sleep_until(w0 + pre)
     kv = await js.key_value("groups")
@@ -181,8 +199,11 @@ async def _kill_under_load(url: str, nc: Any, js: Any, tmp: Path, orch: c.Orches
     # What the new process must re-apply before anything new: the inputs delivered but not acknowledged.
     info = await js.consumer_info(STREAM, "orchestrator")
     last = (await js.stream_info(STREAM)).state.last_seq
-    backlog = {"unacked_inputs": info.num_ack_pending, "undelivered_inputs": info.num_pending,
-               "stream_seqs_after_ack_floor": last - (info.ack_floor.stream_seq if info.ack_floor else 0)}
+    backlog = {
+        "unacked_inputs": info.num_ack_pending,
+        "undelivered_inputs": info.num_pending,
+        "stream_seqs_after_ack_floor": last - (info.ack_floor.stream_seq if info.ack_floor else 0),
+    }
     await c.stop_loadgens(nc, after_next_grant=post)  # ``post`` s of load once grants flow again
     ready_s = await orch.wait_ready(js, timeout=MAX_DOWN_S)
     await c.wait_procs([p for p, _, _ in gens], MAX_DOWN_S + post + 60, "busy load generator")
@@ -216,26 +237,38 @@ async def _kill_under_load(url: str, nc: Any, js: Any, tmp: Path, orch: c.Orches
 
 def print_report(res: dict[str, Any]) -> None:
     b = res["baseline"]
-    print(f"recovery: kill -9 of the orchestrator under load ({res['rows'][0]['busy_groups'] if res['rows'] else 0} "
-          f"busy groups x 4 jobs), immediate restart ({res['machine']['cores']} cores, "
-          f"load {res['machine']['loadavg_1m']})")
-    print(f"{'groups in KV':>13} {'load':>16} {'first grant':>12} {'(from kill)':>12} {'half rate':>10} {'ready':>8} "
-          f"{'pre-kill/s':>11} {'to replay':>10} {'ratio to cold':>14}")
+    print(
+        f"recovery: kill -9 of the orchestrator under load ({res['rows'][0]['busy_groups'] if res['rows'] else 0} "
+        f"busy groups x 4 jobs), immediate restart ({res['machine']['cores']} cores, "
+        f"load {res['machine']['loadavg_1m']})"
+    )
+    print(
+        f"{'groups in KV':>13} {'load':>16} {'first grant':>12} {'(from kill)':>12} {'half rate':>10} {'ready':>8} "
+        f"{'pre-kill/s':>11} {'to replay':>10} {'ratio to cold':>14}"
+    )
     for r in res["rows"]:
         load = "saturated" if not r["hold_ms"] else f"hold {r['hold_ms']:.0f} ms"
-        print(f"{r['kv_keys_before_kill']:>13} {load:>16} {_s(r['first_grant_after_spawn_s']):>12} "
-              f"{_s(r['first_grant_after_kill_s']):>12} {_s(r['half_rate_after_spawn_s']):>10} "
-              f"{_s(r['ready_after_spawn_s']):>8} {r['pre_kill_grants_per_s']:>11.0f} "
-              f"{r['replay_backlog']['unacked_inputs']:>10} {_x(r['ratio_to_cold']):>14}")
-    print("  groups put in KV by real use (acquire + release through the orchestrator); times from the new "
-          "process's spawn")
-    print(f"  baseline: cold start on an empty bus, spawn -> first grant {b['grant_s']:.3f} s "
-          f"(spawn -> ready {b['ready_s']:.3f} s; a bare interpreter importing the orchestrator "
-          f"{b['import_s']:.3f} s), median of {b['reps']}")
+        print(
+            f"{r['kv_keys_before_kill']:>13} {load:>16} {_s(r['first_grant_after_spawn_s']):>12} "
+            f"{_s(r['first_grant_after_kill_s']):>12} {_s(r['half_rate_after_spawn_s']):>10} "
+            f"{_s(r['ready_after_spawn_s']):>8} {r['pre_kill_grants_per_s']:>11.0f} "
+            f"{r['replay_backlog']['unacked_inputs']:>10} {_x(r['ratio_to_cold']):>14}"
+        )
+    print(
+        "  groups put in KV by real use (acquire + release through the orchestrator); times from the new "
+        "process's spawn"
+    )
+    print(
+        f"  baseline: cold start on an empty bus, spawn -> first grant {b['grant_s']:.3f} s "
+        f"(spawn -> ready {b['ready_s']:.3f} s; a bare interpreter importing the orchestrator "
+        f"{b['import_s']:.3f} s), median of {b['reps']}"
+    )
     v = res["verdict"]
     at = ", ".join(f"{load} {_s(s)}" for load, s in v["at_1000_s"].items()) or "not measured"
-    print(f"goal: grants again within {GOAL_S:.0f} s at 1,000 groups under every load: "
-          f"{'met' if v['goal_met'] else 'NOT met'} ({at})")
+    print(
+        f"goal: grants again within {GOAL_S:.0f} s at 1,000 groups under every load: "
+        f"{'met' if v['goal_met'] else 'NOT met'} ({at})"
+    )
 
 
 def _s(x: float | None) -> str:
@@ -252,8 +285,12 @@ def main() -> None:
     p.add_argument("--busy", type=int, default=100, help="groups handing off when the orchestrator is killed")
     p.add_argument("--pre", type=float, default=3.0, help="seconds of load before the kill")
     p.add_argument("--post", type=float, default=5.0, help="seconds of load after grants flow again")
-    p.add_argument("--paced-hold-ms", type=float, default=50.0,
-                   help="a second kill per group count with each holder holding this long (0: saturated only)")
+    p.add_argument(
+        "--paced-hold-ms",
+        type=float,
+        default=50.0,
+        help="a second kill per group count with each holder holding this long (0: saturated only)",
+    )
     p.add_argument("--cold-reps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="shorter load before and after the kill")
     p.add_argument("--json-out", help="write the result as JSON here")
@@ -269,9 +306,12 @@ def main() -> None:
         tmp = c.scratch_dir("ts-cold-")
         colds.append(asyncio.run(cold_start(tmp)))
         c.remove_dir(tmp)
-    base = {"grant_s": statistics.median(x["grant_s"] for x in colds),
-            "ready_s": statistics.median(x["ready_s"] for x in colds), "reps": len(colds),
-            "import_s": statistics.median(_import_s() for _ in range(len(colds)))}
+    base = {
+        "grant_s": statistics.median(x["grant_s"] for x in colds),
+        "ready_s": statistics.median(x["ready_s"] for x in colds),
+        "reps": len(colds),
+        "import_s": statistics.median(_import_s() for _ in range(len(colds))),
+    }
     holds = [0.0] + ([a.paced_hold_ms] if a.paced_hold_ms > 0 else [])
     rows = [r for n in counts for r in asyncio.run(run_one(n, a.busy, a.pre, a.post, holds))]
     for r in rows:
@@ -280,8 +320,15 @@ def main() -> None:
     # Judged under each load at 1,000 groups: met only when grants flow again in time under every one.
     at = {r["load"]: r["first_grant_after_spawn_s"] for r in rows if r["kv_groups"] == 1000}
     verdict = {"at_1000_s": at, "goal_met": bool(at) and all(s is not None and s <= GOAL_S for s in at.values())}
-    res = {"bench": "recovery", "command": c.command_line(), "machine": machine, "baseline": base, "rows": rows,
-           "goals": {"recovery_s_at_1000": GOAL_S}, "verdict": verdict}
+    res = {
+        "bench": "recovery",
+        "command": c.command_line(),
+        "machine": machine,
+        "baseline": base,
+        "rows": rows,
+        "goals": {"recovery_s_at_1000": GOAL_S},
+        "verdict": verdict,
+    }
     print_report(res)
     c.write_json(a.json_out, res)
     if any(r["first_grant_after_spawn_s"] is None for r in rows):

@@ -33,8 +33,9 @@ def run_one(name: str, results: Path, quick: bool, timeout: float) -> str | None
     print(f"== {name}: {' '.join(args[1:])}", flush=True)
     t = time.monotonic()
     try:
-        proc = subprocess.run(args, cwd=c.ROOT, env=c.child_env(), capture_output=True, text=True, timeout=timeout,
-                              check=False)
+        proc = subprocess.run(
+            args, cwd=c.ROOT, env=c.child_env(), capture_output=True, text=True, timeout=timeout, check=False
+        )
     except subprocess.TimeoutExpired:
         return f"timed out after {timeout:.0f} s"
     (results / f"{name}.txt").write_text(proc.stdout + proc.stderr)

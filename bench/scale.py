@@ -49,14 +49,18 @@ async def _last_seq(js: Any, stream: str) -> int:
     return int((await js.stream_info(stream)).state.last_seq)
 
 
-async def _baseline(url: str, nc: Any, tmp: Path, groups: int, procs: int, warmup: float, duration: float,
-                    server_pid: int) -> dict[str, Any]:
+async def _baseline(
+    url: str, nc: Any, tmp: Path, groups: int, procs: int, warmup: float, duration: float, server_pid: int
+) -> dict[str, Any]:
     from _loadgen import BASELINE_SUBJECT
     from nats.js.api import StorageType, StreamConfig
 
     js = nc.jetstream()
-    await js.add_stream(StreamConfig(name="BENCHBASE", subjects=[f"{BASELINE_SUBJECT}.>"], storage=StorageType.FILE,
-                                     duplicate_window=120))
+    await js.add_stream(
+        StreamConfig(
+            name="BENCHBASE", subjects=[f"{BASELINE_SUBJECT}.>"], storage=StorageType.FILE, duplicate_window=120
+        )
+    )
     try:
         gens = await c.start_loadgens(url, tmp, f"base{groups}", groups, procs, "baseline")
         w0, w1 = await c.go(nc, warmup, duration)
@@ -78,11 +82,24 @@ async def _baseline(url: str, nc: Any, tmp: Path, groups: int, procs: int, warmu
     }
 
 
-async def _measure(url: str, nc: Any, js: Any, tmp: Path, orch: c.Orchestrator, server_pid: int, groups: int,
-                   procs: int, warmup: float, duration: float, hold_ms: float, prefix: str) -> dict[str, Any]:
+async def _measure(
+    url: str,
+    nc: Any,
+    js: Any,
+    tmp: Path,
+    orch: c.Orchestrator,
+    server_pid: int,
+    groups: int,
+    procs: int,
+    warmup: float,
+    duration: float,
+    hold_ms: float,
+    prefix: str,
+) -> dict[str, Any]:
     """One load against the running orchestrator: G groups x 4 jobs, each holder holding ``hold_ms``."""
-    gens = await c.start_loadgens(url, tmp, f"{prefix}{groups}", groups, procs, "handoff",
-                                 ("--hold-ms", str(hold_ms)), prefix=prefix)
+    gens = await c.start_loadgens(
+        url, tmp, f"{prefix}{groups}", groups, procs, "handoff", ("--hold-ms", str(hold_ms)), prefix=prefix
+    )
     try:
         w0, w1 = await c.go(nc, warmup, duration)
         await c.sleep_until(w0)
@@ -128,8 +145,9 @@ async def _measure(url: str, nc: Any, js: Any, tmp: Path, orch: c.Orchestrator, 
     }
 
 
-async def run_one(groups: int, duration: float, warmup: float, procs: int, base_duration: float,
-                  paced_rate: float) -> list[dict[str, Any]]:
+async def run_one(
+    groups: int, duration: float, warmup: float, procs: int, base_duration: float, paced_rate: float
+) -> list[dict[str, Any]]:
     """Baseline, then a saturated load (holders release at once) and a paced one (each holder holds
     G / ``paced_rate`` seconds, so the offered rate is ``paced_rate``), on one fresh server."""
     from timeslice_client.bus import connect
@@ -151,8 +169,12 @@ async def run_one(groups: int, duration: float, warmup: float, procs: int, base_
         for hold_ms, prefix in loads:
             row = await _measure(url, nc, js, tmp, orch, server.pid, groups, procs, warmup, duration, hold_ms, prefix)
             bus_rate = base["publishes_per_s"] / row["bus_msgs_per_handoff"] if row["bus_msgs_per_handoff"] else 0.0
-            row.update(orchestrator_ready_s=ready_s, baseline=base, baseline_handoffs_per_s=bus_rate,
-                       ratio_to_bus=row["handoffs_per_s"] / bus_rate if bus_rate else float("nan"))
+            row.update(
+                orchestrator_ready_s=ready_s,
+                baseline=base,
+                baseline_handoffs_per_s=bus_rate,
+                ratio_to_bus=row["handoffs_per_s"] / bus_rate if bus_rate else float("nan"),
+            )
             rows.append(row)
         await nc.close()
     finally:
@@ -178,8 +200,12 @@ def _verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "rate_goal_met": at_1000 and big["handoffs_per_s"] >= GOAL_RATE,
         "paced_p99_ms": big_paced["handoff_p99_ms"] if big_paced else None,
         "paced_handoffs_per_s": big_paced["handoffs_per_s"] if big_paced else None,
-        "p99_goal_met": bool(at_1000 and big_paced and big_paced["handoff_p99_ms"] <= GOAL_P99_MS
-                             and big_paced["handoffs_per_s"] >= GOAL_RATE),
+        "p99_goal_met": bool(
+            at_1000
+            and big_paced
+            and big_paced["handoff_p99_ms"] <= GOAL_P99_MS
+            and big_paced["handoffs_per_s"] >= GOAL_RATE
+        ),
         "cpu_per_handoff_growth": growth,
         "flat_goal_met": len(sat) > 1 and growth <= GOAL_FLAT,
         "note": "" if at_1000 else "(the goal is stated at 1,000 groups; this run did not reach it)",
@@ -187,28 +213,38 @@ def _verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def print_report(res: dict[str, Any]) -> None:
-    print(f"scale: G groups x {JOBS} jobs handing off continuously, one orchestrator process "
-          f"({res['machine']['cores']} cores, load {res['machine']['loadavg_1m']})")
-    print(f"{'groups':>7} {'load':>16} {'handoffs/s':>11} {'p50 ms':>8} {'p99 ms':>8} {'orch CPU/handoff':>17} "
-          f"{'orch CPU':>9} "
-          f"{'msgs/handoff':>13} {'bus limit/s':>12} {'ratio':>6}")
+    print(
+        f"scale: G groups x {JOBS} jobs handing off continuously, one orchestrator process "
+        f"({res['machine']['cores']} cores, load {res['machine']['loadavg_1m']})"
+    )
+    print(
+        f"{'groups':>7} {'load':>16} {'handoffs/s':>11} {'p50 ms':>8} {'p99 ms':>8} {'orch CPU/handoff':>17} "
+        f"{'orch CPU':>9} "
+        f"{'msgs/handoff':>13} {'bus limit/s':>12} {'ratio':>6}"
+    )
     for r in res["rows"]:
         load = r["load"] if not r["hold_ms"] else f"hold {r['hold_ms']:.0f} ms"
-        print(f"{r['groups']:>7} {load:>16} {r['handoffs_per_s']:>11.0f} {r['handoff_p50_ms']:>8.2f} "
-              f"{r['handoff_p99_ms']:>8.2f} "
-              f"{r['orch_cpu_us_per_handoff']:>14.0f} us {r['orch_cpu_util'] * 100:>8.0f}% "
-              f"{r['bus_msgs_per_handoff']:>13.2f} {r['baseline_handoffs_per_s']:>12.0f} {r['ratio_to_bus']:>6.2f}")
+        print(
+            f"{r['groups']:>7} {load:>16} {r['handoffs_per_s']:>11.0f} {r['handoff_p50_ms']:>8.2f} "
+            f"{r['handoff_p99_ms']:>8.2f} "
+            f"{r['orch_cpu_us_per_handoff']:>14.0f} us {r['orch_cpu_util'] * 100:>8.0f}% "
+            f"{r['bus_msgs_per_handoff']:>13.2f} {r['baseline_handoffs_per_s']:>12.0f} {r['ratio_to_bus']:>6.2f}"
+        )
         b = r["baseline"]
-        print(f"{'':>7} baseline: {b['publishes_per_s']:.0f} JetStream publish+ack/s at {r['groups']} chains "
-              f"-> {r['baseline_handoffs_per_s']:.0f} handoffs/s at {r['bus_msgs_per_handoff']:.2f} msgs each; "
-              f"errors: {sum(r['counters'][k] for k in ('refused', 'revoked', 'dequeued', 'ack_errors'))}")
+        print(
+            f"{'':>7} baseline: {b['publishes_per_s']:.0f} JetStream publish+ack/s at {r['groups']} chains "
+            f"-> {r['baseline_handoffs_per_s']:.0f} handoffs/s at {r['bus_msgs_per_handoff']:.2f} msgs each; "
+            f"errors: {sum(r['counters'][k] for k in ('refused', 'revoked', 'dequeued', 'ack_errors'))}"
+        )
     v = res["verdict"]
-    print(f"goal at 1,000 groups: >= {GOAL_RATE:.0f} handoffs/s (saturated: {v['max_handoffs_per_s']:.0f}) "
-          f"{'met' if v['rate_goal_met'] else 'NOT met'}; p99 <= {GOAL_P99_MS:.0f} ms at >= {GOAL_RATE:.0f}/s "
-          f"(paced: {_f(v['paced_p99_ms'])} ms at {_f(v['paced_handoffs_per_s'], 0)}/s) "
-          f"{'met' if v['p99_goal_met'] else 'NOT met'}; CPU per handoff at the largest G / smallest "
-          f"{v['cpu_per_handoff_growth']:.2f}x ({'flat' if v['flat_goal_met'] else 'NOT flat'}, goal <= {GOAL_FLAT}x) "
-          f"{v['note']}")
+    print(
+        f"goal at 1,000 groups: >= {GOAL_RATE:.0f} handoffs/s (saturated: {v['max_handoffs_per_s']:.0f}) "
+        f"{'met' if v['rate_goal_met'] else 'NOT met'}; p99 <= {GOAL_P99_MS:.0f} ms at >= {GOAL_RATE:.0f}/s "
+        f"(paced: {_f(v['paced_p99_ms'])} ms at {_f(v['paced_handoffs_per_s'], 0)}/s) "
+        f"{'met' if v['p99_goal_met'] else 'NOT met'}; CPU per handoff at the largest G / smallest "
+        f"{v['cpu_per_handoff_growth']:.2f}x ({'flat' if v['flat_goal_met'] else 'NOT flat'}, goal <= {GOAL_FLAT}x) "
+        f"{v['note']}"
+    )
 
 
 def _f(x: float | None, digits: int = 2) -> str:
@@ -222,8 +258,12 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=3.0, help="seconds of load before measuring")
     p.add_argument("--baseline-duration", type=float, default=None, help="default: a third of --duration")
     p.add_argument("--procs", type=int, default=1, help="load-generator processes")
-    p.add_argument("--paced-rate", type=float, default=2100.0,
-                   help="offered handoffs/s of the paced load (each holder holds G / rate s); 0: no paced load")
+    p.add_argument(
+        "--paced-rate",
+        type=float,
+        default=2100.0,
+        help="offered handoffs/s of the paced load (each holder holds G / rate s); 0: no paced load",
+    )
     p.add_argument("--quick", action="store_true", help="a few seconds per group count")
     p.add_argument("--json-out", help="write the result as JSON here")
     a = p.parse_args()
@@ -235,9 +275,14 @@ def main() -> None:
     base_d = a.baseline_duration or max(1.0, a.duration / 3)
     machine = c.machine_facts()
     rows = [r for g in groups for r in asyncio.run(run_one(g, a.duration, a.warmup, a.procs, base_d, a.paced_rate))]
-    res = {"bench": "scale", "command": c.command_line(), "machine": machine, "rows": rows,
-           "goals": {"handoffs_per_s": GOAL_RATE, "p99_ms": GOAL_P99_MS, "flat_factor": GOAL_FLAT},
-           "verdict": _verdict(rows)}
+    res = {
+        "bench": "scale",
+        "command": c.command_line(),
+        "machine": machine,
+        "rows": rows,
+        "goals": {"handoffs_per_s": GOAL_RATE, "p99_ms": GOAL_P99_MS, "flat_factor": GOAL_FLAT},
+        "verdict": _verdict(rows),
+    }
     print_report(res)
     c.write_json(a.json_out, res)
     errors = sum(r["counters"][k] for r in rows for k in ("refused", "revoked", "dequeued", "ack_errors"))

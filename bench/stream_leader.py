@@ -183,7 +183,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 *elections, consumer_election = await asyncio.gather(
                     *(_elected(j, s, dead, t0) for j, s in zip(probes, moved, strict=False)),
-                    _consumer_elected(probes[-1], DURABLE, dead, t0) if consumer_moved else asyncio.sleep(0, 0.0))
+                    _consumer_elected(probes[-1], DURABLE, dead, t0) if consumer_moved else asyncio.sleep(0, 0.0),
+                )
             finally:
                 await probe.close()
             resume = await h.next_grant_after(t0)
@@ -192,14 +193,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             # The lock writes the stream, its records (KV_groups) and its leader's lease (KV_leader): a grant needs all
             # three led again, and the orchestrator's durable consumer (its inputs) when it lost its leader too.
             needed = max([e for s, e in zip(moved, elections, strict=True) if s in _LOCK_STREAMS] + [consumer_election])
-            trials.append({"killed": dead, "streams_moved": list(moved), "consumer_moved": consumer_moved,
-                           "election_s": round(election, 3), "consumer_election_s": round(consumer_election, 3),
-                           "lock_elections_s": round(needed, 3), "all_elections_s": round(max(elections), 3),
-                           "resume_s": round(resume, 3)})
+            trials.append(
+                {
+                    "killed": dead,
+                    "streams_moved": list(moved),
+                    "consumer_moved": consumer_moved,
+                    "election_s": round(election, 3),
+                    "consumer_election_s": round(consumer_election, 3),
+                    "lock_elections_s": round(needed, 3),
+                    "all_elections_s": round(max(elections), 3),
+                    "resume_s": round(resume, 3),
+                }
+            )
             also = f", its consumer in {consumer_election:.2f} s" if consumer_moved else ""
             led = ", ".join([*moved, *(["the consumer"] if consumer_moved else [])])
-            print(f"  trial {len(trials)}: killed {dead} (leader of {led}): stream elected in {election:.2f} s{also}, "
-                  f"all in {max(elections):.2f} s; grants resumed after {resume:.2f} s", flush=True)
+            print(
+                f"  trial {len(trials)}: killed {dead} (leader of {led}): stream elected in {election:.2f} s{also}, "
+                f"all in {max(elections):.2f} s; grants resumed after {resume:.2f} s",
+                flush=True,
+            )
             await cluster.restart(lead)
             await cluster.wait_current(STREAM)
             for s in _BUCKETS:
@@ -221,8 +233,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         result["trials"] = trials
         result["handoffs"] = len(h.grants)
         result["release_errors"] = len(h.errors)
-        result["stream"] = {"messages": len(stream), "grants": st.grants, "fold_grants": st.fold_grants,
-                            "unstored_grants": st.unstored_grants, "unpublished": len(checker.unpublished_grants())}
+        result["stream"] = {
+            "messages": len(stream),
+            "grants": st.grants,
+            "fold_grants": st.fold_grants,
+            "unstored_grants": st.unstored_grants,
+            "unpublished": len(checker.unpublished_grants()),
+        }
         result["violations"] = 0 if st.grants == st.fold_grants and not checker.unpublished_grants() else 1
         result["orchestrators_alive"] = sum(p.proc is not None and p.proc.poll() is None for p in procs)
     finally:
@@ -250,20 +267,30 @@ def print_report(res: dict[str, Any]) -> bool:
     over = [t["resume_s"] - t["lock_elections_s"] for t in trials]
     print("resume = kill of the stream leader's server -> the first grant of an acquire sent after it")
     print(f"handoffs: {res['handoffs']} (stream: {res['stream']}); releases answered late: {res['release_errors']}")
-    print(f"baseline, the stream's election : p50 {statistics.median(t['election_s'] for t in trials):.2f} s, "
-          f"max {max(t['election_s'] for t in trials):.2f} s (n={len(trials)})")
-    print(f"grants resumed after            : p50 {statistics.median(t['resume_s'] for t in trials):.2f} s, "
-          f"max {max(t['resume_s'] for t in trials):.2f} s")
-    print(f"resume beyond the lock's streams' elections (TIMESLICE, KV_groups, KV_leader): p50 "
-          f"{statistics.median(over):.2f} s, max {max(over):.2f} s")
+    print(
+        f"baseline, the stream's election : p50 {statistics.median(t['election_s'] for t in trials):.2f} s, "
+        f"max {max(t['election_s'] for t in trials):.2f} s (n={len(trials)})"
+    )
+    print(
+        f"grants resumed after            : p50 {statistics.median(t['resume_s'] for t in trials):.2f} s, "
+        f"max {max(t['resume_s'] for t in trials):.2f} s"
+    )
+    print(
+        f"resume beyond the lock's streams' elections (TIMESLICE, KV_groups, KV_leader): p50 "
+        f"{statistics.median(over):.2f} s, max {max(over):.2f} s"
+    )
     for i, t in enumerate(trials, 1):
         if "grant_sent_s" in t:  # late decided (sent) or late delivered (received)?
-            print(f"  trial {i}: the counted grant was sent {t['grant_sent_s']:.2f} s after the kill and received "
-                  f"{t['grant_received_s']:.2f} s after it")
+            print(
+                f"  trial {i}: the counted grant was sent {t['grant_sent_s']:.2f} s after the kill and received "
+                f"{t['grant_received_s']:.2f} s after it"
+            )
     ok = max(over) <= GOAL_MARGIN_S and res["violations"] == 0 and res["orchestrators_alive"] == 2
-    print(f"goal resume <= election + {GOAL_MARGIN_S:.0f} s in every trial: "
-          f"{'met' if max(over) <= GOAL_MARGIN_S else 'MISSED'}; violations: {res['violations']}; "
-          f"orchestrators alive: {res['orchestrators_alive']} of 2")
+    print(
+        f"goal resume <= election + {GOAL_MARGIN_S:.0f} s in every trial: "
+        f"{'met' if max(over) <= GOAL_MARGIN_S else 'MISSED'}; violations: {res['violations']}; "
+        f"orchestrators alive: {res['orchestrators_alive']} of 2"
+    )
     return ok
 
 

@@ -121,9 +121,14 @@ async def run_real(profiles: list[str], switch: str, steps: int, compression: fl
         orch.start()
         await orch.wait_ready(js)
         with (tmp / "agent.log").open("ab") as log:
-            agent = subprocess.Popen([sys.executable, "-m", "timeslice_agent", "--node-id", NODE, "--nats-url", url],
-                                     cwd=c.ROOT, env=c.child_env(), stdin=subprocess.DEVNULL, stdout=log,
-                                     stderr=subprocess.STDOUT)
+            agent = subprocess.Popen(
+                [sys.executable, "-m", "timeslice_agent", "--node-id", NODE, "--nats-url", url],
+                cwd=c.ROOT,
+                env=c.child_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         await _agent_up(js, agent)
         for prof in profiles:
             name = load_profile(prof).name
@@ -135,11 +140,34 @@ async def run_real(profiles: list[str], switch: str, steps: int, compression: fl
                 procs = []
                 for i in jobs:
                     ready, res = tmp / f"{run_id}-j{i}.ready", tmp / f"{run_id}-j{i}.json"
-                    procs.append(c.spawn(JOB_SCRIPT, "--url", url, "--group", run_id, "--job", f"{run_id}-j{i}",
-                                         "--node", NODE, "--profile", str(resolve(prof)), "--switch",
-                                         str(resolve(switch)), "--steps", str(steps), "--seed", str(i),
-                                         "--compression", str(compression), "--ready", str(ready), "--out", str(res),
-                                         log_path=tmp / f"{run_id}-j{i}.log"))
+                    procs.append(
+                        c.spawn(
+                            JOB_SCRIPT,
+                            "--url",
+                            url,
+                            "--group",
+                            run_id,
+                            "--job",
+                            f"{run_id}-j{i}",
+                            "--node",
+                            NODE,
+                            "--profile",
+                            str(resolve(prof)),
+                            "--switch",
+                            str(resolve(switch)),
+                            "--steps",
+                            str(steps),
+                            "--seed",
+                            str(i),
+                            "--compression",
+                            str(compression),
+                            "--ready",
+                            str(ready),
+                            "--out",
+                            str(res),
+                            log_path=tmp / f"{run_id}-j{i}.log",
+                        )
+                    )
                     files.append((i, ready, res))
                 deadline = time.monotonic() + 120
                 for (_, ready, _), p in zip(files, procs, strict=True):
@@ -185,8 +213,10 @@ def _agreement(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k in SHARED:
         r, s = real["shared"][str(k)], sim["shared"][str(k)]
-        out[str(k)] = {m: (s[m] - r[m]) / r[m] if r[m] else 0.0
-                       for m in ("throughput_steps_per_h", "duty_cycle", "speedup_vs_back_to_back")}
+        out[str(k)] = {
+            m: (s[m] - r[m]) / r[m] if r[m] else 0.0
+            for m in ("throughput_steps_per_h", "duty_cycle", "speedup_vs_back_to_back")
+        }
         out[str(k)]["switching_share_diff"] = s["switching_share"] - r["switching_share"]
     worst = max(abs(v) for d in out.values() for m, v in d.items() if m != "switching_share_diff")
     out["worst_relative_diff"] = worst
@@ -198,35 +228,50 @@ def _agreement(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
 
 def _table(title: str, block: dict[str, Any]) -> None:
     print(f"  {title}")
-    print(f"    {'run':<10} {'wall (model s)':>15} {'steps/h':>8} {'duty':>6} {'switching':>10} {'switches':>9} "
-          f"{'vs back-to-back':>16}")
+    print(
+        f"    {'run':<10} {'wall (model s)':>15} {'steps/h':>8} {'duty':>6} {'switching':>10} {'switches':>9} "
+        f"{'vs back-to-back':>16}"
+    )
     for i, a in enumerate(block["alone"]):
-        print(f"    {'alone j' + str(i):<10} {a['wall_s']:>15.0f} {a['throughput_steps_per_h']:>8.1f} "
-              f"{a['duty_cycle'] * 100:>5.1f}% {a['switching_share'] * 100:>9.1f}% {a['switches']:>9}")
+        print(
+            f"    {'alone j' + str(i):<10} {a['wall_s']:>15.0f} {a['throughput_steps_per_h']:>8.1f} "
+            f"{a['duty_cycle'] * 100:>5.1f}% {a['switching_share'] * 100:>9.1f}% {a['switches']:>9}"
+        )
     for k, f in block["shared"].items():
-        print(f"    {k + ' shared':<10} {f['wall_s']:>15.0f} {f['throughput_steps_per_h']:>8.1f} "
-              f"{f['duty_cycle'] * 100:>5.1f}% {f['switching_share'] * 100:>9.1f}% {f['switches']:>9} "
-              f"{f['speedup_vs_back_to_back']:>15.2f}x")
+        print(
+            f"    {k + ' shared':<10} {f['wall_s']:>15.0f} {f['throughput_steps_per_h']:>8.1f} "
+            f"{f['duty_cycle'] * 100:>5.1f}% {f['switching_share'] * 100:>9.1f}% {f['switches']:>9} "
+            f"{f['speedup_vs_back_to_back']:>15.2f}x"
+        )
 
 
 def print_report(res: dict[str, Any]) -> None:
     sw = res["switch"]
-    print(f"trace replay: switch profile {sw['name']}: snapshot {sw['snapshot_s']:.3f} s, restore "
-          f"{sw['restore_s']:.3f} s per switch ({res['machine']['cores']} cores, load {res['machine']['loadavg_1m']})")
+    print(
+        f"trace replay: switch profile {sw['name']}: snapshot {sw['snapshot_s']:.3f} s, restore "
+        f"{sw['restore_s']:.3f} s per switch ({res['machine']['cores']} cores, load {res['machine']['loadavg_1m']})"
+    )
     for name, p in res["profiles"].items():
         print(f"{name}: {p['description'][:110]}...")
         if "real" in p:
-            _table(f"real: {p['real']['steps']} steps/job through the stack, time x1/{p['real']['compression']:.0f}",
-                   p["real"])
+            _table(
+                f"real: {p['real']['steps']} steps/job through the stack, time x1/{p['real']['compression']:.0f}",
+                p["real"],
+            )
         if "sim" in p:
             s = p["sim"]
-            _table(f"sim: {s['steps']} steps/job, bus pass {s['hop_ms']:.2f} ms, {s['events']} events in "
-                   f"{s['cpu_s']:.2f} s CPU", s)
+            _table(
+                f"sim: {s['steps']} steps/job, bus pass {s['hop_ms']:.2f} ms, {s['events']} events in "
+                f"{s['cpu_s']:.2f} s CPU",
+                s,
+            )
         if "sim_calibrated" in p:
             s = p["sim_calibrated"]
             _table(f"sim at the real run's steps, bus pass calibrated from it: {s['hop_ms']:.1f} ms (modelled)", s)
-            print(f"    real vs calibrated sim: worst relative difference {p['agreement']['worst_relative_diff']:.1%} "
-                  f"(throughput, duty cycle, speedup at 2 and 3 jobs)")
+            print(
+                f"    real vs calibrated sim: worst relative difference {p['agreement']['worst_relative_diff']:.1%} "
+                f"(throughput, duty cycle, speedup at 2 and 3 jobs)"
+            )
         print("    baseline: each job alone; ratio: the shared run's speedup over the same jobs back to back")
 
 
@@ -249,16 +294,26 @@ def main() -> None:
     profiles = [x for x in a.profiles.split(",") if x.strip()]
     sw = load_switch(a.switch)
     res: dict[str, Any] = {
-        "bench": "trace_replay", "command": c.command_line(), "machine": c.machine_facts(), "mode": a.mode,
-        "switch": {"name": sw.name, "description": sw.description, "bytes_per_job": sw.bytes_per_job,
-                   "snapshot_s": sw.snapshot_s, "restore_s": sw.restore_s},
+        "bench": "trace_replay",
+        "command": c.command_line(),
+        "machine": c.machine_facts(),
+        "mode": a.mode,
+        "switch": {
+            "name": sw.name,
+            "description": sw.description,
+            "bytes_per_job": sw.bytes_per_job,
+            "snapshot_s": sw.snapshot_s,
+            "restore_s": sw.restore_s,
+        },
         "profiles": {},
     }
     real = asyncio.run(run_real(profiles, a.switch, a.steps, a.compression)) if a.mode != "sim" else {}
     for prof in profiles:
         pr = load_profile(prof)
-        entry: dict[str, Any] = {"description": pr.description,
-                                 "phases": [[ph.name, ph.on, ph.min_s, ph.max_s] for ph in pr.phases]}
+        entry: dict[str, Any] = {
+            "description": pr.description,
+            "phases": [[ph.name, ph.on, ph.min_s, ph.max_s] for ph in pr.phases],
+        }
         if prof in real:
             entry["real"] = real[prof]
         if a.mode != "real":

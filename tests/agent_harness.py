@@ -42,9 +42,21 @@ class AgentProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child holds it; closed right after the fork
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "timeslice_agent", "--node-id", self.node, "--nats-url", self.nats_url,
-                 *self.args],
-                cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "timeslice_agent",
+                    "--node-id",
+                    self.node,
+                    "--nats-url",
+                    self.nats_url,
+                    *self.args,
+                ],
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         finally:
             log.close()
 
@@ -107,14 +119,35 @@ class Workload:
         self.control = tmp / f"workload-{group}-{job}.ctl"
         self.stderr_path = tmp / f"workload-{group}-{job}.stderr"
         self.control.write_text("")
-        args = [sys.executable, "-m", "tests.workers.workload_worker", "--nats-url", nats_url, "--group", group,
-                "--job", job, "--node-id", node, "--out", str(self.out), "--control-file", str(self.control)]
+        args = [
+            sys.executable,
+            "-m",
+            "tests.workers.workload_worker",
+            "--nats-url",
+            nats_url,
+            "--group",
+            group,
+            "--job",
+            job,
+            "--node-id",
+            node,
+            "--out",
+            str(self.out),
+            "--control-file",
+            str(self.control),
+        ]
         for k, v in opts.items():
             args += ["--" + k.replace("_", "-"), str(v)]
         err = open(self.stderr_path, "ab")  # noqa: SIM115 - the child holds it; closed right after the fork
         try:
-            self.proc = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=err,
-                                         stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            self.proc = subprocess.Popen(
+                args,
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=err,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
         finally:
             err.close()
 
@@ -180,8 +213,19 @@ async def timeslice(nats_url: str, *args: str) -> tuple[int, str]:
     """Run the ``timeslice`` command (``python -m timeslice_cli``); returns (rc, stdout)."""
     sub, *rest = args
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "timeslice_cli", "--log-level", "warning", sub, "--nats-url", nats_url, *rest,
-        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "timeslice_cli",
+        "--log-level",
+        "warning",
+        sub,
+        "--nats-url",
+        nats_url,
+        *rest,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None
     if proc.returncode != 0:
@@ -200,10 +244,16 @@ def queued(obs: AsyncTimeSliceClient, group: str, job: str) -> Callable[[], Any]
 async def op_events(nats_url: str, group: str) -> tuple[list[OpResult], list[OpStarted], StreamChecker]:
     """Operation outcomes and starts of ``NODE`` in ``group``, and the stream folded by the invariant checker."""
     stream = await read_stream(nats_url)
-    results = [ev for _, _, subj, data in stream if subj == subjects.agent_event(NODE, group)
-               and isinstance(ev := decode_input(data), OpResult)]
-    started = [msgspec.json.decode(data, type=OpStarted) for _, _, subj, data in stream
-               if subj == subjects.agent_op(NODE) and msgspec.json.decode(data)["group"] == group]
+    results = [
+        ev
+        for _, _, subj, data in stream
+        if subj == subjects.agent_event(NODE, group) and isinstance(ev := decode_input(data), OpResult)
+    ]
+    started = [
+        msgspec.json.decode(data, type=OpStarted)
+        for _, _, subj, data in stream
+        if subj == subjects.agent_op(NODE) and msgspec.json.decode(data)["group"] == group
+    ]
     checker = StreamChecker()
     checker.feed_all(stream)
     return results, started, checker

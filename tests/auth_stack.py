@@ -34,8 +34,12 @@ def _name(cn: str) -> x509.Name:
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    write_private(path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()).decode())
+    write_private(
+        path,
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ).decode(),
+    )
 
 
 def make_certs(d: Path) -> Certs:
@@ -43,30 +47,57 @@ def make_certs(d: Path) -> Certs:
     d.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(_name("timeslice test CA")).issuer_name(_name("timeslice test CA"))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(_name("timeslice test CA"))
+        .issuer_name(_name("timeslice test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
 
-    def leaf(cn: str, san: list[x509.GeneralName],
-             usage: x509.ObjectIdentifier) -> tuple[bytes, ec.EllipticCurvePrivateKey]:
+    def leaf(
+        cn: str, san: list[x509.GeneralName], usage: x509.ObjectIdentifier
+    ) -> tuple[bytes, ec.EllipticCurvePrivateKey]:
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca.subject).public_key(key.public_key())
-                .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(x509.SubjectAlternativeName(san), critical=False)
-                .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-                .sign(ca_key, hashes.SHA256()))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(_name(cn))
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(san), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
         return cert.public_bytes(serialization.Encoding.PEM), key
 
     out = Certs(d / "ca.pem", d / "server.pem", d / "server-key.pem", d / "client.pem", d / "client-key.pem")
     out.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    cert, key = leaf("127.0.0.1", [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")],
-                     x509.ExtendedKeyUsageOID.SERVER_AUTH)
+    cert, key = leaf(
+        "127.0.0.1",
+        [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")],
+        x509.ExtendedKeyUsageOID.SERVER_AUTH,
+    )
     out.server_cert.write_bytes(cert)
     _write_key(out.server_key, key)
     cert, key = leaf("job-client", [x509.DNSName("job-client")], x509.ExtendedKeyUsageOID.CLIENT_AUTH)
@@ -86,8 +117,9 @@ class SecureBus:
     certs: Certs | None = None
     issued: dict[str, Any] = field(default_factory=dict)
 
-    def creds(self, role: str, ident: str | None = None, groups: Iterable[str] = (), *,
-              ttl_s: int | None = None) -> Path:
+    def creds(
+        self, role: str, ident: str | None = None, groups: Iterable[str] = (), *, ttl_s: int | None = None
+    ) -> Path:
         """A fresh credential of ``role`` written to a 0600 file; its ``Issued`` is kept in ``issued[path]``."""
         issued = self.auth.issue(role, ident, groups=groups, ttl_s=ttl_s)
         path = self.dir / "creds" / f"{role}-{ident or 'x'}-{issued.user_key[:8]}.creds"

@@ -14,9 +14,18 @@ import numpy as np
 
 __all__ = ["FLAGS", "chromium", "decode_png", "dump_dom", "screenshot"]
 
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-         "--disable-dev-shm-usage")
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--disable-dev-shm-usage",
+)
 
 
 def chromium() -> str | None:
@@ -30,8 +39,14 @@ def chromium() -> str | None:
 
 def _run(binary: str, profile: Path, url: str, *extra: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, HOME=str(profile))  # keep Chromium's caches out of the real home
-    return subprocess.run([binary, *FLAGS, f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0",
-                           *extra, url], capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    return subprocess.run(
+        [binary, *FLAGS, f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", *extra, url],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
 
 
 def dump_dom(binary: str, page: Path, profile: Path, *, window: tuple[int, int] = (1500, 900)) -> tuple[str, str]:
@@ -43,8 +58,7 @@ def dump_dom(binary: str, page: Path, profile: Path, *, window: tuple[int, int] 
 
 def screenshot(binary: str, page: Path, out: Path, profile: Path, *, window: tuple[int, int] = (1500, 900)) -> str:
     """Write a PNG of ``page`` to ``out``; returns Chromium's log."""
-    p = _run(binary, profile, page.resolve().as_uri(), f"--window-size={window[0]},{window[1]}",
-             f"--screenshot={out}")
+    p = _run(binary, profile, page.resolve().as_uri(), f"--window-size={window[0]},{window[1]}", f"--screenshot={out}")
     assert p.returncode == 0 and out.exists(), f"chromium --screenshot failed ({p.returncode}): {p.stderr[-3000:]}"
     return p.stderr
 
@@ -60,8 +74,8 @@ def decode_png(data: bytes) -> np.ndarray:
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
     pos, idat, header = 8, [], b""
     while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
         pos += 12 + length
         if kind == b"IHDR":
             header = body

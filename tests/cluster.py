@@ -42,8 +42,12 @@ class NatsCluster:
         routes = [f"nats://127.0.0.1:{p}" for p in route]
         self.names = [f"n{i}" for i in range(size)]
         self.nodes = [
-            NatsServer(root / self.names[i], port=client[i], server_name=self.names[i],
-                       cluster=ClusterOptions(port=route[i], routes=routes, name=name))
+            NatsServer(
+                root / self.names[i],
+                port=client[i],
+                server_name=self.names[i],
+                cluster=ClusterOptions(port=route[i], routes=routes, name=name),
+            )
             for i in range(size)
         ]
         self.urls = [f"nats://127.0.0.1:{p}" for p in client]  # known before start, stable across restarts
@@ -97,14 +101,20 @@ class NatsCluster:
             except (NotFoundError, TimeoutError, OSError):
                 return ""
             except Exception as exc:  # nats-py's own timeouts and "no responders" while electing
-                if exc.__class__.__name__ in ("TimeoutError", "NoRespondersError", "ServiceUnavailableError",
-                                              "Unavailable", "ServerError"):
+                if exc.__class__.__name__ in (
+                    "TimeoutError",
+                    "NoRespondersError",
+                    "ServiceUnavailableError",
+                    "Unavailable",
+                    "ServerError",
+                ):
                     return ""
                 raise
             return name if name in self.names else ""
 
-        return self.names.index(await eventually(leader, timeout=timeout, interval=0.05,
-                                                 what=f"a leader of stream {stream}"))
+        return self.names.index(
+            await eventually(leader, timeout=timeout, interval=0.05, what=f"a leader of stream {stream}")
+        )
 
     async def wait_current(self, stream: str, timeout: float = 30.0) -> None:
         """Until ``stream`` has a leader and every one of its replicas is current (caught up)."""
@@ -116,8 +126,9 @@ class NatsCluster:
                 return ""
             return name or "" if len(peers) == n - 1 and all(peers) else ""
 
-        leader: str = await eventually(current, timeout=timeout, interval=0.05,
-                                       what=f"every replica of {stream} current")
+        leader: str = await eventually(
+            current, timeout=timeout, interval=0.05, what=f"every replica of {stream} current"
+        )
         assert leader
 
     def close(self) -> None:

@@ -87,8 +87,9 @@ async def orchestrator(nats_url: str) -> AsyncIterator[Orchestrator]:
 class OrchestratorProcess:
     """``timeslice orchestrator`` as a real process, for crash tests."""
 
-    def __init__(self, nats_url: str, log_path: Path, *, blocked_imports: tuple[str, ...] = (),
-                 args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, nats_url: str, log_path: Path, *, blocked_imports: tuple[str, ...] = (), args: tuple[str, ...] = ()
+    ) -> None:
         self.nats_url = nats_url
         self.log_path = log_path
         self.blocked_imports = blocked_imports  # modules made unimportable in the process
@@ -100,8 +101,10 @@ class OrchestratorProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()/kill()
         argv = ["orchestrator", "--nats-url", self.nats_url, *self.args]
         if self.blocked_imports:
-            code = (f"import sys; sys.modules.update(dict.fromkeys({list(self.blocked_imports)!r})); "
-                    f"from timeslice_orchestrator._main import main; sys.exit(main({argv!r}))")
+            code = (
+                f"import sys; sys.modules.update(dict.fromkeys({list(self.blocked_imports)!r})); "
+                f"from timeslice_orchestrator._main import main; sys.exit(main({argv!r}))"
+            )
             cmd = [sys.executable, "-c", code]
         else:
             cmd = [sys.executable, "-m", "timeslice_orchestrator", *argv]

@@ -46,9 +46,17 @@ def sign_jwt(signer: nkeys.KeyPair, claims: dict[str, Any]) -> str:
     return f"{head}.{body}.{_b64(signer.sign(f'{head}.{body}'.encode()))}"
 
 
-def user_jwt(account: nkeys.KeyPair, role: str, *, job: str | None = None, groups: Sequence[str] = (),
-             ttl_s: float | None = 3600.0, iat: int | None = None, signer: nkeys.KeyPair | None = None,
-             issuer: str | None = None) -> str:
+def user_jwt(
+    account: nkeys.KeyPair,
+    role: str,
+    *,
+    job: str | None = None,
+    groups: Sequence[str] = (),
+    ttl_s: float | None = 3600.0,
+    iat: int | None = None,
+    signer: nkeys.KeyPair | None = None,
+    issuer: str | None = None,
+) -> str:
     """A user of ``account`` with the role (and job, groups) tags `timeslice auth` gives. ``signer`` signs instead of
     the account (a forgery, or a signing key); ``issuer`` overrides ``iss``."""
     user = new_key(nkeys.PREFIX_BYTE_USER)
@@ -56,8 +64,11 @@ def user_jwt(account: nkeys.KeyPair, role: str, *, job: str | None = None, group
     tags = ([f"timeslice-role:{role}"] if role else []) + ([f"timeslice-job:{job}"] if job else [])
     tags += [f"timeslice-group:{g}" for g in groups]
     claims: dict[str, Any] = {
-        "jti": _b64(os.urandom(16)), "iat": iat if iat is not None else now, "iss": issuer or public(account),
-        "name": f"job:{job}" if role == "job" else role, "sub": public(user),
+        "jti": _b64(os.urandom(16)),
+        "iat": iat if iat is not None else now,
+        "iss": issuer or public(account),
+        "name": f"job:{job}" if role == "job" else role,
+        "sub": public(user),
         "nats": {"type": "user", "version": 2, "tags": tags, "pub": {}, "sub": {}},
     }
     if ttl_s is not None:
@@ -65,13 +76,25 @@ def user_jwt(account: nkeys.KeyPair, role: str, *, job: str | None = None, group
     return sign_jwt(signer or account, claims)
 
 
-def account_jwt(account: nkeys.KeyPair, operator: nkeys.KeyPair, *, name: str = "TIMESLICE",
-                revocations: dict[str, int] | None = None) -> str:
+def account_jwt(
+    account: nkeys.KeyPair,
+    operator: nkeys.KeyPair,
+    *,
+    name: str = "TIMESLICE",
+    revocations: dict[str, int] | None = None,
+) -> str:
     claims: dict[str, Any] = {
-        "jti": _b64(os.urandom(16)), "iat": int(time.time()), "iss": public(operator), "name": name,
+        "jti": _b64(os.urandom(16)),
+        "iat": int(time.time()),
+        "iss": public(operator),
+        "name": name,
         "sub": public(account),
-        "nats": {"type": "account", "version": 2, "revocations": revocations or {},
-                 "limits": {"jetstream": {"mem_storage": -1, "disk_storage": -1}}},
+        "nats": {
+            "type": "account",
+            "version": 2,
+            "revocations": revocations or {},
+            "limits": {"jetstream": {"mem_storage": -1, "disk_storage": -1}},
+        },
     }
     return sign_jwt(operator, claims)
 
@@ -79,12 +102,19 @@ def account_jwt(account: nkeys.KeyPair, operator: nkeys.KeyPair, *, name: str = 
 def auth_conf_text(operator: nkeys.KeyPair, system: nkeys.KeyPair, accounts: dict[str, str]) -> str:
     """A server config snippet as `timeslice auth server-config` writes it (operator JWT, system account, memory
     resolver preloaded with ``{account pubkey: account JWT}``), valid for nats-server."""
-    op = sign_jwt(operator, {"jti": _b64(os.urandom(16)), "iat": int(time.time()), "iss": public(operator),
-                             "sub": public(operator), "name": "timeslice",
-                             "nats": {"type": "operator", "version": 2, "system_account": public(system)}})
+    op = sign_jwt(
+        operator,
+        {
+            "jti": _b64(os.urandom(16)),
+            "iat": int(time.time()),
+            "iss": public(operator),
+            "sub": public(operator),
+            "name": "timeslice",
+            "nats": {"type": "operator", "version": 2, "system_account": public(system)},
+        },
+    )
     preload = "\n".join(f"  {k}: {v}" for k, v in accounts.items())
-    return (f"operator: {op}\nsystem_account: {public(system)}\nresolver: MEMORY\n"
-            f"resolver_preload: {{\n{preload}\n}}\n")
+    return f"operator: {op}\nsystem_account: {public(system)}\nresolver: MEMORY\nresolver_preload: {{\n{preload}\n}}\n"
 
 
 def write_auth_conf(path: Path, operator: nkeys.KeyPair, system: nkeys.KeyPair, accounts: dict[str, str]) -> None:
@@ -113,19 +143,32 @@ def _key() -> ec.EllipticCurvePrivateKey:
 
 def _write(path: Path, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
     path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    path.with_suffix(".key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                           serialization.PrivateFormat.PKCS8,
-                                                           serialization.NoEncryption()))
+    path.with_suffix(".key").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
 
 
-def _cert(subject_cn: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, issuer_key: ec.EllipticCurvePrivateKey,
-          *, ca: bool = False, san: Sequence[x509.GeneralName] = (), client: bool = False) -> x509.Certificate:
+def _cert(
+    subject_cn: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: x509.Name,
+    issuer_key: ec.EllipticCurvePrivateKey,
+    *,
+    ca: bool = False,
+    san: Sequence[x509.GeneralName] = (),
+    client: bool = False,
+) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
-    b = (x509.CertificateBuilder()
-         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject_cn)]))
-         .issuer_name(issuer).public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=2))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject_cn)]))
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if san:
         b = b.add_extension(x509.SubjectAlternativeName(list(san)), critical=False)
     if not ca:
@@ -142,9 +185,17 @@ def make_pki(d: Path, clients: dict[str, tuple[str, Sequence[x509.GeneralName]]]
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "timeslice test CA")])
     _write(d / "ca", ca_key, _cert("timeslice test CA", ca_key, ca_name, ca_key, ca=True))
     server_key = _key()
-    _write(d / "server", server_key, _cert("server", server_key, ca_name, ca_key,
-                                           san=[x509.DNSName("localhost"),
-                                                x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]))
+    _write(
+        d / "server",
+        server_key,
+        _cert(
+            "server",
+            server_key,
+            ca_name,
+            ca_key,
+            san=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+        ),
+    )
     for name, (cn, san) in clients.items():
         k = _key()
         _write(d / name, k, _cert(cn, k, ca_name, ca_key, san=san, client=True))

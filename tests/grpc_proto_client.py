@@ -56,9 +56,15 @@ class Stub:
         for m in svc.methods:
             req = getattr(pb, m.input_type.name)
             resp = getattr(pb, m.output_type.name)
-            setattr(self, m.name, channel.unary_unary(f"/{svc.full_name}/{m.name}",
-                                                      request_serializer=req.SerializeToString,
-                                                      response_deserializer=resp.FromString))
+            setattr(
+                self,
+                m.name,
+                channel.unary_unary(
+                    f"/{svc.full_name}/{m.name}",
+                    request_serializer=req.SerializeToString,
+                    response_deserializer=resp.FromString,
+                ),
+            )
 
     def __getattr__(self, name: str) -> Any:  # for type checkers: methods are set in __init__
         raise AttributeError(name)
@@ -67,15 +73,26 @@ class Stub:
 class OrchestratorClient:
     """What an existing client of the orchestrator API does (acquire / release / status / with-block)."""
 
-    def __init__(self, target: str, *, legacy: bool = False, credentials: grpc.ChannelCredentials | None = None,
-                 job_id: str | None = None, group_id: str | None = None, own_connection: bool = False,
-                 token: str | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        legacy: bool = False,
+        credentials: grpc.ChannelCredentials | None = None,
+        job_id: str | None = None,
+        group_id: str | None = None,
+        own_connection: bool = False,
+        token: str | None = None,
+    ) -> None:
         pb = compile_proto(LEGACY_PROTO if legacy else ORCHESTRATOR_PROTO)
         service = "AcceleratorOrchestratorService" if legacy else "TimeSliceOrchestratorService"
         # Channels of one process to one target share their connection unless told otherwise.
         options = [("grpc.use_local_subchannel_pool", 1)] if own_connection else []
-        self.channel = (grpc.secure_channel(target, credentials, options) if credentials is not None
-                        else grpc.insecure_channel(target, options))
+        self.channel = (
+            grpc.secure_channel(target, credentials, options)
+            if credentials is not None
+            else grpc.insecure_channel(target, options)
+        )
         self.stub = Stub(self.channel, pb, service)
         self.pb = pb
         self.job_id, self.group_id = job_id, group_id
@@ -86,8 +103,9 @@ class OrchestratorClient:
         req = self.pb.AcquireRequest(job_id=job_id or self.job_id, group_id=group_id or self.group_id)
         return self.stub.Acquire(req, timeout=timeout, metadata=self.metadata)
 
-    def acquire_future(self, job_id: str | None = None, group_id: str | None = None,
-                       timeout: float | None = None) -> Any:
+    def acquire_future(
+        self, job_id: str | None = None, group_id: str | None = None, timeout: float | None = None
+    ) -> Any:
         req = self.pb.AcquireRequest(job_id=job_id or self.job_id, group_id=group_id or self.group_id)
         return self.stub.Acquire.future(req, timeout=timeout, metadata=self.metadata)
 
@@ -100,12 +118,14 @@ class OrchestratorClient:
         return list(reply.group_ids)
 
     def get_status(self, group_id: str | None = None, timeout: float | None = 10) -> Any:
-        return self.stub.GetGroupStatus(self.pb.GetGroupStatusRequest(group_id=group_id or self.group_id),
-                                        timeout=timeout, metadata=self.metadata)
+        return self.stub.GetGroupStatus(
+            self.pb.GetGroupStatusRequest(group_id=group_id or self.group_id), timeout=timeout, metadata=self.metadata
+        )
 
     @contextlib.contextmanager
-    def on_accelerators(self, job_id: str | None = None, group_id: str | None = None,
-                        timeout: float | None = None) -> Iterator[Any]:
+    def on_accelerators(
+        self, job_id: str | None = None, group_id: str | None = None, timeout: float | None = None
+    ) -> Iterator[Any]:
         result = self.acquire(job_id, group_id, timeout)
         try:
             yield result

@@ -73,8 +73,9 @@ async def _job(a: argparse.Namespace) -> int:
 
 def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as f:
-        return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=f,
-                                stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT
+        )
 
 
 def _stop(p: subprocess.Popen[bytes]) -> None:
@@ -110,19 +111,54 @@ def _demo(a: argparse.Namespace) -> int:
         agent.start()
         asyncio.run(agent.wait_ready())
         common = ["--nats-url", url, "--rounds", str(a.rounds), "--mb", str(a.mb)]
-        jobs.append(_start(["-m", "tests.replay_demo", "job", "--job", "rl-policy-a", "--seed", "1", *common],
-                           work / "job-a.log"))
-        jobs.append(_start(["-m", "tests.replay_demo", "job", "--job", "rl-policy-b", "--seed", "2",
-                            "--start-with-reward", *common], work / "job-b.log"))
+        jobs.append(
+            _start(
+                ["-m", "tests.replay_demo", "job", "--job", "rl-policy-a", "--seed", "1", *common], work / "job-a.log"
+            )
+        )
+        jobs.append(
+            _start(
+                [
+                    "-m",
+                    "tests.replay_demo",
+                    "job",
+                    "--job",
+                    "rl-policy-b",
+                    "--seed",
+                    "2",
+                    "--start-with-reward",
+                    *common,
+                ],
+                work / "job-b.log",
+            )
+        )
         for p, name in zip(jobs, ("a", "b"), strict=True):
             rc = p.wait(a.timeout)
             if rc != 0:
                 print((work / f"job-{name}.log").read_text(errors="replace")[-3000:], file=sys.stderr)
                 raise RuntimeError(f"job {name} exited with {rc}; logs in {work}")
         html = Path(a.html) if a.html else work / "replay.html"
-        replay = subprocess.run([sys.executable, "-m", "timeslice_cli", "--log-level", "warning", "replay",
-                                 "--nats-url", url, "--group", GROUP, "--html", str(html)],
-                                cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+        replay = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "timeslice_cli",
+                "--log-level",
+                "warning",
+                "replay",
+                "--nats-url",
+                url,
+                "--group",
+                GROUP,
+                "--html",
+                str(html),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         print(replay.stdout, end="")
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -51,27 +51,71 @@ class StreamBuilder:
         self.add(ts, subjects.job(self.group, job, "acquire"), Acquire(group=self.group, job=job, request_id=rid, **kw))
 
     def release(self, ts: int, job: str, rid: str, epoch: int) -> None:
-        self.add(ts, subjects.job(self.group, job, "release"),
-                 Release(group=self.group, job=job, request_id=rid, epoch=epoch))
+        self.add(
+            ts,
+            subjects.job(self.group, job, "release"),
+            Release(group=self.group, job=job, request_id=rid, epoch=epoch),
+        )
 
     def tick(self, ts: int) -> None:
         self.add(ts, subjects.ctl(self.group, "tick"), Tick(group=self.group))
 
     def phase(self, ts: int, job: str, name: str, edge: str) -> None:
-        self.add(ts, subjects.job(self.group, job, "phase"),
-                 Phase(group=self.group, job=job, name=name, edge="start" if edge == "start" else "end"))
+        self.add(
+            ts,
+            subjects.job(self.group, job, "phase"),
+            Phase(group=self.group, job=job, name=name, edge="start" if edge == "start" else "end"),
+        )
 
-    def op(self, start: int, end: int, node: str, job: str, kind: str, epoch: int, *, ok: bool = True,
-           nbytes: int = 0, error: str | None = None, overlapped: bool = False) -> None:
+    def op(
+        self,
+        start: int,
+        end: int,
+        node: str,
+        job: str,
+        kind: str,
+        epoch: int,
+        *,
+        ok: bool = True,
+        nbytes: int = 0,
+        error: str | None = None,
+        overlapped: bool = False,
+    ) -> None:
         """The agent's OpStarted at ``start`` and its OpResult at ``end`` (elapsed = end - start)."""
         oid = op_id(self.group, epoch, kind, node)
         k = OpKind(kind)
-        self.add(start, subjects.agent_op(node), OpStarted(op_id=oid, group=self.group, job=job, node=node, kind=k,
-                                                          epoch=epoch, backend="app_channel", overlapped=overlapped))
-        self.add(end, subjects.agent_event(node, self.group),
-                 OpResult(group=self.group, op_id=oid, node=node, job=job, kind=k, epoch=epoch, ok=ok, error=error,
-                          backend="app_channel", bytes_moved=nbytes, device_bytes_freed=nbytes,
-                          elapsed_ms=float(end - start)))
+        self.add(
+            start,
+            subjects.agent_op(node),
+            OpStarted(
+                op_id=oid,
+                group=self.group,
+                job=job,
+                node=node,
+                kind=k,
+                epoch=epoch,
+                backend="app_channel",
+                overlapped=overlapped,
+            ),
+        )
+        self.add(
+            end,
+            subjects.agent_event(node, self.group),
+            OpResult(
+                group=self.group,
+                op_id=oid,
+                node=node,
+                job=job,
+                kind=k,
+                epoch=epoch,
+                ok=ok,
+                error=error,
+                backend="app_channel",
+                bytes_moved=nbytes,
+                device_bytes_freed=nbytes,
+                elapsed_ms=float(end - start),
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -80,8 +124,15 @@ class Expected:
     end_ms: int
 
 
-def alternating(rounds: int, *, group: str = "g", node: str = "n1", t0: int = 1_000_000,
-                nbytes: int = 256 * MB, overlap: bool = False) -> tuple[list[StreamEvent], Expected]:
+def alternating(
+    rounds: int,
+    *,
+    group: str = "g",
+    node: str = "n1",
+    t0: int = 1_000_000,
+    nbytes: int = 256 * MB,
+    overlap: bool = False,
+) -> tuple[list[StreamEvent], Expected]:
     """Jobs a and b on one node take turns ``rounds`` times: the holder trains while the other queues, then
     releases; the core snapshots the holder and restores the other. Returns the stream and the holds.
     ``overlap``: from the second switch on, the restore runs beside the snapshot (10-60 ms into the switch,

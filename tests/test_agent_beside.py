@@ -123,13 +123,28 @@ def _fields(line: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("apart", [False, True], ids=["agent-in-process", "agent-process"])
-async def test_timeslice_up_runs_the_agent_in_its_process_unless_asked(tmp_path: Path, apart: bool,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_timeslice_up_runs_the_agent_in_its_process_unless_asked(
+    tmp_path: Path, apart: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TIMESLICE_URL_FILE", str(tmp_path / "nats.url"))  # here too: its credentials lie beside it
     env = dict(os.environ, TIMESLICE_URL_FILE=str(tmp_path / "nats.url"), TIMESLICE_LOG_LEVEL="warning")
-    args = [sys.executable, "-m", "timeslice_cli", "up", "--data-dir", str(tmp_path / "data"),
-            "--node-id", "n-up", "--grpc-port", "-1", "--metrics-port", "-1", "--agent-metrics-port",
-            "-1" if apart else "0", *(["--agent-process"] if apart else [])]
+    args = [
+        sys.executable,
+        "-m",
+        "timeslice_cli",
+        "up",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--node-id",
+        "n-up",
+        "--grpc-port",
+        "-1",
+        "--metrics-port",
+        "-1",
+        "--agent-metrics-port",
+        "-1" if apart else "0",
+        *(["--agent-process"] if apart else []),
+    ]
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         assert proc.stdout is not None
@@ -185,13 +200,15 @@ async def _held_by(c: AsyncTimeSliceClient, job: str) -> GroupRecord | None:
 async def _snapshot_started(nats_url: str, job: str, times: int = 1) -> bool:
     """The agent on n1 has started a snapshot of ``job`` (``times`` OpStarted are in the stream)."""
     subject = subjects.agent_op("n1")
-    started = [msgspec.json.decode(data, type=OpStarted) for _, _, subj, data in await read_stream(nats_url)
-               if subj == subject]
+    started = [
+        msgspec.json.decode(data, type=OpStarted) for _, _, subj, data in await read_stream(nats_url) if subj == subject
+    ]
     return sum(o.job == job and o.kind is OpKind.SNAPSHOT for o in started) >= times
 
 
-async def test_killed_mid_snapshot_and_restarted_the_stack_moves_on_once_the_suspend_ended(nats_url: str,
-                                                                                         tmp_path: Path) -> None:
+async def test_killed_mid_snapshot_and_restarted_the_stack_moves_on_once_the_suspend_ended(
+    nats_url: str, tmp_path: Path
+) -> None:
     """``kill -9`` of the process that runs the orchestrator and the agent while a snapshot runs, then a restart
     (as a supervisor does). The restarted agent recovers the cut job as still TRANSITIONING and announces its jobs;
     the orchestrator sends it the switch's pending operations again (the restarted agent had forgotten them), and
@@ -205,8 +222,7 @@ async def test_killed_mid_snapshot_and_restarted_the_stack_moves_on_once_the_sus
     log: list[str] = []
     go = threading.Event()
     try:
-        async with AsyncTimeSliceClient("a", "g-cut", nats_url) as a, \
-                AsyncTimeSliceClient("b", "g-cut", nats_url) as b:
+        async with AsyncTimeSliceClient("a", "g-cut", nats_url) as a, AsyncTimeSliceClient("b", "g-cut", nats_url) as b:
             await a.register_workload(Blocking("a", log, go, wait_s=60), node_id="n1", op_timeout=60)
             await b.register_workload(Recorder("b", log), node_id="n1", op_timeout=60)
             await a.acquire(timeout=10)
@@ -220,8 +236,11 @@ async def test_killed_mid_snapshot_and_restarted_the_stack_moves_on_once_the_sus
             await asyncio.to_thread(orch.kill)
             orch.start()
             await asyncio.to_thread(orch.wait_ready, 60)
-            await eventually(lambda: _snapshot_started(nats_url, "a", times=2), timeout=30,
-                             what="the restarted agent runs a's snapshot again")
+            await eventually(
+                lambda: _snapshot_started(nats_url, "a", times=2),
+                timeout=30,
+                what="the restarted agent runs a's snapshot again",
+            )
             assert not tb.done(), "b was granted while a's suspend still ran"
             rec = await b.status()
             assert rec.holder is None and "a" not in rec.faulted, rec

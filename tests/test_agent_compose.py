@@ -26,6 +26,7 @@ def proc() -> Iterator[subprocess.Popen[bytes]]:
 
 def test_work_runs_in_the_calling_task_and_at_once() -> None:
     """Before the caller yields, ``work`` has run up to its first suspension, in the caller's task."""
+
     async def go() -> None:
         caller = asyncio.current_task()
         steps: list[str] = []

@@ -62,9 +62,22 @@ class SocketAgent(OwnSessionAgent):
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child holds it; closed right after the fork
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "timeslice_agent", "--node-id", self.node, "--nats-url", self.nats_url,
-                 *self.args], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "timeslice_agent",
+                    "--node-id",
+                    self.node,
+                    "--nats-url",
+                    self.nats_url,
+                    *self.args,
+                ],
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         finally:
             log.close()
 
@@ -96,8 +109,12 @@ async def nc(nats_url: str) -> AsyncIterator[NATS]:
 
 def _sleeper(**kw: Any) -> subprocess.Popen[bytes]:
     """A child process of this test that runs until killed, in a session (and process group) of its own."""
-    return subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"],
-                            stdin=subprocess.DEVNULL, start_new_session=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -123,12 +140,15 @@ def _ancestors(pid: int) -> list[int]:
 def stranger() -> Iterator[int]:
     """A process of this uid that is no descendant of this test (started through a parent that exited at once): a
     process of another job, as far as the agent can tell. Its own session, so its group is its pid."""
-    code = ("import subprocess, sys\n"
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True,"
-            " stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
-            "print(p.pid)")
-    pid = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                             check=True).stdout)
+    code = (
+        "import subprocess, sys\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True,"
+        " stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print(p.pid)"
+    )
+    pid = int(
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    )
     try:
         assert os.getpid() not in _ancestors(pid), "the stranger is a descendant of the test after all"
         yield pid
@@ -165,21 +185,52 @@ async def test_processes_the_job_does_not_own_are_refused(
     agent: SocketAgent, nats_url: str, stranger: int, child: subprocess.Popen[bytes]
 ) -> None:
     # Another job's process and its process group: no descendant of the registering process (this test).
-    await _refused("j1", nats_url, "not_owned", f"pid {stranger} is not process {os.getpid()}",
-                   backends=("freeze",), pids=(stranger,))
-    await _refused("j2", nats_url, "not_owned", f"process group {stranger} is not the registering process's own",
-                   backends=("freeze",), pgid=stranger)
+    await _refused(
+        "j1",
+        nats_url,
+        "not_owned",
+        f"pid {stranger} is not process {os.getpid()}",
+        backends=("freeze",),
+        pids=(stranger,),
+    )
+    await _refused(
+        "j2",
+        nats_url,
+        "not_owned",
+        f"process group {stranger} is not the registering process's own",
+        backends=("freeze",),
+        pgid=stranger,
+    )
     await _refused("j3", nats_url, "not_owned", f"pid {stranger}", backends=("freeze",), pids=(child.pid, stranger))
     # Never init, never a group a kill(2) would widen, never the agent itself or its group: a proof changes nothing.
-    await _refused("j4", nats_url, "forbidden_process", "pid 1 is not a job's process id", backends=("freeze",),
-                   pids=(1,))
+    await _refused(
+        "j4", nats_url, "forbidden_process", "pid 1 is not a job's process id", backends=("freeze",), pids=(1,)
+    )
     for pgid in (0, 1):
-        await _refused(f"j5-{pgid}", nats_url, "forbidden_process", f"pgid {pgid} is not a job's process group",
-                       backends=("freeze",), pgid=pgid)
-    await _refused("j6", nats_url, "forbidden_process", f"pid {agent.pid} is the agent's own process",
-                   backends=("freeze",), pids=(agent.pid,))
-    await _refused("j7", nats_url, "forbidden_process", f"pgid {agent.pid} is the agent's own process group",
-                   backends=("freeze",), pgid=agent.pid)
+        await _refused(
+            f"j5-{pgid}",
+            nats_url,
+            "forbidden_process",
+            f"pgid {pgid} is not a job's process group",
+            backends=("freeze",),
+            pgid=pgid,
+        )
+    await _refused(
+        "j6",
+        nats_url,
+        "forbidden_process",
+        f"pid {agent.pid} is the agent's own process",
+        backends=("freeze",),
+        pids=(agent.pid,),
+    )
+    await _refused(
+        "j7",
+        nats_url,
+        "forbidden_process",
+        f"pgid {agent.pid} is the agent's own process group",
+        backends=("freeze",),
+        pgid=agent.pid,
+    )
     assert await agent.jobs() == {}, "a refused registration was stored"
     assert _state(stranger) != "T" and _state(agent.pid) != "T"
 
@@ -207,27 +258,27 @@ async def test_the_subjects_job_is_the_one_acted_for_and_a_proof_serves_one_regi
     # A payload naming another job than its subject: refused, typed (permissions let only job j publish here).
     reply = await _register_raw(nc, RegisterJob(group="g", job="victim", backends=("noop",)), job="j")
     assert (reply.ok, reply.code) == (False, "wrong_job") and "names job 'victim'" in (reply.error or ""), reply
-    msg = await nc.request(subjects.agent_rpc(NODE, "unregister", "j"), encode(UnregisterJob(group="g", job="x")),
-                           timeout=5)
+    msg = await nc.request(
+        subjects.agent_rpc(NODE, "unregister", "j"), encode(UnregisterJob(group="g", job="x")), timeout=5
+    )
     assert msgspec.json.decode(msg.data, type=AgentReply).code == "wrong_job"
     # A message of another kind on a subject is refused (a registration sent as a clear_fault).
-    msg = await nc.request(subjects.agent_rpc(NODE, "clear_fault"), encode(RegisterJob(group="g", job="j")),
-                           timeout=5)
+    msg = await nc.request(subjects.agent_rpc(NODE, "clear_fault"), encode(RegisterJob(group="g", job="j")), timeout=5)
     assert msgspec.json.decode(msg.data, type=AgentReply).code == "undecodable"
     # A proof asked for job j does not serve job k; and it is used up by that try.
-    reply = await _register_raw(nc, RegisterJob(group="g", job="k", backends=("freeze",), pgid=child.pid,
-                                                proof=token))
+    reply = await _register_raw(nc, RegisterJob(group="g", job="k", backends=("freeze",), pgid=child.pid, proof=token))
     assert (reply.ok, reply.code) == (False, "unproven") and "asked for job 'j'" in (reply.error or ""), reply
-    reply = await _register_raw(nc, RegisterJob(group="g", job="j", backends=("freeze",), pgid=child.pid,
-                                                proof=token))
+    reply = await _register_raw(nc, RegisterJob(group="g", job="j", backends=("freeze",), pgid=child.pid, proof=token))
     assert (reply.ok, reply.code) == (False, "unproven") and "unknown, used or expired" in (reply.error or "")
-    reply = await _register_raw(nc, RegisterJob(group="g", job="j", backends=("freeze",), pgid=child.pid,
-                                                proof="0" * 32))
+    reply = await _register_raw(
+        nc, RegisterJob(group="g", job="j", backends=("freeze",), pgid=child.pid, proof="0" * 32)
+    )
     assert (reply.ok, reply.code) == (False, "unproven"), reply
     # A fresh one works, once.
     token = await prove("j", NODE, path=sock)
-    reply = await _register_raw(nc, RegisterJob(group="g", job="j", backends=("freeze",), pgid=child.pid,
-                                                pids=(), proof=token))
+    reply = await _register_raw(
+        nc, RegisterJob(group="g", job="j", backends=("freeze",), pgid=child.pid, pids=(), proof=token)
+    )
     assert reply.ok, reply
     owner = (await agent.jobs())["j"]["owner"]
     assert (owner["pid"], owner["uid"], owner["gid"]) == (os.getpid(), os.getuid(), os.getgid()), owner
@@ -265,9 +316,11 @@ def _deadline() -> int:
 async def test_a_proven_registration_freezes_and_thaws_its_own_process_group(
     agent: SocketAgent, nc: NATS, nats_url: str, child: subprocess.Popen[bytes]
 ) -> None:
-    grandchild_code = ("import subprocess, sys, time\n"
-                       "subprocess.Popen([sys.executable, '-c', 'import time\\nwhile True: time.sleep(0.01)'])\n"
-                       "while True: time.sleep(0.01)")
+    grandchild_code = (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time\\nwhile True: time.sleep(0.01)'])\n"
+        "while True: time.sleep(0.01)"
+    )
     group = subprocess.Popen([sys.executable, "-c", grandchild_code], start_new_session=True)
     members: list[int] = []
 
@@ -277,17 +330,20 @@ async def test_a_proven_registration_freezes_and_thaws_its_own_process_group(
 
     try:
         members = await eventually(both, what="both processes of the group started")
-        channel = await register_workload("fz", "gf", _noop_handler(), node_id=NODE, nats_url=nats_url,
-                                          backends=("freeze",), pgid=group.pid)
+        channel = await register_workload(
+            "fz", "gf", _noop_handler(), node_id=NODE, nats_url=nats_url, backends=("freeze",), pgid=group.pid
+        )
         try:
-            r = await _command(nc, Snapshot(op_id="s1", group="gf", job="fz", node=NODE, epoch=1,
-                                            deadline_ms=_deadline()))
+            r = await _command(
+                nc, Snapshot(op_id="s1", group="gf", job="fz", node=NODE, epoch=1, deadline_ms=_deadline())
+            )
             assert r.ok, r
             # SIGSTOP takes effect as each process next runs: polled, bounded.
             await eventually(lambda: all(_state(p) == "T" for p in members), timeout=5, what="the group stopped")
             assert _state(child.pid) != "T", "a process outside the job's group was stopped"
-            r = await _command(nc, Restore(op_id="r1", group="gf", job="fz", node=NODE, epoch=2,
-                                           deadline_ms=_deadline()))
+            r = await _command(
+                nc, Restore(op_id="r1", group="gf", job="fz", node=NODE, epoch=2, deadline_ms=_deadline())
+            )
             assert r.ok, r
             await eventually(lambda: all(_state(p) != "T" for p in members), timeout=5, what="the group resumed")
         finally:
@@ -308,21 +364,21 @@ def _pgrp(pid: int) -> int | None:
         return None
 
 
-async def test_a_context_in_kv_without_a_proof_is_never_acted_on(nats_url: str, nc: NATS,
-                                                                 child: subprocess.Popen[bytes], tmp_path: Path
-                                                                 ) -> None:
+async def test_a_context_in_kv_without_a_proof_is_never_acted_on(
+    nats_url: str, nc: NATS, child: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
     """A job context written before proofs existed (or by anyone but a proven registration): the agent keeps it, but
     freeze does not stop its processes, and says why."""
     buckets = await ensure_bus(nc.jetstream(), AgentConfig().bus)
-    old = JobContext(node=NODE, job="old", group="go", state=JobState.RUNNING, backends=("freeze",),
-                     pgid=child.pid)
+    old = JobContext(node=NODE, job="old", group="go", state=JobState.RUNNING, backends=("freeze",), pgid=child.pid)
     await buckets.jobs.put(f"{NODE}.old", encode(old))
     a = SocketAgent(nats_url, NODE, tmp_path / "agent.log")
     a.start()
     try:
         await a.wait_ready()
-        r = await _command(nc, Snapshot(op_id="s-old", group="go", job="old", node=NODE, epoch=1,
-                                        deadline_ms=_deadline()))
+        r = await _command(
+            nc, Snapshot(op_id="s-old", group="go", job="old", node=NODE, epoch=1, deadline_ms=_deadline())
+        )
         assert not r.ok and "refused (unproven)" in (r.error or ""), r
         assert _state(child.pid) != "T"
 
@@ -348,13 +404,21 @@ async def test_a_process_of_another_uid_is_refused_unless_allowed(nats_url: str,
             try:
                 await a.wait_ready()
                 if not allowed:
-                    await _refused("u", nats_url, "not_owned", f"pid {other.pid} runs as uid {NOBODY}",
-                                   backends=("freeze",), pids=(other.pid,))
-                    await _refused("u", nats_url, "not_owned", f"runs as uid {NOBODY}", backends=("freeze",),
-                                   pgid=other.pid)
+                    await _refused(
+                        "u",
+                        nats_url,
+                        "not_owned",
+                        f"pid {other.pid} runs as uid {NOBODY}",
+                        backends=("freeze",),
+                        pids=(other.pid,),
+                    )
+                    await _refused(
+                        "u", nats_url, "not_owned", f"runs as uid {NOBODY}", backends=("freeze",), pgid=other.pid
+                    )
                     continue
-                channel = await register_workload("u", "g", _noop_handler(), node_id=NODE, nats_url=nats_url,
-                                                  backends=("freeze",), pids=(other.pid,))
+                channel = await register_workload(
+                    "u", "g", _noop_handler(), node_id=NODE, nats_url=nats_url, backends=("freeze",), pids=(other.pid,)
+                )
                 await channel.close()
             finally:
                 a.stop()
@@ -374,15 +438,18 @@ def _fake_proc(root: Path, uid_of: dict[int, int]) -> None:
             d.mkdir()
             (d / "stat").write_bytes(Path(f"/proc/{name}/stat").read_bytes())
             uid = uid_of[int(name)]
-            lines = [f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}" if line.startswith("Uid:") else line
-                     for line in Path(f"/proc/{name}/status").read_text().splitlines()]
+            lines = [
+                f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}" if line.startswith("Uid:") else line
+                for line in Path(f"/proc/{name}/status").read_text().splitlines()
+            ]
             (d / "status").write_text("\n".join(lines) + "\n")
         else:
             (root / name).symlink_to(f"/proc/{name}")
 
 
-async def test_another_uid_simulated_with_a_fake_proc_root(nats_url: str, tmp_path: Path,
-                                                           child: subprocess.Popen[bytes]) -> None:
+async def test_another_uid_simulated_with_a_fake_proc_root(
+    nats_url: str, tmp_path: Path, child: subprocess.Popen[bytes]
+) -> None:
     """The same rule where no second uid can be had: the agent's /proc says the child runs as uid 4242."""
     fake = tmp_path / "proc"
     fake.mkdir()
@@ -391,8 +458,7 @@ async def test_another_uid_simulated_with_a_fake_proc_root(nats_url: str, tmp_pa
         node = f"fake-{len(allowed)}"
         cfg = AgentConfig(node_id=node, nats_url=nats_url, proc_root=str(fake), allowed_uids=allowed)
         async with running(Agent(cfg)) as agent:
-            kw: dict[str, Any] = {"node_id": node, "nats_url": nats_url, "backends": ("freeze",),
-                                  "pids": (child.pid,)}
+            kw: dict[str, Any] = {"node_id": node, "nats_url": nats_url, "backends": ("freeze",), "pids": (child.pid,)}
             if not allowed:
                 with pytest.raises(AgentRefused) as info:
                     await register_workload("u", "g", _noop_handler(), **kw)
@@ -407,8 +473,9 @@ async def test_another_uid_simulated_with_a_fake_proc_root(nats_url: str, tmp_pa
 # --------------------------------------------------------------------------- the socket itself
 
 
-async def test_the_socket_is_bounded_and_its_directory_is_checked(nats_url: str, tmp_path: Path,
-                                                                  agent_socket_dir: Path) -> None:
+async def test_the_socket_is_bounded_and_its_directory_is_checked(
+    nats_url: str, tmp_path: Path, agent_socket_dir: Path
+) -> None:
     path = agent_socket_dir / "made" / "agent.sock"
     a = SocketAgent(nats_url, NODE, tmp_path / "agent.log", "--socket", str(path))
     a.start()
@@ -427,13 +494,17 @@ async def test_the_socket_is_bounded_and_its_directory_is_checked(nats_url: str,
             finally:
                 writer.close()
 
-        for data, expected in ((b"x" * (MAX_LINE * 4) + b"\n", "at most 512 bytes"), (b"{nope\n", "undecodable"),
-                               (json.dumps({"job": "a.b", "pid": 7}).encode() + b"\n", "")):
+        for data, expected in (
+            (b"x" * (MAX_LINE * 4) + b"\n", "at most 512 bytes"),
+            (b"{nope\n", "undecodable"),
+            (json.dumps({"job": "a.b", "pid": 7}).encode() + b"\n", ""),
+        ):
             answer = msgspec.json.decode(await exchange(data), type=Answer)
             assert not answer.ok and expected in (answer.error or ""), (data[:40], answer)
         assert await exchange(b"") == b"", "a caller that sends nothing is answered nothing, and let go"
-        answer = msgspec.json.decode(await exchange(json.dumps({"job": "j", "pid": os.getpid()}).encode() + b"\n"),
-                                     type=Answer)
+        answer = msgspec.json.decode(
+            await exchange(json.dumps({"job": "j", "pid": os.getpid()}).encode() + b"\n"), type=Answer
+        )
         assert answer.ok and answer.pid == os.getpid() and answer.token and len(answer.token) == 32, answer
         with pytest.raises(ProofUnavailable, match="no agent socket"):
             await prove("j", NODE, path=str(tmp_path / "none.sock"))
@@ -470,16 +541,29 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                    reason="a pid namespace of its own needs root and unshare(1)")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="a pid namespace of its own needs root and unshare(1)"
+)
 async def test_a_job_in_a_pid_namespace_of_its_own_registers_its_processes_as_the_agent_sees_them(
     agent: SocketAgent, nats_url: str
 ) -> None:
     """A pod without hostPID: the job is pid 1 where it runs, and registers that. The agent translates it (the
     NSpid of the processes of the socket peer's namespace) to the pid it has on the node."""
     proc = await asyncio.create_subprocess_exec(
-        "unshare", "--fork", "--pid", "--mount-proc", sys.executable, "-c", _NS_JOB, nats_url, NODE, cwd=ROOT,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        "unshare",
+        "--fork",
+        "--pid",
+        "--mount-proc",
+        sys.executable,
+        "-c",
+        _NS_JOB,
+        nats_url,
+        NODE,
+        cwd=ROOT,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     try:
         assert proc.stdout is not None and proc.stdin is not None
         async with asyncio.timeout(60):

@@ -30,7 +30,8 @@ GROUP = "g-replaced"
 
 
 async def test_a_replacement_registered_during_its_predecessors_snapshot_is_not_faulted(
-        orchestrator: object, nats_url: str, tmp_path: Path) -> None:
+    orchestrator: object, nats_url: str, tmp_path: Path
+) -> None:
     # The agent checks a job's processes every 4 s: the replacement registers before it sees the old one gone.
     agent = Agent(AgentConfig(node_id=NODE, nats_url=nats_url, pid_check_s=4.0))
     async with running(agent, timeout=30), AsyncTimeSliceClient("observer", GROUP, nats_url) as observer:
@@ -70,10 +71,14 @@ async def test_a_replacement_registered_during_its_predecessors_snapshot_is_not_
             assert rec.holder is not None and rec.holder.epoch == granted["epoch"]
 
             stream = await read_stream(nats_url)
-            events = [(seq, decode_input(data)) for seq, _, subj, data in stream
-                      if subj == subjects.agent_event(NODE, GROUP)]
-            snap = next(msgspec.json.decode(data, type=OpStarted) for _, _, subj, data in stream
-                        if subj == subjects.agent_op(NODE) and b'"job":"a"' in data)
+            events = [
+                (seq, decode_input(data)) for seq, _, subj, data in stream if subj == subjects.agent_event(NODE, GROUP)
+            ]
+            snap = next(
+                msgspec.json.decode(data, type=OpStarted)
+                for _, _, subj, data in stream
+                if subj == subjects.agent_op(NODE) and b'"job":"a"' in data
+            )
             assert snap.kind is OpKind.SNAPSHOT
             regs = [seq for seq, ev in events if isinstance(ev, JobRegistered) and ev.job == "a"]
             gone = [seq for seq, ev in events if isinstance(ev, JobUnregistered) and ev.job == "a"]
@@ -81,9 +86,26 @@ async def test_a_replacement_registered_during_its_predecessors_snapshot_is_not_
             assert len(regs) == 2, shown
             assert gone and regs[0] < gone[0] < regs[1], shown  # the old process left before the new one came
 
-            check = subprocess.run([sys.executable, "-m", "timeslice_cli", "--log-level", "warning", "check",
-                                    "--nats-url", nats_url, "--json", "--timeout", "60"], cwd=ROOT,
-                                   capture_output=True, text=True, timeout=120, check=False)
+            check = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "timeslice_cli",
+                    "--log-level",
+                    "warning",
+                    "check",
+                    "--nats-url",
+                    nats_url,
+                    "--json",
+                    "--timeout",
+                    "60",
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
             verdict = json.loads(check.stdout)
             assert check.returncode == 0 and verdict["ok"], verdict
         finally:

@@ -16,17 +16,30 @@ GiB = 1 << 30
 SNAP = "g:2:snapshot:n1"
 
 
-def _ctx(job: str = "b", state: JobState = JobState.SAVED, backends: tuple[str, ...] = ("app_channel",),
-         freed: int = 4 * GiB, moved: int = 4 * GiB) -> JobContext:
-    return JobContext(node="n1", job=job, group="g", state=state, backends=backends, device_bytes_freed=freed,
-                      bytes_moved=moved)
+def _ctx(
+    job: str = "b",
+    state: JobState = JobState.SAVED,
+    backends: tuple[str, ...] = ("app_channel",),
+    freed: int = 4 * GiB,
+    moved: int = 4 * GiB,
+) -> JobContext:
+    return JobContext(
+        node="n1", job=job, group="g", state=state, backends=backends, device_bytes_freed=freed, bytes_moved=moved
+    )
 
 
 def _restore(after: tuple[str, ...] = (SNAP,), deadline_s: float = 30.0) -> Restore:
     import time
 
-    return Restore(op_id="g:2:restore:n1", group="g", job="b", node="n1", epoch=2,
-                   deadline_ms=int((time.time() + deadline_s) * 1000), after=after)
+    return Restore(
+        op_id="g:2:restore:n1",
+        group="g",
+        job="b",
+        node="n1",
+        epoch=2,
+        deadline_ms=int((time.time() + deadline_s) * 1000),
+        after=after,
+    )
 
 
 def test_fits_counts_margin_and_reservations() -> None:
@@ -43,20 +56,30 @@ def test_restore_size_is_what_the_last_snapshot_reported() -> None:
     assert restore_size(_ctx(freed=0, moved=0)) == 0
 
 
-@pytest.mark.parametrize(("why", "ctx", "others", "enabled", "running", "free"), [
-    ("overlap off", _ctx(), (), False, True, 100 * GiB),
-    ("its snapshot already answered", _ctx(), (), True, False, 100 * GiB),
-    ("not registered here", None, (), True, True, 100 * GiB),
-    ("not saved here", _ctx(state=JobState.RUNNING), (), True, True, 100 * GiB),
-    ("size unknown", _ctx(freed=0, moved=0), (), True, True, 100 * GiB),
-    ("frozen by the agent", _ctx(backends=("app_channel", "freeze")), (), True, True, 100 * GiB),
-    ("the outgoing job is frozen", _ctx(), (_ctx("a", JobState.TRANSITIONING, ("freeze",)),), True, True,
-     100 * GiB),
-    ("no room", _ctx(), (), True, True, 5 * GiB),
-    ("free memory unknown", _ctx(), (), True, True, None),
-])
-def test_no_overlap(why: str, ctx: JobContext | None, others: tuple[JobContext, ...], enabled: bool,
-                    running: bool, free: int | None) -> None:
+@pytest.mark.parametrize(
+    ("why", "ctx", "others", "enabled", "running", "free"),
+    [
+        ("overlap off", _ctx(), (), False, True, 100 * GiB),
+        ("its snapshot already answered", _ctx(), (), True, False, 100 * GiB),
+        ("not registered here", None, (), True, True, 100 * GiB),
+        ("not saved here", _ctx(state=JobState.RUNNING), (), True, True, 100 * GiB),
+        ("size unknown", _ctx(freed=0, moved=0), (), True, True, 100 * GiB),
+        ("frozen by the agent", _ctx(backends=("app_channel", "freeze")), (), True, True, 100 * GiB),
+        (
+            "the outgoing job is frozen",
+            _ctx(),
+            (_ctx("a", JobState.TRANSITIONING, ("freeze",)),),
+            True,
+            True,
+            100 * GiB,
+        ),
+        ("no room", _ctx(), (), True, True, 5 * GiB),
+        ("free memory unknown", _ctx(), (), True, True, None),
+    ],
+)
+def test_no_overlap(
+    why: str, ctx: JobContext | None, others: tuple[JobContext, ...], enabled: bool, running: bool, free: int | None
+) -> None:
     ops = RunningOps()
     if running:
         ops.start(SNAP)

@@ -27,8 +27,6 @@ from .workers import read_stream
 GROUP = "g-elect"
 
 
-
-
 async def _ops(url: str) -> tuple[list[OpStarted], list[OpResult]]:
     started: list[OpStarted] = []
     results: list[OpResult] = []
@@ -45,10 +43,14 @@ async def test_a_snapshot_answered_during_an_election_runs_once_and_counts_ok(cl
     cfg = OrchestratorConfig(nats_url=url, bus=BusConfig(replicas=3), write_attempts=40)
     log: list[str] = []
     go = threading.Event()
-    async with running(Orchestrator(cfg), timeout=30), \
-            running(Agent(AgentConfig(node_id="n1", nats_url=url)), timeout=30):
-        async with AsyncTimeSliceClient("a", GROUP, url, request_timeout=30) as a, \
-                AsyncTimeSliceClient("b", GROUP, url, request_timeout=30) as b:
+    async with (
+        running(Orchestrator(cfg), timeout=30),
+        running(Agent(AgentConfig(node_id="n1", nats_url=url)), timeout=30),
+    ):
+        async with (
+            AsyncTimeSliceClient("a", GROUP, url, request_timeout=30) as a,
+            AsyncTimeSliceClient("b", GROUP, url, request_timeout=30) as b,
+        ):
             try:
                 await a.register_workload(Blocking("a", log, go, wait_s=60), node_id="n1", op_timeout=60)
                 await b.register_workload(Recorder("b", log), node_id="n1", op_timeout=60)

@@ -62,7 +62,12 @@ class OwnSessionAgent(AgentProcess):
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "timeslice_agent", "--node-id", self.node, "--nats-url", self.nats_url],
-                cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         finally:
             log.close()
 
@@ -102,8 +107,15 @@ def _now_ms() -> int:
 
 def snapshot_bytes(**fields: Any) -> bytes:
     """A ``Snapshot`` command as raw JSON: a valid one for node ``NODE``, with ``fields`` put over it."""
-    cmd: dict[str, Any] = {"type": "snapshot", "op_id": "op-1", "group": "g", "job": "j", "node": NODE,
-                           "epoch": 1, "deadline_ms": _now_ms() + 30_000}
+    cmd: dict[str, Any] = {
+        "type": "snapshot",
+        "op_id": "op-1",
+        "group": "g",
+        "job": "j",
+        "node": NODE,
+        "epoch": 1,
+        "deadline_ms": _now_ms() + 30_000,
+    }
     cmd.update(fields)
     return json.dumps(cmd).encode()
 
@@ -123,8 +135,12 @@ async def all_acknowledged(nc: NATS, seq: int) -> None:
             info = await js.consumer_info(STREAM, DURABLE)
         except NotFoundError:  # a starting agent answers requests before it makes its consumer again
             return False
-        return bool(info.ack_floor and info.ack_floor.stream_seq is not None and info.ack_floor.stream_seq >= seq
-                    and info.num_ack_pending == 0)
+        return bool(
+            info.ack_floor
+            and info.ack_floor.stream_seq is not None
+            and info.ack_floor.stream_seq >= seq
+            and info.num_ack_pending == 0
+        )
 
     await eventually(acked, timeout=15, interval=0.05, what=f"the agent acknowledged its commands up to #{seq}")
 
@@ -159,8 +175,9 @@ async def register(nc: NATS, agent: AgentProcess, payload: bytes) -> AgentReply:
     return msgspec.json.decode(await rpc(nc, agent, "register", payload), type=AgentReply)
 
 
-async def serves_a_switch(nc: NATS, agent: AgentProcess, *, group: str = "ok", job: str = "fine",
-                          op_id: str = "op-valid") -> OpResult:
+async def serves_a_switch(
+    nc: NATS, agent: AgentProcess, *, group: str = "ok", job: str = "fine", op_id: str = "op-valid"
+) -> OpResult:
     """A valid registration (this test process, ``noop`` backend) and a valid snapshot of it are served."""
     req = RegisterJob(group=group, job=job, backends=("noop",), pids=(os.getpid(),))
     reply = await register(nc, agent, encode(req))
@@ -206,8 +223,23 @@ async def test_snapshot_with_an_unsubjectable_group_does_not_end_the_agent(
 # agent's checks (ids that cannot go into a subject, numbers out of bounds), else of any type. The pids and
 # process groups among them are never a live process other than the agent's own (refused for ``freeze``): 0, 1
 # and negatives, PID_MAX and past it, values no pid_t holds, and the agent's pid (added per run).
-_BAD_STR: tuple[str, ...] = ("", "a.b", "a b", "*", ">", "a.>", ".", "x" * 65, "x" * 300, "\u00fc", "-lead",
-                             "ok\r\nNats-Msg-Id: x", "n2", "op id", "1")
+_BAD_STR: tuple[str, ...] = (
+    "",
+    "a.b",
+    "a b",
+    "*",
+    ">",
+    "a.>",
+    ".",
+    "x" * 65,
+    "x" * 300,
+    "\u00fc",
+    "-lead",
+    "ok\r\nNats-Msg-Id: x",
+    "n2",
+    "op id",
+    "1",
+)
 _BAD_INT: tuple[int, ...] = (-1, -7, 0, 1, PID_MAX, PID_MAX + 1, 2**31, 2**53 + 1, 2**63 - 1, -(2**63), 2**64)
 _WRONG: tuple[Any, ...] = (None, True, 1.5, 1e308, [], {}, ["x"], "1", 7)
 _ELEMENTS: dict[str, tuple[Any, ...]] = {  # what list fields may hold
@@ -258,18 +290,33 @@ def _fuzzed(rng: random.Random, agent_pid: int) -> tuple[str, bytes]:
         raw = rng.choice([b"", b"{", b"\xff\xfe", b"[]", b"null", b"1", b'{"type":"snapshot"}', b"x" * 5000])
         return rng.choice(["cmd", "register", "unregister", "clear_fault", "status"]), raw
     if pick < 0.55:
-        base: dict[str, Any] = {"type": rng.choice(["snapshot", "restore"]), "op_id": f"fz-{rng.randrange(10**6)}",
-                                "group": "fg", "job": "fz", "node": NODE, "epoch": rng.randint(0, 5),
-                                "deadline_ms": _now_ms() + 20_000}
+        base: dict[str, Any] = {
+            "type": rng.choice(["snapshot", "restore"]),
+            "op_id": f"fz-{rng.randrange(10**6)}",
+            "group": "fg",
+            "job": "fz",
+            "node": NODE,
+            "epoch": rng.randint(0, 5),
+            "deadline_ms": _now_ms() + 20_000,
+        }
         if base["type"] == "restore":
             base["after"] = [f"fz-{rng.randrange(10)}"]
         return "cmd", json.dumps(_mutate(rng, base, agent_pid)).encode()
     verb = rng.choice(["register", "register", "unregister", "clear_fault", "status"])
     if verb == "register":
         # No pid of a live process: a backend swapped for freeze never has a process to stop.
-        base = {"type": "register", "group": "fg", "job": f"fr{rng.randrange(4)}", "backends": ["noop"],
-                "pids": [], "pgid": None, "mode": "offload", "tags": [], "op_timeout_ms": 10_000,
-                "endpoints": []}
+        base = {
+            "type": "register",
+            "group": "fg",
+            "job": f"fr{rng.randrange(4)}",
+            "backends": ["noop"],
+            "pids": [],
+            "pgid": None,
+            "mode": "offload",
+            "tags": [],
+            "op_timeout_ms": 10_000,
+            "endpoints": [],
+        }
     elif verb == "unregister":
         base = {"type": "unregister", "group": "fg", "job": "fr0"}
     elif verb == "clear_fault":
@@ -319,12 +366,27 @@ async def test_a_poison_command_left_in_the_stream_does_not_crash_the_restarted_
     agent: OwnSessionAgent, nc: NATS
 ) -> None:
     agent.stop()  # its durable consumer stays: commands sent meanwhile wait there
-    poison = [snapshot_bytes(op_id="p-empty", group=""), snapshot_bytes(op_id="p-dot", group="a.b"),
-              snapshot_bytes(op_id="p" * 10_000), snapshot_bytes(op_id="p-node", node="n2"),
-              snapshot_bytes(op_id="p-deadline", deadline_ms=-1), snapshot_bytes(op_id="p-epoch", epoch=-3),
-              b"not json at all", json.dumps({"type": "restore", "op_id": "p-after", "group": "g", "job": "j",
-                                              "node": NODE, "epoch": 1, "deadline_ms": _now_ms() + 30_000,
-                                              "after": ["ok", "a b"]}).encode()]
+    poison = [
+        snapshot_bytes(op_id="p-empty", group=""),
+        snapshot_bytes(op_id="p-dot", group="a.b"),
+        snapshot_bytes(op_id="p" * 10_000),
+        snapshot_bytes(op_id="p-node", node="n2"),
+        snapshot_bytes(op_id="p-deadline", deadline_ms=-1),
+        snapshot_bytes(op_id="p-epoch", epoch=-3),
+        b"not json at all",
+        json.dumps(
+            {
+                "type": "restore",
+                "op_id": "p-after",
+                "group": "g",
+                "job": "j",
+                "node": NODE,
+                "epoch": 1,
+                "deadline_ms": _now_ms() + 30_000,
+                "after": ["ok", "a b"],
+            }
+        ).encode(),
+    ]
     seq = 0
     for data in poison:
         seq = await publish_command(nc, data)
@@ -373,8 +435,9 @@ async def test_registration_naming_a_process_the_agent_must_not_touch_is_refused
         assert not reply.ok and reply.error and any(e in reply.error for e in expected), (fields, reply)
     assert await agent.jobs() == {}, "a refused registration was stored"
     # The agent's own pid, for a backend that never acts on processes, only says the job lives while it does.
-    same = await register(nc, agent, encode(RegisterJob(group="g", job="beside", backends=("noop",),
-                                                        pids=(agent.pid,))))
+    same = await register(
+        nc, agent, encode(RegisterJob(group="g", job="beside", backends=("noop",), pids=(agent.pid,)))
+    )
     assert same.ok, same
     assert_alive(agent)
     await serves_a_switch(nc, agent)
@@ -410,10 +473,33 @@ async def test_refusals_are_answered_where_they_can_be_and_counted(nats_url: str
         cmd = subjects.agent_cmd(node)
         js = nc.jetstream()
         await js.publish(cmd, encode(late))
-        await js.publish(cmd, json.dumps({"type": "snapshot", "op_id": "o", "group": "", "job": "j", "node": node,
-                                          "epoch": 1, "deadline_ms": _now_ms()}).encode())
-        await js.publish(cmd, encode(Restore(op_id="far-1", group="g", job="j", node=node, epoch=2,
-                                             deadline_ms=_now_ms() + 200 * 365 * 24 * 3600 * 1000)))
+        await js.publish(
+            cmd,
+            json.dumps(
+                {
+                    "type": "snapshot",
+                    "op_id": "o",
+                    "group": "",
+                    "job": "j",
+                    "node": node,
+                    "epoch": 1,
+                    "deadline_ms": _now_ms(),
+                }
+            ).encode(),
+        )
+        await js.publish(
+            cmd,
+            encode(
+                Restore(
+                    op_id="far-1",
+                    group="g",
+                    job="j",
+                    node=node,
+                    epoch=2,
+                    deadline_ms=_now_ms() + 200 * 365 * 24 * 3600 * 1000,
+                )
+            ),
+        )
         await js.publish(cmd, b"\x00garbage")
         answers: dict[str, OpResult] = {}
 
@@ -432,24 +518,36 @@ async def test_refusals_are_answered_where_they_can_be_and_counted(nats_url: str
         assert (answers["late-1"].epoch, answers["late-1"].node, answers["late-1"].backend) == (2, node, "none")
 
         def counted() -> bool:
-            return (_value(agent, "timeslice_agent_refused_total", source="command", reason="out_of_range") == 2
-                    and _value(agent, "timeslice_agent_refused_total", source="command", reason="invalid_id") == 1
-                    and _value(agent, "timeslice_agent_refused_total", source="command", reason="undecodable") == 1)
+            return (
+                _value(agent, "timeslice_agent_refused_total", source="command", reason="out_of_range") == 2
+                and _value(agent, "timeslice_agent_refused_total", source="command", reason="invalid_id") == 1
+                and _value(agent, "timeslice_agent_refused_total", source="command", reason="undecodable") == 1
+            )
 
         await eventually(counted, timeout=10, what="the refusals counted")
-        bad = await nc.request(subjects.agent_rpc(node, "register", "j"), encode(RegisterJob(group="g", job="j",
-                               backends=("noop",), pids=(1,))), timeout=5)
+        bad = await nc.request(
+            subjects.agent_rpc(node, "register", "j"),
+            encode(RegisterJob(group="g", job="j", backends=("noop",), pids=(1,))),
+            timeout=5,
+        )
         assert not msgspec.json.decode(bad.data, type=AgentReply).ok
         assert _value(agent, "timeslice_agent_refused_total", source="rpc", reason="forbidden_process") == 1
         await results.unsubscribe()
 
         # A command naming a group its job is not registered in: refused, the job untouched.
-        own = await nc.request(subjects.agent_rpc(node, "register", "j"), encode(RegisterJob(
-            group="g", job="j", backends=("noop",), pids=(os.getpid(),))), timeout=5)
+        own = await nc.request(
+            subjects.agent_rpc(node, "register", "j"),
+            encode(RegisterJob(group="g", job="j", backends=("noop",), pids=(os.getpid(),))),
+            timeout=5,
+        )
         assert msgspec.json.decode(own.data, type=AgentReply).ok
         other = await nc.subscribe(subjects.agent_event(node, "h"))
-        await js.publish(cmd, encode(Snapshot(op_id="wrong-group", group="h", job="j", node=node, epoch=9,
-                                              deadline_ms=_now_ms() + 30_000)))
+        await js.publish(
+            cmd,
+            encode(
+                Snapshot(op_id="wrong-group", group="h", job="j", node=node, epoch=9, deadline_ms=_now_ms() + 30_000)
+            ),
+        )
         msg = await other.next_msg(timeout=10)
         wrong = msgspec.json.decode(msg.data, type=OpResult)
         assert (wrong.op_id, wrong.ok) == ("wrong-group", False), wrong
@@ -457,7 +555,6 @@ async def test_refusals_are_answered_where_they_can_be_and_counted(nats_url: str
         assert agent.jobs()["j"].state is JobState.IDLE and agent.jobs()["j"].epoch == 0
         await other.unsubscribe()
         assert _value(agent, "timeslice_agent_task_errors_total", task="operation") == 0
-
 
 
 # --------------------------------------------------------------------------- gRPC (SnapshotAgentService)
@@ -471,24 +568,34 @@ async def test_malformed_grpc_calls_are_invalid_argument_and_counted(nats_url: s
 
     node = "node-rpc"
     async with running(Agent(AgentConfig(node_id=node, nats_url=nats_url))) as agent:
-        reg = await nc.request(subjects.agent_rpc(node, "register", "j"), encode(RegisterJob(
-            group="g", job="j", backends=("noop",), pids=(os.getpid(),))), timeout=5)
+        reg = await nc.request(
+            subjects.agent_rpc(node, "register", "j"),
+            encode(RegisterJob(group="g", job="j", backends=("noop",), pids=(os.getpid(),))),
+            timeout=5,
+        )
         assert msgspec.json.decode(reg.data, type=AgentReply).ok
         shim = AgentGrpcShim(agent, AgentGrpcConfig(host="127.0.0.1", port=0))
         port = await shim.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = pb_grpc.SnapshotAgentServiceStub(channel)
-                many = pb.BackendConfig(app_endpoint=pb.AppEndpointConfig(
-                    app=pb.APP_VLLM, endpoints=[f"http://127.0.0.1:{8000 + i}" for i in range(100)]))
+                many = pb.BackendConfig(
+                    app_endpoint=pb.AppEndpointConfig(
+                        app=pb.APP_VLLM, endpoints=[f"http://127.0.0.1:{8000 + i}" for i in range(100)]
+                    )
+                )
                 calls: list[tuple[Any, str]] = [
                     (stub.Snapshot(pb.SnapshotRequest(job_id="a.b"), timeout=5), "invalid job id 'a.b'"),
                     (stub.Snapshot(pb.SnapshotRequest(job_id="j" * 10_000), timeout=5), "(10002 chars)"),
                     (stub.Restore(pb.RestoreRequest(job_id="j", group="a b"), timeout=5), "invalid group id"),
-                    (stub.GetOperation(pb.GetOperationRequest(operation_id="o" * 10_000), timeout=5),
-                     "invalid operation_id"),
-                    (stub.Snapshot(pb.SnapshotRequest(job_id="j", backend_config=many), timeout=5),
-                     "100 endpoints (at most 16)"),
+                    (
+                        stub.GetOperation(pb.GetOperationRequest(operation_id="o" * 10_000), timeout=5),
+                        "invalid operation_id",
+                    ),
+                    (
+                        stub.Snapshot(pb.SnapshotRequest(job_id="j", backend_config=many), timeout=5),
+                        "100 endpoints (at most 16)",
+                    ),
                 ]
                 for call, expected in calls:
                     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -506,7 +613,8 @@ async def test_malformed_grpc_calls_are_invalid_argument_and_counted(nats_url: s
 
 
 async def test_a_stream_message_pushed_at_the_agents_deliver_subject_is_not_a_command(
-        agent: OwnSessionAgent, nc: NATS) -> None:
+    agent: OwnSessionAgent, nc: NATS
+) -> None:
     """A push consumer delivers stored messages to any subject its creator names, and the agent's deliver subject is
     in its consumer's info. A job stores a Snapshot-shaped payload under its own subject; a consumer of it delivers
     that at the agent: the copy keeps the job's subject, and the agent refuses it (only the orchestrator publishes on
@@ -518,10 +626,15 @@ async def test_a_stream_message_pushed_at_the_agents_deliver_subject_is_not_a_co
     assert deliver
     forged = subjects.job("ok", "fine", "phase")  # any subject the job may publish on
     await js.publish(forged, snapshot_bytes(op_id="op-pushed", group="ok", job="fine"), timeout=5)
-    await js.add_consumer(STREAM, ConsumerConfig(deliver_subject=deliver, filter_subject=forged,
-                                                 deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE))
-    await eventually(lambda: "not from the command subject" in agent.log_text(), timeout=15,
-                     what="the pushed copy refused")
+    await js.add_consumer(
+        STREAM,
+        ConsumerConfig(
+            deliver_subject=deliver, filter_subject=forged, deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE
+        ),
+    )
+    await eventually(
+        lambda: "not from the command subject" in agent.log_text(), timeout=15, what="the pushed copy refused"
+    )
     fine = (await agent.jobs())["fine"]
     assert fine["state"] != "SAVED" and fine.get("last_op_id") != "op-pushed", fine
     await serves_a_switch(nc, agent, op_id="op-real")  # the real command subject still works

@@ -29,8 +29,14 @@ pytestmark = pytest.mark.port_4222("shared")
 
 
 def _timeslice(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "timeslice_cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env or dict(os.environ, TIMESLICE_LOG_LEVEL="warning"), check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "timeslice_cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or dict(os.environ, TIMESLICE_LOG_LEVEL="warning"),
+        check=False,
+    )
 
 
 def _mode(p: Path) -> int:
@@ -58,8 +64,11 @@ def test_auth_issues_each_role_with_the_contracts_claims(tmp_path: Path) -> None
     assert _timeslice("auth", "init", "--dir", str(d)).returncode == 0
     account = (d / "account.pub").read_text().strip()
     cases = {
-        "job": (["--job", "trainer-1", "--group", "g1", "--group", "g2", "--ttl", "30d"], "job:trainer-1",
-                ["timeslice-role:job", "timeslice-job:trainer-1", "timeslice-group:g1", "timeslice-group:g2"]),
+        "job": (
+            ["--job", "trainer-1", "--group", "g1", "--group", "g2", "--ttl", "30d"],
+            "job:trainer-1",
+            ["timeslice-role:job", "timeslice-job:trainer-1", "timeslice-group:g1", "timeslice-group:g2"],
+        ),
         "agent": (["--node", "gpu-7"], "agent:gpu-7", ["timeslice-role:agent", "timeslice-node:gpu-7"]),
         "orchestrator": ([], "orchestrator", ["timeslice-role:orchestrator"]),
         "admin": ([], "admin", ["timeslice-role:admin"]),
@@ -84,8 +93,12 @@ def test_auth_issues_each_role_with_the_contracts_claims(tmp_path: Path) -> None
     issued = [json.loads(x) for x in (d / "issued.jsonl").read_text().splitlines()]
     assert [i["name"] for i in issued] == [c[1] for c in cases.values()]
     assert _timeslice("auth", "job", "--dir", str(d), "--out", str(tmp_path / "x"), "--job", "bad.id").returncode != 0
-    assert _timeslice("auth", "job", "--dir", str(tmp_path / "none"), "--out", str(tmp_path / "x"),
-                      "--job", "j").returncode != 0
+    assert (
+        _timeslice(
+            "auth", "job", "--dir", str(tmp_path / "none"), "--out", str(tmp_path / "x"), "--job", "j"
+        ).returncode
+        != 0
+    )
 
 
 def test_revoke_rewrites_the_server_config(tmp_path: Path) -> None:
@@ -124,10 +137,11 @@ async def test_commands_take_creds_by_flag_and_environment(bus: SecureBus) -> No
         base.pop("TIMESLICE_CREDS", None)
         r = await asyncio.to_thread(_timeslice, "status", "--json", "--nats-url", bus.url, env=base)
         assert r.returncode != 0 and "Authorization Violation" in r.stderr and "--creds" in r.stderr
-        r = await asyncio.to_thread(_timeslice, "status", "--json", "--nats-url", bus.url, "--creds", str(reader),
-                                    env=base)
+        r = await asyncio.to_thread(
+            _timeslice, "status", "--json", "--nats-url", bus.url, "--creds", str(reader), env=base
+        )
         assert r.returncode == 0, r.stderr
-        assert "\"g\"" in r.stdout  # the group record
+        assert '"g"' in r.stdout  # the group record
         by_env = dict(base, TIMESLICE_CREDS=str(reader))
         r = await asyncio.to_thread(_timeslice, "events", "--nats-url", bus.url, env=by_env)
         assert r.returncode == 0, r.stderr
@@ -136,11 +150,34 @@ async def test_commands_take_creds_by_flag_and_environment(bus: SecureBus) -> No
             r = await asyncio.to_thread(_timeslice, cmd, "--nats-url", bus.url, "--creds", str(reader), env=base)
             assert r.returncode in (0, 1), (cmd, r.stderr)  # read the stream (check: 1 when it finds a fault)
             assert "Violation" not in r.stderr and "Unavailable" not in r.stderr, (cmd, r.stderr)
-        r = await asyncio.to_thread(_timeslice, "clear-fault", "--group", "g", "--job", "a", "--nats-url", bus.url,
-                                    "--creds", str(admin), env=base)
+        r = await asyncio.to_thread(
+            _timeslice,
+            "clear-fault",
+            "--group",
+            "g",
+            "--job",
+            "a",
+            "--nats-url",
+            bus.url,
+            "--creds",
+            str(admin),
+            env=base,
+        )
         assert r.returncode == 0, r.stderr
-        r = await asyncio.to_thread(_timeslice, "clear-fault", "--group", "g", "--job", "a", "--nats-url", bus.url,
-                                    "--creds", str(reader), env=base, timeout=90)
+        r = await asyncio.to_thread(
+            _timeslice,
+            "clear-fault",
+            "--group",
+            "g",
+            "--job",
+            "a",
+            "--nats-url",
+            bus.url,
+            "--creds",
+            str(reader),
+            env=base,
+            timeout=90,
+        )
         assert r.returncode != 0  # a reader may not: the stream never stores it
     text = " ".join(p.read_text() for p in bus.dir.glob("nats/*.log"))
     assert reader.read_text().split("SEED-----")[1].split("------END")[0].strip() not in text
@@ -150,8 +187,17 @@ def test_every_command_that_connects_takes_the_identity_flags() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     choices = sub.choices  # type: ignore[attr-defined]
-    for name in ("orchestrator", "status", "events", "replay", "check", "clear-fault", "agent", "agent-status",
-                 "agent-clear-fault"):
+    for name in (
+        "orchestrator",
+        "status",
+        "events",
+        "replay",
+        "check",
+        "clear-fault",
+        "agent",
+        "agent-status",
+        "agent-clear-fault",
+    ):
         flags = {o for a in choices[name]._actions for o in a.option_strings}
         assert {"--creds", "--tls-ca", "--tls-cert", "--tls-key"} <= flags, name
     up = {o for a in choices["up"]._actions for o in a.option_strings}
@@ -170,8 +216,23 @@ def _fields(line: str) -> dict[str, str]:
 def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     env = dict(os.environ, TIMESLICE_URL_FILE=str(tmp_path / "nats.url"), TIMESLICE_LOG_LEVEL="warning")
     env.pop("TIMESLICE_CREDS", None)
-    args = [sys.executable, "-m", "timeslice_cli", "up", "--data-dir", str(tmp_path / "data"),
-            "--node-id", "n-up", "--grpc-port", "-1", "--metrics-port", "-1", "--agent-metrics-port", "-1", *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "timeslice_cli",
+        "up",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--node-id",
+        "n-up",
+        "--grpc-port",
+        "-1",
+        "--metrics-port",
+        "-1",
+        "--agent-metrics-port",
+        "-1",
+        *extra,
+    ]
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
@@ -186,8 +247,9 @@ def _stop(proc: subprocess.Popen[bytes]) -> tuple[bytes, bytes]:
     return out, err
 
 
-async def test_timeslice_up_runs_with_auth_and_local_clients_need_no_flag(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_timeslice_up_runs_with_auth_and_local_clients_need_no_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TIMESLICE_URL_FILE", str(tmp_path / "nats.url"))
     monkeypatch.delenv("TIMESLICE_CREDS", raising=False)
     monkeypatch.delenv("TIMESLICE_NATS_URL", raising=False)
@@ -206,8 +268,9 @@ async def test_timeslice_up_runs_with_auth_and_local_clients_need_no_flag(tmp_pa
         with pytest.raises(Exception, match=r"(?i)authorization violation"):  # anyone else: refused
             await nats.connect(fields["nats"], allow_reconnect=False, connect_timeout=2, error_cb=_quiet)
         # `up` and its agent process (its session: it was started in a new one)
-        ps = subprocess.run(["ps", "-o", "args=", "-s", str(proc.pid)], capture_output=True, text=True,
-                            check=True).stdout
+        ps = subprocess.run(
+            ["ps", "-o", "args=", "-s", str(proc.pid)], capture_output=True, text=True, check=True
+        ).stdout
         assert "timeslice_agent" in ps
         seed = creds.read_text().split("SEED-----")[1].split("------END")[0].strip()
         assert seed not in ps and ".creds" not in ps  # the agent gets its file's path by environment

@@ -74,8 +74,11 @@ class Engine:
                 await writer.wait_closed()
 
     def _route(self, method: str, path: str, query: dict[str, list[str]]) -> tuple[int, bytes]:
-        sleep, wake = (("/sleep", "/wake_up") if self.app == "vllm"
-                       else ("/release_memory_occupation", "/resume_memory_occupation"))
+        sleep, wake = (
+            ("/sleep", "/wake_up")
+            if self.app == "vllm"
+            else ("/release_memory_occupation", "/resume_memory_occupation")
+        )
         if self.app == "vllm" and not self.dev_mode:
             return 404, b'{"detail":"Not Found"}'
         if path == sleep and method == "POST":
@@ -99,8 +102,16 @@ class Engine:
 
 
 def ctx(*endpoints: str, mode: SuspendMode = SuspendMode.OFFLOAD, tags: tuple[str, ...] = ()) -> JobContext:
-    return JobContext(node="n1", job="vllm-job", group="g", state=JobState.RUNNING, backends=("app_endpoint",),
-                      endpoints=endpoints, mode=mode, tags=tags)
+    return JobContext(
+        node="n1",
+        job="vllm-job",
+        group="g",
+        state=JobState.RUNNING,
+        backends=("app_endpoint",),
+        endpoints=endpoints,
+        mode=mode,
+        tags=tags,
+    )
 
 
 def op(seconds: float = 5.0) -> OpContext:
@@ -120,8 +131,10 @@ async def test_vllm_sleep_levels_and_wake_up_tags() -> None:
         assert not e.sleeping() and calls(e)[-1] == ("/wake_up", {}, None)
         await be.snapshot(ctx(e.url, mode=SuspendMode.DISCARD, tags=("weights", "kv_cache")), op())
         await be.restore(ctx(e.url, mode=SuspendMode.DISCARD, tags=("weights", "kv_cache")), op())
-        assert calls(e)[-2:] == [("/sleep", {"level": ["2"]}, None),
-                                 ("/wake_up", {"tags": ["weights", "kv_cache"]}, None)]
+        assert calls(e)[-2:] == [
+            ("/sleep", {"level": ["2"]}, None),
+            ("/wake_up", {"tags": ["weights", "kv_cache"]}, None),
+        ]
 
 
 async def test_sglang_release_and_resume_with_tags() -> None:
@@ -131,9 +144,11 @@ async def test_sglang_release_and_resume_with_tags() -> None:
         assert e.sleeping()
         await be.restore(ctx(e.url, tags=("kv_cache",)), op())
         await be.snapshot(ctx(e.url), op())
-        assert calls(e) == [("/release_memory_occupation", {}, {"tags": ["kv_cache"]}),
-                            ("/resume_memory_occupation", {}, {"tags": ["kv_cache"]}),
-                            ("/release_memory_occupation", {}, {})]
+        assert calls(e) == [
+            ("/release_memory_occupation", {}, {"tags": ["kv_cache"]}),
+            ("/resume_memory_occupation", {}, {"tags": ["kv_cache"]}),
+            ("/release_memory_occupation", {}, {}),
+        ]
 
 
 async def test_vllm_without_sleep_mode_says_how_to_start_it() -> None:
@@ -224,10 +239,14 @@ async def agent(nats_url: str) -> AsyncIterator[Agent]:
 @pytest.mark.usefixtures("orchestrator")
 async def test_switching_jobs_puts_the_vllm_server_to_sleep_and_wakes_it(nats_url: str, agent: Agent) -> None:
     handler = Untouched()
-    async with Engine("vllm") as engine, AsyncTimeSliceClient("gen", "ge", nats_url) as gen, \
-            AsyncTimeSliceClient("train", "ge", nats_url) as train:
-        await gen.register_workload(handler, node_id="n1", backends=("app_endpoint",), endpoints=(engine.url,),
-                                    tags=("weights", "kv_cache"))
+    async with (
+        Engine("vllm") as engine,
+        AsyncTimeSliceClient("gen", "ge", nats_url) as gen,
+        AsyncTimeSliceClient("train", "ge", nats_url) as train,
+    ):
+        await gen.register_workload(
+            handler, node_id="n1", backends=("app_endpoint",), endpoints=(engine.url,), tags=("weights", "kv_cache")
+        )
         await train.register_workload(Untouched(), node_id="n1", backends=("noop",))
         await gen.acquire(timeout=10)
         t = asyncio.create_task(train.acquire(timeout=10))
@@ -240,8 +259,10 @@ async def test_switching_jobs_puts_the_vllm_server_to_sleep_and_wakes_it(nats_ur
         await train.release()
         grant = await g
         assert grant.context_restored and not engine.sleeping()
-        assert calls(engine) == [("/sleep", {"level": ["1"]}, None),
-                                 ("/wake_up", {"tags": ["weights", "kv_cache"]}, None)]
+        assert calls(engine) == [
+            ("/sleep", {"level": ["1"]}, None),
+            ("/wake_up", {"tags": ["weights", "kv_cache"]}, None),
+        ]
         # the agent marks the job running once its own bookkeeping of the restore is stored, which may come a moment
         # after the grant it made possible
         await eventually(lambda: agent.jobs()["gen"].state is JobState.RUNNING)
@@ -252,8 +273,9 @@ async def test_switching_jobs_puts_the_vllm_server_to_sleep_and_wakes_it(nats_ur
 async def test_registration_with_bad_endpoints_is_refused(nats_url: str, agent: Agent) -> None:
     async with AsyncTimeSliceClient("gen", "ge", nats_url) as gen:
         with pytest.raises(TimeSliceError, match=r"vllm\+http://"):
-            await gen.register_workload(Untouched(), node_id="n1", backends=("app_endpoint",),
-                                        endpoints=("http://127.0.0.1:8000",))
+            await gen.register_workload(
+                Untouched(), node_id="n1", backends=("app_endpoint",), endpoints=("http://127.0.0.1:8000",)
+            )
         with pytest.raises(TimeSliceError, match="needs the job's endpoints"):
             await gen.register_workload(Untouched(), node_id="n1", backends=("app_endpoint",))
     assert "gen" not in agent.jobs()
@@ -272,18 +294,24 @@ async def test_grpc_snapshot_agent_service_drives_an_sglang_server(nats_url: str
     shim = AgentGrpcShim(agent, AgentGrpcConfig(host="127.0.0.1", port=0))
     port = await shim.start()
     try:
-        async with Engine("sglang") as engine, AsyncTimeSliceClient("gen", "ge", nats_url) as gen, \
-                AsyncSnapshotAgentClient(f"127.0.0.1:{port}", timeout=5, wait_timeout=20) as c:
+        async with (
+            Engine("sglang") as engine,
+            AsyncTimeSliceClient("gen", "ge", nats_url) as gen,
+            AsyncSnapshotAgentClient(f"127.0.0.1:{port}", timeout=5, wait_timeout=20) as c,
+        ):
             await gen.register_workload(Untouched(), node_id="n1", backends=("noop",))
             url = engine.url.removeprefix("sglang+")
-            op = await c.snapshot_and_wait("gen", backend=AppEndpoint(app="sglang", endpoints=[url],
-                                                                      tags=("kv_cache",)))
+            op = await c.snapshot_and_wait(
+                "gen", backend=AppEndpoint(app="sglang", endpoints=[url], tags=("kv_cache",))
+            )
             assert op.ok, op.error
             assert engine.sleeping() and agent.jobs()["gen"].endpoints == (f"sglang+{url}",)
             op = await c.restore_and_wait("gen")
             assert op.ok and not engine.sleeping()
-            assert calls(engine) == [("/release_memory_occupation", {}, {"tags": ["kv_cache"]}),
-                                     ("/resume_memory_occupation", {}, {"tags": ["kv_cache"]})]
+            assert calls(engine) == [
+                ("/release_memory_occupation", {}, {"tags": ["kv_cache"]}),
+                ("/resume_memory_occupation", {}, {"tags": ["kv_cache"]}),
+            ]
     finally:
         await shim.stop()
 
@@ -297,8 +325,10 @@ async def test_a_standalone_vllm_snapshot_of_a_job_the_agent_never_saw(nats_url:
     shim = AgentGrpcShim(agent, AgentGrpcConfig(host="127.0.0.1", port=0))
     port = await shim.start()
     try:
-        async with Engine("vllm") as engine, \
-                AsyncSnapshotAgentClient(f"127.0.0.1:{port}", timeout=5, wait_timeout=20) as c:
+        async with (
+            Engine("vllm") as engine,
+            AsyncSnapshotAgentClient(f"127.0.0.1:{port}", timeout=5, wait_timeout=20) as c,
+        ):
             assert "serve" not in agent.jobs()
             url = engine.url.removeprefix("vllm+")
             op = await c.snapshot_and_wait("serve", backend=AppEndpoint(app="vllm", endpoints=[url]))

@@ -106,14 +106,16 @@ class DriverNvml:
         return (DeviceInfo(index=0, uuid="GPU-fake", memory_used_bytes=used, memory_total_bytes=141 * GB),)
 
     def processes(self) -> tuple[GpuProcess, ...]:
-        live = tuple(GpuProcess(pid, 0, self.driver.memory[pid]) for pid, s in self.driver.states.items()
-                     if s is not ProcessState.CHECKPOINTED)
+        live = tuple(
+            GpuProcess(pid, 0, self.driver.memory[pid])
+            for pid, s in self.driver.states.items()
+            if s is not ProcessState.CHECKPOINTED
+        )
         return live + self.extra
 
 
 def ctx(job: str = "j", pids: tuple[int, ...] = (), **kw: object) -> JobContext:
-    return JobContext(node="n1", job=job, group="g", state=JobState.RUNNING, backends=("cuda",), pids=pids,
-                      **kw)  # type: ignore[arg-type]
+    return JobContext(node="n1", job=job, group="g", state=JobState.RUNNING, backends=("cuda",), pids=pids, **kw)  # type: ignore[arg-type]
 
 
 def op(seconds: float = 10.0) -> OpContext:
@@ -123,8 +125,10 @@ def op(seconds: float = 10.0) -> OpContext:
 @pytest.fixture
 def children() -> Iterator[list[int]]:
     """Three real child processes of this test (so process discovery walks a real process tree)."""
-    procs = [subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-             for _ in range(3)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+        for _ in range(3)
+    ]
     try:
         yield [p.pid for p in procs]
     finally:
@@ -174,8 +178,7 @@ async def test_a_job_that_holds_no_gpu_memory_has_nothing_to_move(children: list
     assert drv.calls == []
 
 
-async def test_without_nvml_the_driver_finds_the_cuda_processes_and_no_bytes_are_guessed(
-        children: list[int]) -> None:
+async def test_without_nvml_the_driver_finds_the_cuda_processes_and_no_bytes_are_guessed(children: list[int]) -> None:
     a, b, c = children
     drv = RuleDriver({a: GB, c: GB})
     be = backend(drv, nvml=False)
@@ -312,8 +315,14 @@ class CUresult(enum.IntEnum):  # the values of cuda.h
     CUDA_ERROR_TIMEOUT = 909
 
 
-def fake_bindings(monkeypatch: pytest.MonkeyPatch, *, init: CUresult = CUresult.CUDA_SUCCESS, version: int = 12080,
-                  lock: CUresult = CUresult.CUDA_SUCCESS, missing: str = "") -> list[tuple[Any, ...]]:
+def fake_bindings(
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    init: CUresult = CUresult.CUDA_SUCCESS,
+    version: int = 12080,
+    lock: CUresult = CUresult.CUDA_SUCCESS,
+    missing: str = "",
+) -> list[tuple[Any, ...]]:
     """``cuda.bindings.driver`` as cuda-python shapes it (tuples led by a CUresult), recording the calls.
     Only the translation layer (CudaPythonDriver) is tested with it; the driver itself needs the GPU."""
     calls: list[tuple[Any, ...]] = []
@@ -325,11 +334,14 @@ def fake_bindings(monkeypatch: pytest.MonkeyPatch, *, init: CUresult = CUresult.
         def fn(*args: Any) -> tuple[Any, ...]:
             calls.append((name, *[getattr(a, "timeoutMs", a) for a in args]))
             return result
+
         return fn
 
     driver = types.SimpleNamespace(
-        CUresult=CUresult, CUcheckpointLockArgs=CUcheckpointLockArgs,
-        cuInit=call("cuInit", (init,)), cuDriverGetVersion=call("cuDriverGetVersion", (CUresult(0), version)),
+        CUresult=CUresult,
+        CUcheckpointLockArgs=CUcheckpointLockArgs,
+        cuInit=call("cuInit", (init,)),
+        cuDriverGetVersion=call("cuDriverGetVersion", (CUresult(0), version)),
         cuGetErrorString=lambda err: (CUresult(0), f"text of {err.name}".encode()),
         cuCheckpointProcessGetState=call("state", (CUresult(0), 2)),
         cuCheckpointProcessLock=call("lock", (lock,)),
@@ -361,17 +373,28 @@ def test_cuda_python_calls_and_answers_are_translated(monkeypatch: pytest.Monkey
     drv.unlock(42)
     with pytest.raises(DriverError, match=r"cuCheckpointProcessRestore.*CUDA_ERROR_ILLEGAL_STATE"):
         drv.restore(42)
-    assert calls == [("cuInit", 0), ("cuDriverGetVersion",), ("state", 42), ("lock", 42, 1500),
-                     ("checkpoint", 42, None), ("unlock", 42, None), ("restore", 42, None)]
+    assert calls == [
+        ("cuInit", 0),
+        ("cuDriverGetVersion",),
+        ("state", 42),
+        ("lock", 42, 1500),
+        ("checkpoint", 42, None),
+        ("unlock", 42, None),
+        ("restore", 42, None),
+    ]
 
 
-@pytest.mark.parametrize(("kw", "says"), [
-    ({"init": CUresult.CUDA_ERROR_NO_DEVICE}, "cuInit(0) returned CUDA_ERROR_NO_DEVICE"),
-    ({"version": 12040}, "supports CUDA 12.4; the checkpoint API with lock timeouts needs driver r570+"),
-    ({"missing": "cuCheckpointProcessLock"}, "lacks cuCheckpointProcessLock; install cuda-python >= 12.8"),
-])
-def test_cuda_python_that_cannot_checkpoint_is_unavailable(monkeypatch: pytest.MonkeyPatch, kw: dict[str, Any],
-                                                          says: str) -> None:
+@pytest.mark.parametrize(
+    ("kw", "says"),
+    [
+        ({"init": CUresult.CUDA_ERROR_NO_DEVICE}, "cuInit(0) returned CUDA_ERROR_NO_DEVICE"),
+        ({"version": 12040}, "supports CUDA 12.4; the checkpoint API with lock timeouts needs driver r570+"),
+        ({"missing": "cuCheckpointProcessLock"}, "lacks cuCheckpointProcessLock; install cuda-python >= 12.8"),
+    ],
+)
+def test_cuda_python_that_cannot_checkpoint_is_unavailable(
+    monkeypatch: pytest.MonkeyPatch, kw: dict[str, Any], says: str
+) -> None:
     fake_bindings(monkeypatch, **kw)
     with pytest.raises(BackendUnavailable, match=re.escape(says)):
         CudaPythonDriver()
@@ -409,15 +432,23 @@ async def _finish(agent: Agent, op_id: str) -> OpResult:
 
 
 async def test_agent_state_machine_over_the_cuda_backend(
-        agent: Agent, rule_driver: tuple[RuleDriver, CudaBackend], children: list[int], nats_url: str) -> None:
+    agent: Agent, rule_driver: tuple[RuleDriver, CudaBackend], children: list[int], nats_url: str
+) -> None:
     drv, _ = rule_driver
     pid = children[0]
     # An unregistered job's pids are no proof: a standalone call naming them is refused (docs/security.md).
     with pytest.raises(ValueError, match="did not prove its processes"):
         await agent.run_standalone("j", OpKind.SNAPSHOT, backends=("cuda",), pids=(pid,))
     # Registered from this process (the agent socket proves it), its child is the job's to checkpoint.
-    channel = await register_workload("j", "standalone", CallbackHandler(lambda m, t: None, lambda m, t: None),
-                                      node_id="n1", nats_url=nats_url, backends=("cuda",), pids=(pid,))
+    channel = await register_workload(
+        "j",
+        "standalone",
+        CallbackHandler(lambda m, t: None, lambda m, t: None),
+        node_id="n1",
+        nats_url=nats_url,
+        backends=("cuda",),
+        pids=(pid,),
+    )
     assert agent.jobs()["j"].owner is not None and agent.jobs()["j"].owner.pid == os.getpid()
     r = await _finish(agent, await agent.run_standalone("j", OpKind.SNAPSHOT))
     assert r.ok and r.device_bytes_freed == 2 * GB and r.backend == "cuda"
@@ -439,7 +470,8 @@ async def test_agent_state_machine_over_the_cuda_backend(
 
 
 async def test_the_grpc_api_refuses_a_process_the_job_did_not_prove_as_permission_denied(
-        agent: Agent, rule_driver: tuple[RuleDriver, CudaBackend], children: list[int], nats_url: str) -> None:
+    agent: Agent, rule_driver: tuple[RuleDriver, CudaBackend], children: list[int], nats_url: str
+) -> None:
     """``BackendConfig.cuda.explicit_target`` naming a process that is not the registered job's (pid 1 here; the
     test's children are its own): PERMISSION_DENIED, not INVALID_ARGUMENT (the request is well formed; the caller
     may not act on that process), and the process is untouched."""
@@ -449,8 +481,15 @@ async def test_the_grpc_api_refuses_a_process_the_job_did_not_prove_as_permissio
     from .grpc_proto_client import AGENT_PROTO, Stub, compile_proto
 
     drv, _ = rule_driver
-    channel = await register_workload("j", "standalone", CallbackHandler(lambda m, t: None, lambda m, t: None),
-                                      node_id="n1", nats_url=nats_url, backends=("cuda",), pids=(children[0],))
+    channel = await register_workload(
+        "j",
+        "standalone",
+        CallbackHandler(lambda m, t: None, lambda m, t: None),
+        node_id="n1",
+        nats_url=nats_url,
+        backends=("cuda",),
+        pids=(children[0],),
+    )
     shim = AgentGrpcShim(agent, AgentGrpcConfig(host="127.0.0.1", port=0))
     port = await shim.start()
     pb = compile_proto(AGENT_PROTO)

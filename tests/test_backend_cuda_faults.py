@@ -62,7 +62,8 @@ class SlowCheckpoint(RuleDriver):
 
 
 async def test_a_checkpoint_that_outlives_its_deadline_is_waited_for_before_the_operation_ends(
-        children: list[int]) -> None:
+    children: list[int],
+) -> None:
     a = children[0]
     drv = SlowCheckpoint({a: GB}, seconds=1.0)
     be = backend(drv)
@@ -79,8 +80,7 @@ async def test_the_wait_for_a_driver_call_is_bounded(children: list[int]) -> Non
     drv = SlowCheckpoint({a: GB}, seconds=3.0)
     be = CudaBackend(drv, GpuAccounting(DriverNvml(drv)), drain_s=0.2)
     t0 = time.monotonic()
-    state, _, _ = await perform([be], ctx(pids=(a,), op_timeout_ms=200), op(0.2), OpKind.SNAPSHOT,
-                                JobState.RUNNING)
+    state, _, _ = await perform([be], ctx(pids=(a,), op_timeout_ms=200), op(0.2), OpKind.SNAPSHOT, JobState.RUNNING)
     assert state is JobState.FAULTED and time.monotonic() - t0 < 2.5  # 0.2 s deadline + 0.2 s drain, not 3 s
     be.close()
 
@@ -98,8 +98,9 @@ class BrokenNvml(DriverNvml):
 
 
 @pytest.mark.parametrize("fail_after", [0, 1, 2])
-async def test_nvml_failing_inside_the_backend_never_fails_a_move_that_happened(children: list[int],
-                                                                                 fail_after: int) -> None:
+async def test_nvml_failing_inside_the_backend_never_fails_a_move_that_happened(
+    children: list[int], fail_after: int
+) -> None:
     """0: NVML fails at discovery (the driver finds the processes); 1: at the measure before; 2: after."""
     a = children[0]
     drv = RuleDriver({a: GB})
@@ -150,11 +151,11 @@ async def test_a_state_a_newer_driver_reports_faults_the_job_and_is_never_skippe
 
 
 def test_the_cuda_python_driver_names_an_unknown_state_instead_of_raising_value_error(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     fake_bindings(monkeypatch)
     drv = CudaPythonDriver()
     sys.modules["cuda.bindings.driver"].cuCheckpointProcessGetState = lambda pid: (CUresult(0), 5)
     with pytest.raises(UnknownProcessState) as err:
         drv.state(42)
     assert err.value.value == 5 and err.value.code == "CU_PROCESS_STATE_5" and isinstance(err.value, DriverError)
-

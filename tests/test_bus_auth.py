@@ -62,8 +62,9 @@ async def orch(bus: SecureBus) -> AsyncIterator[Orchestrator]:
         yield o
 
 
-async def _conn(bus: SecureBus, role: str, ident: str | None = None, groups: tuple[str, ...] = ()
-                ) -> tuple[NATS, Violations]:
+async def _conn(
+    bus: SecureBus, role: str, ident: str | None = None, groups: tuple[str, ...] = ()
+) -> tuple[NATS, Violations]:
     v = Violations()
     nc = await connect(bus.url, creds=bus.creds(role, ident, groups), error_cb=v)
     return nc, v
@@ -86,8 +87,7 @@ async def _refused(nc: NATS, v: Violations, subject: str, data: bytes = b"{}", *
 
 
 def _client(bus: SecureBus, job: str, **kw: object) -> AsyncTimeSliceClient:
-    return AsyncTimeSliceClient(job, G, bus.url, creds=bus.creds("job", job), request_timeout=2.0,
-                                **kw)  # type: ignore[arg-type]
+    return AsyncTimeSliceClient(job, G, bus.url, creds=bus.creds("job", job), request_timeout=2.0, **kw)  # type: ignore[arg-type]
 
 
 async def _barrier(bus: SecureBus) -> None:
@@ -223,11 +223,26 @@ async def test_forged_granted_and_revoked_notices_are_refused(bus: SecureBus, or
         wait_b = asyncio.create_task(b.acquire(timeout=30))
         await eventually(lambda: _waiting(a, "b"))
         rid = (await a.status()).queue[0].request_id
-        await _refused(nc, v, subjects.notice(G, "b"), encode(Granted(
-            group=G, job="b", request_id=rid, epoch=g.epoch + 1, waited_ms=1, context_restored=False,
-            lease_deadline_ms=2**41, waiters=0)))
-        await _refused(nc, v, subjects.notice(G, "a"), encode(Revoked(group=G, job="a", epoch=g.epoch,
-                                                                      reason="forged")))
+        await _refused(
+            nc,
+            v,
+            subjects.notice(G, "b"),
+            encode(
+                Granted(
+                    group=G,
+                    job="b",
+                    request_id=rid,
+                    epoch=g.epoch + 1,
+                    waited_ms=1,
+                    context_restored=False,
+                    lease_deadline_ms=2**41,
+                    waiters=0,
+                )
+            ),
+        )
+        await _refused(
+            nc, v, subjects.notice(G, "a"), encode(Revoked(group=G, job="a", epoch=g.epoch, reason="forged"))
+        )
         await _barrier(bus)
         assert not wait_b.done() and a.holding
         await a.release()  # still a's hold: no LockLost
@@ -257,8 +272,9 @@ async def test_cancelling_another_jobs_wait_is_refused(bus: SecureBus, orch: Orc
         wait_b = asyncio.create_task(b.acquire(timeout=30))
         await eventually(lambda: _waiting(a, "b"))
         rid = (await a.status()).queue[0].request_id  # what anyone can read in the record
-        cancel = msgspec.json.encode({"type": "cancel", "group": G, "job": "b", "request_id": rid,
-                                      "reason": "cancelled"})
+        cancel = msgspec.json.encode(
+            {"type": "cancel", "group": G, "job": "b", "request_id": rid, "reason": "cancelled"}
+        )
         await _refused(nc, v, subjects.job(G, "b", "cancel"), cancel)
         await _barrier(bus)
         assert await _waiting(a, "b") and not wait_b.done()
@@ -271,13 +287,13 @@ async def test_agent_commands_and_results_are_refused(bus: SecureBus, orch: Orch
     async with _mallory(bus) as (nc, v):
         snap = Snapshot(group=G, job="a", node="n1", op_id="g:2:snapshot:n1", epoch=10**9, deadline_ms=2**41)
         await _refused(nc, v, subjects.agent_cmd("n1"), encode(snap))
-        result = OpResult(group=G, op_id="g:2:snapshot:n1", node="n1", job="a", kind=OpKind.SNAPSHOT, epoch=2,
-                          ok=True)
+        result = OpResult(group=G, op_id="g:2:snapshot:n1", node="n1", job="a", kind=OpKind.SNAPSHOT, epoch=2, ok=True)
         await _refused(nc, v, subjects.agent_event("n1", G), encode(result))
         # an agent's fact under the job's own subject: stored, and refused by the orchestrator
         before = orch.events_rejected
-        mine = OpResult(group=G, op_id="g:2:snapshot:n1", node="n1", job="mallory", kind=OpKind.SNAPSHOT,
-                        epoch=2, ok=True)
+        mine = OpResult(
+            group=G, op_id="g:2:snapshot:n1", node="n1", job="mallory", kind=OpKind.SNAPSHOT, epoch=2, ok=True
+        )
         await nc.jetstream().publish(subjects.job(G, "mallory", "phase"), encode(mine))
         await eventually(lambda: orch.events_rejected == before + 1, what="the op_result on a job subject refused")
 
@@ -285,8 +301,7 @@ async def test_agent_commands_and_results_are_refused(bus: SecureBus, orch: Orch
 async def test_an_agent_speaks_only_for_its_node(bus: SecureBus, orch: Orchestrator) -> None:
     nc, v = await _conn(bus, "agent", "n2")
     try:
-        result = OpResult(group=G, op_id="g:2:snapshot:n1", node="n1", job="a", kind=OpKind.SNAPSHOT, epoch=2,
-                          ok=True)
+        result = OpResult(group=G, op_id="g:2:snapshot:n1", node="n1", job="a", kind=OpKind.SNAPSHOT, epoch=2, ok=True)
         await _refused(nc, v, subjects.agent_event("n1", G), encode(result))
         await _refused(nc, v, subjects.agent_cmd("n1"))
         await _refused(nc, v, subjects.workload_rpc("n1", "a"))
@@ -318,8 +333,16 @@ async def test_workload_commands_reach_a_job_only_from_its_nodes_agent(bus: Secu
             discard = encode(WorkloadCommand(op_id="forged", action="suspend", mode=SuspendMode.DISCARD))
             await _refused(nc, v, subjects.workload_rpc("n1", "a"), discard)
             # nor through a consumer of its own that pushes what it stored to the victim's subject
-            req = msgspec.json.encode({"stream_name": "TIMESLICE", "config": {
-                "deliver_subject": subjects.workload_rpc("n1", "a"), "deliver_policy": "all", "ack_policy": "none"}})
+            req = msgspec.json.encode(
+                {
+                    "stream_name": "TIMESLICE",
+                    "config": {
+                        "deliver_subject": subjects.workload_rpc("n1", "a"),
+                        "deliver_policy": "all",
+                        "ack_policy": "none",
+                    },
+                }
+            )
             await _refused(nc, v, "$JS.API.CONSUMER.CREATE.TIMESLICE", req, reply=nc.new_inbox())
         reply = await agent.request(subjects.workload_rpc("n1", "a"), b"legit", timeout=5)  # the node's agent may
         assert reply.data == b"ok" and got == [b"legit"]
@@ -408,8 +431,11 @@ async def test_the_agent_does_its_nodes_work_with_its_own_credential(bus: Secure
     local = bus.creds("local")
     log: list[str] = []
     try:
-        async with running(agent), AsyncTimeSliceClient("a", G, bus.url, creds=local) as a, \
-                AsyncTimeSliceClient("b", G, bus.url, creds=local) as b:
+        async with (
+            running(agent),
+            AsyncTimeSliceClient("a", G, bus.url, creds=local) as a,
+            AsyncTimeSliceClient("b", G, bus.url, creds=local) as b,
+        ):
             await a.register_workload(Recorder("a", log), node_id="n1")
             await b.register_workload(Recorder("b", log), node_id="n1")
             await a.acquire(timeout=10)
@@ -421,8 +447,9 @@ async def test_the_agent_does_its_nodes_work_with_its_own_credential(bus: Secure
             await b.release()
             reader, _ = await _conn(bus, "reader")
             try:
-                jobs = msgspec.json.decode((await reader.request(subjects.agent_rpc("n1", "status"), b"",
-                                                                 timeout=5)).data)
+                jobs = msgspec.json.decode(
+                    (await reader.request(subjects.agent_rpc("n1", "status"), b"", timeout=5)).data
+                )
                 assert {j["job"] for j in jobs} == {"a", "b"}
             finally:
                 await reader.close()
@@ -438,7 +465,11 @@ def test_permissions_name_no_secret_and_tags_follow_the_contract(bus: SecureBus)
     issued = bus.issued[str(path)]
     claims = decode_jwt(issued.jwt, issuer=bus.auth.account_key)
     assert claims["name"] == "job:a"
-    assert claims["nats"]["tags"] == ["timeslice-role:job", "timeslice-job:a", "timeslice-group:g1",
-                                      "timeslice-group:g2"]
+    assert claims["nats"]["tags"] == [
+        "timeslice-role:job",
+        "timeslice-job:a",
+        "timeslice-group:g1",
+        "timeslice-group:g2",
+    ]
     assert "_INBOX_job_a.>" in claims["nats"]["sub"]["allow"]
     assert os.fsdecode(issued.seed) not in issued.jwt

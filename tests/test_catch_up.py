@@ -34,8 +34,15 @@ LONG_MS = 600_000  # leases and waits that cannot expire during the test (no tic
 
 
 def _acquire(group: str, job: str, rid: str) -> Acquire:
-    return Acquire(group=group, job=job, request_id=rid, lease_ms=LONG_MS, timeout_ms=LONG_MS,
-                   waiter_ttl_ms=LONG_MS, confirm_ms=LONG_MS)
+    return Acquire(
+        group=group,
+        job=job,
+        request_id=rid,
+        lease_ms=LONG_MS,
+        timeout_ms=LONG_MS,
+        waiter_ttl_ms=LONG_MS,
+        confirm_ms=LONG_MS,
+    )
 
 
 async def test_restart_catches_up_the_backlog_then_binds_the_durable_after_it(nats_url: str) -> None:
@@ -67,8 +74,9 @@ async def test_restart_catches_up_the_backlog_then_binds_the_durable_after_it(na
             if i:
                 await js.publish(subjects.job(g, "j0", "acquire"), encode(_acquire(g, "j0", f"r-{g}-j0")))
             await js.publish(subjects.job(g, "j1", "acquire"), encode(_acquire(g, "j1", f"r-{g}-j1")))
-            await js.publish(subjects.job(g, "j0", "release"),
-                             encode(Release(group=g, job="j0", request_id=f"x-{g}", epoch=1)))
+            await js.publish(
+                subjects.job(g, "j0", "release"), encode(Release(group=g, job="j0", request_id=f"x-{g}", epoch=1))
+            )
             await js.publish(subjects.ctl(g, "tick"), encode(Tick(group=g)))
         await js.publish(subjects.job("g1", "j2", "acquire"), b"{not json")
         await js.publish(subjects.agent_op("n1"), b"an agent's operation fact, not an orchestrator input")
@@ -90,8 +98,10 @@ async def test_restart_catches_up_the_backlog_then_binds_the_durable_after_it(na
             assert info.config.opt_start_seq == head + 1
             assert info.config.filter_subjects == list(subjects.inputs)
             assert second.events_rejected == 1  # the malformed input, not the agent's fact
-            await eventually(lambda: {(g.group, g.job, g.epoch) for g in grants} >= {
-                (f"g{i}", "j1", 2) for i in range(GROUPS)}, what="every j1 granted at epoch 2")
+            await eventually(
+                lambda: {(g.group, g.job, g.epoch) for g in grants} >= {(f"g{i}", "j1", 2) for i in range(GROUPS)},
+                what="every j1 granted at epoch 2",
+            )
             info = await js.consumer_info(STREAM, "orchestrator")
             assert info.num_ack_pending == 0 and info.num_pending == 0
 

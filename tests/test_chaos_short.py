@@ -20,9 +20,27 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(420)
 def test_every_fault_kind_once_leaves_no_violation_and_no_long_stall(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "chaos.py"), "--minutes", "0.9", "--every", "5",
-                           "--groups", "2", "--jobs", "3", "--json-out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "chaos.py"),
+            "--minutes",
+            "0.9",
+            "--every",
+            "5",
+            "--groups",
+            "2",
+            "--jobs",
+            "3",
+            "--json-out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
     print(proc.stdout[-3000:])
     assert out.exists(), proc.stderr[-3000:]
     r = json.loads(out.read_text())

@@ -56,8 +56,19 @@ Msg = tuple[str, bytes]
 async def check_proc(nats_url: str, *args: str) -> tuple[int, str, str]:
     """``python -m timeslice_orchestrator check``, a real process: (rc, stdout, stderr)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "timeslice_cli", "--log-level", "warning", "check", "--nats-url", nats_url,
-        *args, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "timeslice_cli",
+        "--log-level",
+        "warning",
+        "check",
+        "--nats-url",
+        nats_url,
+        *args,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
@@ -112,15 +123,35 @@ def seq_of(sim: Sim, subject: str, tag: str, **fields: Any) -> int:
 
 
 def op_started(sim: Sim, cmd: Snapshot) -> int:
-    return inject(sim, subjects.agent_op(cmd.node), OpStarted(
-        op_id=cmd.op_id, group=sim.group, job=cmd.job, node=cmd.node, kind=OpKind.SNAPSHOT, epoch=cmd.epoch,
-        backend="app_channel"))
+    return inject(
+        sim,
+        subjects.agent_op(cmd.node),
+        OpStarted(
+            op_id=cmd.op_id,
+            group=sim.group,
+            job=cmd.job,
+            node=cmd.node,
+            kind=OpKind.SNAPSHOT,
+            epoch=cmd.epoch,
+            backend="app_channel",
+        ),
+    )
 
 
 def granted(sim: Sim, job: str, rid: str, epoch: int) -> int:
-    return inject(sim, subjects.notice(sim.group, job), Granted(
-        group=sim.group, job=job, request_id=rid, epoch=epoch, waited_ms=0, context_restored=False,
-        lease_deadline_ms=0))
+    return inject(
+        sim,
+        subjects.notice(sim.group, job),
+        Granted(
+            group=sim.group,
+            job=job,
+            request_id=rid,
+            epoch=epoch,
+            waited_ms=0,
+            context_restored=False,
+            lease_deadline_ms=0,
+        ),
+    )
 
 
 def two_jobs(group: str = "g") -> Sim:
@@ -162,8 +193,11 @@ def regression() -> tuple[Sim, tuple[int, ...], tuple[int, ...]]:
     sim = two_jobs()
     handoff(sim)
     high = granted(sim, "c", "c-1", 5)
-    inject(sim, subjects.notice(sim.group, "c"), Released(group=sim.group, job="c", request_id="c-1", epoch=5,
-                                                          pending_waiters=0, snapshot_deferred=True))
+    inject(
+        sim,
+        subjects.notice(sim.group, "c"),
+        Released(group=sim.group, job="c", request_id="c-1", epoch=5, pending_waiters=0, snapshot_deferred=True),
+    )
     sim.settle(sim.acquire("a", "a-again"))  # the core grants epoch 3: below the 5 that was published
     return sim, (3, 5), (high, notice(sim, "a", "granted", epoch=3))
 
@@ -242,8 +276,7 @@ async def test_a_failed_snapshot_of_a_faulted_job_is_not_a_context_left_loaded(n
     assert (rc, out) == (0, f"no violation in {len(sim.stream)} events (groups: g)\n")
 
 
-async def test_a_snapshot_answered_after_its_job_left_and_came_back_is_not_a_context_left_loaded(
-        nats_url: str) -> None:
+async def test_a_snapshot_answered_after_its_job_left_and_came_back_is_not_a_context_left_loaded(nats_url: str) -> None:
     """a's process dies during its snapshot and another process registers as a before the agent's check of a's
     processes ends the snapshot: the agent unregisters the old a first (its context went with its processes), the
     switch ends the snapshot as "job gone" and grants b, and the old snapshot's late failure is about processes
@@ -281,8 +314,7 @@ async def test_a_stuck_group_is_reported_in_stream_time(nats_url: str) -> None:
         await publish(nats_url, [(subjects.ctl("g", "tick"), encode(Tick(group="g")))])
         return [v for v in await violations(nats_url, "--stuck-after", "1s") if v["kind"] == "stuck-group"]
 
-    found: list[dict[str, Any]] = await eventually(stuck, timeout=20, interval=0.05,
-                                                   what="the group reported stuck")
+    found: list[dict[str, Any]] = await eventually(stuck, timeout=20, interval=0.05, what="the group reported stuck")
     (v,) = found
     assert v["group"] == "g" and v["jobs"] == ["b"] and v["epochs"] == [1], v
     assert {acquire, released} <= {e["seq"] for e in v["events"]}, v
@@ -300,9 +332,24 @@ def test_a_grant_after_its_acquires_deadline_is_to_a_departed_waiter() -> None:
     events = [StreamEvent(seq, ms, subj, data) for seq, ms, subj, data in sim.stream]
     acq = seq_of(sim, subjects.job("g", "b", "acquire"), "acquire")
     late = len(events) + 1
-    events.append(StreamEvent(late, events[-1].ts_ms + 5_000, subjects.notice("g", "b"), encode(Granted(
-        group="g", job="b", request_id="b-w", epoch=2, waited_ms=5_000, context_restored=False,
-        lease_deadline_ms=0))))
+    events.append(
+        StreamEvent(
+            late,
+            events[-1].ts_ms + 5_000,
+            subjects.notice("g", "b"),
+            encode(
+                Granted(
+                    group="g",
+                    job="b",
+                    request_id="b-w",
+                    epoch=2,
+                    waited_ms=5_000,
+                    context_restored=False,
+                    lease_deadline_ms=0,
+                )
+            ),
+        )
+    )
     report = check_events(events)
     (v,) = [v for v in report.violations if v.kind == "grant-to-departed"]
     assert v.epochs == (2,) and [e.seq for e in v.events] == [acq, late] and "timeout_ms=1000" in v.detail
@@ -369,8 +416,11 @@ async def agent(nats_url: str) -> AsyncIterator[Agent]:
 @pytest.mark.usefixtures("orchestrator", "agent")
 async def test_a_real_run_has_no_violation(nats_url: str) -> None:
     g = "greal"
-    async with AsyncTimeSliceClient("a", g, nats_url) as a, AsyncTimeSliceClient("b", g, nats_url) as b, \
-            AsyncTimeSliceClient("c", g, nats_url) as c:
+    async with (
+        AsyncTimeSliceClient("a", g, nats_url) as a,
+        AsyncTimeSliceClient("b", g, nats_url) as b,
+        AsyncTimeSliceClient("c", g, nats_url) as c,
+    ):
         for client in (a, b, c):
             await client.register_workload(Noop(), node_id=NODE)
         await a.acquire(timeout=10)
@@ -418,7 +468,8 @@ async def test_group_and_since_filter(nats_url: str) -> None:
     g2 = sum(1 for _, _, s, d in good.stream if group_of(s, d) == "g2")  # without the agents' commands
     assert (rc, out) == (0, f"no violation in {g2} events (groups: g2)\n")
     assert [(v["kind"], v["rules"]) for v in await violations(nats_url, "--group", "g")] == [
-        ("grant-to-departed", ["grant-agrees-with-fold"])]  # the fold saw the grant it never decided too
+        ("grant-to-departed", ["grant-agrees-with-fold"])
+    ]  # the fold saw the grant it never decided too
     rc, out = await check_here(nats_url)
     assert rc == 1 and out.rstrip().endswith(f"in {total} events (groups: g, g2)"), out
 
@@ -436,8 +487,10 @@ async def test_group_and_since_filter(nats_url: str) -> None:
         await publish(nats_url, [(subjects.ctl("g2", "tick"), encode(Tick(group="g2")))])
         return None
 
-    stream: list[tuple[int, int, str, bytes]] = await eventually(after_the_grant,  # type: ignore[arg-type]
-                                                                 what="a later message")
+    stream: list[tuple[int, int, str, bytes]] = await eventually(
+        after_the_grant,  # type: ignore[arg-type]
+        what="a later message",
+    )
     cut_ms = stream[injected - 1][1] + 1
     iso = (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=cut_ms)).isoformat()
     rc, out = await check_here(nats_url, "--since", iso)

@@ -24,8 +24,11 @@ def _orchestrator(url: str) -> Orchestrator:
 
 async def _acquires(url: str, group: str, job: str) -> list[Acquire]:
     stream = await read_stream(url)
-    return [ev for _, _, subj, data in stream if subj == subjects.job(group, job, "acquire")
-            and isinstance(ev := decode_input(data), Acquire)]
+    return [
+        ev
+        for _, _, subj, data in stream
+        if subj == subjects.job(group, job, "acquire") and isinstance(ev := decode_input(data), Acquire)
+    ]
 
 
 async def _checked(url: str, stream: list[tuple[int, int, str, bytes]] | None = None) -> StreamChecker:
@@ -55,8 +58,11 @@ async def test_reacquire_after_an_unwaited_release_is_granted_by_the_stream_alon
         stream = await read_stream(nats_url)
         checker = await _checked(nats_url, stream)
         assert checker.stats["gc1"].grants == 2 and checker.unpublished_grants() == []
-        grants = [n for _, _, subj, data in stream if subj == subjects.notice("gc1", "job-a")
-                  and isinstance(n := decode_notice(data), Granted)]
+        grants = [
+            n
+            for _, _, subj, data in stream
+            if subj == subjects.notice("gc1", "job-a") and isinstance(n := decode_notice(data), Granted)
+        ]
         assert [(n.epoch, n.request_id) for n in grants][-1] == (2, claim.request_id)
 
 
@@ -89,8 +95,11 @@ async def test_a_claim_superseded_by_another_jobs_request_waits_its_turn(nats_ur
 
 
 async def test_no_claim_after_a_phase_event_or_when_turned_off(nats_url: str) -> None:
-    async with running(_orchestrator(nats_url)), AsyncTimeSliceClient("a", "gc3", nats_url) as a, \
-                AsyncTimeSliceClient("b", "gc4", nats_url, fast_reacquire=False) as b:
+    async with (
+        running(_orchestrator(nats_url)),
+        AsyncTimeSliceClient("a", "gc3", nats_url) as a,
+        AsyncTimeSliceClient("b", "gc4", nats_url, fast_reacquire=False) as b,
+    ):
         # this nats-server (>= 2.11) can check a claim (a's stream is asked at its first release); b turned them off
         assert a._claims is None and b._claims is False
         await a.acquire(timeout=10)
@@ -122,11 +131,24 @@ async def test_a_stored_claim_whose_pubacks_were_lost_ends_as_the_same_grant(nat
         nc = await connect(nats_url)
         try:
             js = nc.jetstream()
-            ev = Acquire(group="gc5", job="a", request_id="lost-attempt", lease_ms=a.lease_ms, timeout_ms=0,
-                         waiter_ttl_ms=a.waiter_ttl_ms, confirm_ms=a.confirm_ms, claim_epoch=claim.epoch)
-            await js.publish(subjects.job("gc5", "a", "acquire"), msgspec.json.encode(ev), headers={
-                "Nats-Expected-Last-Subject-Sequence": str(claim.after_seq),
-                "Nats-Expected-Last-Subject-Sequence-Subject": subjects.job_inputs("gc5")})
+            ev = Acquire(
+                group="gc5",
+                job="a",
+                request_id="lost-attempt",
+                lease_ms=a.lease_ms,
+                timeout_ms=0,
+                waiter_ttl_ms=a.waiter_ttl_ms,
+                confirm_ms=a.confirm_ms,
+                claim_epoch=claim.epoch,
+            )
+            await js.publish(
+                subjects.job("gc5", "a", "acquire"),
+                msgspec.json.encode(ev),
+                headers={
+                    "Nats-Expected-Last-Subject-Sequence": str(claim.after_seq),
+                    "Nats-Expected-Last-Subject-Sequence-Subject": subjects.job_inputs("gc5"),
+                },
+            )
         finally:
             await nc.close()
         g = await a.acquire(timeout=10)  # the client's own claim is refused now: it asks plainly

@@ -40,8 +40,9 @@ def _env() -> dict[str, str]:
 
 
 def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT,
-                          check=False)
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT, check=False
+    )
 
 
 def _one_clear_line(r: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -104,16 +105,25 @@ def test_global_flags_after_the_command() -> None:
 
 
 def test_a_command_whose_module_fails_to_import_says_so() -> None:
-    code = ("import sys; sys.modules['timeslice_cli._auth'] = None; from timeslice_cli import main; "
-            "sys.exit(main(['auth', 'init']))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env(),
-                       check=False)
+    code = (
+        "import sys; sys.modules['timeslice_cli._auth'] = None; from timeslice_cli import main; "
+        "sys.exit(main(['auth', 'init']))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env(), check=False
+    )
     _one_clear_line(r, "cannot load", "timeslice-server")
 
 
 def test_the_service_packages_point_to_the_command() -> None:
-    r = subprocess.run([sys.executable, "-m", "timeslice_orchestrator", "status"], capture_output=True, text=True,
-                       timeout=60, env=_env(), check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "timeslice_orchestrator", "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+        check=False,
+    )
     assert r.returncode == 2 and "timeslice_cli" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
@@ -133,8 +143,10 @@ async def test_clear_fault_exits_non_zero_when_refused(nats_url: str) -> None:
 
 
 def test_agent_status_for_a_node_without_an_agent_is_one_line(nats_url: str) -> None:
-    _one_clear_line(_run("agent-status", "--node-id", "nosuch", "--timeout", "1", "--nats-url", nats_url),
-                    "no agent answers for node 'nosuch'")
+    _one_clear_line(
+        _run("agent-status", "--node-id", "nosuch", "--timeout", "1", "--nats-url", nats_url),
+        "no agent answers for node 'nosuch'",
+    )
 
 
 def test_an_unreachable_server_is_one_line() -> None:
@@ -184,11 +196,13 @@ async def test_status_watch_into_a_file_writes_no_control_codes(nats_url: str, t
     await _fill(nats_url, 1)
     out = tmp_path / "watch.txt"
     with open(out, "wb") as f:
-        proc = subprocess.Popen([*CLI, "status", "--watch", "--nats-url", nats_url], stdout=f,
-                                stderr=subprocess.PIPE, env=_env(), cwd=ROOT)
+        proc = subprocess.Popen(
+            [*CLI, "status", "--watch", "--nats-url", nats_url], stdout=f, stderr=subprocess.PIPE, env=_env(), cwd=ROOT
+        )
     try:
-        await asyncio.to_thread(eventually_sync, lambda: out.read_text().count("GROUP") >= 2, timeout=20,
-                                what="two frames written")
+        await asyncio.to_thread(
+            eventually_sync, lambda: out.read_text().count("GROUP") >= 2, timeout=20, what="two frames written"
+        )
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(20)
@@ -219,8 +233,14 @@ async def test_status_watch_on_a_terminal_fits_its_width(nats_url: str, tmp_path
         # stderr to a file, not a pipe nobody reads: a pipe that fills would block the CLI and look like a hang
         err = tmp_path / "stderr.txt"
         with err.open("wb") as err_file:
-            proc = subprocess.Popen([*CLI, "status", "--watch", "--nats-url", nats_url], stdin=slave, stdout=slave,
-                                    stderr=err_file, env=env, cwd=ROOT)
+            proc = subprocess.Popen(
+                [*CLI, "status", "--watch", "--nats-url", nats_url],
+                stdin=slave,
+                stdout=slave,
+                stderr=err_file,
+                env=env,
+                cwd=ROOT,
+            )
         os.close(slave)
         seen = b""
         try:

@@ -38,34 +38,38 @@ from .workers import read_stream
 GROUP = "gcl"
 
 
-
-
 # --------------------------------------------------------------------------- parse_servers
 
 
-@pytest.mark.parametrize(("text", "servers"), [
-    ("nats://127.0.0.1:4222", ["nats://127.0.0.1:4222"]),
-    ("nats://a:1, nats://b:2 ,tls://c:3", ["nats://a:1", "nats://b:2", "tls://c:3"]),
-    ("a:1,b", ["nats://a:1", "nats://b"]),
-    ("nats://user:pw@h:4222", ["nats://user:pw@h:4222"]),
-    ("ws://h:8080/nats,wss://g:443", ["ws://h:8080/nats", "wss://g:443"]),
-])
+@pytest.mark.parametrize(
+    ("text", "servers"),
+    [
+        ("nats://127.0.0.1:4222", ["nats://127.0.0.1:4222"]),
+        ("nats://a:1, nats://b:2 ,tls://c:3", ["nats://a:1", "nats://b:2", "tls://c:3"]),
+        ("a:1,b", ["nats://a:1", "nats://b"]),
+        ("nats://user:pw@h:4222", ["nats://user:pw@h:4222"]),
+        ("ws://h:8080/nats,wss://g:443", ["ws://h:8080/nats", "wss://g:443"]),
+    ],
+)
 def test_parse_servers_reads_lists(text: str, servers: list[str]) -> None:
     assert parse_servers(text) == servers
     assert parse_servers(text.split(",")) == servers
 
 
-@pytest.mark.parametrize(("text", "bad"), [
-    ("nats://a:1,,nats://b:2", ""),
-    ("nats://a:1,http://b:2", "http://b:2"),
-    ("nats://a:1,nats://:2", "nats://:2"),
-    ("nats://a:1,nats://b:99999", "nats://b:99999"),
-    ("nats://a:x", "nats://a:x"),
-    ("nats://a:0", "nats://a:0"),
-    ("nats://a:1/path", "nats://a:1/path"),
-    ("nats://a:1,ws://b:2", "ws://b:2"),
-    ("", ""),
-])
+@pytest.mark.parametrize(
+    ("text", "bad"),
+    [
+        ("nats://a:1,,nats://b:2", ""),
+        ("nats://a:1,http://b:2", "http://b:2"),
+        ("nats://a:1,nats://:2", "nats://:2"),
+        ("nats://a:1,nats://b:99999", "nats://b:99999"),
+        ("nats://a:x", "nats://a:x"),
+        ("nats://a:0", "nats://a:0"),
+        ("nats://a:1/path", "nats://a:1/path"),
+        ("nats://a:1,ws://b:2", "ws://b:2"),
+        ("", ""),
+    ],
+)
 def test_parse_servers_names_the_bad_entry(text: str, bad: str) -> None:
     with pytest.raises(InvalidNatsUrl) as info:
         parse_servers(text)
@@ -155,8 +159,10 @@ async def test_handoffs_survive_killing_the_stream_leader(cluster: NatsCluster) 
             try:
                 await eventually(lambda: len(log.after(t_kill)) >= 30, timeout=40, what="30 handoffs after the kill")
             except AssertionError:
-                print(f"\nstuck: {len(log.after(t_kill))} grants after the kill; tasks {tasks}; lost {log.lost}; "
-                      f"record {await a.status()}")
+                print(
+                    f"\nstuck: {len(log.after(t_kill))} grants after the kill; tasks {tasks}; lost {log.lost}; "
+                    f"record {await a.status()}"
+                )
                 raise
             first_after = log.after(t_kill)[0][0] - t_kill
             new_leader = await cluster.stream_leader(STREAM)
@@ -164,8 +170,11 @@ async def test_handoffs_survive_killing_the_stream_leader(cluster: NatsCluster) 
             await cluster.restart(leader)
             await cluster.wait_current(STREAM)
             caught_up = time.monotonic() - t_restart
-            await eventually(lambda: len(log.after(time.monotonic() - 0.5)) >= 5 or
-                             len(log.after(t_restart)) >= 30, timeout=30, what="handoffs after the restart")
+            await eventually(
+                lambda: len(log.after(time.monotonic() - 0.5)) >= 5 or len(log.after(t_restart)) >= 30,
+                timeout=30,
+                what="handoffs after the restart",
+            )
             log.stop.set()
             done = await asyncio.wait_for(asyncio.gather(*tasks), 60)
         finally:
@@ -178,11 +187,13 @@ async def test_handoffs_survive_killing_the_stream_leader(cluster: NatsCluster) 
         gaps = [y - x for x, y in itertools.pairwise(times)]
         around = [y - x for x, y in itertools.pairwise(times) if y > t_kill and x < t_kill + 30]
         typical = sorted(gaps)[len(gaps) // 2]
-        print(f"\ncluster: killed stream leader n{leader} (new leader n{new_leader}): first grant "
-              f"{first_after:.2f} s after the kill, longest gap between grants {max(around):.2f} s "
-              f"(median gap {typical * 1000:.1f} ms); restarted node caught up in {caught_up:.2f} s; "
-              f"{len(log.grants)} grants ({done[0]} + {done[1]}), {len(log.lost)} holds lost in the stall {log.lost}, "
-              f"{log.unanswered} releases unanswered within 5 s")
+        print(
+            f"\ncluster: killed stream leader n{leader} (new leader n{new_leader}): first grant "
+            f"{first_after:.2f} s after the kill, longest gap between grants {max(around):.2f} s "
+            f"(median gap {typical * 1000:.1f} ms); restarted node caught up in {caught_up:.2f} s; "
+            f"{len(log.grants)} grants ({done[0]} + {done[1]}), {len(log.lost)} holds lost in the stall {log.lost}, "
+            f"{log.unanswered} releases unanswered within 5 s"
+        )
         epochs = [g[2] for g in log.grants]
         assert len(set(epochs)) == len(epochs)
         assert {g[1] for g in log.grants} == {"job-a", "job-b"}
@@ -219,8 +230,9 @@ def test_the_orchestrator_process_takes_a_comma_separated_url(
 
     asyncio.run(restart_with_one_replica())
     warned = [r.getMessage() for r in caplog.records if r.name == "timeslice.bus"]
-    assert any(f"stream {STREAM} has 3 replica(s) but 1 were asked for" in m and "--replicas 1" in m
-               for m in warned), warned
+    assert any(f"stream {STREAM} has 3 replica(s) but 1 were asked for" in m and "--replicas 1" in m for m in warned), (
+        warned
+    )
     assert asyncio.run(cluster.stream_info_replicas(STREAM))[1] == 3  # kept as it was
 
 
@@ -242,8 +254,11 @@ async def test_a_check_refused_for_a_write_in_flight_counts_as_superseded(cluste
         last = (await js.publish("claims.g.a", b"0")).seq
 
         async def claim(i: int) -> int:
-            check = {"Nats-Msg-Id": f"c{i}", "Nats-Expected-Last-Subject-Sequence": str(last),
-                     "Nats-Expected-Last-Subject-Sequence-Subject": "claims.g.>"}
+            check = {
+                "Nats-Msg-Id": f"c{i}",
+                "Nats-Expected-Last-Subject-Sequence": str(last),
+                "Nats-Expected-Last-Subject-Sequence-Subject": "claims.g.>",
+            }
             return await publish_stored(js, "claims.g.a", b"c", headers=check, timeout=5, nats_url=cluster.url)
 
         results = await asyncio.gather(*(claim(i) for i in range(4)), return_exceptions=True)
@@ -288,13 +303,17 @@ async def test_no_claims_on_a_replicated_stream(cluster: NatsCluster) -> None:
                 await a.acquire(timeout=20)
                 await a.release()
             assert a._claims is False
-        acquires = [msgspec.json.decode(data) for _, _, subject, data in await read_stream(cluster.url)
-                    if subject == subjects.job("gnoclaim", "job-a", "acquire")]
+        acquires = [
+            msgspec.json.decode(data)
+            for _, _, subject, data in await read_stream(cluster.url)
+            if subject == subjects.job("gnoclaim", "job-a", "acquire")
+        ]
         assert len(acquires) == 3 and all(x["claim_epoch"] is None for x in acquires), acquires
 
 
-async def test_an_orchestrator_started_before_the_cluster_answers_waits_for_it(cluster: NatsCluster,
-                                                                               tmp_path: Path) -> None:
+async def test_an_orchestrator_started_before_the_cluster_answers_waits_for_it(
+    cluster: NatsCluster, tmp_path: Path
+) -> None:
     """Two of three servers down: JetStream has no quorum and its API does not answer. An orchestrator (a standby
     started beside a busy cluster, in bench/stream_leader.py) used to exit on the first unanswered stream lookup;
     it waits, says why, and is ready once the cluster answers."""
@@ -304,8 +323,12 @@ async def test_an_orchestrator_started_before_the_cluster_answers_waits_for_it(c
     orch = OrchestratorProcess(cluster.urls[0], log, args=("--replicas", "3"))
     orch.start()
     try:
-        await eventually(lambda: "not answering yet" in log.read_text(errors="replace"), timeout=60, interval=0.1,
-                         what="the orchestrator says it waits for the stream")
+        await eventually(
+            lambda: "not answering yet" in log.read_text(errors="replace"),
+            timeout=60,
+            interval=0.1,
+            what="the orchestrator says it waits for the stream",
+        )
         assert orch.proc is not None and orch.proc.poll() is None, log.read_text(errors="replace")
         await cluster.restart(1)
         await cluster.restart(2)
@@ -322,6 +345,7 @@ def test_jetstream_temporarily_unavailable_is_retried() -> None:
     from nats.js.errors import APIError, ServiceUnavailableError
     from timeslice_client._publish_rules import transient
 
-    assert transient(ServiceUnavailableError(code=503, err_code=10008,
-                                             description="JetStream system temporarily unavailable"))
+    assert transient(
+        ServiceUnavailableError(code=503, err_code=10008, description="JetStream system temporarily unavailable")
+    )
     assert not transient(APIError(code=400, err_code=10058, description="stream name already in use"))

@@ -155,7 +155,11 @@ def test_switch_snapshots_then_restores_and_grants_only_after_every_restore() ->
     cmds = commands(actions)
     # The restores go out with the snapshots; on each node the agent runs its restore after the snapshot there.
     assert [(type(c), c.job, c.node, c.epoch) for c in cmds] == [
-        (Snapshot, "a", "n1", 2), (Snapshot, "a", "n2", 2), (Restore, "b", "n1", 2), (Restore, "b", "n2", 2)]
+        (Snapshot, "a", "n1", 2),
+        (Snapshot, "a", "n2", 2),
+        (Restore, "b", "n1", 2),
+        (Restore, "b", "n2", 2),
+    ]
     snaps, restores = cmds[:2], cmds[2:]
     assert [r.after for r in restores] == [(snaps[0].op_id,), (snaps[1].op_id,)]  # type: ignore[union-attr]
     # A restore's deadline counts from when the snapshot it follows is due.
@@ -476,8 +480,9 @@ def test_waiter_leaving_mid_switch_lets_its_issued_restore_finish_without_a_gran
     assert (snap_b.job, restore_c.job, restore_c.after) == ("b", "c", (snap_b.op_id,))  # type: ignore[union-attr]
 
 
-def _one_node_switch(out: str = "a", incoming: str = "b",
-                     **acquire: Any) -> tuple[Sim, Snapshot | Restore, Snapshot | Restore]:
+def _one_node_switch(
+    out: str = "a", incoming: str = "b", **acquire: Any
+) -> tuple[Sim, Snapshot | Restore, Snapshot | Restore]:
     """Jobs a and b registered on n1; ``out`` holds, ``incoming`` waits, ``out`` releases: the switch's snapshot
     and restore (queued after it on n1)."""
     sim = Sim()
@@ -551,8 +556,13 @@ def test_a_claim_after_an_unwaited_release_is_granted_at_the_claimed_epoch() -> 
     ev = _claim(sim, "a", first.epoch + 1)
     actions = sim(ev)
     (g,) = notices(actions, Granted)
-    assert (g.job, g.epoch, g.request_id, g.waited_ms, g.context_restored) == ("a", first.epoch + 1,
-                                                                                 ev.request_id, 0, False)
+    assert (g.job, g.epoch, g.request_id, g.waited_ms, g.context_restored) == (
+        "a",
+        first.epoch + 1,
+        ev.request_id,
+        0,
+        False,
+    )
     assert commands(actions) == [] and sim.rec.holder is not None and not sim.rec.holder.confirmed
 
 

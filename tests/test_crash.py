@@ -55,20 +55,56 @@ def test_orchestrator_sigkilled_repeatedly_during_handoffs(
     group = "crash"
     total = ROUNDS * len(JOBS) + SLOW_ROUNDS
     workers = [
-        Worker(tmp_path, nats_url, group, job, mode="loop", rounds=ROUNDS, hold_ms=rng.choice([0, 1, 3]),
-               client=kind, wait_start=True,
-               # a restart takes about a second; a release must outwait it rather than fail
-               request_timeout=30, acquire_timeout=120)
+        Worker(
+            tmp_path,
+            nats_url,
+            group,
+            job,
+            mode="loop",
+            rounds=ROUNDS,
+            hold_ms=rng.choice([0, 1, 3]),
+            client=kind,
+            wait_start=True,
+            # a restart takes about a second; a release must outwait it rather than fail
+            request_timeout=30,
+            acquire_timeout=120,
+        )
         for job, kind in JOBS.items()
     ]
     # One job holds long enough to renew its lease (and confirm its grants) across restarts.
-    slow = Worker(tmp_path, nats_url, group, "slow", mode="loop", rounds=SLOW_ROUNDS, hold_ms=1500,
-                  gap_ms=1000, lease_seconds=3, client="async", wait_start=True, request_timeout=30,
-                  acquire_timeout=120)
+    slow = Worker(
+        tmp_path,
+        nats_url,
+        group,
+        "slow",
+        mode="loop",
+        rounds=SLOW_ROUNDS,
+        hold_ms=1500,
+        gap_ms=1000,
+        lease_seconds=3,
+        client="async",
+        wait_start=True,
+        request_timeout=30,
+        acquire_timeout=120,
+    )
     workers.append(slow)
-    pair = [Worker(tmp_path, nats_url, "crash-pair", job, mode="loop", rounds=rounds, hold_ms=1, gap_ms=gap,
-                   client=kind, wait_start=True, request_timeout=30, acquire_timeout=120)
-            for job, (kind, gap, rounds) in PAIR.items()]
+    pair = [
+        Worker(
+            tmp_path,
+            nats_url,
+            "crash-pair",
+            job,
+            mode="loop",
+            rounds=rounds,
+            hold_ms=1,
+            gap_ms=gap,
+            client=kind,
+            wait_start=True,
+            request_timeout=30,
+            acquire_timeout=120,
+        )
+        for job, (kind, gap, rounds) in PAIR.items()
+    ]
     pair_total = sum(rounds for _, _, rounds in PAIR.values())
     orch = orchestrator_process
     kills: list[tuple[str, int, float]] = []  # (where, grants logged at the kill, seconds down)
@@ -87,8 +123,7 @@ def test_orchestrator_sigkilled_repeatedly_during_handoffs(
         return f"seed={seed} kills={kills} " + " | ".join(w.describe() for w in workers + pair)
 
     try:
-        eventually_sync(lambda: all(w.last("ready") for w in workers + pair), timeout=START,
-                        what="workers connected")
+        eventually_sync(lambda: all(w.last("ready") for w in workers + pair), timeout=START, what="workers connected")
         for w in workers + pair:
             w.usr1()
         # The first kill lands while the slow job holds (its lease renewals cross the restart; nobody else
@@ -100,8 +135,11 @@ def test_orchestrator_sigkilled_repeatedly_during_handoffs(
             if i == 0:
                 eventually_sync(slow_holding, timeout=60, what=f"the slow job holds ({context()})")
             else:
-                eventually_sync(lambda t=target: progress() >= t or finished(), timeout=60,  # type: ignore[misc]
-                                what=f"handoffs go on ({context()})")
+                eventually_sync(
+                    lambda t=target: progress() >= t or finished(),
+                    timeout=60,  # type: ignore[misc]
+                    what=f"handoffs go on ({context()})",
+                )
             if finished():
                 break
             time.sleep(rng.uniform(0.0, 0.01))  # a random instant to kill at, not a wait for anything
@@ -146,7 +184,9 @@ def test_orchestrator_sigkilled_repeatedly_during_handoffs(
         with TimeSliceClient("observer", "observer", nats_url) as obs:
             rec = eventually_sync(
                 lambda: (r := obs.status(group)).holder is None and not r.queue and r.switch is None and r,
-                timeout=20, what="group idle")
+                timeout=20,
+                what="group idle",
+            )
             assert rec.state == GroupState.IDLE_YIELDED
             stream = asyncio.run(read_stream(nats_url))
             checker = StreamChecker()
@@ -160,13 +200,18 @@ def test_orchestrator_sigkilled_repeatedly_during_handoffs(
             assert st.grants_by_job == {**dict.fromkeys(JOBS, ROUNDS), "slow": SLOW_ROUNDS}
             assert st.revocations == 0, "a lease or confirmation window ran out during a restart"
             assert st.releases >= total  # re-issued Released notices count as well
-            eventually_sync(lambda: obs.status(group) == checker.records[group], timeout=20,
-                            what="the stored record is the fold of the stream")
+            eventually_sync(
+                lambda: obs.status(group) == checker.records[group],
+                timeout=20,
+                what="the stored record is the fold of the stream",
+            )
             ps = checker.stats["crash-pair"]
             assert ps.grants == ps.fold_grants == pair_total and ps.revocations == 0
             assert ps.claims > 0, "no release of the pair found the group free: no claim was tested"
-        print(f"crash test: seed={seed} handoffs={total} kills={kills} stream={len(stream)} msgs "
-              f"re-issued grants={st.repeated_grants}; pair: {ps.grants} grants, {ps.claims} of them claims")
+        print(
+            f"crash test: seed={seed} handoffs={total} kills={kills} stream={len(stream)} msgs "
+            f"re-issued grants={st.repeated_grants}; pair: {ps.grants} grants, {ps.claims} of them claims"
+        )
     finally:
         for w in workers:
             w.close()
@@ -186,8 +231,9 @@ def test_release_during_a_long_outage_hands_over_cleanly(
         eventually_sync(lambda: holder.last("granted"), timeout=START, what="holder granted")
         waiter = Worker(tmp_path, nats_url, group, "waiter", mode="wait", acquire_timeout=60, request_timeout=60)
         with TimeSliceClient("observer", "observer", nats_url) as obs:
-            eventually_sync(lambda: [w.job for w in obs.status(group).queue] == ["waiter"], timeout=START,
-                            what="waiter queued")
+            eventually_sync(
+                lambda: [w.job for w in obs.status(group).queue] == ["waiter"], timeout=START, what="waiter queued"
+            )
         orch.kill()
         holder.usr1()  # releases into the stream while nobody applies it
         release_subject = subjects.job(group, "holder", "release")
@@ -196,11 +242,16 @@ def test_release_during_a_long_outage_hands_over_cleanly(
         def outage_outlived_confirm_window() -> bool:
             stream = asyncio.run(read_stream(nats_url))
             released = [ms for _, ms, subj, _ in stream if subj == release_subject]
-            return bool(released) and any(subj == renew_subject and ms > released[0] + 3000
-                                          for _, ms, subj, _ in stream)
+            return bool(released) and any(
+                subj == renew_subject and ms > released[0] + 3000 for _, ms, subj, _ in stream
+            )
 
-        eventually_sync(outage_outlived_confirm_window, timeout=20, interval=0.2,
-                        what="the waiter renewed its wait past the confirmation window")
+        eventually_sync(
+            outage_outlived_confirm_window,
+            timeout=20,
+            interval=0.2,
+            what="the waiter renewed its wait past the confirmation window",
+        )
         orch.start()
         orch.wait_ready()
         for w in (holder, waiter):

@@ -28,9 +28,13 @@ SHORT = ["--jobs", "2", "--steps", "3", "--hidden", "256", "--reward-latency-ms"
 def run_demo(tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
     workdir, report = tmp_path / "demo", tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "timeslice_cli", "demo", *SHORT, "--workdir", str(workdir),
-         "-o", str(report), *extra],
-        check=False, capture_output=True, text=True, timeout=150, env=env, cwd=ROOT,
+        [sys.executable, "-m", "timeslice_cli", "demo", *SHORT, "--workdir", str(workdir), "-o", str(report), *extra],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return json.loads(report.read_text()), proc.stdout

@@ -203,7 +203,7 @@ def _block(conf: str, name: str) -> str:
     while depth:
         depth += {"{": 1, "}": -1}.get(conf[i], 0)
         i += 1
-    return conf[match.end():i - 1]
+    return conf[match.end() : i - 1]
 
 
 def _listen_port(conf: str) -> int:
@@ -233,14 +233,21 @@ def _auth_cli() -> bool:
 def _auth_conf(tmp: Path) -> str:
     if _auth_cli():
         d = tmp / "auth-dir"
-        subprocess.run([sys.executable, "-m", "timeslice_cli", "auth", "init", "--dir", str(d)],
-                       check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [sys.executable, "-m", "timeslice_cli", "auth", "init", "--dir", str(d)],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         return (d / "nats-auth.conf").read_text()
     from .grpc_identity_helpers import auth_conf_text
 
     operator, system, account = new_key(0x70), new_account(), new_account()  # 0x70: nkeys.PREFIX_BYTE_OPERATOR
-    return auth_conf_text(operator, system, {public(system): account_jwt(system, operator, name="SYS"),
-                                             public(account): account_jwt(account, operator)})
+    return auth_conf_text(
+        operator,
+        system,
+        {public(system): account_jwt(system, operator, name="SYS"), public(account): account_jwt(account, operator)},
+    )
 
 
 def _nats_check(tmp: Path, conf: str, files: dict[str, str]) -> None:
@@ -256,8 +263,9 @@ def _nats_check(tmp: Path, conf: str, files: dict[str, str]) -> None:
         dest = root / path.lstrip("/")
         dest.parent.mkdir(parents=True, exist_ok=True)
         if what == "config":
-            dest.write_text(conf.replace("/etc/nats/", f"{root}/etc/nats/").replace("store_dir: /data",
-                                                                                    f"store_dir: {tmp}/data"))
+            dest.write_text(
+                conf.replace("/etc/nats/", f"{root}/etc/nats/").replace("store_dir: /data", f"store_dir: {tmp}/data")
+            )
         elif "auth" in what:
             dest.write_text(auth)
         elif what.endswith(("ca", "ca.crt")):
@@ -266,8 +274,14 @@ def _nats_check(tmp: Path, conf: str, files: dict[str, str]) -> None:
             dest.write_bytes(pki.server_key.read_bytes())
         else:
             dest.write_bytes(pki.server_cert.read_bytes())
-    done = subprocess.run([server, "-t", "-c", str(root / config.lstrip("/"))], env={"SERVER_NAME": "nats-0"},
-                          capture_output=True, text=True, timeout=30, check=False)
+    done = subprocess.run(
+        [server, "-t", "-c", str(root / config.lstrip("/"))],
+        env={"SERVER_NAME": "nats-0"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -316,7 +330,8 @@ def test_k8s_nats_is_a_three_server_jetstream_cluster() -> None:
     assert mounts[_conf_value(conf, "store_dir")] in {t["metadata"]["name"] for t in spec["volumeClaimTemplates"]}
     config_volume = {v["name"]: v for v in pod["volumes"]}[mounts[str(Path(c["args"][-1]).parent)]]
     assert {"name": "nats-config", "items": [{"key": "nats.conf", "path": "nats.conf"}]} in [
-        src.get("configMap") for src in config_volume["projected"]["sources"]]
+        src.get("configMap") for src in config_volume["projected"]["sources"]
+    ]
     monitor = _conf_value(conf, "http")
     assert monitor.startswith("127.0.0.1:"), "monitoring (/connz, /subsz ...) stays inside the pod"
     ready = " ".join(c["readinessProbe"]["exec"]["command"])
@@ -335,8 +350,9 @@ def _projected_files(pod: dict[str, Any], container: dict[str, Any]) -> dict[str
         for src in volumes.get(m["name"], {}).get("projected", {}).get("sources", []):  # (PVCs: not here)
             kind, ref = next(iter(src.items()))
             for item in ref["items"]:
-                files[f"{m['mountPath']}/{item['path']}"] = "config" if kind == "configMap" else \
-                    f"{ref['name']}:{item['key']}"
+                files[f"{m['mountPath']}/{item['path']}"] = (
+                    "config" if kind == "configMap" else f"{ref['name']}:{item['key']}"
+                )
     return files
 
 
@@ -414,8 +430,10 @@ def test_k8s_manifests_match_the_kubernetes_schemas(version: str) -> None:
             try:
                 kv.validate(doc, version, strict=True)  # strict: an unknown field is an error too
             except Exception as exc:  # kubernetes_validate raises its own and jsonschema's ValidationError
-                pytest.fail(f"{f.name}: {doc['kind']}/{doc['metadata']['name']} is not a valid {version} object: "
-                            f"{str(exc).splitlines()[0]}")
+                pytest.fail(
+                    f"{f.name}: {doc['kind']}/{doc['metadata']['name']} is not a valid {version} object: "
+                    f"{str(exc).splitlines()[0]}"
+                )
 
 
 # ---------------------------------------------------------------------------------------------- image

@@ -53,8 +53,11 @@ def _secret_mounts(doc: dict[str, Any]) -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for m in c.get("volumeMounts", []):
         v = volumes.get(m["name"], {})
-        names = [v["secret"]["secretName"]] if "secret" in v else [
-            src["secret"]["name"] for src in v.get("projected", {}).get("sources", []) if "secret" in src]
+        names = (
+            [v["secret"]["secretName"]]
+            if "secret" in v
+            else [src["secret"]["name"] for src in v.get("projected", {}).get("sources", []) if "secret" in src]
+        )
         for n in names:
             out.setdefault(n, set()).add(m["mountPath"])
     return out
@@ -70,8 +73,9 @@ def _under(path: str, dirs: set[str]) -> bool:
 
 def test_nats_requires_auth_and_tls() -> None:
     for where, conf in (("k8s", _nats_conf()), ("compose", _compose_conf())):
-        assert re.search(r'^\s*include\s+"nats-auth\.conf"', conf, flags=re.MULTILINE), \
+        assert re.search(r'^\s*include\s+"nats-auth\.conf"', conf, flags=re.MULTILINE), (
             f"{where}: nats.conf must include the operator-mode snippet of `timeslice auth server-config`"
+        )
         for key in ("authorization", "no_auth_user", "accounts", "users", "allow_non_tls"):
             assert not re.search(rf"^\s*{key}\b", conf, flags=re.MULTILINE), f"{where}: {key} bypasses the auth"
         top = re.sub(r"^\s*(jetstream|cluster)\s*\{.*?^\s*\}", "", conf, flags=re.MULTILINE | re.DOTALL)
@@ -137,8 +141,14 @@ def test_every_compose_component_mounts_its_own_secrets() -> None:
     mine = {n: {s["source"] for s in svc.get("secrets", [])} for n, svc in services.items()}
     nats = {"nats-auth", "nats-cert", "nats-key", "ca"}
     orch = {"orchestrator-creds", "ca", "grpc-cert", "grpc-key", "nats-auth"}
-    assert mine == {"nats-1": nats, "nats-2": nats, "nats-3": nats, "orchestrator-1": orch, "orchestrator-2": orch,
-                    "agent": {"agent-node-0-creds", "ca"}}
+    assert mine == {
+        "nats-1": nats,
+        "nats-2": nats,
+        "nats-3": nats,
+        "orchestrator-1": orch,
+        "orchestrator-2": orch,
+        "agent": {"agent-node-0-creds", "ca"},
+    }
     for name, svc in services.items():
         env = svc.get("environment", {})
         if "TIMESLICE_CREDS" in env:
@@ -154,16 +164,23 @@ def test_every_compose_component_mounts_its_own_secrets() -> None:
 
 
 def _all_argv() -> list[tuple[str, list[str]]]:
-    out = [(k, c["args"]) for k, d in _workloads().items() for c in _containers(d)
-           if not c["image"].startswith("nats:")]
-    return out + [(f"compose {n}", s["command"]) for n, s in _compose()["services"].items()
-                  if n not in _compose_nats(_compose()["services"])]
+    out = [
+        (k, c["args"]) for k, d in _workloads().items() for c in _containers(d) if not c["image"].startswith("nats:")
+    ]
+    return out + [
+        (f"compose {n}", s["command"])
+        for n, s in _compose()["services"].items()
+        if n not in _compose_nats(_compose()["services"])
+    ]
 
 
 def test_nothing_listens_on_every_address_without_saying_so() -> None:
     for where, argv in _all_argv():
-        for port_flag, host_flag in (("--grpc-port", "--grpc-host"), ("--metrics-port", "--metrics-host"),
-                                     ("--grpc-health-port", "--grpc-health-host")):
+        for port_flag, host_flag in (
+            ("--grpc-port", "--grpc-host"),
+            ("--metrics-port", "--metrics-host"),
+            ("--grpc-health-port", "--grpc-health-host"),
+        ):
             if _flag(argv, port_flag) not in (None, "-1"):
                 assert _flag(argv, host_flag), f"{where}: {port_flag} without {host_flag} (the default may change)"
     for f in [*_k8s_files(), ROOT / "docker-compose.yml", COMPOSE_NATS_CONF]:
@@ -185,13 +202,17 @@ def test_grpc_is_served_with_tls_and_identified_callers_only() -> None:
         served += 1
         assert "--grpc-insecure" not in argv, f"{where}: insecure gRPC"
         assert _flag(argv, "--grpc-tls-cert") and _flag(argv, "--grpc-tls-key"), f"{where}: gRPC without TLS"
-        assert _flag(argv, "--grpc-tls-client-ca") or _flag(argv, "--grpc-trust-account"), \
+        assert _flag(argv, "--grpc-tls-client-ca") or _flag(argv, "--grpc-trust-account"), (
             f"{where}: gRPC with no way to identify callers (client CA or trusted account)"
+        )
     assert served == 3  # the k8s orchestrator, compose orchestrator-1 and -2
     (c,) = _containers(_workloads()["Deployment/orchestrator"])
     mounts = _secret_mounts(_workloads()["Deployment/orchestrator"])
-    for flag, secret in (("--grpc-tls-cert", "orchestrator-grpc-tls"), ("--grpc-tls-key", "orchestrator-grpc-tls"),
-                         ("--grpc-trust-account", "nats-auth")):
+    for flag, secret in (
+        ("--grpc-tls-cert", "orchestrator-grpc-tls"),
+        ("--grpc-tls-key", "orchestrator-grpc-tls"),
+        ("--grpc-trust-account", "nats-auth"),
+    ):
         assert _under(_flag(c["args"], flag) or "", mounts[secret]), f"k8s orchestrator: {flag} is not in {secret}"
 
 
@@ -213,8 +234,11 @@ def test_make_secrets_makes_what_the_manifests_use() -> None:
     for key, doc in _workloads().items():
         pod = doc["spec"]["template"]["spec"]
         for v in pod.get("volumes", []):
-            refs = [v["secret"]] if "secret" in v else [s["secret"] for s in v.get("projected", {}).get("sources", [])
-                                                        if "secret" in s]
+            refs = (
+                [v["secret"]]
+                if "secret" in v
+                else [s["secret"] for s in v.get("projected", {}).get("sources", []) if "secret" in s]
+            )
             for ref in refs:
                 name = ref.get("secretName") or ref["name"]
                 assert name in made, f"{key} mounts Secret/{name}, which make-secrets.sh does not make"
@@ -235,13 +259,14 @@ def test_make_secrets_runs_with_the_real_cli(tmp_path: Path) -> None:
     if shutil.which("openssl") is None or shutil.which("kubectl") is None:
         pytest.skip("needs openssl and kubectl")
     cli = tmp_path / "timeslice"
-    cli.write_text(f"#!/bin/sh\nexec {sys.executable} -m timeslice_cli \"$@\"\n")
+    cli.write_text(f'#!/bin/sh\nexec {sys.executable} -m timeslice_cli "$@"\n')
     cli.chmod(0o755)
     out = tmp_path / "secrets"
     env = dict(os.environ, TIMESLICE=str(cli), OUT=str(out))
     for args in (["compose"], ["k8s", "gpu-a", "gpu-b"]):
-        done = subprocess.run(["bash", str(MAKE_SECRETS), *args], env=env, capture_output=True, text=True,
-                              timeout=300, check=False)
+        done = subprocess.run(
+            ["bash", str(MAKE_SECRETS), *args], env=env, capture_output=True, text=True, timeout=300, check=False
+        )
         assert done.returncode == 0, done.stdout + done.stderr
     for f in [*out.glob("*.creds"), *out.glob("*.key"), out / "nats-auth.conf"]:
         assert f.stat().st_mode & 0o077 == 0, f"{f.name} is readable by others"
@@ -256,11 +281,20 @@ def test_make_secrets_runs_with_the_real_cli(tmp_path: Path) -> None:
         dest = root / path.lstrip("/")
         dest.parent.mkdir(parents=True, exist_ok=True)
         if what == "config":
-            dest.write_text(_nats_conf().replace("/etc/nats/", f"{root}/etc/nats/")
-                            .replace("store_dir: /data", f"store_dir: {tmp_path}/data"))
+            dest.write_text(
+                _nats_conf()
+                .replace("/etc/nats/", f"{root}/etc/nats/")
+                .replace("store_dir: /data", f"store_dir: {tmp_path}/data")
+            )
         else:
             name, key = what.split(":")
             dest.write_bytes(base64.b64decode(secrets[name]["data"][key]))
-    done = subprocess.run([_nats_server(), "-t", "-c", str(root / "etc/nats/nats.conf")],
-                          env={"SERVER_NAME": "nats-0"}, capture_output=True, text=True, timeout=30, check=False)
+    done = subprocess.run(
+        [_nats_server(), "-t", "-c", str(root / "etc/nats/nats.conf")],
+        env={"SERVER_NAME": "nats-0"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr

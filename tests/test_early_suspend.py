@@ -81,7 +81,8 @@ async def _waiting(c: AsyncTimeSliceClient, job: str) -> bool:
 
 
 async def test_a_contended_release_suspends_at_once_and_the_agents_command_takes_it(
-        nats_url: str, gate: asyncio.Event, agent: Agent) -> None:
+    nats_url: str, gate: asyncio.Event, agent: Agent
+) -> None:
     log: list[str] = []
     async with AsyncTimeSliceClient("a", "ge", nats_url) as a, AsyncTimeSliceClient("b", "ge", nats_url) as b:
         ch = await a.register_workload(Recorder("a", log), node_id=NODE)
@@ -101,9 +102,13 @@ async def test_a_contended_release_suspends_at_once_and_the_agents_command_takes
         assert log == ["a:suspend"] and ch.early_taken == 1, "the command took the early suspend, not a second one"
         assert agent.jobs()["a"].state is JobState.SAVED
         # The agent's result says so: its elapsed time covers only the end of the suspend, work_ms all of it.
-        results = {r.kind: r for _, _, subj, data in await read_stream(nats_url)
-                   if subj == subjects.agent_event(NODE, "ge") and isinstance(r := decode_input(data), OpResult)
-                   and r.epoch == 2}
+        results = {
+            r.kind: r
+            for _, _, subj, data in await read_stream(nats_url)
+            if subj == subjects.agent_event(NODE, "ge")
+            and isinstance(r := decode_input(data), OpResult)
+            and r.epoch == 2
+        }
         snap, restore = results[OpKind.SNAPSHOT], results[OpKind.RESTORE]
         assert snap.ok and snap.began_at_release and snap.bytes_moved == 100 and snap.work_ms is not None
         assert not restore.began_at_release and restore.work_ms is None, "b never ran: nothing for it to do"
@@ -124,10 +129,14 @@ async def test_a_contended_release_suspends_at_once_and_the_agents_command_takes
 
 
 async def test_with_early_suspend_off_the_workload_waits_for_the_agents_command(
-        nats_url: str, gate: asyncio.Event) -> None:
+    nats_url: str, gate: asyncio.Event
+) -> None:
     log: list[str] = []
-    async with stack(nats_url, "apart"), AsyncTimeSliceClient("a", "go", nats_url) as a, \
-            AsyncTimeSliceClient("b", "go", nats_url) as b:
+    async with (
+        stack(nats_url, "apart"),
+        AsyncTimeSliceClient("a", "go", nats_url) as a,
+        AsyncTimeSliceClient("b", "go", nats_url) as b,
+    ):
         ch = await a.register_workload(Recorder("a", log), node_id=NODE, early_suspend=False)
         await b.register_workload(Recorder("b", log), node_id=NODE)
         await a.acquire(timeout=10)
@@ -141,13 +150,17 @@ async def test_with_early_suspend_off_the_workload_waits_for_the_agents_command(
 
 
 async def test_the_suspend_begins_before_the_stream_answers_and_a_failed_release_is_resumed_by_the_next_acquire(
-        nats_url: str, gate: asyncio.Event) -> None:
+    nats_url: str, gate: asyncio.Event
+) -> None:
     """The early suspend begins once the release is written, not at the stream's answer: here the stream's
     answer never comes (the release goes out and its publish fails only after the suspend began), so the job
     still holds the group, and its next acquire (the same grant) resumes its state before it returns."""
     log: list[str] = []
-    async with stack(nats_url, "apart"), AsyncTimeSliceClient("a", "gf", nats_url) as a, \
-            AsyncTimeSliceClient("b", "gf", nats_url) as b:
+    async with (
+        stack(nats_url, "apart"),
+        AsyncTimeSliceClient("a", "gf", nats_url) as a,
+        AsyncTimeSliceClient("b", "gf", nats_url) as b,
+    ):
         ch = await a.register_workload(Recorder("a", log), node_id=NODE)
         await b.register_workload(Recorder("b", log), node_id=NODE)
         g = await a.acquire(timeout=10)
@@ -155,8 +168,7 @@ async def test_the_suspend_begins_before_the_stream_answers_and_a_failed_release
         await eventually(lambda: a.contended, what="the orchestrator tells a that b waits")
         real = a._publish
 
-        async def lost(msg: msgspec.Struct, msg_id: str | None = None,
-                       headers: dict[str, str] | None = None) -> int:
+        async def lost(msg: msgspec.Struct, msg_id: str | None = None, headers: dict[str, str] | None = None) -> int:
             if not isinstance(msg, Release):
                 return await real(msg, msg_id, headers)
             assert a._nc is not None
@@ -206,7 +218,8 @@ async def _nobody_holds(c: AsyncTimeSliceClient) -> GroupRecord | None:
 
 
 async def test_no_switch_after_an_early_suspend_resumes_it_before_the_next_acquire_returns(
-        nats_url: str, agent: Agent) -> None:
+    nats_url: str, agent: Agent
+) -> None:
     log: list[str] = []
     a, ch = await _alone_again(nats_url, Recorder("a", log))
     try:
@@ -226,7 +239,8 @@ class _ResumeFails(Recorder):
 
 
 async def test_a_failed_resume_after_an_early_suspend_fails_the_acquire_and_gives_the_group_back(
-        nats_url: str, agent: Agent) -> None:
+    nats_url: str, agent: Agent
+) -> None:
     log: list[str] = []
     a, _ = await _alone_again(nats_url, _ResumeFails("a", log))
     try:
@@ -287,7 +301,8 @@ async def _handle(ch: WorkloadChannel, cmd: WorkloadCommand) -> WorkloadReply:
 
 
 async def test_the_suspend_command_takes_the_early_outcome_failure_included(
-        channel: tuple[WorkloadChannel, _Log]) -> None:
+    channel: tuple[WorkloadChannel, _Log],
+) -> None:
     ch, h = channel
     assert ch.suspend_early() and not ch.suspend_early(), "one at a time"
     reply = await _handle(ch, _cmd("suspend", 1))
@@ -306,7 +321,8 @@ async def test_the_suspend_command_takes_the_early_outcome_failure_included(
 
 
 async def test_a_command_other_than_the_registered_suspend_finds_the_state_as_it_expects(
-        channel: tuple[WorkloadChannel, _Log]) -> None:
+    channel: tuple[WorkloadChannel, _Log],
+) -> None:
     ch, h = channel
     assert ch.suspend_early()
     reply = await _handle(ch, _cmd("suspend", 1, tags=("kv_cache",)))
@@ -350,17 +366,37 @@ def test_outcomes_compose_their_work_time_and_whether_it_began_at_release() -> N
 
 def test_replay_rates_a_suspend_begun_at_release_by_the_workloads_whole_call() -> None:
     """The agent saw 2 ms of a 40 ms copy of 400 MB: 10 GB/s, not 200 GB/s."""
-    early = OpBar(op_id="o1", kind="snapshot", epoch=2, start_ms=0, end_ms=2, bytes=400_000_000, elapsed_ms=2.0,
-                  work_ms=40.0, began_at_release=True, ok=True)
-    plain = OpBar(op_id="o2", kind="snapshot", epoch=4, start_ms=0, end_ms=40, bytes=400_000_000, elapsed_ms=40.0,
-                  work_ms=39.0, ok=True)
+    early = OpBar(
+        op_id="o1",
+        kind="snapshot",
+        epoch=2,
+        start_ms=0,
+        end_ms=2,
+        bytes=400_000_000,
+        elapsed_ms=2.0,
+        work_ms=40.0,
+        began_at_release=True,
+        ok=True,
+    )
+    plain = OpBar(
+        op_id="o2",
+        kind="snapshot",
+        epoch=4,
+        start_ms=0,
+        end_ms=40,
+        bytes=400_000_000,
+        elapsed_ms=40.0,
+        work_ms=39.0,
+        ok=True,
+    )
     assert early.copy_ms == 40.0 and early.duration_ms == 2.0 and plain.copy_ms == 40.0
     assert _op_figures([early]) == (2.0, pytest.approx(10.0))
     assert _op_figures([plain]) == (40.0, pytest.approx(10.0))
 
 
 async def test_a_close_right_after_the_release_leaves_the_early_suspend_to_the_agents_command(
-        channel: tuple[WorkloadChannel, _Log]) -> None:
+    channel: tuple[WorkloadChannel, _Log],
+) -> None:
     """The job closes right after a contended release: the close waits for the suspend begun at the release, and
     the agent's command that comes meanwhile takes it; the handler ran once (it used to run twice in a row, the
     waiter's grant waiting for both)."""
@@ -374,7 +410,8 @@ async def test_a_close_right_after_the_release_leaves_the_early_suspend_to_the_a
 
 
 async def test_a_suspend_of_a_suspended_state_does_not_run_the_handler_again(
-        channel: tuple[WorkloadChannel, _Log]) -> None:
+    channel: tuple[WorkloadChannel, _Log],
+) -> None:
     ch, h = channel
     assert (await _handle(ch, _cmd("suspend", 1))).ok
     again = await _handle(ch, _cmd("suspend", 2))  # another op id: an agent that lost track (restarted)

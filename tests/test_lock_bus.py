@@ -94,8 +94,10 @@ async def test_release_by_non_holder_and_stale_epoch_refused(nats_url: str, orch
             sub = await nc.subscribe(subjects.notice("g4", "a"))
             await nc.flush()
             js = nc.jetstream()
-            await js.publish(subjects.job("g4", "a", "release"),
-                             encode(Release(group="g4", job="a", request_id="stale-1", epoch=g.epoch + 7)))
+            await js.publish(
+                subjects.job("g4", "a", "release"),
+                encode(Release(group="g4", job="a", request_id="stale-1", epoch=g.epoch + 7)),
+            )
             notice = decode_notice((await sub.next_msg(timeout=5)).data)
             assert isinstance(notice, Refused) and notice.code == "STALE_EPOCH" and notice.epoch == g.epoch
             err = refusal_error(notice, a.epoch)
@@ -124,18 +126,22 @@ async def test_malformed_messages_refused_and_orchestrator_survives(nats_url: st
         await js.publish(subjects.job("g5", "j", "acquire"), b"{not json")
         n = decode_notice((await sub.next_msg(timeout=5)).data)
         assert isinstance(n, Refused) and n.code == "INVALID" and "malformed" in n.message
-        await js.publish(subjects.job("g5", "j", "acquire"),
-                         b'{"type":"acquire","group":"g5","job":"j","request_id":"r","bogus":1}')
+        await js.publish(
+            subjects.job("g5", "j", "acquire"), b'{"type":"acquire","group":"g5","job":"j","request_id":"r","bogus":1}'
+        )
         n = decode_notice((await sub.next_msg(timeout=5)).data)
         assert isinstance(n, Refused) and "bogus" in n.message
         # payload and subject disagree
-        await js.publish(subjects.job("g5", "j", "acquire"),
-                         b'{"type":"acquire","group":"other","job":"j","request_id":"r"}')
+        await js.publish(
+            subjects.job("g5", "j", "acquire"), b'{"type":"acquire","group":"other","job":"j","request_id":"r"}'
+        )
         n = decode_notice((await sub.next_msg(timeout=5)).data)
         assert isinstance(n, Refused) and n.code == "INVALID"
         # a lease outside the allowed range
-        await js.publish(subjects.job("g5", "j", "acquire"),
-                         b'{"type":"acquire","group":"g5","job":"j","request_id":"r2","lease_ms":5}')
+        await js.publish(
+            subjects.job("g5", "j", "acquire"),
+            b'{"type":"acquire","group":"g5","job":"j","request_id":"r2","lease_ms":5}',
+        )
         n = decode_notice((await sub.next_msg(timeout=5)).data)
         assert isinstance(n, Refused) and n.code == "INVALID" and "lease_ms" in n.message
         assert orchestrator.events_rejected >= 3

@@ -86,8 +86,10 @@ async def test_a_holder_cut_off_past_its_lease_stops_holding_before_anyone_else_
             gb = await asyncio.wait_for(wait, 10)  # a's lease (2 s) ran out while it could not renew
             t_b = time.monotonic()
             assert gb.epoch == ga.epoch + 1
-            print(f"\na gave its hold up {t_lost - t_cut:.2f} s after the cut, {(t_b - t_lost) * 1000:.0f} ms "
-                  "before b was granted")
+            print(
+                f"\na gave its hold up {t_lost - t_cut:.2f} s after the cut, {(t_b - t_lost) * 1000:.0f} ms "
+                "before b was granted"
+            )
             with pytest.raises(LeaseExpired):
                 await a.release()
             proxy.restore()

@@ -38,8 +38,11 @@ def value(reg: CollectorRegistry, name: str, **labels: str) -> float:
 
 async def test_orchestrator_metrics_follow_a_handoff(nats_url: str, registry: CollectorRegistry) -> None:
     g = "gm"
-    async with (AsyncTimeSliceClient("a", g, nats_url) as a, AsyncTimeSliceClient("b", g, nats_url) as b,
-                AsyncTimeSliceClient("c", g, nats_url) as c):
+    async with (
+        AsyncTimeSliceClient("a", g, nats_url) as a,
+        AsyncTimeSliceClient("b", g, nats_url) as b,
+        AsyncTimeSliceClient("c", g, nats_url) as c,
+    ):
         await a.acquire(timeout=10)
         assert value(registry, "timeslice_grants_total", group=g) == 1
         assert value(registry, "timeslice_group_epoch", group=g) == 1
@@ -64,8 +67,13 @@ async def test_orchestrator_metrics_follow_a_handoff(nats_url: str, registry: Co
     assert value(registry, "timeslice_handoff_seconds_bucket", group=g, le="+Inf") == 1
     assert value(registry, "timeslice_events_applied_total", type="acquire") == 3
     assert value(registry, "timeslice_events_applied_total", type="release") == 2
-    applied = sum(s.value for m in registry.collect() if m.name == "timeslice_events_applied"
-                  for s in m.samples if s.name.endswith("_total"))
+    applied = sum(
+        s.value
+        for m in registry.collect()
+        if m.name == "timeslice_events_applied"
+        for s in m.samples
+        if s.name.endswith("_total")
+    )
     assert value(registry, "timeslice_apply_seconds_count") == applied
     assert value(registry, "timeslice_lease_expiries_total", group=g, reason="lease_expired") == 0
     assert value(registry, "timeslice_faults_total", group=g) == 0
@@ -74,8 +82,10 @@ async def test_orchestrator_metrics_follow_a_handoff(nats_url: str, registry: Co
 def _cancelled(reg: CollectorRegistry, group: str) -> float:
     """Waiters that left ``group`` without a grant, whatever the reason (the client's cancel and the
     orchestrator's own deadline race: either may remove it)."""
-    return sum(value(reg, "timeslice_waiters_cancelled_total", group=group, reason=r)
-               for r in ("cancelled", "timeout", "lost", "faulted"))
+    return sum(
+        value(reg, "timeslice_waiters_cancelled_total", group=group, reason=r)
+        for r in ("cancelled", "timeout", "lost", "faulted")
+    )
 
 
 async def test_unconfirmed_grant_counts_as_an_expiry(nats_url: str, registry: CollectorRegistry) -> None:
@@ -83,10 +93,14 @@ async def test_unconfirmed_grant_counts_as_an_expiry(nats_url: str, registry: Co
     nc = await connect(nats_url)
     try:
         js = nc.jetstream()
-        await js.publish(subjects.job("gx", "ghost", "acquire"),
-                         encode(Acquire(group="gx", job="ghost", request_id="r1", waiter_ttl_ms=300, confirm_ms=300)))
-        await eventually(lambda: value(registry, "timeslice_lease_expiries_total", group="gx",
-                                       reason="grant_unconfirmed") == 1, what="the grant revoked")
+        await js.publish(
+            subjects.job("gx", "ghost", "acquire"),
+            encode(Acquire(group="gx", job="ghost", request_id="r1", waiter_ttl_ms=300, confirm_ms=300)),
+        )
+        await eventually(
+            lambda: value(registry, "timeslice_lease_expiries_total", group="gx", reason="grant_unconfirmed") == 1,
+            what="the grant revoked",
+        )
         assert value(registry, "timeslice_grants_total", group="gx") == 1
         assert value(registry, "timeslice_events_applied_total", type="tick") >= 1
     finally:
@@ -113,8 +127,9 @@ async def agent_registry(nats_url: str, registry: CollectorRegistry) -> AsyncIte
         yield agent, reg
 
 
-async def test_agent_metrics_count_operations(nats_url: str, registry: CollectorRegistry,
-                                              agent_registry: tuple[Agent, CollectorRegistry]) -> None:
+async def test_agent_metrics_count_operations(
+    nats_url: str, registry: CollectorRegistry, agent_registry: tuple[Agent, CollectorRegistry]
+) -> None:
     _, reg = agent_registry
     g, ops = "ga", "timeslice_agent_operations_total"
     async with AsyncTimeSliceClient("a", g, nats_url) as a, AsyncTimeSliceClient("b", g, nats_url) as b:
@@ -147,8 +162,9 @@ async def test_agent_metrics_count_operations(nats_url: str, registry: Collector
             assert not {"a", "b", "job"} & set(s.labels.values()) and "job" not in s.labels, s
 
 
-async def test_failed_snapshot_counts_a_rollback_and_a_fault(nats_url: str, registry: CollectorRegistry,
-                                                           agent_registry: tuple[Agent, CollectorRegistry]) -> None:
+async def test_failed_snapshot_counts_a_rollback_and_a_fault(
+    nats_url: str, registry: CollectorRegistry, agent_registry: tuple[Agent, CollectorRegistry]
+) -> None:
     agent, reg = agent_registry
     g = "gf"
     async with AsyncTimeSliceClient("a", g, nats_url) as a, AsyncTimeSliceClient("b", g, nats_url) as b:
@@ -161,8 +177,12 @@ async def test_failed_snapshot_counts_a_rollback_and_a_fault(nats_url: str, regi
         await tb  # b still gets the group
         await eventually(lambda: agent.jobs()["a"].state is JobState.RUNNING, what="a rolled back")
         await b.release()
-    assert value(reg, "timeslice_agent_operations_total", backend="app_channel", operation="snapshot",
-                 outcome="rolled_back") == 1
+    assert (
+        value(
+            reg, "timeslice_agent_operations_total", backend="app_channel", operation="snapshot", outcome="rolled_back"
+        )
+        == 1
+    )
     assert value(registry, "timeslice_faults_total", group=g) == 1
     assert value(registry, "timeslice_grants_total", group=g) == 2
 
@@ -192,9 +212,22 @@ def _get(url: str) -> str:
 async def test_metrics_port_flag_serves_the_process_metrics(nats_url: str, command: list[str]) -> None:
     """``timeslice orchestrator|agent --metrics-port 0`` as a real process: the port it logs answers /metrics."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "timeslice_cli", "--log-level", "info", *command, "--nats-url", nats_url,
-        "--metrics-port", "0", "--metrics-host", "127.0.0.1", cwd=ROOT, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT)
+        sys.executable,
+        "-m",
+        "timeslice_cli",
+        "--log-level",
+        "info",
+        *command,
+        "--nats-url",
+        nats_url,
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     assert proc.stdout is not None
     seen: list[str] = []
     try:

@@ -21,8 +21,10 @@ from timeslice_client.protocol import AGENTS_BUCKET, AgentInfo, DeviceInfo
 from .helpers import running
 
 GB = 1 << 30
-_SPAWN = ("import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], "
-          "stdin=subprocess.PIPE); print(c.pid, flush=True); sys.stdin.read(); c.kill(); c.wait()")
+_SPAWN = (
+    "import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], "
+    "stdin=subprocess.PIPE); print(c.pid, flush=True); sys.stdin.read(); c.kill(); c.wait()"
+)
 
 
 @pytest.fixture
@@ -42,8 +44,9 @@ def family() -> Iterator[tuple[int, int]]:
 @pytest.fixture
 def session() -> Iterator[int]:
     """A process that leads its own process group (its pid is the pgid)."""
-    p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, start_new_session=True
+    )
     try:
         yield p.pid
     finally:
@@ -58,8 +61,14 @@ class Listing:
         self.procs = procs
 
     def devices(self) -> tuple[DeviceInfo, ...]:
-        return (DeviceInfo(index=0, uuid="GPU-0", memory_used_bytes=sum(p.used_bytes for p in self.procs),
-                           memory_total_bytes=80 * GB),)
+        return (
+            DeviceInfo(
+                index=0,
+                uuid="GPU-0",
+                memory_used_bytes=sum(p.used_bytes for p in self.procs),
+                memory_total_bytes=80 * GB,
+            ),
+        )
 
     def processes(self) -> tuple[GpuProcess, ...]:
         return self.procs
@@ -75,8 +84,14 @@ def test_process_tree_follows_children_and_process_groups(family: tuple[int, int
 
 def test_job_processes_are_its_gpu_processes_holding_memory(family: tuple[int, int], session: int) -> None:
     child, grandchild = family
-    acct = GpuAccounting(Listing(GpuProcess(grandchild, 1, 3 * GB), GpuProcess(child, 0, 0),
-                                 GpuProcess(session, 0, GB), GpuProcess(grandchild, 0, GB)))
+    acct = GpuAccounting(
+        Listing(
+            GpuProcess(grandchild, 1, 3 * GB),
+            GpuProcess(child, 0, 0),
+            GpuProcess(session, 0, GB),
+            GpuProcess(grandchild, 0, GB),
+        )
+    )
     found = acct.job_processes([child])
     assert sorted((p.pid, p.device) for p in found) == [(grandchild, 0), (grandchild, 1)]  # child holds nothing
     assert {p.pid for p in acct.job_processes([], session)} == {session}
@@ -112,13 +127,21 @@ def test_pynvml_missing_or_failing_is_reported_not_raised(monkeypatch: pytest.Mo
 def test_pynvml_answers_become_devices_and_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     mem = types.SimpleNamespace(used=5 * GB, total=141 * GB)
     procs = [types.SimpleNamespace(pid=10, usedGpuMemory=4 * GB), types.SimpleNamespace(pid=11, usedGpuMemory=None)]
-    _fake_pynvml(monkeypatch, nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 1,
-                 nvmlDeviceGetHandleByIndex=lambda i: f"h{i}", nvmlDeviceGetUUID=lambda h: b"GPU-abc",
-                 nvmlDeviceGetName=lambda h: "NVIDIA H200", nvmlDeviceGetMemoryInfo=lambda h: mem,
-                 nvmlDeviceGetComputeRunningProcesses=lambda h: procs)
+    _fake_pynvml(
+        monkeypatch,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: f"h{i}",
+        nvmlDeviceGetUUID=lambda h: b"GPU-abc",
+        nvmlDeviceGetName=lambda h: "NVIDIA H200",
+        nvmlDeviceGetMemoryInfo=lambda h: mem,
+        nvmlDeviceGetComputeRunningProcesses=lambda h: procs,
+    )
     src = PynvmlSource()
-    assert src.devices() == (DeviceInfo(index=0, uuid="GPU-abc", name="NVIDIA H200", memory_used_bytes=5 * GB,
-                                        memory_total_bytes=141 * GB),)
+    assert src.devices() == (
+        DeviceInfo(index=0, uuid="GPU-abc", name="NVIDIA H200", memory_used_bytes=5 * GB, memory_total_bytes=141 * GB),
+    )
     assert src.processes() == (GpuProcess(10, 0, 4 * GB), GpuProcess(11, 0, 0))
     src.close()
 

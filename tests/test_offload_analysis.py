@@ -38,15 +38,24 @@ def _records(overlapped: bool) -> tuple[dict[str, Any], dict[str, Any], list[dic
     """A releases at 0 (epoch 1); A's suspend runs 2-22 ms; B's resume 4-6 ms (beside it) or 24-26 ms (after
     it); B is granted at 30 ms (epoch 2). The agent's operations took 1 ms more than their handler calls."""
     b_call = (4, 6) if overlapped else (24, 26)
-    a = {"rows": [["release", 1, 0]], "calls": [["suspend", 2 * MS, 22 * MS, 100, 0]], "errors": [],
-         "prepared": 0}
-    b = {"rows": [["grant", 2, 30 * MS, True]], "calls": [["resume", b_call[0] * MS, b_call[1] * MS, 10, 10]],
-         "errors": [], "prepared": 0}
+    a = {"rows": [["release", 1, 0]], "calls": [["suspend", 2 * MS, 22 * MS, 100, 0]], "errors": [], "prepared": 0}
+    b = {
+        "rows": [["grant", 2, 30 * MS, True]],
+        "calls": [["resume", b_call[0] * MS, b_call[1] * MS, 10, 10]],
+        "errors": [],
+        "prepared": 0,
+    }
     snap_end, rest_end = 23, (7 if overlapped else 27)
     ops = [
         {"type": "op_started", "kind": "snapshot", "group": "g", "epoch": 2, "t": 1 * MS},
-        {"type": "op_started", "kind": "restore", "group": "g", "epoch": 2, "t": (3 if overlapped else 23) * MS,
-         "overlapped": overlapped},
+        {
+            "type": "op_started",
+            "kind": "restore",
+            "group": "g",
+            "epoch": 2,
+            "t": (3 if overlapped else 23) * MS,
+            "overlapped": overlapped,
+        },
         {"type": "op_result", "kind": "snapshot", "group": "g", "epoch": 2, "t": snap_end * MS, "elapsed_ms": 21.0},
         {"type": "op_result", "kind": "restore", "group": "g", "epoch": 2, "t": rest_end * MS, "elapsed_ms": 3.0},
     ]
@@ -57,8 +66,11 @@ def test_sequential_switch(an: ModuleType) -> None:
     (sw,) = an.switches(*_records(overlapped=False), "g")
     assert sw["switch_ms"] == 30 and sw["handler_ms"] == 22 and not sw["overlapped"]
     assert sw["agent_critical_ms"] == pytest.approx(2.0)  # both operations: (21 - 20) + (3 - 2)
-    assert sw["hops_ms"] == {"release_to_snapshot_start": 1, "snapshot_result_to_restore_start": 0,
-                             "last_result_to_grant": 3}
+    assert sw["hops_ms"] == {
+        "release_to_snapshot_start": 1,
+        "snapshot_result_to_restore_start": 0,
+        "last_result_to_grant": 3,
+    }
 
 
 def test_overlapped_switch_counts_the_copies_once_and_the_last_operation_only(an: ModuleType) -> None:

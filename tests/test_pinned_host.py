@@ -188,8 +188,9 @@ class FailingAt(TorchOffloadHandler):
 
 
 def failing(tensors: dict[str, Any], reg: Registrar, batched: bool) -> FailingAt:
-    h = FailingAt(tensors=one_group(tensors), device="cpu", host_memory="registered", registrar=reg,
-                  keep_host_buffers=False)
+    h = FailingAt(
+        tensors=one_group(tensors), device="cpu", host_memory="registered", registrar=reg, keep_host_buffers=False
+    )
     h._batched = batched
     return h
 
@@ -283,8 +284,13 @@ def test_host_memory_goes_back_to_the_os_at_resume(registrar: bool) -> None:
     """64 MiB of state: after a cycle the process holds what it held before it, not 64 MiB more (torch's
     allocators keep the buffer; on today's code this grows by the state's size)."""
     big = torch.ones(64 * MiB, dtype=torch.uint8)
-    h = TorchOffloadHandler(big, device="cpu", host_memory="registered", registrar=Registrar() if registrar else None,
-                            keep_host_buffers=False)
+    h = TorchOffloadHandler(
+        big,
+        device="cpu",
+        host_memory="registered",
+        registrar=Registrar() if registrar else None,
+        keep_host_buffers=False,
+    )
     gc.collect()
     start = _rss()
     h.suspend(OFFLOAD, ALL)

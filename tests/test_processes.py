@@ -83,8 +83,10 @@ def settled(obs: TimeSliceClient, group: str) -> GroupRecord | None:
 def test_job_processes_hand_the_group_around(spawn: Spawn, observer: TimeSliceClient, nats_url: str) -> None:
     group, rounds = "procs", 30
     jobs = {"p1": "sync", "p2": "async", "p3": "async"}
-    workers = [spawn(group, job, mode="loop", rounds=rounds, hold_ms=2, client=kind, wait_start=True)
-               for job, kind in jobs.items()]
+    workers = [
+        spawn(group, job, mode="loop", rounds=rounds, hold_ms=2, client=kind, wait_start=True)
+        for job, kind in jobs.items()
+    ]
     eventually_sync(lambda: all(w.last("ready") for w in workers), timeout=START, what="workers connected")
     for w in workers:
         w.usr1()
@@ -108,8 +110,11 @@ def test_job_processes_hand_the_group_around(spawn: Spawn, observer: TimeSliceCl
     assert st.grants_by_job == dict.fromkeys(jobs, rounds)
     assert (st.releases, st.revocations, st.max_epoch) == (total, 0, total)
     # The stored record is exactly the fold of the stream (once the orchestrator stored its last decision).
-    eventually_sync(lambda: observer.status(group) == checker.records[group], timeout=10,
-                    what="stored record equals the fold of the stream")
+    eventually_sync(
+        lambda: observer.status(group) == checker.records[group],
+        timeout=10,
+        what="stored record equals the fold of the stream",
+    )
     assert checker.records[group].state == GroupState.IDLE_YIELDED
 
 
@@ -131,14 +136,18 @@ def test_killed_holder_loses_the_group_within_its_lease(
     # The waiter connects first and acquires on SIGUSR1, so the holder can be killed right after its grant.
     waiter = spawn(group, "waiter", mode="wait", acquire_timeout=60, wait_start=True)
     eventually_sync(lambda: waiter.last("ready"), timeout=START, what="waiter connected")
-    holder = spawn(group, "holder", mode="hold", lease_seconds=lease,
-                   client="sync" if when == "after-confirm" else "async")
+    holder = spawn(
+        group, "holder", mode="hold", lease_seconds=lease, client="sync" if when == "after-confirm" else "async"
+    )
     grant = eventually_sync(lambda: holder.last("granted"), timeout=START, what="holder granted")
     waiter.usr1()
     if when == "after-confirm":
         eventually_sync(lambda: queue_of(observer, group) == ["waiter"], timeout=10, what="waiter queued")
-        eventually_sync(lambda: (h := observer.status(group).holder) is not None and h.confirmed, timeout=10,
-                        what="holder confirmed by a renewal")
+        eventually_sync(
+            lambda: (h := observer.status(group).holder) is not None and h.confirmed,
+            timeout=10,
+            what="holder confirmed by a renewal",
+        )
     t_kill = time.time()
     holder.kill()
 
@@ -190,16 +199,20 @@ def test_timed_out_waiter_is_never_granted(
     eventually_sync(lambda: queue_of(observer, group) == ["quitter"], timeout=START, what="quitter queued")
     if behind:
         patient = spawn(group, "patient", mode="wait", acquire_timeout=60)
-        eventually_sync(lambda: queue_of(observer, group) == ["quitter", "patient"], timeout=START,
-                        what="patient queued behind the quitter")
+        eventually_sync(
+            lambda: queue_of(observer, group) == ["quitter", "patient"],
+            timeout=START,
+            what="patient queued behind the quitter",
+        )
     err = eventually_sync(lambda: quitter.last("error"), timeout=15, what="quitter timed out")
     # The orchestrator enforces the same deadline (from the Acquire's stream time); whichever side notices
     # first, the caller sees AcquireTimeout.
     timed_out = err["type"] == "AcquireTimeout"
     assert timed_out, quitter.describe()
     assert quitter.wait(15) == 0
-    eventually_sync(lambda: queue_of(observer, group) == (["patient"] if behind else []), timeout=10,
-                    what="quitter left the queue")
+    eventually_sync(
+        lambda: queue_of(observer, group) == (["patient"] if behind else []), timeout=10, what="quitter left the queue"
+    )
 
     holder.usr1()  # release
     assert holder.wait(30) == 0, holder.describe()
@@ -231,9 +244,7 @@ def test_sync_client_reports_an_acquire_timeout_as_such(spawn: Spawn, observer: 
 
 
 @pytest.mark.slow
-def test_killed_waiter_is_dropped_and_never_granted(
-    spawn: Spawn, observer: TimeSliceClient, nats_url: str
-) -> None:
+def test_killed_waiter_is_dropped_and_never_granted(spawn: Spawn, observer: TimeSliceClient, nats_url: str) -> None:
     """A waiter SIGKILLed while waiting stops renewing its place and is dropped within its waiter TTL."""
     group, ttl = "dead-waiter", 1.0
     holder = spawn(group, "holder", mode="hold")
@@ -241,8 +252,9 @@ def test_killed_waiter_is_dropped_and_never_granted(
     doomed = spawn(group, "doomed", mode="wait", acquire_timeout=60, waiter_ttl=ttl)
     eventually_sync(lambda: queue_of(observer, group) == ["doomed"], timeout=START, what="doomed queued")
     patient = spawn(group, "patient", mode="wait", acquire_timeout=60)
-    eventually_sync(lambda: queue_of(observer, group) == ["doomed", "patient"], timeout=START,
-                    what="patient queued behind")
+    eventually_sync(
+        lambda: queue_of(observer, group) == ["doomed", "patient"], timeout=START, what="patient queued behind"
+    )
     t_kill = time.time()
     doomed.kill()
     eventually_sync(lambda: queue_of(observer, group) == ["patient"], timeout=ttl + 5, what="dead waiter dropped")
@@ -278,8 +290,9 @@ def test_waiter_killed_just_before_its_turn_loses_the_grant(
     doomed = spawn(group, "doomed", mode="wait", acquire_timeout=60, confirm=confirm, waiter_ttl=10)
     eventually_sync(lambda: queue_of(observer, group) == ["doomed"], timeout=START, what="doomed queued")
     patient = spawn(group, "patient", mode="wait", acquire_timeout=60)
-    eventually_sync(lambda: queue_of(observer, group) == ["doomed", "patient"], timeout=START,
-                    what="patient queued behind")
+    eventually_sync(
+        lambda: queue_of(observer, group) == ["doomed", "patient"], timeout=START, what="patient queued behind"
+    )
     doomed.kill()
     t_release = time.time()
     holder.usr1()  # its place lives up to 10 s more: the dead waiter is next

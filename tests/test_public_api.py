@@ -214,8 +214,12 @@ def _imports_of_timeslice_client(root: Path) -> dict[str, set[str]]:
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module]
                 if node.module == "timeslice_client":
-                    names = [f"timeslice_client.{a.name}" if a.name.startswith("_") and a.name != "__version__"
-                             else node.module for a in node.names]
+                    names = [
+                        f"timeslice_client.{a.name}"
+                        if a.name.startswith("_") and a.name != "__version__"
+                        else node.module
+                        for a in node.names
+                    ]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             else:

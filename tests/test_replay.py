@@ -39,28 +39,50 @@ def test_alternating_holds_waits_switches_and_lanes() -> None:
     # a's first grant restored nothing but went through the agent (45 ms); later grants waited in the queue
     assert [h.waited_ms for h in g.holds] == [45, 658, 658, 658]
     assert [(w.job, w.start_ms - T0, w.end_ms - T0 if w.end_ms else None, w.outcome, w.epoch) for w in g.waits] == [
-        ("a", 100, 145, "granted", 1), ("b", 445, 1103, "granted", 2), ("a", 1403, 2061, "granted", 3),
-        ("b", 2361, 3019, "granted", 4)]
+        ("a", 100, 145, "granted", 1),
+        ("b", 445, 1103, "granted", 2),
+        ("a", 1403, 2061, "granted", 3),
+        ("b", 2361, 3019, "granted", 4),
+    ]
     assert [(s.epoch, s.to_job, s.snapshotted, s.granted) for s in g.switches] == [
-        (1, "a", [], True), (2, "b", ["a"], True), (3, "a", ["b"], True), (4, "b", ["a"], True)]
-    assert [(s.start_ms - T0, s.restore_from_ms and s.restore_from_ms - T0, s.end_ms and s.end_ms - T0)
-            for s in g.switches][1] == (955, 1040, 1103)
-    assert [(h.from_job, h.to_job, h.epoch, h.ms) for h in g.handoffs] == [("a", "b", 2, 148), ("b", "a", 3, 148),
-                                                                          ("a", "b", 4, 148)]
+        (1, "a", [], True),
+        (2, "b", ["a"], True),
+        (3, "a", ["b"], True),
+        (4, "b", ["a"], True),
+    ]
+    assert [
+        (s.start_ms - T0, s.restore_from_ms and s.restore_from_ms - T0, s.end_ms and s.end_ms - T0) for s in g.switches
+    ][1] == (955, 1040, 1103)
+    assert [(h.from_job, h.to_job, h.epoch, h.ms) for h in g.handoffs] == [
+        ("a", "b", 2, 148),
+        ("b", "a", 3, 148),
+        ("a", "b", 4, 148),
+    ]
     lane_a = r.nodes[("n1", "a")]
     assert [(s.state, s.start_ms - T0, s.end_ms - T0 if s.end_ms else None) for s in lane_a.states] == [
-        ("IDLE", 0, 100), ("TRANSITIONING", 100, 145), ("RUNNING", 145, 955), ("TRANSITIONING", 955, 1040),
-        ("SAVED", 1040, 1998), ("TRANSITIONING", 1998, 2061), ("RUNNING", 2061, 2871),
-        ("TRANSITIONING", 2871, 2956), ("SAVED", 2956, None)]
-    assert [(o.op_id, o.kind, o.start_ms - T0, o.end_ms and o.end_ms - T0, o.ok, o.bytes, o.backend)
-            for o in lane_a.ops] == [
+        ("IDLE", 0, 100),
+        ("TRANSITIONING", 100, 145),
+        ("RUNNING", 145, 955),
+        ("TRANSITIONING", 955, 1040),
+        ("SAVED", 1040, 1998),
+        ("TRANSITIONING", 1998, 2061),
+        ("RUNNING", 2061, 2871),
+        ("TRANSITIONING", 2871, 2956),
+        ("SAVED", 2956, None),
+    ]
+    assert [
+        (o.op_id, o.kind, o.start_ms - T0, o.end_ms and o.end_ms - T0, o.ok, o.bytes, o.backend) for o in lane_a.ops
+    ] == [
         (op_id("g", 1, "restore", "n1"), "restore", 105, 145, True, 0, "app_channel"),
         (op_id("g", 2, "snapshot", "n1"), "snapshot", 960, 1040, True, 256 * MB, "app_channel"),
         (op_id("g", 3, "restore", "n1"), "restore", 2001, 2061, True, 256 * MB, "app_channel"),
-        (op_id("g", 4, "snapshot", "n1"), "snapshot", 2876, 2956, True, 256 * MB, "app_channel")]
+        (op_id("g", 4, "snapshot", "n1"), "snapshot", 2876, 2956, True, 256 * MB, "app_channel"),
+    ]
     assert r.nodes[("n1", "b")].states[-1].state == "RUNNING"  # b is still loaded after its release
     assert [(p.name, p.start_ms - T0, p.end_ms and p.end_ms - T0) for p in r.phases["b"]] == [
-        ("train", 1104, 1903), ("reward", 1914, 2313)]
+        ("train", 1104, 1903),
+        ("reward", 1914, 2313),
+    ]
 
 
 def test_a_restore_beside_the_snapshot_moves_its_lane_when_it_starts() -> None:
@@ -74,7 +96,10 @@ def test_a_restore_beside_the_snapshot_moves_its_lane_when_it_starts() -> None:
     # switch 3 (b -> a) starts at b's release (1913); a's restore runs 1923-1973 beside b's snapshot 1918-1998
     s3 = next(s for s in g.switches if s.epoch == 3)
     assert (s3.start_ms - T0, s3.restore_from_ms and s3.restore_from_ms - T0, s3.end_ms and s3.end_ms - T0) == (
-        1913, 1923, 1998)
+        1913,
+        1923,
+        1998,
+    )
     lane_a = r.nodes[("n1", "a")]
     states = [(s.state, s.start_ms - T0, s.end_ms - T0 if s.end_ms else None) for s in lane_a.states]
     # a's context is back (RUNNING on the node) at 1973; the grant waits for b's snapshot (1998)
@@ -144,8 +169,9 @@ def test_lease_expiry_fault_and_failed_op() -> None:
 def test_duplicates_and_other_groups_are_skipped() -> None:
     events, _ = alternating(1, t0=T0)
     other, _ = alternating(1, group="other", t0=T0)
-    mixed = sorted([*events, *[StreamEvent(e.seq + 1000, e.ts_ms, e.subject, e.data) for e in other]],
-                   key=lambda e: e.seq)
+    mixed = sorted(
+        [*events, *[StreamEvent(e.seq + 1000, e.ts_ms, e.subject, e.data) for e in other]], key=lambda e: e.seq
+    )
     with_dupes = [*mixed[:10], *mixed[5:10], *mixed[10:]]
     one = fold_events(with_dupes, group="g")
     assert set(one.groups) == {"g"} and all(k[1] in {"a", "b"} and lane.group == "g" for k, lane in one.nodes.items())
@@ -218,6 +244,7 @@ async def test_replay_of_a_real_run_equals_the_live_decisions(nats_url: str, age
         await clients[holder].release()
         await eventually(lambda: agent.jobs()[other].state == "SAVED", what="last snapshot settled")
         agent_states = {j: str(c.state) for j, c in agent.jobs().items()}
+
     # what the live orchestrator decided, as its notices told the jobs
     async def drain(sub: Any) -> list[bytes]:
         out = []
@@ -242,8 +269,13 @@ async def test_replay_of_a_real_run_equals_the_live_decisions(nats_url: str, age
     assert [(h.job, h.epoch) for h in holds] == [(n.job, n.epoch) for n in releases]
     # same intervals: a grant's lease deadline is its decision time + the confirmation window (3 s, the
     # default); a hold ends at the stream time of the release the Released notice answered
-    release_ts = {(ev.job, ev.request_id): e.ts_ms for e in events if e.subject.endswith(".release")
-                  for ev in [decode_input(e.data)] if isinstance(ev, Release)}
+    release_ts = {
+        (ev.job, ev.request_id): e.ts_ms
+        for e in events
+        if e.subject.endswith(".release")
+        for ev in [decode_input(e.data)]
+        if isinstance(ev, Release)
+    }
     for h, g, rel in zip(holds, grants, releases, strict=True):
         assert h.start_ms == g.lease_deadline_ms - 3_000
         assert h.waited_ms == g.waited_ms and h.context_restored == g.context_restored
@@ -253,11 +285,18 @@ async def test_replay_of_a_real_run_equals_the_live_decisions(nats_url: str, age
     assert {r.op_id for r in op_results} == set(bars)
     for res in op_results:
         bar = bars[res.op_id]
-        assert (bar.kind, bar.epoch, bar.ok, bar.bytes, bar.backend) == (res.kind, res.epoch, True, res.bytes_moved,
-                                                                         "app_channel")
+        assert (bar.kind, bar.epoch, bar.ok, bar.bytes, bar.backend) == (
+            res.kind,
+            res.epoch,
+            True,
+            res.bytes_moved,
+            "app_channel",
+        )
         assert bar.start_ms <= bar.end_ms  # type: ignore[operator]
     assert {k: lane.states[-1].state for k, lane in replay.nodes.items()} == {
-        ("node-1", holder): "RUNNING", ("node-1", other): "SAVED"}
+        ("node-1", holder): "RUNNING",
+        ("node-1", other): "SAVED",
+    }
     assert agent_states == {holder: "RUNNING", other: "SAVED"}  # what the agent itself said
     summary = replay.summary.groups[group]
     assert (summary.grants, summary.handoffs, summary.switches) == (rounds + 1, rounds, rounds + 1)
@@ -289,8 +328,19 @@ async def test_replay_of_an_empty_server(nats_url: str) -> None:
 def test_exports() -> None:
     import timeslice_orchestrator.replay as replay
 
-    assert {"read_window", "fold_events", "render_summary", "write_html", "Replay", "Summary", "GroupSummary",
-            "JobSummary", "StreamEvent", "GroupTimeline", "JobLane"} <= set(replay.__all__)
+    assert {
+        "read_window",
+        "fold_events",
+        "render_summary",
+        "write_html",
+        "Replay",
+        "Summary",
+        "GroupSummary",
+        "JobSummary",
+        "StreamEvent",
+        "GroupTimeline",
+        "JobLane",
+    } <= set(replay.__all__)
     assert all(hasattr(replay, name) for name in replay.__all__)
 
 

@@ -16,8 +16,10 @@ from .chromium import chromium, decode_png, dump_dom, screenshot
 from .replay_streams import alternating
 
 CHROMIUM = chromium()
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
-                                    "(scripts/test installs it: apt-get install -y chromium)")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="Debian's chromium is not installed (scripts/test installs it: apt-get install -y chromium)",
+)
 EVIL = "</script><script>window.__pwned = 1</script>"
 
 
@@ -52,8 +54,11 @@ def _end(v: str) -> int | None:
 
 
 def _drawn(rects: list[dict[str, str]], cls: str, *keys: str) -> list[tuple[object, ...]]:
-    return sorted((*(r[f"data-{k}"] for k in keys), int(r["data-start"]), _end(r["data-end"]))
-                  for r in rects if cls in r["class"].split())
+    return sorted(
+        (*(r[f"data-{k}"] for k in keys), int(r["data-start"]), _end(r["data-end"]))
+        for r in rects
+        if cls in r["class"].split()
+    )
 
 
 def test_data_is_embedded_safely(tmp_path: Path) -> None:
@@ -87,17 +92,23 @@ def test_lanes_in_chromium_match_the_intervals(tmp_path: Path) -> None:
 
     g = replay.groups["g"]
     assert _drawn(parsed.rects, "hold", "group", "job", "epoch") == sorted(
-        ("g", h.job, str(h.epoch), h.start_ms, h.end_ms) for h in g.holds)
+        ("g", h.job, str(h.epoch), h.start_ms, h.end_ms) for h in g.holds
+    )
     assert _drawn(parsed.rects, "wait", "job", "outcome") == sorted(
-        (w.job, w.outcome, w.start_ms, w.end_ms) for w in g.waits)
+        (w.job, w.outcome, w.start_ms, w.end_ms) for w in g.waits
+    )
     lanes = replay.nodes.values()
     assert _drawn(parsed.rects, "state", "node", "job", "state") == sorted(
-        (lane.node, lane.job, s.state, s.start_ms, s.end_ms) for lane in lanes for s in lane.states)
+        (lane.node, lane.job, s.state, s.start_ms, s.end_ms) for lane in lanes for s in lane.states
+    )
     assert _drawn(parsed.rects, "op", "node", "job", "kind", "epoch", "bytes", "ok") == sorted(
         (lane.node, lane.job, o.kind, str(o.epoch), str(o.bytes), str(o.ok).lower(), o.start_ms, o.end_ms)
-        for lane in lanes for o in lane.ops)
+        for lane in lanes
+        for o in lane.ops
+    )
     assert _drawn(parsed.rects, "phase", "job", "name") == sorted(
-        (job, p.name, p.start_ms, p.end_ms) for job, spans in replay.phases.items() for p in spans)
+        (job, p.name, p.start_ms, p.end_ms) for job, spans in replay.phases.items() for p in spans
+    )
     duty = f"{replay.summary.groups['g'].duty_cycle * 100:.1f}%"
     assert re.search(rf"<tr data-group=\"g\"><td>g</td><td>{re.escape(duty)}</td>", dom)
 

@@ -92,8 +92,11 @@ def test_schema_files_match_the_wire_types() -> None:
 
 def test_every_exported_struct_and_union_has_a_schema() -> None:
     names = set(_schemas.wire_types())
-    structs = {n for n in protocol.__all__ if isinstance(getattr(protocol, n), type)
-               and issubclass(getattr(protocol, n), msgspec.Struct)}
+    structs = {
+        n
+        for n in protocol.__all__
+        if isinstance(getattr(protocol, n), type) and issubclass(getattr(protocol, n), msgspec.Struct)
+    }
     assert structs <= names
     assert {"InputEvent", "Notice", "AgentCommand", "GroupRecord", "Acquire", "Granted", "OpResult"} <= names
     for name in names:
@@ -127,8 +130,14 @@ def test_check_and_write_on_a_directory(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_module_entry_point_checks_the_repository() -> None:
-    proc = subprocess.run([sys.executable, "-m", "timeslice_client._schemas", "--check"], capture_output=True,
-                          text=True, cwd=ROOT, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "timeslice_client._schemas", "--check"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
 
 

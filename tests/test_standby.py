@@ -89,9 +89,22 @@ def test_two_orchestrators_killed_paused_and_stopped_during_handoffs_never_break
     procs = [OrchestratorProcess(nats_url, tmp_path / f"orchestrator-{i}.log") for i in range(2)]
     group = "standby"
     total = ROUNDS * len(JOBS)
-    workers = [Worker(tmp_path, nats_url, group, job, mode="loop", rounds=ROUNDS, hold_ms=rng.choice([0, 1, 2]),
-                      client=kind, wait_start=True, request_timeout=30, acquire_timeout=120)
-               for job, kind in JOBS.items()]
+    workers = [
+        Worker(
+            tmp_path,
+            nats_url,
+            group,
+            job,
+            mode="loop",
+            rounds=ROUNDS,
+            hold_ms=rng.choice([0, 1, 2]),
+            client=kind,
+            wait_start=True,
+            request_timeout=30,
+            acquire_timeout=120,
+        )
+        for job, kind in JOBS.items()
+    ]
     faults: list[str] = []
     paused: OrchestratorProcess | None = None
     resumes: list[float] = []  # seconds from a fault to the next grant
@@ -127,8 +140,11 @@ def test_two_orchestrators_killed_paused_and_stopped_during_handoffs_never_break
         rng.shuffle(plan)
         width = total // (len(plan) + 2)
         for i, fault in enumerate(plan):
-            eventually_sync(lambda t=(i + 1) * width: progress() >= t or finished(), timeout=60,  # type: ignore[misc]
-                            what=f"handoffs go on ({context()})")
+            eventually_sync(
+                lambda t=(i + 1) * width: progress() >= t or finished(),
+                timeout=60,  # type: ignore[misc]
+                what=f"handoffs go on ({context()})",
+            )
             if finished():
                 break
             time.sleep(rng.uniform(0.0, 0.01))  # a random instant to strike at, not a wait for anything
@@ -148,8 +164,11 @@ def test_two_orchestrators_killed_paused_and_stopped_during_handoffs_never_break
                 try:
                     resumed(at, t0)  # the other one took over while this one is paused
                     other = next(q for q in procs if q is not p)
-                    eventually_sync(lambda o=other: asyncio.run(_leader_pid(nats_url)) == o.proc.pid,  # type: ignore
-                                    timeout=20, what="the standby leads")
+                    eventually_sync(
+                        lambda o=other: asyncio.run(_leader_pid(nats_url)) == o.proc.pid,  # type: ignore
+                        timeout=20,
+                        what="the standby leads",
+                    )
                 finally:
                     os.kill(p.proc.pid, signal.SIGCONT)
                 paused = p

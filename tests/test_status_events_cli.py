@@ -108,8 +108,19 @@ class Proc:
     async def start(cls, nats_url: str, *args: str) -> Proc:
         sub, *rest = args
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "timeslice_cli", "--log-level", "warning", sub, "--nats-url", nats_url,
-            *rest, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            sys.executable,
+            "-m",
+            "timeslice_cli",
+            "--log-level",
+            "warning",
+            sub,
+            "--nats-url",
+            nats_url,
+            *rest,
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         return cls(proc)
 
     async def until(self, pred: Any, timeout: float = 30) -> str:

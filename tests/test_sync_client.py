@@ -83,15 +83,21 @@ def test_calls_from_another_thread_run_while_one_waits(nats_url: str) -> None:
 def test_the_hold_is_renewed_between_calls(nats_url: str) -> None:
     """Between calls (the job trains) the client's own thread renews the lease: held for several leases without a
     call on the client, the group stays this job's."""
-    with TimeSliceClient("a", "g13", nats_url, lease_seconds=1.0) as a, \
-            TimeSliceClient("observer", "observer", nats_url) as obs:
+    with (
+        TimeSliceClient("a", "g13", nats_url, lease_seconds=1.0) as a,
+        TimeSliceClient("observer", "observer", nats_url) as obs,
+    ):
         g = a.acquire(timeout=10)
         # the record is stored a moment after the grant goes out
         first = eventually_sync(lambda: obs.status("g13").holder, timeout=10, what="the record names the holder")
         assert first.job == "a"
-        eventually_sync(lambda: (h := obs.status("g13").holder) is not None
-                        and h.lease_deadline_ms >= first.lease_deadline_ms + 3000, timeout=10,
-                        what="three more seconds of lease, renewed in the background")
+        eventually_sync(
+            lambda: (
+                (h := obs.status("g13").holder) is not None and h.lease_deadline_ms >= first.lease_deadline_ms + 3000
+            ),
+            timeout=10,
+            what="three more seconds of lease, renewed in the background",
+        )
         assert a.holding and a.epoch == g.epoch
         a.release()
 
@@ -109,8 +115,10 @@ def test_a_connection_cut_between_calls_is_mended_by_the_clients_thread(nats_url
 
     proxy = proxy_loop.submit(TcpProxy(nats_url).start()).result(10)
     try:
-        with TimeSliceClient("a", "g14", proxy.url, lease_seconds=4.0) as a, \
-                TimeSliceClient("observer", "observer", nats_url) as obs:
+        with (
+            TimeSliceClient("a", "g14", proxy.url, lease_seconds=4.0) as a,
+            TimeSliceClient("observer", "observer", nats_url) as obs,
+        ):
             g = a.acquire(timeout=10)
             nc = a._client._nc
             assert nc is not None
@@ -120,9 +128,13 @@ def test_a_connection_cut_between_calls_is_mended_by_the_clients_thread(nats_url
             eventually_sync(lambda: nc.is_connected, timeout=15, what="a reconnected without a call made on it")
             h0 = obs.status("g14").holder
             assert h0 is not None and h0.job == "a"
-            eventually_sync(lambda: (h := obs.status("g14").holder) is not None
-                            and h.lease_deadline_ms >= h0.lease_deadline_ms + 1000, timeout=10,
-                            what="a's lease renewed after the reconnect")
+            eventually_sync(
+                lambda: (
+                    (h := obs.status("g14").holder) is not None and h.lease_deadline_ms >= h0.lease_deadline_ms + 1000
+                ),
+                timeout=10,
+                what="a's lease renewed after the reconnect",
+            )
             assert a.holding and a.epoch == g.epoch
             a.release()
             assert a.acquire(timeout=10).epoch == g.epoch + 1

@@ -22,7 +22,6 @@ DISCARD = SuspendMode.DISCARD
 ALL: frozenset[str] = frozenset()
 
 
-
 class TorchOffloadHandler(_Handler):
     """The handler on CPU tensors, also where CUDA is available (where it would only touch CUDA tensors)."""
 

@@ -40,8 +40,13 @@ class Up:
     """One ``timeslice up`` process on ``data``."""
 
     def __init__(self, tmp_path: Path, data: Path, *extra: str) -> None:
-        self.proc = subprocess.Popen([*CLI, "up", "--data-dir", str(data), *QUIET, *extra], env=_env(tmp_path),
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            [*CLI, "up", "--data-dir", str(data), *QUIET, *extra],
+            env=_env(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().decode()
         assert line.startswith("timeslice up: nats="), (line, self.proc.poll(), self._err())
@@ -86,8 +91,9 @@ def _alive(pid: int) -> bool:
 
 
 def _run(tmp_path: Path, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], env=_env(tmp_path), capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, check=False)
+    return subprocess.run(
+        [*CLI, *args], env=_env(tmp_path), capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False
+    )
 
 
 def test_a_second_up_on_the_same_data_dir_refuses_and_names_the_first(tmp_path: Path, ups: list[Up]) -> None:
@@ -121,8 +127,9 @@ def test_an_orphaned_nats_server_on_the_data_dir_is_stopped(tmp_path: Path, ups:
     try:
         ups.append(up := Up(tmp_path, data))
         assert orphan.proc is not None
-        eventually_sync(lambda: orphan.proc is not None and orphan.proc.poll() is not None, timeout=10,
-                        what="the orphan stopped")
+        eventually_sync(
+            lambda: orphan.proc is not None and orphan.proc.poll() is not None, timeout=10, what="the orphan stopped"
+        )
         assert up.info["nats_pid"] != orphan.pid
     finally:
         orphan.stop()
@@ -187,5 +194,8 @@ def test_detach_runs_it_in_the_background(tmp_path: Path) -> None:
     finally:
         down = _run(tmp_path, "down", "--data-dir", str(data))
     assert down.returncode == 0, down.stderr
-    eventually_sync(lambda: not _alive(info["pid"]) and not _alive(info["nats_pid"]), timeout=20,
-                    what="the background up and its nats-server gone")
+    eventually_sync(
+        lambda: not _alive(info["pid"]) and not _alive(info["nats_pid"]),
+        timeout=20,
+        what="the background up and its nats-server gone",
+    )

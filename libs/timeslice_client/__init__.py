@@ -62,8 +62,11 @@ def __getattr__(name: str) -> Any:
         except ModuleNotFoundError as exc:
             if (exc.name or "").split(".")[0] not in ("grpc", "google"):
                 raise
-            raise ModuleNotFoundError(f"timeslice_client.{name} needs gRPC, which is not installed ({exc}): "
-                                      "pip install 'timeslice-client[grpc]'", name=exc.name) from exc
+            raise ModuleNotFoundError(
+                f"timeslice_client.{name} needs gRPC, which is not installed ({exc}): "
+                "pip install 'timeslice-client[grpc]'",
+                name=exc.name,
+            ) from exc
 
         return getattr(agent_client, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -103,8 +103,12 @@ class AsyncTimeSliceClient(MultiGroupCalls):
         confirm_seconds: float = 3.0,
         connect_timeout: float = 5.0,
         fast_reacquire: bool = True,
-        nc: NATS | None = None, creds: CredsPath | None = None, tls: TlsOption | None = None,
-        bind_process: bool = True, node_id: str | None = None, priority: int = 0,
+        nc: NATS | None = None,
+        creds: CredsPath | None = None,
+        tls: TlsOption | None = None,
+        bind_process: bool = True,
+        node_id: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.job_id, self.priority = validate_id("job", job_id), priority
         if not 0 <= priority <= MAX_PRIORITY:
@@ -161,8 +165,13 @@ class AsyncTimeSliceClient(MultiGroupCalls):
             if self._sub is not None:
                 return self
             if self._nc is None:
-                self._nc = await connect(self._url, name=f"timeslice-job-{self.job_id}", **self._identity,
-                                         connect_timeout=self.connect_timeout, reconnected_cb=self._on_reconnected)
+                self._nc = await connect(
+                    self._url,
+                    name=f"timeslice-job-{self.job_id}",
+                    **self._identity,
+                    connect_timeout=self.connect_timeout,
+                    reconnected_cb=self._on_reconnected,
+                )
             self._js = self._nc.jetstream(timeout=self.request_timeout)
             v = self._nc.connected_server_version
             # The sequence check's -Subject header came with nats-server 2.11; an older server would check the
@@ -254,8 +263,13 @@ class AsyncTimeSliceClient(MultiGroupCalls):
                 await ch.settle()
             if self._bind_pending and self._nc is not None:  # once; never fails the acquire (_bind.py)
                 self._bind_pending = False
-                self._binding = await bind_process(self._nc, self.group_id, self.job_id,
-                                                   self.node_id or default_node_id(), timeout=self.request_timeout)
+                self._binding = await bind_process(
+                    self._nc,
+                    self.group_id,
+                    self.job_id,
+                    self.node_id or default_node_id(),
+                    timeout=self.request_timeout,
+                )
         except BaseException:
             hold, self._hold = self._hold, None
             if hold is not None:
@@ -281,10 +295,13 @@ class AsyncTimeSliceClient(MultiGroupCalls):
             with contextlib.suppress(_WaitLost):
                 g = await self._wait_for_grant(rid, timeout, deadline)
                 break
-            log.warning("the orchestrator dropped this wait (no renewal reached it in time); waiting again",
-                        extra={"group": self.group_id, "job": self.job_id})
-        self._hold = _Hold.granted(g.epoch, rid, lease_ms=self.lease_ms, confirm_ms=self.confirm_ms,
-                                   now=time.monotonic())
+            log.warning(
+                "the orchestrator dropped this wait (no renewal reached it in time); waiting again",
+                extra={"group": self.group_id, "job": self.job_id},
+            )
+        self._hold = _Hold.granted(
+            g.epoch, rid, lease_ms=self.lease_ms, confirm_ms=self.confirm_ms, now=time.monotonic()
+        )
         if g.waiters:
             self._contended_epoch = max(self._contended_epoch, g.epoch)
         self._wake.set()
@@ -305,9 +322,16 @@ class AsyncTimeSliceClient(MultiGroupCalls):
             if (left := deadline - time.monotonic()) <= 0:
                 raise AcquireTimeout(self.group_id, self.job_id, timeout, await self._holder_or_none())
             await self._publish(
-                Acquire(group=self.group_id, job=self.job_id, request_id=rid, lease_ms=self.lease_ms,
-                        timeout_ms=int(left * 1000), waiter_ttl_ms=self.waiter_ttl_ms, confirm_ms=self.confirm_ms,
-                        priority=self.priority),
+                Acquire(
+                    group=self.group_id,
+                    job=self.job_id,
+                    request_id=rid,
+                    lease_ms=self.lease_ms,
+                    timeout_ms=int(left * 1000),
+                    waiter_ttl_ms=self.waiter_ttl_ms,
+                    confirm_ms=self.confirm_ms,
+                    priority=self.priority,
+                ),
                 msg_id=rid,
             )
             # Renewed only once the stream stored the acquire: a renewal stored before it (the acquire's publish
@@ -346,16 +370,31 @@ class AsyncTimeSliceClient(MultiGroupCalls):
         (its PubAck lost) is refused too; the plain acquire that follows then finds this job holding and gets the same
         epoch back, so that case ends right as well."""
         rid, sent = request_id(), time.monotonic()
-        check = {"Nats-Expected-Last-Subject-Sequence": str(claim.after_seq),
-                 "Nats-Expected-Last-Subject-Sequence-Subject": self._claim_filter}
+        check = {
+            "Nats-Expected-Last-Subject-Sequence": str(claim.after_seq),
+            "Nats-Expected-Last-Subject-Sequence-Subject": self._claim_filter,
+        }
         try:
             await self._publish(
-                Acquire(group=self.group_id, job=self.job_id, request_id=rid, lease_ms=self.lease_ms, timeout_ms=0,
-                        waiter_ttl_ms=self.waiter_ttl_ms, confirm_ms=self.confirm_ms, claim_epoch=claim.epoch),
-                msg_id=rid, headers=check)
+                Acquire(
+                    group=self.group_id,
+                    job=self.job_id,
+                    request_id=rid,
+                    lease_ms=self.lease_ms,
+                    timeout_ms=0,
+                    waiter_ttl_ms=self.waiter_ttl_ms,
+                    confirm_ms=self.confirm_ms,
+                    claim_epoch=claim.epoch,
+                ),
+                msg_id=rid,
+                headers=check,
+            )
         except _Superseded:
-            log.debug("claim of epoch %d superseded: another request for the group came first", claim.epoch,
-                      extra={"group": self.group_id, "job": self.job_id, "epoch": claim.epoch})
+            log.debug(
+                "claim of epoch %d superseded: another request for the group came first",
+                claim.epoch,
+                extra={"group": self.group_id, "job": self.job_id, "epoch": claim.epoch},
+            )
             return None
         # A claim is granted at its stream time, after its send: the window counts from the send.
         self._hold = _Hold.granted(claim.epoch, rid, lease_ms=self.lease_ms, confirm_ms=self.confirm_ms, now=sent)
@@ -368,8 +407,9 @@ class AsyncTimeSliceClient(MultiGroupCalls):
             return
         self._withdrawn.add(rid)
         with contextlib.suppress(Exception):
-            await asyncio.shield(self._publish(
-                Cancel(group=self.group_id, job=self.job_id, request_id=rid, reason="timeout or cancel")))
+            await asyncio.shield(
+                self._publish(Cancel(group=self.group_id, job=self.job_id, request_id=rid, reason="timeout or cancel"))
+            )
 
     async def release(self) -> ReleaseResult:
         """Give the group back. Raises NotHolder, StaleEpoch or LeaseExpired when you no longer hold it.
@@ -381,8 +421,12 @@ class AsyncTimeSliceClient(MultiGroupCalls):
         hold = self._hold
         if hold is None:
             rec = await self._record_or_none()  # the group's holder and epoch now, to say so
-            raise NotHolder(self.group_id, self.job_id, holder=rec.holder.job if rec and rec.holder else None,
-                            epoch=rec.epoch if rec else None)
+            raise NotHolder(
+                self.group_id,
+                self.job_id,
+                holder=rec.holder.job if rec and rec.holder else None,
+                epoch=rec.epoch if rec else None,
+            )
         self._hold = None
         if not hold.alive():
             assert hold.lost is not None
@@ -441,13 +485,17 @@ class AsyncTimeSliceClient(MultiGroupCalls):
         self._pending[rid] = fut
         try:
             seq = await self._publish(
-                Release(group=self.group_id, job=self.job_id, request_id=rid, epoch=hold.epoch), msg_id=rid)
+                Release(group=self.group_id, job=self.job_id, request_id=rid, epoch=hold.epoch), msg_id=rid
+            )
             try:
                 async with asyncio.timeout(self.request_timeout):
                     return await fut, seq
             except TimeoutError:
-                raise Unavailable("release was not answered (is the orchestrator running?)",
-                                  nats_url=self.nats_url, after_s=self.request_timeout) from None
+                raise Unavailable(
+                    "release was not answered (is the orchestrator running?)",
+                    nats_url=self.nats_url,
+                    after_s=self.request_timeout,
+                ) from None
         finally:
             self._pending.pop(rid, None)
 
@@ -462,8 +510,9 @@ class AsyncTimeSliceClient(MultiGroupCalls):
         c = self if group_id is None or group_id == self.group_id else await self._groups.member(group_id)
         await c.connect()
         assert c._nc is not None
-        channel = WorkloadChannel(c._nc, self.job_id, c.group_id, handler, request_timeout=self.request_timeout,
-                                  **options)
+        channel = WorkloadChannel(
+            c._nc, self.job_id, c.group_id, handler, request_timeout=self.request_timeout, **options
+        )
         await channel.start()
         c._channels.append(channel)
         return channel
@@ -491,8 +540,9 @@ class AsyncTimeSliceClient(MultiGroupCalls):
             raise
         finally:
             with contextlib.suppress(Exception):
-                await self._publish_fast(Phase(group=self.group_id, job=self.job_id, name=name, edge="end",
-                                               epoch=self.epoch, error=error))
+                await self._publish_fast(
+                    Phase(group=self.group_id, job=self.job_id, name=name, edge="end", epoch=self.epoch, error=error)
+                )
 
     # ------------------------------------------------------------------ status
 
@@ -527,8 +577,9 @@ class AsyncTimeSliceClient(MultiGroupCalls):
 
     # ------------------------------------------------------------------ plumbing
 
-    async def _publish(self, msg: msgspec.Struct, msg_id: str | None = None,
-                       headers: dict[str, str] | None = None) -> int:
+    async def _publish(
+        self, msg: msgspec.Struct, msg_id: str | None = None, headers: dict[str, str] | None = None
+    ) -> int:
         """Publish into the stream and wait for its PubAck, retrying with the same message id
         (the stream drops duplicates within its window); returns the message's stream sequence.
         Raises ``_Superseded`` when the stream refuses it for a sequence check in ``headers``."""
@@ -539,8 +590,9 @@ class AsyncTimeSliceClient(MultiGroupCalls):
             headers = {**(headers or {}), "Nats-Msg-Id": msg_id}
         self._claim = None  # a job input after the release: the stream would refuse the claim
         self._published += 1
-        return await publish_stored(self._js, subject, data, headers=headers, timeout=self.request_timeout,
-                                    nats_url=self.nats_url)
+        return await publish_stored(
+            self._js, subject, data, headers=headers, timeout=self.request_timeout, nats_url=self.nats_url
+        )
 
     def _subject(self, msg: msgspec.Struct) -> str:
         tag: str = msg.__struct_config__.tag  # type: ignore[assignment]
@@ -567,15 +619,25 @@ class AsyncTimeSliceClient(MultiGroupCalls):
             self._contended_epoch = max(self._contended_epoch, n.epoch)
             if isinstance(n, YieldRequested):
                 self._yield_epoch = max(self._yield_epoch, n.epoch)
-                log.info("asked to yield group %s at epoch %d: held %d ms, past its quantum, while %d wait",
-                         self.group_id, n.epoch, n.held_ms, n.waiters, extra={"group": self.group_id,
-                                                                               "job": self.job_id, "epoch": n.epoch})
+                log.info(
+                    "asked to yield group %s at epoch %d: held %d ms, past its quantum, while %d wait",
+                    self.group_id,
+                    n.epoch,
+                    n.held_ms,
+                    n.waiters,
+                    extra={"group": self.group_id, "job": self.job_id, "epoch": n.epoch},
+                )
             return
         if isinstance(n, Revoked):
             if self._hold is not None and self._hold.epoch == n.epoch:
                 self._hold.lost = n.reason
-                log.warning("lost group %s at epoch %d: %s", self.group_id, n.epoch, n.reason,
-                            extra={"group": self.group_id, "job": self.job_id, "epoch": n.epoch})
+                log.warning(
+                    "lost group %s at epoch %d: %s",
+                    self.group_id,
+                    n.epoch,
+                    n.reason,
+                    extra={"group": self.group_id, "job": self.job_id, "epoch": n.epoch},
+                )
             return
         fut = self._pending.get(n.request_id)
         if fut is None or fut.done():

@@ -59,8 +59,10 @@ class TlsFiles:
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
-            raise CredentialsError(self.cert or self.key or "", "a client certificate needs its key and the key "
-                                   "its certificate: give both --tls-cert and --tls-key")
+            raise CredentialsError(
+                self.cert or self.key or "",
+                "a client certificate needs its key and the key its certificate: give both --tls-cert and --tls-key",
+            )
 
     def context(self) -> ssl.SSLContext:
         for p in (self.ca, self.cert, self.key):
@@ -113,8 +115,14 @@ def _env_tls() -> TlsFiles | None:
     return TlsFiles(ca, cert, key)
 
 
-def resolve(creds: CredsPath | None, tls: TlsOption | None, *, servers: list[str],
-            advertised: list[str] | None, local_creds: Path) -> tuple[BusAuth, ssl.SSLContext | None]:
+def resolve(
+    creds: CredsPath | None,
+    tls: TlsOption | None,
+    *,
+    servers: list[str],
+    advertised: list[str] | None,
+    local_creds: Path,
+) -> tuple[BusAuth, ssl.SSLContext | None]:
     """The credentials and TLS context of one connection (see the module's docstring for the order).
     ``advertised``: the servers the URL file names (None: no URL file); ``local_creds``: the file beside it."""
     auth = BusAuth(_path(creds), tls if isinstance(tls, TlsFiles) else None, "given" if creds else "")
@@ -127,8 +135,11 @@ def resolve(creds: CredsPath | None, tls: TlsOption | None, *, servers: list[str
         auth = replace(auth, creds=local_creds, source="beside the URL file of `timeslice up`")
     if tls is None:
         auth = replace(auth, tls=proc.tls or _env_tls())
-    context = tls if isinstance(tls, ssl.SSLContext) else (
-        auth.tls.context() if auth.tls is not None and not auth.tls.empty else None)
+    context = (
+        tls
+        if isinstance(tls, ssl.SSLContext)
+        else (auth.tls.context() if auth.tls is not None and not auth.tls.empty else None)
+    )
     return auth, context
 
 
@@ -138,8 +149,11 @@ def creds_identity(path: Path) -> str:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise CredentialsError(path, f"{exc.strerror or exc.__class__.__name__} (give the path of a .creds file "
-                               "from `timeslice auth`, with --creds or $TIMESLICE_CREDS)") from None
+        raise CredentialsError(
+            path,
+            f"{exc.strerror or exc.__class__.__name__} (give the path of a .creds file "
+            "from `timeslice auth`, with --creds or $TIMESLICE_CREDS)",
+        ) from None
     try:
         jwt = text.split("-----BEGIN NATS USER JWT-----", 1)[1].split("------END NATS USER JWT------", 1)[0].strip()
         body = jwt.split(".")[1]
@@ -148,8 +162,9 @@ def creds_identity(path: Path) -> str:
         if "-----BEGIN USER NKEY SEED-----" not in text or not isinstance(name, str):
             raise ValueError(name)
     except (IndexError, ValueError, UnicodeError):
-        raise CredentialsError(path, "not a NATS user credentials file (a user JWT and its seed, as `timeslice "
-                               "auth` writes them)") from None
+        raise CredentialsError(
+            path, "not a NATS user credentials file (a user JWT and its seed, as `timeslice auth` writes them)"
+        ) from None
     mode = path.stat().st_mode
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning("credentials file %s can be read by others (mode %o): chmod 600 it", path, mode & 0o777)
@@ -171,15 +186,28 @@ def nats_options(auth: BusAuth, context: ssl.SSLContext | None) -> dict[str, Any
 def add_auth_flags(parser: argparse.ArgumentParser) -> None:
     """``--creds``, ``--tls-ca``, ``--tls-cert``, ``--tls-key`` (read by ``auth_from_args``)."""
     g = parser.add_argument_group("NATS identity and TLS")
-    g.add_argument("--creds", default=None, metavar="FILE",
-                   help=f"NATS user credentials (.creds from `timeslice auth`; default ${CREDS_ENV}, else the "
-                        f"{LOCAL_CREDS_NAME} `timeslice up` writes beside its URL file)")
-    g.add_argument("--tls-ca", default=None, metavar="FILE",
-                   help=f"PEM CA of the NATS servers' certificates (default ${_TLS_ENV['ca']}; tls:// URLs)")
-    g.add_argument("--tls-cert", default=None, metavar="FILE",
-                   help=f"PEM client certificate for mutual TLS to NATS (default ${_TLS_ENV['cert']})")
-    g.add_argument("--tls-key", default=None, metavar="FILE",
-                   help=f"PEM key of --tls-cert (default ${_TLS_ENV['key']})")
+    g.add_argument(
+        "--creds",
+        default=None,
+        metavar="FILE",
+        help=f"NATS user credentials (.creds from `timeslice auth`; default ${CREDS_ENV}, else the "
+        f"{LOCAL_CREDS_NAME} `timeslice up` writes beside its URL file)",
+    )
+    g.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help=f"PEM CA of the NATS servers' certificates (default ${_TLS_ENV['ca']}; tls:// URLs)",
+    )
+    g.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="FILE",
+        help=f"PEM client certificate for mutual TLS to NATS (default ${_TLS_ENV['cert']})",
+    )
+    g.add_argument(
+        "--tls-key", default=None, metavar="FILE", help=f"PEM key of --tls-cert (default ${_TLS_ENV['key']})"
+    )
 
 
 def auth_from_args(args: argparse.Namespace) -> BusAuth | None:

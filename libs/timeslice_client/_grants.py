@@ -73,8 +73,13 @@ class _Hold:
     @classmethod
     def granted(cls, epoch: int, request_id: str, *, lease_ms: int, confirm_ms: int, now: float) -> _Hold:
         window = min(confirm_ms, lease_ms) / 1000
-        return cls(epoch=epoch, request_id=request_id, lease_ms=lease_ms, next_renew=now + window / 3,
-                   valid_until=now + _less_margin(window))
+        return cls(
+            epoch=epoch,
+            request_id=request_id,
+            lease_ms=lease_ms,
+            next_renew=now + window / 3,
+            valid_until=now + _less_margin(window),
+        )
 
     def renewal_stored(self, sent: float) -> None:
         """A renewal sent at ``sent`` (monotonic) was stored: the lease runs from then."""
@@ -83,8 +88,10 @@ class _Hold:
     def alive(self, now: float | None = None) -> bool:
         """Not lost; once past ``valid_until``, lost."""
         if self.lost is None and (time.monotonic() if now is None else now) >= self.valid_until:
-            self.lost = (f"no renewal of its lease was stored for {self.lease_ms / 1000:g} s (the bus was "
-                         "unreachable or the process stalled)")
+            self.lost = (
+                f"no renewal of its lease was stored for {self.lease_ms / 1000:g} s (the bus was "
+                "unreachable or the process stalled)"
+            )
         return self.lost is None
 
 

@@ -42,13 +42,13 @@ async def keep(self: AsyncTimeSliceClient) -> None:
                 hold.next_renew = now + hold.lease_ms / 3000
                 rid, sent = request_id(), time.monotonic()
                 hold.renew_ids.append(rid)
-                if await _renew(self, Renew(group=self.group_id, job=self.job_id, request_id=rid,
-                                           epoch=hold.epoch)):
+                if await _renew(self, Renew(group=self.group_id, job=self.job_id, request_id=rid, epoch=hold.epoch)):
                     hold.renewal_stored(sent)
             nxt = min(nxt, hold.next_renew, hold.valid_until)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(0.0, nxt - time.monotonic())):
                 await self._wake.wait()
+
 
 async def _renew(self: AsyncTimeSliceClient, msg: Renew) -> bool:
     """Whether the stream stored it."""

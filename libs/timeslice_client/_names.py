@@ -71,9 +71,11 @@ class _Subjects:
                 raise ValueError(f"agent request {verb!r} names its job: agent_rpc(node, {verb!r}, job)")
             return f"ts.rpc.agent.{n}.{verb}.{validate_id('job', job)}"
         if verb not in AGENT_NODE_VERBS or job is not None:
-            raise ValueError(f"agent request {verb!r}{' for a job' if job is not None else ''} does not exist; "
-                             f"the verbs are {', '.join(AGENT_JOB_VERBS)} (with a job) and "
-                             f"{', '.join(AGENT_NODE_VERBS)} (without)")
+            raise ValueError(
+                f"agent request {verb!r}{' for a job' if job is not None else ''} does not exist; "
+                f"the verbs are {', '.join(AGENT_JOB_VERBS)} (with a job) and "
+                f"{', '.join(AGENT_NODE_VERBS)} (without)"
+            )
         return f"ts.rpc.agent.{n}.{verb}"
 
     def agent_rpc_jobs(self, node: str, verb: str) -> str:
@@ -92,8 +94,13 @@ class _Subjects:
 
     def group_filter(self, group: str) -> tuple[str, ...]:
         g = validate_id("group", group)
-        return (f"ts.v1.job.{g}.>", f"ts.v1.ctl.{g}.>", f"ts.v1.agent.*.evt.{g}",
-                f"ts.v1.notice.{g}.>", f"ts.v1.group.{g}.>")
+        return (
+            f"ts.v1.job.{g}.>",
+            f"ts.v1.ctl.{g}.>",
+            f"ts.v1.agent.*.evt.{g}",
+            f"ts.v1.notice.{g}.>",
+            f"ts.v1.group.{g}.>",
+        )
 
 
 subjects: Final = _Subjects()

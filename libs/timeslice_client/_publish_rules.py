@@ -18,9 +18,16 @@ from .errors import TimeSliceError, Unavailable
 __all__ = ["publish_stored", "request_id", "superseded", "transient"]
 
 # Errors of the bus itself, not of the request, by type (nats-py's own TimeoutError is a TimeoutError).
-_TRANSIENT: Final = (TimeoutError, OSError, ConnectionError, nats.errors.NoRespondersError,
-                     nats.js.errors.NoStreamResponseError, nats.errors.ConnectionClosedError,
-                     nats.errors.ConnectionReconnectingError, nats.errors.OutboundBufferLimitError)
+_TRANSIENT: Final = (
+    TimeoutError,
+    OSError,
+    ConnectionError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+)
 
 
 def request_id() -> str:
@@ -53,8 +60,9 @@ def transient(exc: BaseException) -> bool:
     return isinstance(exc, _TRANSIENT)
 
 
-async def publish_stored(js: JetStreamContext, subject: str, data: bytes, *, headers: dict[str, str] | None,
-                         timeout: float, nats_url: str) -> int:
+async def publish_stored(
+    js: JetStreamContext, subject: str, data: bytes, *, headers: dict[str, str] | None, timeout: float, nats_url: str
+) -> int:
     """Publish into the stream and wait for its PubAck, retrying transient errors for ``3 * timeout`` with the
     same message id (``Nats-Msg-Id`` in ``headers``); returns the message's stream sequence. Raises
     ``_Superseded`` when the stream refuses it for a sequence check in ``headers``, else ``Unavailable``.
@@ -70,8 +78,9 @@ async def publish_stored(js: JetStreamContext, subject: str, data: bytes, *, hea
         if superseded(exc):
             raise _Superseded from exc
         if not transient(exc):
-            raise Unavailable(f"publishing {subject} failed ({exc.__class__.__name__}: {exc})",
-                              nats_url=nats_url) from exc
+            raise Unavailable(
+                f"publishing {subject} failed ({exc.__class__.__name__}: {exc})", nats_url=nats_url
+            ) from exc
     try:
         async for attempt in AsyncRetrying(
             stop=stop_after_delay(timeout * 3),
@@ -87,6 +96,7 @@ async def publish_stored(js: JetStreamContext, subject: str, data: bytes, *, hea
     except Exception as exc:
         if superseded(exc):
             raise _Superseded from exc
-        raise Unavailable(f"publishing {subject} failed ({exc.__class__.__name__})", nats_url=nats_url,
-                          after_s=timeout * 3) from exc
+        raise Unavailable(
+            f"publishing {subject} failed ({exc.__class__.__name__})", nats_url=nats_url, after_s=timeout * 3
+        ) from exc
     raise AssertionError("unreachable: the retry loop returns or raises")

@@ -68,10 +68,22 @@ class TimeSliceClient:
         priority: int = 0,
     ) -> None:
         self._client = AsyncTimeSliceClient(
-            job_id, group_id, nats_url, lease_seconds, acquire_timeout=acquire_timeout,
-            request_timeout=request_timeout, waiter_ttl_seconds=waiter_ttl_seconds, confirm_seconds=confirm_seconds,
-            connect_timeout=connect_timeout, fast_reacquire=fast_reacquire, creds=creds, tls=tls,
-            bind_process=bind_process, node_id=node_id, priority=priority)
+            job_id,
+            group_id,
+            nats_url,
+            lease_seconds,
+            acquire_timeout=acquire_timeout,
+            request_timeout=request_timeout,
+            waiter_ttl_seconds=waiter_ttl_seconds,
+            confirm_seconds=confirm_seconds,
+            connect_timeout=connect_timeout,
+            fast_reacquire=fast_reacquire,
+            creds=creds,
+            tls=tls,
+            bind_process=bind_process,
+            node_id=node_id,
+            priority=priority,
+        )
         self._loop = SharedLoop(f"timeslice-{job_id}")
         self._loop.start()
         self._closed = False

@@ -141,11 +141,18 @@ Backend = AppChannel | Cuda | AppEndpoint | None
 
 _MODES = {None: pb.SUSPEND_MODE_UNSPECIFIED, "offload": pb.SUSPEND_MODE_OFFLOAD, "discard": pb.SUSPEND_MODE_DISCARD}
 _APPS = {"vllm": pb.APP_VLLM, "sglang": pb.APP_SGLANG}
-_STATES = {pb.OPERATION_STATUS_PENDING: OperationState.PENDING, pb.OPERATION_STATUS_COMPLETE: OperationState.COMPLETE,
-           pb.OPERATION_STATUS_FAILED: OperationState.FAILED}
-_JOB_STATES = {pb.JOB_STATE_IDLE: JobState.IDLE, pb.JOB_STATE_RUNNING: JobState.RUNNING,
-               pb.JOB_STATE_TRANSITIONING: JobState.TRANSITIONING, pb.JOB_STATE_SAVED: JobState.SAVED,
-               pb.JOB_STATE_FAULTED: JobState.FAULTED}
+_STATES = {
+    pb.OPERATION_STATUS_PENDING: OperationState.PENDING,
+    pb.OPERATION_STATUS_COMPLETE: OperationState.COMPLETE,
+    pb.OPERATION_STATUS_FAILED: OperationState.FAILED,
+}
+_JOB_STATES = {
+    pb.JOB_STATE_IDLE: JobState.IDLE,
+    pb.JOB_STATE_RUNNING: JobState.RUNNING,
+    pb.JOB_STATE_TRANSITIONING: JobState.TRANSITIONING,
+    pb.JOB_STATE_SAVED: JobState.SAVED,
+    pb.JOB_STATE_FAULTED: JobState.FAULTED,
+}
 
 
 def _backend_config(backend: Backend) -> pb.BackendConfig | None:
@@ -155,8 +162,14 @@ def _backend_config(backend: Backend) -> pb.BackendConfig | None:
         return pb.BackendConfig(app_channel=pb.AppChannelConfig(mode=_MODES[backend.mode], tags=list(backend.tags)))
     if isinstance(backend, Cuda):
         return pb.BackendConfig(cuda=pb.CudaBackendConfig(explicit_target=pb.ProcessTarget(pids=list(backend.pids))))
-    return pb.BackendConfig(app_endpoint=pb.AppEndpointConfig(app=_APPS[backend.app], endpoints=list(backend.endpoints),
-                                                              mode=_MODES[backend.mode], tags=list(backend.tags)))
+    return pb.BackendConfig(
+        app_endpoint=pb.AppEndpointConfig(
+            app=_APPS[backend.app],
+            endpoints=list(backend.endpoints),
+            mode=_MODES[backend.mode],
+            tags=list(backend.tags),
+        )
+    )
 
 
 def _operation(op_id: str, r: pb.GetOperationResponse) -> Operation:
@@ -190,8 +203,9 @@ def _error(exc: grpc.RpcError, target: str, what: str) -> TimeSliceError:
     return AgentError(f"{what}: {details}", code=code, target=target)
 
 
-def _credentials(tls_ca: str | Path | None, tls_cert: str | Path | None,
-                 tls_key: str | Path | None, tls: bool) -> grpc.ChannelCredentials | None:
+def _credentials(
+    tls_ca: str | Path | None, tls_cert: str | Path | None, tls_key: str | Path | None, tls: bool
+) -> grpc.ChannelCredentials | None:
     if tls or tls_ca or tls_cert or tls_key:
         return channel_credentials(tls_ca, tls_cert, tls_key)
     return None
@@ -216,20 +230,35 @@ class SnapshotAgentClient:
     :func:`default_target`); ``tls=True`` (or any ``tls_*`` file) uses TLS, with ``tls_cert``/``tls_key``
     for mutual TLS."""
 
-    def __init__(self, target: str | None = None, *, timeout: float = 10.0, wait_timeout: float = 300.0,
-                 tls: bool = False, tls_ca: str | Path | None = None, tls_cert: str | Path | None = None,
-                 tls_key: str | Path | None = None, options: Sequence[tuple[str, Any]] = ()) -> None:
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        timeout: float = 10.0,
+        wait_timeout: float = 300.0,
+        tls: bool = False,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
         self.target = target or default_target()
         self.timeout = timeout
         self.wait_timeout = wait_timeout
         creds = _credentials(tls_ca, tls_cert, tls_key, tls)
-        self._channel = (grpc.secure_channel(self.target, creds, list(options)) if creds is not None
-                         else grpc.insecure_channel(self.target, list(options)))
-        self._calls: dict[str, Any] = {m.name: self._channel.unary_unary(
-            f"/{_SERVICE.full_name}/{m.name}",
-            request_serializer=lambda msg: msg.SerializeToString(),
-            response_deserializer=getattr(pb, m.output_type.name).FromString,
-        ) for m in _SERVICE.methods}
+        self._channel = (
+            grpc.secure_channel(self.target, creds, list(options))
+            if creds is not None
+            else grpc.insecure_channel(self.target, list(options))
+        )
+        self._calls: dict[str, Any] = {
+            m.name: self._channel.unary_unary(
+                f"/{_SERVICE.full_name}/{m.name}",
+                request_serializer=lambda msg: msg.SerializeToString(),
+                response_deserializer=getattr(pb, m.output_type.name).FromString,
+            )
+            for m in _SERVICE.methods
+        }
 
     def _call(self, method: str, request: Any, timeout: float | None, what: str) -> Any:
         try:
@@ -269,12 +298,14 @@ class SnapshotAgentClient:
                 raise OperationTimeout(op_id, limit)
             time.sleep(min(poll.next(), max(0.0, deadline - time.monotonic())))
 
-    def snapshot_and_wait(self, job_id: str, group: str = "", *, backend: Backend = None,
-                          timeout: float | None = None) -> Operation:
+    def snapshot_and_wait(
+        self, job_id: str, group: str = "", *, backend: Backend = None, timeout: float | None = None
+    ) -> Operation:
         return self.wait(self.snapshot(job_id, group, backend=backend), timeout=timeout)
 
-    def restore_and_wait(self, job_id: str, group: str = "", *, backend: Backend = None,
-                         timeout: float | None = None) -> Operation:
+    def restore_and_wait(
+        self, job_id: str, group: str = "", *, backend: Backend = None, timeout: float | None = None
+    ) -> Operation:
         return self.wait(self.restore(job_id, group, backend=backend), timeout=timeout)
 
     def close(self) -> None:
@@ -283,8 +314,9 @@ class SnapshotAgentClient:
     def __enter__(self) -> SnapshotAgentClient:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
 
@@ -294,20 +326,35 @@ class SnapshotAgentClient:
 class AsyncSnapshotAgentClient:
     """The same API for asyncio (``grpc.aio``); every method is a coroutine."""
 
-    def __init__(self, target: str | None = None, *, timeout: float = 10.0, wait_timeout: float = 300.0,
-                 tls: bool = False, tls_ca: str | Path | None = None, tls_cert: str | Path | None = None,
-                 tls_key: str | Path | None = None, options: Sequence[tuple[str, Any]] = ()) -> None:
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        timeout: float = 10.0,
+        wait_timeout: float = 300.0,
+        tls: bool = False,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
         self.target = target or default_target()
         self.timeout = timeout
         self.wait_timeout = wait_timeout
         creds = _credentials(tls_ca, tls_cert, tls_key, tls)
-        self._channel = (grpc.aio.secure_channel(self.target, creds, list(options)) if creds is not None
-                         else grpc.aio.insecure_channel(self.target, list(options)))
-        self._calls: dict[str, Any] = {m.name: self._channel.unary_unary(
-            f"/{_SERVICE.full_name}/{m.name}",
-            request_serializer=lambda msg: msg.SerializeToString(),
-            response_deserializer=getattr(pb, m.output_type.name).FromString,
-        ) for m in _SERVICE.methods}
+        self._channel = (
+            grpc.aio.secure_channel(self.target, creds, list(options))
+            if creds is not None
+            else grpc.aio.insecure_channel(self.target, list(options))
+        )
+        self._calls: dict[str, Any] = {
+            m.name: self._channel.unary_unary(
+                f"/{_SERVICE.full_name}/{m.name}",
+                request_serializer=lambda msg: msg.SerializeToString(),
+                response_deserializer=getattr(pb, m.output_type.name).FromString,
+            )
+            for m in _SERVICE.methods
+        }
 
     async def _call(self, method: str, request: Any, timeout: float | None, what: str) -> Any:
         try:
@@ -315,13 +362,15 @@ class AsyncSnapshotAgentClient:
         except grpc.RpcError as exc:
             raise _error(exc, self.target, what) from exc
 
-    async def snapshot(self, job_id: str, group: str = "", *, backend: Backend = None,
-                       timeout: float | None = None) -> str:
+    async def snapshot(
+        self, job_id: str, group: str = "", *, backend: Backend = None, timeout: float | None = None
+    ) -> str:
         req = pb.SnapshotRequest(job_id=job_id, group=group, backend_config=_backend_config(backend))
         return str((await self._call("Snapshot", req, timeout, f"snapshot of {job_id!r}")).operation_id)
 
-    async def restore(self, job_id: str, group: str = "", *, backend: Backend = None,
-                      timeout: float | None = None) -> str:
+    async def restore(
+        self, job_id: str, group: str = "", *, backend: Backend = None, timeout: float | None = None
+    ) -> str:
         req = pb.RestoreRequest(job_id=job_id, group=group, backend_config=_backend_config(backend))
         return str((await self._call("Restore", req, timeout, f"restore of {job_id!r}")).operation_id)
 
@@ -346,12 +395,14 @@ class AsyncSnapshotAgentClient:
                 raise OperationTimeout(op_id, limit)
             await asyncio.sleep(min(poll.next(), max(0.0, deadline - time.monotonic())))
 
-    async def snapshot_and_wait(self, job_id: str, group: str = "", *, backend: Backend = None,
-                                timeout: float | None = None) -> Operation:
+    async def snapshot_and_wait(
+        self, job_id: str, group: str = "", *, backend: Backend = None, timeout: float | None = None
+    ) -> Operation:
         return await self.wait(await self.snapshot(job_id, group, backend=backend), timeout=timeout)
 
-    async def restore_and_wait(self, job_id: str, group: str = "", *, backend: Backend = None,
-                               timeout: float | None = None) -> Operation:
+    async def restore_and_wait(
+        self, job_id: str, group: str = "", *, backend: Backend = None, timeout: float | None = None
+    ) -> Operation:
         return await self.wait(await self.restore(job_id, group, backend=backend), timeout=timeout)
 
     async def close(self) -> None:
@@ -360,6 +411,7 @@ class AsyncSnapshotAgentClient:
     async def __aenter__(self) -> AsyncSnapshotAgentClient:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.close()

@@ -100,8 +100,9 @@ def _default_with_source() -> tuple[str, str]:
     try:
         lines = path.read_text().split()
     except OSError:
-        return _DEFAULT_URL, (f"the default: no URL was given, ${_URL_ENV} is not set and no `timeslice up` "
-                              f"advertises one in {path}")
+        return _DEFAULT_URL, (
+            f"the default: no URL was given, ${_URL_ENV} is not set and no `timeslice up` advertises one in {path}"
+        )
     text = ",".join(x.strip(",") for x in lines if x.strip(","))
     if not text:
         return _DEFAULT_URL, f"the default: no URL was given, ${_URL_ENV} is not set and {path} is empty"
@@ -135,11 +136,15 @@ def resolve_nats_url(url: str | Sequence[str] | NatsUrl | None = None) -> NatsUr
 def _advice(source: str) -> str:
     """What to do when no server of a URL from ``source`` answers."""
     path = url_file()
-    up = (f"`timeslice up` starts NATS and writes its URL to {path} (${_URL_FILE_ENV} moves it), where clients "
-          f"given no URL and no ${_URL_ENV} find it")
+    up = (
+        f"`timeslice up` starts NATS and writes its URL to {path} (${_URL_FILE_ENV} moves it), where clients "
+        f"given no URL and no ${_URL_ENV} find it"
+    )
     if source.startswith("advertised"):
-        return (f"the `timeslice up` that wrote {path} is not running (or not reachable from here): start it again "
-                f"(`timeslice up`), or give the server's URL (nats_url=, --nats-url or ${_URL_ENV})")
+        return (
+            f"the `timeslice up` that wrote {path} is not running (or not reachable from here): start it again "
+            f"(`timeslice up`), or give the server's URL (nats_url=, --nats-url or ${_URL_ENV})"
+        )
     if source.startswith("the default"):
         return f"start one with `timeslice up`, or give the server's URL (nats_url=, --nats-url or ${_URL_ENV}); {up}"
     return f"check that NATS runs there and is reachable; {up}"
@@ -166,8 +171,11 @@ def parse_servers(text: str | Sequence[str], *, source: str | None = None) -> li
             raise InvalidNatsUrl("", "no server given", whole)
         kinds = {urlsplit(u).scheme in ("ws", "wss") for u in out}
         if len(kinds) > 1:
-            raise InvalidNatsUrl(next(u for u in out if urlsplit(u).scheme in ("ws", "wss")),
-                                 "websocket and plain (nats/tls) servers cannot be mixed in one list", whole)
+            raise InvalidNatsUrl(
+                next(u for u in out if urlsplit(u).scheme in ("ws", "wss")),
+                "websocket and plain (nats/tls) servers cannot be mixed in one list",
+                whole,
+            )
     except InvalidNatsUrl as exc:
         if source is None:
             raise
@@ -211,8 +219,13 @@ async def _quiet_error_cb(exc: Exception) -> None:
 
 
 async def connect(
-    url: str | Sequence[str] | NatsUrl | None = None, *, name: str = "timeslice", connect_timeout: float = 5.0,
-    creds: CredsPath | None = None, tls: TlsOption | None = None, **kwargs: Any
+    url: str | Sequence[str] | NatsUrl | None = None,
+    *,
+    name: str = "timeslice",
+    connect_timeout: float = 5.0,
+    creds: CredsPath | None = None,
+    tls: TlsOption | None = None,
+    **kwargs: Any,
 ) -> NATS:
     """Connect to NATS with reconnects on, a quiet error callback and a clear error when nobody answers.
     ``url``: one server, or several (comma-separated, or a sequence; tried in turn, and again on reconnect), read
@@ -226,8 +239,9 @@ async def connect(
     target = resolve_nats_url(url)
     servers = list(target.servers)
     url = target.text
-    auth, context = _bus_auth.resolve(creds, tls, servers=servers, advertised=_advertised(),
-                                      local_creds=local_creds_file())
+    auth, context = _bus_auth.resolve(
+        creds, tls, servers=servers, advertised=_advertised(), local_creds=local_creds_file()
+    )
     errors: list[Exception] = []
     refusals: list[Exception] = []  # definite failures in a row, while the first connection is being made
     refused = asyncio.Event()  # every server refused: give up now rather than at the timeout
@@ -266,16 +280,21 @@ async def connect(
         reason = f"{first.__class__.__name__}: {first}; tried {who}" if str(first) else f"tried {who}"
         hint = _hint(errors or [exc], auth)
         raise BusUnreachable(
-            url, target.source, reason, refused=refused.is_set(),
+            url,
+            target.source,
+            reason,
+            refused=refused.is_set(),
             after_s=None if refused.is_set() or not isinstance(exc, TimeoutError) else time.monotonic() - started,
-            advice=hint.removeprefix("; ") or _advice(target.source)) from exc
+            advice=hint.removeprefix("; ") or _advice(target.source),
+        ) from exc
     errors.clear()
     _identities[nc] = {"creds": auth.creds, "tls": context}
     return nc
 
 
-async def _first_connection(nc: NATS, servers: list[str], opts: dict[str, Any], refused: asyncio.Event,
-                            timeout: float) -> None:
+async def _first_connection(
+    nc: NATS, servers: list[str], opts: dict[str, Any], refused: asyncio.Event, timeout: float
+) -> None:
     """``nc.connect``, given up (TimeoutError) after ``timeout`` or (ConnectionRefusedError) once ``refused`` is set;
     a connection given up is closed."""
     trying = asyncio.ensure_future(nc.connect(servers, **opts))
@@ -300,7 +319,8 @@ async def _first_connection(nc: NATS, servers: list[str], opts: dict[str, Any], 
 def _definite(exc: Exception) -> bool:
     """A connection attempt that failed for good, not for want of time: nothing listens there, or no such host."""
     return isinstance(exc, ConnectionRefusedError | socket.gaierror) or (
-        isinstance(exc, OSError) and exc.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH))
+        isinstance(exc, OSError) and exc.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH)
+    )
 
 
 _identities: weakref.WeakKeyDictionary[NATS, dict[str, Any]] = weakref.WeakKeyDictionary()
@@ -317,10 +337,14 @@ def _hint(errors: Sequence[Exception], auth: BusAuth) -> str:
     if "authorization" not in text and "authentication" not in text:
         return ""
     if auth.creds is None:
-        return ("; the server wants credentials: give --creds FILE or $TIMESLICE_CREDS (`timeslice auth job|agent|"
-                "reader|admin ...` issues them; docs/security.md)")
-    return ("; the server refused these credentials (expired, revoked, or issued by another operator): issue new "
-            "ones with `timeslice auth` against that server's auth dir")
+        return (
+            "; the server wants credentials: give --creds FILE or $TIMESLICE_CREDS (`timeslice auth job|agent|"
+            "reader|admin ...` issues them; docs/security.md)"
+        )
+    return (
+        "; the server refused these credentials (expired, revoked, or issued by another operator): issue new "
+        "ones with `timeslice auth` against that server's auth dir"
+    )
 
 
 async def kv_keys(nc: NATS, bucket: str, *, under: str | None = None, timeout: float = 5.0) -> list[str]:
@@ -342,12 +366,13 @@ async def kv_keys(nc: NATS, bucket: str, *, under: str | None = None, timeout: f
             msg = await nc.request(f"$JS.API.STREAM.INFO.KV_{bucket}", req, timeout=timeout)
             info: dict[str, Any] = json.loads(msg.data)
         except Exception as exc:
-            raise Unavailable(f"listing the keys of bucket {bucket!r} failed ({exc.__class__.__name__})",
-                              after_s=timeout) from exc
+            raise Unavailable(
+                f"listing the keys of bucket {bucket!r} failed ({exc.__class__.__name__})", after_s=timeout
+            ) from exc
         if "error" in info:
             err = info["error"]
             raise Unavailable(f"listing the keys of bucket {bucket!r} failed: {err.get('description', err)}")
         page = list((info.get("state") or {}).get("subjects") or {})
-        keys.extend(s[len(head):] for s in page)
+        keys.extend(s[len(head) :] for s in page)
         if not page or len(keys) >= int(info.get("total") or 0):
             return sorted(keys)

@@ -148,8 +148,12 @@ class GroupFull(InvalidRequest):
 
     def __init__(self, group_id: str, job_id: str, max_waiters: int) -> None:
         self.max_waiters = max_waiters
-        super().__init__(f"group {group_id!r} already has {max_waiters} waiters, the most it takes; try again once "
-                         "some have been served, or spread the jobs over more groups", group_id=group_id, job_id=job_id)
+        super().__init__(
+            f"group {group_id!r} already has {max_waiters} waiters, the most it takes; try again once "
+            "some have been served, or spread the jobs over more groups",
+            group_id=group_id,
+            job_id=job_id,
+        )
 
 
 class GroupQuarantined(TimeSliceError):
@@ -158,8 +162,10 @@ class GroupQuarantined(TimeSliceError):
     def __init__(self, group_id: str, reason: str) -> None:
         self.group_id = group_id
         self.reason = reason
-        super().__init__(f"group {group_id!r} is quarantined by the orchestrator ({reason}); every other group works "
-                         "on. `timeslice status` shows it; see docs/operations.md to repair the record")
+        super().__init__(
+            f"group {group_id!r} is quarantined by the orchestrator ({reason}); every other group works "
+            "on. `timeslice status` shows it; see docs/operations.md to repair the record"
+        )
 
 
 class Unavailable(TimeSliceError):
@@ -180,8 +186,9 @@ class BusUnreachable(Unavailable):
     (``refused``: at once), or none answered within ``after_s``. ``source`` says where the URL came from
     (``bus.NatsUrl.source``), ``reason`` the first failure, ``advice`` what to do about it."""
 
-    def __init__(self, nats_url: str, source: str, reason: str, *, after_s: float | None, refused: bool,
-                 advice: str) -> None:
+    def __init__(
+        self, nats_url: str, source: str, reason: str, *, after_s: float | None, refused: bool, advice: str
+    ) -> None:
         self.source = source
         self.reason = reason
         self.refused = refused
@@ -189,8 +196,13 @@ class BusUnreachable(Unavailable):
         self.what = "cannot connect to NATS"
         self.nats_url = nats_url
         self.after_s = after_s
-        how = ("every server refused the connection or could not be found" if refused
-               else f"no server answered within {after_s:.3g} s" if after_s is not None else "the connection failed")
+        how = (
+            "every server refused the connection or could not be found"
+            if refused
+            else f"no server answered within {after_s:.3g} s"
+            if after_s is not None
+            else "the connection failed"
+        )
         TimeSliceError.__init__(self, f"cannot connect to NATS at {nats_url} ({source}): {how} ({reason}); {advice}")
 
 
@@ -214,8 +226,17 @@ class AcquireAllFailed(TimeSliceError):
     for nothing of the call, but for ``kept``, the groups it held before the call. ``unanswered``: released groups
     whose release got no answer (the bus was away): the orchestrator frees them when their lease lapses."""
 
-    def __init__(self, job_id: str, groups: tuple[str, ...], group_id: str, error: BaseException, *,
-                 released: tuple[str, ...], kept: tuple[str, ...] = (), unanswered: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        groups: tuple[str, ...],
+        group_id: str,
+        error: BaseException,
+        *,
+        released: tuple[str, ...],
+        kept: tuple[str, ...] = (),
+        unanswered: tuple[str, ...] = (),
+    ) -> None:
         self.job_id = job_id
         self.groups = groups
         self.group_id = group_id
@@ -223,8 +244,11 @@ class AcquireAllFailed(TimeSliceError):
         self.released = released
         self.kept = kept
         self.unanswered = unanswered
-        TimeSliceError.__init__(self, f"job {job_id!r} could not take groups {list(groups)} at once: group "
-                                      f"{group_id!r} failed ({error}); {_given_back(released, kept, unanswered)}")
+        TimeSliceError.__init__(
+            self,
+            f"job {job_id!r} could not take groups {list(groups)} at once: group "
+            f"{group_id!r} failed ({error}); {_given_back(released, kept, unanswered)}",
+        )
 
 
 class AcquireAllTimeout(AcquireAllFailed, AcquireTimeout):
@@ -232,25 +256,41 @@ class AcquireAllTimeout(AcquireAllFailed, AcquireTimeout):
     :class:`AcquireTimeout` (and a ``TimeoutError``), as a single acquire's timeout is. ``holder``: the group's
     holder then (None: nobody, or not known)."""
 
-    def __init__(self, job_id: str, groups: tuple[str, ...], group_id: str, error: BaseException, *,
-                 timeout_s: float, holder: str | None, released: tuple[str, ...], kept: tuple[str, ...] = (),
-                 unanswered: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        groups: tuple[str, ...],
+        group_id: str,
+        error: BaseException,
+        *,
+        timeout_s: float,
+        holder: str | None,
+        released: tuple[str, ...],
+        kept: tuple[str, ...] = (),
+        unanswered: tuple[str, ...] = (),
+    ) -> None:
         self.timeout_s = timeout_s
         self.holder = holder
-        AcquireAllFailed.__init__(self, job_id, groups, group_id, error, released=released, kept=kept,
-                                  unanswered=unanswered)
+        AcquireAllFailed.__init__(
+            self, job_id, groups, group_id, error, released=released, kept=kept, unanswered=unanswered
+        )
         held = f" (held by {holder!r})" if holder else ""
-        self.args = (f"job {job_id!r} was not granted group {group_id!r}{held} within {timeout_s:.3g} s, the bound "
-                     f"of acquire_all({list(groups)}); {_given_back(released, kept, unanswered)}. Retry with a "
-                     "longer timeout, or see `timeslice status` for who holds it",)
+        self.args = (
+            f"job {job_id!r} was not granted group {group_id!r}{held} within {timeout_s:.3g} s, the bound "
+            f"of acquire_all({list(groups)}); {_given_back(released, kept, unanswered)}. Retry with a "
+            "longer timeout, or see `timeslice status` for who holds it",
+        )
 
 
 def _given_back(released: tuple[str, ...], kept: tuple[str, ...], unanswered: tuple[str, ...]) -> str:
-    out = (f"released what the call took ({', '.join(map(repr, released))})" if released
-           else "the call had taken nothing")
+    out = (
+        f"released what the call took ({', '.join(map(repr, released))})" if released else "the call had taken nothing"
+    )
     if unanswered:
-        out += (f" (no answer to the release of {', '.join(map(repr, unanswered))}: the orchestrator frees it when "
-                "its lease lapses)")
+        out += (
+            f" (no answer to the release of {', '.join(map(repr, unanswered))}: the orchestrator frees it when "
+            "its lease lapses)"
+        )
     out += " and withdrew its wait; nothing of the call is held or queued"
     if kept:
         out += f"; still held from before the call: {', '.join(map(repr, kept))}"
@@ -302,8 +342,7 @@ class LockLost(TimeSliceError):
     """``epoch``: the group's current epoch (None: its record could not be read), ``holder`` its holder then."""
 
     def __init__(
-        self, message: str, *, group_id: str, job_id: str, holder: str | None, epoch: int | None,
-        your_epoch: int | None
+        self, message: str, *, group_id: str, job_id: str, holder: str | None, epoch: int | None, your_epoch: int | None
     ) -> None:
         self.group_id = group_id
         self.job_id = job_id
@@ -322,8 +361,10 @@ class NotHolder(LockLost):
         if epoch is None:
             who = "its record could not be read to say who does"
         elif holder == job_id:
-            who = (f"the group's record names job {holder!r} at epoch {epoch}, but this client has no grant of it "
-                   "(another client with the same job id holds it, or a release of this one was not answered)")
+            who = (
+                f"the group's record names job {holder!r} at epoch {epoch}, but this client has no grant of it "
+                "(another client with the same job id holds it, or a release of this one was not answered)"
+            )
         elif holder:
             who = f"job {holder!r} holds it at epoch {epoch}"
         else:
@@ -400,8 +441,9 @@ class AgentRefused(TimeSliceError):
         self.verb = verb
         self.code = code
         self.reason = reason
-        super().__init__(f"the agent on node {node_id!r} refused {verb} of job {job_id!r}"
-                         f"{f' ({code})' if code else ''}: {reason}")
+        super().__init__(
+            f"the agent on node {node_id!r} refused {verb} of job {job_id!r}{f' ({code})' if code else ''}: {reason}"
+        )
 
 
 class CredentialsError(TimeSliceError, ValueError):
@@ -418,8 +460,10 @@ class MetricsServerError(TimeSliceError):
 
     def __init__(self, host: str, port: int, reason: str) -> None:
         self.host, self.port, self.reason = host, port, reason
-        super().__init__(f"cannot serve metrics on {host}:{port} ({reason}); pass --metrics-port with a free "
-                         "port, 0 for any free port, or -1 to turn the metrics endpoint off")
+        super().__init__(
+            f"cannot serve metrics on {host}:{port} ({reason}); pass --metrics-port with a free "
+            "port, 0 for any free port, or -1 to turn the metrics endpoint off"
+        )
 
 
 class AgentError(TimeSliceError):
@@ -449,8 +493,9 @@ class OperationTimeout(TimeSliceError, TimeoutError):
     def __init__(self, op_id: str, timeout_s: float) -> None:
         self.op_id = op_id
         self.timeout_s = timeout_s
-        super().__init__(f"operation {op_id} did not finish within {timeout_s:.3g} s; it may still finish: "
-                         "poll get_operation()")
+        super().__init__(
+            f"operation {op_id} did not finish within {timeout_s:.3g} s; it may still finish: poll get_operation()"
+        )
 
 
 class MissingEngineMethod(HandlerError, TypeError):
@@ -461,8 +506,10 @@ class MissingEngineMethod(HandlerError, TypeError):
         self.engine = engine
         self.type_name = type_name
         self.method = method
-        super().__init__(f"the {type_name!r} object given as a {engine} has no callable {method}(): pass the engine "
-                         f"object itself ({hint})")
+        super().__init__(
+            f"the {type_name!r} object given as a {engine} has no callable {method}(): pass the engine "
+            f"object itself ({hint})"
+        )
 
 
 class EngineNotSleepable(HandlerError):
@@ -472,8 +519,7 @@ class EngineNotSleepable(HandlerError):
     def __init__(self, engine: str, setting: str, hint: str) -> None:
         self.engine = engine
         self.setting = setting
-        super().__init__(f"the {engine} was started without {setting}, so it cannot release its device memory: "
-                         f"{hint}")
+        super().__init__(f"the {engine} was started without {setting}, so it cannot release its device memory: {hint}")
 
 
 class NoWeightReload(HandlerError):
@@ -483,8 +529,11 @@ class NoWeightReload(HandlerError):
     def __init__(self, engine: str, why: str, hint: str) -> None:
         self.engine = engine
         self.why = why
-        super().__init__(f"{engine}: {why} drops the weights' contents and no reload_weights hook was given to put "
-                         f"them back after waking: {hint}", tag="weights")
+        super().__init__(
+            f"{engine}: {why} drops the weights' contents and no reload_weights hook was given to put "
+            f"them back after waking: {hint}",
+            tag="weights",
+        )
 
 
 class EngineCallFailed(HandlerError):

@@ -75,10 +75,13 @@ class NumpyOffloadHandler:
                 if not a.flags.owndata or not a.flags.c_contiguous or a.base is not None:
                     raise HandlerError(
                         f"tag {name!r} item {i}: the array must own its memory and be C-contiguous "
-                        "(not a view); register np.ascontiguousarray(a).copy() instead", tag=name)
+                        "(not a view); register np.ascontiguousarray(a).copy() instead",
+                        tag=name,
+                    )
                 if id(a) in seen:
-                    raise ValueError(f"tag {name!r} item {i}: the same array is already registered under "
-                                     f"tag {seen[id(a)]!r}")
+                    raise ValueError(
+                        f"tag {name!r} item {i}: the same array is already registered under tag {seen[id(a)]!r}"
+                    )
                 seen[id(a)] = name
                 offset = (tag.host_size + _ALIGN - 1) // _ALIGN * _ALIGN
                 tag.entries.append(_Entry(a, tuple(a.shape), int(a.nbytes), offset))
@@ -114,7 +117,7 @@ class NumpyOffloadHandler:
                     if t.host is None or t.host.nbytes < t.host_size:
                         t.host = np.empty(t.host_size, dtype=np.uint8)
                     for e in t.entries:
-                        t.host[e.offset:e.offset + e.nbytes] = e.array.reshape(-1).view(np.uint8)
+                        t.host[e.offset : e.offset + e.nbytes] = e.array.reshape(-1).view(np.uint8)
             freed = 0
             for t in todo:
                 for e in t.entries:
@@ -135,7 +138,7 @@ class NumpyOffloadHandler:
                     e.array.resize(e.shape, refcheck=False)
                     flat = e.array.reshape(-1).view(np.uint8)
                     if t.suspended is SuspendMode.OFFLOAD and t.host is not None:
-                        flat[:] = t.host[e.offset:e.offset + e.nbytes]
+                        flat[:] = t.host[e.offset : e.offset + e.nbytes]
                         moved += e.nbytes
                     else:
                         flat[:] = 0

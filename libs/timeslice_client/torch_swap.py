@@ -75,9 +75,13 @@ def swap(
         in_f = pool.submit(incoming.resume, mode, in_set)
         out_exc, in_exc = out_f.exception(), in_f.exception()
     if out_exc is not None or in_exc is not None:
-        parts = [f"suspend of the outgoing state failed ({out_exc!r}; rolled back: it is on the device)"
-                 if out_exc is not None else "the outgoing state was suspended",
-                 f"resume of the incoming state failed ({in_exc!r}; it stays suspended)"
-                 if in_exc is not None else "the incoming state was resumed"]
+        parts = [
+            f"suspend of the outgoing state failed ({out_exc!r}; rolled back: it is on the device)"
+            if out_exc is not None
+            else "the outgoing state was suspended",
+            f"resume of the incoming state failed ({in_exc!r}; it stays suspended)"
+            if in_exc is not None
+            else "the incoming state was resumed",
+        ]
         raise HandlerError(f"swap failed: {'; '.join(parts)}") from (out_exc or in_exc)
     return SwapResult(out_f.result(), in_f.result(), overlapped=True)

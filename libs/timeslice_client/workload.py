@@ -191,21 +191,37 @@ class WorkloadChannel:
     async def start(self) -> WorkloadChannel:
         await self._open()
         try:
-            proof, unproven = await prove(self.job_id, self.node_id, path=self.agent_socket,
-                                          timeout=min(self.request_timeout, 5.0)), None
+            proof, unproven = (
+                await prove(self.job_id, self.node_id, path=self.agent_socket, timeout=min(self.request_timeout, 5.0)),
+                None,
+            )
         except ProofUnavailable as exc:  # only backends that touch no process are registered then
             proof, unproven = None, str(exc)
-        req = RegisterJob(group=self.group_id, job=self.job_id, backends=self.backends, pids=self.pids,
-                          pgid=self.pgid, mode=self.mode, tags=self.tags, op_timeout_ms=int(self.op_timeout * 1000),
-                          endpoints=self.endpoints, proof=proof, channel=self.token)
+        req = RegisterJob(
+            group=self.group_id,
+            job=self.job_id,
+            backends=self.backends,
+            pids=self.pids,
+            pgid=self.pgid,
+            mode=self.mode,
+            tags=self.tags,
+            op_timeout_ms=int(self.op_timeout * 1000),
+            endpoints=self.endpoints,
+            proof=proof,
+            channel=self.token,
+        )
         try:
             reply = await self._agent("register", encode(req), unproven=unproven)
         except BaseException:
             await self._shut()
             raise
         self._registered = True
-        log.info("registered with agent %s (state %s)", self.node_id, reply.state,
-                 extra={"job": self.job_id, "group": self.group_id, "node": self.node_id})
+        log.info(
+            "registered with agent %s (state %s)",
+            self.node_id,
+            reply.state,
+            extra={"job": self.job_id, "group": self.group_id, "node": self.node_id},
+        )
         return self
 
     async def _open(self) -> None:
@@ -214,8 +230,9 @@ class WorkloadChannel:
             raise TimeSliceError(f"the workload channel of job {self.job_id!r} was started already")
         servers = parse_servers(self.nats_url) if self.nats_url else _servers_of(self.nc)
         if not servers:
-            raise Unavailable("the connection given to the workload channel is not connected, and no nats_url "
-                              "was given")
+            raise Unavailable(
+                "the connection given to the workload channel is not connected, and no nats_url was given"
+            )
         self._lock = asyncio.Lock()  # for this start's thread and loop only
         self._responder = Responder(f"timeslice-workload-{self.job_id}")
         try:
@@ -226,8 +243,13 @@ class WorkloadChannel:
             raise
 
     async def _subscribe(self, servers: list[str]) -> NATS:
-        nc = await connect(servers, name=f"timeslice-workload-{self.job_id}", connect_timeout=self.request_timeout,
-                           dont_randomize=True, **identity_of(self.nc))
+        nc = await connect(
+            servers,
+            name=f"timeslice-workload-{self.job_id}",
+            connect_timeout=self.request_timeout,
+            dont_randomize=True,
+            **identity_of(self.nc),
+        )
         try:
             await nc.subscribe(subjects.workload_rpc(self.node_id, self.job_id), cb=self._on_command)
             await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
@@ -250,9 +272,11 @@ class WorkloadChannel:
         try:
             msg = await self.nc.request(subject, data, timeout=self.request_timeout)
         except Exception as exc:
-            raise Unavailable(f"no snapshot agent answered on node {self.node_id!r} ({exc.__class__.__name__}); "
-                              f"is `timeslice agent --node-id {self.node_id}` running?",
-                              after_s=self.request_timeout) from exc
+            raise Unavailable(
+                f"no snapshot agent answered on node {self.node_id!r} ({exc.__class__.__name__}); "
+                f"is `timeslice agent --node-id {self.node_id}` running?",
+                after_s=self.request_timeout,
+            ) from exc
         reply = _reply_decoder.decode(msg.data)
         if not reply.ok:
             reason = reply.error or "no reason given"
@@ -276,8 +300,9 @@ class WorkloadChannel:
         if self._registered and self.nc.is_connected:
             with contextlib.suppress(Exception):
                 # its own registration only: other processes (or channels) of the job stay registered
-                await self._agent("unregister", encode(UnregisterJob(group=self.group_id, job=self.job_id,
-                                                                     channel=self.token)))
+                await self._agent(
+                    "unregister", encode(UnregisterJob(group=self.group_id, job=self.job_id, channel=self.token))
+                )
         await self._shut()
         with self._gate:
             self._early = None  # nobody takes it now: the suspend begun at the release is left as it is
@@ -337,8 +362,7 @@ class WorkloadChannel:
         if not self.early_suspend or "app_channel" not in self.backends:
             return False
         with self._gate:
-            if (self._closed or self._responder is None or self._early is not None or self.suspended
-                    or self._busy):
+            if self._closed or self._responder is None or self._early is not None or self.suspended or self._busy:
                 return False
             # Set under the gate: a command that starts after this takes it (see _exclusive).
             self._early = self._responder.submit(self._run_early())
@@ -355,14 +379,18 @@ class WorkloadChannel:
             async with asyncio.timeout(self.op_timeout):
                 resumed = await self._on_thread(self._settle())
         except TimeoutError:
-            raise HandlerError(f"{why} took over op_timeout={self.op_timeout:g} s; its state may not be back: "
-                               f"restart the job") from None
+            raise HandlerError(
+                f"{why} took over op_timeout={self.op_timeout:g} s; its state may not be back: restart the job"
+            ) from None
         except Exception as exc:
-            raise HandlerError(f"{why} failed ({exc.__class__.__name__}: {exc}); its state is not back where "
-                               f"it was: restart the job") from exc
+            raise HandlerError(
+                f"{why} failed ({exc.__class__.__name__}: {exc}); its state is not back where it was: restart the job"
+            ) from exc
         if resumed:
-            log.info("suspended at release, but no switch followed: resumed", extra={"job": self.job_id,
-                                                                                      "group": self.group_id})
+            log.info(
+                "suspended at release, but no switch followed: resumed",
+                extra={"job": self.job_id, "group": self.group_id},
+            )
         return resumed
 
     # ------------------------------------------------------------------ the channel's thread
@@ -433,8 +461,11 @@ class WorkloadChannel:
         if cmd.channel is not None and cmd.channel != self.token:
             # For an earlier registration of this job on the node (a process that died, whose place this one took):
             # not ours to answer; the agent ends that operation when it sees those processes gone.
-            log.warning("ignored a %s command for another registration of the job", cmd.action,
-                        extra={"job": self.job_id, "group": self.group_id, "node": self.node_id, "op_id": cmd.op_id})
+            log.warning(
+                "ignored a %s command for another registration of the job",
+                cmd.action,
+                extra={"job": self.job_id, "group": self.group_id, "node": self.node_id, "op_id": cmd.op_id},
+            )
             return
         # A main thread busy in Python would make each step below wait up to 5 ms for the GIL (see _switch_interval).
         with prompt_threads(self.switch_interval):
@@ -462,19 +493,28 @@ class WorkloadChannel:
             if cmd.action == "suspend" and (cmd.mode, frozenset(cmd.tags)) == (self.mode, frozenset(self.tags)):
                 self.early_taken += 1
                 if early.result is None:
-                    return WorkloadReply(op_id=cmd.op_id, ok=False, error=early.error, elapsed_ms=early.elapsed_ms,
-                                         began_at_release=True)
-                return WorkloadReply(op_id=cmd.op_id, ok=True, bytes_moved=early.result.bytes_moved,
-                                     device_bytes_freed=early.result.device_bytes_freed, elapsed_ms=early.elapsed_ms,
-                                     began_at_release=True)
+                    return WorkloadReply(
+                        op_id=cmd.op_id, ok=False, error=early.error, elapsed_ms=early.elapsed_ms, began_at_release=True
+                    )
+                return WorkloadReply(
+                    op_id=cmd.op_id,
+                    ok=True,
+                    bytes_moved=early.result.bytes_moved,
+                    device_bytes_freed=early.result.device_bytes_freed,
+                    elapsed_ms=early.elapsed_ms,
+                    began_at_release=True,
+                )
             # Otherwise a resume finds the state suspended, as it expects, and a failed early suspend changed
             # nothing. A suspend in another mode or of other tags than registered puts the state back first.
             if early.result is not None and cmd.action == "suspend":
                 try:
                     self.handler.resume(self.mode, frozenset(self.tags))
                 except Exception as exc:
-                    return WorkloadReply(op_id=cmd.op_id, ok=False, error=f"resuming the suspend begun at release "
-                                         f"failed: {exc.__class__.__name__}: {exc}")
+                    return WorkloadReply(
+                        op_id=cmd.op_id,
+                        ok=False,
+                        error=f"resuming the suspend begun at release failed: {exc.__class__.__name__}: {exc}",
+                    )
                 with self._gate:
                     self.suspended = False
         elif cmd.action == "suspend" and self.suspended:
@@ -486,14 +526,24 @@ class WorkloadChannel:
             result = fn(cmd.mode, frozenset(cmd.tags))
         except Exception as exc:
             log.warning("%s failed: %s", cmd.action, _cut(f"{exc!r}"), extra={"job": self.job_id, "epoch": cmd.epoch})
-            return WorkloadReply(op_id=cmd.op_id, ok=False, error=f"{exc.__class__.__name__}: {exc}",
-                                 elapsed_ms=(time.perf_counter() - t0) * 1000)
+            return WorkloadReply(
+                op_id=cmd.op_id,
+                ok=False,
+                error=f"{exc.__class__.__name__}: {exc}",
+                elapsed_ms=(time.perf_counter() - t0) * 1000,
+            )
         with self._gate:
             self.suspended = cmd.action == "suspend"
         self.last_result = result
-        return WorkloadReply(op_id=cmd.op_id, ok=True, bytes_moved=result.bytes_moved,
-                             device_bytes_freed=result.device_bytes_freed,
-                             elapsed_ms=(time.perf_counter() - t0) * 1000)
+        return WorkloadReply(
+            op_id=cmd.op_id,
+            ok=True,
+            bytes_moved=result.bytes_moved,
+            device_bytes_freed=result.device_bytes_freed,
+            elapsed_ms=(time.perf_counter() - t0) * 1000,
+        )
+
+
 async def register_workload(
     job_id: str,
     group_id: str,
@@ -511,11 +561,9 @@ async def register_workload(
     releases (see ``AsyncTimeSliceClient.register_workload``)."""
     check_options(options, WORKLOAD_KEYS, "register_workload")
     nc = await connect(nats_url, name=f"timeslice-workload-{job_id}", creds=creds, tls=tls)
-    channel = WorkloadChannel(nc, job_id, group_id, handler, own_connection=True, agent_socket=agent_socket,
-                              **options)
+    channel = WorkloadChannel(nc, job_id, group_id, handler, own_connection=True, agent_socket=agent_socket, **options)
     try:
         return await channel.start()
     except BaseException:
         await nc.close()
         raise
-

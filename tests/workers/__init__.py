@@ -37,8 +37,19 @@ class Worker:
         self.group = group
         self.out = tmp / f"worker-{group}-{job}.jsonl"
         self.stderr_path = tmp / f"worker-{group}-{job}.stderr"
-        args = [sys.executable, "-m", "tests.workers.job_worker", "--nats-url", nats_url, "--group", group,
-                "--job", job, "--out", str(self.out)]
+        args = [
+            sys.executable,
+            "-m",
+            "tests.workers.job_worker",
+            "--nats-url",
+            nats_url,
+            "--group",
+            group,
+            "--job",
+            job,
+            "--out",
+            str(self.out),
+        ]
         for k, v in opts.items():
             flag = "--" + k.replace("_", "-")
             if v is True:
@@ -46,8 +57,14 @@ class Worker:
             elif v is not False and v is not None:
                 args += [flag, str(v)]
         self._stderr = open(self.stderr_path, "ab")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._stderr,
-                                     stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=self._stderr,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
 
     def events(self, ev: str | None = None) -> list[dict[str, Any]]:
         try:

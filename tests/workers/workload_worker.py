@@ -241,8 +241,12 @@ class LoggingHandler:
         self._lock = threading.Lock()
 
     def describe(self) -> dict[str, Any]:
-        return {"device_bytes": self.state.device_bytes(), "host_bytes": self.state.host_bytes(),
-                "checksum": self.state.checksum(), "ids": self.state.ids()}
+        return {
+            "device_bytes": self.state.device_bytes(),
+            "host_bytes": self.state.host_bytes(),
+            "checksum": self.state.checksum(),
+            "ids": self.state.ids(),
+        }
 
     def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
         with self._lock:
@@ -260,9 +264,15 @@ class LoggingHandler:
             except Exception as exc:
                 self.log("suspend_failed", error=f"{exc.__class__.__name__}: {exc}", **self.describe())
                 raise
-            self.log("suspended", device_bytes_before=before, device_bytes_after=self.state.device_bytes(),
-                     host_bytes_after=self.state.host_bytes(), bytes_moved=r.bytes_moved,
-                     device_bytes_freed=r.device_bytes_freed, elapsed_ms=(time.perf_counter() - t0) * 1000)
+            self.log(
+                "suspended",
+                device_bytes_before=before,
+                device_bytes_after=self.state.device_bytes(),
+                host_bytes_after=self.state.host_bytes(),
+                bytes_moved=r.bytes_moved,
+                device_bytes_freed=r.device_bytes_freed,
+                elapsed_ms=(time.perf_counter() - t0) * 1000,
+            )
             return r
 
     def resume(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
@@ -275,9 +285,14 @@ class LoggingHandler:
             except Exception as exc:
                 self.log("resume_failed", error=f"{exc.__class__.__name__}: {exc}")
                 raise
-            self.log("resumed", device_bytes_before=before, bytes_moved=r.bytes_moved,
-                     device_bytes_taken=r.device_bytes_freed, elapsed_ms=(time.perf_counter() - t0) * 1000,
-                     **self.describe())
+            self.log(
+                "resumed",
+                device_bytes_before=before,
+                bytes_moved=r.bytes_moved,
+                device_bytes_taken=r.device_bytes_freed,
+                elapsed_ms=(time.perf_counter() - t0) * 1000,
+                **self.describe(),
+            )
             return r
 
 
@@ -349,13 +364,19 @@ async def run(a: argparse.Namespace, log: EventLog) -> int:
     state = make_state(a)
     handler = LoggingHandler(a, state, log)
     stop = threading.Event()
-    client = AsyncTimeSliceClient(a.job, a.group, a.nats_url, lease_seconds=a.lease_seconds,
-                                  acquire_timeout=a.acquire_timeout, waiter_ttl_seconds=a.waiter_ttl)
+    client = AsyncTimeSliceClient(
+        a.job,
+        a.group,
+        a.nats_url,
+        lease_seconds=a.lease_seconds,
+        acquire_timeout=a.acquire_timeout,
+        waiter_ttl_seconds=a.waiter_ttl,
+    )
     async with client:
-        await client.register_workload(handler, node_id=a.node_id, backends=tuple(a.backend.split("+")),
-                                       mode=a.mode, op_timeout=a.op_timeout)
-        log("ready", job=a.job, pid=os.getpid(), backends=a.backend.split("+"), handler=a.handler,
-            **handler.describe())
+        await client.register_workload(
+            handler, node_id=a.node_id, backends=tuple(a.backend.split("+")), mode=a.mode, op_timeout=a.op_timeout
+        )
+        log("ready", job=a.job, pid=os.getpid(), backends=a.backend.split("+"), handler=a.handler, **handler.describe())
         if a.counter_ms > 0:
             threading.Thread(target=counter, args=(log, a.counter_ms / 1000, stop), daemon=True).start()
         queue: asyncio.Queue[str] = asyncio.Queue()
@@ -373,16 +394,22 @@ async def run(a: argparse.Namespace, log: EventLog) -> int:
                     except Exception as exc:
                         log.failure("acquire", exc)
                         continue
-                    log("granted", epoch=g.epoch, context_restored=g.context_restored, waited_ms=g.waited_ms,
-                        **handler.describe())
+                    log(
+                        "granted",
+                        epoch=g.epoch,
+                        context_restored=g.context_restored,
+                        waited_ms=g.waited_ms,
+                        **handler.describe(),
+                    )
                     step += 1
                     try:
                         await asyncio.to_thread(state.work, step)
                     except Exception as exc:
                         log.failure("work", exc, epoch=g.epoch)
                         continue
-                    log("worked", step=step, epoch=g.epoch, checksum=state.checksum(),
-                        device_bytes=state.device_bytes())
+                    log(
+                        "worked", step=step, epoch=g.epoch, checksum=state.checksum(), device_bytes=state.device_bytes()
+                    )
                 elif cmd == "release":
                     epoch = client.epoch
                     log("releasing", epoch=epoch, checksum=state.checksum(), device_bytes=state.device_bytes())

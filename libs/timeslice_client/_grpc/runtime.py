@@ -18,9 +18,11 @@ def _read(path: str | Path | None) -> bytes | None:
     return Path(path).expanduser().read_bytes() if path else None
 
 
-def channel_credentials(ca: str | Path | None = None, cert: str | Path | None = None,
-                        key: str | Path | None = None) -> grpc.ChannelCredentials:
+def channel_credentials(
+    ca: str | Path | None = None, cert: str | Path | None = None, key: str | Path | None = None
+) -> grpc.ChannelCredentials:
     """TLS for a client: ``ca`` verifies the server (default: the system roots); ``cert``/``key`` is
     the client's own certificate for mutual TLS."""
-    return grpc.ssl_channel_credentials(root_certificates=_read(ca), private_key=_read(key),
-                                        certificate_chain=_read(cert))
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca), private_key=_read(key), certificate_chain=_read(cert)
+    )

@@ -53,11 +53,11 @@ class Buckets:
 SETUP_WAIT_S = 120.0  # how long a service retries making or finding the stream and buckets (a cluster electing)
 
 
-async def ensure_bus(js: JetStreamContext, config: BusConfig | None = None, *, wait_s: float = SETUP_WAIT_S
-                     ) -> Buckets:
+async def ensure_bus(js: JetStreamContext, config: BusConfig | None = None, *, wait_s: float = SETUP_WAIT_S) -> Buckets:
     """The stream and the buckets, made where missing. A transient failure (a request unanswered while a NATS
     cluster elects a leader or is still forming) is retried for ``wait_s``: a service starting beside a busy cluster
     waits for it instead of exiting."""
+
     def told(state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome is not None else None
         log.warning("the stream and buckets are not answering yet (%r); trying again", exc)
@@ -65,8 +65,13 @@ async def ensure_bus(js: JetStreamContext, config: BusConfig | None = None, *, w
     def again(exc: BaseException) -> bool:
         return transient(exc) or isinstance(exc, _PlacementRefused)
 
-    async for attempt in AsyncRetrying(stop=stop_after_delay(wait_s), wait=wait_exponential(multiplier=0.1, max=2.0),
-                                       retry=retry_if_exception(again), before_sleep=told, reraise=True):
+    async for attempt in AsyncRetrying(
+        stop=stop_after_delay(wait_s),
+        wait=wait_exponential(multiplier=0.1, max=2.0),
+        retry=retry_if_exception(again),
+        before_sleep=told,
+        reraise=True,
+    ):
         with attempt:
             return await _ensure_bus_once(js, config)
     raise AssertionError("unreachable: the retry loop returns or raises")
@@ -80,22 +85,35 @@ async def _ensure_bus_once(js: JetStreamContext, config: BusConfig | None) -> Bu
         info = await js.stream_info(STREAM)
         _check_replicas(f"stream {STREAM}", STREAM, info.config.num_replicas, cfg.replicas)
     except NotFoundError:
-        await _creating(f"stream {STREAM}", replicas, js.add_stream(StreamConfig(
-                name=STREAM,
-                description="timeslice events: every request, decision and agent operation",
-                subjects=list(STREAM_SUBJECTS),
-                storage=storage,
-                num_replicas=replicas,
-                max_age=cfg.stream_max_age_s,
-                max_bytes=cfg.stream_max_bytes,
-                duplicate_window=cfg.duplicate_window_s,
-        )))
+        await _creating(
+            f"stream {STREAM}",
+            replicas,
+            js.add_stream(
+                StreamConfig(
+                    name=STREAM,
+                    description="timeslice events: every request, decision and agent operation",
+                    subjects=list(STREAM_SUBJECTS),
+                    storage=storage,
+                    num_replicas=replicas,
+                    max_age=cfg.stream_max_age_s,
+                    max_bytes=cfg.stream_max_bytes,
+                    duplicate_window=cfg.duplicate_window_s,
+                )
+            ),
+        )
     groups = await _bucket(js, GROUPS_BUCKET, "timeslice group lock records", storage, cfg.replicas, None)
     # With a limit marker an agent key that expires reaches watchers as a PURGE (without one the expiry is silent);
     # until the marker expires (TTLs are whole seconds, 1 s at least), get() is empty and create() of the key fails
     # (docs/nats.md).
-    agents = await _bucket(js, AGENTS_BUCKET, "timeslice agents (liveness)", storage, cfg.replicas, cfg.agent_ttl_s,
-                           marker_ttl=max(1.0, cfg.agent_ttl_s))
+    agents = await _bucket(
+        js,
+        AGENTS_BUCKET,
+        "timeslice agents (liveness)",
+        storage,
+        cfg.replicas,
+        cfg.agent_ttl_s,
+        marker_ttl=max(1.0, cfg.agent_ttl_s),
+    )
     jobs = await _bucket(js, JOBS_BUCKET, "timeslice job contexts per node", storage, cfg.replicas, None)
     return Buckets(groups, agents, jobs)
 
@@ -110,15 +128,27 @@ def _check_replicas(what: str, stream: str, has: int | None, wanted: int | None)
         "%s has %d replica(s) but %d were asked for (--replicas / BusConfig.replicas); it stays at %d. To change it: "
         "`nats stream edit %s --replicas %d` (the servers copy the data; needs a cluster of at least %d nodes), or "
         "run with --replicas %d to match it",
-        what, has, wanted, has, stream, wanted, wanted, has,
+        what,
+        has,
+        wanted,
+        has,
+        stream,
+        wanted,
+        wanted,
+        has,
         extra={"stream": stream, "replicas": has, "wanted_replicas": wanted},
     )
     return False
 
 
 async def _bucket(
-    js: JetStreamContext, name: str, description: str, storage: StorageType, replicas: int | None,
-    ttl: float | None, marker_ttl: float | None = None,
+    js: JetStreamContext,
+    name: str,
+    description: str,
+    storage: StorageType,
+    replicas: int | None,
+    ttl: float | None,
+    marker_ttl: float | None = None,
 ) -> KeyValue:
     try:
         kv = await js.key_value(name)
@@ -129,16 +159,22 @@ async def _bucket(
             info = await js.stream_info(f"KV_{name}")
             _check_replicas(f"bucket {name}", f"KV_{name}", info.config.num_replicas, replicas)
         return kv
-    return await _creating(f"bucket {name}", replicas or 1, js.create_key_value(KeyValueConfig(
-        bucket=name,
-        description=description,
-        history=1,
-        ttl=ttl,
-        storage=storage,
-        replicas=replicas or 1,
-        direct=True,
-        limit_marker_ttl=marker_ttl,
-    )))
+    return await _creating(
+        f"bucket {name}",
+        replicas or 1,
+        js.create_key_value(
+            KeyValueConfig(
+                bucket=name,
+                description=description,
+                history=1,
+                ttl=ttl,
+                storage=storage,
+                replicas=replicas or 1,
+                direct=True,
+                limit_marker_ttl=marker_ttl,
+            )
+        ),
+    )
 
 
 _T = TypeVar("_T")
@@ -153,12 +189,16 @@ async def _creating(what: str, replicas: int, make: Awaitable[_T]) -> _T:
     except Exception as exc:
         code = getattr(exc, "err_code", None)
         if replicas > 1 and code in (_NOT_CLUSTERED, _NO_RESOURCES):
-            why = ("this NATS server is not part of a cluster" if code == _NOT_CLUSTERED
-                   else "the cluster has fewer JetStream servers than that")
+            why = (
+                "this NATS server is not part of a cluster"
+                if code == _NOT_CLUSTERED
+                else "the cluster has fewer JetStream servers than that"
+            )
             error = _PlacementRefused if code == _NO_RESOURCES else TimeSliceError
             raise error(
                 f"cannot create {what} with {replicas} replicas: {why} ({getattr(exc, 'description', exc)}); run "
-                "with --replicas 1, or on a NATS cluster of at least that many servers (docs/cluster.md)") from exc
+                "with --replicas 1, or on a NATS cluster of at least that many servers (docs/cluster.md)"
+            ) from exc
         raise
 
 

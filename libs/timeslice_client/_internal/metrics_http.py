@@ -33,8 +33,9 @@ class MetricsEndpoint:
 
 
 @contextlib.asynccontextmanager
-async def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0",
-                        stop_timeout_s: float = 5.0) -> AsyncIterator[MetricsEndpoint | None]:
+async def serve_metrics(
+    registry: CollectorRegistry, port: int, host: str = "0.0.0.0", stop_timeout_s: float = 5.0
+) -> AsyncIterator[MetricsEndpoint | None]:
     """Serve ``registry`` at ``http://host:port/metrics`` for the duration of the block.
 
     ``port`` 0 picks a free port (the endpoint says which); a negative port serves nothing (yields None).

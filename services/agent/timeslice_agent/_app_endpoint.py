@@ -38,8 +38,10 @@ __all__ = ["AppEndpointBackend", "Endpoint", "HttpError", "check_endpoints", "ht
 App = Literal["vllm", "sglang"]
 _APPS: Final = ("vllm", "sglang")
 _MAX_BODY: Final = 1 << 20
-_VLLM_HINT: Final = ("start vLLM with --enable-sleep-mode and the environment variable VLLM_SERVER_DEV_MODE=1 "
-                     "(the /sleep and /wake_up routes exist only in dev mode)")
+_VLLM_HINT: Final = (
+    "start vLLM with --enable-sleep-mode and the environment variable VLLM_SERVER_DEV_MODE=1 "
+    "(the /sleep and /wake_up routes exist only in dev mode)"
+)
 _SGLANG_HINT: Final = "start SGLang with --enable-memory-saver (and a version that serves /release_memory_occupation)"
 
 
@@ -59,14 +61,23 @@ def parse_endpoint(spec: str) -> Endpoint:
     """``vllm+http://host:port[/prefix]`` or ``sglang+http://…``; raises ``ValueError`` saying what is wrong."""
     app, sep, url = spec.partition("+")
     if not sep or app not in _APPS:
-        raise ValueError(f"endpoint {spec!r} does not say which server it is: register it as "
-                         f"'vllm+http://host:port' or 'sglang+http://host:port'")
+        raise ValueError(
+            f"endpoint {spec!r} does not say which server it is: register it as "
+            f"'vllm+http://host:port' or 'sglang+http://host:port'"
+        )
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"endpoint {spec!r}: only plain http://host:port URLs are supported "
-                         "(the server is node-local; put TLS termination elsewhere)")
-    return Endpoint(app=app, host=parts.hostname, port=parts.port or 80,  # type: ignore[arg-type]
-                    base_path=parts.path.rstrip("/"), url=url)
+        raise ValueError(
+            f"endpoint {spec!r}: only plain http://host:port URLs are supported "
+            "(the server is node-local; put TLS termination elsewhere)"
+        )
+    return Endpoint(
+        app=app,
+        host=parts.hostname,
+        port=parts.port or 80,  # type: ignore[arg-type]
+        base_path=parts.path.rstrip("/"),
+        url=url,
+    )
 
 
 def check_endpoints(specs: tuple[str, ...]) -> tuple[Endpoint, ...]:
@@ -88,8 +99,13 @@ async def http_post(host: str, port: int, path: str, body: bytes | None, *, time
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port)
             try:
-                head = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", "Connection: close",
-                        "Accept: application/json", f"Content-Length: {len(body or b'')}"]
+                head = [
+                    f"POST {path} HTTP/1.1",
+                    f"Host: {host}:{port}",
+                    "Connection: close",
+                    "Accept: application/json",
+                    f"Content-Length: {len(body or b'')}",
+                ]
                 if body is not None:
                     head.append("Content-Type: application/json")
                 writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (body or b""))
@@ -168,8 +184,7 @@ class AppEndpointBackend:
         hint = ""
         if resp.status in (404, 405):
             hint = f"; the route is not served: {_VLLM_HINT if ep.app == 'vllm' else _SGLANG_HINT}"
-        raise BackendError(f"{what} for job {ctx.job!r} answered HTTP {resp.status}"
-                           f"{': ' + text if text else ''}{hint}")
+        raise BackendError(f"{what} for job {ctx.job!r} answered HTTP {resp.status}{': ' + text if text else ''}{hint}")
 
     def _endpoints(self, ctx: JobContext) -> list[Endpoint]:
         try:
@@ -189,22 +204,28 @@ class AppEndpointBackend:
         eps = self._endpoints(ctx)
         pids = await asyncio.to_thread(self._measure, ctx) if self.accounting.source is not None else ()
         before = await self._used(pids)
-        outcomes = await asyncio.gather(*(self._call(ep, ctx, "sleep", op.remaining()) for ep in eps),
-                                        return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *(self._call(ep, ctx, "sleep", op.remaining()) for ep in eps), return_exceptions=True
+        )
         if any(o is not None for o in outcomes):
             raise await self._roll_back(ctx, eps, outcomes, max(5.0, op.remaining()))
         after = await self._used(pids)
         return Outcome(device_bytes_freed=max(0, before - after))
 
-    async def _roll_back(self, ctx: JobContext, eps: list[Endpoint], outcomes: list[BaseException | None],
-                         timeout: float) -> BackendError:
+    async def _roll_back(
+        self, ctx: JobContext, eps: list[Endpoint], outcomes: list[BaseException | None], timeout: float
+    ) -> BackendError:
         """Wake the endpoints that may sleep after a failed snapshot: those that answered, and those that did
         not answer in time. An endpoint that answered with an error, or could not be reached, did not sleep."""
         why = "; ".join(str(o) for o in outcomes if o is not None)
-        maybe_asleep = [ep for ep, o in zip(eps, outcomes, strict=True)
-                        if o is None or (isinstance(o.__cause__, HttpError) and o.__cause__.timed_out)]
-        undone = await asyncio.gather(*(self._call(ep, ctx, "wake", timeout) for ep in maybe_asleep),
-                                      return_exceptions=True)
+        maybe_asleep = [
+            ep
+            for ep, o in zip(eps, outcomes, strict=True)
+            if o is None or (isinstance(o.__cause__, HttpError) and o.__cause__.timed_out)
+        ]
+        undone = await asyncio.gather(
+            *(self._call(ep, ctx, "wake", timeout) for ep in maybe_asleep), return_exceptions=True
+        )
         stuck = [f"{ep} ({o})" for ep, o in zip(maybe_asleep, undone, strict=True) if isinstance(o, BaseException)]
         if stuck:
             return BackendError(f"{why}; waking again failed: {'; '.join(stuck)}", rolled_back=False)
@@ -213,8 +234,9 @@ class AppEndpointBackend:
 
     async def restore(self, ctx: JobContext, op: OpContext) -> Outcome:
         eps = self._endpoints(ctx)
-        outcomes = await asyncio.gather(*(self._call(ep, ctx, "wake", op.remaining()) for ep in eps),
-                                        return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *(self._call(ep, ctx, "wake", op.remaining()) for ep in eps), return_exceptions=True
+        )
         failed = [str(o) for o in outcomes if isinstance(o, BaseException)]
         if failed:
             raise BackendError("; ".join(failed), rolled_back=False)
@@ -224,4 +246,3 @@ class AppEndpointBackend:
 def make_app_endpoint_backend(nc: object, node: str) -> AppEndpointBackend:
     """The backend factory (NVML loaded once per process, where available)."""
     return AppEndpointBackend(GpuAccounting(gpu_source()))
-

@@ -37,8 +37,12 @@ class Outcome:
 
     def __add__(self, other: Outcome) -> Outcome:
         work = None if self.work_ms is None and other.work_ms is None else (self.work_ms or 0) + (other.work_ms or 0)
-        return Outcome(self.bytes_moved + other.bytes_moved, self.device_bytes_freed + other.device_bytes_freed,
-                       work, self.began_at_release or other.began_at_release)
+        return Outcome(
+            self.bytes_moved + other.bytes_moved,
+            self.device_bytes_freed + other.device_bytes_freed,
+            work,
+            self.began_at_release or other.began_at_release,
+        )
 
 
 class Backend(Protocol):

@@ -90,10 +90,20 @@ class CudaPythonDriver:
             except ImportError as exc:
                 raise BackendUnavailable(
                     f"cuda-python is not installed ({exc}); install cuda-python >= 12.8 (e.g. "
-                    "`pip install cuda-python`) on this node to use the cuda backend") from exc
-        missing = [n for n in ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
-                               "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock",
-                               "cuCheckpointProcessGetState", "CUcheckpointLockArgs") if not hasattr(driver, n)]
+                    "`pip install cuda-python`) on this node to use the cuda backend"
+                ) from exc
+        missing = [
+            n
+            for n in (
+                "cuCheckpointProcessLock",
+                "cuCheckpointProcessCheckpoint",
+                "cuCheckpointProcessRestore",
+                "cuCheckpointProcessUnlock",
+                "cuCheckpointProcessGetState",
+                "CUcheckpointLockArgs",
+            )
+            if not hasattr(driver, n)
+        ]
         if missing:
             raise BackendUnavailable(f"this cuda-python lacks {', '.join(missing)}; install cuda-python >= 12.8")
         self._d: Any = driver
@@ -102,8 +112,10 @@ class CudaPythonDriver:
             raise BackendUnavailable(f"cuInit(0) returned {self._name(err)}: no usable NVIDIA driver or GPU here")
         err, version = driver.cuDriverGetVersion()
         if err != driver.CUresult.CUDA_SUCCESS or version < MIN_DRIVER_VERSION:
-            raise BackendUnavailable(f"the NVIDIA driver supports CUDA {version // 1000}.{version % 1000 // 10}; "
-                                     "the checkpoint API with lock timeouts needs driver r570+ (CUDA 12.8)")
+            raise BackendUnavailable(
+                f"the NVIDIA driver supports CUDA {version // 1000}.{version % 1000 // 10}; "
+                "the checkpoint API with lock timeouts needs driver r570+ (CUDA 12.8)"
+            )
 
     def _name(self, err: Any) -> str:
         name = getattr(err, "name", None)
@@ -161,12 +173,20 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, driver: CheckpointDriver, accounting: GpuAccounting | None = None, *,
-                 lock_timeout_ms: int = 10_000, lock_attempts: int = 3, max_threads: int = 64,
-                 drain_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        driver: CheckpointDriver,
+        accounting: GpuAccounting | None = None,
+        *,
+        lock_timeout_ms: int = 10_000,
+        lock_attempts: int = 3,
+        max_threads: int = 64,
+        drain_s: float = 300.0,
+    ) -> None:
         if lock_timeout_ms <= 0 or lock_attempts <= 0:
-            raise ValueError(f"lock_timeout_ms ({lock_timeout_ms}) and lock_attempts ({lock_attempts}) "
-                             "must be positive")
+            raise ValueError(
+                f"lock_timeout_ms ({lock_timeout_ms}) and lock_attempts ({lock_attempts}) must be positive"
+            )
         self.driver = driver
         self.accounting = accounting or GpuAccounting(None)
         self.lock_timeout_ms = lock_timeout_ms
@@ -199,11 +219,15 @@ class CudaBackend:
             with contextlib.suppress(TimeoutError):
                 ended = await asyncio.wait_for(asyncio.shield(calls), self.drain_s)
             if ended is None:
-                log.warning("cuda driver calls of pids %s still run %.0f s after their operation ended", order,
-                            self.drain_s)
+                log.warning(
+                    "cuda driver calls of pids %s still run %.0f s after their operation ended", order, self.drain_s
+                )
             else:
-                log.warning("cuda driver calls of pids %s ended after their operation did: %s", order,
-                            [type(o).__name__ if isinstance(o, BaseException) else "ok" for o in ended])
+                log.warning(
+                    "cuda driver calls of pids %s ended after their operation did: %s",
+                    order,
+                    [type(o).__name__ if isinstance(o, BaseException) else "ok" for o in ended],
+                )
             raise
         return {pid: (o if isinstance(o, BaseException) else None) for pid, o in zip(order, outcomes, strict=True)}
 
@@ -226,8 +250,11 @@ class CudaBackend:
             try:
                 found = tuple(sorted({p.pid for p in self.accounting.job_processes(ctx.pids, ctx.pgid)}))
             except Exception as exc:  # NVML's own errors: the driver can still say which processes use CUDA
-                log.warning("NVML could not list the job's GPU processes: %r; asking the driver", exc,
-                            extra={"node": ctx.node, "job": ctx.job})
+                log.warning(
+                    "NVML could not list the job's GPU processes: %r; asking the driver",
+                    exc,
+                    extra={"node": ctx.node, "job": ctx.job},
+                )
                 found = ()
             if found:
                 return found
@@ -247,8 +274,11 @@ class CudaBackend:
         before = await self._in_thread(self._used, pids)
         with self._guard:
             self._saved[(ctx.node, ctx.job)] = pids  # before anything moves: a half-done snapshot is restorable
-        failed = {pid: exc for pid, exc in (await self._each(pids, lambda pid: self._snapshot_one(pid, op))).items()
-                  if exc is not None}
+        failed = {
+            pid: exc
+            for pid, exc in (await self._each(pids, lambda pid: self._snapshot_one(pid, op))).items()
+            if exc is not None
+        }
         if failed:
             raise await self._roll_back(ctx, op, pids, failed)
         after = await self._in_thread(self._used, pids)
@@ -301,12 +331,16 @@ class CudaBackend:
                     continue
         tries = f"{self.lock_attempts} attempts of up to {self.lock_timeout_ms} ms"
         why = f"last: {last}" if last else "the operation's deadline passed"
-        raise _PidFailed(pid, f"could not lock pid {pid} within {tries} ({why}); it keeps running. A process "
-                              "inside a long kernel or a blocking CUDA call cannot be locked until it returns",
-                         rolled_back=True)
+        raise _PidFailed(
+            pid,
+            f"could not lock pid {pid} within {tries} ({why}); it keeps running. A process "
+            "inside a long kernel or a blocking CUDA call cannot be locked until it returns",
+            rolled_back=True,
+        )
 
-    async def _roll_back(self, ctx: JobContext, op: OpContext, pids: tuple[int, ...],
-                         failed: dict[int, BaseException]) -> BackendError:
+    async def _roll_back(
+        self, ctx: JobContext, op: OpContext, pids: tuple[int, ...], failed: dict[int, BaseException]
+    ) -> BackendError:
         """Bring every PID of a failed snapshot back to RUNNING; the error to raise says whether it worked."""
         reasons = "; ".join(f"pid {pid}: {exc}" for pid, exc in sorted(failed.items()))
         stuck = [pid for pid, exc in failed.items() if not (isinstance(exc, _PidFailed) and exc.rolled_back)]
@@ -314,13 +348,16 @@ class CudaBackend:
         stuck += [pid for pid, exc in undone.items() if exc is not None]
         undo_errors = "; ".join(f"pid {pid}: {exc}" for pid, exc in sorted(undone.items()) if exc is not None)
         if stuck:
-            return BackendError(f"cuda snapshot of job {ctx.job!r} failed ({reasons}); processes {sorted(stuck)} "
-                                f"could not be brought back to RUNNING{': ' + undo_errors if undo_errors else ''}",
-                                rolled_back=False)
+            return BackendError(
+                f"cuda snapshot of job {ctx.job!r} failed ({reasons}); processes {sorted(stuck)} "
+                f"could not be brought back to RUNNING{': ' + undo_errors if undo_errors else ''}",
+                rolled_back=False,
+            )
         with self._guard:
             self._saved.pop((ctx.node, ctx.job), None)
-        return BackendError(f"cuda snapshot of job {ctx.job!r} failed ({reasons}); all its processes run again",
-                            rolled_back=True)
+        return BackendError(
+            f"cuda snapshot of job {ctx.job!r} failed ({reasons}); all its processes run again", rolled_back=True
+        )
 
     # ------------------------------------------------------------------ restore
 
@@ -343,8 +380,12 @@ class CudaBackend:
     def _restore_one(self, pid: int) -> None:
         state = self.driver.state(pid)
         if state is ProcessState.FAILED:
-            raise DriverError("cuCheckpointProcessGetState", pid, "CU_PROCESS_STATE_FAILED",
-                              "the process failed during checkpoint or restore")
+            raise DriverError(
+                "cuCheckpointProcessGetState",
+                pid,
+                "CU_PROCESS_STATE_FAILED",
+                "the process failed during checkpoint or restore",
+            )
         if state is ProcessState.CHECKPOINTED:
             self.driver.restore(pid)
             state = ProcessState.LOCKED

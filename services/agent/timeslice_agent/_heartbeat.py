@@ -34,9 +34,15 @@ class Heartbeat:
         # In threads: the first call loads cuda-python / NVML where they are installed.
         backends = await asyncio.to_thread(available_backends)
         devices = await asyncio.to_thread(node_devices)
-        info = AgentInfo(node=self.node, pid=os.getpid(), started_at_ms=self.started_ms,
-                         backends=backends, devices=devices, host_memory_total_bytes=total,
-                         host_memory_available_bytes=avail)
+        info = AgentInfo(
+            node=self.node,
+            pid=os.getpid(),
+            started_at_ms=self.started_ms,
+            backends=backends,
+            devices=devices,
+            host_memory_total_bytes=total,
+            host_memory_available_bytes=avail,
+        )
         await self.kv.put(self.node, encode(info))
 
     async def loop(self, every_s: float, stop: asyncio.Event) -> None:

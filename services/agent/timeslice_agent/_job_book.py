@@ -81,8 +81,11 @@ class JobBook:
         check_registration(req, processes=False)  # Refused: bad ids, sizes out of bounds
         assert self._nc is not None
         if req.job not in self.jobs and len(self.jobs) >= MAX_JOBS:
-            raise Refused(Refusal.TOO_LARGE, f"node {self.node!r} has {len(self.jobs)} jobs registered (at most "
-                                             f"{MAX_JOBS}); unregister jobs that are gone")
+            raise Refused(
+                Refusal.TOO_LARGE,
+                f"node {self.node!r} has {len(self.jobs)} jobs registered (at most "
+                f"{MAX_JOBS}); unregister jobs that are gone",
+            )
         self.check_backends(req.backends)
         check_processes(req.pids, req.pgid, req.backends)  # Refused: a process the agent must not act on
         if "app_endpoint" in req.backends:
@@ -90,9 +93,21 @@ class JobBook:
         old = self.jobs.get(req.job)
         if old is not None and old.group != req.group:
             return AgentReply(ok=False, error=f"job {req.job!r} is registered in group {old.group!r} on this node")
-        new = JobContext(node=self.node, job=req.job, group=req.group, state=JobState.IDLE, backends=req.backends,
-                         pids=req.pids, pgid=req.pgid, mode=req.mode, tags=req.tags, op_timeout_ms=req.op_timeout_ms,
-                         endpoints=req.endpoints, owner=owner, channel=req.channel)
+        new = JobContext(
+            node=self.node,
+            job=req.job,
+            group=req.group,
+            state=JobState.IDLE,
+            backends=req.backends,
+            pids=req.pids,
+            pgid=req.pgid,
+            mode=req.mode,
+            tags=req.tags,
+            op_timeout_ms=req.op_timeout_ms,
+            endpoints=req.endpoints,
+            owner=owner,
+            channel=req.channel,
+        )
         if old is not None and not any(same_part(v, new) for v in views(old)):
             living, dropped = without_dead(old, alive)
             if living is None:
@@ -102,14 +117,20 @@ class JobBook:
                 await self.unregister(old, "its processes are gone; other processes registered as the job")
                 old = None
             elif dropped:
-                log.info("dropped %d registrations of the job whose processes are gone", dropped,
-                         extra={"node": self.node, "job": req.job, "group": req.group})
+                log.info(
+                    "dropped %d registrations of the job whose processes are gone",
+                    dropped,
+                    extra={"node": self.node, "job": req.job, "group": req.group},
+                )
                 old = living
         ctx, _ = put_part(old, new)  # Refused: too many parts, or a process another part's backend acts on
         ctx = await self.save(ctx)
         await self.announce(ctx)
-        log.info("registered job (%s)", f"proven by pid {owner.pid}, uid {owner.uid}" if owner else "unproven",
-                 extra={"node": self.node, "job": req.job, "group": req.group})
+        log.info(
+            "registered job (%s)",
+            f"proven by pid {owner.pid}, uid {owner.uid}" if owner else "unproven",
+            extra={"node": self.node, "job": req.job, "group": req.group},
+        )
         return AgentReply(ok=True, state=ctx.state)
 
     def check_backends(self, backends: tuple[str, ...]) -> None:
@@ -120,8 +141,13 @@ class JobBook:
 
     async def announce(self, ctx: JobContext) -> None:
         assert self._js is not None
-        ev = JobRegistered(group=ctx.group, job=ctx.job, node=self.node, backend="+".join(all_backends(ctx)),
-                           op_timeout_ms=max(v.op_timeout_ms for v in views(ctx)))
+        ev = JobRegistered(
+            group=ctx.group,
+            job=ctx.job,
+            node=self.node,
+            backend="+".join(all_backends(ctx)),
+            op_timeout_ms=max(v.op_timeout_ms for v in views(ctx)),
+        )
         await stored.publish(self._js, subjects.agent_event(self.node, ctx.group), encode(ev))  # through an election
 
     async def unregister(self, ctx: JobContext, why: str) -> None:
@@ -130,16 +156,26 @@ class JobBook:
         with contextlib.suppress(Exception):
             await self._kv.delete(f"{self.node}.{ctx.job}")
         # Through an election: the orchestrator ends the job's pending operations on this node only when it hears.
-        await stored.publish(self._js, subjects.agent_event(self.node, ctx.group),
-                             encode(JobUnregistered(group=ctx.group, job=ctx.job, node=self.node)))
+        await stored.publish(
+            self._js,
+            subjects.agent_event(self.node, ctx.group),
+            encode(JobUnregistered(group=ctx.group, job=ctx.job, node=self.node)),
+        )
         log.info("unregistered job: %s", why, extra={"node": self.node, "job": ctx.job, "group": ctx.group})
 
     def in_doubt(self, cmd: Restore) -> list[str]:
         """The snapshots ``cmd`` follows that a restart of this agent left in doubt: another job of its group is
         TRANSITIONING in one of them (its ``last_op_id``, set when an operation begins: its own process may still be
         moving its state off the device) until the orchestrator sends that snapshot again and it ends."""
-        return [j.last_op_id for j in self.jobs.values() if j.group == cmd.group and j.job != cmd.job
-                and j.state is JobState.TRANSITIONING and j.last_op_id is not None and j.last_op_id in cmd.after]
+        return [
+            j.last_op_id
+            for j in self.jobs.values()
+            if j.group == cmd.group
+            and j.job != cmd.job
+            and j.state is JobState.TRANSITIONING
+            and j.last_op_id is not None
+            and j.last_op_id in cmd.after
+        ]
 
     def registration(self, ctx: JobContext) -> JobContext | None:
         """The job's registration now, when it is still the one ``ctx`` was taken from: the same group and at least
@@ -177,9 +213,13 @@ class JobBook:
                 continue
             ctx = await self.save(living) if dropped else found
             if ctx.state is JobState.TRANSITIONING:
-                await self.save(msgspec.structs.replace(
-                    ctx, reason="the agent restarted during an operation; it runs again when the orchestrator "
-                                "sends it again"))
+                await self.save(
+                    msgspec.structs.replace(
+                        ctx,
+                        reason="the agent restarted during an operation; it runs again when the orchestrator "
+                        "sends it again",
+                    )
+                )
             await self.announce(ctx)
         if self.jobs:
             log.info("recovered %d jobs", len(self.jobs), extra={"node": self.node})
@@ -197,13 +237,28 @@ class JobBook:
                 if ctx.node != self.node or key != f"{self.node}.{ctx.job}":
                     raise Refused(Refusal.WRONG_NODE, f"it names node {shown(ctx.node)} and job {shown(ctx.job)}")
                 for v in views(ctx):
-                    check_registration(RegisterJob(group=v.group, job=v.job, backends=v.backends, pids=v.pids,
-                                                   pgid=v.pgid, mode=v.mode, tags=v.tags, endpoints=v.endpoints,
-                                                   op_timeout_ms=v.op_timeout_ms))
+                    check_registration(
+                        RegisterJob(
+                            group=v.group,
+                            job=v.job,
+                            backends=v.backends,
+                            pids=v.pids,
+                            pgid=v.pgid,
+                            mode=v.mode,
+                            tags=v.tags,
+                            endpoints=v.endpoints,
+                            op_timeout_ms=v.op_timeout_ms,
+                        )
+                    )
                 return ctx
             except Refused as exc:
                 problem = exc
         self._refused(problem.code)
-        log.warning("job context %s in KV %s not recovered: %s; delete the key or register the job again", key,
-                    JOBS_BUCKET, problem, extra={"node": self.node, "refusal": str(problem.code)})
+        log.warning(
+            "job context %s in KV %s not recovered: %s; delete the key or register the job again",
+            key,
+            JOBS_BUCKET,
+            problem,
+            extra={"node": self.node, "refusal": str(problem.code)},
+        )
         return None

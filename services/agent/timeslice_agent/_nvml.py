@@ -64,12 +64,14 @@ class PynvmlSource:
             import pynvml
         except ImportError as exc:
             raise NvmlUnavailable(
-                f"pynvml is not installed ({exc}); install nvidia-ml-py to report GPUs and their memory") from exc
+                f"pynvml is not installed ({exc}); install nvidia-ml-py to report GPUs and their memory"
+            ) from exc
         try:
             pynvml.nvmlInit()
         except Exception as exc:  # pynvml.NVMLError: no driver, no device, no permission
-            raise NvmlUnavailable(f"NVML did not initialise: {exc} (is the NVIDIA driver loaded and a GPU "
-                                  "visible to this process?)") from exc
+            raise NvmlUnavailable(
+                f"NVML did not initialise: {exc} (is the NVIDIA driver loaded and a GPU visible to this process?)"
+            ) from exc
         self._nvml: Any = pynvml
         self._lock = threading.Lock()
 
@@ -90,9 +92,15 @@ class PynvmlSource:
         with self._lock:
             for index, h in self._handles():
                 mem = nv.nvmlDeviceGetMemoryInfo(h)
-                out.append(DeviceInfo(index=index, uuid=_text(nv.nvmlDeviceGetUUID(h)),
-                                      name=_text(nv.nvmlDeviceGetName(h)), memory_used_bytes=int(mem.used),
-                                      memory_total_bytes=int(mem.total)))
+                out.append(
+                    DeviceInfo(
+                        index=index,
+                        uuid=_text(nv.nvmlDeviceGetUUID(h)),
+                        name=_text(nv.nvmlDeviceGetName(h)),
+                        memory_used_bytes=int(mem.used),
+                        memory_total_bytes=int(mem.total),
+                    )
+                )
         return tuple(out)
 
     def processes(self) -> tuple[GpuProcess, ...]:

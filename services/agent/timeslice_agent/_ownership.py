@@ -96,8 +96,15 @@ class ProcessGuard:
     """The agent's rules for the processes of jobs (see the module doc). ``allowed_uids``: uids a job's processes
     may run as besides its owner's; ``any_uid``: every uid (``--allow-other-uids``)."""
 
-    def __init__(self, *, proc: ProcFS | None = None, allowed_uids: Iterable[int] = (), any_uid: bool = False,
-                 own_pid: int | None = None, own_pgid: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        proc: ProcFS | None = None,
+        allowed_uids: Iterable[int] = (),
+        any_uid: bool = False,
+        own_pid: int | None = None,
+        own_pgid: int | None = None,
+    ) -> None:
         self.proc = proc or ProcFS()
         self.allowed_uids = frozenset(allowed_uids)
         self.any_uid = any_uid
@@ -108,20 +115,27 @@ class ProcessGuard:
         """The socket's peer, with its start time read now (Refused when it is not a process the agent can see)."""
         st = self.proc.stat(pid) if pid > 1 else None
         if st is None:
-            raise Refused(Refusal.NOT_OWNED, f"the socket's peer has pid {pid}, which is no process in the agent's "
-                                             "pid namespace; run the agent in the host's (Kubernetes: hostPID)")
+            raise Refused(
+                Refusal.NOT_OWNED,
+                f"the socket's peer has pid {pid}, which is no process in the agent's "
+                "pid namespace; run the agent in the host's (Kubernetes: hostPID)",
+            )
         return Peer(pid=pid, uid=uid, gid=gid, start=st.start, own_pid=own_pid)
 
     # ------------------------------------------------------------------ at registration
 
-    def prove(self, peer: Peer, pids: tuple[int, ...], pgid: int | None
-              ) -> tuple[tuple[int, ...], int | None, ProcessOwner]:
+    def prove(
+        self, peer: Peer, pids: tuple[int, ...], pgid: int | None
+    ) -> tuple[tuple[int, ...], int | None, ProcessOwner]:
         """The registration's pids and group in the agent's pid namespace, and its owner; Refused (``not_owned``)
         when they are not the peer's to name."""
         st = self.proc.stat(peer.pid)
         if st is None or st.start != peer.start:
-            raise Refused(Refusal.NOT_OWNED, f"process {peer.pid}, which asked the agent's socket for the proof, has "
-                                             "exited; register from the job's running process")
+            raise Refused(
+                Refusal.NOT_OWNED,
+                f"process {peer.pid}, which asked the agent's socket for the proof, has "
+                "exited; register from the job's running process",
+            )
         stats = self.proc.all_stats()
         if peer.own_pid != peer.pid:  # the job sees pids of a namespace of its own: translate them
             pids, pgid = self._translate(peer, pids, pgid, stats)
@@ -130,9 +144,12 @@ class ProcessGuard:
         for pid in pids:
             pst = stats.get(pid)
             if pst is None or pid not in family:
-                raise Refused(Refusal.NOT_OWNED, f"pid {pid} is not process {peer.pid} (which registered) nor one of "
-                                                 "its descendants; register the job's own processes, from the "
-                                                 "process that started them")
+                raise Refused(
+                    Refusal.NOT_OWNED,
+                    f"pid {pid} is not process {peer.pid} (which registered) nor one of "
+                    "its descendants; register the job's own processes, from the "
+                    "process that started them",
+                )
             self._uids_ok(pid, peer.uid)
             starts.append(pst.start)
         group_start = None
@@ -142,18 +159,27 @@ class ProcessGuard:
                 raise Refused(Refusal.NOT_OWNED, f"process group {pgid} has no processes")
             if pgid != st.pgrp and any(p not in family for p in members):
                 strangers = sorted(p for p in members if p not in family)[:5]
-                raise Refused(Refusal.NOT_OWNED, f"process group {pgid} is not the registering process's own group "
-                                                 f"({st.pgrp}) and holds processes that are not its descendants "
-                                                 f"({strangers}); start the job's processes in a group of their own "
-                                                 "(e.g. start_new_session=True) from the registering process")
+                raise Refused(
+                    Refusal.NOT_OWNED,
+                    f"process group {pgid} is not the registering process's own group "
+                    f"({st.pgrp}) and holds processes that are not its descendants "
+                    f"({strangers}); start the job's processes in a group of their own "
+                    "(e.g. start_new_session=True) from the registering process",
+                )
             for p in members:
                 self._uids_ok(p, peer.uid)
                 if p == self.own_pid:
                     raise Refused(Refusal.FORBIDDEN_PROCESS, f"process group {pgid} holds the agent itself")
             leader = stats.get(pgid)
             group_start = leader.start if leader is not None and leader.pgrp == pgid else None
-        owner = ProcessOwner(pid=peer.pid, uid=peer.uid, gid=peer.gid, start=peer.start, pid_starts=tuple(starts),
-                             group_start=group_start)
+        owner = ProcessOwner(
+            pid=peer.pid,
+            uid=peer.uid,
+            gid=peer.gid,
+            start=peer.start,
+            pid_starts=tuple(starts),
+            group_start=group_start,
+        )
         return pids, pgid, owner
 
     def _family(self, root: int, stats: dict[int, Stat]) -> set[int]:
@@ -170,8 +196,9 @@ class ProcessGuard:
                 todo.extend(children.get(pid, ()))
         return seen
 
-    def _translate(self, peer: Peer, pids: tuple[int, ...], pgid: int | None, stats: dict[int, Stat]
-                   ) -> tuple[tuple[int, ...], int | None]:
+    def _translate(
+        self, peer: Peer, pids: tuple[int, ...], pgid: int | None, stats: dict[int, Stat]
+    ) -> tuple[tuple[int, ...], int | None]:
         """The job's pids (and group) as the agent sees them: the processes of the peer's pid namespace, found by
         the last number of their ``NSpid`` (``NSpgid``) lines."""
         ns = self.proc.pid_ns(peer.pid)
@@ -185,8 +212,11 @@ class ProcessGuard:
             if (nspgid := self.proc.status(pid, "NSpgid")) is not None:
                 groups[nspgid[-1]] = st.pgrp
         if inner.get(peer.own_pid) != peer.pid:
-            raise Refused(Refusal.NOT_OWNED, f"the socket's peer says it is pid {peer.own_pid}, but it is pid "
-                                             f"{peer.pid} here and not {peer.own_pid} in its own pid namespace")
+            raise Refused(
+                Refusal.NOT_OWNED,
+                f"the socket's peer says it is pid {peer.own_pid}, but it is pid "
+                f"{peer.pid} here and not {peer.own_pid} in its own pid namespace",
+            )
         missing = [p for p in pids if p not in inner]
         if missing or (pgid is not None and pgid not in groups):
             raise Refused(Refusal.NOT_OWNED, f"pids {missing or [pgid]} are no processes of the job's pid namespace")
@@ -200,18 +230,24 @@ class ProcessGuard:
             raise Refused(Refusal.NOT_OWNED, f"pid {pid} is gone (or its status unreadable)")
         other = sorted({u for u in uids[:3] if u != owner_uid and u not in self.allowed_uids})
         if other:
-            raise Refused(Refusal.NOT_OWNED, f"pid {pid} runs as uid {other[0]}, not the registering process's uid "
-                                             f"{owner_uid}; the agent acts on another uid's processes only when "
-                                             "started with --allow-uid UID (or --allow-other-uids)")
+            raise Refused(
+                Refusal.NOT_OWNED,
+                f"pid {pid} runs as uid {other[0]}, not the registering process's uid "
+                f"{owner_uid}; the agent acts on another uid's processes only when "
+                "started with --allow-uid UID (or --allow-other-uids)",
+            )
 
     def standalone(self, current: JobContext | None, ctx: JobContext) -> JobContext:
         """``ctx`` (a standalone operation's configuration, with a process-level backend) with its owner, when the
         job's registration (``current``) proved its processes and ``ctx``'s are still that owner's own."""
         owner = current.owner if current is not None else None
         if owner is None:
-            raise Refused(Refusal.UNPROVEN, f"job {ctx.job!r} did not prove its processes through the agent's socket, "
-                                            f"so {'+'.join(ctx.backends)} does not act on them: register it from its "
-                                            "own process first (register_workload), then name no pids here")
+            raise Refused(
+                Refusal.UNPROVEN,
+                f"job {ctx.job!r} did not prove its processes through the agent's socket, "
+                f"so {'+'.join(ctx.backends)} does not act on them: register it from its "
+                "own process first (register_workload), then name no pids here",
+            )
         assert current is not None
         if (ctx.pids, ctx.pgid) == (current.pids, current.pgid):
             return ctx if ctx.owner == owner else _with_owner(ctx, owner)
@@ -225,25 +261,35 @@ class ProcessGuard:
         """Refused unless a process-level backend may act on ``ctx``'s processes now (see the module doc)."""
         owner = ctx.owner
         if owner is None:
-            raise Refused(Refusal.UNPROVEN, f"job {ctx.job!r} did not prove its processes through the agent's socket, "
-                                            f"so its {'+'.join(ctx.backends)} backend does not act on them; register "
-                                            "it again from its own process (register_workload does so)")
+            raise Refused(
+                Refusal.UNPROVEN,
+                f"job {ctx.job!r} did not prove its processes through the agent's socket, "
+                f"so its {'+'.join(ctx.backends)} backend does not act on them; register "
+                "it again from its own process (register_workload does so)",
+            )
         for pid, start in zip(ctx.pids, owner.pid_starts, strict=False):
             st = self.proc.stat(pid)
             if st is None:
                 continue  # gone: the backend says so (or the job's exit is noticed)
             if st.start != start:
-                raise Refused(Refusal.NOT_OWNED, f"pid {pid} is no longer the job's process (it exited and the number "
-                                                 "was reused)")
+                raise Refused(
+                    Refusal.NOT_OWNED, f"pid {pid} is no longer the job's process (it exited and the number was reused)"
+                )
             self._uids_ok(pid, owner.uid)
         if ctx.pgid is not None:
             if ctx.pgid in (0, 1) or ctx.pgid == self.own_pgid:
                 raise Refused(Refusal.FORBIDDEN_PROCESS, f"process group {ctx.pgid} is never a job's")
             leader = self.proc.stat(ctx.pgid)
-            if (owner.group_start is not None and leader is not None and leader.pgrp == ctx.pgid
-                    and leader.start != owner.group_start):
-                raise Refused(Refusal.NOT_OWNED, f"process group {ctx.pgid} is no longer the job's (its leader exited "
-                                                 "and the number was reused)")
+            if (
+                owner.group_start is not None
+                and leader is not None
+                and leader.pgrp == ctx.pgid
+                and leader.start != owner.group_start
+            ):
+                raise Refused(
+                    Refusal.NOT_OWNED,
+                    f"process group {ctx.pgid} is no longer the job's (its leader exited and the number was reused)",
+                )
             for pid, st in self.proc.all_stats().items():
                 if st.pgrp == ctx.pgid:
                     if pid == self.own_pid:

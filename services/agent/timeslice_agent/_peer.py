@@ -42,7 +42,6 @@ _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _MAX_PATH = 107  # bytes of sun_path, less its terminating NUL
 
 
-
 @dataclass(frozen=True, slots=True)
 class _Pending:
     job: str
@@ -51,13 +50,26 @@ class _Pending:
 
 
 class PeerServer:
-    def __init__(self, path: str, guard: ProcessGuard, metrics: AgentMetrics, *, node: str,
-                 ttl_s: float = TOKEN_TTL_S, max_connections: int = 64, max_per_uid: int = 64,
-                 max_pending: int = 4096) -> None:
+    def __init__(
+        self,
+        path: str,
+        guard: ProcessGuard,
+        metrics: AgentMetrics,
+        *,
+        node: str,
+        ttl_s: float = TOKEN_TTL_S,
+        max_connections: int = 64,
+        max_per_uid: int = 64,
+        max_pending: int = 4096,
+    ) -> None:
         self.path, self.node = path, node
         self._guard, self._metrics = guard, metrics
         self.ttl_s, self.max_connections, self.max_per_uid, self.max_pending = (
-            ttl_s, max_connections, max_per_uid, max_pending)
+            ttl_s,
+            max_connections,
+            max_per_uid,
+            max_pending,
+        )
         self._pending: dict[str, _Pending] = {}
         self._active = 0
         self._server: asyncio.Server | None = None
@@ -72,9 +84,12 @@ class PeerServer:
             os.chmod(directory, 0o755)  # whatever the umask
         st = os.lstat(directory)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            raise AgentSocketError(path, f"its directory {directory} must be a directory of the agent's user (uid "
-                                         f"{os.geteuid()}), not writable by group or others (it is uid {st.st_uid}, "
-                                         f"mode {stat.filemode(st.st_mode)}); fix it or give another --socket")
+            raise AgentSocketError(
+                path,
+                f"its directory {directory} must be a directory of the agent's user (uid "
+                f"{os.geteuid()}), not writable by group or others (it is uid {st.st_uid}, "
+                f"mode {stat.filemode(st.st_mode)}); fix it or give another --socket",
+            )
         self._clear_stale(path)
         self._server = await asyncio.start_unix_server(self._serve, path=path, limit=MAX_LINE)
         os.chmod(path, 0o666)
@@ -115,8 +130,11 @@ class PeerServer:
         unknown, used or expired token, or one asked for another job."""
         entry = self._pending.pop(token, None)
         if entry is None or entry.expires < time.monotonic():
-            raise Refused(Refusal.UNPROVEN, f"the proof token is unknown, used or expired (one serves one "
-                                            f"registration within {self.ttl_s:g} s); ask the agent socket again")
+            raise Refused(
+                Refusal.UNPROVEN,
+                f"the proof token is unknown, used or expired (one serves one "
+                f"registration within {self.ttl_s:g} s); ask the agent socket again",
+            )
         if entry.job != job:
             raise Refused(Refusal.UNPROVEN, f"the proof was asked for job {entry.job!r}, not {job!r}")
         return entry.peer
@@ -156,8 +174,13 @@ class PeerServer:
             return Answer(ok=True, token=self._issue(job, peer), pid=peer.pid, expires_s=self.ttl_s)
         except Refused as exc:
             self._metrics.refusal("socket", exc.code)
-            log.warning("refused a proof to pid %d (uid %d): %s", pid, uid, exc,
-                        extra={"node": self.node, "refusal": str(exc.code)})
+            log.warning(
+                "refused a proof to pid %d (uid %d): %s",
+                pid,
+                uid,
+                exc,
+                extra={"node": self.node, "refusal": str(exc.code)},
+            )
             return Answer(ok=False, error=str(exc)[:400])
 
     def _issue(self, job: str, peer: Peer) -> str:
@@ -165,8 +188,10 @@ class PeerServer:
         for token in [t for t, e in self._pending.items() if e.expires < now]:
             del self._pending[token]
         if sum(1 for e in self._pending.values() if e.peer.uid == peer.uid) >= self.max_per_uid:
-            raise Refused(Refusal.TOO_LARGE, f"uid {peer.uid} has {self.max_per_uid} unused proofs; use them or "
-                                             f"wait {self.ttl_s:g} s")
+            raise Refused(
+                Refusal.TOO_LARGE,
+                f"uid {peer.uid} has {self.max_per_uid} unused proofs; use them or wait {self.ttl_s:g} s",
+            )
         if len(self._pending) >= self.max_pending:
             raise Refused(Refusal.TOO_LARGE, f"{self.max_pending} unused proofs; wait {self.ttl_s:g} s")
         token = secrets.token_hex(16)

@@ -72,9 +72,19 @@ class Requests:
     """Answers one node's requests from its job book; usable once ``bind`` gave it the agent's stream context.
     ``proofs``: the agent socket's tokens (None: it serves none, at ``socket_path``)."""
 
-    def __init__(self, node: str, book: JobBook, locks: JobLocks, metrics: AgentMetrics, *, guard: ProcessGuard,
-                 proofs: Proofs | None = None, socket_path: str | None = None, default_backend: str = "auto",
-                 unregister_wait_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        node: str,
+        book: JobBook,
+        locks: JobLocks,
+        metrics: AgentMetrics,
+        *,
+        guard: ProcessGuard,
+        proofs: Proofs | None = None,
+        socket_path: str | None = None,
+        default_backend: str = "auto",
+        unregister_wait_s: float = 600.0,
+    ) -> None:
         self.node, self._book, self._locks, self._metrics = node, book, locks, metrics
         self._unregister_wait_s = unregister_wait_s  # AgentConfig.unregister_wait_s
         self._spawn: Spawn | None = None  # while serving: where an unregistration waits for its job's operation
@@ -113,9 +123,15 @@ class Requests:
         if job is None or self._spawn is None or not self._locks.users(job):
             await self._answered(msg, unregister)
         elif job in self._leaving or len(self._leaving) >= MAX_WAITING_UNREGISTERS:
-            await self._answered(msg, lambda: self._busy(job, "its unregistration already waits for it"
-                                                         if job in self._leaving else "too many unregistrations "
-                                                         f"wait on this node ({MAX_WAITING_UNREGISTERS})"))
+            await self._answered(
+                msg,
+                lambda: self._busy(
+                    job,
+                    "its unregistration already waits for it"
+                    if job in self._leaving
+                    else f"too many unregistrations wait on this node ({MAX_WAITING_UNREGISTERS})",
+                ),
+            )
         else:
             self._leaving.add(job)
             self._spawn(self._unregister_after(msg, job, unregister))
@@ -127,8 +143,11 @@ class Requests:
             self._leaving.discard(job)
 
     async def _busy(self, job: str, why: str) -> AgentReply:
-        return AgentReply(ok=False, code=BUSY, error=f"an operation on job {job!r} still runs on node "
-                                                     f"{self.node!r} ({why}): ask again once it ended")
+        return AgentReply(
+            ok=False,
+            code=BUSY,
+            error=f"an operation on job {job!r} still runs on node {self.node!r} ({why}): ask again once it ended",
+        )
 
     async def on_clear_fault(self, msg: Msg) -> None:
         def clear() -> Awaitable[AgentReply]:
@@ -143,7 +162,7 @@ class Requests:
         prefix = subjects.agent_rpc_jobs(self.node, verb)[:-1]
         if not subject.startswith(prefix):  # never: the subscription's filter
             raise Refused(Refusal.INVALID_ID, f"a {verb} request on {shown(subject)}")
-        return check_id("job", subject[len(prefix):])
+        return check_id("job", subject[len(prefix) :])
 
     async def _answered(self, msg: Msg, answer: Callable[[], Awaitable[AgentReply]]) -> None:
         try:
@@ -179,8 +198,10 @@ class Requests:
     async def _register(self, job: str, data: bytes) -> AgentReply:
         req = _register_decoder.decode(data)
         if req.job != job:
-            raise Refused(Refusal.WRONG_JOB, f"a registration on the subject of job {job!r} names job "
-                                             f"{shown(req.job)}; a job registers itself only")
+            raise Refused(
+                Refusal.WRONG_JOB,
+                f"a registration on the subject of job {job!r} names job {shown(req.job)}; a job registers itself only",
+            )
         return await self.register(req)
 
     async def register(self, req: RegisterJob) -> AgentReply:
@@ -203,8 +224,18 @@ class Requests:
                 raise Refused(Refusal.UNPROVEN, "this agent serves no socket (--socket off), so a proof is none")
             peer = self._proofs(req.proof, job)
             current = self._book.jobs.get(job)
-            mine = next((v for v in views(current) if v.pids == (peer.pid,) or (
-                req.bind and is_pod_channel(v.channel) and peer.pid in v.pids)), None) if current is not None else None
+            mine = (
+                next(
+                    (
+                        v
+                        for v in views(current)
+                        if v.pids == (peer.pid,) or (req.bind and is_pod_channel(v.channel) and peer.pid in v.pids)
+                    ),
+                    None,
+                )
+                if current is not None
+                else None
+            )
             if req.bind and current is not None and current.group == req.group and mine is not None:
                 # The process's own registration (a handler, or a bind before: its pid as this agent sees it; or its
                 # pod's, which the agent found through the pod's labels, ``_pod_discovery``) stays.
@@ -224,10 +255,13 @@ class Requests:
         elif acting:
             check_processes(req.pids, req.pgid, req.backends)  # what no job may name is said first
             where = self._socket_path or "(none: the agent runs with --socket off)"
-            raise Refused(Refusal.UNPROVEN, f"backend {'+'.join(acting)} acts on the job's processes, which the job "
-                                            f"did not prove: register from the job's process through the agent's "
-                                            f"socket {where} (register_workload does when it finds it; "
-                                            "$TIMESLICE_AGENT_SOCKET names it)")
+            raise Refused(
+                Refusal.UNPROVEN,
+                f"backend {'+'.join(acting)} acts on the job's processes, which the job "
+                f"did not prove: register from the job's process through the agent's "
+                f"socket {where} (register_workload does when it finds it; "
+                "$TIMESLICE_AGENT_SOCKET names it)",
+            )
         reply = await self._book.register(msgspec.structs.replace(req, pids=pids, pgid=pgid, proof=None), owner)
         return msgspec.structs.replace(reply, backends=req.backends) if req.bind else reply
 
@@ -255,8 +289,11 @@ class Requests:
     async def _unregister(self, job: str, data: bytes) -> AgentReply:
         req = _unregister_decoder.decode(data)
         if req.job != job:
-            raise Refused(Refusal.WRONG_JOB, f"an unregistration on the subject of job {job!r} names job "
-                                             f"{shown(req.job)}; a job unregisters itself only")
+            raise Refused(
+                Refusal.WRONG_JOB,
+                f"an unregistration on the subject of job {job!r} names job "
+                f"{shown(req.job)}; a job unregisters itself only",
+            )
         return await self.unregister(req)
 
     async def unregister(self, req: UnregisterJob) -> AgentReply:
@@ -266,8 +303,11 @@ class Requests:
         group = check_id("group", req.group)
         ctx = self._book.jobs.get(job)
         if ctx is not None and ctx.group != group:
-            return AgentReply(ok=False, error=f"job {job!r} is registered in group {ctx.group!r} on node "
-                                              f"{self.node!r}, not {group!r}: unregister it from its own group")
+            return AgentReply(
+                ok=False,
+                error=f"job {job!r} is registered in group {ctx.group!r} on node "
+                f"{self.node!r}, not {group!r}: unregister it from its own group",
+            )
         if ctx is None:
             return AgentReply(ok=True)
         try:
@@ -280,8 +320,12 @@ class Requests:
                         await self._book.unregister(ctx, "unregistered by the job")
                     elif rest is not ctx:  # one of its processes leaves; the job goes on in the others
                         await self._book.save(rest)
-                        log.info("a registration of the job left (channel %s); %d stay", req.channel,
-                                 part_count(rest), extra={"node": self.node, "job": job, "group": group})
+                        log.info(
+                            "a registration of the job left (channel %s); %d stay",
+                            req.channel,
+                            part_count(rest),
+                            extra={"node": self.node, "job": job, "group": group},
+                        )
         except TimeoutError:
             return await self._busy(job, f"waited {self._unregister_wait_s:g} s for it")
         return AgentReply(ok=True)

@@ -41,11 +41,20 @@ def standalone_context(
         # serving engines' endpoints (app_endpoint: the reference guide's standalone vLLM call).
         if kind is OpKind.RESTORE or not backends or not (pids or endpoints):
             what = "nothing was saved for it here" if kind is OpKind.RESTORE else "name its processes or endpoints"
-            raise LookupError(f"job {job!r} is not registered with the agent on node {node!r} ({what}); register "
-                              "it through the workload channel, or give a backend with explicit process ids or "
-                              "an app_endpoint config with its endpoints")
-        return JobContext(node=node, job=job, group=group or "standalone", state=JobState.RUNNING,
-                          backends=backends, pids=pids, endpoints=endpoints)
+            raise LookupError(
+                f"job {job!r} is not registered with the agent on node {node!r} ({what}); register "
+                "it through the workload channel, or give a backend with explicit process ids or "
+                "an app_endpoint config with its endpoints"
+            )
+        return JobContext(
+            node=node,
+            job=job,
+            group=group or "standalone",
+            state=JobState.RUNNING,
+            backends=backends,
+            pids=pids,
+            endpoints=endpoints,
+        )
     if group and group != current.group:
         raise ValueError(f"job {job!r} is registered in group {current.group!r} on node {node!r}, not {group!r}")
     changes: dict[str, Any] = {}

@@ -28,15 +28,20 @@ T = TypeVar("T")
 
 
 async def _retrying(call: Callable[[], Awaitable[T]], within_s: float) -> T:
-    async for attempt in AsyncRetrying(stop=stop_after_delay(within_s), wait=wait_exponential(multiplier=0.05, max=1.0),
-                                       retry=retry_if_exception(transient), reraise=True):
+    async for attempt in AsyncRetrying(
+        stop=stop_after_delay(within_s),
+        wait=wait_exponential(multiplier=0.05, max=1.0),
+        retry=retry_if_exception(transient),
+        reraise=True,
+    ):
         with attempt:
             return await call()
     raise AssertionError("unreachable: the retry loop returns or raises")
 
 
-async def publish(js: JetStreamContext, subject: str, data: bytes, *, headers: dict[str, str] | None = None,
-                  within_s: float = RETRY_S) -> int:
+async def publish(
+    js: JetStreamContext, subject: str, data: bytes, *, headers: dict[str, str] | None = None, within_s: float = RETRY_S
+) -> int:
     """Publish into the stream until it answers (transient errors retried for ``within_s``); the stream sequence.
     Raises the last error when it never did."""
 

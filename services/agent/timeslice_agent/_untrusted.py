@@ -65,8 +65,6 @@ PROCESS_ACTING: Final = frozenset({"freeze", "cuda"})
 _OP_ID_RE: Final = re.compile(rf"[!-~]{{1,{MAX_OP_ID}}}")
 
 
-
-
 def shown(value: object, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters: a log line or an error never repeats a huge field."""
     text = repr(value)
@@ -75,7 +73,7 @@ def shown(value: object, limit: int = 80) -> str:
 
 def cap(text: str) -> str:
     """An error text short enough for the wire (``MAX_ERROR``), cut with a mark where it was longer."""
-    return text if len(text) <= MAX_ERROR else f"{text[:MAX_ERROR - 20]}…(cut, {len(text)} chars)"
+    return text if len(text) <= MAX_ERROR else f"{text[: MAX_ERROR - 20]}…(cut, {len(text)} chars)"
 
 
 def check_id(kind: str, value: object) -> str:
@@ -88,8 +86,10 @@ def check_id(kind: str, value: object) -> str:
 
 def check_op_id(value: object, what: str = "op_id") -> str:
     if not isinstance(value, str) or _OP_ID_RE.fullmatch(value) is None:
-        raise Refused(Refusal.INVALID_ID, f"invalid {what} {shown(value)}: 1 to {MAX_OP_ID} printable ASCII "
-                                          "characters without spaces")
+        raise Refused(
+            Refusal.INVALID_ID,
+            f"invalid {what} {shown(value)}: 1 to {MAX_OP_ID} printable ASCII characters without spaces",
+        )
     return value
 
 
@@ -111,9 +111,17 @@ def refusal_result(cmd: Snapshot | Restore, node: str, exc: Refused) -> OpResult
     if not answerable(cmd):
         return None
     kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
-    return OpResult(group=cmd.group, op_id=cmd.op_id, node=node, job=cmd.job, kind=kind,
-                    epoch=cmd.epoch if 0 <= cmd.epoch <= MAX_EPOCH else 0, ok=False,
-                    error=cap(f"refused ({exc.code}): {exc}"), backend="none")
+    return OpResult(
+        group=cmd.group,
+        op_id=cmd.op_id,
+        node=node,
+        job=cmd.job,
+        kind=kind,
+        epoch=cmd.epoch if 0 <= cmd.epoch <= MAX_EPOCH else 0,
+        ok=False,
+        error=cap(f"refused ({exc.code}): {exc}"),
+        backend="none",
+    )
 
 
 def check_command(cmd: Snapshot | Restore, node: str, now_ms: int) -> None:
@@ -123,18 +131,24 @@ def check_command(cmd: Snapshot | Restore, node: str, now_ms: int) -> None:
     check_id("job", cmd.job)
     check_id("node", cmd.node)
     if cmd.node != node:
-        raise Refused(Refusal.WRONG_NODE, f"command {cmd.op_id} is for node {cmd.node!r}, not {node!r}: send it "
-                                          f"on that node's subject")
+        raise Refused(
+            Refusal.WRONG_NODE,
+            f"command {cmd.op_id} is for node {cmd.node!r}, not {node!r}: send it on that node's subject",
+        )
     if not 0 <= cmd.epoch <= MAX_EPOCH:
         raise Refused(Refusal.OUT_OF_RANGE, f"command {cmd.op_id}: epoch {shown(cmd.epoch)} is not in 0..{MAX_EPOCH}")
     if not 0 <= cmd.deadline_ms <= now_ms + MAX_DEADLINE_AHEAD_MS:
-        raise Refused(Refusal.OUT_OF_RANGE, f"command {cmd.op_id}: deadline_ms {shown(cmd.deadline_ms)} is not an "
-                                            "epoch time in ms, at most 100 years ahead of this node's clock "
-                                            f"({now_ms})")
+        raise Refused(
+            Refusal.OUT_OF_RANGE,
+            f"command {cmd.op_id}: deadline_ms {shown(cmd.deadline_ms)} is not an "
+            "epoch time in ms, at most 100 years ahead of this node's clock "
+            f"({now_ms})",
+        )
     if isinstance(cmd, Restore):
         if len(cmd.after) > MAX_AFTER:
-            raise Refused(Refusal.TOO_LARGE, f"command {cmd.op_id}: it follows {len(cmd.after)} operations "
-                                             f"(at most {MAX_AFTER})")
+            raise Refused(
+                Refusal.TOO_LARGE, f"command {cmd.op_id}: it follows {len(cmd.after)} operations (at most {MAX_AFTER})"
+            )
         for op_id in cmd.after:
             check_op_id(op_id, "op id in after")
 
@@ -147,25 +161,36 @@ def check_processes(pids: Iterable[int], pgid: int | None, backends: Iterable[st
     job lives while the agent does."""
     pids, own_pid, own_pgid = tuple(pids), os.getpid(), os.getpgid(0)
     if len(pids) > MAX_PIDS:
-        raise Refused(Refusal.TOO_LARGE, f"{len(pids)} pids (at most {MAX_PIDS}); register the job's process "
-                                         "group (pgid) instead")
+        raise Refused(
+            Refusal.TOO_LARGE, f"{len(pids)} pids (at most {MAX_PIDS}); register the job's process group (pgid) instead"
+        )
     acting = sorted(PROCESS_ACTING.intersection(backends))
     for pid in pids:
         if not 1 < pid <= PID_MAX:
-            raise Refused(Refusal.FORBIDDEN_PROCESS, f"pid {shown(pid)} is not a job's process id (2..{PID_MAX}); "
-                                                     "register the job's own pids")
+            raise Refused(
+                Refusal.FORBIDDEN_PROCESS,
+                f"pid {shown(pid)} is not a job's process id (2..{PID_MAX}); register the job's own pids",
+            )
         if pid == own_pid and acting:
-            raise Refused(Refusal.FORBIDDEN_PROCESS, f"pid {pid} is the agent's own process, which the "
-                                                     f"{'+'.join(acting)} backend would stop; register the job's "
-                                                     "own pids")
+            raise Refused(
+                Refusal.FORBIDDEN_PROCESS,
+                f"pid {pid} is the agent's own process, which the "
+                f"{'+'.join(acting)} backend would stop; register the job's "
+                "own pids",
+            )
     if pgid is not None:
         if not 1 < pgid <= PID_MAX:
-            raise Refused(Refusal.FORBIDDEN_PROCESS, f"pgid {shown(pgid)} is not a job's process group "
-                                                     f"(2..{PID_MAX}); 0 would mean the agent's own group")
+            raise Refused(
+                Refusal.FORBIDDEN_PROCESS,
+                f"pgid {shown(pgid)} is not a job's process group (2..{PID_MAX}); 0 would mean the agent's own group",
+            )
         if pgid == own_pgid:
-            raise Refused(Refusal.FORBIDDEN_PROCESS, f"pgid {pgid} is the agent's own process group; start the "
-                                                     "job in a group of its own (e.g. os.setsid()) or register "
-                                                     "its pids")
+            raise Refused(
+                Refusal.FORBIDDEN_PROCESS,
+                f"pgid {pgid} is the agent's own process group; start the "
+                "job in a group of its own (e.g. os.setsid()) or register "
+                "its pids",
+            )
 
 
 def _bounded(what: str, items: tuple[str, ...], count: int, length: int) -> None:
@@ -173,8 +198,7 @@ def _bounded(what: str, items: tuple[str, ...], count: int, length: int) -> None
         raise Refused(Refusal.TOO_LARGE, f"{len(items)} {what} (at most {count})")
     for item in items:
         if not item or len(item) > length:
-            raise Refused(Refusal.TOO_LARGE, f"{what[:-1]} {shown(item)} is empty or longer than {length} "
-                                             "characters")
+            raise Refused(Refusal.TOO_LARGE, f"{what[:-1]} {shown(item)} is empty or longer than {length} characters")
 
 
 def check_registration(req: RegisterJob, *, processes: bool = True) -> None:
@@ -186,12 +210,12 @@ def check_registration(req: RegisterJob, *, processes: bool = True) -> None:
     _bounded("backends", req.backends, MAX_BACKENDS, MAX_CHAIN)
     chain = "+".join(req.backends)
     if len(set(req.backends)) != len(req.backends) or len(chain) > MAX_CHAIN:
-        raise Refused(Refusal.TOO_LARGE, f"backends {shown(chain)}: each at most once, {MAX_CHAIN} characters in "
-                                         "all")
+        raise Refused(Refusal.TOO_LARGE, f"backends {shown(chain)}: each at most once, {MAX_CHAIN} characters in all")
     _bounded("tags", req.tags, MAX_TAGS, MAX_TAG)
     _bounded("endpoints", req.endpoints, MAX_ENDPOINTS, MAX_ENDPOINT)
     if not 0 < req.op_timeout_ms <= MAX_OP_TIMEOUT_MS:
-        raise Refused(Refusal.OUT_OF_RANGE, f"op_timeout_ms {shown(req.op_timeout_ms)} is not in "
-                                            f"1..{MAX_OP_TIMEOUT_MS} (24 h)")
+        raise Refused(
+            Refusal.OUT_OF_RANGE, f"op_timeout_ms {shown(req.op_timeout_ms)} is not in 1..{MAX_OP_TIMEOUT_MS} (24 h)"
+        )
     if processes:
         check_processes(req.pids, req.pgid, req.backends)

@@ -77,8 +77,13 @@ _JOB_STATES = {
 _MODES = {pb.SUSPEND_MODE_OFFLOAD: SuspendMode.OFFLOAD, pb.SUSPEND_MODE_DISCARD: SuspendMode.DISCARD}
 _APPS = {pb.APP_VLLM: "vllm", pb.APP_SGLANG: "sglang"}  # app_endpoint endpoints are "<app>+<url>" to the agent
 # BackendConfig choices → the agent's backend names ("" = not implemented by timeslice at all).
-_BACKENDS = {"cuda": "cuda", "app_endpoint": "app_endpoint", "app_channel": "app_channel",
-             "direct_memory": "", "memory_regions": ""}
+_BACKENDS = {
+    "cuda": "cuda",
+    "app_endpoint": "app_endpoint",
+    "app_channel": "app_channel",
+    "direct_memory": "",
+    "memory_regions": "",
+}
 
 
 class AgentGrpcConfig(GrpcAuthSettings):
@@ -95,9 +100,14 @@ class AgentGrpcConfig(GrpcAuthSettings):
 
 
 class _Plan:
-    def __init__(self, backends: tuple[str, ...] | None = None, pids: tuple[int, ...] = (),
-                 mode: SuspendMode | None = None, tags: tuple[str, ...] | None = None,
-                 endpoints: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        backends: tuple[str, ...] | None = None,
+        pids: tuple[int, ...] = (),
+        mode: SuspendMode | None = None,
+        tags: tuple[str, ...] | None = None,
+        endpoints: tuple[str, ...] = (),
+    ) -> None:
         self.backends, self.pids, self.mode, self.tags, self.endpoints = backends, pids, mode, tags, endpoints
 
 
@@ -110,22 +120,36 @@ class AgentGrpcShim:
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self.port: int | None = None
-        self.auth = Authenticator(self.config, mutual_tls=self.config.tls_client_ca is not None,
-                                  server_port=lambda: self.port)
+        self.auth = Authenticator(
+            self.config, mutual_tls=self.config.tls_client_ca is not None, server_port=lambda: self.port
+        )
         self._channels = WorkloadChannels(agent, self.auth)
 
     async def start(self) -> int:
         cfg = self.config
         self._server = server = grpc.aio.server(options=SERVER_OPTIONS)
-        handlers: dict[str, Handler] = {"Snapshot": self._snapshot, "Restore": self._restore,
-                                        "GetOperation": self._get_operation, "Status": self._status,
-                                        "WorkloadChannel": self._channels.serve}
+        handlers: dict[str, Handler] = {
+            "Snapshot": self._snapshot,
+            "Restore": self._restore,
+            "GetOperation": self._get_operation,
+            "Status": self._status,
+            "WorkloadChannel": self._channels.serve,
+        }
         bind(server, pb.DESCRIPTOR.services_by_name["SnapshotAgentService"], handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
-            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-        self.port = add_port(server, cfg, host=cfg.host, port=cfg.port, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key,
-                             tls_client_ca=cfg.tls_client_ca, log=log)
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+        )
+        self.port = add_port(
+            server,
+            cfg,
+            host=cfg.host,
+            port=cfg.port,
+            tls_cert=cfg.tls_cert,
+            tls_key=cfg.tls_key,
+            tls_client_ca=cfg.tls_client_ca,
+            log=log,
+        )
         await server.start()
         for name in ("", SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -135,8 +159,13 @@ class AgentGrpcShim:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         for name in unavailable_backends():
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        log.info("snapshot agent gRPC API on %s:%d; %s", cfg.host, self.port, self.auth.describe(),
-                 extra={"node": self.agent.node})
+        log.info(
+            "snapshot agent gRPC API on %s:%d; %s",
+            cfg.host,
+            self.port,
+            self.auth.describe(),
+            extra={"node": self.agent.node},
+        )
         return self.port
 
     async def stop(self) -> None:
@@ -169,8 +198,16 @@ class AgentGrpcShim:
             except UnsupportedMode as exc:
                 await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         try:
-            return await self.agent.run_standalone(job, kind, group=group, backends=plan.backends, pids=plan.pids,
-                                                   mode=plan.mode, tags=plan.tags, endpoints=plan.endpoints)
+            return await self.agent.run_standalone(
+                job,
+                kind,
+                group=group,
+                backends=plan.backends,
+                pids=plan.pids,
+                mode=plan.mode,
+                tags=plan.tags,
+                endpoints=plan.endpoints,
+            )
         except OperationInProgress as exc:
             await ctx.abort(grpc.StatusCode.ABORTED, str(exc))
         except BackendUnavailable as exc:
@@ -202,8 +239,12 @@ class AgentGrpcShim:
             app = _APPS.get(ep.app)
             if app is None:
                 await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "app_endpoint needs app APP_VLLM or APP_SGLANG")
-            return _Plan(backends=(name,), mode=_MODES.get(ep.mode), tags=tuple(ep.tags) or None,
-                         endpoints=tuple(f"{app}+{url}" for url in ep.endpoints))
+            return _Plan(
+                backends=(name,),
+                mode=_MODES.get(ep.mode),
+                tags=tuple(ep.tags) or None,
+                endpoints=tuple(f"{app}+{url}" for url in ep.endpoints),
+            )
         ch = cfg.app_channel
         return _Plan(backends=(name,), mode=_MODES.get(ch.mode), tags=tuple(ch.tags) or None)
 
@@ -217,9 +258,11 @@ class AgentGrpcShim:
     async def _unsupported(self, ctx: Ctx, why: str) -> NoReturn:
         have = set(available_backends())
         configs = [f"BackendConfig.{c}" for c, b in _BACKENDS.items() if b and b in have]
-        await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                        f"{why}. This agent supports: {', '.join(configs) or 'none'}; or leave backend_config "
-                        f"unset to use a registered job's own backends (available here: {', '.join(sorted(have))})")
+        await ctx.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{why}. This agent supports: {', '.join(configs) or 'none'}; or leave backend_config "
+            f"unset to use a registered job's own backends (available here: {', '.join(sorted(have))})",
+        )
 
     async def _get_operation(self, req: pb.GetOperationRequest, ctx: Ctx) -> pb.GetOperationResponse:
         await authenticate(ctx, self.auth, log)
@@ -229,25 +272,37 @@ class AgentGrpcShim:
             await self._refuse(ctx, exc)
         op = self.agent.operation(req.operation_id)
         if op is None:
-            await ctx.abort(grpc.StatusCode.NOT_FOUND,
-                            f"operation {req.operation_id!r} is not known to the agent on node {self.agent.node!r}")
+            await ctx.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"operation {req.operation_id!r} is not known to the agent on node {self.agent.node!r}",
+            )
         elapsed = round(op.elapsed_ms)
         if not op.done or op.result is None:
             return pb.GetOperationResponse(status=pb.OPERATION_STATUS_PENDING, elapsed_ms=elapsed)
         r = op.result
         if r.ok:
-            return pb.GetOperationResponse(status=pb.OPERATION_STATUS_COMPLETE, storage_bytes=r.bytes_moved,
-                                           snapshot_device_bytes=r.device_bytes_freed, elapsed_ms=elapsed)
-        return pb.GetOperationResponse(status=pb.OPERATION_STATUS_FAILED, elapsed_ms=elapsed,
-                                       error=r.error or "failed")
+            return pb.GetOperationResponse(
+                status=pb.OPERATION_STATUS_COMPLETE,
+                storage_bytes=r.bytes_moved,
+                snapshot_device_bytes=r.device_bytes_freed,
+                elapsed_ms=elapsed,
+            )
+        return pb.GetOperationResponse(status=pb.OPERATION_STATUS_FAILED, elapsed_ms=elapsed, error=r.error or "failed")
 
     async def _status(self, req: pb.StatusRequest, ctx: Ctx) -> pb.StatusResponse:
         await authenticate(ctx, self.auth, log)
-        jobs = [pb.JobStatus(job_id=c.job, state=_JOB_STATES[c.state])
-                for c in sorted(self.agent.jobs().values(), key=lambda c: c.job)]
-        accelerators = [pb.AcceleratorStatus(id=d.uuid or str(d.index), memory_used_bytes=d.memory_used_bytes,
-                                             memory_total_bytes=d.memory_total_bytes)
-                        for d in await self.agent.devices()]
+        jobs = [
+            pb.JobStatus(job_id=c.job, state=_JOB_STATES[c.state])
+            for c in sorted(self.agent.jobs().values(), key=lambda c: c.job)
+        ]
+        accelerators = [
+            pb.AcceleratorStatus(
+                id=d.uuid or str(d.index),
+                memory_used_bytes=d.memory_used_bytes,
+                memory_total_bytes=d.memory_total_bytes,
+            )
+            for d in await self.agent.devices()
+        ]
         return pb.StatusResponse(job_statuses=jobs, accelerator_statuses=accelerators)
 
 
@@ -258,9 +313,14 @@ def from_args(agent: Agent, args: argparse.Namespace) -> AgentGrpcShim | None:
     port = getattr(args, "grpc_port", None)
     if port is None or port < 0:
         return None
-    cfg = AgentGrpcConfig(port=port, host=args.grpc_host or "127.0.0.1", tls_cert=args.grpc_tls_cert,
-                          tls_key=args.grpc_tls_key, tls_client_ca=args.grpc_tls_client_ca,
-                          **auth_settings_from_args(args))
+    cfg = AgentGrpcConfig(
+        port=port,
+        host=args.grpc_host or "127.0.0.1",
+        tls_cert=args.grpc_tls_cert,
+        tls_key=args.grpc_tls_key,
+        tls_client_ca=args.grpc_tls_client_ca,
+        **auth_settings_from_args(args),
+    )
     return AgentGrpcShim(agent, cfg)
 
 

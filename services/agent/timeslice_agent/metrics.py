@@ -15,15 +15,41 @@ from timeslice_client.protocol import OpResult
 
 from ._untrusted import REFUSALS
 
-__all__ = ["DURATION_BUCKETS", "OUTCOMES", "REFUSALS", "SOURCES", "TASKS", "AgentMetrics", "MetricsEndpoint",
-           "MetricsServerError", "serve_metrics"]
+__all__ = [
+    "DURATION_BUCKETS",
+    "OUTCOMES",
+    "REFUSALS",
+    "SOURCES",
+    "TASKS",
+    "AgentMetrics",
+    "MetricsEndpoint",
+    "MetricsServerError",
+    "serve_metrics",
+]
 
 # Seconds. Three steps per decade (1-2.5-5) from 100 µs to 60 s: an operation with nothing to move (noop,
 # SIGSTOP of a few processes) takes well under a millisecond; an app_channel offload of a few GB to pinned
 # host memory 0.1-1 s; a CUDA checkpoint of a full 80-141 GB device 5-30 s. Past 60 s an operation is near
 # its default 120 s timeout and lands in +Inf (counted in _sum).
 DURATION_BUCKETS: Final = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
 )
 
 OUTCOMES: Final = (
@@ -47,39 +73,68 @@ class AgentMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.duration = Histogram(
-            "timeslice_agent_operation_seconds", "Time the backends took for a snapshot or restore that ran.",
-            ["backend", "operation"], registry=r, buckets=DURATION_BUCKETS)
+            "timeslice_agent_operation_seconds",
+            "Time the backends took for a snapshot or restore that ran.",
+            ["backend", "operation"],
+            registry=r,
+            buckets=DURATION_BUCKETS,
+        )
         self.bytes_moved = Counter(
-            "timeslice_agent_bytes_moved", "Bytes copied between device and host by operations that ran.",
-            ["backend", "operation"], registry=r)
+            "timeslice_agent_bytes_moved",
+            "Bytes copied between device and host by operations that ran.",
+            ["backend", "operation"],
+            registry=r,
+        )
         self.device_bytes_freed = Counter(
-            "timeslice_agent_device_bytes_freed", "Device memory released by operations that ran.",
-            ["backend", "operation"], registry=r)
+            "timeslice_agent_device_bytes_freed",
+            "Device memory released by operations that ran.",
+            ["backend", "operation"],
+            registry=r,
+        )
         self.outcomes = Counter(
-            "timeslice_agent_operations", "Operations answered, by outcome: " + ", ".join(OUTCOMES) + ".",
-            ["backend", "operation", "outcome"], registry=r)
+            "timeslice_agent_operations",
+            "Operations answered, by outcome: " + ", ".join(OUTCOMES) + ".",
+            ["backend", "operation", "outcome"],
+            registry=r,
+        )
         self.overlapped = Counter(
-            "timeslice_agent_restores_overlapped", "Restores started beside the snapshots they follow, the node "
+            "timeslice_agent_restores_overlapped",
+            "Restores started beside the snapshots they follow, the node "
             "having room for both contexts (Restore.after; see AgentConfig.overlap_restores).",
-            ["backend"], registry=r)
+            ["backend"],
+            registry=r,
+        )
 
         self.commands = Counter(
-            "timeslice_agent_commands", "Commands received: from the stream (the agent's durable consumer), or "
+            "timeslice_agent_commands",
+            "Commands received: from the stream (the agent's durable consumer), or "
             "handed over directly by the orchestrator this agent runs beside (its stream copy is then only "
-            "acknowledged).", ["via"], registry=r)
+            "acknowledged).",
+            ["via"],
+            registry=r,
+        )
         self.refused = Counter(
-            "timeslice_agent_refused", "Messages refused as malformed (and acknowledged, for a command), by where "
+            "timeslice_agent_refused",
+            "Messages refused as malformed (and acknowledged, for a command), by where "
             "they came from (" + ", ".join(SOURCES) + ") and why (" + ", ".join(REFUSALS) + ").",
-            ["source", "reason"], registry=r)
+            ["source", "reason"],
+            registry=r,
+        )
         self.task_errors = Counter(
-            "timeslice_agent_task_errors", "Unexpected exceptions caught in the agent's own tasks (" + ", ".join(TASKS)
-            + "): logged and answered where possible; the agent goes on.", ["task"], registry=r)
+            "timeslice_agent_task_errors",
+            "Unexpected exceptions caught in the agent's own tasks ("
+            + ", ".join(TASKS)
+            + "): logged and answered where possible; the agent goes on.",
+            ["task"],
+            registry=r,
+        )
 
     def refusal(self, source: str, reason: str) -> None:
         """Count one refused message (both labels from fixed sets)."""
         if source not in SOURCES or reason not in REFUSALS:
-            raise ValueError(f"unknown refusal {source!r}/{reason!r}; expected a source in {SOURCES} and a reason "
-                             f"in {REFUSALS}")
+            raise ValueError(
+                f"unknown refusal {source!r}/{reason!r}; expected a source in {SOURCES} and a reason in {REFUSALS}"
+            )
         self.refused.labels(source, reason).inc()
 
     def task_error(self, task: str) -> None:

@@ -37,9 +37,11 @@ async def _rpc(args: argparse.Namespace, verb: str, payload: bytes) -> bytes:
             msg = await nc.request(subjects.agent_rpc(node, verb), payload, timeout=args.timeout)
         except (NoRespondersError, NatsTimeoutError):
             seen = await _agents_seen(nc)
-            raise CliError(f"no agent answers for node {node!r} (agents on this bus: {', '.join(seen) or 'none'}); "
-                           "give one of them with --node-id, or start it: `timeslice agent --node-id "
-                           f"{node}`") from None
+            raise CliError(
+                f"no agent answers for node {node!r} (agents on this bus: {', '.join(seen) or 'none'}); "
+                "give one of them with --node-id, or start it: `timeslice agent --node-id "
+                f"{node}`"
+            ) from None
         return bytes(msg.data)
     finally:
         await nc.close()
@@ -62,8 +64,11 @@ async def _status(args: argparse.Namespace) -> int:
         return 0
     print(f"{'JOB':<20} {'GROUP':<16} {'STATE':<14} {'BACKENDS':<22} {'PROCESSES':<16} LAST OP")
     for j in jobs:
-        outcome = ("running" if j.get("state") == "TRANSITIONING" else "") if j.get("last_op_ok") is None else (
-            "ok" if j.get("last_op_ok") else (j.get("last_op_error") or "failed"))
+        outcome = (
+            ("running" if j.get("state") == "TRANSITIONING" else "")
+            if j.get("last_op_ok") is None
+            else ("ok" if j.get("last_op_ok") else (j.get("last_op_error") or "failed"))
+        )
         last = f"{j.get('last_op_id') or '-'} {outcome}"
         parts = [j, *(j.get("parts") or ())]  # a job of several processes here: each registered as a part
         pids = list(dict.fromkeys(p for part in parts for p in part.get("pids") or ()))
@@ -77,8 +82,15 @@ async def _status(args: argparse.Namespace) -> int:
 
 def _processes(pids: list[int] | tuple[int, ...], pgid: int | None) -> str:
     """The job's processes as the agent holds them: ``pid 123``, ``pids 1,2,3``, ``+pgid 123``; ``-``: none."""
-    shown = (f"pid {pids[0]}" if len(pids) == 1 else f"pids {','.join(map(str, pids[:4]))}"
-             + ("…" if len(pids) > 4 else "")) if pids else ""
+    shown = (
+        (
+            f"pid {pids[0]}"
+            if len(pids) == 1
+            else f"pids {','.join(map(str, pids[:4]))}" + ("…" if len(pids) > 4 else "")
+        )
+        if pids
+        else ""
+    )
     group = f"pgid {pgid}" if pgid is not None else ""
     return " +".join(p for p in (shown, group) if p) or "-"
 

@@ -60,8 +60,13 @@ class _Version(argparse.Action):
     def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         print(_version())
         parser.exit()
 
@@ -77,11 +82,19 @@ def _global_flags(p: argparse.ArgumentParser, *, top: bool) -> None:
     value given before the command is not overwritten by the command's defaults."""
     d: Callable[[Any], Any] = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
     g = p.add_argument_group("global flags (before or after the command)")
-    g.add_argument("--log-level", type=_level, default=d(os.environ.get("TIMESLICE_LOG_LEVEL", "info").lower()),
-                   metavar="LEVEL",
-                   help=f"log threshold: {', '.join(_LEVELS)} (default $TIMESLICE_LOG_LEVEL, else info)")
-    g.add_argument("--debug", action="store_true", default=d(False),
-                   help="on an error, show the traceback (and log at debug level)")
+    g.add_argument(
+        "--log-level",
+        type=_level,
+        default=d(os.environ.get("TIMESLICE_LOG_LEVEL", "info").lower()),
+        metavar="LEVEL",
+        help=f"log threshold: {', '.join(_LEVELS)} (default $TIMESLICE_LOG_LEVEL, else info)",
+    )
+    g.add_argument(
+        "--debug",
+        action="store_true",
+        default=d(False),
+        help="on an error, show the traceback (and log at debug level)",
+    )
 
 
 def _version() -> str:
@@ -95,14 +108,18 @@ def _version() -> str:
 
     from timeslice_client import __version__
 
-    return f"timeslice {__version__} (timeslice-server {of('timeslice-server')}, timeslice-client " \
-           f"{of('timeslice-client')})"
+    return (
+        f"timeslice {__version__} (timeslice-server {of('timeslice-server')}, timeslice-client "
+        f"{of('timeslice-client')})"
+    )
 
 
 def _unavailable(sub: Any, name: str, why: BaseException) -> None:
     """A command that could not load still appears, and says why when run."""
-    message = (f"`timeslice {name}` cannot load ({type(why).__name__}: {why}); reinstall timeslice-server "
-               "(pip install --force-reinstall timeslice-server)")
+    message = (
+        f"`timeslice {name}` cannot load ({type(why).__name__}: {why}); reinstall timeslice-server "
+        "(pip install --force-reinstall timeslice-server)"
+    )
 
     async def fail(args: argparse.Namespace) -> int:
         raise CliError(message)
@@ -129,8 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     from timeslice_client._bus_auth import add_auth_flags
 
     for name, cmd in sub.choices.items():
-        if name != "up" and any("--nats-url" in a.option_strings for a in cmd._actions) \
-                and not any("--creds" in a.option_strings for a in cmd._actions):
+        if (
+            name != "up"
+            and any("--nats-url" in a.option_strings for a in cmd._actions)
+            and not any("--creds" in a.option_strings for a in cmd._actions)
+        ):
             add_auth_flags(cmd)  # every command that connects to NATS: its identity and TLS (docs/security.md)
         for each in _parsers(cmd):
             _global_flags(each, top=False)
@@ -165,8 +185,10 @@ def _one_line(exc: BaseException) -> str:
     if isinstance(exc, TimeSliceError) or type(exc).__module__.startswith("timeslice_"):
         return lines[0] + more  # ours (OrchestratorError, EmbeddedNatsError, ...): the message says what to do
     if isinstance(exc, OSError) and exc.errno == 98:  # EADDRINUSE
-        return f"{exc.strerror or text}: another process (a `timeslice up`?) has the port; stop it " \
-               "(`timeslice down`) or give this one another port"
+        return (
+            f"{exc.strerror or text}: another process (a `timeslice up`?) has the port; stop it "
+            "(`timeslice down`) or give this one another port"
+        )
     return f"{type(exc).__name__}: {lines[0] or 'no message'}{more}"
 
 

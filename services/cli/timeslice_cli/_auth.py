@@ -38,8 +38,10 @@ def _init(args: argparse.Namespace) -> int:
     auth, created = AuthDir.init(_dir(args))
     conf = auth.write_server_config()
     what = "created" if created else "already there, reused (nothing overwritten)"
-    print(f"auth dir {auth.path}: {what}; account {auth.account_key}; server config {conf} (load it with "
-          f"`include {conf.name}` or `nats-server -c {conf}`)")
+    print(
+        f"auth dir {auth.path}: {what}; account {auth.account_key}; server config {conf} (load it with "
+        f"`include {conf.name}` or `nats-server -c {conf}`)"
+    )
     return 0
 
 
@@ -79,15 +81,19 @@ def _revoke(args: argparse.Namespace) -> int:
             raise AuthError(f"{args.creds_file} is not a NATS .creds file", path=args.creds_file) from None
         key = str(decode_jwt(jwt, issuer=auth.account_key)["sub"])
     stamp = auth.revoke(key)
-    print(f"revoked user {key} (every JWT of it issued up to {stamp}); server config {auth.path / 'nats-auth.conf'} "
-          "rewritten: reload the servers to apply it (`nats-server --signal reload`, or restart `timeslice up`)")
+    print(
+        f"revoked user {key} (every JWT of it issued up to {stamp}); server config {auth.path / 'nats-auth.conf'} "
+        "rewritten: reload the servers to apply it (`nats-server --signal reload`, or restart `timeslice up`)"
+    )
     return 0
 
 
 def _cmd(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], Coroutine[Any, Any, int]]:
     """``fn`` as the coroutine function the ``timeslice`` command runs (these touch only local files)."""
+
     async def run(args: argparse.Namespace) -> int:
         return fn(args)
+
     return run
 
 
@@ -99,8 +105,12 @@ def _user(sub: Any, role: str, help_text: str) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(role, help=help_text)
     _common(p)
     p.add_argument("-o", "--out", required=True, metavar="FILE", help="where to write the .creds file (mode 0600)")
-    p.add_argument("--ttl", type=_ttl, default=None, help="valid for this long (30d, 12h, 90m; default: no expiry; "
-                                                         "revoke with `timeslice auth revoke`)")
+    p.add_argument(
+        "--ttl",
+        type=_ttl,
+        default=None,
+        help="valid for this long (30d, 12h, 90m; default: no expiry; revoke with `timeslice auth revoke`)",
+    )
     p.set_defaults(func=_cmd(_issue), role=role)
     return p
 
@@ -109,14 +119,21 @@ def register(sub: Any) -> None:
     """Add ``auth`` and its subcommands to the ``timeslice`` command's subparsers."""
     auth = sub.add_parser("auth", help="NATS identities: the operator's keys, credentials, server config")
     asub = auth.add_subparsers(dest="auth_command", required=True)
-    init = asub.add_parser("init", help="create the auth dir (operator, system account, TIMESLICE account) and "
-                                        "its nats-server config; an existing one is reused")
+    init = asub.add_parser(
+        "init",
+        help="create the auth dir (operator, system account, TIMESLICE account) and "
+        "its nats-server config; an existing one is reused",
+    )
     _common(init)
     init.set_defaults(func=_cmd(_init))
     job = _user(asub, "job", "credentials of one job: its own requests, notices and workload commands only")
     job.add_argument("--job", required=True, help="the job id")
-    job.add_argument("--group", action="append", default=None,
-                     help="limit it to this group (repeat for several; default: every group)")
+    job.add_argument(
+        "--group",
+        action="append",
+        default=None,
+        help="limit it to this group (repeat for several; default: every group)",
+    )
     agent = _user(asub, "agent", "credentials of one node's snapshot agent")
     agent.add_argument("--node", required=True, help="the node id")
     _user(asub, "orchestrator", "credentials of the orchestrator (grants, revocations, agent commands)")
@@ -133,7 +150,6 @@ def register(sub: Any) -> None:
     which.add_argument("--user-key", default=None, help="the user's public key (U..., printed when issued)")
     which.add_argument("--creds-file", default=None, metavar="FILE", help="the .creds file to revoke")
     rv.set_defaults(func=_cmd(_revoke))
-
 
 
 class UpAuth:
@@ -161,6 +177,10 @@ class UpAuth:
 
 
 def warn_no_auth(url: str) -> None:
-    print(f"timeslice up: WARNING --no-auth: the NATS server at {url} accepts every connection, and whoever can reach "
-          "it can grant, revoke and command the agents (as root, on a GPU node); run without --no-auth for "
-          "credentials (docs/security.md)", file=sys.stderr, flush=True)
+    print(
+        f"timeslice up: WARNING --no-auth: the NATS server at {url} accepts every connection, and whoever can reach "
+        "it can grant, revoke and command the agents (as root, on a GPU node); run without --no-auth for "
+        "credentials (docs/security.md)",
+        file=sys.stderr,
+        flush=True,
+    )

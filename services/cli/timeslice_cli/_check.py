@@ -86,8 +86,9 @@ def parse_duration(text: str) -> int:
 # ---------------------------------------------------------------------- the check
 
 
-def check_events(events: Iterable[StreamEvent], *, stuck_after_ms: int | None = None, since_seq: int = 0,
-                 since_ms: int | None = None) -> CheckReport:
+def check_events(
+    events: Iterable[StreamEvent], *, stuck_after_ms: int | None = None, since_seq: int = 0, since_ms: int | None = None
+) -> CheckReport:
     """Fold ``events`` (the stream from its first message, in order) and check them; report what shows at or
     after ``since_seq`` / ``since_ms``."""
     checker = StreamChecker()
@@ -134,8 +135,9 @@ def _merge(found: list[Violation], fold: list[tuple[InvariantViolation, StreamEv
             out[same] = dataclasses.replace(out[same], rules=(*out[same].rules, exc.rule))
             continue
         epochs, jobs = _epochs_and_jobs(exc.values)
-        out.append(Violation(kind or Kind.INVARIANT, group, ev.seq, ev.ts_ms, exc.detail, epochs, jobs, (ev,),
-                             (exc.rule,)))
+        out.append(
+            Violation(kind or Kind.INVARIANT, group, ev.seq, ev.ts_ms, exc.detail, epochs, jobs, (ev,), (exc.rule,))
+        )
     out.sort(key=lambda v: (v.seq, v.kind is Kind.INVARIANT, v.kind))
     return out
 
@@ -153,8 +155,11 @@ def _epochs_and_jobs(values: Mapping[str, object]) -> tuple[tuple[int, ...], tup
                     jobs.append(job)
             elif isinstance(item, int) and not isinstance(item, bool) and "epoch" in key and item not in epochs:
                 epochs.append(item)
-            elif isinstance(item, str) and key in ("holder", "owner", "epoch_granted_to",
-                                                   "epoch_granted_before_to") and item not in jobs:
+            elif (
+                isinstance(item, str)
+                and key in ("holder", "owner", "epoch_granted_to", "epoch_granted_before_to")
+                and item not in jobs
+            ):
                 jobs.append(item)
     return tuple(sorted(epochs)), tuple(jobs)
 
@@ -190,8 +195,10 @@ def render_text(report: CheckReport) -> str:
         epochs = ",".join(map(str, v.epochs)) or "-"
         jobs = ",".join(v.jobs) or "-"
         kind = f"{v.kind}[{','.join(v.rules)}]" if v.kind is Kind.INVARIANT else str(v.kind)
-        lines.append(f"VIOLATION {i}/{len(report.violations)} {kind}  group={v.group}  epochs={epochs}  "
-                     f"jobs={jobs}  at seq {v.seq} ({_when(v.ts_ms)})")
+        lines.append(
+            f"VIOLATION {i}/{len(report.violations)} {kind}  group={v.group}  epochs={epochs}  "
+            f"jobs={jobs}  at seq {v.seq} ({_when(v.ts_ms)})"
+        )
         lines.append(f"  {v.detail}")
         if v.rules and v.kind is not Kind.INVARIANT:
             lines.append(f"  the fold broke here too: {', '.join(v.rules)}")
@@ -221,8 +228,10 @@ def to_json(report: CheckReport, *, since_seq: int, since_ms: int | None, stuck_
                 "jobs": list(v.jobs),
                 "detail": v.detail,
                 "rules": list(v.rules),
-                "events": [{"seq": e.seq, "time_ms": e.time_ms, "subject": e.subject, "data": e.data}
-                           for e in map(_event, v.events)],
+                "events": [
+                    {"seq": e.seq, "time_ms": e.time_ms, "subject": e.subject, "data": e.data}
+                    for e in map(_event, v.events)
+                ],
             }
             for v in report.violations
         ],
@@ -258,21 +267,30 @@ async def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 def register(sub: Any) -> None:
     """Add ``check`` to the ``timeslice`` command's subparsers."""
-    p = sub.add_parser("check", help="check the event stream's invariants; exit 1 on a violation",
-                       description="Fold the TIMESLICE stream through the orchestrator's pure core and the invariant "
-                                   "checker, and report every violation (overlapping holds, epoch regressions or "
-                                   "duplicates, grants to departed waiters, stuck groups, grants while another "
-                                   "job's context was still loaded) with the events that show it. Exit 0: none; "
-                                   "1: violations; 2: usage or connection error.")
+    p = sub.add_parser(
+        "check",
+        help="check the event stream's invariants; exit 1 on a violation",
+        description="Fold the TIMESLICE stream through the orchestrator's pure core and the invariant "
+        "checker, and report every violation (overlapping holds, epoch regressions or "
+        "duplicates, grants to departed waiters, stuck groups, grants while another "
+        "job's context was still loaded) with the events that show it. Exit 0: none; "
+        "1: violations; 2: usage or connection error.",
+    )
     p.add_argument("--group", default=None, help="one group only (default: every group)")
-    p.add_argument("--since", default=None,
-                   help="report only from here: 10m / 2h ago, ms since the epoch, ISO 8601, or a stream sequence "
-                        "(seq:1234, #1234, 1234); the stream is still read from its first message")
-    p.add_argument("--stuck-after", default=None, metavar="DURATION",
-                   help="a group with a waiter and nothing moving this long (stream time) is stuck (500ms, 30s, 2m; "
-                        f"default: the group's largest acquire lease + {STUCK_MARGIN_MS // 1000}s)")
+    p.add_argument(
+        "--since",
+        default=None,
+        help="report only from here: 10m / 2h ago, ms since the epoch, ISO 8601, or a stream sequence "
+        "(seq:1234, #1234, 1234); the stream is still read from its first message",
+    )
+    p.add_argument(
+        "--stuck-after",
+        default=None,
+        metavar="DURATION",
+        help="a group with a waiter and nothing moving this long (stream time) is stuck (500ms, 30s, 2m; "
+        f"default: the group's largest acquire lease + {STUCK_MARGIN_MS // 1000}s)",
+    )
     p.add_argument("--json", action="store_true", help="the report as one JSON document on stdout")
     add_nats_flag(p)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for reading the stream")
     p.set_defaults(func=run)
-

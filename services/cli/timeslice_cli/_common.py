@@ -24,8 +24,12 @@ class CliError(TimeSliceError):
 
 def add_nats_flag(p: argparse.ArgumentParser) -> None:
     """``--nats-url`` (the bus's identity and TLS flags are added to every command that has it)."""
-    p.add_argument("--nats-url", type=nats_url_arg, default=None,
-                   help="NATS server(s), comma-separated (default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)")
+    p.add_argument(
+        "--nats-url",
+        type=nats_url_arg,
+        default=None,
+        help="NATS server(s), comma-separated (default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)",
+    )
 
 
 def emit_json(doc: Any, *, indent: int | None = 2) -> None:

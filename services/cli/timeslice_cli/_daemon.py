@@ -81,10 +81,12 @@ class UpLock:
             os.close(fd)
             if exc.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
-            raise CliError(f"another `timeslice up` runs on data dir {self.data_dir}: "
-                           f"{describe(read_info(self.path))}; "
-                           f"use it, stop it with `timeslice down --data-dir {self.data_dir}`, or give this one "
-                           "another --data-dir") from None
+            raise CliError(
+                f"another `timeslice up` runs on data dir {self.data_dir}: "
+                f"{describe(read_info(self.path))}; "
+                f"use it, stop it with `timeslice down --data-dir {self.data_dir}`, or give this one "
+                "another --data-dir"
+            ) from None
         self._fd = fd
         self.write(pid=os.getpid(), state="starting")
 
@@ -178,18 +180,26 @@ def stop_orphans(data_dir: Path, say: Callable[[str], None]) -> list[int]:
             pid = int(ports.stem.rsplit("_", 1)[1])
         except (IndexError, ValueError):
             continue
-        if pid == os.getpid() or not alive(pid) or "nats-server" not in _cmdline(pid) \
-                or str(data_dir) not in _cmdline(pid):
+        if (
+            pid == os.getpid()
+            or not alive(pid)
+            or "nats-server" not in _cmdline(pid)
+            or str(data_dir) not in _cmdline(pid)
+        ):
             continue
         try:
             url = json.loads(ports.read_text())["nats"][0]
         except (OSError, ValueError, KeyError, IndexError):
             url = "?"
-        say(f"timeslice up: a nats-server from an earlier `timeslice up` still serves data dir {data_dir} "
-            f"(pid {pid}, {url}); stopping it")
+        say(
+            f"timeslice up: a nats-server from an earlier `timeslice up` still serves data dir {data_dir} "
+            f"(pid {pid}, {url}); stopping it"
+        )
         if not stop_pid(pid):
-            raise CliError(f"the orphaned nats-server (pid {pid}) on data dir {data_dir} did not stop: "
-                           f"`kill -9 {pid}`, then start again")
+            raise CliError(
+                f"the orphaned nats-server (pid {pid}) on data dir {data_dir} did not stop: "
+                f"`kill -9 {pid}`, then start again"
+            )
         stopped.append(pid)
     return stopped
 
@@ -226,8 +236,10 @@ def pick_port(host: str, given: int | None, say: Callable[[str], None], *, wait_
     deadline = time.monotonic() + wait_s
     while not port_free(host, DEFAULT_PORT):
         if time.monotonic() >= deadline:
-            say(f"timeslice up: port {DEFAULT_PORT} at {host} is taken (by another program: not a `timeslice up` "
-                "on this data dir); NATS listens on a free port instead, which clients find through the URL file")
+            say(
+                f"timeslice up: port {DEFAULT_PORT} at {host} is taken (by another program: not a `timeslice up` "
+                "on this data dir); NATS listens on a free port instead, which clients find through the URL file"
+            )
             return None
         time.sleep(0.05)  # polling the port an exiting process lets go of, bounded by the deadline
     return DEFAULT_PORT

@@ -99,8 +99,16 @@ def _details(d: dict[str, Any]) -> list[str]:
         out.append(f"{d['previous']}->{d['state']}")
         if d.get("holder"):
             out.append(f"holder={d['holder']}")
-    for key, label in (("node", "node"), ("epoch", "epoch"), ("claim_epoch", "claim"), ("kind", "op"),
-                       ("name", "phase"), ("edge", "edge"), ("backend", "backend"), ("code", "code")):
+    for key, label in (
+        ("node", "node"),
+        ("epoch", "epoch"),
+        ("claim_epoch", "claim"),
+        ("kind", "op"),
+        ("name", "phase"),
+        ("edge", "edge"),
+        ("backend", "backend"),
+        ("code", "code"),
+    ):
         if d.get(key) is not None:
             out.append(f"{label}={d[key]}")
     if "ok" in d and d.get("type") == "op_result":
@@ -138,8 +146,17 @@ def to_json(ev: Event) -> str:
     return json.dumps({"seq": ev.seq, "time_ms": ev.time_ms, "subject": ev.subject, "data": ev.data})
 
 
-async def stream_events(nc: NATS, out: TextIO, *, group: str | None, since: datetime | None, follow: bool,
-                        as_json: bool, stop: asyncio.Event, idle_s: float = 1.0) -> int:
+async def stream_events(
+    nc: NATS,
+    out: TextIO,
+    *,
+    group: str | None,
+    since: datetime | None,
+    follow: bool,
+    as_json: bool,
+    stop: asyncio.Event,
+    idle_s: float = 1.0,
+) -> int:
     """Print the selected events; returns how many. Without ``follow`` it stops at the stream's last message
     as of the call; with it, when ``stop`` is set."""
     js = nc.jetstream()
@@ -193,8 +210,9 @@ async def run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
     nc = await connect(args.nats_url, name="timeslice-events")
     try:
-        await stream_events(nc, sys.stdout, group=args.group, since=args.since, follow=args.follow,
-                            as_json=args.json, stop=stop)
+        await stream_events(
+            nc, sys.stdout, group=args.group, since=args.since, follow=args.follow, as_json=args.json, stop=stop
+        )
     finally:
         await nc.close()
     return 0
@@ -204,8 +222,12 @@ def register(sub: Any) -> None:
     """Add ``events`` to the ``timeslice`` command's subparsers."""
     ev = sub.add_parser("events", help="the event stream, one line per event")
     ev.add_argument("--group", default=None, help="only this group's events")
-    ev.add_argument("--since", type=parse_since, default=None,
-                    help="a duration back from now (30s, 10m, 2h, 1d) or an ISO time (default: the whole stream)")
+    ev.add_argument(
+        "--since",
+        type=parse_since,
+        default=None,
+        help="a duration back from now (30s, 10m, 2h, 1d) or an ISO time (default: the whole stream)",
+    )
     ev.add_argument("--follow", "-f", action="store_true", help="keep printing new events until Ctrl-C")
     ev.add_argument("--json", action="store_true", help="each message raw, one JSON object per line on stdout")
     add_nats_flag(ev)

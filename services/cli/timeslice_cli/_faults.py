@@ -39,27 +39,38 @@ async def _clear_fault(args: argparse.Namespace) -> int:
         if faulted is None:
             raise CliError(f"no group {group!r} on this bus (`timeslice status` lists them): nothing to clear")
         try:
-            await nc.jetstream().publish(subjects.ctl(group, "clear_fault"), encode(ClearFault(group=group, job=job)),
-                                         timeout=args.timeout)
+            await nc.jetstream().publish(
+                subjects.ctl(group, "clear_fault"), encode(ClearFault(group=group, job=job)), timeout=args.timeout
+            )
         except Exception as exc:
-            raise CliError(f"the bus did not take the request to clear job {job!r}'s fault in group {group!r} "
-                           f"({type(exc).__name__}: {exc or 'no answer'}); does this identity (--creds) have the "
-                           "operator's rights? (docs/security.md)") from exc
+            raise CliError(
+                f"the bus did not take the request to clear job {job!r}'s fault in group {group!r} "
+                f"({type(exc).__name__}: {exc or 'no answer'}); does this identity (--creds) have the "
+                "operator's rights? (docs/security.md)"
+            ) from exc
         if job not in faulted:
             names = ", ".join(sorted(faulted)) or "none"
-            _say(args, {"group": group, "job": job, "cleared": False, "was_faulted": False},
-                 f"job {job} is not faulted in group {group} (faulted there: {names}): nothing to clear")
+            _say(
+                args,
+                {"group": group, "job": job, "cleared": False, "was_faulted": False},
+                f"job {job} is not faulted in group {group} (faulted there: {names}): nothing to clear",
+            )
             return 0
         deadline = time.monotonic() + args.timeout
         while (now := await _faulted(nc, group)) is not None and job in now:
             if time.monotonic() > deadline:
-                raise CliError(f"the orchestrator did not clear job {job!r}'s fault in group {group!r} within "
-                               f"{args.timeout:g} s (is one running? `timeslice status` names the leader)")
+                raise CliError(
+                    f"the orchestrator did not clear job {job!r}'s fault in group {group!r} within "
+                    f"{args.timeout:g} s (is one running? `timeslice status` names the leader)"
+                )
             await asyncio.sleep(0.05)  # polling the record the orchestrator writes, bounded by the deadline
     finally:
         await nc.close()
-    _say(args, {"group": group, "job": job, "cleared": True, "was_faulted": True},
-         f"fault of job {job} in group {group} cleared")
+    _say(
+        args,
+        {"group": group, "job": job, "cleared": True, "was_faulted": True},
+        f"fault of job {job} in group {group} cleared",
+    )
     return 0
 
 
@@ -73,6 +84,7 @@ def register(sub: Any) -> None:
     cf.add_argument("--job", required=True, help="the faulted job's id")
     add_nats_flag(cf)
     cf.add_argument("--json", action="store_true", help="the outcome as JSON on stdout")
-    cf.add_argument("--timeout", type=float, default=10.0,
-                    help="seconds to wait for the orchestrator to clear it (default 10)")
+    cf.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait for the orchestrator to clear it (default 10)"
+    )
     cf.set_defaults(func=_clear_fault)

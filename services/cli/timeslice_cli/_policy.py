@@ -38,40 +38,61 @@ async def _set_policy(args: argparse.Namespace) -> int:
     nc = await connect(args.nats_url)
     try:
         if await _quantum_ms(nc, group) is None:
-            raise CliError(f"no group {group!r} on this bus (`timeslice status` lists them); a group exists once a "
-                           "job asked for it")
+            raise CliError(
+                f"no group {group!r} on this bus (`timeslice status` lists them); a group exists once a "
+                "job asked for it"
+            )
         try:
-            await nc.jetstream().publish(subjects.ctl(group, "set_policy"),
-                                         encode(SetPolicy(group=group, quantum_ms=quantum_ms)), timeout=args.timeout)
+            await nc.jetstream().publish(
+                subjects.ctl(group, "set_policy"),
+                encode(SetPolicy(group=group, quantum_ms=quantum_ms)),
+                timeout=args.timeout,
+            )
         except Exception as exc:
-            raise CliError(f"the bus did not take the policy for group {group!r} ({type(exc).__name__}: "
-                           f"{exc or 'no answer'}); does this identity (--creds) have the operator's rights? "
-                           "(docs/security.md)") from exc
+            raise CliError(
+                f"the bus did not take the policy for group {group!r} ({type(exc).__name__}: "
+                f"{exc or 'no answer'}); does this identity (--creds) have the operator's rights? "
+                "(docs/security.md)"
+            ) from exc
         deadline = time.monotonic() + args.timeout
         while await _quantum_ms(nc, group) != quantum_ms:
             if time.monotonic() > deadline:
-                raise CliError(f"the orchestrator did not apply the policy of group {group!r} within "
-                               f"{args.timeout:g} s (is one running? `timeslice status` names the leader)")
+                raise CliError(
+                    f"the orchestrator did not apply the policy of group {group!r} within "
+                    f"{args.timeout:g} s (is one running? `timeslice status` names the leader)"
+                )
             await asyncio.sleep(0.05)  # polling the record the orchestrator writes, bounded by the deadline
     finally:
         await nc.close()
-    text = (f"group {group}: a holder is asked to yield after {args.quantum_s:g} s while another job waits"
-            if quantum_ms else f"group {group}: no quantum (a holder is never asked to yield)")
+    text = (
+        f"group {group}: a holder is asked to yield after {args.quantum_s:g} s while another job waits"
+        if quantum_ms
+        else f"group {group}: no quantum (a holder is never asked to yield)"
+    )
     print(json.dumps({"group": group, "quantum_ms": quantum_ms}) if args.json else text, flush=True)
     return 0
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("set-policy", help="set a group's quantum: when a holder is asked to yield (operator)",
-                       description="Set a group's scheduling policy. --quantum-s S: a job that has held the group for "
-                                   "S seconds while another waits is asked, once per hold, to release at its next "
-                                   "phase boundary (the client's yield_requested); 0 turns it off. Priority classes "
-                                   "need no setting: each job asks at its own (docs/scheduling.md).")
+    p = sub.add_parser(
+        "set-policy",
+        help="set a group's quantum: when a holder is asked to yield (operator)",
+        description="Set a group's scheduling policy. --quantum-s S: a job that has held the group for "
+        "S seconds while another waits is asked, once per hold, to release at its next "
+        "phase boundary (the client's yield_requested); 0 turns it off. Priority classes "
+        "need no setting: each job asks at its own (docs/scheduling.md).",
+    )
     p.add_argument("--group", required=True, help="the group")
-    p.add_argument("--quantum-s", type=float, required=True, metavar="S",
-                   help="seconds a holder holds while others wait before it is asked to yield (0: never)")
+    p.add_argument(
+        "--quantum-s",
+        type=float,
+        required=True,
+        metavar="S",
+        help="seconds a holder holds while others wait before it is asked to yield (0: never)",
+    )
     add_nats_flag(p)
     p.add_argument("--json", action="store_true", help="the outcome as JSON on stdout")
-    p.add_argument("--timeout", type=float, default=10.0,
-                   help="seconds to wait for the orchestrator to apply it (default 10)")
+    p.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait for the orchestrator to apply it (default 10)"
+    )
     p.set_defaults(func=_set_policy)

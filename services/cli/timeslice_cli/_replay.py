@@ -37,8 +37,10 @@ def parse_time(text: str, now_ms: int) -> int:
     try:
         when = dt.datetime.fromisoformat(t.replace("Z", "+00:00"))
     except ValueError:
-        raise ValueError(f"cannot read the time {text!r}: give a duration ago (10m, 90s, 2h, 1d), 'now', milliseconds "
-                         "since the epoch, or an ISO 8601 date-time such as 2026-11-30T10:00:00Z") from None
+        raise ValueError(
+            f"cannot read the time {text!r}: give a duration ago (10m, 90s, 2h, 1d), 'now', milliseconds "
+            "since the epoch, or an ISO 8601 date-time such as 2026-11-30T10:00:00Z"
+        ) from None
     if when.tzinfo is None:
         when = when.astimezone()  # a time without a zone is local time (as ``timeslice events``)
     return (when - _EPOCH) // dt.timedelta(milliseconds=1)  # in integers: a float can land 1 ms early
@@ -79,18 +81,26 @@ def _write(replay: Replay, args: argparse.Namespace) -> None:
 
 def register(sub: Any) -> None:
     """Add ``replay`` to the ``timeslice`` command's subparsers."""
-    p = sub.add_parser("replay", help="rebuild a window of the event stream: summary, HTML timeline, JSON",
-                       description="Fold the TIMESLICE stream through the orchestrator's pure core and show "
-                                   "who held which group when, who waited, and where the time went.")
+    p = sub.add_parser(
+        "replay",
+        help="rebuild a window of the event stream: summary, HTML timeline, JSON",
+        description="Fold the TIMESLICE stream through the orchestrator's pure core and show "
+        "who held which group when, who waited, and where the time went.",
+    )
     p.add_argument("--group", default=None, help="one group only (default: every group)")
-    p.add_argument("--since", default=None, help="window start: 10m / 2h ago, ms since the epoch or ISO 8601 "
-                                                 "(default: the stream's first message)")
+    p.add_argument(
+        "--since",
+        default=None,
+        help="window start: 10m / 2h ago, ms since the epoch or ISO 8601 (default: the stream's first message)",
+    )
     p.add_argument("--until", default=None, help="window end, same forms (default: the stream's last message)")
     p.add_argument("--html", default=None, metavar="FILE", help="write the interactive timeline to FILE")
-    p.add_argument("--json", action="store_true",
-                   help="the reconstructed intervals as JSON on stdout, instead of the summary")
-    p.add_argument("-o", "--output", default=None, metavar="FILE",
-                   help="also write the reconstructed intervals as JSON to FILE")
+    p.add_argument(
+        "--json", action="store_true", help="the reconstructed intervals as JSON on stdout, instead of the summary"
+    )
+    p.add_argument(
+        "-o", "--output", default=None, metavar="FILE", help="also write the reconstructed intervals as JSON to FILE"
+    )
     add_nats_flag(p)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for reading the stream")
     p.set_defaults(func=_replay)

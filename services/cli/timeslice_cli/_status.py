@@ -154,8 +154,10 @@ def _queue(rec: GroupRecord, now_ms: int) -> str:
         # Restores go out with the snapshots and run once those on their node ended: snapshot while any is left.
         phase = OpKind.SNAPSHOT if any(op.kind is OpKind.SNAPSHOT for op in sw.ops) else sw.phase
         parts.append(f"{sw.to.job} {_dur(now_ms - sw.to.enqueued_at_ms)} (switching: {phase})")
-    parts += [f"{w.job} {_dur(now_ms - w.enqueued_at_ms)}" + (f" (class {w.priority})" if w.priority else "")
-              for w in rec.queue]  # in the order they asked (classes: docs/scheduling.md)
+    parts += [
+        f"{w.job} {_dur(now_ms - w.enqueued_at_ms)}" + (f" (class {w.priority})" if w.priority else "")
+        for w in rec.queue
+    ]  # in the order they asked (classes: docs/scheduling.md)
     if rec.trailing is not None and rec.queue:  # the next switch starts once the snapshots trailing a grant ended
         parts[0] += f" (after the snapshot of {', '.join(sorted({op.job for op in rec.trailing.ops}))})"
     return ", ".join(parts) or "-"

@@ -39,8 +39,16 @@ __all__ = ["ACCOUNT", "AuthDir", "AuthError", "Issued", "creds_text", "decode_jw
 
 ACCOUNT: Final = "TIMESLICE"
 _HEADER: Final = {"typ": "JWT", "alg": "ed25519-nkey"}
-_UNLIMITED: Final = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": True,
-                     "conn": -1, "leaf": -1}
+_UNLIMITED: Final = {
+    "subs": -1,
+    "data": -1,
+    "payload": -1,
+    "imports": -1,
+    "exports": -1,
+    "wildcards": True,
+    "conn": -1,
+    "leaf": -1,
+}
 _JETSTREAM: Final = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}
 
 
@@ -94,12 +102,18 @@ def _verify_key(key: str, prefix: int) -> VerifyKey:
 
 def creds_text(jwt: str, seed: bytes) -> str:
     """A NATS ``.creds`` file: the user JWT and its seed, as ``nsc`` writes them."""
-    return ("-----BEGIN NATS USER JWT-----\n" f"{jwt}\n" "------END NATS USER JWT------\n\n"
-            "************************* IMPORTANT *************************\n"
-            "NKEY Seed printed below can be used to sign and prove identity.\n"
-            "NKEYs are sensitive and should be treated as secrets.\n\n"
-            "-----BEGIN USER NKEY SEED-----\n" f"{seed.decode()}\n" "------END USER NKEY SEED------\n\n"
-            "*************************************************************\n")
+    return (
+        "-----BEGIN NATS USER JWT-----\n"
+        f"{jwt}\n"
+        "------END NATS USER JWT------\n\n"
+        "************************* IMPORTANT *************************\n"
+        "NKEY Seed printed below can be used to sign and prove identity.\n"
+        "NKEYs are sensitive and should be treated as secrets.\n\n"
+        "-----BEGIN USER NKEY SEED-----\n"
+        f"{seed.decode()}\n"
+        "------END USER NKEY SEED------\n\n"
+        "*************************************************************\n"
+    )
 
 
 def write_private(path: Path, text: str) -> None:
@@ -170,14 +184,20 @@ class AuthDir:
         if present:
             if len(present) != len(_KEYS):
                 missing = [f"{k}.nk" for k in _KEYS if k not in present]
-                raise AuthError(f"auth dir {d} is incomplete (missing {', '.join(missing)}); restore it from a "
-                                "backup, or move it away and run `timeslice auth init` again (every credential "
-                                "issued from it must then be issued again)", path=d)
+                raise AuthError(
+                    f"auth dir {d} is incomplete (missing {', '.join(missing)}); restore it from a "
+                    "backup, or move it away and run `timeslice auth init` again (every credential "
+                    "issued from it must then be issued again)",
+                    path=d,
+                )
             return cls.load(d), False
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(d, 0o700)
-        seeds = {"operator": nkeys.PREFIX_BYTE_OPERATOR, "sys": nkeys.PREFIX_BYTE_ACCOUNT,
-                 "account": nkeys.PREFIX_BYTE_ACCOUNT}
+        seeds = {
+            "operator": nkeys.PREFIX_BYTE_OPERATOR,
+            "sys": nkeys.PREFIX_BYTE_ACCOUNT,
+            "account": nkeys.PREFIX_BYTE_ACCOUNT,
+        }
         for name, prefix in seeds.items():
             write_private(d / f"{name}.nk", nkeys.encode_seed(os.urandom(32), prefix).decode() + "\n")
         auth = cls.load(d)
@@ -193,11 +213,15 @@ class AuthDir:
             try:
                 pairs.append(nkeys.from_seed(bytearray((d / f"{name}.nk").read_bytes().strip())))
             except FileNotFoundError:
-                raise AuthError(f"no auth dir at {d} ({name}.nk is missing): run `timeslice auth init --dir {d}` "
-                                "first, or give --dir / $TIMESLICE_AUTH_DIR", path=d) from None
+                raise AuthError(
+                    f"no auth dir at {d} ({name}.nk is missing): run `timeslice auth init --dir {d}` "
+                    "first, or give --dir / $TIMESLICE_AUTH_DIR",
+                    path=d,
+                ) from None
             except Exception as exc:
-                raise AuthError(f"{d / (name + '.nk')} is not an nkey seed ({exc.__class__.__name__})",
-                                path=d) from None
+                raise AuthError(
+                    f"{d / (name + '.nk')} is not an nkey seed ({exc.__class__.__name__})", path=d
+                ) from None
         return cls(d, *pairs)
 
     # ------------------------------------------------------------------ account, operator, server config
@@ -215,8 +239,10 @@ class AuthDir:
         try:
             _public_key_bytes(user_key, nkeys.PREFIX_BYTE_USER)
         except ValueError:
-            raise AuthError(f"{user_key!r} is not a NATS user key (56 characters starting with U; `timeslice auth` "
-                            "prints it when it issues a credential, and issued.jsonl lists them)") from None
+            raise AuthError(
+                f"{user_key!r} is not a NATS user key (56 characters starting with U; `timeslice auth` "
+                "prints it when it issues a credential, and issued.jsonl lists them)"
+            ) from None
         revs = self.revocations()
         stamp = int(time.time()) if at is None else at
         revs[user_key] = max(stamp, revs.get(user_key, 0))
@@ -230,15 +256,24 @@ class AuthDir:
             token = path.read_text().strip()
             if decode_jwt(token).get("sub") == self._operator.public_key.decode():
                 return token  # stable: a server reload keeps the same operator
-        token = encode_jwt({"sub": self._operator.public_key.decode(), "name": "timeslice",
-                            "nats": {"system_account": self._sys.public_key.decode(), "type": "operator",
-                                     "version": 2}}, self._operator)
+        token = encode_jwt(
+            {
+                "sub": self._operator.public_key.decode(),
+                "name": "timeslice",
+                "nats": {"system_account": self._sys.public_key.decode(), "type": "operator", "version": 2},
+            },
+            self._operator,
+        )
         write_private(path, token + "\n")
         return token
 
     def _account_jwt(self, name: str, pair: nkeys.KeyPair, *, jetstream: bool) -> str:
-        nats: dict[str, Any] = {"limits": {**_UNLIMITED, **(_JETSTREAM if jetstream else {})},
-                                "default_permissions": {"pub": {}, "sub": {}}, "type": "account", "version": 2}
+        nats: dict[str, Any] = {
+            "limits": {**_UNLIMITED, **(_JETSTREAM if jetstream else {})},
+            "default_permissions": {"pub": {}, "sub": {}},
+            "type": "account",
+            "version": 2,
+        }
         if jetstream and (revs := self.revocations()):
             nats["revocations"] = revs
         return encode_jwt({"sub": pair.public_key.decode(), "name": name, "nats": nats}, self._operator)
@@ -253,16 +288,18 @@ class AuthDir:
         write_private(self.path / "account.jwt", acc_jwt + "\n")
         write_private(self.path / "account.pub", self.account_key + "\n")
         sys_key = self._sys.public_key.decode()
-        return ("# written by `timeslice auth`: the operator, its accounts and their revocations. Load it with\n"
-                "# `include nats-auth.conf` (or `nats-server -c` it); after a revocation rewrite it\n"
-                "# (`timeslice auth server-config`) and reload the servers (`nats-server --signal reload`).\n"
-                f"operator: {op}\n"
-                f"system_account: {sys_key}\n"
-                "resolver: MEMORY\n"
-                "resolver_preload: {\n"
-                f"  {sys_key}: {sys_jwt}\n"
-                f"  {self.account_key}: {acc_jwt}\n"
-                "}\n")
+        return (
+            "# written by `timeslice auth`: the operator, its accounts and their revocations. Load it with\n"
+            "# `include nats-auth.conf` (or `nats-server -c` it); after a revocation rewrite it\n"
+            "# (`timeslice auth server-config`) and reload the servers (`nats-server --signal reload`).\n"
+            f"operator: {op}\n"
+            f"system_account: {sys_key}\n"
+            "resolver: MEMORY\n"
+            "resolver_preload: {\n"
+            f"  {sys_key}: {sys_jwt}\n"
+            f"  {self.account_key}: {acc_jwt}\n"
+            "}\n"
+        )
 
     def write_server_config(self, out: Path | None = None) -> Path:
         target = out or self.path / "nats-auth.conf"
@@ -271,8 +308,9 @@ class AuthDir:
 
     # ------------------------------------------------------------------ users
 
-    def issue(self, role: str, ident: str | None = None, *, groups: Iterable[str] = (),
-              ttl_s: int | None = None) -> Issued:
+    def issue(
+        self, role: str, ident: str | None = None, *, groups: Iterable[str] = (), ttl_s: int | None = None
+    ) -> Issued:
         """A user credential for ``role`` (see ``_auth_perms``), signed by the account key."""
         if role not in ROLES:
             raise AuthError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
@@ -291,9 +329,11 @@ class AuthDir:
             tags.append(f"timeslice-node:{ident}")
         tags += [f"timeslice-group:{g}" for g in gs]
         now = int(time.time())
-        claims: dict[str, Any] = {"sub": user_key, "name": name,
-                                  "nats": {**perms, "subs": -1, "data": -1, "payload": -1, "tags": tags,
-                                           "type": "user", "version": 2}}
+        claims: dict[str, Any] = {
+            "sub": user_key,
+            "name": name,
+            "nats": {**perms, "subs": -1, "data": -1, "payload": -1, "tags": tags, "type": "user", "version": 2},
+        }
         expires = now + ttl_s if ttl_s else None
         if expires is not None:
             claims["exp"] = expires

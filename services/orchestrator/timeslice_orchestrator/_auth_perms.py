@@ -54,8 +54,12 @@ def _read_api(*, consumers: bool) -> list[str]:
     their flow control (``timeslice status --watch``, ``events``, ``replay``, ``check``, KV watchers)."""
     out = ["$JS.API.INFO"]
     for stream in (STREAM, *(f"KV_{b}" for b in _BUCKETS)):
-        out += [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}",
-                f"$JS.API.DIRECT.GET.{stream}.>"]
+        out += [
+            f"$JS.API.STREAM.INFO.{stream}",
+            f"$JS.API.STREAM.MSG.GET.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}.>",
+        ]
         if consumers:
             # and looking up its own consumer (KV watchers, `timeslice events`; see _DENY_READERS)
             out += [f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.INFO.{stream}.*", f"$JS.FC.{stream}.>"]
@@ -74,12 +78,17 @@ def _job(job: str, groups: Sequence[str]) -> tuple[list[str], list[str]]:
 def _agent(node: str) -> tuple[list[str], list[str]]:
     durable = f"agent-{node}"
     pub = [
-        f"ts.v1.agent.{node}.evt.*", f"ts.v1.agent.{node}.op", "ts.v1.ctl.*.clear_fault",
+        f"ts.v1.agent.{node}.evt.*",
+        f"ts.v1.agent.{node}.op",
+        "ts.v1.ctl.*.clear_fault",
         f"ts.rpc.workload.{node}.*",
-        f"$KV.{AGENTS_BUCKET}.{node}", f"$KV.{JOBS_BUCKET}.{node}.*",
+        f"$KV.{AGENTS_BUCKET}.{node}",
+        f"$KV.{JOBS_BUCKET}.{node}.*",
         # its durable command consumer: (re)created, looked up, deleted, acknowledged, by name only
-        f"$JS.API.CONSUMER.DURABLE.CREATE.{STREAM}.{durable}", f"$JS.API.CONSUMER.CREATE.{STREAM}.{durable}.>",
-        f"$JS.API.CONSUMER.INFO.{STREAM}.{durable}", f"$JS.API.CONSUMER.DELETE.{STREAM}.{durable}",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{STREAM}.{durable}",
+        f"$JS.API.CONSUMER.CREATE.{STREAM}.{durable}.>",
+        f"$JS.API.CONSUMER.INFO.{STREAM}.{durable}",
+        f"$JS.API.CONSUMER.DELETE.{STREAM}.{durable}",
         f"$JS.ACK.{STREAM}.{durable}.>",
     ]
     sub = [f"ts.rpc.agent.{node}.>"]
@@ -122,8 +131,16 @@ def permissions(role: str, ident: str | None = None, groups: Iterable[str] = ())
     elif role == "reader":
         pub, sub, resp = [*_READER_PUB, *_read_api(consumers=True)], [], False
     elif role == "local":
-        pub = ["ts.v1.job.>", "ts.rpc.agent.*.register", "ts.rpc.agent.*.unregister", "ts.rpc.agent.*.register.*",
-               "ts.rpc.agent.*.unregister.*", *_ADMIN_PUB, *_READER_PUB, *_read_api(consumers=True)]
+        pub = [
+            "ts.v1.job.>",
+            "ts.rpc.agent.*.register",
+            "ts.rpc.agent.*.unregister",
+            "ts.rpc.agent.*.register.*",
+            "ts.rpc.agent.*.unregister.*",
+            *_ADMIN_PUB,
+            *_READER_PUB,
+            *_read_api(consumers=True),
+        ]
         sub = ["ts.v1.notice.>", "ts.rpc.workload.>"]
     else:
         raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")

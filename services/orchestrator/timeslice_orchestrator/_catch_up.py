@@ -33,8 +33,15 @@ __all__ = ["ack_floor", "api_error", "bind_durable", "catch_up", "failure", "fil
 log = logging.getLogger("timeslice.orchestrator")
 
 
-async def catch_up(js: JetStreamContext, floor: int, on_input: Callable[[Msg], Awaitable[None]],
-                   stop: asyncio.Event, *, idle_s: float, pending_limit: int) -> int:
+async def catch_up(
+    js: JetStreamContext,
+    floor: int,
+    on_input: Callable[[Msg], Awaitable[None]],
+    stop: asyncio.Event,
+    *,
+    idle_s: float,
+    pending_limit: int,
+) -> int:
     """Pass every input stored after ``floor``, up to the stream's end when called, to ``on_input``, in order;
     returns the last sequence read. Raises ``ServiceFailed`` when nothing arrives for ``idle_s``; returns
     early once ``stop`` is set."""
@@ -63,10 +70,14 @@ async def catch_up(js: JetStreamContext, floor: int, on_input: Callable[[Msg], A
             done.set()
 
     t0 = time.perf_counter()
-    sub = await js.subscribe(subjects.all_events, stream=STREAM, cb=on_msg, ordered_consumer=True,
-                             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                                                   opt_start_seq=floor + 1),
-                             pending_msgs_limit=pending_limit)
+    sub = await js.subscribe(
+        subjects.all_events,
+        stream=STREAM,
+        cb=on_msg,
+        ordered_consumer=True,
+        config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=floor + 1),
+        pending_msgs_limit=pending_limit,
+    )
     try:
         while not done.is_set() and not stop.is_set():
             progress.clear()
@@ -85,8 +96,16 @@ async def catch_up(js: JetStreamContext, floor: int, on_input: Callable[[Msg], A
     return last
 
 
-async def bind_durable(js: JetStreamContext, nc: NATS, durable: str, after: int, cb: Callable[[Msg], Awaitable[None]],
-                       *, ack_wait_s: float, max_ack_pending: int) -> Any:
+async def bind_durable(
+    js: JetStreamContext,
+    nc: NATS,
+    durable: str,
+    after: int,
+    cb: Callable[[Msg], Awaitable[None]],
+    *,
+    ack_wait_s: float,
+    max_ack_pending: int,
+) -> Any:
     """(Re)create the orchestrator's durable push consumer at stream sequence ``after + 1`` (everything up to
     ``after`` is acknowledged) delivering to ``cb``; returns the subscription."""
     with contextlib.suppress(NotFoundError):
@@ -120,8 +139,15 @@ async def ack_floor(js: JetStreamContext, durable: str) -> int:
     return info.ack_floor.stream_seq if info.ack_floor and info.ack_floor.stream_seq else 0
 
 
-async def fill_gap(js: JetStreamContext, nc: NATS, after: int, before: int, on_input: Callable[[Msg], Awaitable[None]],
-                   *, max_span: int = 256) -> bool:
+async def fill_gap(
+    js: JetStreamContext,
+    nc: NATS,
+    after: int,
+    before: int,
+    on_input: Callable[[Msg], Awaitable[None]],
+    *,
+    max_span: int = 256,
+) -> bool:
     """Pass the inputs stored between stream sequences ``after`` and ``before`` (both excluded) to ``on_input``, in
     order, read one by one from the stream: the deliveries a clustered consumer lost in flight when its leader
     failed over (the durable redelivers them after its ack wait; applied already by then, they are only
@@ -137,18 +163,21 @@ async def fill_gap(js: JetStreamContext, nc: NATS, after: int, before: int, on_i
         except NotFoundError:
             continue  # removed by the stream's limits: nothing to apply
         except Exception as exc:
-            log.warning("stream sequence %d could not be read to fill a gap of deliveries: %r%s", seq, exc,
-                        api_error(exc))
+            log.warning(
+                "stream sequence %d could not be read to fill a gap of deliveries: %r%s", seq, exc, api_error(exc)
+            )
             return False
         if raw.subject is None or raw.time is None or not is_input(raw.subject):
             continue
         ts_ns = (raw.time - _EPOCH) // datetime.timedelta(microseconds=1) * 1000
-        found.append(Msg(nc, subject=raw.subject, reply=f"$JS.ACK.{STREAM}.gap.1.{seq}.0.{ts_ns}.0",
-                         data=raw.data or b""))
+        found.append(
+            Msg(nc, subject=raw.subject, reply=f"$JS.ACK.{STREAM}.gap.1.{seq}.0.{ts_ns}.0", data=raw.data or b"")
+        )
     for msg in found:
         await on_input(msg)
-    log.info("filled a gap of deliveries from the stream: %d inputs between sequences %d and %d", len(found),
-             after, before)
+    log.info(
+        "filled a gap of deliveries from the stream: %d inputs between sequences %d and %d", len(found), after, before
+    )
     return True
 
 

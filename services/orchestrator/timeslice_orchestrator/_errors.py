@@ -60,8 +60,10 @@ class NotLeader(LeadershipError):
     """A fenced write was refused: this instance does not hold the lease (any more)."""
 
     def __init__(self, instance: str, term: int | None, reason: str) -> None:
-        super().__init__(f"instance {instance} is not the leader (term {term}): {reason}; "
-                         "stop publishing decisions and wait for the next election")
+        super().__init__(
+            f"instance {instance} is not the leader (term {term}): {reason}; "
+            "stop publishing decisions and wait for the next election"
+        )
         self.instance = instance
         self.term = term
         self.reason = reason
@@ -71,8 +73,10 @@ class LeaderWaitTimeout(LeadershipError, TimeoutError):
     """``wait_leader`` gave up."""
 
     def __init__(self, instance: str, timeout: float, holder: str | None) -> None:
-        super().__init__(f"instance {instance} did not become leader within {timeout} s "
-                         f"(current holder: {holder or 'none'}); another instance may hold the lease")
+        super().__init__(
+            f"instance {instance} did not become leader within {timeout} s "
+            f"(current holder: {holder or 'none'}); another instance may hold the lease"
+        )
         self.instance = instance
         self.timeout = timeout
         self.holder = holder

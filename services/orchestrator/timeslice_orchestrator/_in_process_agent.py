@@ -49,8 +49,9 @@ class AgentBeside:
     def __init__(self, node_id: str | None, nats_url: str | None, registry: CollectorRegistry) -> None:
         from timeslice_agent import AgentConfig, AgentMetrics
 
-        self.config = AgentConfig(nats_url=nats_url) if node_id is None else AgentConfig(node_id=node_id,
-                                                                                         nats_url=nats_url)
+        self.config = (
+            AgentConfig(nats_url=nats_url) if node_id is None else AgentConfig(node_id=node_id, nats_url=nats_url)
+        )
         self.node: str = self.config.node_id
         self.metrics = AgentMetrics(registry)
 

@@ -45,8 +45,19 @@ from nats.js.errors import APIError, NotFoundError
 
 from ._errors import LeadershipError, LeaderWaitTimeout, NotLeader
 
-__all__ = ["LEADER_BUCKET", "LEADER_KEY", "LeaderRecord", "LeaderWaitTimeout", "Leadership", "LeadershipChange",
-           "LeadershipError", "NotLeader", "ensure_leader_bucket", "holder_pid", "read_leader"]
+__all__ = [
+    "LEADER_BUCKET",
+    "LEADER_KEY",
+    "LeaderRecord",
+    "LeaderWaitTimeout",
+    "Leadership",
+    "LeadershipChange",
+    "LeadershipError",
+    "NotLeader",
+    "ensure_leader_bucket",
+    "holder_pid",
+    "read_leader",
+]
 
 log = logging.getLogger("timeslice.orchestrator.leadership")
 
@@ -114,7 +125,8 @@ def _seen_from(rev: int, headers: dict[str, str] | None, data: bytes | None) -> 
     except msgspec.DecodeError as exc:
         # Not ours to judge: someone wrote the key. Treat it as held (safe) until it goes away.
         log.error(  # noqa: TRY400 - the value, not a traceback, explains it
-            "undecodable leader record at revision %d (%s): %r", rev, exc, data[:200])
+            "undecodable leader record at revision %d (%s): %r", rev, exc, data[:200]
+        )
         record = LeaderRecord(holder="<undecodable>", term=0, since_ms=0)
     return _Seen(rev, record, _parse_ttl(h.get(Header.MSG_TTL.value)), _clock())
 
@@ -132,21 +144,38 @@ async def ensure_leader_bucket(js: JetStreamContext, *, replicas: int = 1, timeo
             info = await js.stream_info(_STREAM)
         except NotFoundError:
             try:
-                await js.create_key_value(KeyValueConfig(
-                    bucket=LEADER_BUCKET, history=1, replicas=replicas, storage=StorageType.FILE, direct=True,
-                    limit_marker_ttl=1, description="timeslice orchestrator leader lease"))
+                await js.create_key_value(
+                    KeyValueConfig(
+                        bucket=LEADER_BUCKET,
+                        history=1,
+                        replicas=replicas,
+                        storage=StorageType.FILE,
+                        direct=True,
+                        limit_marker_ttl=1,
+                        description="timeslice orchestrator leader lease",
+                    )
+                )
             except APIError as exc:  # created by another instance at the same moment (10058)
                 log.debug("leader bucket creation raced: %r", exc)
             info = await js.stream_info(_STREAM)
     if not info.config.allow_msg_ttl:
-        raise LeadershipError(f"the KV bucket {LEADER_BUCKET!r} exists without per-message TTLs (allow_msg_ttl); "
-                              f"delete it (`nats kv del {LEADER_BUCKET}`) while no orchestrator runs, then restart")
+        raise LeadershipError(
+            f"the KV bucket {LEADER_BUCKET!r} exists without per-message TTLs (allow_msg_ttl); "
+            f"delete it (`nats kv del {LEADER_BUCKET}`) while no orchestrator runs, then restart"
+        )
     if info.config.num_replicas != replicas:
-        log.warning("the KV bucket %r has %s replicas, not the %d asked for: it is used as it is",
-                    LEADER_BUCKET, info.config.num_replicas, replicas)
+        log.warning(
+            "the KV bucket %r has %s replicas, not the %d asked for: it is used as it is",
+            LEADER_BUCKET,
+            info.config.num_replicas,
+            replicas,
+        )
     if not info.config.subject_delete_marker_ttl:
-        log.warning("the KV bucket %r has no TTL markers (limit_marker_ttl): standbys notice a dead leader "
-                    "only by re-reading after the TTL", LEADER_BUCKET)
+        log.warning(
+            "the KV bucket %r has no TTL markers (limit_marker_ttl): standbys notice a dead leader "
+            "only by re-reading after the TTL",
+            LEADER_BUCKET,
+        )
 
 
 async def _read(js: JetStreamContext, timeout: float) -> _Seen:
@@ -210,8 +239,10 @@ class Leadership:
         if not 0 < margin_s < ttl_s:
             raise LeadershipError(f"margin_s={margin_s} must be in (0, ttl_s={ttl_s})")
         if not 0 < renew_s < ttl_s - margin_s:
-            raise LeadershipError(f"renew_s={renew_s} must be in (0, ttl_s - margin_s = {ttl_s - margin_s}): "
-                                  "the lease would lapse between renewals")
+            raise LeadershipError(
+                f"renew_s={renew_s} must be in (0, ttl_s - margin_s = {ttl_s - margin_s}): "
+                "the lease would lapse between renewals"
+            )
         self._js = js
         self.instance_id = instance_id or default_instance_id()
         self.label = label
@@ -239,7 +270,6 @@ class Leadership:
         self._retired = False
         self._running = False
 
-
     def is_leader(self) -> bool:
         """True only while this instance holds the lease and its validity window has not passed."""
         return self._leading and _clock() < self._valid_until
@@ -263,7 +293,6 @@ class Leadership:
                 self._metrics(name, value)
             except Exception:
                 log.exception("leadership metrics hook failed", extra=self._extra())
-
 
     def _become_leader(self, term: int, rev: int, sent: float, record: LeaderRecord, gone_at: float | None) -> None:
         self._leading = True
@@ -290,8 +319,12 @@ class Leadership:
         self._valid_until = 0.0
         self._unconfirmed_since = None
         self._pulse()
-        log.log(logging.INFO if reason in ("resigned", "stopped") else logging.WARNING, "lost leadership: %s", reason,
-                extra=self._extra())
+        log.log(
+            logging.INFO if reason in ("resigned", "stopped") else logging.WARNING,
+            "lost leadership: %s",
+            reason,
+            extra=self._extra(),
+        )
         self._metric("lost", term)
         self._notify(False, term, reason)
 
@@ -324,10 +357,11 @@ class Leadership:
         if self._leading and (seen.rev > self._rev or seen.rev == 0):
             r = seen.record
             if r is None or r.holder != self.instance_id or r.term != self._term:
-                self._step_down(f"the key changed under us at revision {seen.rev}: "
-                                f"{'gone' if r is None else f'held by {r.holder} term {r.term}'}")
+                self._step_down(
+                    f"the key changed under us at revision {seen.rev}: "
+                    f"{'gone' if r is None else f'held by {r.holder} term {r.term}'}"
+                )
         self._wake.set()
-
 
     def _record(self) -> LeaderRecord:
         assert self._term is not None
@@ -349,9 +383,11 @@ class Leadership:
                 return
             term = last_seq + 1
             record = LeaderRecord(self.instance_id, term, int(time.time() * 1000), self.label)
-            headers = {Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(seen.rev),
-                       Header.EXPECTED_LAST_SEQUENCE.value: str(last_seq),
-                       Header.MSG_TTL.value: f"{self.ttl_s}s"}
+            headers = {
+                Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(seen.rev),
+                Header.EXPECTED_LAST_SEQUENCE.value: str(last_seq),
+                Header.MSG_TTL.value: f"{self.ttl_s}s",
+            }
             gone_at = self._gone_at  # (the watch may show our record before the answer comes)
             sent = _clock()
             try:
@@ -370,8 +406,10 @@ class Leadership:
                     self._observe(seen)
                     return
             if rev != term:  # pragma: no cover - the expected-last-sequence header makes this impossible
-                raise LeadershipError(f"campaign write landed at revision {rev}, expected {term}: "
-                                      "the server ignored Nats-Expected-Last-Sequence; upgrade nats-server")
+                raise LeadershipError(
+                    f"campaign write landed at revision {rev}, expected {term}: "
+                    "the server ignored Nats-Expected-Last-Sequence; upgrade nats-server"
+                )
             self._become_leader(term, rev, sent, record, gone_at)
 
     async def _renew(self) -> None:
@@ -384,8 +422,10 @@ class Leadership:
             if self._unconfirmed_since is None:
                 self._unconfirmed_since = sent
             self._last_sent = sent
-            headers = {Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(self._rev),
-                       Header.MSG_TTL.value: f"{self.ttl_s}s"}
+            headers = {
+                Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(self._rev),
+                Header.MSG_TTL.value: f"{self.ttl_s}s",
+            }
             try:
                 rev = await self._publish(msgspec.json.encode(self._record()), headers)
             except APIError as exc:
@@ -412,8 +452,9 @@ class Leadership:
         try:
             seen = await _read(self._js, self.op_timeout_s)
         except (TimeoutError, nats.errors.Error) as exc:
-            log.warning("leader key unreadable after a renewal (%s): %r", refused or "unanswered", exc,
-                        extra=self._extra())
+            log.warning(
+                "leader key unreadable after a renewal (%s): %r", refused or "unanswered", exc, extra=self._extra()
+            )
             if refused:
                 self._step_down(refused)
             return  # unanswered: the window runs out unless a later renewal succeeds
@@ -447,8 +488,11 @@ class Leadership:
                 return False
             rev, term = self._rev, self._term
             self._step_down("resigned")  # believe it before telling anyone
-            headers = {"KV-Operation": "PURGE", Header.ROLLUP.value: "sub",
-                       Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(rev)}
+            headers = {
+                "KV-Operation": "PURGE",
+                Header.ROLLUP.value: "sub",
+                Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(rev),
+            }
             try:
                 await self._publish(b"", headers)
             except APIError as exc:
@@ -458,7 +502,6 @@ class Leadership:
                 return False
             log.info("resigned", extra={"term": term, "instance": self.instance_id})
             return True
-
 
     async def wait_leader(self, timeout: float) -> int:
         """Wait until this instance leads; its term. ``LeaderWaitTimeout`` after ``timeout`` s."""
@@ -489,7 +532,6 @@ class Leadership:
             async with asyncio.timeout(left):
                 await self._wake.wait()
 
-
     async def _on_msg(self, msg: Any) -> None:
         self._observe(_seen_from(msg.metadata.sequence.stream, msg.headers, msg.data))
 
@@ -500,8 +542,14 @@ class Leadership:
         self._running = True
         try:
             await ensure_leader_bucket(self._js, replicas=self.replicas)
-            sub = await self._js.subscribe(_SUBJECT, stream=_STREAM, cb=self._on_msg, ordered_consumer=True,
-                                           deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, inactive_threshold=60.0)
+            sub = await self._js.subscribe(
+                _SUBJECT,
+                stream=_STREAM,
+                cb=self._on_msg,
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                inactive_threshold=60.0,
+            )
         except BaseException:
             self._running = False
             raise
@@ -528,11 +576,13 @@ class Leadership:
                     self._step_down("the leader bucket was deleted")
                     raise LeadershipError(
                         f"the KV bucket {LEADER_BUCKET!r} was deleted while running: terms would restart from 1. "
-                        "Stop every orchestrator, then start them again") from exc
+                        "Stop every orchestrator, then start them again"
+                    ) from exc
         except nats.errors.ConnectionClosedError as exc:
             self._step_down("the NATS connection closed")
-            raise LeadershipError(f"instance {self.instance_id}: the NATS connection closed; "
-                                  "Leadership.run() needs an open connection") from exc
+            raise LeadershipError(
+                f"instance {self.instance_id}: the NATS connection closed; Leadership.run() needs an open connection"
+            ) from exc
         finally:
             stopper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -541,8 +591,9 @@ class Leadership:
                 try:
                     await self.resign(timeout=self.op_timeout_s * 2)
                 except (TimeoutError, nats.errors.Error) as exc:
-                    log.warning("resign on stop failed: %r (the lease expires in %d s)", exc, self.ttl_s,
-                                extra=self._extra())
+                    log.warning(
+                        "resign on stop failed: %r (the lease expires in %d s)", exc, self.ttl_s, extra=self._extra()
+                    )
             self._step_down("stopped")
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.op_timeout_s):

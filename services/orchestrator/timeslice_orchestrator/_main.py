@@ -56,13 +56,16 @@ async def run_orchestrator(args: argparse.Namespace) -> int:
     from .metrics import OrchestratorMetrics
     from .service import Orchestrator, OrchestratorConfig
 
-    cfg = replicated(OrchestratorConfig(nats_url=args.nats_url) if args.nats_url else OrchestratorConfig(),
-                     args.replicas)
+    cfg = replicated(
+        OrchestratorConfig(nats_url=args.nats_url) if args.nats_url else OrchestratorConfig(), args.replicas
+    )
     beside = AgentBeside(args.with_agent, cfg.nats_url, metrics_registry()) if args.with_agent else None
     orch = Orchestrator(cfg, metrics=OrchestratorMetrics(metrics_registry()), local_agent=beside)
     install_stop(orch.shutdown)
-    async with serve_metrics(orch.metrics.registry, args.metrics_port, args.metrics_host), \
-            beside_metrics(beside, args.agent_metrics_port, args.metrics_host):
+    async with (
+        serve_metrics(orch.metrics.registry, args.metrics_port, args.metrics_host),
+        beside_metrics(beside, args.agent_metrics_port, args.metrics_host),
+    ):
         if grpc_wanted(args):
             # imported only when asked for: without --grpc-port the orchestrator needs no gRPC packages
             from . import grpc_shim
@@ -73,8 +76,9 @@ async def run_orchestrator(args: argparse.Namespace) -> int:
     return 0
 
 
-def beside_metrics(beside: AgentBeside | None, port: int,
-                   host: str) -> contextlib.AbstractAsyncContextManager[MetricsEndpoint | None]:
+def beside_metrics(
+    beside: AgentBeside | None, port: int, host: str
+) -> contextlib.AbstractAsyncContextManager[MetricsEndpoint | None]:
     """The in-process agent's metrics endpoint; nothing without one (an agent process serves its own)."""
     if beside is None:
         return contextlib.nullcontext(None)
@@ -117,45 +121,77 @@ def _replicas(text: str) -> int:
 def add_grpc_flags(parser: argparse.ArgumentParser, default_port: int | None) -> None:
     """The gRPC API's flags (read by ``grpc_shim.from_args``)."""
     off = "off unless given" if default_port is None else f"default {default_port}"
-    parser.add_argument("--grpc-port", type=int, default=default_port,
-                        help=f"serve the gRPC API on this port ({off}; 0: any free port; -1: off)")
-    parser.add_argument("--grpc-host", default=None,
-                        help="address the gRPC API listens on (default 127.0.0.1; `up`: its --host); without TLS "
-                             "only loopback addresses serve, unless --grpc-insecure")
+    parser.add_argument(
+        "--grpc-port",
+        type=int,
+        default=default_port,
+        help=f"serve the gRPC API on this port ({off}; 0: any free port; -1: off)",
+    )
+    parser.add_argument(
+        "--grpc-host",
+        default=None,
+        help="address the gRPC API listens on (default 127.0.0.1; `up`: its --host); without TLS "
+        "only loopback addresses serve, unless --grpc-insecure",
+    )
     parser.add_argument("--grpc-tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
     parser.add_argument("--grpc-tls-key", default=None, help="PEM private key of --grpc-tls-cert")
-    parser.add_argument("--grpc-tls-client-ca", default=None,
-                        help="PEM CA certificate: mutual TLS, clients must present a certificate it signed")
+    parser.add_argument(
+        "--grpc-tls-client-ca",
+        default=None,
+        help="PEM CA certificate: mutual TLS, clients must present a certificate it signed",
+    )
     from timeslice_client._internal.grpc_server.auth_config import add_auth_flags as add_grpc_auth_flags
 
     add_grpc_auth_flags(parser, health=True)  # who may call it (docs/security.md ("Identities on the gRPC APIs"))
 
 
 def add_replicas_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replicas", type=_replicas, default=None, metavar="N",
-                        help="copies of the stream and buckets on a NATS cluster, 1..5, when they are created "
-                             "(default: $TIMESLICE_BUS's, else 1); an existing one with another count is kept, "
-                             "with a warning (docs/cluster.md)")
+    parser.add_argument(
+        "--replicas",
+        type=_replicas,
+        default=None,
+        metavar="N",
+        help="copies of the stream and buckets on a NATS cluster, 1..5, when they are created "
+        "(default: $TIMESLICE_BUS's, else 1); an existing one with another count is kept, "
+        "with a warning (docs/cluster.md)",
+    )
 
 
 def add_orchestrator_flags(orch: argparse.ArgumentParser) -> None:
     """The flags of the orchestrator service (``timeslice orchestrator`` serves the same)."""
-    orch.add_argument("--nats-url", type=nats_url_arg, default=None,
-                      help="NATS server(s), comma-separated, e.g. nats://a:4222,nats://b:4222,nats://c:4222 "
-                           "(default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)")
+    orch.add_argument(
+        "--nats-url",
+        type=nats_url_arg,
+        default=None,
+        help="NATS server(s), comma-separated, e.g. nats://a:4222,nats://b:4222,nats://c:4222 "
+        "(default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)",
+    )
     add_replicas_flag(orch)
     add_grpc_flags(orch, default_port=None)
-    orch.add_argument("--metrics-port", type=int, default=-1,
-                      help="serve Prometheus metrics at /metrics on this port (0: any free port; default -1: off)")
-    orch.add_argument("--metrics-host", default="127.0.0.1",
-                      help="address the metrics endpoint listens on (default 127.0.0.1: this host only; 0.0.0.0: "
-                           "every interface)")
-    orch.add_argument("--with-agent", metavar="NODE_ID", default=None,
-                      help="also run this node's snapshot agent in this process, on the orchestrator's connection "
-                           "(its commands skip a bus hop; as `timeslice up` runs it)")
-    orch.add_argument("--agent-metrics-port", type=int, default=-1,
-                      help="with --with-agent: serve the agent's metrics on this port at --metrics-host (default -1: "
-                           "off)")
+    orch.add_argument(
+        "--metrics-port",
+        type=int,
+        default=-1,
+        help="serve Prometheus metrics at /metrics on this port (0: any free port; default -1: off)",
+    )
+    orch.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics endpoint listens on (default 127.0.0.1: this host only; 0.0.0.0: every interface)",
+    )
+    orch.add_argument(
+        "--with-agent",
+        metavar="NODE_ID",
+        default=None,
+        help="also run this node's snapshot agent in this process, on the orchestrator's connection "
+        "(its commands skip a bus hop; as `timeslice up` runs it)",
+    )
+    orch.add_argument(
+        "--agent-metrics-port",
+        type=int,
+        default=-1,
+        help="with --with-agent: serve the agent's metrics on this port at --metrics-host (default -1: off)",
+    )
     add_auth_flags(orch)
 
 
@@ -165,15 +201,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "orchestrator":
-        print("python -m timeslice_orchestrator runs the orchestrator service only: `python -m timeslice_orchestrator "
-              "orchestrator --nats-url URL`; every other command is `timeslice ...` (python -m timeslice_cli)",
-              file=sys.stderr)
+        print(
+            "python -m timeslice_orchestrator runs the orchestrator service only: `python -m timeslice_orchestrator "
+            "orchestrator --nats-url URL`; every other command is `timeslice ...` (python -m timeslice_cli)",
+            file=sys.stderr,
+        )
         return 2
-    parser = argparse.ArgumentParser(prog="python -m timeslice_orchestrator orchestrator",
-                                     description="the timeslice orchestrator against a NATS server or cluster")
-    parser.add_argument("--log-level", default=os.environ.get("TIMESLICE_LOG_LEVEL", "info"),
-                        choices=("debug", "info", "warning", "error", "critical"), type=str.lower,
-                        help="log threshold (default $TIMESLICE_LOG_LEVEL, else info)")
+    parser = argparse.ArgumentParser(
+        prog="python -m timeslice_orchestrator orchestrator",
+        description="the timeslice orchestrator against a NATS server or cluster",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("TIMESLICE_LOG_LEVEL", "info"),
+        choices=("debug", "info", "warning", "error", "critical"),
+        type=str.lower,
+        help="log threshold (default $TIMESLICE_LOG_LEVEL, else info)",
+    )
     add_orchestrator_flags(parser)
     args = parser.parse_args(argv[1:])
     setup_logging(args.log_level)

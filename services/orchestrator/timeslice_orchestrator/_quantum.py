@@ -31,8 +31,16 @@ def ask_to_yield(w: Work) -> None:
         return
     w.yield_asked_epoch = h.epoch
     w.touch("holder asked to yield (quantum)")
-    w.notify(YieldRequested(group=w.group, job=h.job, epoch=h.epoch, held_ms=w.now - h.granted_at_ms,
-                            quantum_ms=w.quantum_ms, waiters=waiting))
+    w.notify(
+        YieldRequested(
+            group=w.group,
+            job=h.job,
+            epoch=h.epoch,
+            held_ms=w.now - h.granted_at_ms,
+            quantum_ms=w.quantum_ms,
+            waiters=waiting,
+        )
+    )
 
 
 def yield_deadline(rec: GroupRecord) -> int | None:

@@ -53,8 +53,14 @@ class Quarantine:
     async def refuse(self, group: str, ev: InputEvent, reason: str) -> None:
         """Tell the job behind an input to a quarantined group why it is not served (``ErrorCode.QUARANTINED``)."""
         if isinstance(ev, Acquire | Release | Renew):
-            await self._nc.publish(subjects.notice(group, ev.job), encode(Refused(
-                group=group, job=ev.job, request_id=ev.request_id, code=ErrorCode.QUARANTINED, message=reason)))
+            await self._nc.publish(
+                subjects.notice(group, ev.job),
+                encode(
+                    Refused(
+                        group=group, job=ev.job, request_id=ev.request_id, code=ErrorCode.QUARANTINED, message=reason
+                    )
+                ),
+            )
 
     async def lift_stale(self, loaded: set[str], timeout_s: float = 5.0) -> None:
         """Announce as lifted every group the stream shows quarantined that loaded fine this time."""

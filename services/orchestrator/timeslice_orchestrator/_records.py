@@ -84,8 +84,16 @@ class Stored:
 
 
 class RecordStore:
-    def __init__(self, js: JetStreamContext, kv: KeyValue, *, attempts: int, timeout_s: float, max_bytes: int,
-                 deadline_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        kv: KeyValue,
+        *,
+        attempts: int,
+        timeout_s: float,
+        max_bytes: int,
+        deadline_s: float = 30.0,
+    ) -> None:
         self.js = js
         self.kv = kv
         self.attempts = attempts  # at least this many tries, and more until ``deadline_s`` (a cluster's election
@@ -106,8 +114,9 @@ class RecordStore:
             raise Deposed(term, f"the term marker names term {found.term} of {found.instance}")
         data = msgspec.json.encode(TermRecord(term=term, instance=instance, since_ms=int(time.time() * 1000)))
         try:
-            pa = await self.js.publish(_TERM_SUBJECT, data, timeout=self.timeout_s,
-                                       headers={"Nats-Expected-Last-Subject-Sequence": str(seq)})
+            pa = await self.js.publish(
+                _TERM_SUBJECT, data, timeout=self.timeout_s, headers={"Nats-Expected-Last-Subject-Sequence": str(seq)}
+            )
         except APIError as exc:
             if exc.err_code == _WRONG_LAST_SEQUENCE:
                 raise Deposed(term, "another term marker was written first") from exc
@@ -116,8 +125,10 @@ class RecordStore:
 
     def _begin(self, term: int, marker_seq: int) -> None:
         self._term = term
-        self._fence = {"Nats-Expected-Last-Subject-Sequence": str(marker_seq),
-                       "Nats-Expected-Last-Subject-Sequence-Subject": _TERM_SUBJECT}
+        self._fence = {
+            "Nats-Expected-Last-Subject-Sequence": str(marker_seq),
+            "Nats-Expected-Last-Subject-Sequence-Subject": _TERM_SUBJECT,
+        }
 
     async def _read_term(self) -> tuple[int, TermRecord | None]:
         try:
@@ -136,8 +147,7 @@ class RecordStore:
         assert self._term is not None, "begin_term() first"
         data = encode(rec)
         if len(data) > self.max_bytes:
-            raise Unusable(group, f"its record would take {len(data)} bytes, more than the {self.max_bytes} "
-                                  "allowed")
+            raise Unusable(group, f"its record would take {len(data)} bytes, more than the {self.max_bytes} allowed")
         subject = f"$KV.{GROUPS_BUCKET}.{group}"
         deadline = time.monotonic() + self.deadline_s
         attempt = 0
@@ -148,8 +158,9 @@ class RecordStore:
                 return int(pa.seq)
             except APIError as exc:
                 if exc.err_code == _WRONG_LAST_SEQUENCE:
-                    raise Deposed(self._term, f"the server refused a write of group {group!r}: another leader's "
-                                              "term began") from exc
+                    raise Deposed(
+                        self._term, f"the server refused a write of group {group!r}: another leader's term began"
+                    ) from exc
                 log.warning("storing group %s failed (%r), attempt %d", group, exc, attempt, extra={"group": group})
             except Exception as exc:  # a timeout is "unknown", not "failed" (docs/cluster.md): re-read below
                 log.warning("storing group %s failed (%r), attempt %d", group, exc, attempt, extra={"group": group})
@@ -158,8 +169,10 @@ class RecordStore:
                 assert stored.revision is not None
                 return stored.revision  # our own write, whose answer was lost
             await asyncio.sleep(min(0.05 * 2 ** min(attempt, 5), 1.0))  # back off before the next attempt
-        raise ServiceFailed(f"could not store group {group!r} in {attempt} attempts over {self.deadline_s:.0f} s; "
-                                "is the NATS cluster up and does it have a stream leader?")
+        raise ServiceFailed(
+            f"could not store group {group!r} in {attempt} attempts over {self.deadline_s:.0f} s; "
+            "is the NATS cluster up and does it have a stream leader?"
+        )
 
     async def read(self, group: str) -> Stored:
         """The stored record; a missing, deleted or unreadable key reads as no record."""
@@ -250,13 +263,18 @@ async def fresh_record(js: JetStreamContext | None, group: str, *, timeout_s: fl
     epoch = await last_epoch(js, group, timeout_s=timeout_s)
     if epoch is None:
         return GroupRecord(group=group)
-    log.warning("group %s has no stored record but the stream shows it at epoch %d: it starts afresh from there",
-                group, epoch, extra={"group": group, "epoch": epoch})
+    log.warning(
+        "group %s has no stored record but the stream shows it at epoch %d: it starts afresh from there",
+        group,
+        epoch,
+        extra={"group": group, "epoch": epoch},
+    )
     return GroupRecord(group=group, epoch=epoch)
 
 
-async def beyond_stream_end(js: JetStreamContext, records: dict[str, GroupRecord],
-                            floor: int) -> dict[str, GroupRecord]:
+async def beyond_stream_end(
+    js: JetStreamContext, records: dict[str, GroupRecord], floor: int
+) -> dict[str, GroupRecord]:
     """The records that claim to reflect stream sequences beyond the stream's end, each set back to ``floor``.
 
     Such a record was written against another stream (the stream was deleted and created again) or forged: with
@@ -266,8 +284,14 @@ async def beyond_stream_end(js: JetStreamContext, records: dict[str, GroupRecord
     out: dict[str, GroupRecord] = {}
     for group, rec in records.items():
         if rec.last_seq > head:
-            log.warning("group %s: its record reflects stream sequence %d, beyond the stream's end %d (was the stream "
-                        "recreated?); catching it up from %d", group, rec.last_seq, head, floor + 1,
-                        extra={"group": group, "epoch": rec.epoch})
+            log.warning(
+                "group %s: its record reflects stream sequence %d, beyond the stream's end %d (was the stream "
+                "recreated?); catching it up from %d",
+                group,
+                rec.last_seq,
+                head,
+                floor + 1,
+                extra={"group": group, "epoch": rec.epoch},
+            )
             out[group] = msgspec.structs.replace(rec, last_seq=floor)
     return out

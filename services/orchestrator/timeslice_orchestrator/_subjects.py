@@ -49,8 +49,10 @@ def check_names(subject: str, ev: InputEvent) -> None:
         raise ValueError(f"payload names group {ev.group!r}, its subject {subject!r} group {group!r}")
     allowed = {"job": _JOB_EVENTS, "ctl": _CTL_EVENTS, "agent": _AGENT_EVENTS}[kind]
     if not isinstance(ev, allowed):
-        raise ValueError(f"a {_tag(ev)} event cannot come on {subject!r} (a {kind} subject carries "  # noqa: TRY004
-                         f"{', '.join(str(e.__struct_config__.tag) for e in allowed)})")
+        raise ValueError(  # noqa: TRY004 - a bad event on the wire, not a caller's type error
+            f"a {_tag(ev)} event cannot come on {subject!r} (a {kind} subject carries "
+            f"{', '.join(str(e.__struct_config__.tag) for e in allowed)})"
+        )
     if kind == "agent":
         assert isinstance(ev, _AGENT_EVENTS)
         if ev.node != t[3]:

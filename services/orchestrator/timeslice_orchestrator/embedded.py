@@ -43,8 +43,7 @@ class ClusterOptions(BaseModel):
 
     def args(self, host: str) -> tuple[str, ...]:
         routes = ",".join(parse_servers(",".join(self.routes)))
-        return ("--cluster_name", self.name, "--cluster", f"nats://{self.host or host}:{self.port}",
-                "--routes", routes)
+        return ("--cluster_name", self.name, "--cluster", f"nats://{self.host or host}:{self.port}", "--routes", routes)
 
 
 def find_nats_server() -> str:
@@ -110,10 +109,14 @@ class NatsServer:
             stale.unlink(missing_ok=True)
         args = [
             self.binary,
-            "-a", self.host,
-            "-p", str(self.port if self.port is not None else -1),
-            "--ports_file_dir", str(ports_dir),
-            "-l", str(self.log_path),
+            "-a",
+            self.host,
+            "-p",
+            str(self.port if self.port is not None else -1),
+            "--ports_file_dir",
+            str(ports_dir),
+            "-l",
+            str(self.log_path),
             *(["-js", "-sd", str(self.data_dir / "jetstream")] if self.jetstream else []),
             *(["--server_name", self.server_name] if self.server_name else []),
             *(self.cluster.args(self.host) if self.cluster else ()),
@@ -121,7 +124,11 @@ class NatsServer:
         ]
         self.log_path.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
             preexec_fn=self.preexec,  # noqa: PLW1509 - only `up` passes one, and it starts the server before its threads
         )
         ports_file = ports_dir / f"nats-server_{self.proc.pid}.ports"
@@ -195,8 +202,10 @@ class NatsServer:
                 await asyncio.sleep(0.05)  # polling the server's answer, bounded by the deadline
         finally:
             await nc.close()
-        raise EmbeddedNatsError(f"JetStream at {self.url} not ready within {timeout} s ({last}); in a cluster, a "
-                                "majority of the servers must be up")
+        raise EmbeddedNatsError(
+            f"JetStream at {self.url} not ready within {timeout} s ({last}); in a cluster, a "
+            "majority of the servers must be up"
+        )
 
     async def astart(self, timeout: float = 15.0) -> str:
         if self.preexec is not None:

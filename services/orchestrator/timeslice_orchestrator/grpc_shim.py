@@ -165,8 +165,9 @@ class OrchestratorGrpcShim:
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
-        self.auth = Authenticator(self.config, mutual_tls=self.config.tls_client_ca is not None,
-                                  server_port=lambda: self.port)
+        self.auth = Authenticator(
+            self.config, mutual_tls=self.config.tls_client_ca is not None, server_port=lambda: self.port
+        )
         self.health_port: int | None = None
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._groups_kv: KeyValue | None = None
@@ -187,16 +188,29 @@ class OrchestratorGrpcShim:
     async def start(self) -> int:
         cfg = self.config
         server = grpc.aio.server(options=SERVER_OPTIONS)
-        handlers: dict[str, Handler] = {"Acquire": self._acquire, "Yield": self._yield, "ListGroups": self._list_groups,
-                    "GetGroupStatus": self._group_status}
+        handlers: dict[str, Handler] = {
+            "Acquire": self._acquire,
+            "Yield": self._yield,
+            "ListGroups": self._list_groups,
+            "GetGroupStatus": self._group_status,
+        }
         service = pb.DESCRIPTOR.services_by_name["TimeSliceOrchestratorService"]
         legacy = legacy_pb2.DESCRIPTOR.services_by_name["AcceleratorOrchestratorService"]
         names = [bind(server, service, handlers), bind(server, service, handlers, name=legacy.full_name)]
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
-            (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-        self.port = add_port(server, cfg, host=cfg.host, port=cfg.port, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key,
-                             tls_client_ca=cfg.tls_client_ca, log=log)  # first: it may refuse to serve
+            (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+        )
+        self.port = add_port(
+            server,
+            cfg,
+            host=cfg.host,
+            port=cfg.port,
+            tls_cert=cfg.tls_cert,
+            tls_key=cfg.tls_key,
+            tls_client_ca=cfg.tls_client_ca,
+            log=log,
+        )  # first: it may refuse to serve
         self._nc = await connect(self.nats_url, name="timeslice-grpc-shim")
         self._server = server
         await server.start()
@@ -204,9 +218,14 @@ class OrchestratorGrpcShim:
             self._health_server, self.health_port = await serve_health(self._health, cfg.health_host, cfg.health_port)
         await self._set_serving(self._nc.is_connected)
         self._watch = asyncio.get_running_loop().create_task(self._watch_loop(), name="timeslice-grpc-liveness")
-        log.info("gRPC API on %s:%d%s; %s", cfg.host, self.port,
-                 " (mutual TLS)" if cfg.tls_client_ca else " (TLS)" if cfg.tls_cert else "", self.auth.describe(),
-                 extra={"services": names, "health_port": self.health_port})
+        log.info(
+            "gRPC API on %s:%d%s; %s",
+            cfg.host,
+            self.port,
+            " (mutual TLS)" if cfg.tls_client_ca else " (TLS)" if cfg.tls_cert else "",
+            self.auth.describe(),
+            extra={"services": names, "health_port": self.health_port},
+        )
         return self.port
 
     async def stop(self) -> None:
@@ -259,11 +278,14 @@ class OrchestratorGrpcShim:
                 if left is not None and left <= 0:  # the call ended as the grant arrived
                     with contextlib.suppress(TimeSliceError):
                         await j.client.release()
-                    await ctx.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed as the group was granted; "
-                                    "the grant was given back")
+                    await ctx.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        "the deadline passed as the group was granted; the grant was given back",
+                    )
                 j.attach(ctx.peer())
-                return pb.AcquireResponse(success=True, waited_ms=grant.waited_ms,
-                                          context_restored=grant.context_restored)
+                return pb.AcquireResponse(
+                    success=True, waited_ms=grant.waited_ms, context_restored=grant.context_restored
+                )
         except TimeSliceError as exc:
             await self._abort(ctx, exc, group, job)
         finally:
@@ -302,8 +324,9 @@ class OrchestratorGrpcShim:
             finally:
                 j.calls -= 1
                 j.peer, j.gone_since, j.last_used = None, None, time.monotonic()
-            return pb.YieldResponse(success=True, pending_waiters=r.pending_waiters,
-                                    snapshot_deferred=r.snapshot_deferred)
+            return pb.YieldResponse(
+                success=True, pending_waiters=r.pending_waiters, snapshot_deferred=r.snapshot_deferred
+            )
         except LockLost as exc:
             rec = None
             with contextlib.suppress(TimeSliceError):
@@ -320,8 +343,10 @@ class OrchestratorGrpcShim:
         else:
             who = "nobody holds it"
         detail = f" ({why})" if why and "lease" in why else ""
-        await ctx.abort(grpc.StatusCode.PERMISSION_DENIED,
-                        f"job {job!r} does not hold group {group!r}: {who}{detail}; Acquire it first")
+        await ctx.abort(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"job {job!r} does not hold group {group!r}: {who}{detail}; Acquire it first",
+        )
 
     # ------------------------------------------------------------------ status
 
@@ -348,8 +373,10 @@ class OrchestratorGrpcShim:
             await self._abort(ctx, exc)
 
     async def _agent_states(self, rec: GroupRecord) -> list[pb.SnapshotAgentJobState]:
-        keys = sorted({(node, job) for job, nodes in rec.placements.items() for node in nodes}
-                      | {(node, job) for node, job in rec.loaded.items()})
+        keys = sorted(
+            {(node, job) for job, nodes in rec.placements.items() for node in nodes}
+            | {(node, job) for node, job in rec.loaded.items()}
+        )
         if not keys:
             return []
         kv = await self._kv(JOBS_BUCKET)
@@ -374,9 +401,15 @@ class OrchestratorGrpcShim:
         if j is None:
             cfg = self.config
             assert self._nc is not None
-            client = AsyncTimeSliceClient(job, group, self.nats_url, lease_seconds=cfg.lease_s,
-                                          acquire_timeout=cfg.max_wait_s, request_timeout=cfg.request_timeout_s,
-                                          nc=self._nc)
+            client = AsyncTimeSliceClient(
+                job,
+                group,
+                self.nats_url,
+                lease_seconds=cfg.lease_s,
+                acquire_timeout=cfg.max_wait_s,
+                request_timeout=cfg.request_timeout_s,
+                nc=self._nc,
+            )
             j = self._jobs[(group, job)] = _Job(client)
         return j
 
@@ -388,9 +421,11 @@ class OrchestratorGrpcShim:
 
     async def _bus_up(self, ctx: Ctx) -> None:
         if self._nc is None or not self._nc.is_connected:
-            await ctx.abort(grpc.StatusCode.UNAVAILABLE,
-                            f"the bus is not reachable from the orchestrator's gRPC shim ({self.nats_url or 'NATS'}); "
-                            "retry, or check NATS")
+            await ctx.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the bus is not reachable from the orchestrator's gRPC shim ({self.nats_url or 'NATS'}); "
+                "retry, or check NATS",
+            )
 
     async def _kv(self, bucket: str) -> KeyValue:
         kv = self._groups_kv if bucket == GROUPS_BUCKET else self._jobs_kv
@@ -399,8 +434,9 @@ class OrchestratorGrpcShim:
             try:
                 kv = await self._nc.jetstream(timeout=self.config.request_timeout_s).key_value(bucket)
             except Exception as exc:
-                raise Unavailable(f"the `{bucket}` bucket is not readable ({exc.__class__.__name__})",
-                                  nats_url=self.nats_url) from exc
+                raise Unavailable(
+                    f"the `{bucket}` bucket is not readable ({exc.__class__.__name__})", nats_url=self.nats_url
+                ) from exc
             if bucket == GROUPS_BUCKET:
                 self._groups_kv = kv
             else:
@@ -414,8 +450,9 @@ class OrchestratorGrpcShim:
         except (KeyNotFoundError, KeyDeletedError):
             return None
         except Exception as exc:
-            raise Unavailable(f"reading group {group!r} failed ({exc.__class__.__name__})",
-                              nats_url=self.nats_url) from exc
+            raise Unavailable(
+                f"reading group {group!r} failed ({exc.__class__.__name__})", nats_url=self.nats_url
+            ) from exc
         return decode_record(entry.value) if entry.value else None
 
     async def _abort(self, ctx: Ctx, exc: TimeSliceError, group: str = "", job: str = "") -> NoReturn:
@@ -469,19 +506,25 @@ class OrchestratorGrpcShim:
                     j.gone_since = None
                 elif j.gone_since is None:
                     j.gone_since = now
-                    log.info("holder's connection is gone; the group goes back in %.3g s unless it calls again",
-                             cfg.lease_s, extra={"group": key[0], "job": key[1], "peer": j.peer})
+                    log.info(
+                        "holder's connection is gone; the group goes back in %.3g s unless it calls again",
+                        cfg.lease_s,
+                        extra={"group": key[0], "job": key[1], "peer": j.peer},
+                    )
                 elif now - j.gone_since >= cfg.lease_s and j.calls == 0 and not j.lock.locked():
-                    log.warning("holder's connection gone for a lease: giving the group back",
-                                extra={"group": key[0], "job": key[1], "peer": j.peer})
+                    log.warning(
+                        "holder's connection gone for a lease: giving the group back",
+                        extra={"group": key[0], "job": key[1], "peer": j.peer},
+                    )
                     j.peer = j.gone_since = None
                     self.released_for_lost_connection += 1
                     try:
                         await j.client.release()
                     except TimeSliceError as exc:
                         log.info("release after a lost connection: %s", exc, extra={"group": key[0], "job": key[1]})
-            elif (not j.client.holding and j.calls == 0 and not j.lock.locked()
-                  and now - j.last_used > cfg.idle_client_s):
+            elif (
+                not j.client.holding and j.calls == 0 and not j.lock.locked() and now - j.last_used > cfg.idle_client_s
+            ):
                 del self._jobs[key]
                 with contextlib.suppress(Exception):
                     await j.client.close()
@@ -506,15 +549,22 @@ def _group_status(rec: GroupRecord) -> pb.GroupStatus:
 # ---------------------------------------------------------------------- CLI wiring
 
 
-def from_args(args: argparse.Namespace, nats_url: str | None, *, host: str = "127.0.0.1",
-              auth_dir: Path | None = None) -> OrchestratorGrpcShim:
+def from_args(
+    args: argparse.Namespace, nats_url: str | None, *, host: str = "127.0.0.1", auth_dir: Path | None = None
+) -> OrchestratorGrpcShim:
     """The shim the flags ask for (the CLI calls it only when they turn gRPC on: ``cli._grpc_wanted``). ``auth_dir``:
     where the trusted account is when no ``--grpc-trust-account`` names one (``timeslice up``: its data dir's)."""
     extra = auth_settings_from_args(args)
     if "trust_account" not in extra and auth_dir is not None and (auth_dir / "nats-auth.conf").exists():
         extra["trust_account"] = str(auth_dir)
-    cfg = GrpcConfig(port=args.grpc_port, host=args.grpc_host or host, tls_cert=args.grpc_tls_cert,
-                     tls_key=args.grpc_tls_key, tls_client_ca=args.grpc_tls_client_ca, **extra)
+    cfg = GrpcConfig(
+        port=args.grpc_port,
+        host=args.grpc_host or host,
+        tls_cert=args.grpc_tls_cert,
+        tls_key=args.grpc_tls_key,
+        tls_client_ca=args.grpc_tls_client_ca,
+        **extra,
+    )
     return OrchestratorGrpcShim(cfg, nats_url=nats_url)
 
 

@@ -253,7 +253,8 @@ class OrchestratorMetrics(Collector):
         )
         faults = CounterMetricFamily("timeslice_faults", "Jobs marked faulted in the group.", labels=["group"])
         yields = CounterMetricFamily(
-            "timeslice_yield_requests", "Holders asked to yield: held past the group's quantum while a job waited.",
+            "timeslice_yield_requests",
+            "Holders asked to yield: held past the group's quantum while a job waited.",
             labels=["group"],
         )
         for g, s in groups:

@@ -88,9 +88,14 @@ class _Entry:
 class Orchestrator:
     """Run with ``await Orchestrator(config).run()``; stop with ``shutdown()`` (idempotent)."""
 
-    def __init__(self, config: OrchestratorConfig | None = None, *, nc: NATS | None = None,
-                 metrics: OrchestratorMetrics | None = None,
-                 local_agent: Callable[[NATS], LocalAgent] | None = None) -> None:
+    def __init__(
+        self,
+        config: OrchestratorConfig | None = None,
+        *,
+        nc: NATS | None = None,
+        metrics: OrchestratorMetrics | None = None,
+        local_agent: Callable[[NATS], LocalAgent] | None = None,
+    ) -> None:
         """``local_agent``: builds the node agent this orchestrator runs beside itself, on the connection it
         is given (the orchestrator's); it starts once the orchestrator consumes and stops before it drains."""
         self.config = config or OrchestratorConfig()
@@ -146,15 +151,25 @@ class Orchestrator:
         self._kv = buckets.groups
         self._agents_kv = buckets.agents
         # A record stays far below the server's payload limit (core.Limits); a larger one is never written.
-        self._store = RecordStore(self._js, self._kv, attempts=self.config.write_attempts,
-                                  timeout_s=self.config.write_timeout_s,
-                                  max_bytes=min(self.config.max_record_bytes, nc.max_payload * 3 // 4))
+        self._store = RecordStore(
+            self._js,
+            self._kv,
+            attempts=self.config.write_attempts,
+            timeout_s=self.config.write_timeout_s,
+            max_bytes=min(self.config.max_record_bytes, nc.max_payload * 3 // 4),
+        )
         self._quarantined = Quarantine(nc, self.metrics)
         cfg = self.config
         self.leadership = leader = Leadership(
-            self._js, instance_id=cfg.instance_id, ttl_s=cfg.leader_ttl_s, renew_s=cfg.leader_renew_s,
-            replicas=cfg.bus.replicas or 1, resign_on_stop=False, on_change=self._on_leadership,
-            metrics=self.metrics.leadership)
+            self._js,
+            instance_id=cfg.instance_id,
+            ttl_s=cfg.leader_ttl_s,
+            renew_s=cfg.leader_renew_s,
+            replicas=cfg.bus.replicas or 1,
+            resign_on_stop=False,
+            on_change=self._on_leadership,
+            metrics=self.metrics.leadership,
+        )
         lead_stop = asyncio.Event()
         local: asyncio.Task[None] | None = None
         try:
@@ -230,8 +245,9 @@ class Orchestrator:
         leader = self.leadership
         if leader is None or self._term_over.is_set():
             return False
-        why = await confirm_lease(leader, ttl_s=self.config.leader_ttl_s, wait_s=self.config.leader_confirm_wait_s,
-                                  halt=self._halt)
+        why = await confirm_lease(
+            leader, ttl_s=self.config.leader_ttl_s, wait_s=self.config.leader_confirm_wait_s, halt=self._halt
+        )
         if why is None:
             return True
         self._end_term(why)
@@ -354,8 +370,9 @@ class Orchestrator:
     async def _distrust_future_records(self, floor: int) -> None:
         """Records from beyond the stream's end are caught up from the ack floor (``_records.beyond_stream_end``)."""
         assert self._js is not None
-        for group, rec in (await beyond_stream_end(self._js, {g: e.rec for g, e in self._groups.items()},
-                                                   floor)).items():
+        for group, rec in (
+            await beyond_stream_end(self._js, {g: e.rec for g, e in self._groups.items()}, floor)
+        ).items():
             self._groups[group].rec = rec
 
     async def _ack_floor(self) -> int:
@@ -368,8 +385,14 @@ class Orchestrator:
         last sequence read. Nothing is acknowledged: the durable stays at ``floor`` until ``_subscribe`` moves it
         past what this read, after the records are stored; a crash before that catches up from ``floor`` again."""
         assert self._js is not None
-        return await catch_up(self._js, floor, functools.partial(self._on_input, live=False), self._halt,
-                              idle_s=self.config.catch_up_idle_s, pending_limit=self.config.write_queue)
+        return await catch_up(
+            self._js,
+            floor,
+            functools.partial(self._on_input, live=False),
+            self._halt,
+            idle_s=self.config.catch_up_idle_s,
+            pending_limit=self.config.write_queue,
+        )
 
     async def _stored_all(self) -> bool:
         """Wait until every decided record is stored; False when stopping instead (or a write failed)."""
@@ -381,8 +404,15 @@ class Orchestrator:
         """(Re)create the durable consumer at ``after + 1``: everything up to ``after`` is acknowledged."""
         assert self._js is not None and self._nc is not None
         self._last_cseq, self._last_sseq = 0, after
-        self._sub = await bind_durable(self._js, self._nc, self.config.durable, after, self._on_msg,
-                                       ack_wait_s=self.config.ack_wait_s, max_ack_pending=self.config.max_ack_pending)
+        self._sub = await bind_durable(
+            self._js,
+            self._nc,
+            self.config.durable,
+            after,
+            self._on_msg,
+            ack_wait_s=self.config.ack_wait_s,
+            max_ack_pending=self.config.max_ack_pending,
+        )
 
     # ------------------------------------------------------------------ the hot path
 
@@ -403,8 +433,10 @@ class Orchestrator:
             # applying this one first would apply the stream out of order. What they carried is read from the
             # stream and applied first; failing that, the term starts over from the ack floor, in stream order.
             if cseq > self._last_cseq + 1 and not await self._fill_gap(seq):
-                self._end_term(f"deliveries {self._last_cseq + 1}..{cseq - 1} of the durable consumer never "
-                               "arrived; catching up again from the ack floor")
+                self._end_term(
+                    f"deliveries {self._last_cseq + 1}..{cseq - 1} of the durable consumer never "
+                    "arrived; catching up again from the ack floor"
+                )
                 return
             self._last_cseq, self._last_sseq = max(self._last_cseq, cseq), max(self._last_sseq, seq)
         try:
@@ -435,8 +467,9 @@ class Orchestrator:
         inputs = functools.partial(self._on_input, live=False)
         return await fill_gap(self._js, self._nc, self._last_sseq, before, inputs)
 
-    async def _apply(self, msg: Msg, group: str, ev: InputEvent, now_ms: int, seq: int, *, live: bool,
-                     backlog: bool = False) -> None:
+    async def _apply(
+        self, msg: Msg, group: str, ev: InputEvent, now_ms: int, seq: int, *, live: bool, backlog: bool = False
+    ) -> None:
         """Apply one input; ``backlog``: the consumer has more inputs waiting behind this one."""
         entry = self._groups.get(group)
         if entry is None:
@@ -519,8 +552,13 @@ class Orchestrator:
                 raw = msgspec.json.decode(msg.data)
                 if isinstance(raw, dict) and isinstance(raw.get("request_id"), str):
                     request_id = raw["request_id"][:128]
-            refusal = Refused(group=group, job=job, request_id=request_id, code=ErrorCode.INVALID,
-                              message=f"malformed request on {msg.subject}: {exc}")
+            refusal = Refused(
+                group=group,
+                job=job,
+                request_id=request_id,
+                code=ErrorCode.INVALID,
+                message=f"malformed request on {msg.subject}: {exc}",
+            )
             assert self._nc is not None
             await self._nc.publish(subjects.notice(group, job), encode(refusal))
         if live:
@@ -587,8 +625,9 @@ class Orchestrator:
         """An agent whose key expired (TTL) or was deleted is lost: its pending operations are resolved
         and its placements dropped, through ``AgentLost`` events in the stream (``_agents_watch``)."""
         assert self._agents_kv is not None and self._js is not None
-        await watch_agents(self._agents_kv, self._js, lambda: {g: e.rec for g, e in self._groups.items()},
-                           self._halt, known)
+        await watch_agents(
+            self._agents_kv, self._js, lambda: {g: e.rec for g, e in self._groups.items()}, self._halt, known
+        )
 
 
 class _Stopped(Exception):

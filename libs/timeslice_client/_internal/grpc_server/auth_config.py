@@ -51,8 +51,9 @@ class GrpcAuthSettings(BaseSettings):
     @classmethod
     def _one_job(cls, v: str | None) -> str | None:
         if v is not None and v.count("{job}") != 1:
-            raise ValueError(f"identity pattern {v!r} must contain {{job}} exactly once, "
-                             "e.g. spiffe://timeslice/job/{job}")
+            raise ValueError(
+                f"identity pattern {v!r} must contain {{job}} exactly once, e.g. spiffe://timeslice/job/{{job}}"
+            )
         return v
 
     @property
@@ -62,33 +63,65 @@ class GrpcAuthSettings(BaseSettings):
 
 def add_auth_flags(parser: argparse.ArgumentParser, *, health: bool = False) -> None:
     """The caller-authentication flags of a gRPC shim (read back by :func:`auth_settings_from_args`)."""
-    parser.add_argument("--grpc-insecure", action="store_true", default=None,
-                        help="serve gRPC WITHOUT authenticating callers: anyone who reaches the port can act as "
-                             "any job (a warning is logged at start); default: callers prove who they are")
-    parser.add_argument("--grpc-no-local-callers", dest="grpc_local_callers", action="store_false", default=None,
-                        help="refuse loopback callers that present no token or certificate (default: a loopback "
-                             "caller running as this user is the local user, who may act as any job)")
-    parser.add_argument("--grpc-trust-account", default=None, metavar="PUBKEY_OR_FILE",
-                        help="accept bearer tokens (`authorization: Bearer <user JWT>`, the JWT in a `timeslice "
-                             "auth job` credential) signed by this NATS account: its public key, a file holding it "
-                             "or its JWT, or the auth dir (`timeslice auth init --dir`)")
-    parser.add_argument("--grpc-identity-from", choices=sorted(DEFAULT_PATTERNS), default=None,
-                        help="with --grpc-tls-client-ca: where a client certificate names its job (default san-uri)")
-    parser.add_argument("--grpc-identity-pattern", default=None, metavar="PATTERN",
-                        help="how that name spells the job, with {job} for the job id (defaults: "
-                             + ", ".join(f"{k}: {v}" for k, v in DEFAULT_PATTERNS.items()) + ")")
+    parser.add_argument(
+        "--grpc-insecure",
+        action="store_true",
+        default=None,
+        help="serve gRPC WITHOUT authenticating callers: anyone who reaches the port can act as "
+        "any job (a warning is logged at start); default: callers prove who they are",
+    )
+    parser.add_argument(
+        "--grpc-no-local-callers",
+        dest="grpc_local_callers",
+        action="store_false",
+        default=None,
+        help="refuse loopback callers that present no token or certificate (default: a loopback "
+        "caller running as this user is the local user, who may act as any job)",
+    )
+    parser.add_argument(
+        "--grpc-trust-account",
+        default=None,
+        metavar="PUBKEY_OR_FILE",
+        help="accept bearer tokens (`authorization: Bearer <user JWT>`, the JWT in a `timeslice "
+        "auth job` credential) signed by this NATS account: its public key, a file holding it "
+        "or its JWT, or the auth dir (`timeslice auth init --dir`)",
+    )
+    parser.add_argument(
+        "--grpc-identity-from",
+        choices=sorted(DEFAULT_PATTERNS),
+        default=None,
+        help="with --grpc-tls-client-ca: where a client certificate names its job (default san-uri)",
+    )
+    parser.add_argument(
+        "--grpc-identity-pattern",
+        default=None,
+        metavar="PATTERN",
+        help="how that name spells the job, with {job} for the job id (defaults: "
+        + ", ".join(f"{k}: {v}" for k, v in DEFAULT_PATTERNS.items())
+        + ")",
+    )
     if health:
-        parser.add_argument("--grpc-health-port", type=int, default=None,
-                            help="also serve the gRPC health service alone, without TLS, on this port (for probes "
-                                 "that cannot speak TLS, e.g. Kubernetes' grpc probe)")
-        parser.add_argument("--grpc-health-host", default=None,
-                            help="address of --grpc-health-port (default 127.0.0.1)")
+        parser.add_argument(
+            "--grpc-health-port",
+            type=int,
+            default=None,
+            help="also serve the gRPC health service alone, without TLS, on this port (for probes "
+            "that cannot speak TLS, e.g. Kubernetes' grpc probe)",
+        )
+        parser.add_argument(
+            "--grpc-health-host", default=None, help="address of --grpc-health-port (default 127.0.0.1)"
+        )
 
 
 def auth_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The flags :func:`add_auth_flags` added that were given, as config fields (the rest keep their env/defaults)."""
-    fields = {"grpc_insecure": "insecure", "grpc_local_callers": "local_callers",
-              "grpc_trust_account": "trust_account", "grpc_identity_from": "identity_from",
-              "grpc_identity_pattern": "identity_pattern", "grpc_health_port": "health_port",
-              "grpc_health_host": "health_host"}
+    fields = {
+        "grpc_insecure": "insecure",
+        "grpc_local_callers": "local_callers",
+        "grpc_trust_account": "trust_account",
+        "grpc_identity_from": "identity_from",
+        "grpc_identity_pattern": "identity_pattern",
+        "grpc_health_port": "health_port",
+        "grpc_health_host": "health_host",
+    }
     return {field: getattr(args, flag) for flag, field in fields.items() if getattr(args, flag, None) is not None}

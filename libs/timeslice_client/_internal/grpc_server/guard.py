@@ -29,8 +29,15 @@ from .identity import (
 )
 from .serving import SERVER_OPTIONS, normalize_peer, server_credentials
 
-__all__ = ["Authenticator", "GrpcRefusedToStart", "add_port", "authenticate", "authorize", "is_loopback",
-           "serve_health"]
+__all__ = [
+    "Authenticator",
+    "GrpcRefusedToStart",
+    "add_port",
+    "authenticate",
+    "authorize",
+    "is_loopback",
+    "serve_health",
+]
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 INSECURE = Identity("insecure", "insecure", "anyone (--grpc-insecure)")
@@ -49,11 +56,11 @@ class Authenticator:
     """Finds the :class:`Identity` of each call (order: bearer token, certificate naming a job, local user,
     any other certificate) and counts what it refused (``refused[code]``)."""
 
-    def __init__(self, settings: GrpcAuthSettings, *, mutual_tls: bool,
-                 server_port: Callable[[], int | None]) -> None:
+    def __init__(self, settings: GrpcAuthSettings, *, mutual_tls: bool, server_port: Callable[[], int | None]) -> None:
         self.settings = settings
-        self.verifier = (TokenVerifier(Trust(settings.trust_account), cache=settings.token_cache)
-                         if settings.trust_account else None)
+        self.verifier = (
+            TokenVerifier(Trust(settings.trust_account), cache=settings.token_cache) if settings.trust_account else None
+        )
         self.mapper = CertificateMapper(settings.identity_from, settings.pattern) if mutual_tls else None
         self.local = settings.local_callers and local_callers_supported()
         self._uid = os.geteuid() if hasattr(os, "geteuid") else -1
@@ -72,15 +79,18 @@ class Authenticator:
             ways.append(f"the local user (loopback callers with uid {self._uid})")
         return "callers: " + (", ".join(ways) or "none can be identified")
 
-    def identify(self, metadata: Iterable[tuple[str, str | bytes]] | None,
-                 auth_context: Mapping[str, Iterable[bytes]], peer: str) -> Identity:
+    def identify(
+        self, metadata: Iterable[tuple[str, str | bytes]] | None, auth_context: Mapping[str, Iterable[bytes]], peer: str
+    ) -> Identity:
         if self.settings.insecure:
             return INSECURE
         token = _bearer(metadata)
         if token is not None:
             if self.verifier is None:
-                raise Unauthenticated("this gRPC API takes no bearer tokens (it trusts no account: its operator "
-                                      "gives --grpc-trust-account); use a client certificate")
+                raise Unauthenticated(
+                    "this gRPC API takes no bearer tokens (it trusts no account: its operator "
+                    "gives --grpc-trust-account); use a client certificate"
+                )
             return self.verifier.verify(token)
         certificate = None
         if self.mapper is not None:
@@ -95,9 +105,11 @@ class Authenticator:
                 return Identity("local", "local", f"the local user (uid {self._uid})")
         if certificate is not None:
             return Identity("certificate", "certificate", certificate)
-        raise Unauthenticated("no credentials: send `authorization: Bearer <JWT>` metadata (the JWT of a "
-                              "`timeslice auth job --job J` credential)"
-                              + (" or a client certificate naming the job" if self.mapper else ""))
+        raise Unauthenticated(
+            "no credentials: send `authorization: Bearer <JWT>` metadata (the JWT of a "
+            "`timeslice auth job --job J` credential)"
+            + (" or a client certificate naming the job" if self.mapper else "")
+        )
 
 
 def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
@@ -131,15 +143,24 @@ async def authorize(ctx: Ctx, auth: Authenticator, log: logging.Logger, job: str
         return who
     exc = PermissionDenied(why, caller=who.name, job=job, group=group)
     auth.refused["permission_denied"] += 1
-    log.warning("gRPC call refused: %s", exc, extra={"caller": who.name, "job": job, "group": group,
-                                                     "peer": ctx.peer()})
+    log.warning(
+        "gRPC call refused: %s", exc, extra={"caller": who.name, "job": job, "group": group, "peer": ctx.peer()}
+    )
     await ctx.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
     raise exc  # not reached
 
 
-def add_port(server: grpc.aio.Server, settings: GrpcAuthSettings, *, host: str, port: int,
-             tls_cert: Path | None, tls_key: Path | None, tls_client_ca: Path | None,
-             log: logging.Logger) -> int:
+def add_port(
+    server: grpc.aio.Server,
+    settings: GrpcAuthSettings,
+    *,
+    host: str,
+    port: int,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    tls_client_ca: Path | None,
+    log: logging.Logger,
+) -> int:
     """Listen at ``host:port`` as the settings allow (the port bound), or raise :class:`GrpcRefusedToStart`."""
     flags = "--grpc-tls-cert and --grpc-tls-key"
     if bool(tls_cert) != bool(tls_key):
@@ -152,25 +173,35 @@ def add_port(server: grpc.aio.Server, settings: GrpcAuthSettings, *, host: str, 
             raise GrpcRefusedToStart(
                 f"refusing to serve gRPC on {host} without TLS: give {flags} (with --grpc-tls-client-ca and/or "
                 "--grpc-trust-account to identify callers), serve on 127.0.0.1, or say --grpc-insecure to serve "
-                "anyone without authentication")
+                "anyone without authentication"
+            )
         if not loopback and not (tls_client_ca or settings.trust_account):
             raise GrpcRefusedToStart(
                 f"gRPC on {host} could identify no caller: give --grpc-tls-client-ca (client certificates naming "
-                "jobs) and/or --grpc-trust-account (bearer tokens), or --grpc-insecure")
+                "jobs) and/or --grpc-trust-account (bearer tokens), or --grpc-insecure"
+            )
         if loopback and not (settings.local_callers or tls_client_ca or settings.trust_account):
-            raise GrpcRefusedToStart("gRPC could identify no caller (--grpc-no-local-callers without a client CA "
-                                     "or a trusted account)")
+            raise GrpcRefusedToStart(
+                "gRPC could identify no caller (--grpc-no-local-callers without a client CA or a trusted account)"
+            )
         if settings.local_callers and not local_callers_supported():
-            log.warning("this platform cannot tell which user a loopback gRPC caller runs as (no /proc/net/tcp): "
-                        "callers without a token or certificate are refused")
+            log.warning(
+                "this platform cannot tell which user a loopback gRPC caller runs as (no /proc/net/tcp): "
+                "callers without a token or certificate are refused"
+            )
     address = f"{host}:{port}"
     if tls_cert and tls_key:
         bound = server.add_secure_port(address, server_credentials(tls_cert, tls_key, tls_client_ca))
     else:
         bound = server.add_insecure_port(address)
     if settings.insecure:
-        log.warning("gRPC API on %s:%d does NOT authenticate callers (--grpc-insecure): anyone who can reach it may "
-                    "Acquire and Yield as any job%s", host, bound, "" if loopback else ", from the network")
+        log.warning(
+            "gRPC API on %s:%d does NOT authenticate callers (--grpc-insecure): anyone who can reach it may "
+            "Acquire and Yield as any job%s",
+            host,
+            bound,
+            "" if loopback else ", from the network",
+        )
     return bound
 
 

@@ -76,13 +76,17 @@ class Identity:
             return None
         who = f"{self.name} ({self.kind})"
         if self.role != "job" or self.job is None:
-            return (f"{who} may only read (ListGroups, GetGroupStatus): acting as job {job!r} needs that job's token "
-                    "(`timeslice auth job --job ...`) or a client certificate naming it")
+            return (
+                f"{who} may only read (ListGroups, GetGroupStatus): acting as job {job!r} needs that job's token "
+                "(`timeslice auth job --job ...`) or a client certificate naming it"
+            )
         if self.job != job:
             return f"{who} acts only as job {self.job!r}, not as job {job!r}"
         if group is not None and self.groups is not None and group not in self.groups:
-            return (f"{who} was issued for groups {', '.join(sorted(self.groups))}, not for group {group!r}; "
-                    "issue a token with --group for it")
+            return (
+                f"{who} was issued for groups {', '.join(sorted(self.groups))}, not for group {group!r}; "
+                "issue a token with --group for it"
+            )
         return None
 
 
@@ -189,8 +193,10 @@ class Trust:
             self._mtime = self._path.stat().st_mtime_ns
             text = self._path.read_text().strip()
         except OSError as exc:
-            raise TrustError(f"cannot read the trusted account from {self._path} ({exc.strerror}); give the TIMESLICE "
-                             "account's public key, its JWT, or the auth dir of `timeslice auth init`") from exc
+            raise TrustError(
+                f"cannot read the trusted account from {self._path} ({exc.strerror}); give the TIMESLICE "
+                "account's public key, its JWT, or the auth dir of `timeslice auth init`"
+            ) from exc
         try:
             if _NKEY_RE.fullmatch(text) and text.startswith("A"):
                 _verify_key(text)
@@ -202,8 +208,10 @@ class Trust:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise TrustError(f"{self._path} holds no usable account key or JWT ({exc})") from exc
         if len(found) != 1:
-            raise TrustError(f"{self._path} has {len(found)} accounts named {ACCOUNT_NAME} (of {len(jwts)} "
-                             "preloaded); give the account's public key or JWT instead")
+            raise TrustError(
+                f"{self._path} has {len(found)} accounts named {ACCOUNT_NAME} (of {len(jwts)} "
+                "preloaded); give the account's public key or JWT instead"
+            )
         return found[0]
 
 
@@ -253,8 +261,10 @@ class TokenVerifier:
         from nacl.exceptions import BadSignatureError
 
         if not _JWT_RE.fullmatch(token):
-            raise Unauthenticated("the bearer token is not a JWT (header.claims.signature); send the JWT of a "
-                                  "`timeslice auth job` credential")
+            raise Unauthenticated(
+                "the bearer token is not a JWT (header.claims.signature); send the JWT of a "
+                "`timeslice auth job` credential"
+            )
         head, body, sig = token.split(".")
         try:
             header, claims = json.loads(_b64(head)), json.loads(_b64(body))
@@ -264,15 +274,19 @@ class TokenVerifier:
         if not isinstance(header, dict) or not isinstance(claims, dict):
             raise Unauthenticated("the bearer token's header or claims are not JSON objects")
         if str(header.get("typ", "")).upper() != "JWT" or str(header.get("alg", "")).lower() != "ed25519-nkey":
-            raise Unauthenticated(f"the bearer token is not a NATS JWT (typ {header.get('typ')!r}, alg "
-                                  f"{header.get('alg')!r}; want JWT, ed25519-nkey)")
+            raise Unauthenticated(
+                f"the bearer token is not a NATS JWT (typ {header.get('typ')!r}, alg "
+                f"{header.get('alg')!r}; want JWT, ed25519-nkey)"
+            )
         nats = claims.get("nats")
         if not isinstance(nats, dict) or nats.get("type") != "user":
             raise Unauthenticated("the bearer token is not a user JWT (nats.type is not 'user')")
         iss = str(claims.get("iss", ""))
         if not account.issuer_ok(iss, nats.get("issuer_account")):
-            raise Unauthenticated(f"the bearer token was issued by {iss[:12]}..., not by the trusted account "
-                                  f"{account.public_key[:12]}... (or one of its signing keys)")
+            raise Unauthenticated(
+                f"the bearer token was issued by {iss[:12]}..., not by the trusted account "
+                f"{account.public_key[:12]}... (or one of its signing keys)"
+            )
         try:
             _verify_key(iss).verify(f"{head}.{body}".encode(), signature)
         except (BadSignatureError, ValueError) as exc:
@@ -286,11 +300,13 @@ def _identity(tags: list[Any], name: str, sub: str, who: str) -> Identity:
     for t in tags:
         k, sep, v = str(t).partition(":")
         if sep and k.lower().startswith("timeslice-"):
-            by.setdefault(k.lower()[len("timeslice-"):], []).append(v)
+            by.setdefault(k.lower()[len("timeslice-") :], []).append(v)
     roles = by.get("role", [])
     if len(roles) != 1:
-        raise Unauthenticated(f"the {who} carries {len(roles)} timeslice-role tags, not one; issue it with "
-                              "`timeslice auth job|reader|admin ...`")
+        raise Unauthenticated(
+            f"the {who} carries {len(roles)} timeslice-role tags, not one; issue it with "
+            "`timeslice auth job|reader|admin ...`"
+        )
     role = roles[0].lower()
     if role != "job":
         return Identity("token", role, name or role, user_key=sub)
@@ -363,7 +379,7 @@ def _proc_addr(text: str, v6: bool) -> tuple[ipaddress.IPv4Address | ipaddress.I
     host, _, port = text.partition(":")
     raw = bytes.fromhex(host)
     if sys.byteorder == "little":
-        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     addr = ipaddress.IPv6Address(raw) if v6 else ipaddress.IPv4Address(raw)
     return addr, int(port, 16)
 

@@ -50,8 +50,9 @@ SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
 )
 
 
-def bind(server: grpc.aio.Server, service: ServiceDescriptor, handlers: Mapping[str, Handler],
-         *, name: str | None = None) -> str:
+def bind(
+    server: grpc.aio.Server, service: ServiceDescriptor, handlers: Mapping[str, Handler], *, name: str | None = None
+) -> str:
     """Serve every method of ``service`` with ``handlers[method name]``, under ``name`` (default: the service's
     own full name). Returns the name served. A unary method's handler takes the request and returns the response;
     a streaming one's reads and writes through its context (``await ctx.read()``, ``await ctx.write(...)``)."""
@@ -64,8 +65,9 @@ def bind(server: grpc.aio.Server, service: ServiceDescriptor, handlers: Mapping[
         req = message_factory.GetMessageClass(m.input_type)
         resp = message_factory.GetMessageClass(m.output_type)
         make = _HANDLER_KINDS[(m.client_streaming, m.server_streaming)]
-        methods[m.name] = make(handlers[m.name], request_deserializer=req.FromString,
-                               response_serializer=resp.SerializeToString)
+        methods[m.name] = make(
+            handlers[m.name], request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(served, methods),))
     register = getattr(server, "add_registered_method_handlers", None)
     if register is not None:  # grpcio >= 1.63: a faster path for known methods

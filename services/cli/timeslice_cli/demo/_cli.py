@@ -33,8 +33,10 @@ def _backend(args: argparse.Namespace) -> tuple[str, str]:
     has_torch = torch_available()
     if args.backend == "torch":
         if not has_torch:
-            raise DemoError("--torch asked for, but torch is not installed: `pip install 'timeslice-server[torch]'` "
-                            "(or your own torch build), or use --numpy")
+            raise DemoError(
+                "--torch asked for, but torch is not installed: `pip install 'timeslice-server[torch]'` "
+                "(or your own torch build), or use --numpy"
+            )
         return "torch", "asked for with --torch"
     if args.backend == "numpy":
         return "numpy", "asked for with --numpy" + ("" if has_torch else "; torch is not installed")
@@ -64,31 +66,70 @@ async def run_demo(args: argparse.Namespace) -> DemoReport:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="timeslice-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     html = Path(args.html) if args.html else workdir / "timeline.html"
-    specs = [JobSpec(f"job-{i}", seed=i, backend=backend, steps=args.steps, hidden=args.hidden,
-                     reward_latency_ms=args.reward_latency_ms) for i in range(1, args.jobs + 1)]
+    specs = [
+        JobSpec(
+            f"job-{i}",
+            seed=i,
+            backend=backend,
+            steps=args.steps,
+            hidden=args.hidden,
+            reward_latency_ms=args.reward_latency_ms,
+        )
+        for i in range(1, args.jobs + 1)
+    ]
     progress = Progress()
-    print(f"timeslice demo: {args.jobs} jobs, {args.steps} steps, {backend} ({why}); work directory {workdir}",
-          flush=True)
+    print(
+        f"timeslice demo: {args.jobs} jobs, {args.steps} steps, {backend} ({why}); work directory {workdir}", flush=True
+    )
     try:
         async with contextlib.AsyncExitStack() as stack_of_jobs:
             stack = await stack_of_jobs.enter_async_context(embedded_stack(workdir, NODE))
             # Both sets of processes start now, together, so no interpreter start is ever timed.
-            solo_set = await stack_of_jobs.enter_async_context(started_jobs(
-                stack, specs, label="solo", groups={s.job: f"demo-solo-{s.job}" for s in specs}, workdir=workdir,
-                progress=progress))
-            shared_set = None if args.solo else await stack_of_jobs.enter_async_context(started_jobs(
-                stack, specs, label="shared", groups={s.job: SHARED_GROUP for s in specs}, workdir=workdir,
-                progress=progress))
+            solo_set = await stack_of_jobs.enter_async_context(
+                started_jobs(
+                    stack,
+                    specs,
+                    label="solo",
+                    groups={s.job: f"demo-solo-{s.job}" for s in specs},
+                    workdir=workdir,
+                    progress=progress,
+                )
+            )
+            shared_set = (
+                None
+                if args.solo
+                else await stack_of_jobs.enter_async_context(
+                    started_jobs(
+                        stack,
+                        specs,
+                        label="shared",
+                        groups={s.job: SHARED_GROUP for s in specs},
+                        workdir=workdir,
+                        progress=progress,
+                    )
+                )
+            )
             print("starting the job processes ...", flush=True)
             for js in (solo_set, shared_set):
                 if js is not None:
                     await js.wait_built()
             print("solo runs, back to back (each job alone on the accelerator, in its own group):", flush=True)
             solo = await solo_set.run(sequential=True)
-            report = DemoReport(backend, why, args.jobs, args.steps, args.reward_latency_ms, str(workdir),
-                                solo=job_figures(solo), back_to_back_s=solo.wall_s, html=str(html))
-            report.solo_lock = [await lock_figures(stack.nats_url, [r], html if args.solo and i == 0 else None)
-                                for i, r in enumerate(solo.jobs.values())]
+            report = DemoReport(
+                backend,
+                why,
+                args.jobs,
+                args.steps,
+                args.reward_latency_ms,
+                str(workdir),
+                solo=job_figures(solo),
+                back_to_back_s=solo.wall_s,
+                html=str(html),
+            )
+            report.solo_lock = [
+                await lock_figures(stack.nats_url, [r], html if args.solo and i == 0 else None)
+                for i, r in enumerate(solo.jobs.values())
+            ]
             if shared_set is not None:
                 await _predict(report, stack.nats_url, solo)
                 print(f"shared run: {args.jobs} jobs at once, one accelerator (group {SHARED_GROUP}):", flush=True)
@@ -113,8 +154,10 @@ async def _predict(report: DemoReport, nats_url: str, solo: RunResult) -> None:
         report.prediction_error = str(exc)
         return
     report.predicted_shared_s, report.predicted_switch_costs = p.shared_s, p.switch_costs
-    print(f"timeslice advise, from the solo runs: sharing should take {p.shared_s:.2f} s ({p.switches} switches)",
-          flush=True)
+    print(
+        f"timeslice advise, from the solo runs: sharing should take {p.shared_s:.2f} s ({p.switches} switches)",
+        flush=True,
+    )
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -160,28 +203,51 @@ def _positive(text: str) -> int:
 
 def register(sub: Any) -> None:
     """Add ``timeslice demo`` to the ``timeslice`` command's subparsers."""
-    p = sub.add_parser("demo", help="real RL jobs time-slicing one accelerator: shared vs back to back",
-                       description="Start a private stack (nats-server, orchestrator, snapshot agent), run small GRPO "
-                                   "jobs back to back and then sharing one accelerator, and report wall times, the "
-                                   "lock's duty cycle and handoffs, snapshot/restore times, a bit-identity check of "
-                                   "each job's final weights, and an HTML timeline.")
+    p = sub.add_parser(
+        "demo",
+        help="real RL jobs time-slicing one accelerator: shared vs back to back",
+        description="Start a private stack (nats-server, orchestrator, snapshot agent), run small GRPO "
+        "jobs back to back and then sharing one accelerator, and report wall times, the "
+        "lock's duty cycle and handoffs, snapshot/restore times, a bit-identity check of "
+        "each job's final weights, and an HTML timeline.",
+    )
     p.add_argument("--jobs", type=_positive, default=2, help="RL jobs (default 2)")
     p.add_argument("--steps", type=_positive, default=20, help="training steps per job (default 20: ~1.5 min in all)")
     p.add_argument("--solo", action="store_true", help="run the jobs back to back only")
-    p.add_argument("--html", default=None, metavar="FILE",
-                   help="the HTML timeline of the shared run (with --solo: of the first job's solo run); default "
-                        "timeline.html in the work directory")
+    p.add_argument(
+        "--html",
+        default=None,
+        metavar="FILE",
+        help="the HTML timeline of the shared run (with --solo: of the first job's solo run); default "
+        "timeline.html in the work directory",
+    )
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--torch", dest="backend", action="store_const", const="torch",
-                       help="torch model (default when torch is installed)")
-    which.add_argument("--numpy", dest="backend", action="store_const", const="numpy",
-                       help="numpy model (default without torch)")
-    p.add_argument("--workdir", default=None, help="where weights, job logs and the timeline go (default: a new "
-                                                   "temporary directory)")
-    p.add_argument("--json", action="store_true",
-                   help="the report as JSON on stdout (the progress and the readable report go to stderr)")
+    which.add_argument(
+        "--torch",
+        dest="backend",
+        action="store_const",
+        const="torch",
+        help="torch model (default when torch is installed)",
+    )
+    which.add_argument(
+        "--numpy", dest="backend", action="store_const", const="numpy", help="numpy model (default without torch)"
+    )
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="where weights, job logs and the timeline go (default: a new temporary directory)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="the report as JSON on stdout (the progress and the readable report go to stderr)",
+    )
     p.add_argument("-o", "--output", default=None, metavar="FILE", help="also write the report as JSON to FILE")
     p.add_argument("--hidden", type=_positive, default=768, help="hidden width of the policy MLP (default 768)")
-    p.add_argument("--reward-latency-ms", type=float, default=500.0,
-                   help="modelled latency of the remote reward service per step (default 500)")
+    p.add_argument(
+        "--reward-latency-ms",
+        type=float,
+        default=500.0,
+        help="modelled latency of the remote reward service per step (default 500)",
+    )
     p.set_defaults(func=_main, backend=None)

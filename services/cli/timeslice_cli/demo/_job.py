@@ -218,8 +218,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--length", type=int, default=8, help="digits per prompt")
     p.add_argument("--prompts", type=int, default=32, help="prompts per step")
     p.add_argument("--group-size", type=int, default=8, help="answers sampled per prompt (GRPO group)")
-    p.add_argument("--reward-latency-ms", type=float, default=500.0,
-                   help="modelled latency of the remote reward service, per step")
+    p.add_argument(
+        "--reward-latency-ms", type=float, default=500.0, help="modelled latency of the remote reward service, per step"
+    )
     p.add_argument("--lease-seconds", type=float, default=30.0)
     return p.parse_args(argv)
 

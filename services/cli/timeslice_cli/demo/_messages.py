@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["Built", "Done", "Failed", "JobMessage", "Offload", "PhaseChange", "Ready", "StepDone", "decode",
-           "encode"]
+__all__ = ["Built", "Done", "Failed", "JobMessage", "Offload", "PhaseChange", "Ready", "StepDone", "decode", "encode"]
 
 
 class Built(msgspec.Struct, frozen=True, tag="built"):

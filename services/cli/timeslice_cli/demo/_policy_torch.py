@@ -28,8 +28,10 @@ class TorchPolicy:
         torch.set_num_threads(1)
         torch.manual_seed(seed)
         self.trainer = torch.nn.Sequential(
-            torch.nn.Linear(features, hidden), torch.nn.Tanh(),
-            torch.nn.Linear(hidden, hidden), torch.nn.Tanh(),
+            torch.nn.Linear(features, hidden),
+            torch.nn.Tanh(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.Tanh(),
             torch.nn.Linear(hidden, vocab),
         )
         self.rollout = copy.deepcopy(self.trainer).requires_grad_(False)
@@ -37,8 +39,9 @@ class TorchPolicy:
 
     def handler(self) -> WorkloadHandler:
         """The trainer's and rollout copy's weights (tag ``weights``) and Adam's state (``optimizer``)."""
-        return TorchOffloadHandler(modules={"weights": [self.trainer, self.rollout]},
-                                   optimizers={"optimizer": self.opt}, device="cpu")  # the model lives on the CPU
+        return TorchOffloadHandler(
+            modules={"weights": [self.trainer, self.rollout]}, optimizers={"optimizer": self.opt}, device="cpu"
+        )  # the model lives on the CPU
 
     def probs(self, x: Array) -> Array:
         with torch.no_grad():

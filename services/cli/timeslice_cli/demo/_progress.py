@@ -35,9 +35,11 @@ class _Line:
         state = state or ("done" if self.done else ("HOLDING " if self.holding else "") + self.phase)
         where = "off-accelerator" if self.offloaded else "on-accelerator"
         reward = f"{'-':>5}" if self.reward is None else f"{self.reward:5.3f}"
-        return (f"  {self.job:<8} {self.run:<6} step {self.step:>3}/{self.steps:<3} reward {reward}  "
-                f"{state:<20} waited {self.waited_ms / 1000:6.1f}s  state {where:<15} "
-                f"moved out/in {self.suspends}/{self.resumes}")
+        return (
+            f"  {self.job:<8} {self.run:<6} step {self.step:>3}/{self.steps:<3} reward {reward}  "
+            f"{state:<20} waited {self.waited_ms / 1000:6.1f}s  state {where:<15} "
+            f"moved out/in {self.suspends}/{self.resumes}"
+        )
 
 
 class Progress:

@@ -53,10 +53,24 @@ async def lock_figures(nats_url: str, jobs: list[JobResult], html: Path | None =
     if html is not None:
         await asyncio.to_thread(write_html, replay, html)
     g = replay.summary.groups[group]
-    return LockFigures(group, g.window_ms, g.duty_cycle, g.grants, g.switches, g.handoffs, g.handoff_p50_ms,
-                       g.wait_p50_ms, g.wait_p95_ms, g.snapshot_p50_ms, g.restore_p50_ms, g.snapshot_gbps,
-                       g.restore_gbps, g.faults, len(replay.violations),
-                       [f"{f.job}: {f.reason}" for f in replay.groups[group].faults])
+    return LockFigures(
+        group,
+        g.window_ms,
+        g.duty_cycle,
+        g.grants,
+        g.switches,
+        g.handoffs,
+        g.handoff_p50_ms,
+        g.wait_p50_ms,
+        g.wait_p95_ms,
+        g.snapshot_p50_ms,
+        g.restore_p50_ms,
+        g.snapshot_gbps,
+        g.restore_gbps,
+        g.faults,
+        len(replay.violations),
+        [f"{f.job}: {f.reason}" for f in replay.groups[group].faults],
+    )
 
 
 def weights_identical(a: Path, b: Path) -> bool:
@@ -103,9 +117,21 @@ def job_figures(run: RunResult) -> list[JobFigures]:
         sus = [o.elapsed_ms for o in r.offloads if o.action == "suspend"]
         res = [o.elapsed_ms for o in r.offloads if o.action == "resume"]
         moved = [o.bytes_moved for o in r.offloads if o.action == "suspend"]
-        out.append(JobFigures(job, run.label, r.done.loop_s, r.done.final_reward, r.done.suspends, r.done.resumes,
-                              statistics.median(sus) if sus else None, statistics.median(res) if res else None,
-                              max(moved, default=0), r.built.backend, r.built.torch_available))
+        out.append(
+            JobFigures(
+                job,
+                run.label,
+                r.done.loop_s,
+                r.done.final_reward,
+                r.done.suspends,
+                r.done.resumes,
+                statistics.median(sus) if sus else None,
+                statistics.median(res) if res else None,
+                max(moved, default=0),
+                r.built.backend,
+                r.built.torch_available,
+            )
+        )
     return out
 
 
@@ -153,8 +179,12 @@ class DemoReport:
         return all(i.identical for i in self.identity)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "ratio": self.ratio, "all_identical": self.identical,
-                "prediction_ratio": self.prediction_ratio}
+        return {
+            **asdict(self),
+            "ratio": self.ratio,
+            "all_identical": self.identical,
+            "prediction_ratio": self.prediction_ratio,
+        }
 
     def render(self) -> str:
         moved = max((f.bytes_per_offload for f in self.shared), default=0)
@@ -172,18 +202,22 @@ class DemoReport:
         lines.append(f"  back to back      {self.back_to_back_s:7.2f} s")
         if self.shared_s is not None and self.ratio is not None:
             verdict = "meets" if self.ratio < GOAL_RATIO else "MISSES"
-            lines.append(f"  shared            {self.shared_s:7.2f} s   = {self.ratio:.2f} x back to back "
-                         f"({verdict} the < {GOAL_RATIO} goal)")
+            lines.append(
+                f"  shared            {self.shared_s:7.2f} s   = {self.ratio:.2f} x back to back "
+                f"({verdict} the < {GOAL_RATIO} goal)"
+            )
         if self.predicted_shared_s is not None:
             vs = f" = {self.prediction_ratio:.2f} x measured" if self.prediction_ratio is not None else ""
-            lines.append(f"  predicted shared  {self.predicted_shared_s:7.2f} s{vs} (timeslice advise, from the solo "
-                         f"runs; switch costs: {self.predicted_switch_costs})")
+            lines.append(
+                f"  predicted shared  {self.predicted_shared_s:7.2f} s{vs} (timeslice advise, from the solo "
+                f"runs; switch costs: {self.predicted_switch_costs})"
+            )
         elif self.prediction_error:
             lines.append(f"  no prediction: {self.prediction_error}")
         if self.shared_lock is not None:
             g = self.shared_lock
             solo_duty = [s.duty_cycle for s in self.solo_lock]
-            solo_txt = (f" (solo: {statistics.mean(solo_duty):.0%} held)" if solo_duty else "")
+            solo_txt = f" (solo: {statistics.mean(solo_duty):.0%} held)" if solo_duty else ""
             lines += [
                 "",
                 f"accelerator lock (group {g.group}, from the stream via timeslice replay)",
@@ -198,14 +232,17 @@ class DemoReport:
         elif self.solo_lock:
             lines += ["", "accelerator lock, each job alone (from the stream via timeslice replay)"]
             for f, g in zip(self.solo, self.solo_lock, strict=True):
-                lines.append(f"  {f.job:<8} duty cycle {g.duty_cycle:.0%} held, {g.grants} grants, "
-                             f"{g.switches} switches")
+                lines.append(
+                    f"  {f.job:<8} duty cycle {g.duty_cycle:.0%} held, {g.grants} grants, {g.switches} switches"
+                )
         if self.shared:
             lines.append("  state moved, as each job saw it (its handler's own time per call):")
             for f in self.shared:
-                lines.append(f"    {f.job:<8} out {f.suspends:>3}x (p50 {_ms(f.suspend_p50_ms)}), "
-                             f"in {f.resumes:>3}x (p50 {_ms(f.resume_p50_ms)}), "
-                             f"{f.bytes_per_offload / 1e6:.1f} MB each")
+                lines.append(
+                    f"    {f.job:<8} out {f.suspends:>3}x (p50 {_ms(f.suspend_p50_ms)}), "
+                    f"in {f.resumes:>3}x (p50 {_ms(f.resume_p50_ms)}), "
+                    f"{f.bytes_per_offload / 1e6:.1f} MB each"
+                )
         if self.identity:
             lines += ["", "final weights + optimizer state, shared run vs solo run"]
             for i in self.identity:

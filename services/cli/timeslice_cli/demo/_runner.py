@@ -74,10 +74,31 @@ def _now_ms() -> int:
 
 
 def _command(spec: JobSpec, stack: Stack, group: str, out: Path) -> list[str]:
-    return [sys.executable, "-m", "timeslice_cli.demo._job", "--job", spec.job, "--group", group,
-            "--nats-url", stack.nats_url, "--node-id", stack.node_id, "--out", str(out),
-            "--backend", spec.backend, "--steps", str(spec.steps), "--seed", str(spec.seed),
-            "--hidden", str(spec.hidden), "--reward-latency-ms", str(spec.reward_latency_ms)]
+    return [
+        sys.executable,
+        "-m",
+        "timeslice_cli.demo._job",
+        "--job",
+        spec.job,
+        "--group",
+        group,
+        "--nats-url",
+        stack.nats_url,
+        "--node-id",
+        stack.node_id,
+        "--out",
+        str(out),
+        "--backend",
+        spec.backend,
+        "--steps",
+        str(spec.steps),
+        "--seed",
+        str(spec.seed),
+        "--hidden",
+        str(spec.hidden),
+        "--reward-latency-ms",
+        str(spec.reward_latency_ms),
+    ]
 
 
 def _tail(path: Path, n: int = 2000) -> str:
@@ -140,8 +161,10 @@ class _Proc:
         if res.failed is not None:
             raise DemoError(f"job {res.spec.job} failed: {res.failed.error} (log: {res.log})\n{_tail(res.log)}")
         if getattr(res, what) is None:
-            raise DemoError(f"job {res.spec.job} exited (status {self.proc.returncode}) before it was {what} "
-                            f"(log: {res.log})\n{_tail(res.log)}")
+            raise DemoError(
+                f"job {res.spec.job} exited (status {self.proc.returncode}) before it was {what} "
+                f"(log: {res.log})\n{_tail(res.log)}"
+            )
 
 
 class JobSet:
@@ -159,8 +182,9 @@ class JobSet:
                 for p in self._procs.values():
                     await p.built.wait()
         except TimeoutError as exc:
-            raise DemoError(f"the {self.label} jobs did not start within {BUILT_TIMEOUT_S:.0f} s; "
-                            f"logs in {self._workdir}") from exc
+            raise DemoError(
+                f"the {self.label} jobs did not start within {BUILT_TIMEOUT_S:.0f} s; logs in {self._workdir}"
+            ) from exc
         for p in self._procs.values():
             await p.check("built")
 
@@ -177,8 +201,9 @@ class JobSet:
                     for p in procs.values():
                         await p.ready.wait()
             except TimeoutError as exc:
-                raise DemoError(f"the {self.label} jobs did not register within {READY_TIMEOUT_S:.0f} s; "
-                                f"logs in {self._workdir}") from exc
+                raise DemoError(
+                    f"the {self.label} jobs did not register within {READY_TIMEOUT_S:.0f} s; logs in {self._workdir}"
+                ) from exc
             for p in procs.values():
                 await p.check("ready")
             wall = 0.0
@@ -193,8 +218,9 @@ class JobSet:
                         for job in wave:
                             await procs[job].finished.wait()
                 except TimeoutError as exc:
-                    raise DemoError(f"the {self.label} run did not finish within {bound:.0f} s; "
-                                    f"logs in {self._workdir}") from exc
+                    raise DemoError(
+                        f"the {self.label} run did not finish within {bound:.0f} s; logs in {self._workdir}"
+                    ) from exc
                 for job in wave:
                     await procs[job].check("done")
                 wall += max(procs[j].res.wall_s for j in wave)
@@ -207,8 +233,9 @@ class JobSet:
                 except TimeoutError:
                     code = None
                 if code != 0:
-                    raise DemoError(f"job {job} exited with {code} after its run (log: {p.res.log})\n"
-                                    f"{_tail(p.res.log)}")
+                    raise DemoError(
+                        f"job {job} exited with {code} after its run (log: {p.res.log})\n{_tail(p.res.log)}"
+                    )
         finally:
             self._progress.finish()
         return RunResult(self.label, {j: p.res for j, p in procs.items()}, wall)
@@ -224,8 +251,9 @@ async def _kill(proc: asyncio.subprocess.Process) -> None:
 
 
 @contextlib.asynccontextmanager
-async def started_jobs(stack: Stack, specs: list[JobSpec], *, label: str, groups: dict[str, str], workdir: Path,
-                       progress: Progress) -> AsyncIterator[JobSet]:
+async def started_jobs(
+    stack: Stack, specs: list[JobSpec], *, label: str, groups: dict[str, str], workdir: Path, progress: Progress
+) -> AsyncIterator[JobSet]:
     """Start a process per spec (job ``j`` will register in group ``groups[j]``); on the way out, kill
     those still running."""
     env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning", **dict.fromkeys(_THREAD_ENV, "1"))
@@ -239,7 +267,11 @@ async def started_jobs(stack: Stack, specs: list[JobSpec], *, label: str, groups
                 try:
                     proc = await asyncio.create_subprocess_exec(
                         *_command(s, stack, res.group, workdir / f"{label}-{s.job}.npz"),
-                        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log, env=env)
+                        stdin=asyncio.subprocess.PIPE,
+                        stdout=asyncio.subprocess.PIPE,
+                        stderr=log,
+                        env=env,
+                    )
                 finally:
                     log.close()
                 procs[s.job] = _Proc(proc, res)

@@ -23,8 +23,13 @@ __all__ = ["render_html", "write_html"]
 
 def _embed(data: object) -> str:
     text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return (text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
+    return (
+        text.replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+        .replace("&", "\\u0026")
+        .replace("\u2028", "\\u2028")
+        .replace("\u2029", "\\u2029")
+    )
 
 
 def _template() -> str:
@@ -38,8 +43,7 @@ def render_html(replay: Replay, *, title: str = "timeslice replay") -> str:
     data = replay.to_json()
     data["title"] = title
     data["fmt"] = {"window": fmt_ms(replay.until_ms - replay.since_ms)}
-    return (_template().replace("__TITLE__", html.escape(title))
-            .replace("__DATA__", _embed(data)))
+    return _template().replace("__TITLE__", html.escape(title)).replace("__DATA__", _embed(data))
 
 
 def write_html(replay: Replay, path: Path) -> None:

@@ -45,14 +45,17 @@ async def read_window(
         try:
             info = await js.stream_info(STREAM)
         except NotFoundError as exc:
-            raise ReplayError(f"stream {STREAM} does not exist on {nats_url or 'the default server'}: "
-                              "nothing was ever recorded there (is the orchestrator running against it?)") from exc
+            raise ReplayError(
+                f"stream {STREAM} does not exist on {nats_url or 'the default server'}: "
+                "nothing was ever recorded there (is the orchestrator running against it?)"
+            ) from exc
         first, last = info.state.first_seq, info.state.last_seq
         out: list[StreamEvent] = []
         if last == 0 or last < first:
             return out
-        sub = await js.subscribe(subjects.all_events, stream=STREAM, ordered_consumer=True,
-                                 deliver_policy=DeliverPolicy.ALL)
+        sub = await js.subscribe(
+            subjects.all_events, stream=STREAM, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+        )
         try:
             async with asyncio.timeout(timeout):
                 while True:
@@ -63,14 +66,18 @@ async def read_window(
                     if group is None or group_of(msg.subject, msg.data) == group:
                         out.append(StreamEvent(seq=seq, ts_ms=ts, subject=msg.subject, data=msg.data))
                         if len(out) > max_events:
-                            raise ReplayError(f"more than {max_events} messages to replay: pass an earlier "
-                                              "--until or a --group to read less")
+                            raise ReplayError(
+                                f"more than {max_events} messages to replay: pass an earlier "
+                                "--until or a --group to read less"
+                            )
                     if seq >= last:
                         break
         except (TimeoutError, NatsTimeout) as exc:
-            raise ReplayError(f"reading stream {STREAM} took longer than {timeout} s "
-                              f"({len(out)} of up to {last - first + 1} messages read): retry with a longer "
-                              "timeout or a narrower window") from exc
+            raise ReplayError(
+                f"reading stream {STREAM} took longer than {timeout} s "
+                f"({len(out)} of up to {last - first + 1} messages read): retry with a longer "
+                "timeout or a narrower window"
+            ) from exc
         finally:
             await sub.unsubscribe()
         return out

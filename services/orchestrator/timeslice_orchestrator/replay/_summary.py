@@ -60,13 +60,15 @@ def _group_summary(tl: GroupTimeline, ops: Sequence[OpBar], since: int, until: i
         snapshot_gbps=snap_gbps,
         restore_gbps=rest_gbps,
         faults=sum(1 for f in tl.faults if since <= f.ts_ms <= until),
-        lease_expiries=sum(1 for h in tl.holds
-                           if h.end_ms is not None and since <= h.end_ms <= until and h.end != "released"),
+        lease_expiries=sum(
+            1 for h in tl.holds if h.end_ms is not None and since <= h.end_ms <= until and h.end != "released"
+        ),
         window_ms=window,
         grants=len(grants),
         handoff_p50_ms=_median([float(h.ms) for h in handoffs]),
-        yield_requests=sum(1 for h in tl.holds if h.yield_requested_ms is not None and since <= h.yield_requested_ms
-                           <= until),
+        yield_requests=sum(
+            1 for h in tl.holds if h.yield_requested_ms is not None and since <= h.yield_requested_ms <= until
+        ),
     )
 
 

@@ -46,29 +46,77 @@ def render_summary(replay: Replay) -> str:
     """Per group: duty cycle, switches, handoffs, waits, snapshot/restore times and GB/s, faults, lease
     expiries; per job: held, waited and phase time. Ends with a newline."""
     s = replay.summary
-    lines = [f"replay {_when(s.since_ms)} .. {_when(s.until_ms)} ({fmt_ms(s.until_ms - s.since_ms)}), "
-             f"stream seq {replay.first_seq}..{replay.last_seq}", ""]
+    lines = [
+        f"replay {_when(s.since_ms)} .. {_when(s.until_ms)} ({fmt_ms(s.until_ms - s.since_ms)}), "
+        f"stream seq {replay.first_seq}..{replay.last_seq}",
+        "",
+    ]
     if not s.groups:
         lines.append("no group had any event in this window")
     else:
-        rows = [[g, f"{gs.duty_cycle * 100:.1f}%", str(gs.grants), str(gs.switches), str(gs.handoffs),
-                 fmt_ms(gs.wait_p50_ms), fmt_ms(gs.wait_p95_ms), fmt_ms(gs.snapshot_p50_ms), _gbps(gs.snapshot_gbps),
-                 fmt_ms(gs.restore_p50_ms), _gbps(gs.restore_gbps), str(gs.faults), str(gs.lease_expiries)]
-                for g, gs in sorted(s.groups.items())]
-        lines += _table(["GROUP", "DUTY", "GRANTS", "SWITCHES", "HANDOFFS", "WAIT p50", "WAIT p95", "SNAPSHOT p50",
-                         "GB/s", "RESTORE p50", "GB/s", "FAULTS", "LEASE EXP"], rows, set(range(1, 13)))
+        rows = [
+            [
+                g,
+                f"{gs.duty_cycle * 100:.1f}%",
+                str(gs.grants),
+                str(gs.switches),
+                str(gs.handoffs),
+                fmt_ms(gs.wait_p50_ms),
+                fmt_ms(gs.wait_p95_ms),
+                fmt_ms(gs.snapshot_p50_ms),
+                _gbps(gs.snapshot_gbps),
+                fmt_ms(gs.restore_p50_ms),
+                _gbps(gs.restore_gbps),
+                str(gs.faults),
+                str(gs.lease_expiries),
+            ]
+            for g, gs in sorted(s.groups.items())
+        ]
+        lines += _table(
+            [
+                "GROUP",
+                "DUTY",
+                "GRANTS",
+                "SWITCHES",
+                "HANDOFFS",
+                "WAIT p50",
+                "WAIT p95",
+                "SNAPSHOT p50",
+                "GB/s",
+                "RESTORE p50",
+                "GB/s",
+                "FAULTS",
+                "LEASE EXP",
+            ],
+            rows,
+            set(range(1, 13)),
+        )
     if s.jobs:
         phases = sorted({p for js in s.jobs.values() for p in js.phase_ms})
-        rows = [[j, str(js.grants), fmt_ms(js.held_ms), fmt_ms(js.waited_ms),
-                 *(fmt_ms(js.phase_ms[p]) if p in js.phase_ms else "-" for p in phases)]
-                for j, js in s.jobs.items()]
-        lines += ["", *_table(["JOB", "GRANTS", "HELD", "WAITED", *(p.upper() for p in phases)], rows,
-                              set(range(1, 4 + len(phases))))]
+        rows = [
+            [
+                j,
+                str(js.grants),
+                fmt_ms(js.held_ms),
+                fmt_ms(js.waited_ms),
+                *(fmt_ms(js.phase_ms[p]) if p in js.phase_ms else "-" for p in phases),
+            ]
+            for j, js in s.jobs.items()
+        ]
+        lines += [
+            "",
+            *_table(
+                ["JOB", "GRANTS", "HELD", "WAITED", *(p.upper() for p in phases)], rows, set(range(1, 4 + len(phases)))
+            ),
+        ]
     asked = [(g, h) for g, tl in sorted(replay.groups.items()) for h in tl.holds if h.yield_requested_ms is not None]
     if asked:
         lines += ["", "asked to yield (held past the group's quantum while others waited):"]
-        lines += [f"  {_when(h.yield_requested_ms or 0)} {g}/{h.job} at epoch {h.epoch}, released "
-                  f"{fmt_ms((h.end_ms - (h.yield_requested_ms or 0)) if h.end_ms else None)} later" for g, h in asked]
+        lines += [
+            f"  {_when(h.yield_requested_ms or 0)} {g}/{h.job} at epoch {h.epoch}, released "
+            f"{fmt_ms((h.end_ms - (h.yield_requested_ms or 0)) if h.end_ms else None)} later"
+            for g, h in asked
+        ]
     faults = [(g, f) for g, tl in sorted(replay.groups.items()) for f in tl.faults]
     if faults:
         lines += ["", "faults:"] + [f"  {_when(f.ts_ms)} {g}/{f.job}: {f.reason}" for g, f in faults]
