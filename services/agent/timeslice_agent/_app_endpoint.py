@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, cast
 from urllib.parse import urlencode, urlsplit
 
 from timeslice_client.protocol import JobContext, SuspendMode
@@ -72,9 +72,9 @@ def parse_endpoint(spec: str) -> Endpoint:
             "(the server is node-local; put TLS termination elsewhere)"
         )
     return Endpoint(
-        app=app,
+        app=cast("App", app),  # checked against _APPS above
         host=parts.hostname,
-        port=parts.port or 80,  # type: ignore[arg-type]
+        port=parts.port or 80,
         base_path=parts.path.rstrip("/"),
         url=url,
     )
