@@ -86,12 +86,19 @@ class _Internals(Protocol):
 
 class _Selector(selectors.DefaultSelector):
     """The loop's selector: its ``select`` does not wait while ``nonblocking`` (the loop's thread runs the loop
-    only for what is ready; it waits on an epoll of its own outside the mutex)."""
+    only for what is ready; it waits on an epoll of its own outside the mutex), nor past ``deadline`` (a call's
+    limit, monotonic s: cheaper than a timer of the loop's, which a call would make and cancel every time)."""
 
     nonblocking = False
+    deadline = math.inf
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        return super().select(0 if self.nonblocking else timeout)
+        if self.nonblocking:
+            timeout = 0
+        elif self.deadline != math.inf:
+            left = max(0.0, self.deadline - time.monotonic())
+            timeout = left if timeout is None else min(timeout, left)
+        return super().select(timeout)
 
 
 class _Waits:
@@ -166,6 +173,9 @@ class SharedLoop:
             self.loop._asyncgen_firstiter_hook,  # type: ignore[attr-defined]
             self.loop._asyncgen_finalizer_hook,  # type: ignore[attr-defined]
         )
+        self._main = threading.main_thread().ident  # the thread whose SIGINT handler a call may swap
+        self._cut = _Cut(self._inner)  # reset by each call (one call drives the loop at a time)
+        self._on_sigint = self._cut.handler
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -326,15 +336,17 @@ class SharedLoop:
     def _run_here(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
         """Run the loop on this thread until ``coro`` is done (mutex held). Once it is cut short (Ctrl-C, or
         ``timeout``), its cleanup runs for at most :data:`INTERRUPT_GRACE_S` more."""
-        loop, run_once = self.loop, self._inner._run_once
+        loop, run_once, selector = self.loop, self._inner._run_once, self._selector
         task = loop.create_task(coro)
-        cut = _Cut(task, self._inner)
-        timer = None if timeout is None else loop.call_later(timeout, cut.expire)
+        cut = self._cut
+        cut.reset(task)
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         guard: asyncio.TimerHandle | None = None
-        swap = threading.current_thread() is threading.main_thread() and _csignal.getsignal(_SIGINT) is _DEFAULT_INT
+        swap = threading.get_ident() == self._main and _csignal.getsignal(_SIGINT) is _DEFAULT_INT
         try:
             if swap:
-                _csignal.signal(_SIGINT, cut.handler)
+                _csignal.signal(_SIGINT, self._on_sigint)
+            selector.deadline = deadline  # the select returns by the call's limit
             try:
                 while not task.done():
                     if cut.give_up is not None:
@@ -342,17 +354,21 @@ class SharedLoop:
                             break
                         if guard is None:  # the select returns by then
                             guard = loop.call_at(loop.time() + INTERRUPT_GRACE_S, _nothing)
+                    elif time.monotonic() >= deadline:
+                        selector.deadline = math.inf  # from here the guard below bounds the select
+                        cut.expire()
+                        continue
                     run_once()
             except KeyboardInterrupt:  # a second Ctrl-C, or a SIGINT handler of the caller's own
                 if not cut.interrupted:
+                    selector.deadline = math.inf
                     cut.interrupt()
                     self._drive(task, time.monotonic() + INTERRUPT_GRACE_S)
                 raise
         finally:
+            selector.deadline = math.inf
             if swap:
                 _csignal.signal(_SIGINT, _DEFAULT_INT)
-            if timer is not None:
-                timer.cancel()
             if guard is not None:
                 guard.cancel()
         if cut.interrupted:
@@ -410,17 +426,23 @@ class _Cut:
     Either cancels the call's task, whose cleanup then runs; ``give_up`` is when the call stops waiting for it.
     A second Ctrl-C raises ``KeyboardInterrupt`` at once. The handler is installed only over Python's default."""
 
-    def __init__(self, task: asyncio.Task[Any], loop: _Internals) -> None:
-        self.task = task
+    def __init__(self, loop: _Internals) -> None:
         self.loop = loop
+        self.task: asyncio.Task[Any] | None = None
         self.interrupted = False
         self.expired = False
         self.give_up: float | None = None
 
+    def reset(self, task: asyncio.Task[Any]) -> None:
+        """For the call of ``task`` (the loop's calls reuse one: allocated once, not on every call's path)."""
+        self.task = task
+        self.interrupted = self.expired = False
+        self.give_up = None
+
     def _cut(self) -> None:
         if self.give_up is None:
             self.give_up = time.monotonic() + INTERRUPT_GRACE_S
-        if not self.task.done():
+        if self.task is not None and not self.task.done():
             self.task.cancel()
 
     def expire(self) -> None:
