@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -55,14 +56,19 @@ def pod_json(
 
 
 class FakeKubeApi:
-    """``GET /api/v1/pods?...`` answered with ``pods`` (or ``status``/``body`` when set); every request is recorded
-    (path, headers). ``hang``: the handler waits on it (at most 10 s) before answering: an API that does not answer."""
+    """``GET /api/v1/pods?...`` answered with ``pods`` (or ``status``/``body`` when set), a page of ``limit`` at a
+    time as the real API pages (``metadata.continue``: an opaque token, here the offset); every request is recorded
+    (path, headers). ``hang``: the handler waits on it (at most 10 s) before answering: an API that does not answer.
+    ``expire_next_continue``: the next request that carries a token is answered 410 Gone (its token expired), once;
+    ``endless``: every page carries a token (a list that never ends)."""
 
     def __init__(self) -> None:
         self.pods: list[dict[str, Any]] = []
         self.status = 200
         self.body: bytes | None = None
         self.hang: threading.Event | None = None
+        self.expire_next_continue = False
+        self.endless = False
         self.requests: list[tuple[str, dict[str, str]]] = []
         self._mu = threading.Lock()
         api = self
@@ -73,9 +79,7 @@ class FakeKubeApi:
                     api.requests.append((self.path, dict(self.headers)))
                     status, body = api.status, api.body
                     if body is None:
-                        body = json.dumps(
-                            {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": list(api.pods)}
-                        ).encode()
+                        status, body = api._page(self.path)
                     hang = api.hang
                 if hang is not None:
                     hang.wait(10)
@@ -93,6 +97,21 @@ class FakeKubeApi:
         self._thread = threading.Thread(
             target=self._server.serve_forever, args=(0.05,), name="fake-kube-api", daemon=True
         )
+
+    def _page(self, path: str) -> tuple[int, bytes]:
+        """The answer to a list request (lock held): a page from its token's offset, of its limit."""
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)
+        token = query.get("continue", [""])[0]
+        if token and self.expire_next_continue:
+            self.expire_next_continue = False
+            gone = {"kind": "Status", "status": "Failure", "reason": "Expired", "code": 410}
+            return 410, json.dumps(gone).encode()
+        start = int(token or 0)
+        limit = int(query.get("limit", [str(len(self.pods) or 1)])[0])
+        items = self.pods[start : start + limit]
+        more = self.endless or start + limit < len(self.pods)
+        meta = {"resourceVersion": "7", **({"continue": str(start + limit)} if more else {})}
+        return 200, json.dumps({"kind": "PodList", "apiVersion": "v1", "metadata": meta, "items": items}).encode()
 
     @property
     def url(self) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from timeslice_agent._errors import PodListError
-from timeslice_agent._pods import KubePodSource, Pod, parse_pod_list
+from timeslice_agent._pods import MAX_PAGES, MAX_PODS, PAGE_SIZE, KubePodSource, Pod, parse_pod_list
 from timeslice_agent._untrusted import Refusal
 
 from .pod_fakes import FakeKubeApi, cid, pod_json
@@ -53,6 +53,7 @@ async def test_the_query_names_this_node_and_the_label_and_sends_the_token(
     assert urllib.parse.parse_qs(url.query) == {
         "fieldSelector": ["spec.nodeName=node-a"],
         "labelSelector": ["timeslice.io/job-id"],
+        "limit": [str(PAGE_SIZE)],
     }
     assert headers["Authorization"] == "Bearer first-token"
     token.write_text("rotated-token")  # projected service-account tokens are rotated: read at every call
@@ -71,6 +72,51 @@ async def test_a_malformed_pod_is_skipped_and_counted_and_the_others_are_used(ku
     pods = await KubePodSource(kube_api.url, "node-a", timeout_s=5, refused=refused.append).list_pods()
     assert [p.name for p in pods] == ["ok"]
     assert sorted(refused) == sorted([Refusal.INVALID_ID, Refusal.UNDECODABLE, Refusal.INVALID_ID])
+
+
+def _uid(n: int) -> str:
+    return f"{n:08x}-5d6e-4f70-8a9b-0c1d2e3f4a5b"
+
+
+async def test_a_list_in_pages_is_read_to_its_end_in_order(kube_api: FakeKubeApi) -> None:
+    kube_api.set_pods(*(pod_json(_uid(i), f"p{i}", job=f"j{i}") for i in range(5)))
+    pods = await KubePodSource(kube_api.url, "node-a", timeout_s=5, page_size=2).list_pods()
+    assert [p.name for p in pods] == ["p0", "p1", "p2", "p3", "p4"]
+    queries = [urllib.parse.parse_qs(urllib.parse.urlsplit(path).query) for path, _ in kube_api.requests]
+    assert [q["limit"] for q in queries] == [["2"]] * 3
+    assert [q.get("continue") for q in queries] == [None, ["2"], ["4"]]  # each page asks from the last one's token
+    assert all(q["fieldSelector"] == ["spec.nodeName=node-a"] for q in queries)
+
+
+async def test_a_continue_token_that_expired_starts_the_listing_again_once(kube_api: FakeKubeApi) -> None:
+    kube_api.set_pods(*(pod_json(_uid(i), f"p{i}", job="j") for i in range(3)))
+    kube_api.expire_next_continue = True  # the list changed while it was read: 410 Gone for the second page
+    pods = await KubePodSource(kube_api.url, "node-a", timeout_s=5, page_size=2).list_pods()
+    assert [p.name for p in pods] == ["p0", "p1", "p2"]  # read again from the start: nothing twice, nothing lost
+    assert len(kube_api.requests) == 4  # page 1, page 2 (410), page 1, page 2
+
+
+async def test_a_list_that_never_ends_is_cut_at_max_pages(kube_api: FakeKubeApi) -> None:
+    kube_api.endless = True  # every page names a next one, and none holds a pod
+    with pytest.raises(PodListError, match=f"did not end within {MAX_PAGES} pages"):
+        await KubePodSource(kube_api.url, "node-a", timeout_s=5, page_size=1).list_pods()
+    assert len(kube_api.requests) == MAX_PAGES
+
+
+async def test_pods_past_max_pods_over_several_pages_are_not_read_and_counted_once(kube_api: FakeKubeApi) -> None:
+    kube_api.set_pods(*(pod_json(_uid(i), f"p{i}", job="j") for i in range(MAX_PODS + 10)))
+    refused: list[Refusal] = []
+    source = KubePodSource(kube_api.url, "node-a", timeout_s=5, page_size=300, refused=refused.append)
+    pods = await source.list_pods()
+    assert len(pods) == MAX_PODS and pods[-1].name == f"p{MAX_PODS - 1}"
+    assert refused == [Refusal.TOO_LARGE]
+    assert len(kube_api.requests) == -(-MAX_PODS // 300)  # the pages up to MAX_PODS, not the one after
+
+
+def test_a_page_size_out_of_range_is_refused() -> None:
+    for size in (0, MAX_PODS + 1):
+        with pytest.raises(ValueError, match="page_size"):
+            KubePodSource("http://127.0.0.1:1", "node-a", page_size=size)
 
 
 def test_parse_keeps_only_container_ids_it_can_read_and_bounds_strings() -> None:
@@ -92,6 +138,7 @@ def test_parse_keeps_only_container_ids_it_can_read_and_bounds_strings() -> None
     ("status", "body", "says"),
     [
         (403, b'{"kind":"Status","reason":"Forbidden"}', "may not list pods"),
+        (200, b'{"kind":"PodList","metadata":{"continue":"' + b"x" * 5000 + b'"},"items":[]}', "continue token"),
         (500, b"oops", "HTTP 500"),
         (200, b"<html>not json</html>", "no pod list"),
         (200, b'{"kind":"PodList","items":[' + b'{"metadata":{}},' * 200_000 + b"{}]}", "larger than"),

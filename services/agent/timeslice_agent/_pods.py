@@ -3,10 +3,12 @@
 * :class:`Pod` is what the agent uses of a pod: its UID (which its processes' cgroups name), namespace and name (for
   the logs), the raw values of its ``timeslice.io/job-id`` and ``timeslice.io/group`` labels (checked by the
   discovery, whatever source listed them), its phase and its containers' runtime ids.
-* :class:`PodSource` is the seam (``list_pods()``); :class:`KubePodSource` the real one: one
-  ``GET /api/v1/pods?fieldSelector=spec.nodeName=<node>&labelSelector=timeslice.io/job-id`` per scan, in-cluster by
-  default (the service account's token and CA under ``/var/run/secrets/kubernetes.io/serviceaccount/``, the API at
-  ``$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT``), or an explicit URL (with an optional token file and CA).
+* :class:`PodSource` is the seam (``list_pods()``); :class:`KubePodSource` the real one:
+  ``GET /api/v1/pods?fieldSelector=spec.nodeName=<node>&labelSelector=timeslice.io/job-id&limit=<page>`` per scan,
+  page after page (the API's ``continue`` token; at most :data:`MAX_PAGES`, a listing whose token expired meanwhile,
+  HTTP 410, is started again once), in-cluster by default (the service account's token and CA under
+  ``/var/run/secrets/kubernetes.io/serviceaccount/``, the API at ``$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT``),
+  or an explicit URL (with an optional token file and CA).
 
 Why not the ``kubernetes`` client package: the agent makes one read-only GET per scan, and that package brings about
 a dozen dependencies (``requests``, ``google-auth``, ``websocket-client``, ``oauthlib``, ``durationpy``…) and tens of
@@ -15,10 +17,12 @@ does the GET, in a thread off the event loop (``asyncio.to_thread``), with a tim
 deadline on the whole call; no proxy is used (the API server is reached directly, as kubelet does) and no redirect
 is followed. The token file is read again for every call: projected service-account tokens are rotated.
 
-The answer is untrusted input: its size is bounded (``max_bytes``), it is decoded strictly where the agent reads it
-and leniently elsewhere (the API sends much more), each pod is decoded on its own (a malformed one is skipped, logged
-and counted, never the whole list), and every string is bounded. A list that is no pod list raises
-:class:`PodListError`, as does an answer other than HTTP 200; the discovery logs it and tries again next scan.
+The answer is untrusted input: each page's size is bounded (``max_bytes``), and so are the pages read
+(:data:`MAX_PAGES`), the pods kept (:data:`MAX_PODS`, over all pages) and a continue token's length; it is decoded
+strictly where the agent reads it and leniently elsewhere (the API sends much more), each pod is decoded on its own
+(a malformed one is skipped, logged and counted, never the whole list), and every string is bounded. A list that
+is no pod list raises :class:`PodListError`, as does an answer other than HTTP 200; the discovery logs it and tries
+again next scan.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ from ._untrusted import Refusal, shown
 __all__ = [
     "LABEL_GROUP",
     "LABEL_JOB",
+    "MAX_PAGES",
     "MAX_PODS",
+    "PAGE_SIZE",
     "POD_CHANNEL_PREFIX",
     "SERVICE_ACCOUNT_DIR",
     "KubePodSource",
@@ -51,6 +57,7 @@ __all__ = [
     "PodSource",
     "is_pod_channel",
     "parse_pod_list",
+    "parse_pod_page",
     "pod_channel",
 ]
 
@@ -60,7 +67,11 @@ LABEL_JOB: Final = "timeslice.io/job-id"  # the job a pod's processes are (its v
 LABEL_GROUP: Final = "timeslice.io/group"  # its group (optional: AgentConfig.pod_default_group)
 SERVICE_ACCOUNT_DIR: Final = "/var/run/secrets/kubernetes.io/serviceaccount"
 MAX_PODS: Final = 1024  # labelled pods on one node (the kubelet's default max-pods is 110)
-MAX_POD_LIST_BYTES: Final = 8 << 20  # the answer's size (a pod is a few KiB of JSON)
+MAX_POD_LIST_BYTES: Final = 8 << 20  # one page's size (a pod is a few KiB of JSON)
+PAGE_SIZE: Final = 256  # pods asked for per page (the API's ``limit``)
+MAX_PAGES: Final = 64  # pages read per listing: a listing whose continue token never ends is cut there
+_MAX_CONTINUE: Final = 4096  # a continue token's length (the API's are a few hundred bytes)
+_GONE: Final = 410  # the API: the continue token expired (the list changed too much meanwhile): list again
 MAX_CONTAINERS: Final = 64  # container ids read per pod
 POD_CHANNEL_PREFIX: Final = "pod-"  # RegisterJob.channel of a pod's registration: "pod-" + the pod's UID
 _MAX_NAME: Final = 253  # a namespace, name or label value (Kubernetes allows 63 for values, 253 for names)
@@ -128,8 +139,13 @@ class _PodItem(msgspec.Struct):
     status: _Status = msgspec.field(default_factory=_Status)
 
 
+class _ListMeta(msgspec.Struct):
+    continue_: str = msgspec.field(default="", name="continue")
+
+
 class _PodList(msgspec.Struct):
     kind: str = ""
+    metadata: _ListMeta = msgspec.field(default_factory=_ListMeta)
     items: list[msgspec.Raw] = []
 
 
@@ -142,19 +158,29 @@ Problem = tuple[Refusal, str]  # a pod skipped: why (a metric label) and what (a
 def parse_pod_list(data: bytes) -> tuple[list[Pod], list[Problem]]:
     """The labelled pods of an API answer (a ``PodList``), and the pods skipped with why. Raises ``ValueError`` when
     the answer is no pod list at all."""
+    pods, problems, _, over = parse_pod_page(data, room=MAX_PODS)
+    return pods, [*problems, _too_many()] if over else problems
+
+
+def _too_many() -> Problem:
+    return Refusal.TOO_LARGE, f"over {MAX_PODS} labelled pods on this node; the first {MAX_PODS} are used"
+
+
+def parse_pod_page(data: bytes, *, room: int) -> tuple[list[Pod], list[Problem], str, bool]:
+    """One page of a listing: its labelled pods (at most ``room``: what :data:`MAX_PODS` leaves), the pods skipped
+    with why, the token of the next page ("" on the last one), and whether pods past ``room`` were left. Raises
+    ``ValueError`` when the answer is no pod list at all, or its token is too long."""
     try:
         listing = _list_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ValueError(f"the answer is no pod list: {shown(str(exc), 200)}") from None
     if listing.kind not in ("", "PodList"):
         raise ValueError(f"the answer is a {shown(listing.kind)}, not a PodList")
+    if len(listing.metadata.continue_) > _MAX_CONTINUE:
+        raise ValueError(f"the list's continue token is longer than {_MAX_CONTINUE} characters")
     pods: list[Pod] = []
     problems: list[Problem] = []
-    if len(listing.items) > MAX_PODS:
-        problems.append(
-            (Refusal.TOO_LARGE, f"{len(listing.items)} labelled pods on this node; the first {MAX_PODS} are used")
-        )
-    for i, raw in enumerate(listing.items[:MAX_PODS]):
+    for i, raw in enumerate(listing.items[: max(0, room)]):
         try:
             item = _item_decoder.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -165,7 +191,7 @@ def parse_pod_list(data: bytes) -> tuple[list[Pod], list[Problem]]:
             pods.append(pod_or_problem)
         else:
             problems.append(pod_or_problem)
-    return pods, problems
+    return pods, problems, listing.metadata.continue_, len(listing.items) > room
 
 
 def _pod(item: _PodItem) -> Pod | Problem:
@@ -211,6 +237,7 @@ class KubePodSource:
         ca_file: str | None = None,
         timeout_s: float = 10.0,
         max_bytes: int = MAX_POD_LIST_BYTES,
+        page_size: int = PAGE_SIZE,
         refused: Callable[[Refusal], None] = lambda code: None,
     ) -> None:
         parts = urllib.parse.urlsplit(api)
@@ -221,11 +248,17 @@ class KubePodSource:
                 f"{node_name!r} is not a Kubernetes node name (a DNS subdomain: a-z 0-9 . -); give "
                 "--pod-node-name (the DaemonSet passes spec.nodeName)"
             )
-        if timeout_s <= 0 or max_bytes <= 0:
-            raise ValueError(f"timeout_s ({timeout_s}) and max_bytes ({max_bytes}) must be positive")
+        if timeout_s <= 0 or max_bytes <= 0 or not 0 < page_size <= MAX_PODS:
+            raise ValueError(
+                f"timeout_s ({timeout_s}) and max_bytes ({max_bytes}) must be positive, page_size ({page_size}) "
+                f"from 1 to {MAX_PODS}"
+            )
         self._https = parts.scheme == "https"
         self._host, self._port = parts.hostname, parts.port
-        query = urllib.parse.urlencode({"fieldSelector": f"spec.nodeName={node_name}", "labelSelector": LABEL_JOB})
+        self.page_size = page_size
+        query = urllib.parse.urlencode(
+            {"fieldSelector": f"spec.nodeName={node_name}", "labelSelector": LABEL_JOB, "limit": str(page_size)}
+        )
         self.path = f"{parts.path.rstrip('/')}/api/v1/pods?{query}"
         self.url = f"{parts.scheme}://{parts.netloc}{self.path}"
         self.node_name, self.token_file, self.timeout_s, self.max_bytes = node_name, token_file, timeout_s, max_bytes
@@ -270,17 +303,42 @@ class KubePodSource:
         )
 
     async def list_pods(self) -> list[Pod]:
-        """This node's labelled pods now. Raises :class:`PodListError` (no answer within the timeout, an HTTP error,
-        no pod list); pods that are malformed are skipped, logged and counted."""
-        try:
-            async with asyncio.timeout(self.timeout_s * 3):  # the call's own deadline is 2x; this is its backstop
-                data = await asyncio.to_thread(self._get)
-        except TimeoutError:
-            raise PodListError(self.url, f"no answer within {self.timeout_s * 3:g} s") from None
-        try:
-            pods, problems = parse_pod_list(data)
-        except ValueError as exc:
-            raise PodListError(self.url, str(exc), status=200) from None
+        """This node's labelled pods now, read page by page. Raises :class:`PodListError` (a page not answered
+        within the timeout, an HTTP error, no pod list, more than :data:`MAX_PAGES` pages, a listing whose continue
+        token expired twice); pods that are malformed are skipped, logged and counted."""
+        for attempt in (1, 2):
+            try:
+                return await self._list_once()
+            except PodListError as exc:
+                if exc.status != _GONE or attempt == 2:
+                    raise
+                log.info("the pod listing's continue token expired (the list changed meanwhile): listing again")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _list_once(self) -> list[Pod]:
+        pods: list[Pod] = []
+        problems: list[Problem] = []
+        token = ""
+        for page in range(MAX_PAGES):
+            path = self.path if not token else f"{self.path}&{urllib.parse.urlencode({'continue': token})}"
+            try:
+                async with asyncio.timeout(self.timeout_s * 3):  # the page's own deadline is 2x; this is its backstop
+                    data = await asyncio.to_thread(self._get, path)
+            except TimeoutError:
+                raise PodListError(self.url, f"no answer within {self.timeout_s * 3:g} s (page {page + 1})") from None
+            try:
+                got, skipped, token, over = parse_pod_page(data, room=MAX_PODS - len(pods))
+            except ValueError as exc:
+                raise PodListError(self.url, str(exc), status=200) from None
+            pods += got
+            problems += skipped
+            if over or (token and len(pods) >= MAX_PODS):  # more pods than MAX_PODS: the rest is not read
+                problems.append(_too_many())
+                break
+            if not token:
+                break
+        else:
+            raise PodListError(self.url, f"the list did not end within {MAX_PAGES} pages of {self.page_size}")
         for code, message in problems:
             self._refused(code)
             log.warning("skipped a pod of the list: %s", message, extra={"refusal": str(code)})
@@ -298,9 +356,9 @@ class KubePodSource:
             raise PodListError(self.url, f"the token file {self.token_file} is empty or larger than {_MAX_TOKEN} bytes")
         return token.decode("ascii", errors="replace").strip()
 
-    def _get(self) -> bytes:
-        """The answer's body (blocking: run in a thread). Every socket operation waits at most ``timeout_s``, and
-        the whole call gives up past twice that."""
+    def _get(self, path: str) -> bytes:
+        """The answer's body to ``GET path`` (blocking: run in a thread). Every socket operation waits at most
+        ``timeout_s``, and the whole call gives up past twice that."""
         deadline = time.monotonic() + 2 * self.timeout_s
         headers = {"Accept": "application/json", "User-Agent": "timeslice-agent"}
         if (token := self._token()) is not None:
@@ -311,7 +369,7 @@ class KubePodSource:
         else:
             conn = http.client.HTTPConnection(self._host or "", self._port, timeout=self.timeout_s)
         try:
-            conn.request("GET", self.path, headers=headers)
+            conn.request("GET", path, headers=headers)
             resp = conn.getresponse()
             body = bytearray()
             while len(body) <= self.max_bytes:
