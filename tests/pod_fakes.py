@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -60,7 +61,10 @@ class FakeKubeApi:
     time as the real API pages (``metadata.continue``: an opaque token, here the offset); every request is recorded
     (path, headers). ``hang``: the handler waits on it (at most 10 s) before answering: an API that does not answer.
     ``expire_next_continue``: the next request that carries a token is answered 410 Gone (its token expired), once;
-    ``endless``: every page carries a token (a list that never ends)."""
+    ``endless``: every page carries a token (a list that never ends). Events are numbered as the API's resource
+    versions (a list answers the last number): a ``watch=1`` request from version ``r`` is sent every event after
+    ``r``, as they come (:meth:`push_line`; :meth:`set_pods` pushes a ``MODIFIED``, as a real API would), until its
+    ``timeoutSeconds`` (at most 10 s) pass; ``watch_status``: its HTTP status."""
 
     def __init__(self) -> None:
         self.pods: list[dict[str, Any]] = []
@@ -69,12 +73,20 @@ class FakeKubeApi:
         self.hang: threading.Event | None = None
         self.expire_next_continue = False
         self.endless = False
+        self.watch_status = 200
+        self._version = 7  # the last event's number: the list's resourceVersion
+        self._events: list[tuple[int, bytes]] = []  # every event line pushed, by its number
+        self._closing = False
         self.requests: list[tuple[str, dict[str, str]]] = []
         self._mu = threading.Lock()
+        self._changed = threading.Condition(self._mu)
         api = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                if "watch=1" in self.path:
+                    self._watch()
+                    return
                 with api._mu:
                     api.requests.append((self.path, dict(self.headers)))
                     status, body = api.status, api.body
@@ -88,6 +100,31 @@ class FakeKubeApi:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def _watch(self) -> None:
+                query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+                end = time.monotonic() + min(10.0, float(query.get("timeoutSeconds", ["10"])[0]))
+                after = int(query.get("resourceVersion", ["0"])[0])
+                with api._mu:
+                    api.requests.append((self.path, dict(self.headers)))
+                    status = api.watch_status
+                self.send_response(status)  # HTTP/1.0: the body ends when the connection closes
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                while status == 200:
+                    with api._changed:
+                        while not api._closing and api._version <= after and (left := end - time.monotonic()) > 0:
+                            api._changed.wait(left)
+                        lines = [(n, line) for n, line in api._events if n > after]
+                    if not lines:
+                        return
+                    try:
+                        for n, line in lines:
+                            self.wfile.write(line)
+                            after = n
+                        self.wfile.flush()
+                    except OSError:  # the watcher went away
+                        return
 
             def log_message(self, format: str, *args: Any) -> None:  # quiet
                 return
@@ -110,7 +147,7 @@ class FakeKubeApi:
         limit = int(query.get("limit", [str(len(self.pods) or 1)])[0])
         items = self.pods[start : start + limit]
         more = self.endless or start + limit < len(self.pods)
-        meta = {"resourceVersion": "7", **({"continue": str(start + limit)} if more else {})}
+        meta = {"resourceVersion": str(self._version), **({"continue": str(start + limit)} if more else {})}
         return 200, json.dumps({"kind": "PodList", "apiVersion": "v1", "metadata": meta, "items": items}).encode()
 
     @property
@@ -119,8 +156,16 @@ class FakeKubeApi:
         return f"http://{host!s}:{port}"
 
     def set_pods(self, *pods: dict[str, Any]) -> None:
-        with self._mu:
+        with self._changed:
             self.pods = list(pods)
+        self.push_line(json.dumps({"type": "MODIFIED", "object": {"metadata": {"name": "any"}}}).encode())
+
+    def push_line(self, line: bytes) -> None:
+        """The next event: a line every watch sends, as is (a newline is added)."""
+        with self._changed:
+            self._version += 1
+            self._events.append((self._version, line + b"\n"))
+            self._changed.notify_all()
 
     def __enter__(self) -> FakeKubeApi:
         self._thread.start()
@@ -129,6 +174,9 @@ class FakeKubeApi:
     def __exit__(self, *exc: object) -> None:
         if self.hang is not None:
             self.hang.set()
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(10)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -270,6 +271,27 @@ async def test_a_failed_scan_is_counted_and_the_next_one_recovers(
         assert agent.jobs() == {}
         kube_api.status, kube_api.body = 200, None
         await eventually(lambda: "job-a" in agent.jobs(), what="bound once the API answers")
+
+
+async def test_a_pod_added_is_bound_at_once_through_the_watch_not_at_the_next_scan(
+    nats_url: str, kube_api: FakeKubeApi, proc: Path, sleepers: list[int]
+) -> None:
+    fake_process(proc, sleepers[0], pod_uid=UID_A, container=cid(1))
+    fake_process(proc, sleepers[1], pod_uid=UID_B, container=cid(2))
+    pod_a = pod_json(UID_A, "a", job="job-a", group=GROUP, containers=(cid(1),))
+    kube_api.set_pods(pod_a)
+    cfg = pods_config(nats_url, kube_api, proc, default_backend="noop").model_copy(update={"pod_scan_s": 60.0})
+    async with running(Agent(cfg, gpus=None), timeout=30) as agent:
+        await eventually(lambda: "job-a" in agent.jobs(), timeout=20, what="job A bound at the first scan")
+        await eventually(lambda: "watch=1" in kube_api.requests[-1][0], what="the agent watches")
+        t0 = time.monotonic()
+        kube_api.set_pods(pod_a, pod_json(UID_B, "b", job="job-b", group=GROUP, containers=(cid(2),)))
+        await eventually(lambda: "job-b" in agent.jobs(), timeout=20, what="job B bound")
+        assert time.monotonic() - t0 < 10, "seen through the watch, not at the next scan 60 s later"
+        scans = discovery(agent).scans
+        t_stop = time.monotonic()
+    assert time.monotonic() - t_stop < 5, "a watch in progress does not hold up the agent's stop"
+    assert scans <= 4  # the first scan, one per change seen, no busy loop
 
 
 def test_an_agent_told_to_find_pods_outside_a_cluster_says_so_at_start(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,8 @@ counted while the others are used, and an API that refuses, answers garbage, too
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
 import urllib.parse
@@ -13,9 +15,18 @@ from pathlib import Path
 
 import pytest
 from timeslice_agent._errors import PodListError
-from timeslice_agent._pods import MAX_PAGES, MAX_PODS, PAGE_SIZE, KubePodSource, Pod, parse_pod_list
+from timeslice_agent._pods import (
+    MAX_PAGES,
+    MAX_PODS,
+    MAX_WATCH_LINE,
+    PAGE_SIZE,
+    KubePodSource,
+    Pod,
+    parse_pod_list,
+)
 from timeslice_agent._untrusted import Refusal
 
+from .helpers import eventually
 from .pod_fakes import FakeKubeApi, cid, pod_json
 
 UID_A = "1f4a2b3c-5d6e-4f70-8a9b-0c1d2e3f4a5b"
@@ -206,3 +217,79 @@ def test_a_node_name_that_is_none_is_refused(node: str) -> None:
 def test_an_api_url_that_is_none_is_refused(api: str) -> None:
     with pytest.raises(ValueError, match="not http"):
         KubePodSource(api, "node-a")
+
+
+# ---------------------------------------------------------------------------------------------- the watch
+
+
+async def test_no_watch_before_a_listing_and_a_watch_from_the_listings_version_says_a_change_at_once(
+    kube_api: FakeKubeApi,
+) -> None:
+    source = KubePodSource(kube_api.url, "node-a", timeout_s=5)
+    assert await source.wait_change(5) is False  # nothing listed yet: nothing to follow from
+    assert kube_api.requests == []
+    await source.list_pods()
+    waiting = asyncio.ensure_future(source.wait_change(5))
+    await eventually(lambda: len(kube_api.requests) == 2, what="the watch asked")
+    t0 = time.monotonic()
+    kube_api.push_line(json.dumps({"type": "ADDED", "object": pod_json(UID_A, "new", job="j")}).encode())
+    assert await asyncio.wait_for(waiting, 5) is True
+    assert time.monotonic() - t0 < 1
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(kube_api.requests[-1][0]).query)
+    assert query == {
+        "fieldSelector": ["spec.nodeName=node-a"],
+        "labelSelector": ["timeslice.io/job-id"],
+        "watch": ["1"],
+        "resourceVersion": ["7"],  # the listing's
+        "allowWatchBookmarks": ["true"],
+        "timeoutSeconds": ["5"],
+    }
+
+
+async def test_a_bookmark_is_no_change_and_the_next_watch_follows_from_its_version(kube_api: FakeKubeApi) -> None:
+    source = KubePodSource(kube_api.url, "node-a", timeout_s=5)
+    await source.list_pods()
+    kube_api.push_line(json.dumps({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "42"}}}).encode())
+    t0 = time.monotonic()
+    assert await source.wait_change(1) is False  # the API ends the watch at timeoutSeconds: nothing changed
+    assert 0.9 <= time.monotonic() - t0 < 4
+    await source.wait_change(0.5)
+    assert "resourceVersion=42" in kube_api.requests[-1][0]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}}',
+        b"not json at all",
+        b'{"type": "MODIFIED", "object": {"metadata": {"name": "' + b"x" * (MAX_WATCH_LINE + 10) + b'"}}}',
+    ],
+    ids=["expired", "unreadable", "too-long"],
+)
+async def test_a_watch_that_cannot_go_on_says_list_again(kube_api: FakeKubeApi, line: bytes) -> None:
+    source = KubePodSource(kube_api.url, "node-a", timeout_s=5)
+    await source.list_pods()
+    kube_api.push_line(line)
+    assert await source.wait_change(5) is True
+
+
+async def test_a_watch_refused_raises_and_one_gone_says_list_again(kube_api: FakeKubeApi) -> None:
+    source = KubePodSource(kube_api.url, "node-a", timeout_s=5)
+    await source.list_pods()
+    kube_api.watch_status = 410
+    assert await source.wait_change(5) is True
+    kube_api.watch_status = 403
+    with pytest.raises(PodListError, match="HTTP 403"):
+        await source.wait_change(5)
+
+
+async def test_a_cancelled_watch_ends_at_once(kube_api: FakeKubeApi) -> None:
+    source = KubePodSource(kube_api.url, "node-a", timeout_s=5)
+    await source.list_pods()
+    waiting = asyncio.ensure_future(source.wait_change(8))
+    await eventually(lambda: len(kube_api.requests) == 2, what="the watch asked")
+    t0 = time.monotonic()
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert time.monotonic() - t0 < 1

@@ -1,5 +1,6 @@
-"""Jobs found through their pods (Kubernetes, ``AgentConfig.pods``): every ``pod_scan_s`` the agent lists this node's
-pods labelled ``timeslice.io/job-id`` (``_pods``), finds their processes by the cgroups of the proc root
+"""Jobs found through their pods (Kubernetes, ``AgentConfig.pods``): every ``pod_scan_s``, and as soon as a watch of
+the API from the last listing reports a change (at most one scan per :data:`_MIN_SCAN_GAP_S`), the agent lists this
+node's pods labelled ``timeslice.io/job-id`` (``_pods``), finds their processes by the cgroups of the proc root
 (``_cgroups``), and keeps a registration per pod current, as if each pod's processes had bound themselves: the
 node's default backend (``cuda`` where the driver allows), the job id and group from the labels.
 
@@ -45,7 +46,7 @@ from ._job_locks import JobLocks
 from ._job_parts import views, without_channel
 from ._nvml import GpuSource
 from ._ownership import ProcessGuard, ProcFS
-from ._pods import KubePodSource, Pod, PodSource, is_pod_channel, pod_channel
+from ._pods import KubePodSource, Pod, PodSource, WatchablePodSource, is_pod_channel, pod_channel
 from ._requests import Requests, log_refusal
 from ._untrusted import MAX_PIDS, PID_MAX, Refusal, Refused, check_id
 from .backends import BackendUnavailable, node_default_backend
@@ -62,6 +63,7 @@ __all__ = [
 
 log = logging.getLogger("timeslice.agent")
 
+_MIN_SCAN_GAP_S: Final = 0.5  # the least time between two scans (a burst of pod events is one scan, not many)
 _MAX_SAID: Final = 4096  # things said once, remembered (then said again)
 _CHANGEABLE: Final = (JobState.IDLE, JobState.RUNNING)
 
@@ -219,9 +221,36 @@ class PodDiscovery:
                 log.warning(
                     "pod scan failed: %s; trying again in %g s", exc, self._config.pod_scan_s, extra={"node": self.node}
                 )
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._config.pod_scan_s):
+            await self._pause(stop)
+
+    async def _pause(self, stop: asyncio.Event) -> None:
+        """Until the next scan: ``pod_scan_s``, cut short when the source reports a change (a watch of the API from
+        the last listing: a pod added, changed or deleted is seen within :data:`_MIN_SCAN_GAP_S`), or ``stop``."""
+        interval = self._config.pod_scan_s
+        floor = min(interval, _MIN_SCAN_GAP_S)  # scans never come closer than this, whatever the watch says
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(floor):
+                await stop.wait()
+        if stop.is_set() or interval <= floor:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(interval - floor):
+                if not isinstance(self._source, WatchablePodSource):
                     await stop.wait()
+                    return
+                stopped = asyncio.ensure_future(stop.wait())
+                changed = asyncio.ensure_future(self._source.wait_change(interval - floor))
+                try:
+                    await asyncio.wait((stopped, changed), return_when=asyncio.FIRST_COMPLETED)
+                    if changed.done() and not stopped.done():
+                        if changed.exception() is not None:
+                            log.debug("pod watch failed: %s", changed.exception(), extra={"node": self.node})
+                        if changed.exception() is not None or not changed.result():
+                            await stopped  # nothing changed: the rest of the interval
+                finally:
+                    for task in (stopped, changed):
+                        task.cancel()
+                    await asyncio.gather(stopped, changed, return_exceptions=True)
 
     async def scan(self) -> None:
         """One pass: list, find, and bring every pod's registration up to date."""

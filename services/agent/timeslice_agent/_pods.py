@@ -28,16 +28,19 @@ again next scan.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import logging
+import math
 import os
 import re
+import socket
 import ssl
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final, Protocol, runtime_checkable
 
 import msgspec
 
@@ -49,12 +52,15 @@ __all__ = [
     "LABEL_JOB",
     "MAX_PAGES",
     "MAX_PODS",
+    "MAX_WATCH_LINE",
     "PAGE_SIZE",
     "POD_CHANNEL_PREFIX",
     "SERVICE_ACCOUNT_DIR",
     "KubePodSource",
     "Pod",
+    "PodPage",
     "PodSource",
+    "WatchablePodSource",
     "is_pod_channel",
     "parse_pod_list",
     "parse_pod_page",
@@ -72,6 +78,7 @@ PAGE_SIZE: Final = 256  # pods asked for per page (the API's ``limit``)
 MAX_PAGES: Final = 64  # pages read per listing: a listing whose continue token never ends is cut there
 _MAX_CONTINUE: Final = 4096  # a continue token's length (the API's are a few hundred bytes)
 _GONE: Final = 410  # the API: the continue token expired (the list changed too much meanwhile): list again
+MAX_WATCH_LINE: Final = 1 << 20  # one watch event (a pod's JSON): a longer one ends the watch (the list is read again)
 MAX_CONTAINERS: Final = 64  # container ids read per pod
 POD_CHANNEL_PREFIX: Final = "pod-"  # RegisterJob.channel of a pod's registration: "pod-" + the pod's UID
 _MAX_NAME: Final = 253  # a namespace, name or label value (Kubernetes allows 63 for values, 253 for names)
@@ -105,6 +112,14 @@ class PodSource(Protocol):
     """Where the discovery learns this node's labelled pods. Raises on failure (the scan is then retried)."""
 
     async def list_pods(self) -> list[Pod]: ...
+
+
+@runtime_checkable
+class WatchablePodSource(PodSource, Protocol):
+    """A source that can also say when the pods changed after its last listing: the discovery then scans at once,
+    not at its next interval."""
+
+    async def wait_change(self, timeout_s: float) -> bool: ...
 
 
 def pod_channel(uid: str) -> str:
@@ -141,6 +156,16 @@ class _PodItem(msgspec.Struct):
 
 class _ListMeta(msgspec.Struct):
     continue_: str = msgspec.field(default="", name="continue")
+    resourceVersion: str = ""
+
+
+class _WatchObject(msgspec.Struct):
+    metadata: _ListMeta = msgspec.field(default_factory=_ListMeta)
+
+
+class _WatchEvent(msgspec.Struct):
+    type: str = ""
+    object: _WatchObject = msgspec.field(default_factory=_WatchObject)
 
 
 class _PodList(msgspec.Struct):
@@ -151,6 +176,7 @@ class _PodList(msgspec.Struct):
 
 _list_decoder = msgspec.json.Decoder(_PodList)
 _item_decoder = msgspec.json.Decoder(_PodItem)
+_event_decoder = msgspec.json.Decoder(_WatchEvent)
 
 Problem = tuple[Refusal, str]  # a pod skipped: why (a metric label) and what (a log line)
 
@@ -158,18 +184,30 @@ Problem = tuple[Refusal, str]  # a pod skipped: why (a metric label) and what (a
 def parse_pod_list(data: bytes) -> tuple[list[Pod], list[Problem]]:
     """The labelled pods of an API answer (a ``PodList``), and the pods skipped with why. Raises ``ValueError`` when
     the answer is no pod list at all."""
-    pods, problems, _, over = parse_pod_page(data, room=MAX_PODS)
-    return pods, [*problems, _too_many()] if over else problems
+    page = parse_pod_page(data, room=MAX_PODS)
+    return page.pods, [*page.problems, _too_many()] if page.over else page.problems
+
+
+@dataclass(frozen=True, slots=True)
+class PodPage:
+    """One page of a listing: its labelled pods, the pods skipped with why, the token of the next page ("" on the
+    last one), whether pods past the room left were dropped, and the list's ``resourceVersion`` (what a watch
+    follows from; "" when the API gave none or one too long)."""
+
+    pods: list[Pod]
+    problems: list[Problem]
+    next_token: str
+    over: bool
+    version: str
 
 
 def _too_many() -> Problem:
     return Refusal.TOO_LARGE, f"over {MAX_PODS} labelled pods on this node; the first {MAX_PODS} are used"
 
 
-def parse_pod_page(data: bytes, *, room: int) -> tuple[list[Pod], list[Problem], str, bool]:
-    """One page of a listing: its labelled pods (at most ``room``: what :data:`MAX_PODS` leaves), the pods skipped
-    with why, the token of the next page ("" on the last one), and whether pods past ``room`` were left. Raises
-    ``ValueError`` when the answer is no pod list at all, or its token is too long."""
+def parse_pod_page(data: bytes, *, room: int) -> PodPage:
+    """One page of a listing, its pods at most ``room`` (what :data:`MAX_PODS` leaves). Raises ``ValueError`` when
+    the answer is no pod list at all, or its continue token is too long."""
     try:
         listing = _list_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -191,7 +229,10 @@ def parse_pod_page(data: bytes, *, room: int) -> tuple[list[Pod], list[Problem],
             pods.append(pod_or_problem)
         else:
             problems.append(pod_or_problem)
-    return pods, problems, listing.metadata.continue_, len(listing.items) > room
+    version = listing.metadata.resourceVersion
+    return PodPage(
+        pods, problems, listing.metadata.continue_, len(listing.items) > room, version if len(version) <= 128 else ""
+    )
 
 
 def _pod(item: _PodItem) -> Pod | Problem:
@@ -221,6 +262,30 @@ def _pod(item: _PodItem) -> Pod | Problem:
         phase=phase,
         containers=frozenset(containers),
     )
+
+
+class _Cut:
+    """A watch's socket, shut down from the event loop's side when the wait ends (cancelled, or timed out), so that
+    the thread blocked reading it returns at once; http.client drops its own reference to the socket of a response
+    that ends with the connection, so it is kept here."""
+
+    def __init__(self) -> None:
+        self._sock: socket.socket | None = None
+        self._done = False
+
+    def hold(self, sock: socket.socket | None) -> bool:
+        """Keep ``sock`` (the thread, once connected); False when the wait has ended already."""
+        self._sock = sock
+        if self._done:
+            self.now()
+            return False
+        return True
+
+    def now(self) -> None:
+        self._done = True
+        if (sock := self._sock) is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
 
 class KubePodSource:
@@ -256,14 +321,16 @@ class KubePodSource:
         self._https = parts.scheme == "https"
         self._host, self._port = parts.hostname, parts.port
         self.page_size = page_size
-        query = urllib.parse.urlencode(
-            {"fieldSelector": f"spec.nodeName={node_name}", "labelSelector": LABEL_JOB, "limit": str(page_size)}
+        self._pods_path = f"{parts.path.rstrip('/')}/api/v1/pods"
+        self._selectors = urllib.parse.urlencode(
+            {"fieldSelector": f"spec.nodeName={node_name}", "labelSelector": LABEL_JOB}
         )
-        self.path = f"{parts.path.rstrip('/')}/api/v1/pods?{query}"
+        self.path = f"{self._pods_path}?{self._selectors}&limit={page_size}"
         self.url = f"{parts.scheme}://{parts.netloc}{self.path}"
         self.node_name, self.token_file, self.timeout_s, self.max_bytes = node_name, token_file, timeout_s, max_bytes
         self._ssl = ssl.create_default_context(cafile=ca_file) if self._https else None
         self._refused = refused
+        self._version = ""  # the resourceVersion of the last listing: where a watch starts
 
     @classmethod
     def in_cluster(
@@ -327,12 +394,14 @@ class KubePodSource:
             except TimeoutError:
                 raise PodListError(self.url, f"no answer within {self.timeout_s * 3:g} s (page {page + 1})") from None
             try:
-                got, skipped, token, over = parse_pod_page(data, room=MAX_PODS - len(pods))
+                got = parse_pod_page(data, room=MAX_PODS - len(pods))
             except ValueError as exc:
                 raise PodListError(self.url, str(exc), status=200) from None
-            pods += got
-            problems += skipped
-            if over or (token and len(pods) >= MAX_PODS):  # more pods than MAX_PODS: the rest is not read
+            pods += got.pods
+            problems += got.problems
+            token = got.next_token
+            self._version = got.version  # the last page's: the whole list's version
+            if got.over or (token and len(pods) >= MAX_PODS):  # more pods than MAX_PODS: the rest is not read
                 problems.append(_too_many())
                 break
             if not token:
@@ -343,6 +412,81 @@ class KubePodSource:
             self._refused(code)
             log.warning("skipped a pod of the list: %s", message, extra={"refusal": str(code)})
         return pods
+
+    async def wait_change(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the API to report a change to this node's labelled pods since the last
+        listing (a watch from its ``resourceVersion``): True when one came, or when the watch cannot go on (its
+        version expired, an event it cannot read: list again); False when nothing changed, or no listing was made
+        yet. Raises :class:`PodListError` when the API refuses the watch."""
+        version = self._version
+        if not version or timeout_s <= 0:
+            return False
+        cut = _Cut()
+        try:
+            async with asyncio.timeout(timeout_s + 3 * self.timeout_s):  # backstop: the thread's reads are bounded
+                return await asyncio.to_thread(self._watch, version, timeout_s, cut)
+        except TimeoutError:
+            return True
+        finally:  # cancelled (the agent stops) or done: a read still blocked in the thread ends at once
+            cut.now()
+
+    def _watch(self, version: str, timeout_s: float, cut: _Cut) -> bool:
+        """The watch itself (blocking: run in a thread); ``cut`` gets its socket, so that it can be cut."""
+        query = urllib.parse.urlencode(
+            {
+                "watch": "1",
+                "resourceVersion": version,
+                "allowWatchBookmarks": "true",
+                "timeoutSeconds": str(max(1, math.ceil(timeout_s))),
+            }
+        )
+        path = f"{self._pods_path}?{self._selectors}&{query}"
+        headers = {"Accept": "application/json", "User-Agent": "timeslice-agent"}
+        if (token := self._token()) is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        deadline = time.monotonic() + timeout_s + self.timeout_s
+        conn = self._connection(timeout_s + self.timeout_s)
+        try:
+            conn.connect()
+            if not cut.hold(conn.sock):
+                return False
+            conn.request("GET", path, headers=headers)
+            resp = conn.getresponse()
+            if resp.status == _GONE:
+                return True
+            if resp.status != 200:
+                raise PodListError(self.url, f"the watch was answered HTTP {resp.status}", status=resp.status)
+            while time.monotonic() < deadline:
+                line = resp.readline(MAX_WATCH_LINE + 1)
+                if not line:
+                    return False  # the API ended the watch (timeoutSeconds): nothing changed
+                if len(line) > MAX_WATCH_LINE:
+                    log.warning("a pod watch event is longer than %d bytes: listing again", MAX_WATCH_LINE)
+                    return True
+                if not line.strip():
+                    continue
+                try:
+                    event = _event_decoder.decode(line)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    return True  # unreadable: the list says what is there
+                if event.type == "BOOKMARK":  # no change, only a newer version to follow from
+                    if 0 < len(v := event.object.metadata.resourceVersion) <= 128:
+                        self._version = v
+                    continue
+                return True  # ADDED, MODIFIED, DELETED, or an ERROR (e.g. the version expired): list again
+            return False
+        except PodListError:
+            raise
+        except (OSError, http.client.HTTPException, ssl.SSLError) as exc:
+            raise PodListError(self.url, f"the watch failed: {exc!r}") from exc
+        finally:
+            conn.close()
+
+    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
+        """A connection to the API whose every socket operation waits at most ``timeout_s``."""
+        if self._https:
+            return http.client.HTTPSConnection(self._host or "", self._port, timeout=timeout_s, context=self._ssl)
+        return http.client.HTTPConnection(self._host or "", self._port, timeout=timeout_s)
 
     def _token(self) -> str | None:
         if self.token_file is None:
@@ -363,11 +507,7 @@ class KubePodSource:
         headers = {"Accept": "application/json", "User-Agent": "timeslice-agent"}
         if (token := self._token()) is not None:
             headers["Authorization"] = f"Bearer {token}"
-        conn: http.client.HTTPConnection
-        if self._https:
-            conn = http.client.HTTPSConnection(self._host or "", self._port, timeout=self.timeout_s, context=self._ssl)
-        else:
-            conn = http.client.HTTPConnection(self._host or "", self._port, timeout=self.timeout_s)
+        conn = self._connection(self.timeout_s)
         try:
             conn.request("GET", path, headers=headers)
             resp = conn.getresponse()
