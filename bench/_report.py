@@ -52,106 +52,70 @@ def load_results(results: Path) -> dict[str, dict[str, Any]]:
 # ---------------------------------------------------------------------- sections
 
 
+def _ms_row(r: dict[str, Any], key: str, label: str, ratio: str = "", goal: str = "", verdict: str = "") -> list[str]:
+    """A row of the handoff table: ``label``, then ``key``'s p50 and p99 in ms, then the ratio, goal and verdict."""
+    return [label, _n(r.get(f"{key}_p50_ms"), 3, " ms"), _n(r.get(f"{key}_p99_ms"), 3, " ms"), ratio, goal, verdict]
+
+
 def _handoff(r: dict[str, Any]) -> list[str]:
     p1, p1_99, p2 = r.get("handoff_p50_ms"), r.get("handoff_p99_ms"), r.get("reacquire_p50_ms")
+    claim = "reacquire_vs_pub_ack" in r
     rows = [
-        [
+        _ms_row(
+            r,
+            "handoff",
             "P1 handoff (bus client)",
-            _n(p1, 3, " ms"),
-            _n(p1_99, 3, " ms"),
             f"{_n(r.get('handoff_vs_baseline'))}{X} NATS request-reply",
             "p50 ≤ 1.5 ms, p99 ≤ 5 ms (issue 2)",
             _met(p1 is not None and p1_99 is not None and p1 <= 1.5 and p1_99 <= 5),
-        ],
-        [
-            "P2 same-job re-acquire" + (" (a claim)" if "reacquire_vs_pub_ack" in r else ""),
-            _n(p2, 3, " ms"),
-            _n(r.get("reacquire_p99_ms"), 3, " ms"),
+        ),
+        _ms_row(
+            r,
+            "reacquire",
+            "P2 same-job re-acquire" + (" (a claim)" if claim else ""),
             f"{_n(r.get('reacquire_vs_baseline'))}{X} NATS request-reply"
-            + (f", {_n(r['reacquire_vs_pub_ack'])}{X} JetStream publish+PubAck" if "reacquire_vs_pub_ack" in r else ""),
+            + (f", {_n(r['reacquire_vs_pub_ack'])}{X} JetStream publish+PubAck" if claim else ""),
             "p50 ≤ 1 ms (issue 2)",
             _met(p2 is not None and p2 <= 1.0),
-        ],
+        ),
     ]
     if "reacquire_plain_p50_ms" in r:
         rows.append(
-            [
+            _ms_row(
+                r,
+                "reacquire_plain",
                 "P2 through the orchestrator (`fast_reacquire=False`)",
-                _n(r["reacquire_plain_p50_ms"], 3, " ms"),
-                _n(r.get("reacquire_plain_p99_ms"), 3, " ms"),
                 f"{_n(r.get('reacquire_plain_vs_floor'))}{X} the floor below",
                 "",
-                f"{NA}",
-            ]
+                NA,
+            )
         )
     for key, name in (("handoff", "P1"), ("reacquire", "P2")):
         if f"{key}_sync_p50_ms" in r:
             ratio = r.get(f"{key}_sync_vs_async")
             rows.append(
-                [
+                _ms_row(
+                    r,
+                    f"{key}_sync",
                     f"{name} through `TimeSliceClient` (the blocking client)",
-                    _n(r[f"{key}_sync_p50_ms"], 3, " ms"),
-                    _n(r.get(f"{key}_sync_p99_ms"), 3, " ms"),
                     f"{_n(ratio)}{X} {name} (async client)",
                     f"p50 ≤ 1.25{X} the async client's (issue 25)",
                     _met(ratio is not None and ratio <= 1.25),
-                ]
+                )
             )
     if "grpc_handoff_p50_ms" in r:
         g50, gb = r["grpc_handoff_p50_ms"], r.get("grpc_baseline_unary_p50_ms")
-        rows.append(
-            [
-                "P3 handoff through gRPC",
-                _n(g50, 3, " ms"),
-                _n(r.get("grpc_handoff_p99_ms"), 3, " ms"),
-                f"{_n(g50 / gb if gb else None)}{X} plain gRPC call",
-                "none in issues 2, 3, 6",
-                f"{NA}",
-            ]
-        )
-    rows += [
-        [
-            "baseline: NATS request-reply",
-            _n(r.get("baseline_reqrep_p50_ms"), 3, " ms"),
-            _n(r.get("baseline_reqrep_p99_ms"), 3, " ms"),
-            "",
-            "",
-            "",
-        ]
-    ]
-    if "floor_js_p50_ms" in r:
-        rows.append(
-            [
-                "floor: JetStream publish → push consumer → core notice, no lock",
-                _n(r["floor_js_p50_ms"], 3, " ms"),
-                _n(r.get("floor_js_p99_ms"), 3, " ms"),
-                f"P1 {_n(r.get('handoff_vs_floor'))}{X}, P2 {_n(r.get('reacquire_vs_floor'))}{X} this floor",
-                "",
-                "",
-            ]
-        )
-    if "floor_pub_ack_p50_ms" in r:
-        rows.append(
-            [
-                "of it: the JetStream publish until its PubAck (a claim's floor)",
-                _n(r["floor_pub_ack_p50_ms"], 3, " ms"),
-                _n(r.get("floor_pub_ack_p99_ms"), 3, " ms"),
-                "",
-                "",
-                "",
-            ]
-        )
-    if "grpc_baseline_unary_p50_ms" in r:
-        rows.append(
-            [
-                "baseline: plain gRPC unary call",
-                _n(r["grpc_baseline_unary_p50_ms"], 3, " ms"),
-                _n(r.get("grpc_baseline_unary_p99_ms"), 3, " ms"),
-                "",
-                "",
-                "",
-            ]
-        )
+        ratio = f"{_n(g50 / gb if gb else None)}{X} plain gRPC call"
+        rows.append(_ms_row(r, "grpc_handoff", "P3 handoff through gRPC", ratio, "none in issues 2, 3, 6", NA))
+    rows.append(_ms_row(r, "baseline_reqrep", "baseline: NATS request-reply"))
+    floor = f"P1 {_n(r.get('handoff_vs_floor'))}{X}, P2 {_n(r.get('reacquire_vs_floor'))}{X} this floor"
+    for key, label, ratio in (
+        ("floor_js", "floor: JetStream publish → push consumer → core notice, no lock", floor),
+        ("floor_pub_ack", "of it: the JetStream publish until its PubAck (a claim's floor)", ""),
+        ("grpc_baseline_unary", "baseline: plain gRPC unary call", ""),
+    ):
+        if f"{key}_p50_ms" in r:
+            rows.append(_ms_row(r, key, label, ratio))
     return [
         "Two job processes ping-pong one group through the embedded stack. P1 = job A calls `release()` → "
         "job B's pending `acquire()` returns; P2 = one job alone releases and re-acquires (IDLE_YIELDED): "
@@ -165,10 +129,15 @@ def _handoff(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def _load(x: dict[str, Any]) -> str:
+    """A scale or recovery row's load: saturated, or paced with its hold."""
+    return "saturated" if not x.get("hold_ms") else f"paced (hold {x['hold_ms']:.0f} ms)"
+
+
 def _scale(r: dict[str, Any]) -> list[str]:
     rows = []
     for x in r.get("rows", []):
-        load = "saturated" if not x.get("hold_ms") else f"paced (hold {x['hold_ms']:.0f} ms)"
+        load = _load(x)
         rows.append(
             [
                 str(x["groups"]),
@@ -232,7 +201,7 @@ def _recovery(r: dict[str, Any]) -> list[str]:
     b = r.get("baseline", {})
     rows = []
     for x in r.get("rows", []):
-        load = "saturated" if not x.get("hold_ms") else f"paced (hold {x['hold_ms']:.0f} ms)"
+        load = _load(x)
         rows.append(
             [
                 _n(x["kv_keys_before_kill"], 0),
@@ -289,7 +258,7 @@ def _recovery_at_1000(r: dict[str, Any]) -> str:
         if x.get("kv_groups") is None or not 1000 <= x["kv_groups"] < 2000:
             continue
         s = x.get("first_grant_after_spawn_s")
-        load = "saturated" if not x.get("hold_ms") else f"paced (hold {x['hold_ms']:.0f} ms)"
+        load = _load(x)
         backlog = x.get("replay_backlog", {}).get("unacked_inputs")
         extra = f", {_n(backlog, 0)} inputs to replay" if backlog is not None else ""
         parts.append(f"{load}: {_n(s, 3, ' s')}{extra}, {_met(s is not None and s <= 1.0)}")
@@ -297,29 +266,20 @@ def _recovery_at_1000(r: dict[str, Any]) -> str:
 
 
 def _trace_rows(block: dict[str, Any]) -> list[list[str]]:
-    rows = []
-    for i, a in enumerate(block.get("alone", [])):
-        rows.append(
-            [
-                f"job {i} alone (baseline)",
-                _n(a["wall_s"], 0, " s"),
-                _n(a["throughput_steps_per_h"], 1),
-                _n(a["duty_cycle"] * 100, 1, "%"),
-                _n(a["switching_share"] * 100, 1, "%"),
-                f"{NA}",
-            ]
-        )
+    def row(label: str, x: dict[str, Any], ratio: str) -> list[str]:
+        return [
+            label,
+            _n(x["wall_s"], 0, " s"),
+            _n(x["throughput_steps_per_h"], 1),
+            _n(x["duty_cycle"] * 100, 1, "%"),
+            _n(x["switching_share"] * 100, 1, "%"),
+            ratio,
+        ]
+
+    rows = [row(f"job {i} alone (baseline)", a, NA) for i, a in enumerate(block.get("alone", []))]
     for k, f in block.get("shared", {}).items():
-        rows.append(
-            [
-                f"{k} jobs sharing",
-                _n(f["wall_s"], 0, " s"),
-                _n(f["throughput_steps_per_h"], 1),
-                _n(f["duty_cycle"] * 100, 1, "%"),
-                _n(f["switching_share"] * 100, 1, "%"),
-                f"{_n(f['speedup_vs_back_to_back'])}{X} ({_n(f['throughput_vs_one_alone'])}{X} one job's steps/h)",
-            ]
-        )
+        speedup = f"{_n(f['speedup_vs_back_to_back'])}{X} ({_n(f['throughput_vs_one_alone'])}{X} one job's steps/h)"
+        rows.append(row(f"{k} jobs sharing", f, speedup))
     return rows
 
 
