@@ -250,6 +250,23 @@ async def wait_agent(url: str, node: str, timeout: float = 30.0, check: Callable
         await nc.close()
 
 
+async def push_consumer(nc: Any, js: Any, stream: str, durable: str, subject: str, cb: Any) -> None:
+    """A durable push consumer of ``stream``'s ``subject`` (explicit acks) delivering to ``cb``, its delivery
+    subscription in place before the consumer exists."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    deliver = nc.new_inbox()
+    await nc.subscribe(deliver, cb=cb)
+    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
+    await nc.flush()
+    await js.add_consumer(
+        stream,
+        ConsumerConfig(
+            durable_name=durable, deliver_subject=deliver, ack_policy=AckPolicy.EXPLICIT, filter_subject=subject
+        ),
+    )
+
+
 def stop_procs(procs: Sequence[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         if p.poll() is None:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import loop_run
+from _common import loop_run, push_consumer
 
 
 async def _pingpong(url: str, group: str, job: str, n: int, gap: float, out: str) -> None:
@@ -96,7 +96,7 @@ _FLOOR_IN, _FLOOR_OUT = "bench.floor.in", "bench.floor.out"
 
 
 async def _js_responder(url: str, ready: str) -> None:
-    from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+    from nats.js.api import StreamConfig
     from timeslice_client.bus import connect
 
     nc = await connect(url)
@@ -107,16 +107,7 @@ async def _js_responder(url: str, ready: str) -> None:
         await nc.publish(_FLOOR_OUT, msg.data)
         await msg.ack()
 
-    deliver = nc.new_inbox()
-    await nc.subscribe(deliver, cb=cb)
-    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
-    await nc.flush()
-    await js.add_consumer(
-        _FLOOR_STREAM,
-        ConsumerConfig(
-            durable_name="floor", deliver_subject=deliver, ack_policy=AckPolicy.EXPLICIT, filter_subject=_FLOOR_IN
-        ),
-    )
+    await push_consumer(nc, js, _FLOOR_STREAM, "floor", _FLOOR_IN, cb)
     Path(ready).write_text("ok")
     await asyncio.Event().wait()
 
