@@ -266,10 +266,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.trials = 2
-    res = c.loop_run(run(args))
-    ok = print_report(res)
-    c.write_json(args.json_out, res)
-    sys.exit(0 if ok else 1)
+    c.run_and_report(run(args), print_report, args.json_out)
 
 
 if __name__ == "__main__":
