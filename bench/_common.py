@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -46,6 +46,17 @@ def pct(xs: Sequence[float], p: float) -> float:
         return float("nan")
     s = sorted(xs)
     return s[min(len(s) - 1, int(p / 100 * len(s)))]
+
+
+def run_and_report(
+    coro: Coroutine[Any, Any, dict[str, Any]], report: Callable[[dict[str, Any]], bool], json_out: str | None
+) -> NoReturn:
+    """Run a bench (``coro``), print its report, write its result file (``--json-out``); exit 0 when the report
+    says its goals were met, else 1."""
+    res = loop_run(coro)
+    ok = report(res)
+    write_json(json_out, res)
+    sys.exit(0 if ok else 1)
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -248,6 +259,23 @@ async def wait_agent(url: str, node: str, timeout: float = 30.0, check: Callable
                 await asyncio.sleep(0.05)
     finally:
         await nc.close()
+
+
+async def push_consumer(nc: Any, js: Any, stream: str, durable: str, subject: str, cb: Any) -> None:
+    """A durable push consumer of ``stream``'s ``subject`` (explicit acks) delivering to ``cb``, its delivery
+    subscription in place before the consumer exists."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    deliver = nc.new_inbox()
+    await nc.subscribe(deliver, cb=cb)
+    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
+    await nc.flush()
+    await js.add_consumer(
+        stream,
+        ConsumerConfig(
+            durable_name=durable, deliver_subject=deliver, ack_policy=AckPolicy.EXPLICIT, filter_subject=subject
+        ),
+    )
 
 
 def stop_procs(procs: Sequence[subprocess.Popen[bytes]]) -> None:

@@ -44,21 +44,6 @@ def _workload(who: str) -> str:
     return f"bench.swfloor_wl.{who}"
 
 
-async def _consumer(nc: Any, js: Any, durable: str, subject: str, cb: Any) -> None:
-    from nats.js.api import AckPolicy, ConsumerConfig
-
-    deliver = nc.new_inbox()
-    await nc.subscribe(deliver, cb=cb)
-    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
-    await nc.flush()
-    await js.add_consumer(
-        STREAM,
-        ConsumerConfig(
-            durable_name=durable, deliver_subject=deliver, ack_policy=AckPolicy.EXPLICIT, filter_subject=subject
-        ),
-    )
-
-
 async def _ask_workloads(nc: Any) -> None:
     await asyncio.gather(
         nc.request(_workload("A"), b"suspend", timeout=10), nc.request(_workload("B"), b"resume", timeout=10)
@@ -87,8 +72,8 @@ async def _orchestrator(url: str, ready: str, colocated: bool) -> None:
         await nc.publish(GRANT, msg.data)
         await msg.ack()
 
-    await _consumer(nc, js, "orchestrator", RELEASE, on_release)
-    await _consumer(nc, js, "results", RESULT, on_result)
+    await _common.push_consumer(nc, js, STREAM, "orchestrator", RELEASE, on_release)
+    await _common.push_consumer(nc, js, STREAM, "results", RESULT, on_result)
     Path(ready).write_text("ok")
     await asyncio.Event().wait()
 
@@ -104,7 +89,7 @@ async def _agent(url: str, ready: str) -> None:
         await _ask_workloads(nc)
         await js.publish(RESULT, msg.data)
 
-    await _consumer(nc, js, "agent", CMD, on_cmd)
+    await _common.push_consumer(nc, js, STREAM, "agent", CMD, on_cmd)
     Path(ready).write_text("ok")
     await asyncio.Event().wait()
 

@@ -464,10 +464,7 @@ def main() -> None:
     a = p.parse_args()
     if a.quick:
         a.minutes, a.every = 1.0, 5.0
-    res = c.loop_run(run(a))
-    ok = print_report(res)
-    c.write_json(a.json_out, res)
-    sys.exit(0 if ok else 1)
+    c.run_and_report(run(a), print_report, a.json_out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import random
 import signal
@@ -32,67 +31,14 @@ import time
 from typing import Any
 
 import _common as c
-from timeslice_client import AsyncTimeSliceClient
+from _handoffs import Handoffs, check_stream
 from timeslice_client.bus import connect
-from timeslice_client.errors import TimeSliceError
 from timeslice_orchestrator._leadership import holder_pid, read_leader
 from timeslice_orchestrator.embedded import NatsServer
-from timeslice_orchestrator.invariants import StreamChecker
-from timeslice_orchestrator.replay._read import read_window
 
 GOAL_KILL_P99_S = 1.5
 GOAL_TERM_S = 0.3
 GROUP = "failover"
-
-
-class Handoffs:
-    """Two jobs handing the group back and forth; ``grants`` holds (acquire sent, granted) monotonic times."""
-
-    def __init__(self) -> None:
-        self.grants: list[tuple[float, float]] = []
-        self.errors: list[str] = []
-        self.stop = asyncio.Event()
-        self.granted = asyncio.Event()
-
-    async def job(self, client: AsyncTimeSliceClient) -> None:
-        while not self.stop.is_set():
-            try:
-                asked = time.monotonic()
-                await client.acquire(timeout=60)
-                self.grants.append((asked, time.monotonic()))
-                self.granted.set()
-                await client.release()
-            except TimeSliceError as exc:  # a release whose answer was lost in a failover: the next acquire tells
-                self.errors.append(f"{client.job_id}: {exc.__class__.__name__}")
-                if len(self.errors) > 1000:
-                    raise
-
-    async def next_grant_after(self, t: float, timeout: float = 60.0) -> float:
-        """Seconds from ``t`` to the first grant of an acquire sent after ``t`` (so decided after it: a grant decided
-        just before a kill and received just after does not count)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            after = [granted for asked, granted in self.grants if asked > t]
-            if after:
-                return min(after) - t
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no grant within {timeout} s of the fault")
-            self.granted.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                    await self.granted.wait()
-
-    async def settled(self, n: int = 20, timeout: float = 60.0) -> None:
-        """Until ``n`` more grants came (the handoffs run steadily again)."""
-        start = len(self.grants)
-        deadline = time.monotonic() + timeout
-        while len(self.grants) < start + n:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the handoffs did not resume")
-            self.granted.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await self.granted.wait()
 
 
 async def _leader_pid(js: Any) -> int | None:
@@ -142,15 +88,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     procs = [c.Orchestrator(url, tmp / f"orchestrator-{i}.log") for i in range(2)]
     nc = await connect(url)
     js = nc.jetstream()
-    h = Handoffs()
-    a = AsyncTimeSliceClient("job-a", GROUP, url, fast_reacquire=False, request_timeout=30)
-    b = AsyncTimeSliceClient("job-b", GROUP, url, fast_reacquire=False, request_timeout=30)
+    h = Handoffs(url, GROUP)
     result: dict[str, Any] = {"command": c.command_line(), "machine": c.machine_facts(), "seed": args.seed}
-    tasks: list[asyncio.Task[None]] = []
     try:
         procs[0].start()
         await procs[0].wait_ready(js)
-        tasks = [asyncio.create_task(h.job(x)) for x in (a, b)]
+        h.start()
         await h.settled(50)
 
         async def fault(kind: str, p: c.Orchestrator, *, restart_at_once: bool = False) -> float:
@@ -183,32 +126,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await _standing_by(p, _restart(p))
         result["standby_kill_s"] = kills
         result["standby_term_s"] = terms
-        await h.settled(20)
-        h.stop.set()
-        await asyncio.wait_for(asyncio.gather(*tasks), 60)
-        tasks = []
-        checker = StreamChecker()
-        stream = [(e.seq, e.ts_ms, e.subject, e.data) for e in await read_window(url, max_events=10**7)]
-        checker.feed_all(stream)  # raises InvariantViolation, naming the rule, on any violation
-        st = checker.stats[GROUP]
-        result["handoffs"] = len(h.grants)
-        result["release_errors"] = len(h.errors)
-        result["stream"] = {
-            "messages": len(stream),
-            "grants": st.grants,
-            "fold_grants": st.fold_grants,
-            "repeated_grants": st.repeated_grants,
-            "unpublished": len(checker.unpublished_grants()),
-        }
-        result["violations"] = 0 if st.grants == st.fold_grants and not checker.unpublished_grants() else 1
+        await h.finish()
+        checker, stream = await check_stream(url)
+        result.update(h.figures(checker, stream, GROUP, "repeated_grants"))
     finally:
-        h.stop.set()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for x in (a, b):
-            with contextlib.suppress(Exception):
-                await x.close()
+        await h.close()
         await nc.close()
         for p in procs:
             p.stop()

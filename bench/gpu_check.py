@@ -16,7 +16,7 @@ It measures and prints, and writes as JSON (``--out``):
    sequentially and overlapped (outgoing device -> host beside incoming host -> device), bit-exact;
 4. ``cuda``: the ``cuda`` backend (the driver's checkpoint API through cuda-python) on a separate process
    holding 4-16 GB: lock + checkpoint, NVML memory before/after, restore + unlock, the process's data
-   checked afterwards. If the driver refuses, what it answered is printed exactly;
+   checked afterwards. If the driver refuses, what it answered is printed exactly (in ``bench/_gpu_cuda.py``);
 5. ``switch``: ``bench/offload.py --device cuda`` (1 and 4 GiB, 5 cycles, with its same-run switch floor; the
    stack as in section 2): the whole switch A->B minus the handler calls, per size, and offload/restore against
    the same-run copy (in ``bench/_gpu_switch.py``; its own JSON is written beside ``--out`` as
@@ -65,7 +65,6 @@ import argparse
 import asyncio
 import datetime
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -80,12 +79,11 @@ for _p in reversed([*_PATHS, str(ROOT / "bench")]):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from _gpu_offload import (  # noqa: E402 - bench/ is on the path from here on
+from _gpu_cuda import cuda_backend, holder  # noqa: E402 - bench/ is on the path from here on
+from _gpu_offload import (  # noqa: E402
     N_TENSORS,
-    NODE,
     Stack,
     _checksums,
-    _child_env,
     _job,
     _med,
     _random_state,
@@ -95,11 +93,10 @@ from _gpu_offload import (  # noqa: E402 - bench/ is on the path from here on
 from _gpu_pinned import pinned  # noqa: E402
 from _gpu_report import GB, Report, format_report  # noqa: E402
 from _gpu_run import (  # noqa: E402
-    CLEANUP_S,
+    CLEANUP_S,  # noqa: F401 - with the budget's bounds, what the check promises to fit in (its tests read it here)
     DEFAULT_BUDGET_S,
     MAX_BUDGET_S,
     Budget,
-    LineReader,
     run_sections,
     write_json_atomic,
 )
@@ -251,110 +248,6 @@ def duplex(nbytes: int) -> dict[str, Any]:
         "sequential_gbps": 2 * nbytes / GB / seq,
         "overlapped_gbps": 2 * nbytes / GB / ovl,
     }
-
-
-# --------------------------------------------------------------------------- 4. cuda backend
-
-
-def _holder(nbytes: int) -> None:
-    """A process holding ``nbytes`` on the GPU: prints ``ready``, then on each stdin line ``check`` prints
-    whether its data is intact."""
-    import torch
-
-    tensors = _random_state(nbytes, N_TENSORS)
-    sums = _checksums(tensors)
-    torch.cuda.synchronize()
-    print("ready", flush=True)
-    for line in sys.stdin:
-        if line.strip() == "check":
-            print("intact" if _checksums(tensors) == sums else "CORRUPT", flush=True)
-
-
-def cuda_backend(nbytes: int, budget: Budget) -> dict[str, Any]:
-    from timeslice_agent._backend_api import BackendError, BackendUnavailable, OpContext
-    from timeslice_agent._cuda import CudaBackend, CudaPythonDriver, DriverError
-    from timeslice_agent._nvml import GpuAccounting, gpu_source
-    from timeslice_client.protocol import JobContext, JobState
-
-    out: dict[str, Any] = {"bytes": nbytes}
-    try:
-        driver = CudaPythonDriver()
-    except BackendUnavailable as exc:
-        out["refused"], out["unavailable"] = f"CudaPythonDriver(): {exc}", True
-        return out
-    be = CudaBackend(
-        driver,
-        GpuAccounting(gpu_source()),
-        lock_timeout_ms=int(budget.bound(10) * 1000),
-        lock_attempts=3,
-        drain_s=CLEANUP_S / 4,
-    )
-    proc = subprocess.Popen(
-        [sys.executable, __file__, "--role", "holder", "--bytes", str(nbytes)],
-        env=_child_env(),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdin is not None and proc.stdout is not None
-        lines = LineReader(proc.stdout)
-        if (first := lines.readline(budget.bound(120), "the holder process")) != "ready":
-            raise RuntimeError(f"the holder process did not start (it said {first!r}; its traceback is above)")
-        ctx = JobContext(
-            node=NODE, job="holder", group="cuda", state=JobState.RUNNING, backends=("cuda",), pids=(proc.pid,)
-        )
-        acct = be.accounting
-        out["driver_state"] = driver.state(proc.pid).name
-        out["nvml_before"] = acct.used_by((proc.pid,)) if acct.source else None
-        if not out["nvml_before"]:
-            out["nvml_note"] = "NVML does not list the holder process: the driver finds it, no bytes measured"
-
-        async def go() -> None:
-            op = OpContext("gpu-check-snap", 1, time.monotonic() + budget.bound(120))
-            t0 = time.perf_counter()
-            snap = await be.snapshot(ctx, op)
-            out["snapshot_s"] = time.perf_counter() - t0
-            out["device_bytes_freed"], out["bytes_moved"] = snap.device_bytes_freed, snap.bytes_moved
-            out["driver_state_saved"] = driver.state(proc.pid).name
-            out["nvml_checkpointed"] = acct.used_by((proc.pid,)) if acct.source else None
-            t0 = time.perf_counter()
-            await be.restore(ctx, OpContext("gpu-check-restore", 1, time.monotonic() + budget.bound(120)))
-            out["restore_s"] = time.perf_counter() - t0
-            out["nvml_restored"] = acct.used_by((proc.pid,)) if acct.source else None
-
-        async def bounded() -> None:
-            limit = budget.bound(240)  # the backend's own deadlines bound only the lock
-            try:
-                async with asyncio.timeout(limit):
-                    await go()
-            except TimeoutError:
-                raise TimeoutError(
-                    f"the cuda backend's snapshot and restore did not finish within {limit:.0f} s "
-                    "(the budget's share): run --only cuda, or with a smaller --cuda-gb"
-                ) from None
-
-        try:
-            asyncio.run(bounded())
-        except (BackendError, DriverError) as exc:
-            out["refused"] = f"{exc.__class__.__name__}: {exc}"
-            return out
-        proc.stdin.write("check\n")
-        proc.stdin.flush()
-        out["intact"] = lines.readline(budget.bound(60), "the holder process's check") == "intact"
-        out["driver_state_after"] = driver.state(proc.pid).name
-        if out["driver_state_saved"] != "CHECKPOINTED":
-            out["refused"] = f"the snapshot left the process {out['driver_state_saved']}, not CHECKPOINTED"
-    finally:
-        if proc.stdin:
-            proc.stdin.close()
-        try:
-            proc.wait(CLEANUP_S / 4)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(CLEANUP_S / 4)
-        be.close()
-    return out
 
 
 # --------------------------------------------------------------------------- driver
@@ -592,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 0
     if args.role == "holder":
-        _holder(int(args.bytes))
+        holder(int(args.bytes))
         return 0
     rep = Report(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -27,229 +27,23 @@ Run: ``python bench/handoff.py [--n 2000] [--gap-ms 2]``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import _common
+from _common import pct as _pct
+from _handoff_workers import run_role
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _loop_run(coro: Any) -> Any:
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
-
-
-# ---------------------------------------------------------------------- worker roles
-
-
-async def _pingpong(url: str, group: str, job: str, n: int, gap: float, out: str, start_first: bool) -> None:
-    from timeslice_client import AsyncTimeSliceClient
-
-    rows: list[tuple[str, int, int]] = []
-    async with AsyncTimeSliceClient(job, group, url, lease_seconds=30) as c:
-        for _ in range(n):
-            g = await c.acquire(timeout=60)
-            rows.append(("g", g.epoch, time.monotonic_ns()))
-            await asyncio.sleep(gap)  # the idle gap before the release
-            rows.append(("r", g.epoch, time.monotonic_ns()))
-            await c.release()
-    Path(out).write_text(json.dumps(rows))
-
-
-async def _reacquire(url: str, group: str, n: int, gap: float, out: str, plain: bool) -> None:
-    from timeslice_client import AsyncTimeSliceClient
-
-    lat: list[int] = []
-    async with AsyncTimeSliceClient("solo", group, url, fast_reacquire=not plain) as c:
-        await c.acquire(timeout=30)
-        await c.release()
-        for _ in range(n):
-            await asyncio.sleep(gap)
-            t0 = time.monotonic_ns()
-            await c.acquire(timeout=30)
-            lat.append(time.monotonic_ns() - t0)
-            await c.release()
-    Path(out).write_text(json.dumps(lat))
-
-
-def _pingpong_sync(url: str, group: str, job: str, n: int, gap: float, out: str) -> None:
-    """``_pingpong`` through the blocking ``TimeSliceClient``."""
-    from timeslice_client import TimeSliceClient
-
-    rows: list[tuple[str, int, int]] = []
-    with TimeSliceClient(job, group, url, lease_seconds=30) as c:
-        for _ in range(n):
-            g = c.acquire(timeout=60)
-            rows.append(("g", g.epoch, time.monotonic_ns()))
-            time.sleep(gap)  # the idle gap before the release
-            rows.append(("r", g.epoch, time.monotonic_ns()))
-            c.release()
-    Path(out).write_text(json.dumps(rows))
-
-
-def _reacquire_sync(url: str, group: str, n: int, gap: float, out: str) -> None:
-    """``_reacquire`` (claims on) through the blocking ``TimeSliceClient``."""
-    from timeslice_client import TimeSliceClient
-
-    lat: list[int] = []
-    with TimeSliceClient("solo-sync", group, url) as c:
-        c.acquire(timeout=30)
-        c.release()
-        for _ in range(n):
-            time.sleep(gap)
-            t0 = time.monotonic_ns()
-            c.acquire(timeout=30)
-            lat.append(time.monotonic_ns() - t0)
-            c.release()
-    Path(out).write_text(json.dumps(lat))
-
-
-async def _responder(url: str, ready: str) -> None:
-    from timeslice_client.bus import connect
-
-    nc = await connect(url)
-
-    async def cb(msg: Any) -> None:
-        await msg.respond(msg.data)
-
-    await nc.subscribe("bench.echo", cb=cb)
-    await asyncio.sleep(0)
-    await nc.flush()
-    Path(ready).write_text("ok")
-    await asyncio.Event().wait()
-
-
-_FLOOR_STREAM = "BENCH_FLOOR"
-_FLOOR_IN, _FLOOR_OUT = "bench.floor.in", "bench.floor.out"
-
-
-async def _js_responder(url: str, ready: str) -> None:
-    from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
-    from timeslice_client.bus import connect
-
-    nc = await connect(url)
-    js = nc.jetstream()
-    await js.add_stream(StreamConfig(name=_FLOOR_STREAM, subjects=["bench.floor.>"]))  # file storage, as TIMESLICE
-
-    async def cb(msg: Any) -> None:
-        await nc.publish(_FLOOR_OUT, msg.data)
-        await msg.ack()
-
-    deliver = nc.new_inbox()
-    await nc.subscribe(deliver, cb=cb)
-    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
-    await nc.flush()
-    await js.add_consumer(
-        _FLOOR_STREAM,
-        ConsumerConfig(
-            durable_name="floor", deliver_subject=deliver, ack_policy=AckPolicy.EXPLICIT, filter_subject=_FLOOR_IN
-        ),
-    )
-    Path(ready).write_text("ok")
-    await asyncio.Event().wait()
-
-
-async def _js_requester(url: str, n: int, gap: float, out: str) -> None:
-    from timeslice_client.bus import connect
-
-    nc = await connect(url)
-    js = nc.jetstream()
-    answer: asyncio.Future[None] | None = None
-
-    async def cb(msg: Any) -> None:
-        if answer is not None and not answer.done():
-            answer.set_result(None)
-
-    await nc.subscribe(_FLOOR_OUT, cb=cb)
-    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
-    await nc.flush()
-    lat: list[tuple[int, int]] = []  # (until the PubAck, until the answer)
-    for _ in range(n):
-        await asyncio.sleep(gap)
-        answer = asyncio.get_running_loop().create_future()
-        t0 = time.monotonic_ns()
-        await js.publish(_FLOOR_IN, b"x" * 200, timeout=5)
-        t1 = time.monotonic_ns()
-        await asyncio.wait_for(answer, 5)
-        lat.append((t1 - t0, time.monotonic_ns() - t0))
-    await nc.close()
-    Path(out).write_text(json.dumps(lat))
-
-
-async def _requester(url: str, n: int, gap: float, out: str) -> None:
-    from timeslice_client.bus import connect
-
-    nc = await connect(url)
-    lat: list[int] = []
-    for _ in range(n):
-        await asyncio.sleep(gap)
-        t0 = time.monotonic_ns()
-        await nc.request("bench.echo", b"x" * 200, timeout=5)
-        lat.append(time.monotonic_ns() - t0)
-    await nc.close()
-    Path(out).write_text(json.dumps(lat))
-
-
-def _grpc_calls(target: str) -> tuple[Any, Any, Any]:
-    import grpc
-    from timeslice_client._grpc import timeslice_orchestrator_pb2 as pb
-
-    ch = grpc.insecure_channel(target)
-    svc = "/timeslice_orchestrator.v1alpha1.TimeSliceOrchestratorService"
-    acquire = ch.unary_unary(
-        f"{svc}/Acquire",
-        request_serializer=pb.AcquireRequest.SerializeToString,
-        response_deserializer=pb.AcquireResponse.FromString,
-    )
-    yield_ = ch.unary_unary(
-        f"{svc}/Yield",
-        request_serializer=pb.YieldRequest.SerializeToString,
-        response_deserializer=pb.YieldResponse.FromString,
-    )
-    return ch, acquire, yield_
-
-
-def _grpc_pingpong(target: str, group: str, job: str, n: int, gap: float, out: str) -> None:
-    from timeslice_client._grpc import timeslice_orchestrator_pb2 as pb
-
-    ch, acquire, yield_ = _grpc_calls(target)
-    rows: list[tuple[str, str, int]] = []
-    for _ in range(n):
-        acquire(pb.AcquireRequest(job_id=job, group_id=group), timeout=60)
-        rows.append(("g", job, time.monotonic_ns()))
-        time.sleep(gap)  # the idle gap before the yield
-        rows.append(("r", job, time.monotonic_ns()))
-        yield_(pb.YieldRequest(job_id=job, group_id=group), timeout=60)
-    ch.close()
-    Path(out).write_text(json.dumps(rows))
-
-
-def _grpc_requester(target: str, n: int, gap: float, out: str) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(target) as ch:
-        check = health_pb2_grpc.HealthStub(ch).Check  # type: ignore[attr-defined]  # generated at runtime
-        lat: list[int] = []
-        for _ in range(n):
-            time.sleep(gap)
-            t0 = time.monotonic_ns()
-            check(health_pb2.HealthCheckRequest(), timeout=5)
-            lat.append(time.monotonic_ns() - t0)
-    Path(out).write_text(json.dumps(lat))
+# ---------------------------------------------------------------------- driver
 
 
 def _handoffs(rows: list[list[Any]]) -> list[float]:
@@ -274,75 +68,64 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# ---------------------------------------------------------------------- driver
-
-
-def _pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(p / 100 * len(s)))]
-
-
 def _spawn(*args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, __file__, *args], cwd=ROOT)
+
+
+def _worker(tmp: Path, role: str, url: str, n: int, gap: str, *args: str) -> Any:
+    """One worker process of ``role`` making ``n`` requests after a ``gap`` each; what it wrote, less the warm-up
+    tenth."""
+    out = tmp / f"{role}.json"
+    w = _spawn("--role", role, "--url", url, *args, "--n", str(n), "--gap", gap, "--out", str(out))
+    w.wait()
+    if w.returncode:
+        raise RuntimeError(f"the {role} worker failed")
+    return json.loads(out.read_text())[n // 10 :]
+
+
+def _responder(tmp: Path, role: str, url: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    """A responder process of ``role``, started and ready (it runs until the driver stops ``procs``)."""
+    ready = tmp / f"{role}.ready"
+    resp = _spawn("--role", role, "--url", url, "--out", str(ready))
+    procs.append(resp)
+    _common.wait_file(ready, resp, 30)
+
+
+def _pingpong_rows(
+    tmp: Path,
+    url: str,
+    group: str,
+    n: int,
+    gap: str,
+    procs: list[subprocess.Popen[bytes]],
+    role: str,
+    jobs: tuple[str, str] = ("job-a", "job-b"),
+) -> list[list[Any]]:
+    """Two job processes of ``role`` ping-pong ``group``; their (kind, epoch or job, t) rows together."""
+    outs = [tmp / f"{group}-{job}.json" for job in jobs]
+    pair = [
+        _spawn(
+            "--role", role, "--url", url, "--group", group, "--job", job, "--n", str(n), "--gap", gap, "--out", str(o)
+        )
+        for job, o in zip(jobs, outs, strict=True)
+    ]
+    procs += pair
+    for w in pair:
+        w.wait()
+    if any(w.returncode for w in pair):
+        raise RuntimeError(f"a {role} worker failed")
+    return [row for o in outs for row in json.loads(o.read_text())]
 
 
 def _pingpong_run(
     tmp: Path, url: str, group: str, n: int, gap: str, procs: list[subprocess.Popen[bytes]], role: str
 ) -> list[float]:
     """Two job processes of ``role`` ping-pong ``group``; the handoffs (ms), less the warm-up tenth."""
-    a_out, b_out = tmp / f"{group}-a.json", tmp / f"{group}-b.json"
-    a = _spawn(
-        "--role",
-        role,
-        "--url",
-        url,
-        "--group",
-        group,
-        "--job",
-        "job-a",
-        "--n",
-        str(n),
-        "--gap",
-        gap,
-        "--out",
-        str(a_out),
-    )
-    b = _spawn(
-        "--role",
-        role,
-        "--url",
-        url,
-        "--group",
-        group,
-        "--job",
-        "job-b",
-        "--n",
-        str(n),
-        "--gap",
-        gap,
-        "--out",
-        str(b_out),
-    )
-    procs += [a, b]
-    a.wait()
-    b.wait()
-    if a.returncode or b.returncode:
-        raise RuntimeError(f"a {role} worker failed")
-    rows = json.loads(a_out.read_text()) + json.loads(b_out.read_text())
+    rows = _pingpong_rows(tmp, url, group, n, gap, procs, role)
     grants = {e: t for k, e, t in rows if k == "g"}
     releases = {e: t for k, e, t in rows if k == "r"}
     hand = [(grants[e + 1] - releases[e]) / 1e6 for e in sorted(releases) if e + 1 in grants]
     return hand[len(hand) // 10 :]  # skip the warm-up tenth
-
-
-def _reacquire_run(tmp: Path, url: str, group: str, n: int, gap: str, role: str) -> list[float]:
-    """One job process of ``role`` releases and re-acquires ``group``; the re-acquires (ms), less the first tenth."""
-    r_out = tmp / f"{group}.json"
-    r = _spawn("--role", role, "--url", url, "--group", group, "--n", str(n), "--gap", gap, "--out", str(r_out))
-    r.wait()
-    if r.returncode:
-        raise RuntimeError(f"the {role} worker failed")
-    return [x / 1e6 for x in json.loads(r_out.read_text())[n // 10 :]]
 
 
 def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
@@ -372,26 +155,12 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
     gap = str(gap_ms / 1000)
     try:
         # Baseline: raw request-reply, responder in another process.
-        ready = tmp / "responder.ready"
-        resp = _spawn("--role", "responder", "--url", url, "--out", str(ready))
-        procs.append(resp)
-        _common.wait_file(ready, resp, 30)
-        base_out = tmp / "baseline.json"
-        req = _spawn("--role", "requester", "--url", url, "--n", str(n), "--gap", gap, "--out", str(base_out))
-        req.wait()
-        base = [x / 1e6 for x in json.loads(base_out.read_text())[n // 10 :]]
+        _responder(tmp, "responder", url, procs)
+        base = [x / 1e6 for x in _worker(tmp, "requester", url, n, gap)]
 
         # Floor: the same path without the lock (JetStream publish -> push consumer -> core notice).
-        ready = tmp / "js-responder.ready"
-        js_resp = _spawn("--role", "js-responder", "--url", url, "--out", str(ready))
-        procs.append(js_resp)
-        _common.wait_file(ready, js_resp, 30)
-        floor_out = tmp / "floor.json"
-        req = _spawn("--role", "js-requester", "--url", url, "--n", str(n), "--gap", gap, "--out", str(floor_out))
-        req.wait()
-        if req.returncode:
-            raise RuntimeError("the floor worker failed")
-        floor_rows = json.loads(floor_out.read_text())[n // 10 :]
+        _responder(tmp, "js-responder", url, procs)
+        floor_rows = _worker(tmp, "js-requester", url, n, gap)
         floor = [x / 1e6 for _, x in floor_rows]
         pub_ack = [x / 1e6 for x, _ in floor_rows]
 
@@ -399,79 +168,21 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         hand = _pingpong_run(tmp, url, "bench", n, gap, procs, "pingpong")
         hand_sync = _pingpong_run(tmp, url, "bench-sync", n, gap, procs, "pingpong-sync")
 
-        # P2: same job re-acquires an IDLE_YIELDED group (async, then sync).
-        re_lat = _reacquire_run(tmp, url, "bench-solo", n, gap, "reacquire")
-        re_sync = _reacquire_run(tmp, url, "bench-solo-sync", n, gap, "reacquire-sync")
-        # P2 through the orchestrator: claims turned off.
-        r_out = tmp / "re-plain.json"
-        r = _spawn(
-            "--role",
-            "reacquire-plain",
-            "--url",
-            url,
-            "--group",
-            "bench-solo-plain",
-            "--n",
-            str(n),
-            "--gap",
-            gap,
-            "--out",
-            str(r_out),
+        # P2: same job re-acquires an IDLE_YIELDED group (async, then sync); then through the orchestrator: claims
+        # turned off.
+        re_lat, re_sync, re_plain = (
+            [x / 1e6 for x in _worker(tmp, role, url, n, gap, "--group", group)]
+            for role, group in (
+                ("reacquire", "bench-solo"),
+                ("reacquire-sync", "bench-solo-sync"),
+                ("reacquire-plain", "bench-solo-plain"),
+            )
         )
-        r.wait()
-        if r.returncode:
-            raise RuntimeError("the re-acquire worker failed")
-        re_plain = [x / 1e6 for x in json.loads(r_out.read_text())[n // 10 :]]
 
         # P3: the P1 ping-pong through the gRPC API, and a plain gRPC call as its baseline.
-        g_base_out = tmp / "grpc-baseline.json"
-        g = _spawn(
-            "--role", "grpc-requester", "--url", grpc_target, "--n", str(n), "--gap", gap, "--out", str(g_base_out)
-        )
-        procs.append(g)
-        g.wait()
-        if g.returncode:
-            raise RuntimeError("the gRPC baseline worker failed (is the gRPC API up?)")
-        g_base = [x / 1e6 for x in json.loads(g_base_out.read_text())[n // 10 :]]
-        ga_out, gb_out = tmp / "ga.json", tmp / "gb.json"
-        ga = _spawn(
-            "--role",
-            "grpc-pingpong",
-            "--url",
-            grpc_target,
-            "--group",
-            "bench-grpc",
-            "--job",
-            "grpc-a",
-            "--n",
-            str(n),
-            "--gap",
-            gap,
-            "--out",
-            str(ga_out),
-        )
-        gb = _spawn(
-            "--role",
-            "grpc-pingpong",
-            "--url",
-            grpc_target,
-            "--group",
-            "bench-grpc",
-            "--job",
-            "grpc-b",
-            "--n",
-            str(n),
-            "--gap",
-            gap,
-            "--out",
-            str(gb_out),
-        )
-        procs += [ga, gb]
-        ga.wait()
-        gb.wait()
-        if ga.returncode or gb.returncode:
-            raise RuntimeError("a gRPC ping-pong worker failed")
-        g_hand = _handoffs(json.loads(ga_out.read_text()) + json.loads(gb_out.read_text()))
+        g_base = [x / 1e6 for x in _worker(tmp, "grpc-requester", grpc_target, n, gap)]
+        g_rows = _pingpong_rows(tmp, grpc_target, "bench-grpc", n, gap, procs, "grpc-pingpong", ("grpc-a", "grpc-b"))
+        g_hand = _handoffs(g_rows)
         g_hand = g_hand[len(g_hand) // 10 :]
     finally:
         _common.stop_procs(procs)
@@ -517,6 +228,45 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
     }
 
 
+def _print(res: dict[str, Any]) -> None:
+    def line(label: str, key: str, tail: str = "") -> None:
+        print(f"  {label} p50 {res[f'{key}_p50_ms']:.3f} ms   p99 {res[f'{key}_p99_ms']:.3f} ms{tail}")
+
+    print(f"handoff (A release -> B acquire returns), n={res['samples']}, idle gap {res['gap_ms']} ms")
+    line("P1 handoff    ", "handoff", f"   = {res['handoff_vs_baseline']:.2f}x baseline p50")
+    line(
+        "P2 re-acquire ",
+        "reacquire",
+        f"   = {res['reacquire_vs_baseline']:.2f}x baseline p50, {res['reacquire_vs_pub_ack']:.2f}x a JetStream "
+        "publish+PubAck (a claim)",
+    )
+    line(
+        "P1 sync       ",
+        "handoff_sync",
+        f"   = {res['handoff_sync_vs_async']:.2f}x P1 (async) p50   (TimeSliceClient, the blocking facade)",
+    )
+    line("P2 sync       ", "reacquire_sync", f"   = {res['reacquire_sync_vs_async']:.2f}x P2 (async) p50")
+    line(
+        "P2 through the orchestrator (fast_reacquire=False) ",
+        "reacquire_plain",
+        f"   = {res['reacquire_plain_vs_floor']:.2f}x floor p50",
+    )
+    line("baseline: raw NATS request-reply", "baseline_reqrep")
+    line(
+        "floor: JetStream publish -> push consumer -> core notice, no lock,",
+        "floor_js",
+        f"   (P1 = {res['handoff_vs_floor']:.2f}x, P2 = {res['reacquire_vs_floor']:.2f}x floor p50)",
+    )
+    line("of it, the JetStream publish until its PubAck", "floor_pub_ack")
+    print(f"gRPC API (blocking Acquire/Yield through the orchestrator's shim), n={res['grpc_samples']}")
+    line(
+        "P3 gRPC handoff",
+        "grpc_handoff",
+        f"   (bus client P1 p50 {res['handoff_p50_ms']:.3f} ms, p99 {res['handoff_p99_ms']:.3f} ms)",
+    )
+    line("baseline: plain gRPC unary call", "grpc_baseline_unary")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=2000)
@@ -531,35 +281,8 @@ def main() -> None:
     p.add_argument("--gap", type=float, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.role == "pingpong":
-        _loop_run(_pingpong(a.url, a.group, a.job, a.n, a.gap, a.out, a.job == "job-a"))
-        return
-    if a.role == "pingpong-sync":
-        _pingpong_sync(a.url, a.group, a.job, a.n, a.gap, a.out)
-        return
-    if a.role == "reacquire-sync":
-        _reacquire_sync(a.url, a.group, a.n, a.gap, a.out)
-        return
-    if a.role in ("reacquire", "reacquire-plain"):
-        _loop_run(_reacquire(a.url, a.group, a.n, a.gap, a.out, a.role == "reacquire-plain"))
-        return
-    if a.role == "responder":
-        _loop_run(_responder(a.url, a.out))
-        return
-    if a.role == "requester":
-        _loop_run(_requester(a.url, a.n, a.gap, a.out))
-        return
-    if a.role == "js-responder":
-        _loop_run(_js_responder(a.url, a.out))
-        return
-    if a.role == "js-requester":
-        _loop_run(_js_requester(a.url, a.n, a.gap, a.out))
-        return
-    if a.role == "grpc-pingpong":
-        _grpc_pingpong(a.url, a.group, a.job, a.n, a.gap, a.out)
-        return
-    if a.role == "grpc-requester":
-        _grpc_requester(a.url, a.n, a.gap, a.out)
+    if a.role:
+        run_role(a)
         return
     if a.quick:
         a.n = min(a.n, 300)
@@ -572,50 +295,7 @@ def main() -> None:
     if a.json:
         print(json.dumps(res))
         return
-    print(f"handoff (A release -> B acquire returns), n={res['samples']}, idle gap {res['gap_ms']} ms")
-    print(
-        f"  P1 handoff     p50 {res['handoff_p50_ms']:.3f} ms   p99 {res['handoff_p99_ms']:.3f} ms   "
-        f"= {res['handoff_vs_baseline']:.2f}x baseline p50"
-    )
-    print(
-        f"  P2 re-acquire  p50 {res['reacquire_p50_ms']:.3f} ms   p99 {res['reacquire_p99_ms']:.3f} ms   "
-        f"= {res['reacquire_vs_baseline']:.2f}x baseline p50, {res['reacquire_vs_pub_ack']:.2f}x a JetStream "
-        f"publish+PubAck (a claim)"
-    )
-    print(
-        f"  P1 sync        p50 {res['handoff_sync_p50_ms']:.3f} ms   p99 {res['handoff_sync_p99_ms']:.3f} ms   "
-        f"= {res['handoff_sync_vs_async']:.2f}x P1 (async) p50   (TimeSliceClient, the blocking facade)"
-    )
-    print(
-        f"  P2 sync        p50 {res['reacquire_sync_p50_ms']:.3f} ms   p99 {res['reacquire_sync_p99_ms']:.3f} ms   "
-        f"= {res['reacquire_sync_vs_async']:.2f}x P2 (async) p50"
-    )
-    print(
-        f"  P2 through the orchestrator (fast_reacquire=False)  p50 {res['reacquire_plain_p50_ms']:.3f} ms   "
-        f"p99 {res['reacquire_plain_p99_ms']:.3f} ms   = {res['reacquire_plain_vs_floor']:.2f}x floor p50"
-    )
-    print(
-        f"  baseline: raw NATS request-reply p50 {res['baseline_reqrep_p50_ms']:.3f} ms   "
-        f"p99 {res['baseline_reqrep_p99_ms']:.3f} ms"
-    )
-    print(
-        f"  floor: JetStream publish -> push consumer -> core notice, no lock, p50 {res['floor_js_p50_ms']:.3f} ms   "
-        f"p99 {res['floor_js_p99_ms']:.3f} ms   (P1 = {res['handoff_vs_floor']:.2f}x, "
-        f"P2 = {res['reacquire_vs_floor']:.2f}x floor p50)"
-    )
-    print(
-        f"  of it, the JetStream publish until its PubAck p50 {res['floor_pub_ack_p50_ms']:.3f} ms   "
-        f"p99 {res['floor_pub_ack_p99_ms']:.3f} ms"
-    )
-    print(f"gRPC API (blocking Acquire/Yield through the orchestrator's shim), n={res['grpc_samples']}")
-    print(
-        f"  P3 gRPC handoff p50 {res['grpc_handoff_p50_ms']:.3f} ms   p99 {res['grpc_handoff_p99_ms']:.3f} ms   "
-        f"(bus client P1 p50 {res['handoff_p50_ms']:.3f} ms, p99 {res['handoff_p99_ms']:.3f} ms)"
-    )
-    print(
-        f"  baseline: plain gRPC unary call p50 {res['grpc_baseline_unary_p50_ms']:.3f} ms   "
-        f"p99 {res['grpc_baseline_unary_p99_ms']:.3f} ms"
-    )
+    _print(res)
 
 
 if __name__ == "__main__":

@@ -31,15 +31,11 @@ import time
 from typing import Any
 
 import _common as c
-from failover import Handoffs
+from _handoffs import Handoffs, check_stream
 
 sys.path.insert(0, str(c.ROOT))  # the loopback cluster the tests use
-from timeslice_client import AsyncTimeSliceClient
 from timeslice_client.bus import connect
-from timeslice_client.errors import TimeSliceError
 from timeslice_client.protocol import STREAM, Granted, decode_notice
-from timeslice_orchestrator.invariants import StreamChecker
-from timeslice_orchestrator.replay._read import read_window
 
 from tests.cluster import NatsCluster
 
@@ -105,24 +101,14 @@ class _Handoffs(Handoffs):
     """``Handoffs`` that also keeps each grant's epoch and wall-clock receipt, to tell a grant decided late from one
     delivered late (the stream stores the orchestrator's ``Granted`` notices: their stream time is when it sent it)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, url: str, group: str) -> None:
+        super().__init__(url, group)
         self.received: list[tuple[float, int, float]] = []  # (acquire sent, monotonic), epoch, wall-clock receipt
         self.trial_starts: list[float] = []  # monotonic time of each trial's kill
 
-    async def job(self, client: AsyncTimeSliceClient) -> None:
-        while not self.stop.is_set():
-            try:
-                asked = time.monotonic()
-                g = await client.acquire(timeout=60)
-                self.grants.append((asked, time.monotonic()))
-                self.received.append((asked, g.epoch, time.time()))
-                self.granted.set()
-                await client.release()
-            except TimeSliceError as exc:  # a release whose answer was lost in a failover: the next acquire tells
-                self.errors.append(f"{client.job_id}: {exc.__class__.__name__}")
-                if len(self.errors) > 1000:
-                    raise
+    def on_grant(self, asked: float, grant: Any) -> None:
+        super().on_grant(asked, grant)
+        self.received.append((asked, grant.epoch, time.time()))
 
     def first_after(self, t: float) -> tuple[int, float] | None:
         """The epoch and wall-clock receipt of the first grant of an acquire sent after ``t`` (monotonic)."""
@@ -152,19 +138,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     procs = [c.Orchestrator(url, tmp / f"orchestrator-{i}.log", ("--replicas", "3")) for i in range(2)]
     nc = await connect(url)
     js = nc.jetstream()
-    h = _Handoffs()
+    h = _Handoffs(url, GROUP)
     kills: list[float] = []  # wall-clock time of each trial's kill
-    a = AsyncTimeSliceClient("job-a", GROUP, url, fast_reacquire=False, request_timeout=30)
-    b = AsyncTimeSliceClient("job-b", GROUP, url, fast_reacquire=False, request_timeout=30)
     result: dict[str, Any] = {"command": c.command_line(), "machine": c.machine_facts(), "seed": args.seed}
-    tasks: list[asyncio.Task[None]] = []
     trials: list[dict[str, Any]] = []
     try:
         procs[0].start()
         await procs[0].wait_ready(js)
         procs[1].start()
         await cluster.wait_current(STREAM)
-        tasks = [asyncio.create_task(h.job(x)) for x in (a, b)]
+        h.start()
         await h.settled(50)
         for _ in range(args.trials):
             await h.settled(20)
@@ -216,14 +199,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await cluster.wait_current(STREAM)
             for s in _BUCKETS:
                 await cluster.wait_current(s)
-        await h.settled(20)
-        h.stop.set()
-        await asyncio.wait_for(asyncio.gather(*tasks), 60)
-        tasks = []
-        checker = StreamChecker()
-        stream = [(e.seq, e.ts_ms, e.subject, e.data) for e in await read_window(url, max_events=10**7)]
-        checker.feed_all(stream)  # raises InvariantViolation, naming the rule, on any violation
-        st = checker.stats[GROUP]
+        await h.finish()
+        checker, stream = await check_stream(url)
         sent = _sent_at(stream)
         for trial, t0, killed_at in zip(trials, h.trial_starts, kills, strict=True):
             first = h.first_after(t0)
@@ -231,25 +208,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 trial["grant_sent_s"] = round(sent[first[0]] - killed_at, 3)
                 trial["grant_received_s"] = round(first[1] - killed_at, 3)
         result["trials"] = trials
-        result["handoffs"] = len(h.grants)
-        result["release_errors"] = len(h.errors)
-        result["stream"] = {
-            "messages": len(stream),
-            "grants": st.grants,
-            "fold_grants": st.fold_grants,
-            "unstored_grants": st.unstored_grants,
-            "unpublished": len(checker.unpublished_grants()),
-        }
-        result["violations"] = 0 if st.grants == st.fold_grants and not checker.unpublished_grants() else 1
+        result.update(h.figures(checker, stream, GROUP, "unstored_grants"))
         result["orchestrators_alive"] = sum(p.proc is not None and p.proc.poll() is None for p in procs)
     finally:
-        h.stop.set()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for x in (a, b):
-            with contextlib.suppress(Exception):
-                await x.close()
+        await h.close()
         await nc.close()
         for p in procs:
             p.stop()
@@ -304,10 +266,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.trials = 2
-    res = c.loop_run(run(args))
-    ok = print_report(res)
-    c.write_json(args.json_out, res)
-    sys.exit(0 if ok else 1)
+    c.run_and_report(run(args), print_report, args.json_out)
 
 
 if __name__ == "__main__":

@@ -69,8 +69,23 @@ def _register(share: _Shared | None, handler: Any) -> Any:
     return client
 
 
+class _Actor:
+    """What both actors answer the driver: their handler's suspends and resumes, and closing their client."""
+
+    handler: Any
+    client: Any
+
+    def counts(self) -> tuple[int, int]:
+        c = self.handler.counts
+        return c.suspends, c.resumes
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+
 @ray.remote
-class Rollout:
+class Rollout(_Actor):
     """Generates a batch with its copy of the policy; keeps a KV cache on the "device"."""
 
     def __init__(self, seed: int, share: _Shared | None) -> None:
@@ -97,17 +112,9 @@ class Rollout:
             for name, p in self.policy.state_dict().items():
                 p.copy_(weights[name])
 
-    def counts(self) -> tuple[int, int]:
-        c = self.handler.counts
-        return c.suspends, c.resumes
-
-    def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
-
 
 @ray.remote
-class Trainer:
+class Trainer(_Actor):
     """Updates the policy from scored rollouts (Adam: optimizer state on the "device" too)."""
 
     def __init__(self, seed: int, share: _Shared | None) -> None:
@@ -134,14 +141,6 @@ class Trainer:
 
     def digest(self) -> str:
         return _digest(self.model)
-
-    def counts(self) -> tuple[int, int]:
-        c = self.handler.counts
-        return c.suspends, c.resumes
-
-    def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
 
 
 def _score(batch: torch.Tensor, reward_s: float) -> torch.Tensor:
