@@ -61,6 +61,11 @@ _op_started_decoder: Final = msgspec.json.Decoder(OpStarted)
 # --------------------------------------------------------------------------- the stream checker
 
 
+def _violation(rule: str, detail: str, group: str, seq: int, **values: object) -> InvariantViolation:
+    """The stream breaks ``rule`` at ``seq`` in ``group``: ``detail`` says how, ``values`` show it."""
+    return InvariantViolation(rule, detail, group=group, seq=seq, values=values)
+
+
 _NOTICE_PATTERN: Final = "ts.v1.notice.*.*"
 _OP_STARTED_PATTERN: Final = "ts.v1.agent.*.op"
 
@@ -217,9 +222,7 @@ class StreamChecker:
         try:
             new, actions = apply(rec, ev, now_ms, seq)
         except Exception as exc:
-            raise InvariantViolation(
-                "core-raised", f"apply() raised {exc!r}", group=group, seq=seq, values={"event": ev, "record": rec}
-            ) from exc
+            raise _violation("core-raised", f"apply() raised {exc!r}", group, seq, event=ev, record=rec) from exc
         self.applied += 1
         view = self._view(group)
         view.stats.events += 1
@@ -229,12 +232,8 @@ class StreamChecker:
             view.stats.claims += 1
         if new is rec:
             if actions:
-                raise InvariantViolation(
-                    "core-unchanged",
-                    "an unchanged record comes with no actions",
-                    group=group,
-                    seq=seq,
-                    values={"actions": actions},
+                raise _violation(
+                    "core-unchanged", "an unchanged record comes with no actions", group, seq, actions=actions
                 )
             return actions
         try:
@@ -242,12 +241,8 @@ class StreamChecker:
         except InvariantViolation as exc:
             raise exc.at(seq) from None
         if new.epoch < rec.epoch:
-            raise InvariantViolation(
-                "fold-epoch",
-                "the epoch never goes down",
-                group=group,
-                seq=seq,
-                values={"before": rec.epoch, "after": new.epoch, "event": ev},
+            raise _violation(
+                "fold-epoch", "the epoch never goes down", group, seq, before=rec.epoch, after=new.epoch, event=ev
             )
         self._facts.core_ended(rec, new)
         holder = (rec.holder.job, rec.holder.epoch) if rec.holder is not None else None
@@ -273,20 +268,22 @@ class StreamChecker:
     def _fold_grant(view: _GroupView, seq: int, n: Granted, holder: tuple[str, int] | None) -> None:
         if holder != (n.job, n.epoch):  # not the holder's re-acquire, so a new grant
             if holder is not None:
-                raise InvariantViolation(
+                raise _violation(
                     "fold-grant-exclusive",
                     "the fold grants only when nobody holds",
-                    group=n.group,
-                    seq=seq,
-                    values={"granted": n, "holder": holder},
+                    n.group,
+                    seq,
+                    granted=n,
+                    holder=holder,
                 )
             if n.epoch <= view.fold_max_epoch:
-                raise InvariantViolation(
+                raise _violation(
                     "fold-grant-epoch",
                     "every new grant raises the epoch",
-                    group=n.group,
-                    seq=seq,
-                    values={"granted": n, "max_epoch": view.fold_max_epoch},
+                    n.group,
+                    seq,
+                    granted=n,
+                    max_epoch=view.fold_max_epoch,
                 )
             view.fold_max_epoch = n.epoch
             view.stats.fold_grants += 1
@@ -299,20 +296,17 @@ class StreamChecker:
         try:
             notice = decode_notice(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise InvariantViolation(
-                "notice-malformed",
-                f"a published notice does not decode: {exc}",
-                group=group,
-                seq=seq,
-                values={"subject": subject, "data": data},
+            raise _violation(
+                "notice-malformed", f"a published notice does not decode: {exc}", group, seq, subject=subject, data=data
             ) from exc
         if notice.group != group or notice.job != job:
-            raise InvariantViolation(
+            raise _violation(
                 "notice-subject",
                 "a notice goes out on its own group and job's subject",
-                group=group,
-                seq=seq,
-                values={"subject": subject, "notice": notice},
+                group,
+                seq,
+                subject=subject,
+                notice=notice,
             )
         self.notices += 1
         if not isinstance(notice, Granted | Released | Revoked):
@@ -346,12 +340,13 @@ class StreamChecker:
             )
             owner = notice.job
         if owner != notice.job:
-            raise InvariantViolation(
+            raise _violation(
                 "notice-end-unknown",
                 f"{type(notice).__name__} ends a hold that was never granted",
-                group=group,
-                seq=seq,
-                values={"notice": notice, "epoch_granted_to": owner},
+                group,
+                seq,
+                notice=notice,
+                epoch_granted_to=owner,
             )
         st = view.stats
         if isinstance(notice, Released):
@@ -366,40 +361,44 @@ class StreamChecker:
         group = n.group
         if n.request_id not in view.decided.get((n.job, n.epoch), ()):
             at_epoch = sorted((j, e, sorted(r)) for (j, e), r in view.decided.items() if e == n.epoch)
-            raise InvariantViolation(
+            raise _violation(
                 "grant-agrees-with-fold",
                 "a published grant is one the pure core decided from the same events",
-                group=group,
-                seq=seq,
-                values={"granted": n, "fold_at_epoch": at_epoch},
+                group,
+                seq,
+                granted=n,
+                fold_at_epoch=at_epoch,
             )
         owner = view.epoch_owner.get(n.epoch)
         if owner is not None:
             if owner != n.job:
-                raise InvariantViolation(
+                raise _violation(
                     "grant-epoch-unique",
                     "two jobs never get the same epoch",
-                    group=group,
-                    seq=seq,
-                    values={"granted": n, "epoch_granted_before_to": owner},
+                    group,
+                    seq,
+                    granted=n,
+                    epoch_granted_before_to=owner,
                 )
             st.repeated_grants += 1  # the holder's re-acquire, or a grant re-issued after a crash
         else:
             if n.epoch <= st.max_epoch:
-                raise InvariantViolation(
+                raise _violation(
                     "grant-epoch-rising",
                     "grant epochs never go backwards",
-                    group=group,
-                    seq=seq,
-                    values={"granted": n, "max_epoch": st.max_epoch},
+                    group,
+                    seq,
+                    granted=n,
+                    max_epoch=st.max_epoch,
                 )
             if self.check_order and st.holder is not None and not unstored:
-                raise InvariantViolation(
+                raise _violation(
                     "grant-exclusive",
                     "a new grant is published only after the previous holder was told its hold ended",
-                    group=group,
-                    seq=seq,
-                    values={"granted": n, "still_holding": st.holder},
+                    group,
+                    seq,
+                    granted=n,
+                    still_holding=st.holder,
                 )
             view.epoch_owner[n.epoch] = n.job
             st.max_epoch = n.epoch
@@ -415,10 +414,12 @@ def _check_claim(seq: int, ev: Acquire, before: GroupRecord, actions: list[Actio
         n = a.notice if isinstance(a, Notify) else None
         if isinstance(n, Granted) and (n.job, n.epoch, n.request_id) == (ev.job, ev.claim_epoch, ev.request_id):
             return
-    raise InvariantViolation(
+    raise _violation(
         "claim-honoured",
         "a claim (the job's next input after its release with nobody waiting) is granted at the epoch it claims",
-        group=ev.group,
-        seq=seq,
-        values={"claim": ev, "record_before": before, "actions": actions},
+        ev.group,
+        seq,
+        claim=ev,
+        record_before=before,
+        actions=actions,
     )
