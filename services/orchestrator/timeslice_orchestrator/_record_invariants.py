@@ -35,6 +35,12 @@ def check_record(rec: GroupRecord) -> None:
     def fail(rule: str, detail: str, **values: object) -> InvariantViolation:
         return InvariantViolation(rule, detail, group=rec.group, values=values)
 
+    def only_loaded(job: str, detail: str, **values: object) -> None:
+        """No context but ``job``'s is loaded on any node (rule ``loaded-exclusive``)."""
+        others = {n: j for n, j in rec.loaded.items() if j != job}
+        if others:
+            raise fail("loaded-exclusive", detail, **values, others=others)
+
     if rec.epoch < 0 or rec.last_seq < 0:
         raise fail("counters", "epoch and last_seq are never negative", epoch=rec.epoch, last_seq=rec.last_seq)
     expected = _expected_state(rec)
@@ -76,14 +82,7 @@ def check_record(rec: GroupRecord) -> None:
             raise fail("holder-faulted", "a faulted job never holds", holder=h.job, fault=rec.faulted[h.job])
         if h.lease_ms <= 0:
             raise fail("holder-lease", "a holder has a positive lease", holder=h)
-        others = {n: j for n, j in rec.loaded.items() if j != h.job}
-        if others:
-            raise fail(
-                "loaded-exclusive",
-                "while a job holds the group, no other job's context is on its accelerators",
-                holder=h.job,
-                others=others,
-            )
+        only_loaded(h.job, "while a job holds the group, no other job's context is on its accelerators", holder=h.job)
     elif rec.switch is None:
         if rec.queue and rec.trailing is None:
             raise fail(
@@ -93,14 +92,8 @@ def check_record(rec: GroupRecord) -> None:
                 state=rec.state,
             )
         if rec.active_job is not None:
-            others = {n: j for n, j in rec.loaded.items() if j != rec.active_job}
-            if others:
-                raise fail(
-                    "loaded-exclusive",
-                    "an idle-yielded group has only its active job's context loaded",
-                    active_job=rec.active_job,
-                    others=others,
-                )
+            active = rec.active_job
+            only_loaded(active, "an idle-yielded group has only its active job's context loaded", active_job=active)
 
     sw = rec.switch
     if sw is not None:
