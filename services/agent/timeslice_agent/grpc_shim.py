@@ -33,8 +33,6 @@ import os
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import argparse
-import asyncio
-import contextlib
 import logging
 from pathlib import Path
 from typing import Any, NoReturn
@@ -46,6 +44,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 from timeslice_client._grpc import snapshot_agent_pb2 as pb
 from timeslice_client._internal.grpc_server.auth_config import GrpcAuthSettings, auth_settings_from_args
+from timeslice_client._internal.grpc_server.beside import listen_settings_from_args, serve_beside
 from timeslice_client._internal.grpc_server.guard import Authenticator, add_port, authenticate, authorize
 from timeslice_client._internal.grpc_server.serving import SERVER_OPTIONS, Handler, bind
 from timeslice_client.protocol import JobState, OpKind, SuspendMode
@@ -313,37 +312,10 @@ def from_args(agent: Agent, args: argparse.Namespace) -> AgentGrpcShim | None:
     port = getattr(args, "grpc_port", None)
     if port is None or port < 0:
         return None
-    cfg = AgentGrpcConfig(
-        port=port,
-        host=args.grpc_host or "127.0.0.1",
-        tls_cert=args.grpc_tls_cert,
-        tls_key=args.grpc_tls_key,
-        tls_client_ca=args.grpc_tls_client_ca,
-        **auth_settings_from_args(args),
-    )
-    return AgentGrpcShim(agent, cfg)
+    listen = listen_settings_from_args(args, port=port, host=args.grpc_host or "127.0.0.1")
+    return AgentGrpcShim(agent, AgentGrpcConfig(**listen, **auth_settings_from_args(args)))
 
 
 async def run_beside(agent: Agent, shim: AgentGrpcShim | None) -> None:
     """``agent.run()``, with the gRPC API served while the agent is ready."""
-    if shim is None:
-        await agent.run()
-        return
-    loop = asyncio.get_running_loop()
-    run = loop.create_task(agent.run())
-    ready = loop.create_task(agent.ready.wait())
-    await asyncio.wait({run, ready}, return_when=asyncio.FIRST_COMPLETED)
-    if not ready.done():
-        ready.cancel()
-    elif not run.done():
-        try:
-            await shim.start()
-        except BaseException:
-            agent.shutdown()
-            with contextlib.suppress(Exception):
-                await run
-            raise
-    try:
-        await run
-    finally:
-        await shim.stop()
+    await serve_beside(agent.run(), agent.ready, agent.shutdown, shim)

@@ -68,6 +68,7 @@ from timeslice_client import AsyncTimeSliceClient, Grant
 from timeslice_client._grpc import accelerator_orchestrator_pb2 as legacy_pb2
 from timeslice_client._grpc import timeslice_orchestrator_pb2 as pb
 from timeslice_client._internal.grpc_server.auth_config import GrpcAuthSettings, auth_settings_from_args
+from timeslice_client._internal.grpc_server.beside import listen_settings_from_args, serve_beside
 from timeslice_client._internal.grpc_server.guard import Authenticator, add_port, authenticate, authorize, serve_health
 from timeslice_client._internal.grpc_server.serving import SERVER_OPTIONS, Handler, bind, live_peers, normalize_peer
 from timeslice_client.bus import connect, kv_keys
@@ -557,43 +558,16 @@ def from_args(
     extra = auth_settings_from_args(args)
     if "trust_account" not in extra and auth_dir is not None and (auth_dir / "nats-auth.conf").exists():
         extra["trust_account"] = str(auth_dir)
-    cfg = GrpcConfig(
-        port=args.grpc_port,
-        host=args.grpc_host or host,
-        tls_cert=args.grpc_tls_cert,
-        tls_key=args.grpc_tls_key,
-        tls_client_ca=args.grpc_tls_client_ca,
-        **extra,
-    )
-    return OrchestratorGrpcShim(cfg, nats_url=nats_url)
+    listen = listen_settings_from_args(args, port=args.grpc_port, host=args.grpc_host or host)
+    return OrchestratorGrpcShim(GrpcConfig(**listen, **extra), nats_url=nats_url)
 
 
 async def run_beside(orch: Orchestrator, shim: OrchestratorGrpcShim | None) -> None:
     """``orch.run()``, with the gRPC API started once the orchestrator is connected and stopped when it ends. The
     API forwards every call to the bus, so a standby serves it as well as the leader does: every replica is ready
     and a load balancer may send calls to any of them."""
-    if shim is None:
-        await orch.run()
-        return
-    loop = asyncio.get_running_loop()
-    run = loop.create_task(orch.run())
-    ready = loop.create_task(orch.connected.wait())
-    await asyncio.wait({run, ready}, return_when=asyncio.FIRST_COMPLETED)
-    if not ready.done():
-        ready.cancel()
-    elif not run.done():
-        try:
-            await shim.start()
-        except BaseException:
-            orch.shutdown()
-            with contextlib.suppress(Exception):
-                await run
-            raise
-        shim.started.set()
-    try:
-        await run
-    finally:
-        await shim.stop()
+    started = shim.started if shim is not None else None
+    await serve_beside(orch.run(), orch.connected, orch.shutdown, shim, started=started)
 
 
 async def ready(orch: Orchestrator, shim: OrchestratorGrpcShim | None) -> None:
