@@ -55,8 +55,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
-import msgspec
-from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from nats.aio.client import Client as NATS
@@ -73,11 +71,8 @@ from timeslice_client._internal.grpc_server.guard import Authenticator, add_port
 from timeslice_client._internal.grpc_server.serving import SERVER_OPTIONS, Handler, bind, live_peers, normalize_peer
 from timeslice_client.bus import connect, kv_keys
 from timeslice_client.errors import (
-    AcquireCancelled,
     AcquireTimeout,
     InvalidId,
-    InvalidRequest,
-    JobFaulted,
     LockLost,
     TimeSliceError,
     Unavailable,
@@ -86,13 +81,12 @@ from timeslice_client.protocol import (
     GROUPS_BUCKET,
     JOBS_BUCKET,
     GroupRecord,
-    GroupState,
-    JobContext,
-    JobState,
     decode_record,
     is_group_key,
     validate_id,
 )
+
+from ._grpc_answers import agent_states, group_status, status_code
 
 if TYPE_CHECKING:
     from .service import Orchestrator
@@ -103,21 +97,6 @@ log = logging.getLogger("timeslice.orchestrator.grpc")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["TimeSliceOrchestratorService"].full_name
 LEGACY_SERVICE = legacy_pb2.DESCRIPTOR.services_by_name["AcceleratorOrchestratorService"].full_name
-
-_GROUP_STATES = {
-    GroupState.IDLE: pb.GroupStatus.STATE_IDLE,
-    GroupState.IDLE_YIELDED: pb.GroupStatus.STATE_IDLE_YIELDED,
-    GroupState.LOCKED: pb.GroupStatus.STATE_LOCKED,
-    GroupState.SWITCHING: pb.GroupStatus.STATE_SWITCHING,
-}
-_JOB_STATES = {
-    JobState.IDLE: pb.SnapshotAgentJobState.STATE_IDLE,
-    JobState.RUNNING: pb.SnapshotAgentJobState.STATE_RUNNING,
-    JobState.TRANSITIONING: pb.SnapshotAgentJobState.STATE_TRANSITIONING,
-    JobState.SAVED: pb.SnapshotAgentJobState.STATE_SAVED,
-    JobState.FAULTED: pb.SnapshotAgentJobState.STATE_FAULTED,
-}
-_ctx_decoder = msgspec.json.Decoder(JobContext)
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
@@ -369,31 +348,11 @@ class OrchestratorGrpcShim:
             rec = await self._record(group)
             if rec is None:
                 await ctx.abort(grpc.StatusCode.NOT_FOUND, f"group {group!r} not found (no job ever acquired it)")
-            return pb.GetGroupStatusResponse(group=_group_status(rec), agent_job_states=await self._agent_states(rec))
+            return pb.GetGroupStatusResponse(
+                group=group_status(rec), agent_job_states=await agent_states(rec, lambda: self._kv(JOBS_BUCKET))
+            )
         except TimeSliceError as exc:
             await self._abort(ctx, exc)
-
-    async def _agent_states(self, rec: GroupRecord) -> list[pb.SnapshotAgentJobState]:
-        keys = sorted(
-            {(node, job) for job, nodes in rec.placements.items() for node in nodes}
-            | {(node, job) for node, job in rec.loaded.items()}
-        )
-        if not keys:
-            return []
-        kv = await self._kv(JOBS_BUCKET)
-
-        async def one(node: str, job: str) -> pb.SnapshotAgentJobState | None:
-            try:
-                entry = await kv.get(f"{node}.{job}")
-            except Exception:  # gone (unregistered) meanwhile
-                return None
-            if not entry.value:
-                return None
-            ctx = _ctx_decoder.decode(entry.value)
-            return pb.SnapshotAgentJobState(agent=node, job_state=_JOB_STATES[ctx.state], job_id=job)
-
-        found = await asyncio.gather(*(one(n, j) for n, j in keys))
-        return [s for s in found if s is not None]
 
     # ------------------------------------------------------------------ plumbing
 
@@ -457,19 +416,7 @@ class OrchestratorGrpcShim:
         return decode_record(entry.value) if entry.value else None
 
     async def _abort(self, ctx: Ctx, exc: TimeSliceError, group: str = "", job: str = "") -> NoReturn:
-        code = grpc.StatusCode.INTERNAL
-        if isinstance(exc, InvalidId | InvalidRequest):
-            code = grpc.StatusCode.INVALID_ARGUMENT
-        elif isinstance(exc, Unavailable):
-            code = grpc.StatusCode.UNAVAILABLE
-        elif isinstance(exc, AcquireTimeout):
-            code = grpc.StatusCode.DEADLINE_EXCEEDED
-        elif isinstance(exc, AcquireCancelled):
-            code = grpc.StatusCode.ABORTED
-        elif isinstance(exc, JobFaulted):
-            code = grpc.StatusCode.FAILED_PRECONDITION
-        elif isinstance(exc, LockLost):
-            code = grpc.StatusCode.PERMISSION_DENIED
+        code = status_code(exc)
         if code is grpc.StatusCode.INTERNAL:
             log.warning("gRPC call failed: %s", exc, extra={"group": group, "job": job})
         await ctx.abort(code, str(exc))
@@ -529,22 +476,6 @@ class OrchestratorGrpcShim:
                 del self._jobs[key]
                 with contextlib.suppress(Exception):
                     await j.client.close()
-
-
-def _group_status(rec: GroupRecord) -> pb.GroupStatus:
-    loaded = set(rec.loaded.values())
-    waiting = len(rec.queue) + (1 if rec.switch is not None and rec.switch.to is not None else 0)
-    status = pb.GroupStatus(
-        group_id=rec.group,
-        group_state=_GROUP_STATES.get(rec.state, pb.GroupStatus.STATE_UNKNOWN),
-        locking_job=rec.holder.job if rec.holder else "",
-        active_job=rec.active_job or "",
-        waiter_queue_depth=waiting,
-        loaded_job=loaded.pop() if len(loaded) == 1 else "",
-    )
-    if rec.since_ms:
-        status.state_timestamp.CopyFrom(Timestamp(seconds=rec.since_ms // 1000, nanos=rec.since_ms % 1000 * 1_000_000))
-    return status
 
 
 # ---------------------------------------------------------------------- CLI wiring
