@@ -55,8 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
@@ -65,9 +64,14 @@ from pydantic_settings import SettingsConfigDict
 from timeslice_client import AsyncTimeSliceClient, Grant
 from timeslice_client._grpc import accelerator_orchestrator_pb2 as legacy_pb2
 from timeslice_client._grpc import timeslice_orchestrator_pb2 as pb
-from timeslice_client._internal.grpc_server.auth_config import GrpcAuthSettings, auth_settings_from_args
-from timeslice_client._internal.grpc_server.beside import listen_settings_from_args, serve_beside
-from timeslice_client._internal.grpc_server.guard import Authenticator, add_port, authenticate, authorize, serve_health
+from timeslice_client._internal.grpc_server.auth_config import auth_settings_from_args
+from timeslice_client._internal.grpc_server.beside import (
+    ShimSettings,
+    listen_settings_from_args,
+    open_shim,
+    serve_beside,
+)
+from timeslice_client._internal.grpc_server.guard import Authenticator, authenticate, authorize, serve_health
 from timeslice_client._internal.grpc_server.serving import SERVER_OPTIONS, Handler, bind, live_peers, normalize_peer
 from timeslice_client.bus import connect, kv_keys
 from timeslice_client.errors import (
@@ -101,16 +105,12 @@ LEGACY_SERVICE = legacy_pb2.DESCRIPTOR.services_by_name["AcceleratorOrchestrator
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
-class GrpcConfig(GrpcAuthSettings):
+class GrpcConfig(ShimSettings):
     """The orchestrator's gRPC front end (env ``TIMESLICE_GRPC_*``); who may call it: :class:`GrpcAuthSettings`."""
 
     model_config = SettingsConfigDict(env_prefix="TIMESLICE_GRPC_", extra="ignore")
 
-    host: str = "127.0.0.1"
     port: int = Field(default=50051, ge=0, le=65535)
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    tls_client_ca: Path | None = None  # set: mutual TLS, clients need a certificate signed by it
     health_port: int | None = Field(default=None, ge=0, le=65535)  # the health service alone, plaintext (probes)
     health_host: str = "127.0.0.1"
     lease_s: float = Field(default=30.0, ge=1.0)
@@ -118,7 +118,6 @@ class GrpcConfig(GrpcAuthSettings):
     liveness_interval_s: float = Field(default=1.0, gt=0)
     idle_client_s: float = Field(default=600.0, gt=0)
     request_timeout_s: float = Field(default=5.0, gt=0)
-    stop_grace_s: float = Field(default=2.0, ge=0)
 
 
 @dataclass(slots=True)
@@ -177,20 +176,7 @@ class OrchestratorGrpcShim:
         service = pb.DESCRIPTOR.services_by_name["TimeSliceOrchestratorService"]
         legacy = legacy_pb2.DESCRIPTOR.services_by_name["AcceleratorOrchestratorService"]
         names = [bind(server, service, handlers), bind(server, service, handlers, name=legacy.full_name)]
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-        )
-        self.port = add_port(
-            server,
-            cfg,
-            host=cfg.host,
-            port=cfg.port,
-            tls_cert=cfg.tls_cert,
-            tls_key=cfg.tls_key,
-            tls_client_ca=cfg.tls_client_ca,
-            log=log,
-        )  # first: it may refuse to serve
+        self.port = open_shim(server, cfg, self._health, names, log)  # first: it may refuse to serve
         self._nc = await connect(self.nats_url, name="timeslice-grpc-shim")
         self._server = server
         await server.start()
