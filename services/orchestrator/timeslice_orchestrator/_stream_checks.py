@@ -360,40 +360,34 @@ class StreamChecks:
         left = g.departed.get(n.request_id)
         acq = g.acquires.get(n.request_id)
         decided = self._decided_at.pop((name, n.job, n.epoch, n.request_id), ev.ts_ms)
+        why = ""  # none: it had not departed
+        shown: tuple[StreamEvent, ...] = ()
         if left is not None:
             how = "cancelled" if left.subject.startswith("ts.v1.job.") else "dequeued"
             shown = (acq[1], left, ev) if acq is not None and acq[1].seq < left.seq else (left, ev)
+            why = f", which had {how} (seq {left.seq}) and did not acquire again"
+        elif acq is not None and acq[0].claim_epoch is None:
+            a, aev = acq
+            deadline = aev.ts_ms + a.timeout_ms
+            if decided >= deadline and decided > aev.ts_ms:
+                shown = (aev, ev)
+                why = (
+                    f" at stream time {decided}, {decided - deadline} ms after its acquire's "
+                    f"deadline (timeout_ms={a.timeout_ms}): the waiter had timed out"
+                )
+        if why:
             self._report(
                 Violation(
                     Kind.GRANT_TO_DEPARTED,
                     name,
                     ev.seq,
                     ev.ts_ms,
-                    f"job {n.job!r} was granted epoch {n.epoch} for request {n.request_id!r}, which "
-                    f"had {how} (seq {left.seq}) and did not acquire again",
+                    f"job {n.job!r} was granted epoch {n.epoch} for request {n.request_id!r}{why}",
                     (n.epoch,),
                     (n.job,),
                     shown,
                 )
             )
-        elif acq is not None and acq[0].claim_epoch is None:
-            a, aev = acq
-            deadline = aev.ts_ms + a.timeout_ms
-            if decided >= deadline and decided > aev.ts_ms:
-                self._report(
-                    Violation(
-                        Kind.GRANT_TO_DEPARTED,
-                        name,
-                        ev.seq,
-                        ev.ts_ms,
-                        f"job {n.job!r} was granted epoch {n.epoch} for request {n.request_id!r} at "
-                        f"stream time {decided}, {decided - deadline} ms after its acquire's "
-                        f"deadline (timeout_ms={a.timeout_ms}): the waiter had timed out",
-                        (n.epoch,),
-                        (n.job,),
-                        (aev, ev),
-                    )
-                )
 
     def _loaded(self, name: str, g: _Group, ev: StreamEvent, n: Granted) -> None:
         faulted = self._faulted(name)
