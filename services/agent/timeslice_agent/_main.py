@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -18,9 +17,8 @@ from typing import Any
 
 from timeslice_client._bus_auth import add_auth_flags as add_bus_auth_flags
 from timeslice_client._bus_auth import auth_from_args, set_process_auth
-from timeslice_client._internal.runner import run
+from timeslice_client._internal.service_main import add_log_level_flag, exit_code
 from timeslice_client.bus import nats_url_arg
-from timeslice_client.errors import TimeSliceError
 
 from ._config import DEFAULT_GRPC_PORT
 
@@ -208,25 +206,10 @@ def add_agent_flags(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m timeslice_agent [flags]``: the agent alone."""
     parser = argparse.ArgumentParser(prog="python -m timeslice_agent", description="the node-local snapshot agent")
-    parser.add_argument(
-        "--log-level",
-        default=os.environ.get("TIMESLICE_LOG_LEVEL", "info"),
-        choices=("debug", "info", "warning", "error", "critical"),
-        type=str.lower,
-        help="log threshold (default $TIMESLICE_LOG_LEVEL, else info)",
-    )
+    add_log_level_flag(parser)
     add_agent_flags(parser)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     set_process_auth(auth_from_args(args))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("nats").setLevel(logging.WARNING)
-    try:
-        return int(run(run_agent(args)))
-    except KeyboardInterrupt:
-        return 130
-    except TimeSliceError as exc:  # a refusal that says what to do: one line
-        print(f"timeslice agent: {exc}", file=sys.stderr)
-        return 2
-    except Exception:
-        logging.getLogger("timeslice.agent").exception("the agent stopped on an error")
-        return 1
+    return exit_code(run_agent(args), "agent", logging.getLogger("timeslice.agent"))

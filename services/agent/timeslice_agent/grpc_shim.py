@@ -33,20 +33,22 @@ import os
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import argparse
-import asyncio
-import contextlib
 import logging
-from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 from timeslice_client._grpc import snapshot_agent_pb2 as pb
-from timeslice_client._internal.grpc_server.auth_config import GrpcAuthSettings, auth_settings_from_args
-from timeslice_client._internal.grpc_server.guard import Authenticator, add_port, authenticate, authorize
+from timeslice_client._internal.grpc_server.auth_config import auth_settings_from_args
+from timeslice_client._internal.grpc_server.beside import (
+    ShimSettings,
+    listen_settings_from_args,
+    open_shim,
+    serve_beside,
+)
+from timeslice_client._internal.grpc_server.guard import Authenticator, authenticate, authorize
 from timeslice_client._internal.grpc_server.serving import SERVER_OPTIONS, Handler, bind
 from timeslice_client.protocol import JobState, OpKind, SuspendMode
 
@@ -86,17 +88,12 @@ _BACKENDS = {
 }
 
 
-class AgentGrpcConfig(GrpcAuthSettings):
+class AgentGrpcConfig(ShimSettings):
     """The agent's gRPC API (env ``TIMESLICE_AGENT_GRPC_*``). Node-local by default; callers: ``GrpcAuthSettings``."""
 
     model_config = SettingsConfigDict(env_prefix="TIMESLICE_AGENT_GRPC_", extra="ignore")
 
-    host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_GRPC_PORT, ge=0, le=65535)
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    tls_client_ca: Path | None = None
-    stop_grace_s: float = Field(default=2.0, ge=0)
 
 
 class _Plan:
@@ -136,20 +133,7 @@ class AgentGrpcShim:
             "WorkloadChannel": self._channels.serve,
         }
         bind(server, pb.DESCRIPTOR.services_by_name["SnapshotAgentService"], handlers)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-        )
-        self.port = add_port(
-            server,
-            cfg,
-            host=cfg.host,
-            port=cfg.port,
-            tls_cert=cfg.tls_cert,
-            tls_key=cfg.tls_key,
-            tls_client_ca=cfg.tls_client_ca,
-            log=log,
-        )
+        self.port = open_shim(server, cfg, self._health, (SERVICE,), log)
         await server.start()
         for name in ("", SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -313,37 +297,10 @@ def from_args(agent: Agent, args: argparse.Namespace) -> AgentGrpcShim | None:
     port = getattr(args, "grpc_port", None)
     if port is None or port < 0:
         return None
-    cfg = AgentGrpcConfig(
-        port=port,
-        host=args.grpc_host or "127.0.0.1",
-        tls_cert=args.grpc_tls_cert,
-        tls_key=args.grpc_tls_key,
-        tls_client_ca=args.grpc_tls_client_ca,
-        **auth_settings_from_args(args),
-    )
-    return AgentGrpcShim(agent, cfg)
+    listen = listen_settings_from_args(args, port=port, host=args.grpc_host or "127.0.0.1")
+    return AgentGrpcShim(agent, AgentGrpcConfig(**listen, **auth_settings_from_args(args)))
 
 
 async def run_beside(agent: Agent, shim: AgentGrpcShim | None) -> None:
     """``agent.run()``, with the gRPC API served while the agent is ready."""
-    if shim is None:
-        await agent.run()
-        return
-    loop = asyncio.get_running_loop()
-    run = loop.create_task(agent.run())
-    ready = loop.create_task(agent.ready.wait())
-    await asyncio.wait({run, ready}, return_when=asyncio.FIRST_COMPLETED)
-    if not ready.done():
-        ready.cancel()
-    elif not run.done():
-        try:
-            await shim.start()
-        except BaseException:
-            agent.shutdown()
-            with contextlib.suppress(Exception):
-                await run
-            raise
-    try:
-        await run
-    finally:
-        await shim.stop()
+    await serve_beside(agent.run(), agent.ready, agent.shutdown, shim)

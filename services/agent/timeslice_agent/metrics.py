@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from timeslice_client._internal.duration_buckets import DURATION_BUCKETS
 from timeslice_client._internal.metrics_http import MetricsEndpoint, MetricsServerError, serve_metrics
 from timeslice_client.protocol import OpResult
 
@@ -27,30 +28,10 @@ __all__ = [
     "serve_metrics",
 ]
 
-# Seconds. Three steps per decade (1-2.5-5) from 100 µs to 60 s: an operation with nothing to move (noop,
-# SIGSTOP of a few processes) takes well under a millisecond; an app_channel offload of a few GB to pinned
-# host memory 0.1-1 s; a CUDA checkpoint of a full 80-141 GB device 5-30 s. Past 60 s an operation is near
-# its default 120 s timeout and lands in +Inf (counted in _sum).
-DURATION_BUCKETS: Final = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
+# DURATION_BUCKETS (``_internal.duration_buckets``: 1-2.5-5 per decade, 100 µs to 60 s) fit an operation: one with
+# nothing to move (noop, SIGSTOP of a few processes) takes well under a millisecond; an app_channel offload of a
+# few GB to pinned host memory 0.1-1 s; a CUDA checkpoint of a full 80-141 GB device 5-30 s. Past 60 s an
+# operation is near its default 120 s timeout and lands in +Inf (counted in _sum).
 
 OUTCOMES: Final = (
     "ok",  # the backends moved the state

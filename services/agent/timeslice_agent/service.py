@@ -8,9 +8,9 @@
 * runs snapshot/restore commands from the orchestrator (``ts.v1.agent.<node>.cmd``, a durable
   consumer, so commands sent while it restarts are not lost): idempotent per op id, fenced by the
   group epoch, bounded by the command's deadline, rolled back where the backend can; every start
-  and outcome goes to the event stream. An agent that runs in the orchestrator's process on its
-  connection (``timeslice up``) is also handed its commands directly (:meth:`Agent.take`), one bus
-  hop sooner; the stream's copy then only gets its acknowledgement;
+  and outcome goes to the event stream (``_operations`` runs them). An agent that runs in the orchestrator's
+  process on its connection (``timeslice up``) is also handed its commands directly (:meth:`Agent.take`), one
+  bus hop sooner; the stream's copy then only gets its acknowledgement;
 * notices registered processes that died and unregisters them;
 * on Kubernetes (``AgentConfig.pods``), binds the processes of this node's pods labelled with a job to that job
   (``_pod_discovery``).
@@ -21,12 +21,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
-import functools
 import logging
-import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -46,8 +42,6 @@ from timeslice_client.protocol import (
     JobContext,
     JobState,
     OpKind,
-    OpResult,
-    OpStarted,
     RegisterJob,
     Restore,
     Snapshot,
@@ -59,26 +53,22 @@ from timeslice_client.protocol import (
 )
 from timeslice_client.workload import default_node_id
 
-from . import _stored as stored
-from ._backend_chain import Step, perform_parts
 from ._config import AgentConfig
 from ._heartbeat import Heartbeat
 from ._host import alive
 from ._job_book import JobBook, now_ms
 from ._job_locks import JobLocks
-from ._job_parts import all_backends, views, without_dead
+from ._job_parts import without_dead
 from ._nvml import GpuSource, gpu_source, gpu_source_error
-from ._op_rules import Answer, decide, settle
+from ._operations import Operations, OperationStatus
 from ._ownership import ProcessGuard, ProcFS
 from ._peer import PeerServer
 from ._pod_discovery import PodDiscovery, pod_source_for
 from ._pods import PodSource
 from ._requests import Requests, log_refusal
-from ._restore_overlap import RestoreOrder
-from ._running_ops import RunningOps
-from ._standalone import OpSettings, check_idle, run_context, standalone_context
-from ._untrusted import Refusal, Refused, cap, check_command, check_id, check_registration, refusal_result, shown
-from .backends import OpContext, Outcome, acts_on_processes, make_backend
+from ._standalone import OpSettings, check_idle, standalone_context
+from ._untrusted import Refusal, Refused, check_command, check_id, check_registration, refusal_result, shown
+from .backends import acts_on_processes, make_backend
 from .metrics import AgentMetrics
 
 __all__ = ["Agent", "AgentConfig", "OperationStatus", "default_node_id"]
@@ -86,16 +76,6 @@ __all__ = ["Agent", "AgentConfig", "OperationStatus", "default_node_id"]
 log = logging.getLogger("timeslice.agent")
 
 _command_decoder = msgspec.json.Decoder(AgentCommand)
-
-
-@dataclass(frozen=True, slots=True)
-class OperationStatus:
-    """An operation this agent ran or runs (see ``Agent.operation``)."""
-
-    op_id: str
-    done: bool
-    result: OpResult | None  # set once done
-    elapsed_ms: float
 
 
 class Agent:
@@ -152,22 +132,12 @@ class Agent:
                 gpus=gpus,
                 nvml_error=gpu_source_error() if gpus is None else None,
             )
-        self._epochs: dict[str, int] = {}
-        self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()
-        self._running = RunningOps()  # a restore waits for the snapshots it follows (Restore.after)…
-        self._order = RestoreOrder(  # …unless the node has room for both
-            self._running,
-            doubt=self._book.in_doubt,
-            enabled=self.config.overlap_restores,
-            margin_bytes=self.config.overlap_margin_bytes,
-            margin_fraction=self.config.overlap_margin_fraction,
-        )
+        self._ops = Operations(self.node, self.config, self._book, self._locks, self._guard, self.metrics)
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
         self._subs: list[Any] = []
         self._started_ms = now_ms()
-        self._standalone: dict[str, tuple[str, float]] = {}  # running standalone op id -> job, start (monotonic s)
         self._taken: collections.OrderedDict[str, None] = collections.OrderedDict()  # op ids handed over by take()
 
     @property
@@ -202,6 +172,7 @@ class Agent:
         buckets = await ensure_bus(self._js, self.config.bus)
         self._book.bind(nc, self._js, buckets.jobs)
         self._requests.bind(self._js)
+        self._ops.bind(nc, self._js)
         heartbeat = self._heartbeat = Heartbeat(self.node, buckets.agents, self._started_ms)
         try:
             await self._serve_socket()
@@ -318,8 +289,8 @@ class Agent:
         assert self._tg is not None
         # Registered before the next command is read: a restore that follows this operation (Restore.after)
         # finds it running, since commands arrive in the order the orchestrator sent them.
-        owner = self._running.start(cmd.op_id)
-        self._tg.create_task(self._run(cmd, owner, gate=gate))
+        owner = self._ops.running.start(cmd.op_id)
+        self._tg.create_task(self._ops.run(cmd, owner, gate=gate))
 
     async def _on_command(self, msg: Msg) -> None:
         """A command from the durable consumer. Always acknowledged: a malformed one (poison) is refused, with an
@@ -384,247 +355,6 @@ class Agent:
         except Exception as err:
             log.warning("refusal not published: %r", err, extra={"node": self.node, **ids})
 
-    async def _run(self, cmd: Snapshot | Restore, owner: bool, gate: asyncio.Event | None = None) -> None:
-        """``gate``: the command's publish by the orchestrator this agent runs beside (see ``take``)."""
-        if gate is not None and not gate.is_set():  # normally set already
-            with contextlib.suppress(TimeoutError):  # set in a finally by the orchestrator: this bound is never hit
-                async with asyncio.timeout(10):
-                    await gate.wait()
-        kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
-        fresh = cmd.op_id not in self._results  # a redelivered command is answered from memory: not counted again
-        ids = {"node": self.node, "group": cmd.group, "job": cmd.job, "op_id": cmd.op_id}
-        try:
-            try:
-                result, published = await self._execute(cmd, kind)
-            except Exception as exc:  # never leave the orchestrator waiting on an answer
-                log.exception("operation crashed", extra=ids)
-                self.metrics.task_error("operation")
-                result, published = self._result(cmd, kind, "?", ok=False, error=f"agent error: {exc!r}"), False
-                fresh = False
-                self.metrics.operation(result, "failed")
-                self._remember(result)  # the same op id gets the same answer: a command sent again does not run again
-            if fresh:
-                self._count(result, performed=published)
-            if not published:
-                await self._publish_result(result)
-        except Exception:  # an operation never ends the agent (its task group): logged, counted, dropped
-            log.exception("operation not answered", extra=ids)
-            self.metrics.task_error("operation")
-        finally:
-            if owner:
-                self._running.finish(cmd.op_id)
-
-    def _count(self, result: OpResult, *, performed: bool) -> None:
-        """Metrics of an answered operation (``performed``: the backends ran, see ``_execute``)."""
-        if not performed:
-            outcome = "noop" if result.ok else "refused"
-        elif result.ok:
-            outcome = "ok"
-        else:
-            ctx = self._book.jobs.get(result.job)
-            outcome = "failed" if ctx is None or ctx.state is JobState.FAULTED else "rolled_back"
-        self.metrics.operation(result, outcome)
-
-    def _result(
-        self,
-        cmd: Snapshot | Restore,
-        kind: OpKind,
-        backend: str,
-        *,
-        ok: bool,
-        error: str | None = None,
-        outcome: Outcome | None = None,
-        elapsed_ms: float = 0.0,
-        overlapped: bool = False,
-    ) -> OpResult:
-        out = outcome or Outcome()
-        return OpResult(
-            group=cmd.group,
-            op_id=cmd.op_id,
-            node=self.node,
-            job=cmd.job,
-            kind=kind,
-            epoch=cmd.epoch,
-            ok=ok,
-            error=cap(error) if error else error,
-            backend=backend,
-            bytes_moved=out.bytes_moved,
-            device_bytes_freed=out.device_bytes_freed,
-            elapsed_ms=elapsed_ms,
-            began_at_release=out.began_at_release,
-            work_ms=out.work_ms,
-            overlapped=overlapped,
-        )
-
-    async def _execute(
-        self, cmd: Snapshot | Restore, kind: OpKind, asked: OpSettings | None = None
-    ) -> tuple[OpResult, bool]:
-        """Run one operation (``asked``: a request's own settings); returns its result and whether it was
-        published already."""
-        if (done := self._results.get(cmd.op_id)) is not None:
-            return done, False  # the same op id gets the same answer
-        if not isinstance(cmd, Restore) or not cmd.after:
-            return await self._execute_now(cmd, kind, overlapped=False, asked=asked)
-        others = [j for j in self._book.jobs.values() if j.group == cmd.group and j.job != cmd.job]
-        async with self._order.turn(cmd, self._book.jobs.get(cmd.job), others) as turn:
-            if turn.error is not None:
-                return self._remember(self._result(cmd, kind, "none", ok=False, error=turn.error)), False
-            return await self._execute_now(cmd, kind, overlapped=turn.overlapped, asked=asked)
-
-    async def _execute_now(
-        self, cmd: Snapshot | Restore, kind: OpKind, *, overlapped: bool, asked: OpSettings | None
-    ) -> tuple[OpResult, bool]:
-        """``_execute`` once the operation's turn has come (``overlapped``: a restore beside its snapshots)."""
-        async with self._locks.hold(cmd.job):
-            if (done := self._results.get(cmd.op_id)) is not None:
-                return done, False
-            ctx = self._book.jobs.get(cmd.job)
-            backend = "+".join(all_backends(ctx)) if ctx is not None and ctx.group == cmd.group else "none"
-            verdict, fence = decide(
-                ctx,
-                node=self.node,
-                job=cmd.job,
-                group=cmd.group,
-                op_id=cmd.op_id,
-                epoch=cmd.epoch,
-                deadline_ms=cmd.deadline_ms,
-                kind=kind,
-                newest_epoch=self._epochs.get(cmd.group, 0),
-                now_ms=now_ms(),
-            )
-            if fence is not None:
-                self._epochs[cmd.group] = fence
-            if isinstance(verdict, Answer):
-                if verdict.save is not None:
-                    await self._book.save(verdict.save)
-                answer = self._result(cmd, kind, backend, ok=verdict.ok, error=verdict.error)
-                return (self._remember(answer) if verdict.remember else answer), False
-            assert ctx is not None
-            remaining = cmd.deadline_ms / 1000 - time.time()
-            op = OpContext(op_id=cmd.op_id, epoch=cmd.epoch, deadline=time.monotonic() + max(0.001, remaining))
-            before = verdict.before
-            ctx = await self._book.save(verdict.marked, wait=False)
-            assert self._nc is not None
-            await self._nc.publish(
-                subjects.agent_op(self.node),
-                encode(
-                    OpStarted(
-                        op_id=cmd.op_id,
-                        group=cmd.group,
-                        job=cmd.job,
-                        node=self.node,
-                        kind=kind,
-                        epoch=cmd.epoch,
-                        backend=backend,
-                        overlapped=overlapped,
-                    )
-                ),
-            )
-            if overlapped:
-                self.metrics.overlapped.labels(backend).inc()
-            t0 = time.perf_counter()
-            ran = run_context(ctx, kind, asked)  # the request's own settings, never stored as the job's
-            performed = await self._perform_watched(ctx, op, kind, before, asked)
-            elapsed = (time.perf_counter() - t0) * 1000
-            if performed is None:
-                # The job's processes ended mid-operation: nothing is left to move. Unregister it first, so
-                # the orchestrator ends the operation as "job gone" (no fault), then answer the command.
-                error = f"the job's processes exited during the {kind}"
-                if (current := self._book.registration(ctx)) is not None:
-                    await self._book.unregister(current, error)
-                result = self._result(cmd, kind, backend, ok=False, error=error, elapsed_ms=elapsed)
-                await self._publish_result(result)
-                return self._remember(result), True
-            state, failure, outcome = performed
-            result = self._result(
-                cmd,
-                kind,
-                backend,
-                ok=failure is None,
-                error=failure,
-                outcome=outcome,
-                elapsed_ms=elapsed,
-                overlapped=overlapped,
-            )  # beside: the core may grant on it
-            # A restore that follows this operation (Restore.after) may start now: its first publish comes
-            # after this result's on the connection, so the stream shows the result first. Neither waits for
-            # the stream's answer to the result, nor for the KV write below.
-            self._running.answered(cmd.op_id)
-            await self._publish_result(result)  # the orchestrator waits on this; the KV write can follow
-            if (current := self._book.registration(ctx)) is None:  # unregistered meanwhile: not brought back
-                log.info(
-                    "job unregistered during the %s: its outcome is not stored",
-                    kind,
-                    extra={"node": self.node, "job": cmd.job, "group": cmd.group, "op_id": cmd.op_id},
-                )
-                return self._remember(result), True
-            await self._book.save(
-                settle(
-                    current,
-                    ran,
-                    op_id=cmd.op_id,
-                    state=state,
-                    failure=failure,
-                    outcome=outcome,
-                    elapsed_ms=elapsed,
-                )
-            )
-            return self._remember(result), True
-
-    async def _perform_watched(
-        self, ctx: JobContext, op: OpContext, kind: OpKind, before: JobState, asked: OpSettings | None
-    ) -> tuple[JobState, str | None, Outcome] | None:
-        """Run the job's composed backends (``_backend_chain.perform``), every part of it at once (``_job_parts``), with
-        the request's own settings (``asked``), while watching its processes: ``None`` when they all exited before
-        the operation finished (it is cancelled then, not waited out)."""
-        assert self._nc is not None
-        nc, node, guard = self._nc, self.node, self._guard
-        steps: list[Step] = []
-        for part in views(ctx):
-            part_op = op
-            if acting := acts_on_processes(part.backends):
-                try:
-                    guard.verify(part)  # the processes are still the ones the job proved to own
-                except Refused as exc:
-                    log_refusal(
-                        self.metrics,
-                        node,
-                        "command",
-                        exc.code,
-                        f"refused to act on the job's processes: {exc}",
-                        job=ctx.job,
-                        op_id=op.op_id,
-                    )
-                    if kind is OpKind.RESTORE:
-                        return JobState.FAULTED, f"refused ({exc.code}): {exc}", Outcome()
-                    state = JobState.IDLE if before is JobState.IDLE else JobState.RUNNING  # nothing was done
-                    return state, f"{'+'.join(acting)} refused ({exc.code}): {exc} (nothing done)", Outcome()
-                part_op = dataclasses.replace(op, may_act=functools.partial(guard.may_act, part))
-            backends = [make_backend(b, nc, node) for b in part.backends]
-            steps.append(Step(backends, run_context(part, kind, asked), part_op))
-        outcome = await perform_parts(steps, kind, before, self.config.pid_check_s)  # watching each part's processes
-        if outcome is None:
-            log.warning(
-                "job's processes exited during a %s", kind, extra={"node": node, "job": ctx.job, "op_id": op.op_id}
-            )
-        return outcome
-
-    def _remember(self, result: OpResult) -> OpResult:
-        self._results[result.op_id] = result
-        while len(self._results) > self.config.max_results:
-            self._results.popitem(last=False)
-        return result
-
-    async def _publish_result(self, result: OpResult) -> None:
-        """The outcome, to the orchestrator: retried through an election (``_stored``), deduplicated by op id."""
-        assert self._js is not None
-        await stored.publish(
-            self._js,
-            subjects.agent_event(self.node, result.group),
-            encode(result),
-            headers={"Nats-Msg-Id": f"{result.op_id}:result"},
-        )
-
     # ------------------------------------------------------------------ standalone operations
 
     async def run_standalone(
@@ -662,7 +392,7 @@ class Agent:
             raise RuntimeError(f"the agent on node {self.node!r} is not running")
         for b in backends or ():
             make_backend(b, self._nc, self.node)  # raises BackendUnavailable
-        check_idle(job, self._locks.users(job), self._standalone)  # OperationInProgress: answered at once
+        check_idle(job, self._locks.users(job), self._ops.standalone)  # OperationInProgress: answered at once
         async with self._locks.hold(job):
             current = self._book.jobs.get(job)
             ctx = standalone_context(
@@ -693,46 +423,23 @@ class Agent:
             group=ctx.group,
             job=job,
             node=self.node,
-            epoch=self._epochs.get(ctx.group, 0),
+            epoch=self._ops.epoch(ctx.group),
             deadline_ms=now_ms() + budget_ms,
         )
-        self._standalone[op_id] = (job, time.monotonic())
-        asked = OpSettings(mode=mode, tags=tags)
+        run = self._ops.begin_standalone(cmd, kind, OpSettings(mode=mode, tags=tags))
         nothing_to_move = (kind is OpKind.SNAPSHOT and ctx.state is JobState.SAVED) or (
             kind is OpKind.RESTORE and ctx.state in (JobState.RUNNING, JobState.IDLE)
         )
         if nothing_to_move:
-            await self._standalone_op(cmd, kind, asked)  # answered at once: complete before the caller asks
+            await run  # answered at once: complete before the caller asks
         else:
-            self._tg.create_task(self._standalone_op(cmd, kind, asked))
+            self._tg.create_task(run)
         return op_id
-
-    async def _standalone_op(self, cmd: Snapshot | Restore, kind: OpKind, asked: OpSettings) -> None:
-        ids = {"node": self.node, "group": cmd.group, "job": cmd.job, "op_id": cmd.op_id}
-        try:
-            result, published = await self._execute(cmd, kind, asked)
-            self._count(result, performed=published)
-        except Exception as exc:
-            log.exception("standalone operation crashed", extra=ids)
-            self.metrics.task_error("standalone")
-            result, published = self._result(cmd, kind, "?", ok=False, error=f"agent error: {exc!r}"), False
-            self.metrics.operation(result, "failed")
-        self._remember(result)
-        self._standalone.pop(cmd.op_id, None)
-        if not published:
-            try:
-                await self._publish_result(result)  # a fact for replay; the orchestrator ignores it
-            except Exception as exc:
-                log.warning("standalone result not published: %r", exc, extra=ids)
 
     def operation(self, op_id: str) -> OperationStatus | None:
         """An operation's state: running (``done`` False), finished (with its result), or None when this
         agent does not know the id (never seen, or long forgotten)."""
-        if (result := self._results.get(op_id)) is not None:
-            return OperationStatus(op_id, True, result, result.elapsed_ms)
-        if (running := self._standalone.get(op_id)) is not None:
-            return OperationStatus(op_id, False, None, (time.monotonic() - running[1]) * 1000)
-        return None
+        return self._ops.status(op_id)
 
     async def devices(self) -> tuple[DeviceInfo, ...]:
         """This node's accelerators as its last heartbeat reported them."""

@@ -13,7 +13,6 @@ from timeslice_client.protocol import (
     ClearFault,
     Contended,
     DequeueCode,
-    Dequeued,
     ErrorCode,
     Granted,
     JobRegistered,
@@ -181,15 +180,7 @@ def _on_release(w: Work, ev: Release) -> None:
         to = sw.to if h is None and sw is not None else None
         if sw is not None and to is not None and to.job == ev.job and to.request_id == ev.request_id:
             # Released before the grant arrived (a client that gave up): leave the switch target.
-            w.notify(
-                Dequeued(
-                    group=w.group,
-                    job=ev.job,
-                    request_id=ev.request_id,
-                    reason="released before grant",
-                    code=DequeueCode.RELEASED_BEFORE_GRANT,
-                )
-            )
+            w.dequeued(ev.job, ev.request_id, "released before grant", DequeueCode.RELEASED_BEFORE_GRANT)
             w.switch = msgspec.structs.replace(sw, to=None)
             w.touch("switch target released")
             return
@@ -198,19 +189,25 @@ def _on_release(w: Work, ev: Release) -> None:
     if ev.epoch != h.epoch:
         w.refuse(ev.job, ev.request_id, ErrorCode.STALE_EPOCH, f"epoch {ev.epoch} is not the current epoch {h.epoch}")
         return
+    _released(w, ev.job, ev.request_id, h.epoch, "released")
+
+
+def _released(w: Work, job: str, request_id: str, epoch: int, why: str) -> None:
+    """The holder lets the group go (its release, or a cancel that its grant crossed): ``Released``, with how many
+    wait behind it."""
     w.holder = None
     pending = len(w.queue)
     w.notify(
         Released(
             group=w.group,
-            job=ev.job,
-            request_id=ev.request_id,
-            epoch=h.epoch,
+            job=job,
+            request_id=request_id,
+            epoch=epoch,
             pending_waiters=pending,
             snapshot_deferred=pending == 0,
         )
     )
-    w.touch("released")
+    w.touch(why)
 
 
 def _on_renew(w: Work, ev: Renew) -> None:
@@ -254,16 +251,7 @@ def _on_renew(w: Work, ev: Renew) -> None:
             w.touch("granted waiter renewed")
             w.notify_grant(h)
         return
-    w.notify(
-        Dequeued(
-            group=w.group,
-            job=ev.job,
-            request_id=ev.request_id,
-            reason="not waiting",
-            lost=True,
-            code=DequeueCode.NOT_WAITING,
-        )
-    )
+    w.dequeued(ev.job, ev.request_id, "not waiting", DequeueCode.NOT_WAITING)
 
 
 def _on_cancel(w: Work, ev: Cancel) -> None:
@@ -273,28 +261,14 @@ def _on_cancel(w: Work, ev: Cancel) -> None:
             return
     sw = w.switch
     if sw is not None and sw.to is not None and sw.to.request_id == ev.request_id and sw.to.job == ev.job:
-        w.notify(
-            Dequeued(group=w.group, job=ev.job, request_id=ev.request_id, reason=ev.reason, code=DequeueCode.CANCELLED)
-        )
+        w.dequeued(ev.job, ev.request_id, ev.reason, DequeueCode.CANCELLED)
         w.switch = msgspec.structs.replace(sw, to=None)
         w.touch(f"waiter {ev.reason}")
         return
     h = w.holder
     if h is not None and h.request_id == ev.request_id and h.job == ev.job:
         # The grant crossed the cancel: the caller will never use it, so it is released.
-        w.holder = None
-        pending = len(w.queue)
-        w.notify(
-            Released(
-                group=w.group,
-                job=ev.job,
-                request_id=ev.request_id,
-                epoch=h.epoch,
-                pending_waiters=pending,
-                snapshot_deferred=pending == 0,
-            )
-        )
-        w.touch(f"grant {ev.reason}")
+        _released(w, ev.job, ev.request_id, h.epoch, f"grant {ev.reason}")
 
 
 def _on_phase(w: Work, ev: Phase) -> None:

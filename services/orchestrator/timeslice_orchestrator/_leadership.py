@@ -22,6 +22,9 @@ stores that write no earlier than it was sent and expires it ``ttl_s`` after sto
 ``CLOCK_BOOTTIME`` where there is one (it keeps counting through SIGSTOP and through a suspend of
 the machine), else ``time.monotonic``. A paused process that resumes sees the window closed before
 any other callback can publish, and its next write (a CAS on its old revision) is refused.
+
+The key itself (its bucket, its record, reading it, the clock) is ``_lease_key``'s; this module holds the
+election: campaigning, renewing, resigning and following.
 """
 
 from __future__ import annotations
@@ -29,9 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import secrets
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,10 +40,28 @@ from typing import Any
 import msgspec
 import nats.errors
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy, Header, KeyValueConfig, StorageType
+from nats.js.api import DeliverPolicy, Header
 from nats.js.errors import APIError, NotFoundError
 
 from ._errors import LeadershipError, LeaderWaitTimeout, NotLeader
+from ._lease_key import (
+    LEADER_BUCKET,
+    LEADER_KEY,
+    STREAM,
+    STREAM_NOT_FOUND,
+    SUBJECT,
+    UNANSWERED,
+    LeaderRecord,
+    Seen,
+    clock,
+    default_instance_id,
+    ensure_leader_bucket,
+    holder_pid,
+    is_wrong_last,
+    read_key,
+    read_leader,
+    seen_from,
+)
 
 __all__ = [
     "LEADER_BUCKET",
@@ -61,33 +79,6 @@ __all__ = [
 
 log = logging.getLogger("timeslice.orchestrator.leadership")
 
-LEADER_BUCKET = "leader"
-LEADER_KEY = "orchestrator"
-_STREAM = f"KV_{LEADER_BUCKET}"
-_SUBJECT = f"$KV.{LEADER_BUCKET}.{LEADER_KEY}"
-_WRONG_LAST_SEQ = (10071, 10164)  # a failed sequence check: a plain APIError with these codes (JSStreamWrongLastSeq*)
-_STREAM_NOT_FOUND = 10059
-# A write that got no answer: its outcome is unknown until the key is read again (in a cluster a write that timed
-# out on the client had been committed in 2 of 10 leader kills; docs/nats.md).
-_UNANSWERED = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError)
-
-if hasattr(time, "CLOCK_BOOTTIME"):
-    _BOOTTIME = time.CLOCK_BOOTTIME
-
-    def _clock() -> float:
-        return time.clock_gettime(_BOOTTIME)
-else:  # pragma: no cover - not Linux
-    _clock = time.monotonic
-
-
-class LeaderRecord(msgspec.Struct, frozen=True):
-    """The value of the lease key."""
-
-    holder: str  # the instance id: host/pid/random
-    term: int
-    since_ms: int  # wall clock when this term began
-    label: str = ""  # e.g. the instance's status URL
-
 
 @dataclass(frozen=True, slots=True)
 class LeadershipChange:
@@ -97,117 +88,6 @@ class LeadershipChange:
     term: int
     instance: str
     reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Seen:
-    """One state of the key: ``record`` None when absent (deleted, purged, expired)."""
-
-    rev: int  # 0: no message at all
-    record: LeaderRecord | None
-    ttl_s: float | None  # the record's Nats-TTL
-    at: float  # _clock() when observed
-
-
-def _parse_ttl(value: str | None) -> float | None:
-    try:
-        return float(value.removesuffix("s")) if value else None
-    except ValueError:
-        return None
-
-
-def _seen_from(rev: int, headers: dict[str, str] | None, data: bytes | None) -> _Seen:
-    h = headers or {}
-    if h.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in h or not data:
-        return _Seen(rev, None, None, _clock())
-    try:
-        record = msgspec.json.decode(data, type=LeaderRecord)
-    except msgspec.DecodeError as exc:
-        # Not ours to judge: someone wrote the key. Treat it as held (safe) until it goes away.
-        log.error(  # noqa: TRY400 - the value, not a traceback, explains it
-            "undecodable leader record at revision %d (%s): %r", rev, exc, data[:200]
-        )
-        record = LeaderRecord(holder="<undecodable>", term=0, since_ms=0)
-    return _Seen(rev, record, _parse_ttl(h.get(Header.MSG_TTL.value)), _clock())
-
-
-def _is_wrong_last(exc: BaseException) -> bool:
-    return isinstance(exc, APIError) and exc.err_code in _WRONG_LAST_SEQ
-
-
-async def ensure_leader_bucket(js: JetStreamContext, *, replicas: int = 1, timeout: float = 5.0) -> None:
-    """Create the ``leader`` bucket if it is missing (history 1, TTL markers, file storage, direct gets).
-
-    An existing bucket is used as it is when it allows per-message TTLs; otherwise ``LeadershipError``."""
-    async with asyncio.timeout(timeout):
-        try:
-            info = await js.stream_info(_STREAM)
-        except NotFoundError:
-            try:
-                await js.create_key_value(
-                    KeyValueConfig(
-                        bucket=LEADER_BUCKET,
-                        history=1,
-                        replicas=replicas,
-                        storage=StorageType.FILE,
-                        direct=True,
-                        limit_marker_ttl=1,
-                        description="timeslice orchestrator leader lease",
-                    )
-                )
-            except APIError as exc:  # created by another instance at the same moment (10058)
-                log.debug("leader bucket creation raced: %r", exc)
-            info = await js.stream_info(_STREAM)
-    if not info.config.allow_msg_ttl:
-        raise LeadershipError(
-            f"the KV bucket {LEADER_BUCKET!r} exists without per-message TTLs (allow_msg_ttl); "
-            f"delete it (`nats kv del {LEADER_BUCKET}`) while no orchestrator runs, then restart"
-        )
-    if info.config.num_replicas != replicas:
-        log.warning(
-            "the KV bucket %r has %s replicas, not the %d asked for: it is used as it is",
-            LEADER_BUCKET,
-            info.config.num_replicas,
-            replicas,
-        )
-    if not info.config.subject_delete_marker_ttl:
-        log.warning(
-            "the KV bucket %r has no TTL markers (limit_marker_ttl): standbys notice a dead leader "
-            "only by re-reading after the TTL",
-            LEADER_BUCKET,
-        )
-
-
-async def _read(js: JetStreamContext, timeout: float) -> _Seen:
-    async with asyncio.timeout(timeout):
-        try:
-            try:
-                msg = await js.get_msg(_STREAM, subject=_SUBJECT, direct=True)
-            except nats.errors.NoRespondersError:  # no such stream, or one without direct gets: ask the API
-                msg = await js.get_msg(_STREAM, subject=_SUBJECT)
-        except NotFoundError as exc:
-            if exc.err_code == _STREAM_NOT_FOUND:
-                raise
-            return _Seen(0, None, None, _clock())
-    return _seen_from(msg.seq or 0, msg.headers, msg.data)
-
-
-async def read_leader(js: JetStreamContext, *, timeout: float = 2.0) -> LeaderRecord | None:
-    """The current leader's record, or None when nobody holds the lease (or the bucket does not exist)."""
-    try:
-        return (await _read(js, timeout)).record
-    except NotFoundError:
-        return None
-
-
-def default_instance_id() -> str:
-    return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}"
-
-
-def holder_pid(rec: LeaderRecord | None) -> int | None:
-    """The process id in a default instance id (``host/pid/random``); None for another form or no record."""
-    parts = rec.holder.split("/") if rec is not None else []
-    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
 
 
 class Leadership:
@@ -264,7 +144,7 @@ class Leadership:
         self._valid_until = 0.0
         self._last_sent = 0.0
         self._unconfirmed_since: float | None = None  # first send of a renewal whose outcome is unknown
-        self._seen: _Seen | None = None
+        self._seen: Seen | None = None
         self._gone_at: float | None = None  # when this standby first saw the key empty
         self._holdoff_until = 0.0
         self._retired = False
@@ -272,7 +152,7 @@ class Leadership:
 
     def is_leader(self) -> bool:
         """True only while this instance holds the lease and its validity window has not passed."""
-        return self._leading and _clock() < self._valid_until
+        return self._leading and clock() < self._valid_until
 
     @property
     def term(self) -> int | None:
@@ -302,11 +182,11 @@ class Leadership:
         self._last_sent = sent
         self._unconfirmed_since = None
         self._since_ms = record.since_ms
-        self._seen = _Seen(rev, record, float(self.ttl_s), _clock())
+        self._seen = Seen(rev, record, float(self.ttl_s), clock())
         self._pulse()
         self._gone_at = None
         if gone_at is not None:
-            self._metric("takeover_s", _clock() - gone_at)
+            self._metric("takeover_s", clock() - gone_at)
         log.info("became leader", extra=self._extra())
         self._metric("elected", term)
         self._notify(True, term, "elected")
@@ -341,7 +221,7 @@ class Leadership:
                 f.set_result(None)
         self._waiters.clear()
 
-    def _observe(self, seen: _Seen) -> None:
+    def _observe(self, seen: Seen) -> None:
         """A newer state of the key (from the watch or a read)."""
         old = self._seen
         if old is not None and seen.rev == old.rev and seen.record == old.record:
@@ -368,7 +248,7 @@ class Leadership:
         return LeaderRecord(self.instance_id, self._term, self._since_ms, self.label)
 
     async def _publish(self, data: bytes, headers: dict[str, str]) -> int:
-        pa = await self._js.publish(_SUBJECT, data, timeout=self.op_timeout_s, headers=headers)
+        pa = await self._js.publish(SUBJECT, data, timeout=self.op_timeout_s, headers=headers)
         return int(pa.seq)
 
     async def _campaign(self) -> None:
@@ -376,8 +256,8 @@ class Leadership:
             if self._leading or self._retired:
                 return
             async with asyncio.timeout(self.op_timeout_s):
-                last_seq = int((await self._js.stream_info(_STREAM)).state.last_seq)
-            seen = await _read(self._js, self.op_timeout_s)
+                last_seq = int((await self._js.stream_info(STREAM)).state.last_seq)
+            seen = await read_key(self._js, self.op_timeout_s)
             self._observe(seen)
             if seen.record is not None:
                 return
@@ -389,17 +269,17 @@ class Leadership:
                 Header.MSG_TTL.value: f"{self.ttl_s}s",
             }
             gone_at = self._gone_at  # (the watch may show our record before the answer comes)
-            sent = _clock()
+            sent = clock()
             try:
                 rev = await self._publish(msgspec.json.encode(record), headers)
             except APIError as exc:
-                if not _is_wrong_last(exc):
+                if not is_wrong_last(exc):
                     raise
                 log.debug("campaign for term %d lost: %s", term, exc.description, extra=self._extra())
                 self._metric("campaign_lost")
                 return
-            except _UNANSWERED:  # the record, if it landed, says whether we won
-                seen = await _read(self._js, self.op_timeout_s)
+            except UNANSWERED:  # the record, if it landed, says whether we won
+                seen = await read_key(self._js, self.op_timeout_s)
                 if seen.record == record:
                     rev = seen.rev
                 else:
@@ -416,9 +296,9 @@ class Leadership:
         async with self._lock:
             if not self._leading:
                 return
-            if _clock() >= self._valid_until:
+            if clock() >= self._valid_until:
                 self._metric("window_lapsed")
-            sent = _clock()
+            sent = clock()
             if self._unconfirmed_since is None:
                 self._unconfirmed_since = sent
             self._last_sent = sent
@@ -429,17 +309,17 @@ class Leadership:
             try:
                 rev = await self._publish(msgspec.json.encode(self._record()), headers)
             except APIError as exc:
-                if not _is_wrong_last(exc):
+                if not is_wrong_last(exc):
                     raise
                 # Deposed, unless an earlier renewal whose answer we never got had landed: the key says which.
                 await self._reconcile(refused=f"renewal of revision {self._rev} refused ({exc.description})")
                 return
-            except _UNANSWERED:
+            except UNANSWERED:
                 self._metric("renew_unknown")
                 await self._reconcile()
                 return
             self._confirmed(rev, self._unconfirmed_since)
-            self._metric("renew_s", _clock() - sent)
+            self._metric("renew_s", clock() - sent)
 
     def _confirmed(self, rev: int, sent: float) -> None:
         self._rev = rev
@@ -450,7 +330,7 @@ class Leadership:
     async def _reconcile(self, refused: str | None = None) -> None:
         """After a renewal that was refused or not answered: read the key and believe what it says."""
         try:
-            seen = await _read(self._js, self.op_timeout_s)
+            seen = await read_key(self._js, self.op_timeout_s)
         except (TimeoutError, nats.errors.Error) as exc:
             log.warning(
                 "leader key unreadable after a renewal (%s): %r", refused or "unanswered", exc, extra=self._extra()
@@ -481,7 +361,7 @@ class Leadership:
         standby that holds off for ``ttl_s``. True when the purge was written."""
         self._retired = self._retired or not rejoin
         if rejoin:
-            self._holdoff_until = _clock() + self.ttl_s
+            self._holdoff_until = clock() + self.ttl_s
         self._wake.set()
         async with asyncio.timeout(timeout), self._lock:
             if not self._leading:
@@ -496,7 +376,7 @@ class Leadership:
             try:
                 await self._publish(b"", headers)
             except APIError as exc:
-                if not _is_wrong_last(exc):
+                if not is_wrong_last(exc):
                     raise
                 log.info("resign: the lease was already gone", extra={"term": term, "instance": self.instance_id})
                 return False
@@ -505,9 +385,9 @@ class Leadership:
 
     async def wait_leader(self, timeout: float) -> int:
         """Wait until this instance leads; its term. ``LeaderWaitTimeout`` after ``timeout`` s."""
-        deadline = _clock() + timeout
+        deadline = clock() + timeout
         while not self.is_leader():
-            left = deadline - _clock()
+            left = deadline - clock()
             if left <= 0:
                 raise LeaderWaitTimeout(self.instance_id, timeout, self.holder.holder if self.holder else None)
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -524,8 +404,8 @@ class Leadership:
         return self._term
 
     async def _sleep_until(self, at: float) -> None:
-        """Wait for the watch, resign or stop, at most until ``at`` on ``_clock()``."""
-        left = at - _clock()
+        """Wait for the watch, resign or stop, at most until ``at`` on ``clock()``."""
+        left = at - clock()
         if left <= 0 or self._wake.is_set():
             return
         with contextlib.suppress(TimeoutError):
@@ -533,7 +413,7 @@ class Leadership:
                 await self._wake.wait()
 
     async def _on_msg(self, msg: Any) -> None:
-        self._observe(_seen_from(msg.metadata.sequence.stream, msg.headers, msg.data))
+        self._observe(seen_from(msg.metadata.sequence.stream, msg.headers, msg.data))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Campaign, lead and stand by until ``stop`` is set (then resign if leading) or ``resign()``."""
@@ -543,8 +423,8 @@ class Leadership:
         try:
             await ensure_leader_bucket(self._js, replicas=self.replicas)
             sub = await self._js.subscribe(
-                _SUBJECT,
-                stream=_STREAM,
+                SUBJECT,
+                stream=STREAM,
                 cb=self._on_msg,
                 ordered_consumer=True,
                 deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
@@ -567,11 +447,11 @@ class Leadership:
                         await self._lead_once()
                     else:
                         await self._follow_once()
-                except (TimeoutError, *_UNANSWERED) as exc:
+                except (TimeoutError, *UNANSWERED) as exc:
                     log.warning("leader key unreachable: %r", exc, extra=self._extra())
-                    await self._sleep_until(_clock() + min(self.renew_s, 0.1))
+                    await self._sleep_until(clock() + min(self.renew_s, 0.1))
                 except NotFoundError as exc:
-                    if exc.err_code != _STREAM_NOT_FOUND:
+                    if exc.err_code != STREAM_NOT_FOUND:
                         raise
                     self._step_down("the leader bucket was deleted")
                     raise LeadershipError(
@@ -607,7 +487,7 @@ class Leadership:
         await self._renew()
 
     async def _follow_once(self) -> None:
-        now = _clock()
+        now = clock()
         seen = self._seen
         if now < self._holdoff_until:
             await self._sleep_until(self._holdoff_until)
@@ -615,10 +495,10 @@ class Leadership:
         if seen is None or seen.record is None:
             await self._campaign()
             if not self._leading:  # lost the race: the winner's record arrives on the watch
-                await self._sleep_until(_clock() + self.renew_s)
+                await self._sleep_until(clock() + self.renew_s)
             return
         # Held by someone: the watch tells us when it goes; re-read if nothing came by its expiry.
         ttl = seen.ttl_s if seen.ttl_s is not None else float(self.ttl_s)
         await self._sleep_until(max(seen.at + ttl + 0.1, now + 0.05))
         if not self._wake.is_set():
-            self._observe(await _read(self._js, self.op_timeout_s))
+            self._observe(await read_key(self._js, self.op_timeout_s))

@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -19,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from timeslice_client._bus_auth import add_auth_flags, auth_from_args, set_process_auth
 from timeslice_client._internal.metrics_http import MetricsEndpoint, serve_metrics
-from timeslice_client._internal.runner import run
+from timeslice_client._internal.service_main import add_log_level_flag, exit_code
 from timeslice_client.bus import nats_url_arg
-from timeslice_client.errors import TimeSliceError
 
 from ._errors import ServiceFailed
 from ._in_process_agent import AgentBeside
@@ -211,27 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m timeslice_orchestrator orchestrator",
         description="the timeslice orchestrator against a NATS server or cluster",
     )
-    parser.add_argument(
-        "--log-level",
-        default=os.environ.get("TIMESLICE_LOG_LEVEL", "info"),
-        choices=("debug", "info", "warning", "error", "critical"),
-        type=str.lower,
-        help="log threshold (default $TIMESLICE_LOG_LEVEL, else info)",
-    )
+    add_log_level_flag(parser)
     add_orchestrator_flags(parser)
     args = parser.parse_args(argv[1:])
     setup_logging(args.log_level)
     set_process_auth(auth_from_args(args))
-    try:
-        return int(run(run_orchestrator(args)))
-    except KeyboardInterrupt:
-        return 130
-    except ServiceFailed:  # stopped on its own error: the log shows its cause
-        logging.getLogger("timeslice.orchestrator").exception("the orchestrator stopped on an error")
-        return 1
-    except TimeSliceError as exc:  # a refusal that says what to do: one line
-        print(f"timeslice orchestrator: {exc}", file=sys.stderr)
-        return 2
-    except Exception:
-        logging.getLogger("timeslice.orchestrator").exception("the orchestrator stopped on an error")
-        return 1
+    log = logging.getLogger("timeslice.orchestrator")
+    # ServiceFailed: stopped on its own error, which the log shows
+    return exit_code(run_orchestrator(args), "orchestrator", log, logged=(ServiceFailed,))

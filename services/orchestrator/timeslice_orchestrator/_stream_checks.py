@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeVar
 
 import msgspec
 from timeslice_client.protocol import (
@@ -57,6 +57,8 @@ from timeslice_client.protocol import (
 )
 
 from .replay._model import StreamEvent
+
+_T = TypeVar("_T")
 
 __all__ = ["DEFAULT_LEASE_MS", "STUCK_MARGIN_MS", "Kind", "StreamChecks", "Violation"]
 
@@ -179,26 +181,18 @@ class StreamChecks:
     def feed(self, ev: StreamEvent) -> None:
         t = ev.subject.split(".")
         if len(t) >= 5 and t[:3] == ["ts", "v1", "notice"]:
-            try:
-                notice = decode_notice(ev.data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                notice = None
-            if notice is not None:
+            if (notice := _decoded(decode_notice, ev.data)) is not None:
                 self._notice(ev, notice)
         elif len(t) == 5 and t[:2] == ["ts", "v1"] and t[2] == "agent" and t[4] == "op":
-            try:
-                op = _op_started.decode(ev.data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                op = None
-            if op is not None:
+            if (op := _decoded(_op_started.decode, ev.data)) is not None:
                 self._op_started(ev, op)
-        elif len(t) >= 4 and t[:2] == ["ts", "v1"] and t[2] in ("job", "ctl", "agent"):
-            try:
-                inp = decode_input(ev.data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                inp = None
-            if inp is not None:
-                self._input(ev, inp)
+        elif (
+            len(t) >= 4
+            and t[:2] == ["ts", "v1"]
+            and t[2] in ("job", "ctl", "agent")
+            and (inp := _decoded(decode_input, ev.data)) is not None
+        ):
+            self._input(ev, inp)
         self._check_stuck(ev)
 
     # ------------------------------------------------------------------ the rules
@@ -366,40 +360,34 @@ class StreamChecks:
         left = g.departed.get(n.request_id)
         acq = g.acquires.get(n.request_id)
         decided = self._decided_at.pop((name, n.job, n.epoch, n.request_id), ev.ts_ms)
+        why = ""  # none: it had not departed
+        shown: tuple[StreamEvent, ...] = ()
         if left is not None:
             how = "cancelled" if left.subject.startswith("ts.v1.job.") else "dequeued"
             shown = (acq[1], left, ev) if acq is not None and acq[1].seq < left.seq else (left, ev)
+            why = f", which had {how} (seq {left.seq}) and did not acquire again"
+        elif acq is not None and acq[0].claim_epoch is None:
+            a, aev = acq
+            deadline = aev.ts_ms + a.timeout_ms
+            if decided >= deadline and decided > aev.ts_ms:
+                shown = (aev, ev)
+                why = (
+                    f" at stream time {decided}, {decided - deadline} ms after its acquire's "
+                    f"deadline (timeout_ms={a.timeout_ms}): the waiter had timed out"
+                )
+        if why:
             self._report(
                 Violation(
                     Kind.GRANT_TO_DEPARTED,
                     name,
                     ev.seq,
                     ev.ts_ms,
-                    f"job {n.job!r} was granted epoch {n.epoch} for request {n.request_id!r}, which "
-                    f"had {how} (seq {left.seq}) and did not acquire again",
+                    f"job {n.job!r} was granted epoch {n.epoch} for request {n.request_id!r}{why}",
                     (n.epoch,),
                     (n.job,),
                     shown,
                 )
             )
-        elif acq is not None and acq[0].claim_epoch is None:
-            a, aev = acq
-            deadline = aev.ts_ms + a.timeout_ms
-            if decided >= deadline and decided > aev.ts_ms:
-                self._report(
-                    Violation(
-                        Kind.GRANT_TO_DEPARTED,
-                        name,
-                        ev.seq,
-                        ev.ts_ms,
-                        f"job {n.job!r} was granted epoch {n.epoch} for request {n.request_id!r} at "
-                        f"stream time {decided}, {decided - deadline} ms after its acquire's "
-                        f"deadline (timeout_ms={a.timeout_ms}): the waiter had timed out",
-                        (n.epoch,),
-                        (n.job,),
-                        (aev, ev),
-                    )
-                )
 
     def _loaded(self, name: str, g: _Group, ev: StreamEvent, n: Granted) -> None:
         faulted = self._faulted(name)
@@ -491,3 +479,11 @@ class StreamChecks:
 def _job_of(ev: StreamEvent) -> str:
     t = ev.subject.split(".")
     return t[4] if len(t) > 4 else "?"
+
+
+def _decoded(decode: Callable[[bytes], _T], data: bytes) -> _T | None:
+    """``decode(data)``, or None where it does not decode: the checks read what they can of the stream."""
+    try:
+        return decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None

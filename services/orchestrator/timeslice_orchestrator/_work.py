@@ -246,18 +246,15 @@ class Work:
             )
         )
 
+    def dequeued(self, job: str, request_id: str, reason: str, code: DequeueCode) -> None:
+        """Tell a waiter its wait ended (``Dequeued``); ``lost`` when no renewal of it came in time, or a renewal
+        named a wait the group does not know (the client may simply ask again)."""
+        lost = code in (DequeueCode.LOST, DequeueCode.NOT_WAITING)
+        self.notify(Dequeued(group=self.group, job=job, request_id=request_id, reason=reason, lost=lost, code=code))
+
     def drop_waiter(self, i: int, code: DequeueCode, reason: str) -> None:
         wr = self.queue.pop(i)
-        self.notify(
-            Dequeued(
-                group=self.group,
-                job=wr.job,
-                request_id=wr.request_id,
-                reason=reason,
-                lost=code is DequeueCode.LOST,
-                code=code,
-            )
-        )
+        self.dequeued(wr.job, wr.request_id, reason, code)
         self.touch(f"waiter {reason}")
 
     def unsave(self, job: str, node: str) -> None:
@@ -316,16 +313,7 @@ class Work:
             to = sw.to
             code = DequeueCode.TIMEOUT if now >= to.deadline_ms else DequeueCode.LOST
             why = "timeout" if code is DequeueCode.TIMEOUT else "waiter lost (no renewal)"
-            self.notify(
-                Dequeued(
-                    group=self.group,
-                    job=to.job,
-                    request_id=to.request_id,
-                    reason=why,
-                    lost=code is DequeueCode.LOST,
-                    code=code,
-                )
-            )
+            self.dequeued(to.job, to.request_id, why, code)
             self.switch = sw = msgspec.structs.replace(sw, to=None)
             self.touch(f"waiter {why}")
         for op in sw.ops:

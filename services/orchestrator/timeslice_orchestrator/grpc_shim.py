@@ -55,10 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
-import msgspec
-from google.protobuf.timestamp_pb2 import Timestamp
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 from nats.aio.client import Client as NATS
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
@@ -67,16 +64,19 @@ from pydantic_settings import SettingsConfigDict
 from timeslice_client import AsyncTimeSliceClient, Grant
 from timeslice_client._grpc import accelerator_orchestrator_pb2 as legacy_pb2
 from timeslice_client._grpc import timeslice_orchestrator_pb2 as pb
-from timeslice_client._internal.grpc_server.auth_config import GrpcAuthSettings, auth_settings_from_args
-from timeslice_client._internal.grpc_server.guard import Authenticator, add_port, authenticate, authorize, serve_health
+from timeslice_client._internal.grpc_server.auth_config import auth_settings_from_args
+from timeslice_client._internal.grpc_server.beside import (
+    ShimSettings,
+    listen_settings_from_args,
+    open_shim,
+    serve_beside,
+)
+from timeslice_client._internal.grpc_server.guard import Authenticator, authenticate, authorize, serve_health
 from timeslice_client._internal.grpc_server.serving import SERVER_OPTIONS, Handler, bind, live_peers, normalize_peer
 from timeslice_client.bus import connect, kv_keys
 from timeslice_client.errors import (
-    AcquireCancelled,
     AcquireTimeout,
     InvalidId,
-    InvalidRequest,
-    JobFaulted,
     LockLost,
     TimeSliceError,
     Unavailable,
@@ -85,13 +85,12 @@ from timeslice_client.protocol import (
     GROUPS_BUCKET,
     JOBS_BUCKET,
     GroupRecord,
-    GroupState,
-    JobContext,
-    JobState,
     decode_record,
     is_group_key,
     validate_id,
 )
+
+from ._grpc_answers import agent_states, group_status, status_code
 
 if TYPE_CHECKING:
     from .service import Orchestrator
@@ -103,34 +102,15 @@ log = logging.getLogger("timeslice.orchestrator.grpc")
 SERVICE = pb.DESCRIPTOR.services_by_name["TimeSliceOrchestratorService"].full_name
 LEGACY_SERVICE = legacy_pb2.DESCRIPTOR.services_by_name["AcceleratorOrchestratorService"].full_name
 
-_GROUP_STATES = {
-    GroupState.IDLE: pb.GroupStatus.STATE_IDLE,
-    GroupState.IDLE_YIELDED: pb.GroupStatus.STATE_IDLE_YIELDED,
-    GroupState.LOCKED: pb.GroupStatus.STATE_LOCKED,
-    GroupState.SWITCHING: pb.GroupStatus.STATE_SWITCHING,
-}
-_JOB_STATES = {
-    JobState.IDLE: pb.SnapshotAgentJobState.STATE_IDLE,
-    JobState.RUNNING: pb.SnapshotAgentJobState.STATE_RUNNING,
-    JobState.TRANSITIONING: pb.SnapshotAgentJobState.STATE_TRANSITIONING,
-    JobState.SAVED: pb.SnapshotAgentJobState.STATE_SAVED,
-    JobState.FAULTED: pb.SnapshotAgentJobState.STATE_FAULTED,
-}
-_ctx_decoder = msgspec.json.Decoder(JobContext)
-
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
-class GrpcConfig(GrpcAuthSettings):
+class GrpcConfig(ShimSettings):
     """The orchestrator's gRPC front end (env ``TIMESLICE_GRPC_*``); who may call it: :class:`GrpcAuthSettings`."""
 
     model_config = SettingsConfigDict(env_prefix="TIMESLICE_GRPC_", extra="ignore")
 
-    host: str = "127.0.0.1"
     port: int = Field(default=50051, ge=0, le=65535)
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    tls_client_ca: Path | None = None  # set: mutual TLS, clients need a certificate signed by it
     health_port: int | None = Field(default=None, ge=0, le=65535)  # the health service alone, plaintext (probes)
     health_host: str = "127.0.0.1"
     lease_s: float = Field(default=30.0, ge=1.0)
@@ -138,7 +118,6 @@ class GrpcConfig(GrpcAuthSettings):
     liveness_interval_s: float = Field(default=1.0, gt=0)
     idle_client_s: float = Field(default=600.0, gt=0)
     request_timeout_s: float = Field(default=5.0, gt=0)
-    stop_grace_s: float = Field(default=2.0, ge=0)
 
 
 @dataclass(slots=True)
@@ -197,20 +176,7 @@ class OrchestratorGrpcShim:
         service = pb.DESCRIPTOR.services_by_name["TimeSliceOrchestratorService"]
         legacy = legacy_pb2.DESCRIPTOR.services_by_name["AcceleratorOrchestratorService"]
         names = [bind(server, service, handlers), bind(server, service, handlers, name=legacy.full_name)]
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-        )
-        self.port = add_port(
-            server,
-            cfg,
-            host=cfg.host,
-            port=cfg.port,
-            tls_cert=cfg.tls_cert,
-            tls_key=cfg.tls_key,
-            tls_client_ca=cfg.tls_client_ca,
-            log=log,
-        )  # first: it may refuse to serve
+        self.port = open_shim(server, cfg, self._health, names, log)  # first: it may refuse to serve
         self._nc = await connect(self.nats_url, name="timeslice-grpc-shim")
         self._server = server
         await server.start()
@@ -368,31 +334,11 @@ class OrchestratorGrpcShim:
             rec = await self._record(group)
             if rec is None:
                 await ctx.abort(grpc.StatusCode.NOT_FOUND, f"group {group!r} not found (no job ever acquired it)")
-            return pb.GetGroupStatusResponse(group=_group_status(rec), agent_job_states=await self._agent_states(rec))
+            return pb.GetGroupStatusResponse(
+                group=group_status(rec), agent_job_states=await agent_states(rec, lambda: self._kv(JOBS_BUCKET))
+            )
         except TimeSliceError as exc:
             await self._abort(ctx, exc)
-
-    async def _agent_states(self, rec: GroupRecord) -> list[pb.SnapshotAgentJobState]:
-        keys = sorted(
-            {(node, job) for job, nodes in rec.placements.items() for node in nodes}
-            | {(node, job) for node, job in rec.loaded.items()}
-        )
-        if not keys:
-            return []
-        kv = await self._kv(JOBS_BUCKET)
-
-        async def one(node: str, job: str) -> pb.SnapshotAgentJobState | None:
-            try:
-                entry = await kv.get(f"{node}.{job}")
-            except Exception:  # gone (unregistered) meanwhile
-                return None
-            if not entry.value:
-                return None
-            ctx = _ctx_decoder.decode(entry.value)
-            return pb.SnapshotAgentJobState(agent=node, job_state=_JOB_STATES[ctx.state], job_id=job)
-
-        found = await asyncio.gather(*(one(n, j) for n, j in keys))
-        return [s for s in found if s is not None]
 
     # ------------------------------------------------------------------ plumbing
 
@@ -456,19 +402,7 @@ class OrchestratorGrpcShim:
         return decode_record(entry.value) if entry.value else None
 
     async def _abort(self, ctx: Ctx, exc: TimeSliceError, group: str = "", job: str = "") -> NoReturn:
-        code = grpc.StatusCode.INTERNAL
-        if isinstance(exc, InvalidId | InvalidRequest):
-            code = grpc.StatusCode.INVALID_ARGUMENT
-        elif isinstance(exc, Unavailable):
-            code = grpc.StatusCode.UNAVAILABLE
-        elif isinstance(exc, AcquireTimeout):
-            code = grpc.StatusCode.DEADLINE_EXCEEDED
-        elif isinstance(exc, AcquireCancelled):
-            code = grpc.StatusCode.ABORTED
-        elif isinstance(exc, JobFaulted):
-            code = grpc.StatusCode.FAILED_PRECONDITION
-        elif isinstance(exc, LockLost):
-            code = grpc.StatusCode.PERMISSION_DENIED
+        code = status_code(exc)
         if code is grpc.StatusCode.INTERNAL:
             log.warning("gRPC call failed: %s", exc, extra={"group": group, "job": job})
         await ctx.abort(code, str(exc))
@@ -530,22 +464,6 @@ class OrchestratorGrpcShim:
                     await j.client.close()
 
 
-def _group_status(rec: GroupRecord) -> pb.GroupStatus:
-    loaded = set(rec.loaded.values())
-    waiting = len(rec.queue) + (1 if rec.switch is not None and rec.switch.to is not None else 0)
-    status = pb.GroupStatus(
-        group_id=rec.group,
-        group_state=_GROUP_STATES.get(rec.state, pb.GroupStatus.STATE_UNKNOWN),
-        locking_job=rec.holder.job if rec.holder else "",
-        active_job=rec.active_job or "",
-        waiter_queue_depth=waiting,
-        loaded_job=loaded.pop() if len(loaded) == 1 else "",
-    )
-    if rec.since_ms:
-        status.state_timestamp.CopyFrom(Timestamp(seconds=rec.since_ms // 1000, nanos=rec.since_ms % 1000 * 1_000_000))
-    return status
-
-
 # ---------------------------------------------------------------------- CLI wiring
 
 
@@ -557,43 +475,16 @@ def from_args(
     extra = auth_settings_from_args(args)
     if "trust_account" not in extra and auth_dir is not None and (auth_dir / "nats-auth.conf").exists():
         extra["trust_account"] = str(auth_dir)
-    cfg = GrpcConfig(
-        port=args.grpc_port,
-        host=args.grpc_host or host,
-        tls_cert=args.grpc_tls_cert,
-        tls_key=args.grpc_tls_key,
-        tls_client_ca=args.grpc_tls_client_ca,
-        **extra,
-    )
-    return OrchestratorGrpcShim(cfg, nats_url=nats_url)
+    listen = listen_settings_from_args(args, port=args.grpc_port, host=args.grpc_host or host)
+    return OrchestratorGrpcShim(GrpcConfig(**listen, **extra), nats_url=nats_url)
 
 
 async def run_beside(orch: Orchestrator, shim: OrchestratorGrpcShim | None) -> None:
     """``orch.run()``, with the gRPC API started once the orchestrator is connected and stopped when it ends. The
     API forwards every call to the bus, so a standby serves it as well as the leader does: every replica is ready
     and a load balancer may send calls to any of them."""
-    if shim is None:
-        await orch.run()
-        return
-    loop = asyncio.get_running_loop()
-    run = loop.create_task(orch.run())
-    ready = loop.create_task(orch.connected.wait())
-    await asyncio.wait({run, ready}, return_when=asyncio.FIRST_COMPLETED)
-    if not ready.done():
-        ready.cancel()
-    elif not run.done():
-        try:
-            await shim.start()
-        except BaseException:
-            orch.shutdown()
-            with contextlib.suppress(Exception):
-                await run
-            raise
-        shim.started.set()
-    try:
-        await run
-    finally:
-        await shim.stop()
+    started = shim.started if shim is not None else None
+    await serve_beside(orch.run(), orch.connected, orch.shutdown, shim, started=started)
 
 
 async def ready(orch: Orchestrator, shim: OrchestratorGrpcShim | None) -> None:

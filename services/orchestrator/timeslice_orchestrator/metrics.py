@@ -24,6 +24,7 @@ import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from timeslice_client._internal.duration_buckets import DURATION_BUCKETS
 from timeslice_client.protocol import (
     DequeueCode,
     Dequeued,
@@ -40,31 +41,12 @@ from ._work import Action, Notify
 
 __all__ = ["APPLY_BUCKETS", "DURATION_BUCKETS", "OrchestratorMetrics"]
 
-# Seconds. Three steps per decade (1-2.5-5) from 100 µs to 60 s: 100 µs is below one NATS round trip
-# (~150 µs on loopback), so the first bucket holds "as fast as the bus allows"; a handoff with nothing
-# to copy is 0.5-2 ms; snapshots and restores of tens of GB at host-memory bandwidth take 1-10 s; an
-# acquire that waits for another job's phase takes seconds to a minute. Longer waits land in +Inf and
+# DURATION_BUCKETS (``_internal.duration_buckets``: 1-2.5-5 per decade, 100 µs to 60 s) fit the orchestrator: 100 µs
+# is below one NATS round trip (~150 µs on loopback), so the first bucket holds "as fast as the bus allows"; a
+# handoff with nothing to copy is 0.5-2 ms; snapshots and restores of tens of GB at host-memory bandwidth take
+# 1-10 s; an acquire that waits for another job's phase takes seconds to a minute. Longer waits land in +Inf and
 # still count in _sum, which keeps the mean honest.
-DURATION_BUCKETS: Final = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
+
 # Seconds. ``apply`` is pure Python at ~20-40 µs per event (measured on a 2-core VM), so its histogram starts at
 # 5 µs; 100 ms would mean the event loop stalled (GC, a huge queue), which is what this histogram is for.
 APPLY_BUCKETS: Final = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01, 0.1)

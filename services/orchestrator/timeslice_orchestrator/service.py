@@ -3,7 +3,8 @@
 Order of work for one event (the pure ``core.apply`` decides; this shell does all the I/O around it):
 
 1. the push consumer delivers it (stream order, one group's events in order);
-2. ``core.apply`` decides, and the decisions (grants, notices, agent commands) are published at once;
+2. ``core.apply`` decides, and the decisions (grants, notices, agent commands) are published at once
+   (``_decisions``; an input is checked before, ``_inputs``);
 3. a per-group writer stores the new record, fenced by the leader's term (``_records``; no per-key
    compare-and-swap), and only then acknowledges the events the record reflects.
 
@@ -44,30 +45,22 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from timeslice_client._internal.bus_layout import ensure_bus
 from timeslice_client.bus import connect
-from timeslice_client.protocol import (
-    ErrorCode,
-    GroupRecord,
-    InputEvent,
-    Refused,
-    decode_input,
-    encode,
-    subjects,
-    validate_id,
-)
+from timeslice_client.protocol import GroupRecord, InputEvent, encode, subjects
 
 from ._agents_watch import watch_agents
 from ._catch_up import ack_floor, bind_durable, catch_up, failure, fill_gap
 from ._config import OrchestratorConfig
+from ._decisions import publish_decisions
 from ._delivery import delivery_with_consumer_seq, first, route
 from ._errors import OrchestratorError, ServiceFailed
-from ._in_process_agent import LocalAgent
+from ._in_process_agent import LocalAgent, ready_beside, run_beside
+from ._inputs import checked_input, malformed_refusal
 from ._leadership import Leadership, LeadershipChange
 from ._lease_guard import confirm_lease
 from ._quarantine import Quarantine
 from ._records import Deposed, RecordStore, Unusable, beyond_stream_end, fresh_record, load_all
-from ._subjects import check_names
 from ._timers import Timers
-from .core import Action, Command, Notify, Transition, apply, new_record
+from .core import apply, new_record
 from .metrics import OrchestratorMetrics
 
 __all__ = ["LocalAgent", "Orchestrator", "OrchestratorConfig", "OrchestratorError"]
@@ -177,7 +170,7 @@ class Orchestrator:
                 tg.create_task(self._run_leadership(leader, lead_stop))
                 if self._local_factory is not None:
                     self.local_agent = self._local_factory(nc)
-                    local = tg.create_task(self._run_local(self.local_agent))
+                    local = tg.create_task(run_beside(self.local_agent, self._stop, self._die))
                 self._connected.set()
                 log.info("connected as %s: campaigning (a standby until elected)", leader.instance_id)
                 while not self._stop.is_set():
@@ -292,7 +285,7 @@ class Orchestrator:
                 agents_known = asyncio.Event()
                 tg.create_task(self._watch_agents(agents_known))
                 await first(agents_known.wait(), self._halt.wait())
-                floor = await self._ack_floor()
+                floor = await ack_floor(self._js, self.config.durable)  # every input up to it is acknowledged
                 await self._distrust_future_records(floor)
                 caught_up = await self._catch_up(floor)
                 if not self._done() and await self._stored_all() and await self._still_leading():
@@ -317,29 +310,10 @@ class Orchestrator:
     def _done(self) -> bool:
         return self._halt.is_set()
 
-    async def _run_local(self, agent: LocalAgent) -> None:
-        """The agent beside this orchestrator, until it stops; its failure or exit stops the orchestrator."""
-        try:
-            await agent.run()
-        except Exception as exc:
-            log.exception("the agent running beside the orchestrator failed", extra={"node": agent.node})
-            self._die(exc)
-            return
-        if not self._stop.is_set():
-            self._die(RuntimeError(f"the agent of node {agent.node!r} running beside the orchestrator stopped"))
-
     async def _local_ready(self) -> bool:
         """Until the agent beside this orchestrator (if any) is ready; False when stopping instead."""
-        agent, timeout_s = self.local_agent, self.config.local_agent_ready_s
-        if agent is None:
-            return True
-        try:
-            async with asyncio.timeout(timeout_s):
-                await first(agent.ready.wait(), self._halt.wait())
-        except TimeoutError:
-            self._die(TimeoutError(f"the agent of node {agent.node!r} was not ready within {timeout_s:.0f} s"))
-            return False
-        return not self._halt.is_set()
+        agent = self.local_agent
+        return agent is None or await ready_beside(agent, self.config.local_agent_ready_s, self._halt, self._die)
 
     def shutdown(self) -> None:
         """Ask ``run()`` to finish: stop consuming, store what was decided, return. Safe to call twice."""
@@ -374,11 +348,6 @@ class Orchestrator:
             await beyond_stream_end(self._js, {g: e.rec for g, e in self._groups.items()}, floor)
         ).items():
             self._groups[group].rec = rec
-
-    async def _ack_floor(self) -> int:
-        """The stream sequence up to which every input is acknowledged (0: no durable consumer yet)."""
-        assert self._js is not None
-        return await ack_floor(self._js, self.config.durable)
 
     async def _catch_up(self, floor: int) -> int:
         """Apply the inputs after ``floor`` up to the stream's current end (``_catch_up.catch_up``); returns the
@@ -449,12 +418,7 @@ class Orchestrator:
                 await msg.ack()
             return
         try:
-            ev = decode_input(msg.data)
-            check_names(msg.subject, ev)  # the subject is who sent it (the bus's permissions): the payload agrees
-            for kind in ("job", "node"):
-                value = getattr(ev, kind, None)
-                if value is not None and value != job:  # equal to the subject's job: validated by route()
-                    validate_id(kind, value)
+            ev = checked_input(msg.subject, msg.data, job)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             await self._reject(msg, group, job, exc, live=live)
             return
@@ -490,7 +454,8 @@ class Orchestrator:
             leader = self.leadership
             if not (leader is not None and leader.is_leader()) and not await self._still_leading():
                 return  # deposed: decides nothing more (the next leader applies this event again)
-            await self._publish(group, actions)
+            assert self._nc is not None
+            await publish_decisions(self._nc, self.local_agent, group, actions)
             if live and not backlog:
                 # nats-py's publish only buffers; its flusher task writes. Yield once so it writes the decisions
                 # now, not after the bookkeeping below. Not when more inputs wait behind this one (nor in a
@@ -514,52 +479,13 @@ class Orchestrator:
             self._writes_idle.clear()
             await self._write_q.put(group)
 
-    async def _publish(self, group: str, actions: list[Action]) -> None:
-        nc = self._nc
-        assert nc is not None
-        published: asyncio.Event | None = None  # only with an agent beside: nothing more per batch without one
-        if (local := self.local_agent) is not None:
-            published = asyncio.Event()
-            # Handed over before the publishes below: the operation's first step runs once this callback yields
-            # (normally after everything here is buffered, so that step finds ``published`` set and goes on at
-            # once), and it writes nothing before ``published`` is set, so the stream stores the command first.
-            # Its writes (the job's mark, OpStarted, the request to the workload) then join these in the
-            # connection's next socket write instead of one write later.
-            for a in actions:
-                if isinstance(a, Command) and a.command.node == local.node:
-                    local.take(a.command, published)
-        # In the core's order: a Released/Revoked always precedes the next Granted, so the stream alone
-        # shows that holds never overlap (invariants.StreamChecker checks it).
-        try:
-            for a in actions:
-                if isinstance(a, Notify):
-                    await nc.publish(_notice_subject(group, a.notice.job), encode(a.notice))
-                elif isinstance(a, Command):
-                    await nc.publish(subjects.agent_cmd(a.command.node), encode(a.command))
-                elif isinstance(a, Transition):
-                    await nc.publish(subjects.group_state(group), encode(a.change))
-        finally:
-            if published is not None:
-                published.set()
-
     async def _reject(self, msg: Msg, group: str, job: str | None, exc: BaseException, *, live: bool) -> None:
         self.events_rejected += 1
         self.metrics.rejected += 1
         log.warning("rejected event %s: %s", msg.subject, exc, extra={"group": group, "job": job})
         if job is not None:
-            request_id = ""
-            with contextlib.suppress(Exception):
-                raw = msgspec.json.decode(msg.data)
-                if isinstance(raw, dict) and isinstance(raw.get("request_id"), str):
-                    request_id = raw["request_id"][:128]
-            refusal = Refused(
-                group=group,
-                job=job,
-                request_id=request_id,
-                code=ErrorCode.INVALID,
-                message=f"malformed request on {msg.subject}: {exc}",
-            )
             assert self._nc is not None
+            refusal = malformed_refusal(msg.subject, msg.data, group, job, exc)
             await self._nc.publish(subjects.notice(group, job), encode(refusal))
         if live:
             await msg.ack()
@@ -632,7 +558,3 @@ class Orchestrator:
 
 class _Stopped(Exception):
     pass
-
-
-# On the hot path: the same few subjects again and again, each validated once.
-_notice_subject = functools.lru_cache(maxsize=16_384)(subjects.notice)

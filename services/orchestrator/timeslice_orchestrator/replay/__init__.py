@@ -7,48 +7,12 @@ orchestrator's pure core, then summarise it (terminal), draw it (one self-contai
 >>> print(render_summary(replay)); write_html(replay, Path("replay.html"))
 """
 
+from . import _model
 from ._fold import fold_events
 from ._html import render_html, write_html
-from ._model import (
-    Fault,
-    GroupSummary,
-    GroupTimeline,
-    Handoff,
-    HoldInterval,
-    JobLane,
-    JobSummary,
-    OpBar,
-    PhaseSpan,
-    Replay,
-    StateInterval,
-    StreamEvent,
-    Summary,
-    SwitchInterval,
-    WaitInterval,
-)
+from ._model import *  # noqa: F403 - the model's types are this package's vocabulary: its __all__ is theirs
 from ._read import ReplayError, read_window
 from ._text import render_summary
 
-__all__ = [
-    "Fault",
-    "GroupSummary",
-    "GroupTimeline",
-    "Handoff",
-    "HoldInterval",
-    "JobLane",
-    "JobSummary",
-    "OpBar",
-    "PhaseSpan",
-    "Replay",
-    "ReplayError",
-    "StateInterval",
-    "StreamEvent",
-    "Summary",
-    "SwitchInterval",
-    "WaitInterval",
-    "fold_events",
-    "read_window",
-    "render_html",
-    "render_summary",
-    "write_html",
-]
+__all__ = ["ReplayError", "fold_events", "read_window", "render_html", "render_summary", "write_html"]
+__all__ += _model.__all__
