@@ -18,23 +18,21 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from ._bind import Binding, bind_process
-from ._grants import Grant, ReleaseResult, _checks_claims, _Claim, _Hold, _Superseded, _WaitLost
+from ._grants import Grant, ReleaseResult, _Claim, _Hold, _Superseded, _WaitLost
 from ._group_reads import groups_kv, read_record
 from ._hold_scope import AsyncHold, AsyncScopes
 from ._keeper import keep
 from ._multi_group import AsyncMultiHold, JobGroups, MultiGroupCalls, sibling
 from ._publish_rules import publish_stored, request_id
 from ._refusals import refusal_error
+from ._release_calls import ReleaseCalls
 from ._workload_options import CLIENT_WORKLOAD_KEYS, ClientWorkloadOptions, check_options
 from .bus import CredsPath, TlsOption, connect, default_nats_url, kv_keys, resolve_nats_url
 from .errors import (
     AcquireCancelled,
     AcquireTimeout,
     InvalidRequest,
-    LeaseExpired,
-    NotHolder,
     TimeSliceError,
-    Unavailable,
 )
 from .handlers import WorkloadHandler
 from .protocol import (
@@ -49,7 +47,6 @@ from .protocol import (
     GroupRecord,
     Phase,
     Refused,
-    Release,
     Released,
     Revoked,
     YieldRequested,
@@ -65,12 +62,8 @@ __all__ = ["AsyncTimeSliceClient", "Grant", "ReleaseResult"]
 
 log = logging.getLogger("timeslice.client")
 
-# Loop turns a contended release waits for its bytes to be written before its workloads' suspend begins (the send
-# queues it, the flusher writes it a turn later); bounded, so a connection that cannot write delays it a little.
-_WRITE_TURNS = 4
 
-
-class AsyncTimeSliceClient(MultiGroupCalls):
+class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
     """One job's handle on one group.
 
     ``acquire()`` waits (without polling: the grant arrives by subscription) until the orchestrator
@@ -410,94 +403,6 @@ class AsyncTimeSliceClient(MultiGroupCalls):
             await asyncio.shield(
                 self._publish(Cancel(group=self.group_id, job=self.job_id, request_id=rid, reason="timeout or cancel"))
             )
-
-    async def release(self) -> ReleaseResult:
-        """Give the group back. Raises NotHolder, StaleEpoch or LeaseExpired when you no longer hold it.
-
-        When another job was seen waiting (the orchestrator says so: ``Contended``, ``Granted.waiters``), this
-        job's workload channels begin their suspend as soon as the release has left for the stream, instead of
-        when the agent's command arrives a few bus hops later (``WorkloadChannel.suspend_early``). If the release
-        then fails (raises), they stay suspended until this job's next ``acquire()`` resumes them."""
-        hold = self._hold
-        if hold is None:
-            rec = await self._record_or_none()  # the group's holder and epoch now, to say so
-            raise NotHolder(
-                self.group_id,
-                self.job_id,
-                holder=rec.holder.job if rec and rec.holder else None,
-                epoch=rec.epoch if rec else None,
-            )
-        self._hold = None
-        if not hold.alive():
-            assert hold.lost is not None
-            raise LeaseExpired(self.group_id, self.job_id, hold.epoch, hold.lost)
-        before = self._published
-        for ch in self._channels:
-            ch.arm()  # the suspend may come while this job's main thread runs Python (see WorkloadChannel.arm)
-        early = self._contended_epoch == hold.epoch and bool(self._channels)
-        try:
-            r, seq = await (self._release_suspending(hold) if early else self._send_release(hold))
-        except BaseException:
-            for ch in self._channels:
-                ch.disarm()
-            raise
-        if self._claims is None and r.pending_waiters == 0 and self._js is not None:
-            self._claims = await _checks_claims(self._js)  # once: the stream exists now (it stored the release)
-        if self._claims and r.pending_waiters == 0 and self._published == before + 1:
-            self._claim = _Claim(after_seq=seq, epoch=r.epoch + 1)  # nothing else was published after it
-        return ReleaseResult(self.group_id, self.job_id, r.epoch, r.pending_waiters, r.snapshot_deferred)
-
-    def _settle_budget(self) -> float:
-        """The longest ``acquire()`` may spend after the grant, resuming what suspended early (seconds)."""
-        return sum(ch.op_timeout for ch in self._channels if ch.early_suspend)
-
-    def _suspend_early(self) -> None:
-        for ch in self._channels:
-            ch.suspend_early()
-
-    async def _release_suspending(self, hold: _Hold) -> tuple[Released, int]:
-        """``_send_release``, beginning the workload channels' suspend once the release is written to the
-        socket: a round trip before the stream's answer, and after the release's own way out, which the copy
-        would otherwise hold up on a machine with few cores (bench/NOTES.md, "Early suspend at the release's
-        write")."""
-        assert self._nc is not None
-        nc, sent = self._nc, self._nc.stats["out_msgs"]
-        send = asyncio.ensure_future(self._send_release(hold))
-        try:
-            for _ in range(_WRITE_TURNS):
-                if send.done() or (nc.stats["out_msgs"] > sent and nc.pending_data_size == 0):
-                    break
-                await asyncio.sleep(0)  # one loop turn: the send queues the release, the connection's flusher writes it
-            if not send.done() or (not send.cancelled() and send.exception() is None):
-                self._suspend_early()
-            return await send
-        except BaseException:
-            if not send.done():
-                send.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await send
-            raise
-
-    async def _send_release(self, hold: _Hold) -> tuple[Released, int]:
-        """The answer, and the release's stream sequence."""
-        rid = request_id()
-        fut: asyncio.Future[Released] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
-        try:
-            seq = await self._publish(
-                Release(group=self.group_id, job=self.job_id, request_id=rid, epoch=hold.epoch), msg_id=rid
-            )
-            try:
-                async with asyncio.timeout(self.request_timeout):
-                    return await fut, seq
-            except TimeoutError:
-                raise Unavailable(
-                    "release was not answered (is the orchestrator running?)",
-                    nats_url=self.nats_url,
-                    after_s=self.request_timeout,
-                ) from None
-        finally:
-            self._pending.pop(rid, None)
 
     async def register_workload(
         self, handler: WorkloadHandler, *, group_id: str | None = None, **options: Unpack[ClientWorkloadOptions]
