@@ -410,25 +410,32 @@ def _median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else 0.0
 
 
-def pool_figures(run: PoolRun, pool: str) -> dict[str, Any]:
-    """One pool's duty cycle, switches, and the switch time on the critical path split into snapshot (the outgoing
-    context's copy while nothing else ran), restore (the incoming one's, whatever ran beside it) and lock/bus (the
-    rest: the release and the grant crossing the bus, the core's decision, the agent's command and answer)."""
-    log = run.logs[pool]
-    wall = max(run.ends.values(), default=0.0)
-    first_end = min(run.ends.values(), default=0.0)
-    spans = [h for hs in holds(log).values() for h in hs]
-    held = sum(g1 - g0 for g0, g1 in spans)
+def switch_parts(run: PoolRun, pool: str) -> dict[str, list[float]]:
+    """Each switch of one pool on the critical path (``total``) split into snapshot (the outgoing context's copy while
+    no restore ran), restore (the incoming one's, whatever ran beside it) and lock/bus (the rest: the release and the
+    grant crossing the bus, the core's decisions, the agent's commands and answers)."""
     snaps = [(o.start, o.end) for o in run.ops if o.pool == pool and o.kind == "snapshot"]
     rests = [(o.start, o.end) for o in run.ops if o.pool == pool and o.kind == "restore"]
     parts: dict[str, list[float]] = {k: [] for k in SPLIT}
-    for w0, w1, _ in switch_windows(log):
+    for w0, w1, _ in switch_windows(run.logs[pool]):
         r = _overlap(w0, w1, rests)
         both = _overlap(w0, w1, snaps + rests)
         parts["total"].append(w1 - w0)
         parts["restore"].append(r)
         parts["snapshot"].append(both - r)
         parts["lock_bus"].append(w1 - w0 - both)
+    return parts
+
+
+def pool_figures(run: PoolRun, pool: str) -> dict[str, Any]:
+    """One pool's duty cycle (over the makespan, and while every job still runs), switches, and the switch time on
+    the critical path with its split (:func:`switch_parts`)."""
+    log = run.logs[pool]
+    wall = max(run.ends.values(), default=0.0)
+    first_end = min(run.ends.values(), default=0.0)
+    spans = [h for hs in holds(log).values() for h in hs]
+    held = sum(g1 - g0 for g0, g1 in spans)
+    parts = switch_parts(run, pool)
     return {
         "duty_cycle": held / wall if wall else 0.0,
         # over the time every job still ran (to the first job's end): the duty while they all compete
@@ -439,8 +446,8 @@ def pool_figures(run: PoolRun, pool: str) -> dict[str, Any]:
         "switch_median_s": _median(parts["total"]),
         "critical_path_s": {k: sum(v) for k, v in parts.items()},
         "critical_path_median_s": {k: _median(v) for k, v in parts.items()},
-        "snapshots": len(snaps),
-        "restores": len(rests),
+        "snapshots": sum(1 for o in run.ops if o.pool == pool and o.kind == "snapshot"),
+        "restores": sum(1 for o in run.ops if o.pool == pool and o.kind == "restore"),
     }
 
 
@@ -450,9 +457,9 @@ def run_figures(run: PoolRun, steps: int) -> dict[str, Any]:
     wall = max(run.ends.values(), default=0.0)
     pools = {p: pool_figures(run, p) for p in sorted(run.logs)}
     spans = [h for p in run.logs for hs in holds(run.logs[p]).values() for h in hs]
-    crit = {
-        k: sum(f["critical_path_s"][k] for f in pools.values()) for k in ("total", "snapshot", "restore", "lock_bus")
-    }
+    every = [switch_parts(run, p) for p in sorted(run.logs)]
+    crit = {k: sum(sum(parts[k]) for parts in every) for k in SPLIT}
+    crit_median = {k: _median([x for parts in every for x in parts[k]]) for k in SPLIT}
     return {
         "jobs": len(run.ends),
         "steps_per_job": steps,
@@ -463,6 +470,7 @@ def run_figures(run: PoolRun, steps: int) -> dict[str, Any]:
         "any_pool_duty": _overlap(0.0, wall, spans) / wall if wall else 0.0,
         "switches": sum(f["switches"] for f in pools.values()),
         "critical_path_s": crit,
+        "critical_path_median_s": crit_median,
         "yield_requests": run.yields,
         "events": run.events,
     }

@@ -22,11 +22,20 @@ Modes (``--mode``, default ``both``):
   with the bus pass calibrated from the real run (its median switch minus the modelled snapshot and
   restore, over the 6 passes of a switch, in modelled time), to show how far the two agree.
 
+Multi-pool profiles (``--pool-profiles``, default ``verl_sync_disagg,verl_async_disagg``: modelled on the reference
+project's published veRL runs, not recorded): jobs holding a trainer pool and a sampler pool in turn, one core record
+per pool (``bench/_trace_pools.py``), sim mode only, per cost model (``--costs``: ``published``, the published
+checkpoint/restore medians; ``pcie``, the state's bytes over 55 GB/s each way) and policy (``--policies``: ``fifo``,
+``room``: grant on restore, ``priority``: classes, ``quantum``: ``--quantum-s``): jobs 0 and 1 alone and the two
+sharing, the makespan, each pool's duty, the switches, and the switch time on the critical path split into snapshot,
+restore and lock/bus, beside the published figures (``bench/_trace_pool_report.py``).
+
 For 1 job alone (each of jobs 0..2: the baseline), 2 and 3 jobs sharing: wall time, throughput
 (steps per modelled hour), accelerator duty cycle (time some job holds the group / wall time), the
 share of wall time lost to switching (another job's release → the next grant), and the shared run's
 speedup over the same jobs run back to back. Run:
-``python bench/trace_replay.py [--mode both] [--steps 8] [--compression 100] [--quick] [--json-out FILE]``.
+``python bench/trace_replay.py [--mode both] [--steps 8] [--compression 100] [--quick] [--json-out FILE]
+[--pool-profiles verl_sync_disagg,verl_async_disagg] [--costs published,pcie] [--policies fifo,room,priority,quantum]``.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from typing import Any
 
 import _common as c
 from _trace_model import Log, Step, compare, figures, load_profile, load_switch, resolve, schedule
+from _trace_pool_report import parse_policies, print_pool_profile, run_pool_profile
 from _trace_sim import simulate
 
 JOB_SCRIPT = c.BENCH / "_trace_job.py"
@@ -273,6 +283,8 @@ def print_report(res: dict[str, Any]) -> None:
                 f"(throughput, duty cycle, speedup at 2 and 3 jobs)"
             )
         print("    baseline: each job alone; ratio: the shared run's speedup over the same jobs back to back")
+    for name, p in res.get("pool_profiles", {}).items():
+        print_pool_profile(name, p)
 
 
 def main() -> None:
@@ -285,6 +297,17 @@ def main() -> None:
     p.add_argument("--compression", type=float, default=100.0, help="real mode: durations divided by this")
     p.add_argument("--hop-ms", type=float, default=0.6, help="sim mode: one bus pass, modelled ms")
     p.add_argument("--quick", action="store_true", help="few steps, more compression")
+    p.add_argument(
+        "--pool-profiles",
+        default="verl_sync_disagg,verl_async_disagg",
+        help="comma-separated multi-pool profiles, sim mode only ('' for none)",
+    )
+    p.add_argument("--costs", default="published,pcie", help="multi-pool profiles: the cost models to run")
+    p.add_argument("--policies", default="fifo,room,priority,quantum", help="multi-pool profiles: the policies to run")
+    p.add_argument("--quantum-s", type=float, default=120.0, help="multi-pool profiles: the quantum policy's quantum")
+    p.add_argument(
+        "--pool-steps", type=int, default=0, help="multi-pool profiles: steps per job (0: the profile's published)"
+    )
     p.add_argument("--json-out", help="write the result as JSON here")
     a = p.parse_args()
     if a.quick:
@@ -292,6 +315,14 @@ def main() -> None:
     if a.steps < 1 or a.sim_steps < 1 or a.compression <= 0:
         p.error("--steps, --sim-steps and --compression must be positive")
     profiles = [x for x in a.profiles.split(",") if x.strip()]
+    pool_profiles = [x.strip() for x in a.pool_profiles.split(",") if x.strip()]
+    costs = [x.strip() for x in a.costs.split(",") if x.strip()]
+    try:
+        policies = parse_policies(a.policies)
+    except ValueError as e:
+        p.error(str(e))
+    if a.quantum_s <= 0 or a.pool_steps < 0:
+        p.error("--quantum-s must be positive and --pool-steps at least 0")
     sw = load_switch(a.switch)
     res: dict[str, Any] = {
         "bench": "trace_replay",
@@ -323,6 +354,11 @@ def main() -> None:
             entry["sim_calibrated"] = cal
             entry["agreement"] = _agreement(real[prof], cal)
         res["profiles"][pr.name] = entry
+    if pool_profiles and a.mode != "real":
+        res["pool_profiles"] = {
+            load_profile(n).name: run_pool_profile(n, costs, policies, a.hop_ms / 1000, a.quantum_s, a.pool_steps)
+            for n in pool_profiles
+        }
     print_report(res)
     c.write_json(a.json_out, res)
 
