@@ -138,18 +138,20 @@ def schedule(profile: Profile, steps: int, seed: int) -> list[Step]:
     ]
 
 
+ONE_POOL = "group"  # the pool of a one-group profile's accelerator phases in the multi-pool simulation
 # (phase name, pools held (none: off them), modelled seconds, paced: a wait for a producer's input)
 PoolStep = list[tuple[str, tuple[str, ...], float, bool]]
 
 
 def pool_schedule(profile: Profile, steps: int, seed: int) -> list[PoolStep]:
-    """As :func:`schedule` (the same draws for the same seed), each phase with the pools it holds."""
+    """As :func:`schedule` (the same draws for the same seed), each phase with the pools it holds (a one-group
+    profile's accelerator phases: :data:`ONE_POOL`)."""
     rng = random.Random(seed)
     return [
         [
             (
                 ph.name,
-                tuple(sorted(ph.pools)) if ph.on == "accelerator" else (),
+                (tuple(sorted(ph.pools)) or (ONE_POOL,)) if ph.on == "accelerator" else (),
                 rng.uniform(ph.min_s, ph.max_s),
                 ph.paced and ph.on == "cpu",
             )
