@@ -5,8 +5,8 @@ report's text.
 Per profile, cost model and policy: each of jobs 0 and 1 alone (the baseline) and the two sharing the pools; the
 makespan, each pool's duty cycle (held share of the makespan, and while both jobs run), the mean over the pools, the
 switches, and the switch time on the critical path (another job's release, or the incoming job's acquire if later,
-to the grant) split into snapshot, restore and lock/bus. Sim mode only: the real stack's multi-pool replay is not
-built (``docs/benchmarks.md``).
+to the grant) split into snapshot, restore and lock/bus. The real stack's runs of the same profiles:
+``bench/_trace_pool_real.py``; this module prints both.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 from _trace_model import Profile, load_profile, pool_schedule
-from _trace_pools import POLICIES, POLICY_TEXT, SPLIT, Policy, run_figures, simulate_pools
+from _trace_pools import POLICIES, POLICY_TEXT, Policy, run_figures, simulate_pools
 
 JOBS = 2
 
@@ -125,24 +125,18 @@ def _pct(x: float) -> str:
     return f"{x * 100:5.1f}%"
 
 
-def print_pool_profile(name: str, p: dict[str, Any]) -> None:
-    s = p["sim"]
-    print(f"{name}: {p['description'][:110]}...")
-    print(
-        f"  sim: {s['jobs']} jobs x {s['steps']} steps over pools {', '.join(p['pools'])}, bus pass {s['hop_ms']:.2f} "
-        f"ms, {s['events']} events in {s['cpu_s']:.2f} s CPU (real mode: not built for multi-pool profiles)"
-    )
-    for cm, by_pol in s["runs"].items():
+def _print_runs(p: dict[str, Any], runs: dict[str, dict[str, Any]], mode: str, published: bool = True) -> None:
+    pools = p["pools"]
+    for cm, by_pol in runs.items():
         costs = ", ".join(
             f"{pool} snapshot {c['snapshot_s']:.3f} s restore {c['restore_s']:.3f} s"
             for pool, c in p["costs"][cm]["pools"].items()
         )
-        print(f"  cost model {cm}: {costs}")
-        pools = p["pools"]
+        print(f"  {mode}, cost model {cm}: {costs}")
         head = " ".join(f"{pool + ' duty':>13}" for pool in pools)
         print(
             f"    {'run':<16} {'makespan':>9} {'vs fifo':>7} {head} {'mean':>6} {'switches':>8} "
-            f"{'crit. path':>10} {'median: snap / restore / lock+bus':>34}"
+            f"{'crit. path':>10}   median (s): switch = snapshot + restore + lock/bus"
         )
         fifo = by_pol.get("fifo") or next(iter(by_pol.values()))
         for i, a in enumerate(fifo["alone"]):
@@ -154,14 +148,14 @@ def print_pool_profile(name: str, p: dict[str, Any]) -> None:
         for pol, block in by_pol.items():
             f = block["shared"]
             duties = " ".join(f"{_pct(f['pools'][pool]['duty_cycle']):>13}" for pool in pools)
-            med = [f["critical_path_median_s"][k] for k in SPLIT[1:]]
+            med = f["critical_path_median_s"]
             print(
                 f"    {'shared, ' + pol:<16} {f['makespan_s'] / 60:>7.1f} m {f.get('makespan_vs_fifo', 1.0):>6.2f}x "
-                f"{duties} {_pct(f['mean_duty'])} {f['switches']:>8} {f['critical_path_s']['total']:>8.1f} s "
-                f"{med[0]:>12.2f} / {med[1]:.2f} / {med[2] * 1000:.1f} ms"
+                f"{duties} {_pct(f['mean_duty'])} {f['switches']:>8} {f['critical_path_s']['total']:>8.1f} s   "
+                f"{med['total']:.3f} = {med['snapshot']:.3f} + {med['restore']:.3f} + {med['lock_bus']:.3f}"
             )
-        vp = fifo["vs_published"]
-        if vp:
+        vp = fifo.get("vs_published")
+        if vp and published:
             pub_shared = vp["shared_s"]["published"]
             pub_solo = vp["solo_s"]["published"]
             print(
@@ -176,4 +170,26 @@ def print_pool_profile(name: str, p: dict[str, Any]) -> None:
                     else ""
                 )
             )
+
+
+def print_pool_profile(name: str, p: dict[str, Any]) -> None:
+    print(f"{name}: {p['description'][:110]}...")
+    if "sim" in p:
+        s = p["sim"]
+        print(
+            f"  sim: {s['jobs']} jobs x {s['steps']} steps over pools {', '.join(p['pools'])}, bus pass "
+            f"{s['hop_ms']:.2f} ms, {s['events']} events in {s['cpu_s']:.2f} s CPU"
+        )
+        _print_runs(p, s["runs"], "sim")
+    if "real" in p:
+        r = p["real"]
+        print(
+            f"  real: {r['jobs']} jobs x {r['steps']} steps through the stack (an agent per pool), time "
+            f"x1/{r['compression']:.0f}; the stack's overhead weighs {r['compression']:.0f}x in modelled time"
+        )
+        _print_runs(p, r["runs"], "real")
+    if "sim_same_steps" in p:
+        s = p["sim_same_steps"]
+        print(f"  sim at the real run's {s['steps']} steps, bus pass {s['hop_ms']:.2f} ms (for comparison)")
+        _print_runs(p, s["runs"], "sim", published=False)
     print("    baseline: each job alone; vs fifo: the shared makespan over FIFO's with the same costs")
