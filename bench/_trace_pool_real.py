@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import _common as c
 from _trace_model import load_profile, resolve
-from _trace_pools import OpSpan, PoolRun, run_figures
+from _trace_pools import OpSpan, PoolRun, exclusive, run_figures
 
 JOB_SCRIPT = c.BENCH / "_trace_pool_job.py"
 RealPolicy = Literal["fifo", "room"]
@@ -144,12 +144,19 @@ async def run_real_pools(
                     for r in res:
                         for k in handler:
                             handler[k] += r["handler_s"][k]
-                    shared = run_figures(_to_run(res), n)
+                    run = _to_run(res)
+                    shared = run_figures(run, n)
                     back_to_back = sum(a["makespan_s"] for a in alone)
                     shared["speedup_vs_back_to_back"] = (
                         back_to_back / shared["makespan_s"] if shared["makespan_s"] else 0
                     )
-                    block = {"alone": alone, "shared": shared, "handler_s": handler, "steps": n}
+                    block = {
+                        "alone": alone,
+                        "shared": shared,
+                        "handler_s": handler,
+                        "steps": n,
+                        "exclusive": exclusive(run),  # by the jobs' logs: no two held one pool at once
+                    }
                     out.setdefault(prof.name, {}).setdefault(cost, {})[policy] = block
             await nc.close()
         finally:
