@@ -18,6 +18,8 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 from _trace_model import ONE_POOL, Log, Profile, load_profile, pool_schedule, schedule  # noqa: E402
+from _trace_pool_md import pool_markdown  # noqa: E402
+from _trace_pool_real import run_real_pools  # noqa: E402
 from _trace_pool_report import run_pool_profile  # noqa: E402
 from _trace_pools import PoolRun, exclusive, holds, run_figures, simulate_pools  # noqa: E402
 
@@ -188,3 +190,27 @@ def test_the_report_block_for_a_pool_profile() -> None:
     vp = block["vs_published"]
     assert vp["solo_s"]["published"] == 137 * 60 and vp["swaps"]["published"] == 42
     assert len(block["alone"]) == 2 and block["shared"]["jobs"] == 2
+
+
+def test_the_markdown_section_renders_the_published_comparison() -> None:
+    block = run_pool_profile("verl_async_disagg", ["published"], ["fifo", "room"], HOP_S, 120.0, None)
+    lines = pool_markdown({"command": "python bench/trace_replay.py", "pool_profiles": {"verl_async_disagg": block}})
+    text = "\n".join(lines)
+    assert "### verl_async_disagg" in text and "not recorded" in text
+    assert "| 2 sharing, room |" in text and "27 swaps" in text
+    assert pool_markdown({"profiles": {}}) == []
+
+
+async def test_the_real_stack_replays_a_multi_pool_profile() -> None:
+    """The quickest real run: 2 steps of the sync profile, time / 2000, FIFO (the agents restore after the snapshot)."""
+    out = await run_real_pools(["verl_sync_disagg"], ["published"], ["fifo"], 2, 2000.0)
+    block = out["verl_sync_disagg"]["published"]["fifo"]
+    shared = block["shared"]
+    assert [a["switches"] for a in block["alone"]] == [0, 0]
+    assert shared["jobs"] == 2 and shared["switches"] > 0
+    assert block["handler_s"]["suspend"] > 0  # the agents really asked the jobs to move their state
+    # the snapshot is on the critical path (FIFO), as modelled: 21.3 s; the stack's overhead is on top of it
+    assert shared["critical_path_median_s"]["snapshot"] >= 0.9 * 21.3
+    assert block["exclusive"]  # by the jobs' own logs, no two held one pool at once
+    for pool in ("sampler", "trainer"):
+        assert 0 < shared["pools"][pool]["duty_cycle"] <= 1
