@@ -109,7 +109,10 @@ def pool_markdown(r: dict[str, Any]) -> list[str]:
         "later) → the grant, split into snapshot (the outgoing copy while no restore ran), restore, and lock/bus "
         "(the rest). *real*: the real stack (an agent per pool, one client per pool per job, `CallbackHandler`s "
         "taking the modelled time), compressed: its own overhead (a few ms a switch) weighs the compression factor "
-        "more in modelled time, so its lock/bus column is that overhead times the factor.",
+        "more in modelled time, so its lock/bus column is that overhead times the factor. What the figures say, and "
+        'what the profiles cannot reproduce: `docs/scheduling.md` ("Judged on the published runs"). The solo '
+        "figures, the mutual exclusion per pool and the cost models are checked by "
+        "`pytest tests/test_trace_profiles.py`.",
         "",
         *_cmd(r),
     ]
