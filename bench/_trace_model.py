@@ -4,7 +4,10 @@ Shared by both modes of trace_replay.py, so the real and the simulated run are j
 
 * a *profile* (``bench/profiles/<name>.json``) lists the phases of one training step, each on the
   ``accelerator`` (wrapped in acquire/release, as ``on_accelerators`` wraps a GPU phase) or on the
-  ``cpu``, with a duration drawn uniformly from ``[min_s, max_s]``;
+  ``cpu``, with a duration drawn uniformly from ``[min_s, max_s]``; a phase may name the ``pools`` (groups) it
+  holds, for a job spread over several pools (a disaggregated trainer and sampler: ``bench/_trace_pools.py``); a
+  profile without them runs on one group, as before. A profile may also carry the ``published`` figures it is
+  modelled on and named switch-cost models per pool (``costs``);
 * a *switch profile* gives the bytes a job keeps on an accelerator and the offload/restore bandwidth:
   a snapshot takes ``bytes / offload``, a restore ``bytes / restore`` (modelled seconds);
 * a job's *schedule* is its list of steps, each a list of (phase, on accelerator?, seconds), drawn
@@ -30,12 +33,68 @@ class PhaseSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     on: Literal["accelerator", "cpu"]
     min_s: float
     max_s: float
+    pools: tuple[str, ...] = ()  # the groups an accelerator phase holds, all at once; () on one group's profile
+    # A CPU phase that waits for the step's input from a producer running beside the job (a fully-async job's own
+    # rollout GPU): the producer makes one input per drawn duration, from the start, at most ``Profile.staleness``
+    # inputs ahead of the job; the job waits here until its step's input is ready (multi-pool simulation only; the
+    # one-group simulation takes the drawn duration as the wait).
+    paced: bool = False
+
+
+class PoolCost(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One pool's switch cost under a cost model: given times, or ``bytes_per_job`` at ``gb_per_s`` each way."""
+
+    snapshot_s: float | None = None
+    restore_s: float | None = None
+    bytes_per_job: int = 0
+    gb_per_s: float = 0.0
+
+    @property
+    def snapshot(self) -> float:
+        if self.snapshot_s is not None:
+            return self.snapshot_s
+        return self.bytes_per_job / (self.gb_per_s * 1e9) if self.gb_per_s else 0.0
+
+    @property
+    def restore(self) -> float:
+        if self.restore_s is not None:
+            return self.restore_s
+        return self.bytes_per_job / (self.gb_per_s * 1e9) if self.gb_per_s else 0.0
+
+
+class CostModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    description: str
+    pools: dict[str, PoolCost]
+
+
+class Published(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The published figures a profile is modelled on (None: not published). ``duty_pool``: the pool the duty
+    figures are of, or ``"mean"`` for the mean over the pools (the share of GPU time held)."""
+
+    source: str
+    steps_per_job: int  # the steps each job takes in the modelled run (chosen, see the description)
+    duty_pool: str
+    duty_solo: float
+    duty_shared: float
+    swaps: int
+    checkpoint_median_s: float
+    restore_median_s: float
+    solo_s: float | None = None
+    shared_s: float | None = None
 
 
 class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     description: str
     phases: tuple[PhaseSpec, ...]
+    published: Published | None = None
+    costs: dict[str, CostModel] = msgspec.field(default_factory=dict)
+    staleness: int = 0  # how many inputs a paced phase's producer may run ahead of the job
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        """The pools the profile's phases hold, sorted; () for a one-group profile."""
+        return tuple(sorted({p for ph in self.phases for p in ph.pools}))
 
 
 class SwitchProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -75,6 +134,29 @@ def schedule(profile: Profile, steps: int, seed: int) -> list[Step]:
     rng = random.Random(seed)
     return [
         [(ph.name, ph.on == "accelerator", rng.uniform(ph.min_s, ph.max_s)) for ph in profile.phases]
+        for _ in range(steps)
+    ]
+
+
+ONE_POOL = "group"  # the pool of a one-group profile's accelerator phases in the multi-pool simulation
+# (phase name, pools held (none: off them), modelled seconds, paced: a wait for a producer's input)
+PoolStep = list[tuple[str, tuple[str, ...], float, bool]]
+
+
+def pool_schedule(profile: Profile, steps: int, seed: int) -> list[PoolStep]:
+    """As :func:`schedule` (the same draws for the same seed), each phase with the pools it holds (a one-group
+    profile's accelerator phases: :data:`ONE_POOL`)."""
+    rng = random.Random(seed)
+    return [
+        [
+            (
+                ph.name,
+                (tuple(sorted(ph.pools)) or (ONE_POOL,)) if ph.on == "accelerator" else (),
+                rng.uniform(ph.min_s, ph.max_s),
+                ph.paced and ph.on == "cpu",
+            )
+            for ph in profile.phases
+        ]
         for _ in range(steps)
     ]
 

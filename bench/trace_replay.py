@@ -22,11 +22,22 @@ Modes (``--mode``, default ``both``):
   with the bus pass calibrated from the real run (its median switch minus the modelled snapshot and
   restore, over the 6 passes of a switch, in modelled time), to show how far the two agree.
 
+Multi-pool profiles (``--pool-profiles``, default ``verl_sync_disagg,verl_async_disagg``: modelled on the reference
+project's published veRL runs, not recorded): jobs holding a trainer pool and a sampler pool in turn, one core record
+per pool (``bench/_trace_pools.py``), in sim mode (``--pool-mode``, default ``sim``; ``real``: the real stack with
+an agent per pool, FIFO and grant on restore only, ``--pool-real-steps`` steps at ``--pool-compression``:
+``bench/_trace_pool_real.py``), per cost model (``--costs``: ``published``, the published
+checkpoint/restore medians; ``pcie``, the state's bytes over 55 GB/s each way) and policy (``--policies``: ``fifo``,
+``room``: grant on restore, ``priority``: classes, ``quantum``: ``--quantum-s``): jobs 0 and 1 alone and the two
+sharing, the makespan, each pool's duty, the switches, and the switch time on the critical path split into snapshot,
+restore and lock/bus, beside the published figures (``bench/_trace_pool_report.py``).
+
 For 1 job alone (each of jobs 0..2: the baseline), 2 and 3 jobs sharing: wall time, throughput
 (steps per modelled hour), accelerator duty cycle (time some job holds the group / wall time), the
 share of wall time lost to switching (another job's release → the next grant), and the shared run's
 speedup over the same jobs run back to back. Run:
-``python bench/trace_replay.py [--mode both] [--steps 8] [--compression 100] [--quick] [--json-out FILE]``.
+``python bench/trace_replay.py [--mode both] [--steps 8] [--compression 100] [--quick] [--json-out FILE]
+[--pool-profiles verl_sync_disagg,verl_async_disagg] [--costs published,pcie] [--policies fifo,room,priority,quantum]``.
 """
 
 from __future__ import annotations
@@ -41,6 +52,9 @@ from typing import Any
 
 import _common as c
 from _trace_model import Log, Step, compare, figures, load_profile, load_switch, resolve, schedule
+from _trace_pool_real import REAL_POLICIES, run_real_pools
+from _trace_pool_report import parse_policies, print_pool_profile, run_pool_profile
+from _trace_pools import Policy
 from _trace_sim import simulate
 
 JOB_SCRIPT = c.BENCH / "_trace_job.py"
@@ -273,6 +287,33 @@ def print_report(res: dict[str, Any]) -> None:
                 f"(throughput, duty cycle, speedup at 2 and 3 jobs)"
             )
         print("    baseline: each job alone; ratio: the shared run's speedup over the same jobs back to back")
+    for name, p in res.get("pool_profiles", {}).items():
+        print_pool_profile(name, p)
+
+
+def pool_block(names: list[str], costs: list[str], policies: list[Policy], a: argparse.Namespace) -> dict[str, Any]:
+    """The multi-pool profiles: sim at their steps; real (fifo and room) and sim at the real run's steps."""
+    out: dict[str, Any] = {}
+    hop_s = a.hop_ms / 1000
+    if a.pool_mode != "real":
+        for n in names:
+            out[load_profile(n).name] = run_pool_profile(n, costs, policies, hop_s, a.quantum_s, a.pool_steps)
+    if a.pool_mode != "sim":
+        real_pols = [p for p in REAL_POLICIES if p in policies] or list(REAL_POLICIES)
+        real = asyncio.run(run_real_pools(names, costs, real_pols, a.pool_real_steps, a.pool_compression))
+        for n in names:
+            name = load_profile(n).name
+            same = run_pool_profile(n, costs, list(real_pols), hop_s, a.quantum_s, a.pool_real_steps)
+            entry = out.setdefault(name, {k: v for k, v in same.items() if k != "sim"})
+            entry["real"] = {
+                "steps": a.pool_real_steps,
+                "jobs": 2,
+                "compression": a.pool_compression,
+                "policies": real_pols,
+                "runs": real.get(name, {}),
+            }
+            entry["sim_same_steps"] = same["sim"]
+    return out
 
 
 def main() -> None:
@@ -285,13 +326,46 @@ def main() -> None:
     p.add_argument("--compression", type=float, default=100.0, help="real mode: durations divided by this")
     p.add_argument("--hop-ms", type=float, default=0.6, help="sim mode: one bus pass, modelled ms")
     p.add_argument("--quick", action="store_true", help="few steps, more compression")
+    p.add_argument(
+        "--pool-profiles",
+        default="verl_sync_disagg,verl_async_disagg",
+        help="comma-separated multi-pool profiles, sim mode only ('' for none)",
+    )
+    p.add_argument("--costs", default="published,pcie", help="multi-pool profiles: the cost models to run")
+    p.add_argument("--policies", default="fifo,room,priority,quantum", help="multi-pool profiles: the policies to run")
+    p.add_argument("--quantum-s", type=float, default=120.0, help="multi-pool profiles: the quantum policy's quantum")
+    p.add_argument(
+        "--pool-steps", type=int, default=0, help="multi-pool profiles: steps per job (0: the profile's published)"
+    )
+    p.add_argument(
+        "--pool-mode",
+        choices=("sim", "real", "both"),
+        default="sim",
+        help="multi-pool profiles: sim (default), real (the stack, fifo and room), or both",
+    )
+    p.add_argument("--pool-real-steps", type=int, default=3, help="multi-pool profiles, real mode: steps per job")
+    p.add_argument(
+        "--pool-compression",
+        type=float,
+        default=1000.0,
+        help="multi-pool profiles, real mode: durations divided by this",
+    )
     p.add_argument("--json-out", help="write the result as JSON here")
     a = p.parse_args()
     if a.quick:
         a.steps, a.sim_steps, a.compression = min(a.steps, 2), min(a.sim_steps, 20), max(a.compression, 200.0)
+        a.pool_real_steps = min(a.pool_real_steps, 2)
     if a.steps < 1 or a.sim_steps < 1 or a.compression <= 0:
         p.error("--steps, --sim-steps and --compression must be positive")
     profiles = [x for x in a.profiles.split(",") if x.strip()]
+    pool_profiles = [x.strip() for x in a.pool_profiles.split(",") if x.strip()]
+    costs = [x.strip() for x in a.costs.split(",") if x.strip()]
+    try:
+        policies = parse_policies(a.policies)
+    except ValueError as e:
+        p.error(str(e))
+    if a.quantum_s <= 0 or a.pool_steps < 0 or a.pool_real_steps < 1 or a.pool_compression <= 0:
+        p.error("--quantum-s, --pool-real-steps and --pool-compression must be positive, --pool-steps at least 0")
     sw = load_switch(a.switch)
     res: dict[str, Any] = {
         "bench": "trace_replay",
@@ -323,6 +397,8 @@ def main() -> None:
             entry["sim_calibrated"] = cal
             entry["agreement"] = _agreement(real[prof], cal)
         res["profiles"][pr.name] = entry
+    if pool_profiles:
+        res["pool_profiles"] = pool_block(pool_profiles, costs, policies, a)
     print_report(res)
     c.write_json(a.json_out, res)
 

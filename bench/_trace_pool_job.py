@@ -1,0 +1,146 @@
+"""One job of trace_replay.py's real mode for a multi-pool profile: follows its schedule over the pools through the real
+stack, time-compressed.
+
+One ``AsyncTimeSliceClient`` per pool (the job's id, the pool's group, one NATS connection), each registered with the
+agent of its pool's node (``register_workload``) with a :class:`CallbackHandler` whose suspend/resume take the cost
+model's snapshot/restore time for that pool divided by the compression factor; ``bind_process`` off (nothing here
+touches a process). At each phase boundary the job does what the simulation does (``bench/_trace_pools.py``):
+releases the pools the next phase does not need (and any it holds above the first one it lacks: the order rule of
+``docs/multi-pool.md``, kept here by the job since its pools are separate clients), keeps the rest held, and takes
+what it lacks one at a time in sorted order. A paced phase waits for the producer's next input (made beside the job,
+one per drawn duration, at most the profile's staleness ahead). Phases are ``asyncio.sleep`` of their compressed
+length. The job starts when the driver's go message arrives and writes, as JSON, its log per pool and the handler's
+operations (modelled seconds from the go).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import GO_SUBJECT, loop_run
+from _trace_model import load_profile, pool_schedule
+from timeslice_client import AsyncTimeSliceClient
+from timeslice_client.bus import connect
+from timeslice_client.handlers import CallbackHandler, HandlerResult
+from timeslice_client.protocol import SuspendMode
+
+
+async def run(a: argparse.Namespace) -> dict[str, Any]:
+    prof = load_profile(a.profile)
+    sched = pool_schedule(prof, a.steps, a.seed)
+    costs = prof.costs[a.cost].pools
+    comp = float(a.compression)
+    t0 = 0.0
+
+    def now() -> float:
+        return (time.monotonic() - t0) * comp
+
+    ops: list[tuple[str, str, float, float]] = []  # (pool, snapshot/restore, start, end), modelled seconds
+    handler_s = {"suspend": 0.0, "resume": 0.0}
+
+    def handler(pool: str) -> CallbackHandler:
+        cost = costs[pool]
+
+        def move(kind: str, seconds: float) -> HandlerResult:
+            t, s = time.perf_counter(), now()
+            time.sleep(seconds / comp)  # the modelled state move, compressed
+            ops.append((pool, kind, s, now()))
+            handler_s["suspend" if kind == "snapshot" else "resume"] += time.perf_counter() - t
+            return HandlerResult(bytes_moved=a.report_bytes, device_bytes_freed=a.report_bytes)
+
+        def suspend(mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+            return move("snapshot", cost.snapshot)
+
+        def resume(mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+            r = move("restore", cost.restore)
+            return HandlerResult(bytes_moved=r.bytes_moved)
+
+        return CallbackHandler(suspend, resume)
+
+    logs: dict[str, list[tuple[str, float]]] = {p: [] for p in prof.pools}
+    nc = await connect(a.url, name=f"trace-{a.job}")
+    go: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
+
+    async def on_go(msg: Any) -> None:
+        if not go.done():
+            go.set_result(json.loads(msg.data))
+
+    await nc.subscribe(GO_SUBJECT, cb=on_go)
+    async with contextlib.AsyncExitStack() as stack:
+        clients: dict[str, AsyncTimeSliceClient] = {}
+        for pool in prof.pools:
+            c = AsyncTimeSliceClient(
+                a.job, f"{a.group_prefix}-{pool}", a.url, lease_seconds=30, nc=nc, bind_process=False
+            )
+            clients[pool] = await stack.enter_async_context(c)
+            await c.register_workload(handler(pool), node_id=f"{a.node_prefix}-{pool}")
+        await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
+        await nc.flush()
+        Path(a.ready).write_text("ready")
+        async with asyncio.timeout(a.go_timeout):
+            t0 = float((await go)["window_start"])
+
+        held: set[str] = set()
+
+        async def release(pool: str) -> None:
+            logs[pool].append(("release", now()))
+            held.discard(pool)
+            await clients[pool].release()
+
+        ready: list[float] = []
+        taken: list[float] = []
+        for step in sched:
+            for _, pools, seconds, paced in step:
+                need = set(pools)
+                for p in sorted(held, reverse=True):
+                    if p not in need:
+                        await release(p)
+                missing = sorted(need - held)
+                if missing:  # the order rule: hold only pools below the first one to wait for
+                    for p in sorted(held, reverse=True):
+                        if p > missing[0]:
+                            await release(p)
+                    missing = sorted(need - held)
+                for p in missing:
+                    logs[p].append(("acquire", now()))
+                    await clients[p].acquire(timeout=600)
+                    logs[p].append(("grant", now()))
+                    held.add(p)
+                wait = seconds
+                if paced:  # the producer's next input: after the previous one, and the one `staleness` before taken
+                    k = len(ready)
+                    after = taken[k - 1 - prof.staleness] if k > prof.staleness else 0.0
+                    ready.append(max(ready[-1] if ready else 0.0, after) + seconds)
+                    wait = max(0.0, ready[-1] - now())
+                    taken.append(now() + wait)
+                await asyncio.sleep(wait / comp)  # the phase (on its pools, or off them), compressed
+        for p in sorted(held, reverse=True):
+            await release(p)
+        end = now()
+        for log in logs.values():
+            log.append(("end", end))
+    await nc.drain()
+    return {"job": a.job, "logs": logs, "ops": ops, "handler_s": handler_s}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for flag in ("--url", "--group-prefix", "--node-prefix", "--job", "--profile", "--cost", "--ready", "--out"):
+        p.add_argument(flag, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--compression", type=float, required=True)
+    p.add_argument("--report-bytes", type=int, default=1 << 20, help="the bytes the handler says it moved")
+    p.add_argument("--go-timeout", type=float, default=300.0)
+    a = p.parse_args()
+    Path(a.out).write_text(json.dumps(loop_run(run(a))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""trace_replay.py's real mode for multi-pool profiles: the jobs of ``bench/_trace_pool_job.py`` through the real stack
+(a private nats-server, the orchestrator, one node agent per pool, each its own process), time-compressed.
+
+Per policy one stack: ``fifo`` runs the agents with ``--no-overlap-restores`` (snapshot, then restore, then grant);
+``room`` with the agents' default, where a restore runs beside the snapshot when the node has room for both contexts
+(the handlers report 1 MB moved, so the room rule says yes on any machine) and the orchestrator grants on it. For
+each profile and cost model: jobs 0 and 1 alone, then the two sharing; the jobs' logs and their handlers' operations
+give the same figures as the simulation (``_trace_pools.run_figures``). The stack's own overhead (a few ms per
+message) is not compressed: in modelled time it weighs the compression factor more than it would for real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Literal
+
+import _common as c
+from _trace_model import load_profile, resolve
+from _trace_pools import OpSpan, PoolRun, exclusive, run_figures
+
+JOB_SCRIPT = c.BENCH / "_trace_pool_job.py"
+RealPolicy = Literal["fifo", "room"]
+REAL_POLICIES: tuple[RealPolicy, ...] = ("fifo", "room")
+
+
+def _to_run(results: list[dict[str, Any]]) -> PoolRun:
+    logs: dict[str, dict[str, list[tuple[str, float]]]] = {}
+    ops: list[OpSpan] = []
+    ends: dict[str, float] = {}
+    for r in results:
+        job = r["job"].rsplit("-", 1)[-1]
+        for pool, ev in r["logs"].items():
+            logs.setdefault(pool, {})[job] = [(k, float(t)) for k, t in ev]
+            ends[job] = max([float(t) for k, t in ev if k == "end"] + [ends.get(job, 0.0)])
+        ops.extend(OpSpan(pool, job, kind, float(s), float(e)) for pool, kind, s, e in r["ops"])
+    return PoolRun(logs=logs, ops=ops, events=0, yields=0, ends=ends)
+
+
+async def _one_run(
+    url: str,
+    nc: Any,
+    tmp: Any,
+    run_id: str,
+    node_prefix: str,
+    prof: str,
+    cost: str,
+    jobs: list[int],
+    steps: int,
+    compression: float,
+) -> list[dict[str, Any]]:
+    files = []
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for i in jobs:
+            ready, res = tmp / f"{run_id}-j{i}.ready", tmp / f"{run_id}-j{i}.json"
+            procs.append(
+                c.spawn(
+                    JOB_SCRIPT,
+                    *("--url", url, "--group-prefix", run_id, "--node-prefix", node_prefix),
+                    *("--job", f"{run_id}-j{i}", "--profile", str(resolve(prof)), "--cost", cost),
+                    *("--steps", str(steps), "--seed", str(i), "--compression", str(compression)),
+                    *("--ready", str(ready), "--out", str(res)),
+                    log_path=tmp / f"{run_id}-j{i}.log",
+                )
+            )
+            files.append(res)
+        deadline = time.monotonic() + 120
+        for res, p in zip(files, procs, strict=True):
+            ready = res.with_suffix(".ready")
+            while not ready.exists():
+                if p.poll() is not None:
+                    raise RuntimeError(f"trace job exited with {p.returncode}; see {tmp}/{run_id}-*.log")
+                if time.monotonic() > deadline:
+                    raise TimeoutError("trace jobs did not start within 120 s")
+                await asyncio.sleep(0.02)  # polling the file the worker writes, bounded
+        await c.go(nc, 0.0, 0.0)
+        await c.wait_procs(procs, 120 + 4 * 3600 / compression * 2, "trace pool job")
+        return [json.loads(f.read_text()) for f in files]
+    finally:
+        c.stop_procs(procs)
+
+
+async def run_real_pools(
+    profiles: list[str], costs: list[str], policies: list[RealPolicy], steps: int | None, compression: float
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per profile, cost model and policy: the alone runs and the shared run's figures, as in sim mode."""
+    from timeslice_client.bus import connect
+    from timeslice_orchestrator.embedded import NatsServer
+
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    pools = sorted({p for name in profiles for p in load_profile(name).pools})
+    for policy in policies:
+        tmp = c.scratch_dir("ts-trace-pools-")
+        server = NatsServer(tmp / "nats")
+        url = server.start()
+        orch = c.Orchestrator(url, tmp / "orchestrator.log")
+        node_prefix = f"trace{os.getpid()}"
+        agents: list[subprocess.Popen[bytes]] = []
+        try:
+            nc = await connect(url)
+            orch.start()
+            await orch.wait_ready(nc.jetstream())
+            for pool in pools:
+                args = ["--node-id", f"{node_prefix}-{pool}", "--nats-url", url]
+                if policy == "fifo":
+                    args.append("--no-overlap-restores")
+                with (tmp / f"agent-{pool}.log").open("ab") as log:
+                    agents.append(
+                        subprocess.Popen(
+                            [sys.executable, "-m", "timeslice_agent", *args],
+                            cwd=c.ROOT,
+                            env=c.child_env(),
+                            stdin=subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                        )
+                    )
+            for pool, agent in zip(pools, agents, strict=True):
+
+                def check(agent: subprocess.Popen[bytes] = agent, where: Any = tmp) -> None:
+                    if agent.poll() is not None:
+                        raise RuntimeError(f"an agent exited with {agent.returncode}; see {where}")
+
+                await c.wait_agent(url, f"{node_prefix}-{pool}", 60.0, check)
+            for name in profiles:
+                prof = load_profile(name)
+                n = steps or (prof.published.steps_per_job if prof.published else 10)
+                for cost in costs:
+                    if cost not in prof.costs:
+                        continue
+                    handler = {"suspend": 0.0, "resume": 0.0}
+                    alone = []
+                    for i in (0, 1):
+                        rid = f"{prof.name[:20]}-{cost}-{policy}-a{i}"
+                        res = await _one_run(url, nc, tmp, rid, node_prefix, name, cost, [i], n, compression)
+                        alone.append(run_figures(_to_run(res), n))
+                    rid = f"{prof.name[:20]}-{cost}-{policy}-s"
+                    res = await _one_run(url, nc, tmp, rid, node_prefix, name, cost, [0, 1], n, compression)
+                    for r in res:
+                        for k in handler:
+                            handler[k] += r["handler_s"][k]
+                    run = _to_run(res)
+                    shared = run_figures(run, n)
+                    back_to_back = sum(a["makespan_s"] for a in alone)
+                    shared["speedup_vs_back_to_back"] = (
+                        back_to_back / shared["makespan_s"] if shared["makespan_s"] else 0
+                    )
+                    block = {
+                        "alone": alone,
+                        "shared": shared,
+                        "handler_s": handler,
+                        "steps": n,
+                        "exclusive": exclusive(run),  # by the jobs' logs: no two held one pool at once
+                    }
+                    out.setdefault(prof.name, {}).setdefault(cost, {})[policy] = block
+            await nc.close()
+        finally:
+            c.stop_procs(agents)
+            orch.stop()
+            server.stop()
+        c.remove_dir(tmp)
+    for by_cost in out.values():
+        for by_pol in by_cost.values():
+            fifo = by_pol.get("fifo")
+            for block in by_pol.values():
+                if fifo is not None and fifo["shared"]["makespan_s"]:
+                    block["shared"]["makespan_vs_fifo"] = block["shared"]["makespan_s"] / fifo["shared"]["makespan_s"]
+    return out

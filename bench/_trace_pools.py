@@ -1,0 +1,485 @@
+"""trace_replay.py's multi-pool simulation: jobs spread over several pools (groups), each pool its own record folded
+through the orchestrator's pure core (``timeslice_orchestrator.core.apply``), in simulated time.
+
+``timeslice advise``'s simulation (``timeslice_orchestrator.advise.simulate``) runs every job on one group; a
+disaggregated job holds a trainer pool and a sampler pool in turn, and takes one while it still holds the other. This
+module runs the same world with one record per pool:
+
+* a job runs its phases in order (``_trace_model.pool_schedule``); a phase names the pools it holds. At a phase
+  boundary the job releases what the next phase does not need, keeps what it does (no release, no re-acquire: the
+  hold goes on), and takes what it lacks one pool at a time in sorted order, as the client's ``acquire_all`` does.
+  The order rule (``docs/multi-pool.md``: a job waits for a pool only while every pool it holds sorts before it) is
+  kept: a held pool that sorts above one still to take is released first. So no mix of jobs deadlocks;
+* each pool's core gets what the live orchestrator would: ``JobRegistered`` (each job on the pool's own node),
+  ``Acquire``, ``Renew`` (the grant's confirmation, then the lease and the wait kept alive, as the client does),
+  ``Release``, ``OpResult`` and ``Tick`` at the record's next deadline; every message takes one bus pass (``hop_s``);
+* a simulated agent per pool answers each operation once (a command the core sends again while it runs is the
+  same operation), and takes the cost model's time for a context it moves (nothing for a context already where
+  it should be); without ``room`` a restore starts once the snapshots it follows (``Restore.after``) are done, with
+  ``room`` (the node fits both contexts) beside them, and says so (``OpResult.overlapped``), so the core grants on
+  the restore;
+* policies: FIFO (the core's default), priority classes (``Acquire.priority``), a quantum (``SetPolicy``: a holder
+  asked to yield gives back at its next phase boundary a pool it would have kept), grant on restore (``room``).
+
+The run's log is kept per pool (each job's acquire, grant, release and end, as ``_trace_model.Log``), with every
+operation the simulated agents ran (:class:`OpSpan`), so that the switch time on the critical path can be split into
+snapshot, restore, and the lock and bus.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from _trace_model import Log, PoolCost, PoolStep
+from timeslice_client.protocol import (
+    Acquire,
+    Granted,
+    InputEvent,
+    JobRegistered,
+    OpKind,
+    OpResult,
+    Release,
+    Renew,
+    Restore,
+    SetPolicy,
+    Snapshot,
+    Tick,
+    YieldRequested,
+)
+from timeslice_orchestrator.core import Command, Notify, apply, new_record, next_deadline
+
+LEASE_MS = 24 * 3600 * 1000  # as advise's simulation: long leases, renewed a third of the way
+WAITER_TTL_MS = 600_000
+CONFIRM_MS = 600_000
+TIMEOUT_MS = 7 * 24 * 3600 * 1000  # no simulated wait ever gives up
+MAX_EVENTS = 2_000_000  # a bound on one simulation
+
+Policy = Literal["fifo", "room", "priority", "quantum"]
+POLICIES: tuple[Policy, ...] = ("fifo", "room", "priority", "quantum")
+POLICY_TEXT: dict[str, str] = {
+    "fifo": "first come, first served; snapshot, then restore, then grant (today's default)",
+    "room": "FIFO with grant on restore: the node fits both contexts, the restore runs beside the snapshot",
+    "priority": "priority classes: job j0 asks at class 1, the others at 0 (ageing 1 class a minute)",
+    "quantum": "FIFO with a quantum: a holder that held a pool past it while another job waits gives that pool back "
+    "at its next phase boundary",
+}
+
+
+SPLIT = ("total", "snapshot", "restore", "lock_bus")  # the switch time on the critical path, and its parts
+
+
+@dataclass(frozen=True)
+class OpSpan:
+    pool: str
+    job: str
+    kind: Literal["snapshot", "restore"]
+    start: float
+    end: float
+
+
+@dataclass
+class PoolRun:
+    logs: dict[str, Log]  # pool -> job -> [(kind, t)]
+    ops: list[OpSpan]
+    events: int
+    yields: int
+    ends: dict[str, float] = field(default_factory=dict)  # job -> when it finished
+
+
+@dataclass
+class _Job:
+    phases: list[tuple[str, tuple[str, ...], float, bool]]
+    cursor: int = 0
+    ready: list[float] = field(default_factory=list)  # when the producer had each paced input ready
+    taken: list[float] = field(default_factory=list)  # when the job took each paced input
+    held: dict[str, int] = field(default_factory=dict)  # pool -> epoch
+    missing: list[str] = field(default_factory=list)  # pools still to take for the current phase, in order
+    seconds: float = 0.0  # the current phase's length
+    waiting: tuple[str, str] | None = None  # (pool, request id)
+    asked_to_yield: set[str] = field(default_factory=set)  # pools whose current hold was asked to yield
+
+
+class _Sim:
+    def __init__(
+        self,
+        schedules: Mapping[str, Sequence[PoolStep]],
+        costs: Mapping[str, PoolCost],
+        hop_s: float,
+        policy: Policy,
+        group: str,
+        quantum_s: float,
+        staleness: int,
+    ) -> None:
+        self.hop, self.costs, self.policy, self.staleness = hop_s, costs, policy, staleness
+        self.room = policy == "room"
+        self.jobs = {j: _Job([ph for step in s for ph in step]) for j, s in schedules.items()}
+        pools = sorted({p for jb in self.jobs.values() for _, ps, _, _ in jb.phases for p in ps})
+        self.group = {p: f"{group}-{p}" for p in pools}
+        self.pool_of = {g: p for p, g in self.group.items()}
+        self.rec = {p: new_record(self.group[p]) for p in pools}
+        self.seq = dict.fromkeys(pools, 0)
+        self.ticks: dict[str, set[int]] = {p: set() for p in pools}
+        self.priority = {j: (1 if policy == "priority" and i == 0 else 0) for i, j in enumerate(self.jobs)}
+        self.quantum_ms = int(quantum_s * 1000) if policy == "quantum" else 0
+        self.heap: list[tuple[float, int, str, Any]] = []
+        self.order = itertools.count()
+        self.rids = itertools.count()
+        self.ctx: dict[tuple[str, str], str] = {}  # (pool, job) -> IDLE, RUNNING, SAVED (the simulated agent's view)
+        self.finished_at: dict[str, float] = {}
+        self.holding: dict[str, str | None] = dict.fromkeys(pools, None)  # who holds each pool, by the jobs' logs
+        self.logs: dict[str, Log] = {p: {j: [] for j in self.jobs} for p in pools}
+        self.ops: list[OpSpan] = []
+        self.events = 0
+        self.yields = 0
+        self.ends: dict[str, float] = {}
+
+    def push(self, t: float, kind: str, data: Any) -> None:
+        heapq.heappush(self.heap, (t, next(self.order), kind, data))
+
+    def rid(self, prefix: str) -> str:
+        return f"{prefix}{next(self.rids)}"
+
+    def run(self) -> PoolRun:
+        for p, g in self.group.items():
+            if self.quantum_ms:
+                self.push(0.0, "input", SetPolicy(group=g, quantum_ms=self.quantum_ms))
+            for j in self.jobs:
+                self.push(0.0, "input", JobRegistered(group=g, job=j, node=f"node-{p}", backend="app_channel"))
+        for j in self.jobs:
+            self.push(0.0, "next", j)
+        while self.heap:
+            t, _, kind, data = heapq.heappop(self.heap)
+            if kind == "input":
+                self._apply(t, data)
+            elif kind == "next":
+                self._next(t, data)
+            elif kind == "granted":
+                self._granted(t, *data)
+            elif kind == "renew_wait":
+                job, pool, rid = data
+                if self.jobs[job].waiting == (pool, rid):  # still waiting with it
+                    self.push(t + self.hop, "input", Renew(group=self.group[pool], job=job, request_id=rid))
+                    self.push(t + WAITER_TTL_MS / 3000, "renew_wait", data)
+            elif kind == "renew_hold":
+                job, pool, epoch = data
+                if self.jobs[job].held.get(pool) == epoch:  # still holding it
+                    self.push(
+                        t + self.hop,
+                        "input",
+                        Renew(group=self.group[pool], job=job, request_id=self.rid("h"), epoch=epoch),
+                    )
+                    self.push(t + LEASE_MS / 3000, "renew_hold", data)
+        return PoolRun(logs=self.logs, ops=self.ops, events=self.events, yields=self.yields, ends=self.ends)
+
+    # ------------------------------------------------------------------ the jobs
+
+    def _release(self, t: float, job: str, pool: str) -> None:
+        jb = self.jobs[job]
+        epoch = jb.held.pop(pool)
+        jb.asked_to_yield.discard(pool)
+        self.logs[pool][job].append(("release", t))
+        if self.holding[pool] != job:
+            raise AssertionError(f"{job} released {pool} held by {self.holding[pool]}")
+        self.holding[pool] = None
+        self.push(
+            t + self.hop, "input", Release(group=self.group[pool], job=job, request_id=self.rid("r"), epoch=epoch)
+        )
+
+    def _next(self, t: float, job: str) -> None:
+        jb = self.jobs[job]
+        if jb.cursor == len(jb.phases):
+            for p in sorted(jb.held, reverse=True):
+                self._release(t, job, p)
+            self.ends[job] = t
+            for log in self.logs.values():
+                log[job].append(("end", t))
+            return
+        _, pools, seconds, paced = jb.phases[jb.cursor]
+        jb.cursor += 1
+        if paced:  # wait for the producer's next input: made after the previous one, and once the job took the
+            # input ``staleness`` before it (the producer runs at most that far ahead)
+            k = len(jb.ready)
+            begin = max(
+                jb.ready[-1] if jb.ready else 0.0, jb.taken[k - 1 - self.staleness] if k > self.staleness else 0.0
+            )
+            jb.ready.append(begin + seconds)
+            seconds = max(0.0, jb.ready[-1] - t)
+            jb.taken.append(t + seconds)
+        need = set(pools)
+        for p in sorted(jb.held, reverse=True):  # what the phase does not need, or was asked to yield
+            if p not in need or p in jb.asked_to_yield:
+                self._release(t, job, p)
+        missing = sorted(need - set(jb.held))
+        if missing:  # the order rule: hold only pools below the first one to wait for
+            for p in sorted(jb.held, reverse=True):
+                if p > missing[0]:
+                    self._release(t, job, p)
+            missing = sorted(need - set(jb.held))
+        jb.missing, jb.seconds = missing, seconds
+        if not pools:
+            self.push(t + seconds, "next", job)
+        else:
+            self._take_or_run(t, job)
+
+    def _take_or_run(self, t: float, job: str) -> None:
+        jb = self.jobs[job]
+        if not jb.missing:
+            self.push(t + jb.seconds, "next", job)
+            return
+        pool = jb.missing.pop(0)
+        self.logs[pool][job].append(("acquire", t))
+        rid = self.rid("a")
+        jb.waiting = (pool, rid)
+        self.push(
+            t + self.hop,
+            "input",
+            Acquire(
+                group=self.group[pool],
+                job=job,
+                request_id=rid,
+                lease_ms=LEASE_MS,
+                timeout_ms=TIMEOUT_MS,
+                waiter_ttl_ms=WAITER_TTL_MS,
+                confirm_ms=CONFIRM_MS,
+                priority=self.priority[job],
+            ),
+        )
+        self.push(t + WAITER_TTL_MS / 3000, "renew_wait", (job, pool, rid))
+
+    def _granted(self, t: float, job: str, pool: str, epoch: int, rid: str) -> None:
+        jb = self.jobs[job]
+        if jb.waiting != (pool, rid):  # a duplicate notice: the job has it already
+            return
+        jb.waiting = None
+        if self.holding[pool] is not None:
+            raise AssertionError(f"{pool} granted to {job} while {self.holding[pool]} holds it")
+        self.holding[pool] = job
+        jb.held[pool] = epoch
+        self.logs[pool][job].append(("grant", t))
+        g = self.group[pool]
+        self.push(t + self.hop, "input", Renew(group=g, job=job, request_id=self.rid("c"), epoch=epoch))
+        self.push(t + LEASE_MS / 3000, "renew_hold", (job, pool, epoch))
+        self._take_or_run(t, job)
+
+    # ------------------------------------------------------------------ the cores and the agents
+
+    def _apply(self, t: float, ev: InputEvent) -> None:
+        pool = self.pool_of[ev.group]
+        self.seq[pool] += 1
+        self.events += 1
+        if self.events > MAX_EVENTS:
+            raise RuntimeError(f"the multi-pool simulation applied {MAX_EVENTS} events without finishing")
+        self.rec[pool], actions = apply(self.rec[pool], ev, int(t * 1000), self.seq[pool])
+        for a in actions:
+            if isinstance(a, Notify) and isinstance(a.notice, Granted):
+                n = a.notice
+                self.push(t + self.hop, "granted", (n.job, pool, n.epoch, n.request_id))
+            elif isinstance(a, Notify) and isinstance(a.notice, YieldRequested):
+                y = a.notice
+                jb = self.jobs[y.job]
+                if jb.held.get(pool) == y.epoch:  # it acts on it at its next phase boundary
+                    jb.asked_to_yield.add(pool)
+                    self.yields += 1
+            elif isinstance(a, Command):
+                self._agent(t, pool, a.command)
+        dl = next_deadline(self.rec[pool])
+        if dl is not None and dl not in self.ticks[pool] and dl / 1000 >= t:
+            self.ticks[pool].add(dl)
+            self.push(dl / 1000, "input", Tick(group=self.group[pool]))
+
+    def _agent(self, t: float, pool: str, cmd: Snapshot | Restore) -> None:
+        if cmd.op_id in self.finished_at:  # a command sent again (unanswered for Limits.resend_ms): the agent
+            return  # answers it once, when it is done, as the real agent does
+        key = (pool, cmd.job)
+        state = self.ctx.get(key, "IDLE")
+        cost = self.costs.get(pool, PoolCost())
+        start = t + self.hop
+        overlapped = False
+        kind_name: Literal["snapshot", "restore"]
+        if isinstance(cmd, Snapshot):
+            seconds = cost.snapshot if state == "RUNNING" else 0.0
+            self.ctx[key] = "SAVED" if state == "RUNNING" else state
+            kind, kind_name = OpKind.SNAPSHOT, "snapshot"
+        else:
+            seconds = cost.restore if state == "SAVED" else 0.0
+            self.ctx[key] = "RUNNING"
+            kind, kind_name = OpKind.RESTORE, "restore"
+            after = max((self.finished_at.get(op, start) for op in cmd.after), default=start)
+            if not self.room:
+                start = max(start, after)  # once the snapshots it follows are done
+            else:
+                overlapped = after > start  # beside a snapshot that still runs
+        self.finished_at[cmd.op_id] = start + seconds
+        if seconds:
+            self.ops.append(OpSpan(pool, cmd.job, kind_name, start, start + seconds))
+        self.push(
+            start + seconds + self.hop,
+            "input",
+            OpResult(
+                group=self.group[pool],
+                op_id=cmd.op_id,
+                node=cmd.node,
+                job=cmd.job,
+                kind=kind,
+                epoch=cmd.epoch,
+                ok=True,
+                backend="app_channel",
+                elapsed_ms=seconds * 1000,
+                overlapped=overlapped,
+            ),
+        )
+
+
+def simulate_pools(
+    schedules: Mapping[str, Sequence[PoolStep]],
+    costs: Mapping[str, PoolCost],
+    hop_s: float,
+    policy: Policy = "fifo",
+    group: str = "sim",
+    quantum_s: float = 60.0,
+    staleness: int = 0,
+) -> PoolRun:
+    """Run every job's schedule from time 0 over the pools its phases name; ``costs``: each pool's switch cost;
+    ``staleness``: how far a paced phase's producer may run ahead of its job."""
+    if hop_s < 0:
+        raise ValueError(f"hop_s must be at least 0, not {hop_s}")
+    return _Sim(schedules, costs, hop_s, policy, group, quantum_s, staleness).run()
+
+
+# ---------------------------------------------------------------------- figures
+
+
+def _overlap(a0: float, a1: float, spans: Sequence[tuple[float, float]]) -> float:
+    """Length of [a0, a1] covered by the union of ``spans``."""
+    total, cur = 0.0, a0
+    for b0, b1 in sorted(spans):
+        s0, s1 = max(b0, cur), min(b1, a1)
+        if s1 > s0:
+            total += s1 - s0
+            cur = s1
+    return total
+
+
+def holds(log: Log) -> dict[str, list[tuple[float, float]]]:
+    """Each job's holds of one pool: (grant, release) pairs."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for job, ev in log.items():
+        g: float | None = None
+        for k, t in ev:
+            if k == "grant":
+                g = t
+            elif k == "release" and g is not None:
+                out.setdefault(job, []).append((g, t))
+                g = None
+    return out
+
+
+def switch_windows(log: Log) -> list[tuple[float, float, str]]:
+    """The switches of one pool: (another job's release, or the incoming job's acquire if later; the grant; the
+    incoming job), as ``_trace_model.figures`` counts them."""
+    grants: list[tuple[float, str, float]] = []
+    releases: list[tuple[float, str]] = []
+    for job, ev in log.items():
+        acq = 0.0
+        for k, t in ev:
+            if k == "acquire":
+                acq = t
+            elif k == "grant":
+                grants.append((t, job, acq))
+            elif k == "release":
+                releases.append((t, job))
+    releases.sort()
+    out: list[tuple[float, float, str]] = []
+    ri = 0
+    last: tuple[float, str] | None = None
+    for t, job, acq in sorted(grants):
+        while ri < len(releases) and releases[ri][0] <= t:
+            last = releases[ri]
+            ri += 1
+        if last is not None and last[1] != job:
+            out.append((max(last[0], acq), t, job))
+    return out
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+def switch_parts(run: PoolRun, pool: str) -> dict[str, list[float]]:
+    """Each switch of one pool on the critical path (``total``) split into snapshot (the outgoing context's copy while
+    no restore ran), restore (the incoming one's, whatever ran beside it) and lock/bus (the rest: the release and the
+    grant crossing the bus, the core's decisions, the agent's commands and answers)."""
+    snaps = [(o.start, o.end) for o in run.ops if o.pool == pool and o.kind == "snapshot"]
+    rests = [(o.start, o.end) for o in run.ops if o.pool == pool and o.kind == "restore"]
+    parts: dict[str, list[float]] = {k: [] for k in SPLIT}
+    for w0, w1, _ in switch_windows(run.logs[pool]):
+        r = _overlap(w0, w1, rests)
+        both = _overlap(w0, w1, snaps + rests)
+        parts["total"].append(w1 - w0)
+        parts["restore"].append(r)
+        parts["snapshot"].append(both - r)
+        parts["lock_bus"].append(w1 - w0 - both)
+    return parts
+
+
+def pool_figures(run: PoolRun, pool: str) -> dict[str, Any]:
+    """One pool's duty cycle (over the makespan, and while every job still runs), switches, and the switch time on
+    the critical path with its split (:func:`switch_parts`)."""
+    log = run.logs[pool]
+    wall = max(run.ends.values(), default=0.0)
+    first_end = min(run.ends.values(), default=0.0)
+    spans = [h for hs in holds(log).values() for h in hs]
+    held = sum(g1 - g0 for g0, g1 in spans)
+    parts = switch_parts(run, pool)
+    return {
+        "duty_cycle": held / wall if wall else 0.0,
+        # over the time every job still ran (to the first job's end): the duty while they all compete
+        "duty_all_running": _overlap(0.0, first_end, spans) / first_end if first_end else 0.0,
+        "held_s": held,
+        "switches": len(parts["total"]),
+        "switching_s": sum(parts["total"]),
+        "switch_median_s": _median(parts["total"]),
+        "critical_path_s": {k: sum(v) for k, v in parts.items()},
+        "critical_path_median_s": {k: _median(v) for k, v in parts.items()},
+        "snapshots": sum(1 for o in run.ops if o.pool == pool and o.kind == "snapshot"),
+        "restores": sum(1 for o in run.ops if o.pool == pool and o.kind == "restore"),
+    }
+
+
+def run_figures(run: PoolRun, steps: int) -> dict[str, Any]:
+    """The run's makespan, each pool's figures, the mean duty over the pools and the share of time some pool was
+    held by some job (``any_pool_duty``)."""
+    wall = max(run.ends.values(), default=0.0)
+    pools = {p: pool_figures(run, p) for p in sorted(run.logs)}
+    spans = [h for p in run.logs for hs in holds(run.logs[p]).values() for h in hs]
+    every = [switch_parts(run, p) for p in sorted(run.logs)]
+    crit = {k: sum(sum(parts[k]) for parts in every) for k in SPLIT}
+    crit_median = {k: _median([x for parts in every for x in parts[k]]) for k in SPLIT}
+    return {
+        "jobs": len(run.ends),
+        "steps_per_job": steps,
+        "makespan_s": wall,
+        "job_wall_s": dict(sorted(run.ends.items())),
+        "pools": pools,
+        "mean_duty": sum(f["duty_cycle"] for f in pools.values()) / len(pools) if pools else 0.0,
+        "any_pool_duty": _overlap(0.0, wall, spans) / wall if wall else 0.0,
+        "switches": sum(f["switches"] for f in pools.values()),
+        "critical_path_s": crit,
+        "critical_path_median_s": crit_median,
+        "yield_requests": run.yields,
+        "events": run.events,
+    }
+
+
+def exclusive(run: PoolRun) -> bool:
+    """No two jobs held one pool at once in the run's log (grant to release, each pool)."""
+    for log in run.logs.values():
+        spans = sorted(h for hs in holds(log).values() for h in hs)
+        if any(b[0] < a[1] for a, b in itertools.pairwise(spans)):
+            return False
+    return True
