@@ -76,6 +76,20 @@ def test_switch_costs_in_order_and_beside() -> None:
     assert not in_order.notes
 
 
+def test_switch_costs_longer_than_the_cores_resend_are_paid_whole() -> None:
+    # The core sends a command again after resend_ms (3 s) while it waits for its answer; the simulated agent answers
+    # each operation once, as the real one does, so a 21.3 s snapshot holds the switch for 21.3 s, not 3.
+    cost = SwitchCost(snapshot_s=21.3, restore_s=2.5, source="given")
+    a = trace("a", on(30), off(1), on(30), cost=cost)
+    b = trace("b", on(30), off(1), on(30), cost=cost)
+    in_order = predict([a, b], hop_s=HOP)
+    # b's first grant waits for a's snapshot; the two switches after it cost a snapshot and a restore each.
+    assert in_order.switching_s == pytest.approx(21.3 + 2 * (21.3 + 2.5), abs=0.1)
+    # With room, a restore runs beside the other job's snapshot (each job's own snapshot ended during the other's
+    # 30 s hold): the switches back cost the restore alone.
+    assert predict([a, b], hop_s=HOP, room=True).switch_median_s == pytest.approx(2.5, abs=0.01)
+
+
 def test_a_job_alone_in_a_prediction_of_two_waits_for_nothing() -> None:
     # b never overlaps a (it starts with a long stretch off the accelerators): each runs as alone.
     a = trace("a", on(0.5), off(0.2), on(0.5))

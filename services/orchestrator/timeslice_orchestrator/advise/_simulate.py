@@ -195,6 +195,8 @@ class _Sim:
             self.push(dl / 1000, "input", Tick(group=self.group))
 
     def _agent(self, t: float, cmd: Snapshot | Restore) -> None:
+        if cmd.op_id in self.finished_at:
+            return  # the core's resend of an operation under way (after resend_ms): the agent runs each op once
         state = self.ctx[cmd.job]
         cost = self.costs.get(cmd.job, SwitchCost())
         start = t + self.hop
