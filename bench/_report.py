@@ -17,6 +17,8 @@ from _report_format import NA, X, _cmd, _met, _n, _table
 from _report_offload import _busy_suspend, _gpu, _offload
 from _report_robust import _chaos, _failover, _handoff_auth, _stream_leader
 from _report_switch import _grant_on_restore
+from _trace_pool_md import TITLE as POOL_TITLE
+from _trace_pool_md import pool_markdown
 
 NOTES = Path(__file__).resolve().parent / "NOTES.md"
 BUSY_LOAD = 1.0  # a run that started above this 1-min load average was not on a quiet machine
@@ -324,6 +326,8 @@ def _trace(r: dict[str, Any]) -> list[str]:
                 "",
                 *_table(head, _trace_rows(s)),
             ]
+    if pool := pool_markdown(r):  # the multi-pool profiles of the same run: a section of their own
+        out += [f"## {POOL_TITLE}", "", *pool]
     return out
 
 
