@@ -18,7 +18,7 @@ from timeslice_client.bus import connect
 from timeslice_client.protocol import OpResult, OpStarted, decode_input, subjects
 from timeslice_orchestrator.invariants import StreamChecker
 
-from .helpers import eventually
+from .helpers import eventually, group_record
 from .workers import read_stream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,7 +235,7 @@ async def timeslice(nats_url: str, *args: str) -> tuple[int, str]:
 
 def queued(obs: AsyncTimeSliceClient, group: str, job: str) -> Callable[[], Any]:
     async def check() -> GroupRecord | None:
-        rec = await obs.status(group)
+        rec = await group_record(obs, group)
         return rec if job in [w.job for w in rec.queue] else None
 
     return check

@@ -6,7 +6,11 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from timeslice_client import AsyncTimeSliceClient, TimeSliceClient
+    from timeslice_client.protocol import GroupRecord
 
 T = TypeVar("T")
 
@@ -81,3 +85,18 @@ def eventually_sync(check: Callable[[], T], *, timeout: float = 10.0, interval: 
         if time.monotonic() > deadline:
             raise AssertionError(f"not true within {timeout} s: {what or check}") from last
         time.sleep(interval)
+
+
+async def group_record(client: AsyncTimeSliceClient, group: str | None = None) -> GroupRecord:
+    """The orchestrator's stored record of ``group`` (default: the client's), read through ``client``'s connection:
+    what a test checks the orchestrator's bookkeeping against (request ids, confirmations, the switch), which
+    ``status()``'s public view leaves out."""
+    from timeslice_client._group_reads import read_record
+
+    return await read_record(await client._groups_kv(), group or client.group_id, client.nats_url)
+
+
+def group_record_sync(client: TimeSliceClient, group: str | None = None) -> GroupRecord:
+    """:func:`group_record` through a blocking client."""
+    inner = client._client
+    return client._run(group_record(inner, group), client._margin(inner.request_timeout))

@@ -28,7 +28,7 @@ from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig, Orc
 
 from .agent_harness import Blocking, Recorder
 from .conftest import OrchestratorProcess
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 from .workers import read_stream
 
 # `timeslice up` takes NATS port 4222 when it is free: tests that need it free to themselves wait (tests/conftest.py)
@@ -189,11 +189,11 @@ async def test_timeslice_up_runs_the_agent_in_its_process_unless_asked(
 
 
 async def _waiting(c: AsyncTimeSliceClient, job: str) -> bool:
-    return job in [w.job for w in (await c.status()).queue]
+    return job in [w.job for w in (await group_record(c)).queue]
 
 
 async def _held_by(c: AsyncTimeSliceClient, job: str) -> GroupRecord | None:
-    rec = await c.status()
+    rec = await group_record(c)
     return rec if rec.holder is not None and rec.holder.job == job else None
 
 
@@ -242,7 +242,7 @@ async def test_killed_mid_snapshot_and_restarted_the_stack_moves_on_once_the_sus
                 what="the restarted agent runs a's snapshot again",
             )
             assert not tb.done(), "b was granted while a's suspend still ran"
-            rec = await b.status()
+            rec = await group_record(b)
             assert rec.holder is None and "a" not in rec.faulted, rec
             t_go = time.monotonic()
             go.set()  # a's suspend ends: the repeated command gets its outcome, and the switch goes on

@@ -36,7 +36,7 @@ from timeslice_client import AsyncTimeSliceClient, GroupRecord
 from timeslice_client.protocol import OpKind
 
 from .agent_harness import AGENT_TTL, MB, NODE, START, AgentProcess, Spawn, Workload, one, op_events, queued, timeslice
-from .helpers import eventually
+from .helpers import eventually, group_record
 
 pytestmark = pytest.mark.usefixtures("orchestrator")
 
@@ -272,7 +272,7 @@ async def test_failed_suspend_rolls_back_and_faults_only_that_job(
 
 
 async def _not_faulted(obs: AsyncTimeSliceClient, group: str, job: str) -> bool:
-    return job not in (await obs.status(group)).faulted
+    return job not in (await group_record(obs, group)).faulted
 
 
 # --------------------------------------------------------------------------- the job dies mid-operation
@@ -345,7 +345,7 @@ async def test_agent_killed_during_snapshot_and_restarted_grants_only_once_the_s
     ctx = {j["job"]: j for j in json.loads(out)}
     assert ctx["a"]["state"] == "TRANSITIONING" and "restarted during an operation" in ctx["a"]["reason"], ctx["a"]
     await eventually(lambda: _placed(observer, g, {"a", "b"}), what="jobs placed again by the new agent")
-    rec = await observer.status(g)
+    rec = await group_record(observer, g)
     assert rec.holder is None and "a" not in rec.faulted, "no grant while a's suspend runs"
     assert not b.events("granted")
 
@@ -441,10 +441,10 @@ async def test_agent_killed_during_snapshot_for_good_grants_at_the_snapshot_dead
     agent.kill()
 
     async def agent_lost() -> bool:
-        return NODE in (await observer.status(g)).lost_nodes
+        return NODE in (await group_record(observer, g)).lost_nodes
 
     await eventually(agent_lost, timeout=AGENT_TTL + 10, what="the agent's loss is recorded")
-    rec = await observer.status(g)
+    rec = await group_record(observer, g)
     assert rec.holder is None and "a" not in rec.faulted, "no grant at the agent's loss: a's state is unknown"
     granted_b = await b.wait("granted", timeout=op_timeout + 15)
     assert granted_b["t"] - t_release >= op_timeout - 1, "b was granted before a's snapshot deadline"
@@ -457,12 +457,12 @@ async def test_agent_killed_during_snapshot_for_good_grants_at_the_snapshot_dead
 
 
 async def _held_by(obs: AsyncTimeSliceClient, group: str, job: str) -> GroupRecord | None:
-    rec = await obs.status(group)
+    rec = await group_record(obs, group)
     return rec if rec.holder is not None and rec.holder.job == job else None
 
 
 async def _placed(obs: AsyncTimeSliceClient, group: str, jobs: set[str]) -> bool:
-    rec = await obs.status(group)
+    rec = await group_record(obs, group)
     return all(NODE in rec.placements.get(j, ()) for j in jobs)
 
 
@@ -529,7 +529,7 @@ async def test_job_saved_on_a_lost_agent_is_not_granted_without_its_state(
     agent.kill()
 
     async def lost() -> bool:
-        return NODE in (await observer.status(g)).lost_nodes
+        return NODE in (await group_record(observer, g)).lost_nodes
 
     await eventually(lost, timeout=AGENT_TTL + 15, what="n1's agent lost")
     # b's snapshot stays pending (b's own process may still be suspending it). a's restore either had not started
@@ -554,4 +554,4 @@ async def test_job_saved_on_a_lost_agent_is_not_granted_without_its_state(
 
 
 async def _faulted(obs: AsyncTimeSliceClient, group: str, job: str) -> bool:
-    return job in (await obs.status(group)).faulted
+    return job in (await group_record(obs, group)).faulted

@@ -18,7 +18,7 @@ from timeslice_client import AsyncTimeSliceClient, HandlerResult, JobState, Susp
 from timeslice_client.errors import TimeSliceError
 from timeslice_client.protocol import JobContext
 
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 
 
 @dataclass
@@ -282,7 +282,7 @@ async def test_registration_with_bad_endpoints_is_refused(nats_url: str, agent: 
 
 
 async def _queued(c: AsyncTimeSliceClient, job: str):  # type: ignore[no-untyped-def]
-    rec = await c.status()
+    rec = await group_record(c)
     return rec if job in [w.job for w in rec.queue] else None
 
 

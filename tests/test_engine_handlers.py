@@ -23,7 +23,7 @@ from timeslice_client.vllm_engine import (
 )
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 from .workers.engine_fakes import FakeCudaOOM, FakeDevice, FakeLLM, FakeSglangEngine, SchedulerExited, checksum
 
 OFFLOAD, DISCARD = SuspendMode.OFFLOAD, SuspendMode.DISCARD
@@ -453,7 +453,7 @@ async def test_two_jobs_hand_a_group_back_and_forth_with_one_engine_awake_at_a_t
         task = asyncio.create_task(to.acquire(timeout=30))
 
         async def waits() -> bool:
-            return to.job_id in [w.job for w in (await frm.status()).queue]
+            return to.job_id in [w.job for w in (await group_record(frm)).queue]
 
         await eventually(waits, what=f"{to.job_id} waits")
         await frm.release()
@@ -512,14 +512,14 @@ async def test_an_engine_that_fails_to_sleep_faults_its_job_with_the_engines_wor
         tb = asyncio.create_task(b.acquire(timeout=30))
 
         async def b_waits() -> bool:
-            return [w.job for w in (await a.status()).queue] == ["b"]
+            return [w.job for w in (await group_record(a)).queue] == ["b"]
 
         await eventually(b_waits, what="b waits for the group")
         await a.release()
         await tb  # b still gets the group: a's failed snapshot faults a alone
 
         async def faulted() -> str | None:
-            return (await b.status()).faulted.get("a")
+            return (await group_record(b)).faulted.get("a")
 
         reason = await eventually(faulted, what="a is faulted in the group")
         assert "LLM.sleep(level=1) failed: RuntimeError: CUDA error: unspecified launch failure" in reason, reason

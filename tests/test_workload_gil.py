@@ -25,7 +25,7 @@ from timeslice_client.protocol import WorkloadCommand, WorkloadReply, encode, su
 from timeslice_client.workload import register_workload
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 
 RELEASES = 200  # GIL releases in one handler call
 
@@ -155,4 +155,4 @@ async def test_a_job_that_yields_is_armed_until_its_suspend_is_answered_or_it_ac
 
 
 async def _queued(c: AsyncTimeSliceClient, job: str) -> bool:
-    return job in [w.job for w in (await c.status()).queue]
+    return job in [w.job for w in (await group_record(c)).queue]
