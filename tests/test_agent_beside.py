@@ -223,8 +223,8 @@ async def test_killed_mid_snapshot_and_restarted_the_stack_moves_on_once_the_sus
     go = threading.Event()
     try:
         async with AsyncTimeSliceClient("a", "g-cut", nats_url) as a, AsyncTimeSliceClient("b", "g-cut", nats_url) as b:
-            await a.register_workload(Blocking("a", log, go, wait_s=60), node_id="n1", op_timeout=60)
-            await b.register_workload(Recorder("b", log), node_id="n1", op_timeout=60)
+            await a.register_workload(Blocking("a", log, go, wait_s=60), node_id="n1", op_timeout_s=60)
+            await b.register_workload(Recorder("b", log), node_id="n1", op_timeout_s=60)
             await a.acquire(timeout=10)
             tb = asyncio.create_task(b.acquire(timeout=90))
             await eventually(lambda: _waiting(a, "b"))

@@ -52,8 +52,8 @@ async def test_a_snapshot_answered_during_an_election_runs_once_and_counts_ok(cl
             AsyncTimeSliceClient("b", GROUP, url, request_timeout=30) as b,
         ):
             try:
-                await a.register_workload(Blocking("a", log, go, wait_s=60), node_id="n1", op_timeout=60)
-                await b.register_workload(Recorder("b", log), node_id="n1", op_timeout=60)
+                await a.register_workload(Blocking("a", log, go, wait_s=60), node_id="n1", op_timeout_s=60)
+                await b.register_workload(Recorder("b", log), node_id="n1", op_timeout_s=60)
                 await a.acquire(timeout=20)
                 tb = asyncio.create_task(b.acquire(timeout=120))
 

@@ -168,7 +168,7 @@ def test_an_object_that_is_not_a_sleepable_engine_is_refused_when_the_handler_is
     with pytest.raises(TypeError, match="reload_weights must be callable"):
         VllmEngineHandler(_llm(), reload_weights="reload")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="lock_timeout"):
-        VllmEngineHandler(_llm(), lock_timeout=0)
+        VllmEngineHandler(_llm(), lock_timeout_s=0)
 
 
 def test_an_engine_error_fails_the_suspend_with_its_words_bounded_and_the_engine_left_awake() -> None:
@@ -396,7 +396,7 @@ def test_the_handlers_import_no_engine_and_no_torch() -> None:
 
 def test_a_block_using_the_engine_holds_a_suspend_off_and_an_asleep_engine_cannot_be_used() -> None:
     llm = _llm()
-    h = VllmEngineHandler(llm, lock_timeout=0.05)
+    h = VllmEngineHandler(llm, lock_timeout_s=0.05)
     inside, leave = threading.Event(), threading.Event()
 
     def generate() -> None:

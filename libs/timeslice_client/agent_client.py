@@ -35,6 +35,7 @@ import grpc
 
 from ._grpc import snapshot_agent_pb2 as pb
 from ._grpc.runtime import channel_credentials
+from ._renamed import renamed_keywords
 from .errors import (
     AgentError,
     InvalidRequest,
@@ -230,12 +231,13 @@ class SnapshotAgentClient:
     :func:`default_target`); ``tls=True`` (or any ``tls_*`` file) uses TLS, with ``tls_cert``/``tls_key``
     for mutual TLS."""
 
+    @renamed_keywords(wait_timeout="wait_timeout_s")
     def __init__(
         self,
         target: str | None = None,
         *,
         timeout: float = 10.0,
-        wait_timeout: float = 300.0,
+        wait_timeout_s: float = 300.0,
         tls: bool = False,
         tls_ca: str | Path | None = None,
         tls_cert: str | Path | None = None,
@@ -244,7 +246,7 @@ class SnapshotAgentClient:
     ) -> None:
         self.target = target or default_target()
         self.timeout = timeout
-        self.wait_timeout = wait_timeout
+        self.wait_timeout_s = wait_timeout_s
         creds = _credentials(tls_ca, tls_cert, tls_key, tls)
         self._channel = (
             grpc.secure_channel(self.target, creds, list(options))
@@ -285,7 +287,7 @@ class SnapshotAgentClient:
 
     def wait(self, op_id: str, *, timeout: float | None = None) -> Operation:
         """Poll until the operation is done. Raises OperationFailed or OperationTimeout."""
-        limit = self.wait_timeout if timeout is None else timeout
+        limit = self.wait_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         poll = _Poll()
         while True:
@@ -326,12 +328,13 @@ class SnapshotAgentClient:
 class AsyncSnapshotAgentClient:
     """The same API for asyncio (``grpc.aio``); every method is a coroutine."""
 
+    @renamed_keywords(wait_timeout="wait_timeout_s")
     def __init__(
         self,
         target: str | None = None,
         *,
         timeout: float = 10.0,
-        wait_timeout: float = 300.0,
+        wait_timeout_s: float = 300.0,
         tls: bool = False,
         tls_ca: str | Path | None = None,
         tls_cert: str | Path | None = None,
@@ -340,7 +343,7 @@ class AsyncSnapshotAgentClient:
     ) -> None:
         self.target = target or default_target()
         self.timeout = timeout
-        self.wait_timeout = wait_timeout
+        self.wait_timeout_s = wait_timeout_s
         creds = _credentials(tls_ca, tls_cert, tls_key, tls)
         self._channel = (
             grpc.aio.secure_channel(self.target, creds, list(options))
@@ -382,7 +385,7 @@ class AsyncSnapshotAgentClient:
         return _status(await self._call("Status", pb.StatusRequest(), timeout, "status"))
 
     async def wait(self, op_id: str, *, timeout: float | None = None) -> Operation:
-        limit = self.wait_timeout if timeout is None else timeout
+        limit = self.wait_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         poll = _Poll()
         while True:

@@ -374,7 +374,7 @@ async def run(a: argparse.Namespace, log: EventLog) -> int:
     )
     async with client:
         await client.register_workload(
-            handler, node_id=a.node_id, backends=tuple(a.backend.split("+")), mode=a.mode, op_timeout=a.op_timeout
+            handler, node_id=a.node_id, backends=tuple(a.backend.split("+")), mode=a.mode, op_timeout_s=a.op_timeout
         )
         log("ready", job=a.job, pid=os.getpid(), backends=a.backend.split("+"), handler=a.handler, **handler.describe())
         if a.counter_ms > 0:
