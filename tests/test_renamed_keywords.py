@@ -43,6 +43,20 @@ def test_the_engine_handlers_take_lock_timeout_as_lock_timeout_s() -> None:
     assert s.lock_timeout_s == 8.0
 
 
+async def test_the_agent_clients_take_wait_timeout_as_wait_timeout_s() -> None:
+    pytest.importorskip("grpc")
+    from timeslice_client.agent_client import AsyncSnapshotAgentClient, SnapshotAgentClient
+
+    with pytest.warns(DeprecationWarning, match=r"^SnapshotAgentClient\(\): wait_timeout= is deprecated"):
+        c = SnapshotAgentClient("127.0.0.1:1", wait_timeout=12.0)  # type: ignore[call-arg]
+    with c:
+        assert c.wait_timeout_s == 12.0
+    with pytest.warns(DeprecationWarning, match=r"^AsyncSnapshotAgentClient\(\): wait_timeout= is deprecated"):
+        a = AsyncSnapshotAgentClient("127.0.0.1:1", wait_timeout=13.0)  # type: ignore[call-arg]
+    async with a:
+        assert a.wait_timeout_s == 13.0
+
+
 def test_register_workloads_old_option_names_are_moved_to_the_new_ones() -> None:
     options: dict[str, object] = {"op_timeout": 30.0, "switch_interval": None, "tags": ("weights",)}
     with pytest.warns(DeprecationWarning) as caught:

@@ -35,10 +35,10 @@ def renamed_keywords(**renamed: str) -> Callable[[Callable[P, R]], Callable[P, R
     ``DeprecationWarning``. Type checkers see only the new names."""
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
-        call = fn.__qualname__.removesuffix(".__init__")
-
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            # a constructor is named by the class called (a subclass's, where a base class's __init__ is wrapped)
+            call = type(args[0]).__name__ if fn.__name__ == "__init__" and args else fn.__qualname__
             rename_keywords(kwargs, renamed, call)
             return fn(*args, **kwargs)
 

@@ -223,13 +223,8 @@ class _Poll:
         return d
 
 
-# ---------------------------------------------------------------------- the blocking client
-
-
-class SnapshotAgentClient:
-    """Blocking client of one node's snapshot agent. ``target`` is ``host:port`` (default
-    :func:`default_target`); ``tls=True`` (or any ``tls_*`` file) uses TLS, with ``tls_cert``/``tls_key``
-    for mutual TLS."""
+class _AgentClient:
+    """What both clients share: the target, the bounds and the channel's calls, one per method of the service."""
 
     @renamed_keywords(wait_timeout="wait_timeout_s")
     def __init__(
@@ -248,11 +243,7 @@ class SnapshotAgentClient:
         self.timeout = timeout
         self.wait_timeout_s = wait_timeout_s
         creds = _credentials(tls_ca, tls_cert, tls_key, tls)
-        self._channel = (
-            grpc.secure_channel(self.target, creds, list(options))
-            if creds is not None
-            else grpc.insecure_channel(self.target, list(options))
-        )
+        self._channel = self._open(creds, list(options))
         self._calls: dict[str, Any] = {
             m.name: self._channel.unary_unary(
                 f"/{_SERVICE.full_name}/{m.name}",
@@ -261,6 +252,23 @@ class SnapshotAgentClient:
             )
             for m in _SERVICE.methods
         }
+
+    def _open(self, creds: grpc.ChannelCredentials | None, options: list[tuple[str, Any]]) -> Any:
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------- the blocking client
+
+
+class SnapshotAgentClient(_AgentClient):
+    """Blocking client of one node's snapshot agent. ``target`` is ``host:port`` (default
+    :func:`default_target`); ``tls=True`` (or any ``tls_*`` file) uses TLS, with ``tls_cert``/``tls_key``
+    for mutual TLS."""
+
+    def _open(self, creds: grpc.ChannelCredentials | None, options: list[tuple[str, Any]]) -> grpc.Channel:
+        if creds is not None:
+            return grpc.secure_channel(self.target, creds, options)
+        return grpc.insecure_channel(self.target, options)
 
     def _call(self, method: str, request: Any, timeout: float | None, what: str) -> Any:
         try:
@@ -325,39 +333,13 @@ class SnapshotAgentClient:
 # ---------------------------------------------------------------------- the asyncio client
 
 
-class AsyncSnapshotAgentClient:
+class AsyncSnapshotAgentClient(_AgentClient):
     """The same API for asyncio (``grpc.aio``); every method is a coroutine."""
 
-    @renamed_keywords(wait_timeout="wait_timeout_s")
-    def __init__(
-        self,
-        target: str | None = None,
-        *,
-        timeout: float = 10.0,
-        wait_timeout_s: float = 300.0,
-        tls: bool = False,
-        tls_ca: str | Path | None = None,
-        tls_cert: str | Path | None = None,
-        tls_key: str | Path | None = None,
-        options: Sequence[tuple[str, Any]] = (),
-    ) -> None:
-        self.target = target or default_target()
-        self.timeout = timeout
-        self.wait_timeout_s = wait_timeout_s
-        creds = _credentials(tls_ca, tls_cert, tls_key, tls)
-        self._channel = (
-            grpc.aio.secure_channel(self.target, creds, list(options))
-            if creds is not None
-            else grpc.aio.insecure_channel(self.target, list(options))
-        )
-        self._calls: dict[str, Any] = {
-            m.name: self._channel.unary_unary(
-                f"/{_SERVICE.full_name}/{m.name}",
-                request_serializer=lambda msg: msg.SerializeToString(),
-                response_deserializer=getattr(pb, m.output_type.name).FromString,
-            )
-            for m in _SERVICE.methods
-        }
+    def _open(self, creds: grpc.ChannelCredentials | None, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
+        if creds is not None:
+            return grpc.aio.secure_channel(self.target, creds, options)
+        return grpc.aio.insecure_channel(self.target, options)
 
     async def _call(self, method: str, request: Any, timeout: float | None, what: str) -> Any:
         try:
