@@ -223,6 +223,18 @@ class _Poll:
         return d
 
 
+def _finished(op: Operation, limit: float, deadline: float) -> bool:
+    """Whether ``wait()`` ends with ``op``: True when it succeeded; raises OperationFailed when it failed, and
+    OperationTimeout (``limit`` seconds) when it is still running at ``deadline`` (monotonic)."""
+    if op.done:
+        if not op.ok:
+            raise OperationFailed(op)
+        return True
+    if time.monotonic() >= deadline:
+        raise OperationTimeout(op.op_id, limit)
+    return False
+
+
 class _AgentClient:
     """What both clients share: the target, the bounds and the channel's calls, one per method of the service."""
 
@@ -300,12 +312,8 @@ class SnapshotAgentClient(_AgentClient):
         poll = _Poll()
         while True:
             op = self.get_operation(op_id, timeout=min(self.timeout, max(0.1, deadline - time.monotonic())))
-            if op.done:
-                if not op.ok:
-                    raise OperationFailed(op)
+            if _finished(op, limit, deadline):
                 return op
-            if time.monotonic() >= deadline:
-                raise OperationTimeout(op_id, limit)
             time.sleep(min(poll.next(), max(0.0, deadline - time.monotonic())))
 
     def snapshot_and_wait(
@@ -372,12 +380,8 @@ class AsyncSnapshotAgentClient(_AgentClient):
         poll = _Poll()
         while True:
             op = await self.get_operation(op_id, timeout=min(self.timeout, max(0.1, deadline - time.monotonic())))
-            if op.done:
-                if not op.ok:
-                    raise OperationFailed(op)
+            if _finished(op, limit, deadline):
                 return op
-            if time.monotonic() >= deadline:
-                raise OperationTimeout(op_id, limit)
             await asyncio.sleep(min(poll.next(), max(0.0, deadline - time.monotonic())))
 
     async def snapshot_and_wait(
