@@ -241,6 +241,16 @@ def queued(obs: AsyncTimeSliceClient, group: str, job: str) -> Callable[[], Any]
     return check
 
 
+async def hold_then_queue(a: Workload, b: Workload, observer: AsyncTimeSliceClient, group: str) -> dict[str, Any]:
+    """``a`` acquires and works, then ``b`` asks and waits behind it (the record shows it queued): a switch from a
+    to b set up, up to a's release. Returns a's ``worked`` event."""
+    a.send("acquire")
+    worked = await a.wait("worked")
+    b.send("acquire")
+    await eventually(queued(observer, group, b.job), what=f"{b.job} queued behind {a.job}")
+    return worked
+
+
 async def op_events(nats_url: str, group: str) -> tuple[list[OpResult], list[OpStarted], StreamChecker]:
     """Operation outcomes and starts of ``NODE`` in ``group``, and the stream folded by the invariant checker."""
     stream = await read_stream(nats_url)

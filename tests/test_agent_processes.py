@@ -35,7 +35,20 @@ import pytest
 from timeslice_client import AsyncTimeSliceClient, GroupRecord
 from timeslice_client.protocol import OpKind
 
-from .agent_harness import AGENT_TTL, MB, NODE, START, AgentProcess, Spawn, Workload, one, op_events, queued, timeslice
+from .agent_harness import (
+    AGENT_TTL,
+    MB,
+    NODE,
+    START,
+    AgentProcess,
+    Spawn,
+    Workload,
+    hold_then_queue,
+    one,
+    op_events,
+    queued,
+    timeslice,
+)
 from .helpers import eventually, group_record
 
 pytestmark = pytest.mark.usefixtures("orchestrator")
@@ -89,10 +102,7 @@ async def test_switch_frees_device_state_and_restores_it_bit_exact(
     ready_b = await b.wait("ready", timeout=START)
     assert ready_a["device_bytes"] >= 6 * MB and ready_a["host_bytes"] == 0, ready_a
 
-    a.send("acquire")
-    worked_a = await a.wait("worked")
-    b.send("acquire")
-    await eventually(queued(observer, g, "b"), what="b queued behind a")
+    worked_a = await hold_then_queue(a, b, observer, g)
     a.send("release")
     worked_b = await b.wait("worked")
 
@@ -159,10 +169,7 @@ async def test_freeze_stops_the_job_while_another_holds(
     b = spawn(g, "b", backend="noop", handler="none")
     await a.wait("ready", timeout=START)
     await b.wait("ready", timeout=START)
-    a.send("acquire")
-    await a.wait("worked")
-    b.send("acquire")
-    await eventually(queued(observer, g, "b"), what="b queued behind a")
+    await hold_then_queue(a, b, observer, g)
     a.send("release")
     granted_b = await b.wait("granted")
 
@@ -219,10 +226,7 @@ async def test_failed_suspend_rolls_back_and_faults_only_that_job(
     b = spawn(g, "b", handler="numpy", mb=1)
     ready_a = await a.wait("ready", timeout=START)
     await b.wait("ready", timeout=START)
-    a.send("acquire")
-    worked_a = await a.wait("worked")
-    b.send("acquire")
-    await eventually(queued(observer, g, "b"), what="b queued behind a")
+    worked_a = await hold_then_queue(a, b, observer, g)
     a.send("release")
     granted_b = await b.wait("granted")  # the other waiter still gets the group
 
@@ -289,10 +293,7 @@ async def test_job_killed_during_its_snapshot_does_not_wedge_the_group_or_fault_
     b = spawn(g, "b", handler="numpy", mb=1)
     await a.wait("ready", timeout=START)
     await b.wait("ready", timeout=START)
-    a.send("acquire")
-    await a.wait("worked")
-    b.send("acquire")
-    await eventually(queued(observer, g, "b"), what="b queued behind a")
+    await hold_then_queue(a, b, observer, g)
     a.send("release")
     await a.wait("suspend_start")  # the snapshot of a is running (the handler blocks)
 
@@ -329,10 +330,7 @@ async def test_agent_killed_during_snapshot_and_restarted_grants_only_once_the_s
     b = spawn(g, "b", handler="numpy", mb=1)
     ready_a = await a.wait("ready", timeout=START)
     await b.wait("ready", timeout=START)
-    a.send("acquire")
-    worked_a = await a.wait("worked")
-    b.send("acquire")
-    await eventually(queued(observer, g, "b"), what="b queued behind a")
+    worked_a = await hold_then_queue(a, b, observer, g)
     a.send("release")
     await a.wait("suspend_start")  # the snapshot of a is running (the handler blocks)
     assert (await agent.jobs())["a"]["state"] == "TRANSITIONING"
@@ -431,10 +429,7 @@ async def test_agent_killed_during_snapshot_for_good_grants_at_the_snapshot_dead
     b = spawn(g, "b", handler="numpy", mb=1)
     await a.wait("ready", timeout=START)
     await b.wait("ready", timeout=START)
-    a.send("acquire")
-    await a.wait("worked")
-    b.send("acquire")
-    await eventually(queued(observer, g, "b"), what="b queued behind a")
+    await hold_then_queue(a, b, observer, g)
     t_release = time.time()
     a.send("release")
     await a.wait("suspend_start")
@@ -515,10 +510,7 @@ async def test_job_saved_on_a_lost_agent_is_not_granted_without_its_state(
     b = spawn(g, "b", handler="slow", mb=1, slow_s=60)
     ready_a = await a.wait("ready", timeout=START)
     await b.wait("ready", timeout=START)
-    a.send("acquire")
-    worked_a = await a.wait("worked")
-    b.send("acquire")
-    await eventually(queued(observer, g, "b"), what="b queued behind a")
+    worked_a = await hold_then_queue(a, b, observer, g)
     a.send("release")
     await b.wait("worked")
     assert one(a.events("suspended"), "suspended a")["device_bytes_after"] == 0
