@@ -36,13 +36,9 @@ async def _clear_fault(args: argparse.Namespace) -> int:
         faulted = await _faulted(nc, group)
         if faulted is None:
             raise CliError(f"no group {group!r} on this bus (`timeslice status` lists them): nothing to clear")
-        await publish_control(
-            nc,
-            subjects.ctl(group, "clear_fault"),
-            encode(ClearFault(group=group, job=job)),
-            timeout=args.timeout,
-            what=f"the request to clear job {job!r}'s fault in group {group!r}",
-        )
+        what = f"the request to clear job {job!r}'s fault in group {group!r}"
+        clear = encode(ClearFault(group=group, job=job))
+        await publish_control(nc, subjects.ctl(group, "clear_fault"), clear, timeout=args.timeout, what=what)
         if job not in faulted:
             names = ", ".join(sorted(faulted)) or "none"
             _say(

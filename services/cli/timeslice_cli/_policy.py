@@ -40,13 +40,9 @@ async def _set_policy(args: argparse.Namespace) -> int:
                 f"no group {group!r} on this bus (`timeslice status` lists them); a group exists once a "
                 "job asked for it"
             )
-        await publish_control(
-            nc,
-            subjects.ctl(group, "set_policy"),
-            encode(SetPolicy(group=group, quantum_ms=quantum_ms)),
-            timeout=args.timeout,
-            what=f"the policy for group {group!r}",
-        )
+        policy = encode(SetPolicy(group=group, quantum_ms=quantum_ms))
+        what = f"the policy for group {group!r}"
+        await publish_control(nc, subjects.ctl(group, "set_policy"), policy, timeout=args.timeout, what=what)
 
         async def applied() -> bool:
             return await _quantum_ms(nc, group) == quantum_ms
