@@ -10,7 +10,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 from timeslice_client import AsyncTimeSliceClient, GroupRecord, HandlerResult, SuspendMode
@@ -31,7 +31,10 @@ AGENT_TTL = 6.0  # the agents bucket's TTL (BusConfig.agent_ttl_s)
 
 
 class AgentProcess:
-    """``python -m timeslice_agent`` for one node."""
+    """``python -m timeslice_agent`` for one node (``own_session``: in a session of its own, its process group its
+    pid, never the test's)."""
+
+    own_session: ClassVar[bool] = False
 
     def __init__(self, nats_url: str, node: str, log_path: Path) -> None:
         self.nats_url, self.node, self.log_path = nats_url, node, log_path
@@ -56,6 +59,7 @@ class AgentProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                start_new_session=self.own_session,
             )
         finally:
             log.close()

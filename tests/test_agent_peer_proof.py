@@ -58,29 +58,6 @@ class SocketAgent(OwnSessionAgent):
         super().__init__(nats_url, node, log_path)
         self.args = args
 
-    def start(self) -> None:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the child holds it; closed right after the fork
-        try:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "timeslice_agent",
-                    "--node-id",
-                    self.node,
-                    "--nats-url",
-                    self.nats_url,
-                    *self.args,
-                ],
-                cwd=ROOT,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        finally:
-            log.close()
-
 
 @pytest.fixture
 def sock(agent_socket_dir: Path) -> str:
