@@ -10,7 +10,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -26,7 +25,7 @@ from timeslice_client.protocol import OpKind, OpStarted, Restore, Snapshot, subj
 from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig, OrchestratorError
 
-from .agent_harness import Blocking, Recorder
+from .agent_harness import Blocking, Recorder, up_command, up_fields
 from .conftest import OrchestratorProcess
 from .helpers import eventually, group_record, running
 from .workers import read_stream
@@ -118,39 +117,19 @@ async def test_an_agent_takes_only_its_own_nodes_commands_and_only_once_ready(na
     assert agent._stop.is_set()  # stopped with the orchestrator
 
 
-def _fields(line: str) -> dict[str, str]:
-    return dict(part.split("=", 1) for part in line.split() if "=" in part)
-
-
 @pytest.mark.parametrize("apart", [False, True], ids=["agent-in-process", "agent-process"])
 async def test_timeslice_up_runs_the_agent_in_its_process_unless_asked(
     tmp_path: Path, apart: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TIMESLICE_URL_FILE", str(tmp_path / "nats.url"))  # here too: its credentials lie beside it
-    env = dict(os.environ, TIMESLICE_URL_FILE=str(tmp_path / "nats.url"), TIMESLICE_LOG_LEVEL="warning")
-    args = [
-        sys.executable,
-        "-m",
-        "timeslice_cli",
-        "up",
-        "--data-dir",
-        str(tmp_path / "data"),
-        "--node-id",
-        "n-up",
-        "--grpc-port",
-        "-1",
-        "--metrics-port",
-        "-1",
-        "--agent-metrics-port",
-        "-1" if apart else "0",
-        *(["--agent-process"] if apart else []),
-    ]
+    extra = ["--agent-process"] if apart else ["--agent-metrics-port", "0"]
+    args, env = up_command(tmp_path, *extra)
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         assert proc.stdout is not None
         line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
         assert line.startswith(b"timeslice up: nats="), (line, proc.poll())
-        fields = _fields(line.decode())
+        fields = up_fields(line.decode())
         url = fields["nats"]
         assert (tmp_path / "nats.url").read_text().strip() == url
         assert ("(in this process)" in line.decode()) is not apart

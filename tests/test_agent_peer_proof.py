@@ -66,13 +66,8 @@ def sock(agent_socket_dir: Path) -> str:
 
 @pytest.fixture
 async def agent(nats_url: str, tmp_path: Path) -> AsyncIterator[SocketAgent]:
-    a = SocketAgent(nats_url, NODE, tmp_path / "agent.log")
-    a.start()
-    try:
-        await a.wait_ready()
+    async with SocketAgent(nats_url, NODE, tmp_path / "agent.log") as a:
         yield a
-    finally:
-        a.stop()
 
 
 @pytest.fixture

@@ -68,14 +68,9 @@ class OwnSessionAgent(AgentProcess):
 
 @pytest.fixture
 async def agent(nats_url: str, tmp_path: Path) -> AsyncIterator[OwnSessionAgent]:
-    a = OwnSessionAgent(nats_url, NODE, tmp_path / "agent.log")
-    a.start()
-    try:
-        await a.wait_ready()
+    async with OwnSessionAgent(nats_url, NODE, tmp_path / "agent.log") as a:
         assert os.getpgid(a.pid) == a.pid != os.getpgid(0)
         yield a
-    finally:
-        a.stop()
 
 
 @pytest.fixture

@@ -184,13 +184,8 @@ async def test_every_registration_of_a_process_is_suspended_and_resumed(nats_url
 
 @pytest.fixture
 async def agent(orchestrator: object, nats_url: str, tmp_path: Path) -> AsyncIterator[AgentProcess]:
-    a = AgentProcess(nats_url, NODE, tmp_path / "agent.log")
-    a.start()
-    try:
-        await a.wait_ready()
+    async with AgentProcess(nats_url, NODE, tmp_path / "agent.log") as a:
         yield a
-    finally:
-        a.stop()
 
 
 @pytest.fixture

@@ -26,7 +26,24 @@ from timeslice_client.protocol import STREAM, Notice, decode_notice, subjects
 
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["Hold", "Worker", "check_exclusive_holds", "holds", "notices", "read_stream"]
+__all__ = ["Hold", "Worker", "check_exclusive_holds", "holds", "log_events", "notices", "read_stream"]
+
+
+def log_events(path: Path, ev: str | None = None) -> list[dict[str, Any]]:
+    """A worker's JSON-lines event log as it is now: its complete lines (the last one may be being written, or cut
+    by SIGKILL), each an event, only those of kind ``ev`` when given."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines(keepends=True):
+        if not line.endswith("\n"):
+            break
+        e = json.loads(line)
+        if ev is None or e["ev"] == ev:
+            out.append(e)
+    return out
 
 
 class Worker:
@@ -67,18 +84,7 @@ class Worker:
         )
 
     def events(self, ev: str | None = None) -> list[dict[str, Any]]:
-        try:
-            text = self.out.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return []
-        out = []
-        for line in text.splitlines(keepends=True):
-            if not line.endswith("\n"):
-                break  # a line being written (or cut by SIGKILL)
-            e = json.loads(line)
-            if ev is None or e["ev"] == ev:
-                out.append(e)
-        return out
+        return log_events(self.out, ev)
 
     def last(self, ev: str) -> dict[str, Any] | None:
         found = self.events(ev)
