@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
@@ -100,3 +102,26 @@ def group_record_sync(client: TimeSliceClient, group: str | None = None) -> Grou
     """:func:`group_record` through a blocking client."""
     inner = client._client
     return client._run(group_record(inner, group), client._margin(inner.request_timeout))
+
+
+async def example_line(script: str, job: str, *extra: str, env: dict[str, str], timeout: float) -> str:
+    """Run ``examples/<script>`` as job ``job`` for 3 steps with 10 ms rewards (``extra``: more flags) and return its
+    summary line (``<job>: 3 steps in ...``); a nonzero exit fails the test with the end of its stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(Path(__file__).resolve().parents[1] / "examples" / script),
+        "--job",
+        job,
+        "--steps",
+        "3",
+        "--reward-ms",
+        "10",
+        *extra,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
+    (line,) = [ln for ln in out.decode().splitlines() if ln.startswith(f"{job}: 3 steps in")]
+    return line
