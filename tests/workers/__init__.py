@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import signal
 import subprocess
@@ -24,26 +23,11 @@ import nats.errors
 from timeslice_client.bus import connect
 from timeslice_client.protocol import STREAM, Notice, decode_notice, subjects
 
+from .event_log import log_events
+
 ROOT = Path(__file__).resolve().parents[2]
 
 __all__ = ["Hold", "Worker", "check_exclusive_holds", "holds", "log_events", "notices", "read_stream"]
-
-
-def log_events(path: Path, ev: str | None = None) -> list[dict[str, Any]]:
-    """A worker's JSON-lines event log as it is now: its complete lines (the last one may be being written, or cut
-    by SIGKILL), each an event, only those of kind ``ev`` when given."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in text.splitlines(keepends=True):
-        if not line.endswith("\n"):
-            break
-        e = json.loads(line)
-        if ev is None or e["ev"] == ev:
-            out.append(e)
-    return out
 
 
 class Worker:

@@ -34,36 +34,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import Any
 
 from timeslice_client import AsyncTimeSliceClient, TimeSliceClient
 
-
-class EventLog:
-    """Append-only JSON lines, one ``write`` + ``flush`` per event (survives SIGKILL of this process)."""
-
-    def __init__(self, path: str) -> None:
-        self._f: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._lock = threading.Lock()
-
-    def __call__(self, ev: str, **fields: Any) -> None:
-        line = json.dumps({"ev": ev, **fields, "t": time.time()})
-        with self._lock:
-            self._f.write(line + "\n")
-            self._f.flush()
-
-    def failure(self, where: str, exc: BaseException, **fields: Any) -> None:
-        self("error", where=where, type=exc.__class__.__name__, msg=str(exc)[:500], **fields)
-
-    def close(self) -> None:
-        self._f.close()
+from .event_log import EventLog
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -45,40 +45,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import os
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
 
+from .event_log import EventLog
+
 MB = 1024 * 1024
-
-
-class EventLog:
-    """Append-only JSON lines, one ``write`` + ``flush`` per event (threads share it)."""
-
-    def __init__(self, path: str) -> None:
-        self._f: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._lock = threading.Lock()
-
-    def __call__(self, ev: str, **fields: Any) -> None:
-        line = json.dumps({"ev": ev, **fields, "t": time.time()})
-        with self._lock:
-            if not self._f.closed:  # a daemon thread may log while the process exits
-                self._f.write(line + "\n")
-                self._f.flush()
-
-    def failure(self, where: str, exc: BaseException, **fields: Any) -> None:
-        self("error", where=where, type=exc.__class__.__name__, msg=str(exc)[:500], **fields)
-
-    def close(self) -> None:
-        with self._lock:
-            self._f.close()
 
 
 # --------------------------------------------------------------------------- state
