@@ -17,7 +17,7 @@ from timeslice_client.bus import connect
 from timeslice_client.protocol import OpResult, OpStarted, decode_input, subjects
 from timeslice_orchestrator.invariants import StreamChecker
 
-from .helpers import eventually, group_record
+from .helpers import eventually, group_record, stop_process
 from .workers import log_events, read_stream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,13 +112,8 @@ class AgentProcess:
             self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc)
 
     def describe(self) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

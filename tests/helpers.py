@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -125,3 +126,14 @@ async def example_line(script: str, job: str, *extra: str, env: dict[str, str], 
     assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
     (line,) = [ln for ln in out.decode().splitlines() if ln.startswith(f"{job}: 3 steps in")]
     return line
+
+
+def stop_process(proc: subprocess.Popen[bytes], *, grace_s: float = 15.0, kill_wait_s: float = 10.0) -> None:
+    """End ``proc`` if it runs: SIGTERM, then SIGKILL when it has not exited within ``grace_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(kill_wait_s)
