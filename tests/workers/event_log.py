@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,6 +34,16 @@ class EventLog:
     def close(self) -> None:
         with self._lock:
             self._f.close()
+
+    def run(self, body: Callable[[], int]) -> int:
+        """A worker's life: ``body()``'s exit code, or 2 with its exception logged (``failure``); the log closed."""
+        try:
+            return body()
+        except Exception as exc:
+            self.failure("worker", exc)
+            return 2
+        finally:
+            self.close()
 
 
 def log_events(path: Path, ev: str | None = None) -> list[dict[str, Any]]:

@@ -170,15 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     usr1 = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: usr1.set())
     log = EventLog(a.out)
-    try:
-        if a.client == "sync":
-            return run_sync(a, log, usr1)
-        return asyncio.run(run_async(a, log))
-    except Exception as exc:
-        log.failure("worker", exc)
-        return 2
-    finally:
-        log.close()
+    return log.run(lambda: run_sync(a, log, usr1) if a.client == "sync" else asyncio.run(run_async(a, log)))
 
 
 if __name__ == "__main__":

@@ -410,13 +410,7 @@ async def run(a: argparse.Namespace, log: EventLog) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     log = EventLog(a.out)
-    try:
-        return asyncio.run(run(a, log))
-    except Exception as exc:
-        log.failure("worker", exc)
-        return 2
-    finally:
-        log.close()
+    return log.run(lambda: asyncio.run(run(a, log)))
 
 
 if __name__ == "__main__":
