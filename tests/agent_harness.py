@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import msgspec
 from timeslice_client import AsyncTimeSliceClient, GroupRecord, HandlerResult, SuspendMode
@@ -18,8 +17,8 @@ from timeslice_client.bus import connect
 from timeslice_client.protocol import OpResult, OpStarted, decode_input, subjects
 from timeslice_orchestrator.invariants import StreamChecker
 
-from .helpers import eventually
-from .workers import read_stream
+from .helpers import eventually, group_record, stop_process
+from .workers import log_events, read_stream
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = "n1"
@@ -31,7 +30,10 @@ AGENT_TTL = 6.0  # the agents bucket's TTL (BusConfig.agent_ttl_s)
 
 
 class AgentProcess:
-    """``python -m timeslice_agent`` for one node."""
+    """``python -m timeslice_agent`` for one node (``own_session``: in a session of its own, its process group its
+    pid, never the test's)."""
+
+    own_session: ClassVar[bool] = False
 
     def __init__(self, nats_url: str, node: str, log_path: Path) -> None:
         self.nats_url, self.node, self.log_path = nats_url, node, log_path
@@ -56,6 +58,7 @@ class AgentProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                start_new_session=self.own_session,
             )
         finally:
             log.close()
@@ -79,6 +82,19 @@ class AgentProcess:
 
         return await eventually(check, interval=0.05, what=f"agent states {states}")
 
+    async def __aenter__(self) -> Self:
+        """Started and answering; stopped at the block's end."""
+        self.start()
+        try:
+            await self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop()
+
     async def wait_ready(self, timeout: float = START) -> None:
         async def answers() -> bool:
             assert self.proc is not None and self.proc.poll() is None, f"agent exited: {self.describe()}"
@@ -96,13 +112,8 @@ class AgentProcess:
             self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc)
 
     def describe(self) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -160,18 +171,7 @@ class Workload:
             f.write("".join(c + "\n" for c in cmds))
 
     def events(self, ev: str | None = None) -> list[dict[str, Any]]:
-        try:
-            text = self.out.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return []
-        out = []
-        for line in text.splitlines(keepends=True):
-            if not line.endswith("\n"):
-                break  # being written
-            e = json.loads(line)
-            if ev is None or e["ev"] == ev:
-                out.append(e)
-        return out
+        return log_events(self.out, ev)
 
     def last(self, ev: str) -> dict[str, Any] | None:
         found = self.events(ev)
@@ -209,10 +209,25 @@ class Workload:
 Spawn = Callable[..., Workload]
 
 
-async def timeslice(nats_url: str, *args: str) -> tuple[int, str]:
-    """Run the ``timeslice`` command (``python -m timeslice_cli``); returns (rc, stdout)."""
-    sub, *rest = args
-    proc = await asyncio.create_subprocess_exec(
+def up_command(tmp_path: Path, *extra: str) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of ``timeslice up`` for a test: its data and URL file under ``tmp_path``, warnings
+    only, no gRPC port and no metrics ports (``extra`` comes last: a flag there wins), no credentials of another bus."""
+    env = dict(os.environ, TIMESLICE_URL_FILE=str(tmp_path / "nats.url"), TIMESLICE_LOG_LEVEL="warning")
+    env.pop("TIMESLICE_CREDS", None)
+    args = [sys.executable, "-m", "timeslice_cli", "up", "--data-dir", str(tmp_path / "data"), "--node-id", "n-up"]
+    args += ["--grpc-port", "-1", "--metrics-port", "-1", "--agent-metrics-port", "-1", *extra]
+    return args, env
+
+
+def up_fields(line: str) -> dict[str, str]:
+    """The ``key=value`` fields of ``timeslice up``'s first line (``nats=<url>`` ...)."""
+    return dict(part.split("=", 1) for part in line.split() if "=" in part)
+
+
+async def start_cli(nats_url: str, sub: str, *rest: str) -> asyncio.subprocess.Process:
+    """Start ``timeslice <sub> --nats-url <nats_url> <rest>`` (``python -m timeslice_cli``, logging warnings only),
+    its stdout and stderr piped."""
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "timeslice_cli",
@@ -226,6 +241,11 @@ async def timeslice(nats_url: str, *args: str) -> tuple[int, str]:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
+
+
+async def timeslice(nats_url: str, *args: str) -> tuple[int, str]:
+    """Run the ``timeslice`` command (``python -m timeslice_cli``); returns (rc, stdout)."""
+    proc = await start_cli(nats_url, *args)
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None
     if proc.returncode != 0:
@@ -235,10 +255,20 @@ async def timeslice(nats_url: str, *args: str) -> tuple[int, str]:
 
 def queued(obs: AsyncTimeSliceClient, group: str, job: str) -> Callable[[], Any]:
     async def check() -> GroupRecord | None:
-        rec = await obs.status(group)
+        rec = await group_record(obs, group)
         return rec if job in [w.job for w in rec.queue] else None
 
     return check
+
+
+async def hold_then_queue(a: Workload, b: Workload, observer: AsyncTimeSliceClient, group: str) -> dict[str, Any]:
+    """``a`` acquires and works, then ``b`` asks and waits behind it (the record shows it queued): a switch from a
+    to b set up, up to a's release. Returns a's ``worked`` event."""
+    a.send("acquire")
+    worked = await a.wait("worked")
+    b.send("acquire")
+    await eventually(queued(observer, group, b.job), what=f"{b.job} queued behind {a.job}")
+    return worked
 
 
 async def op_events(nats_url: str, group: str) -> tuple[list[OpResult], list[OpStarted], StreamChecker]:

@@ -19,6 +19,7 @@ from timeslice_orchestrator.embedded import NatsServer
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .cluster import cluster  # noqa: F401 - the fixture: a 3-node loopback NATS cluster
+from .helpers import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,13 +159,8 @@ class OrchestratorProcess:
             self._log.close()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc)
         self.proc = None
         with contextlib.suppress(Exception):
             self._log.close()

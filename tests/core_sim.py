@@ -153,3 +153,16 @@ class Sim:
         assert g.job == job
         self.renew(job)
         return g
+
+    @classmethod
+    def a_releasing_to_b(cls) -> tuple[Sim, Snapshot, Restore]:
+        """A group on node n1 where ``a`` held, ``b`` waited and ``a`` released: the switch's snapshot of a and
+        restore of b, sent and unanswered."""
+        sim = cls()
+        sim.register("a", "n1")
+        sim.register("b", "n1")
+        sim.hold("a")
+        sim.acquire("b")
+        snap, restore = commands(sim.release("a"))
+        assert isinstance(snap, Snapshot) and isinstance(restore, Restore), (snap, restore)
+        return sim, snap, restore

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from timeslice_client import AsyncTimeSliceClient, TimeSliceClient
+    from timeslice_client.protocol import GroupRecord
 
 T = TypeVar("T")
 
@@ -81,3 +88,52 @@ def eventually_sync(check: Callable[[], T], *, timeout: float = 10.0, interval: 
         if time.monotonic() > deadline:
             raise AssertionError(f"not true within {timeout} s: {what or check}") from last
         time.sleep(interval)
+
+
+async def group_record(client: AsyncTimeSliceClient, group: str | None = None) -> GroupRecord:
+    """The orchestrator's stored record of ``group`` (default: the client's), read through ``client``'s connection:
+    what a test checks the orchestrator's bookkeeping against (request ids, confirmations, the switch), which
+    ``status()``'s public view leaves out."""
+    from timeslice_client._group_reads import read_record
+
+    return await read_record(await client._groups_kv(), group or client.group_id, client.nats_url)
+
+
+def group_record_sync(client: TimeSliceClient, group: str | None = None) -> GroupRecord:
+    """:func:`group_record` through a blocking client."""
+    inner = client._client
+    return client._run(group_record(inner, group), client._margin(inner.request_timeout))
+
+
+async def example_line(script: str, job: str, *extra: str, env: dict[str, str], timeout: float) -> str:
+    """Run ``examples/<script>`` as job ``job`` for 3 steps with 10 ms rewards (``extra``: more flags) and return its
+    summary line (``<job>: 3 steps in ...``); a nonzero exit fails the test with the end of its stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(Path(__file__).resolve().parents[1] / "examples" / script),
+        "--job",
+        job,
+        "--steps",
+        "3",
+        "--reward-ms",
+        "10",
+        *extra,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
+    (line,) = [ln for ln in out.decode().splitlines() if ln.startswith(f"{job}: 3 steps in")]
+    return line
+
+
+def stop_process(proc: subprocess.Popen[bytes], *, grace_s: float = 15.0, kill_wait_s: float = 10.0) -> None:
+    """End ``proc`` if it runs: SIGTERM, then SIGKILL when it has not exited within ``grace_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(kill_wait_s)

@@ -21,6 +21,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from .helpers import stop_process
+
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = "gpus-0"
 NODE = "node-1"
@@ -79,13 +81,7 @@ def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 
 def _stop(p: subprocess.Popen[bytes]) -> None:
-    if p.poll() is None:
-        p.terminate()
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
+    stop_process(p)
 
 
 def _demo(a: argparse.Namespace) -> int:

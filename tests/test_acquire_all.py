@@ -29,7 +29,7 @@ from timeslice_client import (
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .agent_harness import Recorder
-from .helpers import eventually, eventually_sync, running
+from .helpers import eventually, eventually_sync, group_record, group_record_sync, running
 
 ROUNDS = 12  # rounds of the opposite-order race (each round both jobs start together)
 BOTH = ("sampler", "trainer")  # the order every job takes them in: sorted ids
@@ -107,7 +107,7 @@ async def test_a_timeout_on_the_second_group_releases_the_first_and_withdraws_th
 
 
 async def _job_free_of(c: AsyncTimeSliceClient, group: str, job: str) -> bool:
-    return _job_free(await c.status(group), job)
+    return _job_free(await group_record(c, group), job)
 
 
 @pytest.mark.usefixtures("orchestrator")
@@ -153,7 +153,7 @@ async def test_a_job_waits_for_one_group_at_a_time(nats_url: str) -> None:
         with pytest.raises(AcquireAllTimeout) as info:
             await a.acquire_all(["zeta"], timeout=0.3)
         assert (info.value.group_id, info.value.released) == ("zeta", ())
-        rec = await c.status("zeta")
+        rec = await group_record(c, "zeta")
         assert rec.epoch == 0 and not rec.queue, "the job waited for a second group at once"
         await c.release()
         assert list(await call) == list(BOTH)
@@ -161,7 +161,7 @@ async def test_a_job_waits_for_one_group_at_a_time(nats_url: str) -> None:
 
 
 async def _waits(c: AsyncTimeSliceClient, group: str, job: str) -> bool:
-    return job in {w.job for w in (await c.status(group)).queue}
+    return job in {w.job for w in (await group_record(c, group)).queue}
 
 
 # --------------------------------------------------------------------------- the order rule
@@ -179,7 +179,7 @@ async def test_a_job_holding_a_pool_that_sorts_after_is_refused_at_once(nats_url
             assert (info.value.job_id, info.value.group_id, info.value.held) == ("a", "sampler", ("trainer",))
             assert "acquire_all(['sampler', 'trainer'])" in str(info.value) and "Release 'trainer'" in str(info.value)
         assert a.holding and a.epoch == g.epoch and a.held_groups == ("trainer",)
-        rec = await s.status("sampler")
+        rec = await group_record(s, "sampler")
         assert rec.epoch == 0 and not rec.queue, "a refused ask reached the orchestrator"
         # held groups in the list are kept as they are (no wait): the call takes the rest
         grants = await a.acquire_all(["trainer"], timeout=10)
@@ -317,7 +317,9 @@ def test_blocking_acquire_all_timeout_releases_the_first(nats_url: str) -> None:
         assert (info.value.group_id, info.value.released) == ("trainer", ("sampler",))
         assert a.held_groups == ()
         for g in BOTH:
-            eventually_sync(lambda g=g: _job_free(a.status(g), "a"), what=f"{g}'s record shows nothing of a")
+            eventually_sync(
+                lambda g=g: _job_free(group_record_sync(a, g), "a"), what=f"{g}'s record shows nothing of a"
+            )
         assert c.release().pending_waiters == 0
         assert list(a.acquire_all(["trainer"], timeout=10)) == ["trainer"]
         with pytest.raises(LockOrderError):  # the blocking client keeps the order too: sampler sorts before trainer

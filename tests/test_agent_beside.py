@@ -10,7 +10,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -26,9 +25,9 @@ from timeslice_client.protocol import OpKind, OpStarted, Restore, Snapshot, subj
 from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig, OrchestratorError
 
-from .agent_harness import Blocking, Recorder
+from .agent_harness import Blocking, Recorder, up_command, up_fields
 from .conftest import OrchestratorProcess
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 from .workers import read_stream
 
 # `timeslice up` takes NATS port 4222 when it is free: tests that need it free to themselves wait (tests/conftest.py)
@@ -118,39 +117,19 @@ async def test_an_agent_takes_only_its_own_nodes_commands_and_only_once_ready(na
     assert agent._stop.is_set()  # stopped with the orchestrator
 
 
-def _fields(line: str) -> dict[str, str]:
-    return dict(part.split("=", 1) for part in line.split() if "=" in part)
-
-
 @pytest.mark.parametrize("apart", [False, True], ids=["agent-in-process", "agent-process"])
 async def test_timeslice_up_runs_the_agent_in_its_process_unless_asked(
     tmp_path: Path, apart: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TIMESLICE_URL_FILE", str(tmp_path / "nats.url"))  # here too: its credentials lie beside it
-    env = dict(os.environ, TIMESLICE_URL_FILE=str(tmp_path / "nats.url"), TIMESLICE_LOG_LEVEL="warning")
-    args = [
-        sys.executable,
-        "-m",
-        "timeslice_cli",
-        "up",
-        "--data-dir",
-        str(tmp_path / "data"),
-        "--node-id",
-        "n-up",
-        "--grpc-port",
-        "-1",
-        "--metrics-port",
-        "-1",
-        "--agent-metrics-port",
-        "-1" if apart else "0",
-        *(["--agent-process"] if apart else []),
-    ]
+    extra = ["--agent-process"] if apart else ["--agent-metrics-port", "0"]
+    args, env = up_command(tmp_path, *extra)
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         assert proc.stdout is not None
         line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
         assert line.startswith(b"timeslice up: nats="), (line, proc.poll())
-        fields = _fields(line.decode())
+        fields = up_fields(line.decode())
         url = fields["nats"]
         assert (tmp_path / "nats.url").read_text().strip() == url
         assert ("(in this process)" in line.decode()) is not apart
@@ -189,11 +168,11 @@ async def test_timeslice_up_runs_the_agent_in_its_process_unless_asked(
 
 
 async def _waiting(c: AsyncTimeSliceClient, job: str) -> bool:
-    return job in [w.job for w in (await c.status()).queue]
+    return job in [w.job for w in (await group_record(c)).queue]
 
 
 async def _held_by(c: AsyncTimeSliceClient, job: str) -> GroupRecord | None:
-    rec = await c.status()
+    rec = await group_record(c)
     return rec if rec.holder is not None and rec.holder.job == job else None
 
 
@@ -223,8 +202,8 @@ async def test_killed_mid_snapshot_and_restarted_the_stack_moves_on_once_the_sus
     go = threading.Event()
     try:
         async with AsyncTimeSliceClient("a", "g-cut", nats_url) as a, AsyncTimeSliceClient("b", "g-cut", nats_url) as b:
-            await a.register_workload(Blocking("a", log, go, wait_s=60), node_id="n1", op_timeout=60)
-            await b.register_workload(Recorder("b", log), node_id="n1", op_timeout=60)
+            await a.register_workload(Blocking("a", log, go, wait_s=60), node_id="n1", op_timeout_s=60)
+            await b.register_workload(Recorder("b", log), node_id="n1", op_timeout_s=60)
             await a.acquire(timeout=10)
             tb = asyncio.create_task(b.acquire(timeout=90))
             await eventually(lambda: _waiting(a, "b"))
@@ -242,7 +221,7 @@ async def test_killed_mid_snapshot_and_restarted_the_stack_moves_on_once_the_sus
                 what="the restarted agent runs a's snapshot again",
             )
             assert not tb.done(), "b was granted while a's suspend still ran"
-            rec = await b.status()
+            rec = await group_record(b)
             assert rec.holder is None and "a" not in rec.faulted, rec
             t_go = time.monotonic()
             go.set()  # a's suspend ends: the repeated command gets its outcome, and the switch goes on

@@ -34,7 +34,7 @@ from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .agent_harness import Blocking, Recorder
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 from .workers import read_stream
 
 LAYOUTS = ["apart", "beside"]
@@ -146,7 +146,7 @@ async def _settled(js):  # type: ignore[no-untyped-def]
 
 
 async def _queued(c: AsyncTimeSliceClient, job: str):  # type: ignore[no-untyped-def]
-    rec = await c.status()
+    rec = await group_record(c)
     return rec if job in [w.job for w in rec.queue] else None
 
 
@@ -162,7 +162,7 @@ async def _switching(c: AsyncTimeSliceClient, *, restored: bool, released_by: st
     """The group's record once its switch is (or is not yet) ``restored``, or once somebody other than the job that
     released holds the group. The orchestrator writes records behind its commands, so a read may still show the
     releasing job's hold: that record is from before the release and is skipped."""
-    rec = await c.status()
+    rec = await group_record(c)
     done = rec.switch is not None and rec.switch.restored is restored
     granted = rec.holder is not None and rec.holder.job != released_by
     return rec if done or granted else None
@@ -170,12 +170,12 @@ async def _switching(c: AsyncTimeSliceClient, *, restored: bool, released_by: st
 
 async def _held(c: AsyncTimeSliceClient, job: str):  # type: ignore[no-untyped-def]
     """The group's record once ``job`` holds it (records are stored behind commands: earlier ones are skipped)."""
-    rec = await c.status()
+    rec = await group_record(c)
     return rec if rec.holder is not None and rec.holder.job == job else None
 
 
 async def _trail_ended(c: AsyncTimeSliceClient) -> bool:
-    rec = await c.status()
+    rec = await group_record(c)
     return rec.trailing is None and rec.holder is not None and "a" in rec.saved
 
 
@@ -200,7 +200,7 @@ async def test_failed_snapshot_faults_only_that_job(nats_url: str, agent: Agent)
 
 
 async def _faulted(c: AsyncTimeSliceClient, job: str):  # type: ignore[no-untyped-def]
-    rec = await c.status()
+    rec = await group_record(c)
     return rec if job in rec.faulted else None
 
 

@@ -19,7 +19,7 @@ from timeslice_client import AsyncTimeSliceClient, GroupRecord
 from timeslice_client.protocol import OpKind, OpResult, OpStarted, decode_input, subjects
 
 from .agent_harness import START, AgentProcess, Workload, queued, timeslice
-from .helpers import eventually
+from .helpers import eventually, group_record
 from .workers import read_stream
 
 pytestmark = pytest.mark.usefixtures("orchestrator")
@@ -59,12 +59,12 @@ async def observer(nats_url: str) -> AsyncIterator[AsyncTimeSliceClient]:
 
 
 async def _holding(obs: AsyncTimeSliceClient, group: str, job: str) -> GroupRecord | None:
-    rec = await obs.status(group)
+    rec = await group_record(obs, group)
     return rec if rec.holder is not None and rec.holder.job == job else None
 
 
 async def _outgoing_saved(obs: AsyncTimeSliceClient, group: str) -> GroupRecord | None:
-    rec = await obs.status(group)
+    rec = await group_record(obs, group)
     return rec if rec.trailing is None and rec.holder is not None and "a" in rec.saved else None
 
 
@@ -137,7 +137,7 @@ async def test_the_incoming_job_is_granted_on_its_restore_beside_the_running_sna
     g = "in-order"
     a, b = await _switch_to_b(tmp_path, nats_url, NO_ROOM, g, observer, workloads)
     await agents[NO_ROOM].wait_states({"a": "TRANSITIONING", "b": "SAVED"})
-    rec = await observer.status(g)
+    rec = await group_record(observer, g)
     assert rec.holder is None and rec.switch is not None and not b.events("resume_start"), rec
     a.send("unblock")
     suspended = await a.wait("suspended")

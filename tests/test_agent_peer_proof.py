@@ -58,29 +58,6 @@ class SocketAgent(OwnSessionAgent):
         super().__init__(nats_url, node, log_path)
         self.args = args
 
-    def start(self) -> None:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the child holds it; closed right after the fork
-        try:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "timeslice_agent",
-                    "--node-id",
-                    self.node,
-                    "--nats-url",
-                    self.nats_url,
-                    *self.args,
-                ],
-                cwd=ROOT,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        finally:
-            log.close()
-
 
 @pytest.fixture
 def sock(agent_socket_dir: Path) -> str:
@@ -89,13 +66,8 @@ def sock(agent_socket_dir: Path) -> str:
 
 @pytest.fixture
 async def agent(nats_url: str, tmp_path: Path) -> AsyncIterator[SocketAgent]:
-    a = SocketAgent(nats_url, NODE, tmp_path / "agent.log")
-    a.start()
-    try:
-        await a.wait_ready()
+    async with SocketAgent(nats_url, NODE, tmp_path / "agent.log") as a:
         yield a
-    finally:
-        a.stop()
 
 
 @pytest.fixture

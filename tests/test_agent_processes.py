@@ -35,21 +35,29 @@ import pytest
 from timeslice_client import AsyncTimeSliceClient, GroupRecord
 from timeslice_client.protocol import OpKind
 
-from .agent_harness import AGENT_TTL, MB, NODE, START, AgentProcess, Spawn, Workload, one, op_events, queued, timeslice
-from .helpers import eventually
+from .agent_harness import (
+    AGENT_TTL,
+    MB,
+    NODE,
+    START,
+    AgentProcess,
+    Spawn,
+    Workload,
+    hold_then_queue,
+    one,
+    op_events,
+    queued,
+    timeslice,
+)
+from .helpers import eventually, group_record
 
 pytestmark = pytest.mark.usefixtures("orchestrator")
 
 
 @pytest.fixture
 async def agent(orchestrator: object, nats_url: str, tmp_path: Path) -> AsyncIterator[AgentProcess]:
-    a = AgentProcess(nats_url, NODE, tmp_path / "agent.log")
-    a.start()
-    try:
-        await a.wait_ready()
+    async with AgentProcess(nats_url, NODE, tmp_path / "agent.log") as a:
         yield a
-    finally:
-        a.stop()
 
 
 @pytest.fixture
@@ -89,10 +97,7 @@ async def test_switch_frees_device_state_and_restores_it_bit_exact(
     ready_b = await b.wait("ready", timeout=START)
     assert ready_a["device_bytes"] >= 6 * MB and ready_a["host_bytes"] == 0, ready_a
 
-    a.send("acquire")
-    worked_a = await a.wait("worked")
-    b.send("acquire")
-    await eventually(queued(observer, g, "b"), what="b queued behind a")
+    worked_a = await hold_then_queue(a, b, observer, g)
     a.send("release")
     worked_b = await b.wait("worked")
 
@@ -159,10 +164,7 @@ async def test_freeze_stops_the_job_while_another_holds(
     b = spawn(g, "b", backend="noop", handler="none")
     await a.wait("ready", timeout=START)
     await b.wait("ready", timeout=START)
-    a.send("acquire")
-    await a.wait("worked")
-    b.send("acquire")
-    await eventually(queued(observer, g, "b"), what="b queued behind a")
+    await hold_then_queue(a, b, observer, g)
     a.send("release")
     granted_b = await b.wait("granted")
 
@@ -219,10 +221,7 @@ async def test_failed_suspend_rolls_back_and_faults_only_that_job(
     b = spawn(g, "b", handler="numpy", mb=1)
     ready_a = await a.wait("ready", timeout=START)
     await b.wait("ready", timeout=START)
-    a.send("acquire")
-    worked_a = await a.wait("worked")
-    b.send("acquire")
-    await eventually(queued(observer, g, "b"), what="b queued behind a")
+    worked_a = await hold_then_queue(a, b, observer, g)
     a.send("release")
     granted_b = await b.wait("granted")  # the other waiter still gets the group
 
@@ -272,7 +271,7 @@ async def test_failed_suspend_rolls_back_and_faults_only_that_job(
 
 
 async def _not_faulted(obs: AsyncTimeSliceClient, group: str, job: str) -> bool:
-    return job not in (await obs.status(group)).faulted
+    return job not in (await group_record(obs, group)).faulted
 
 
 # --------------------------------------------------------------------------- the job dies mid-operation
@@ -289,10 +288,7 @@ async def test_job_killed_during_its_snapshot_does_not_wedge_the_group_or_fault_
     b = spawn(g, "b", handler="numpy", mb=1)
     await a.wait("ready", timeout=START)
     await b.wait("ready", timeout=START)
-    a.send("acquire")
-    await a.wait("worked")
-    b.send("acquire")
-    await eventually(queued(observer, g, "b"), what="b queued behind a")
+    await hold_then_queue(a, b, observer, g)
     a.send("release")
     await a.wait("suspend_start")  # the snapshot of a is running (the handler blocks)
 
@@ -329,10 +325,7 @@ async def test_agent_killed_during_snapshot_and_restarted_grants_only_once_the_s
     b = spawn(g, "b", handler="numpy", mb=1)
     ready_a = await a.wait("ready", timeout=START)
     await b.wait("ready", timeout=START)
-    a.send("acquire")
-    worked_a = await a.wait("worked")
-    b.send("acquire")
-    await eventually(queued(observer, g, "b"), what="b queued behind a")
+    worked_a = await hold_then_queue(a, b, observer, g)
     a.send("release")
     await a.wait("suspend_start")  # the snapshot of a is running (the handler blocks)
     assert (await agent.jobs())["a"]["state"] == "TRANSITIONING"
@@ -345,7 +338,7 @@ async def test_agent_killed_during_snapshot_and_restarted_grants_only_once_the_s
     ctx = {j["job"]: j for j in json.loads(out)}
     assert ctx["a"]["state"] == "TRANSITIONING" and "restarted during an operation" in ctx["a"]["reason"], ctx["a"]
     await eventually(lambda: _placed(observer, g, {"a", "b"}), what="jobs placed again by the new agent")
-    rec = await observer.status(g)
+    rec = await group_record(observer, g)
     assert rec.holder is None and "a" not in rec.faulted, "no grant while a's suspend runs"
     assert not b.events("granted")
 
@@ -431,20 +424,17 @@ async def test_agent_killed_during_snapshot_for_good_grants_at_the_snapshot_dead
     b = spawn(g, "b", handler="numpy", mb=1)
     await a.wait("ready", timeout=START)
     await b.wait("ready", timeout=START)
-    a.send("acquire")
-    await a.wait("worked")
-    b.send("acquire")
-    await eventually(queued(observer, g, "b"), what="b queued behind a")
+    await hold_then_queue(a, b, observer, g)
     t_release = time.time()
     a.send("release")
     await a.wait("suspend_start")
     agent.kill()
 
     async def agent_lost() -> bool:
-        return NODE in (await observer.status(g)).lost_nodes
+        return NODE in (await group_record(observer, g)).lost_nodes
 
     await eventually(agent_lost, timeout=AGENT_TTL + 10, what="the agent's loss is recorded")
-    rec = await observer.status(g)
+    rec = await group_record(observer, g)
     assert rec.holder is None and "a" not in rec.faulted, "no grant at the agent's loss: a's state is unknown"
     granted_b = await b.wait("granted", timeout=op_timeout + 15)
     assert granted_b["t"] - t_release >= op_timeout - 1, "b was granted before a's snapshot deadline"
@@ -457,12 +447,12 @@ async def test_agent_killed_during_snapshot_for_good_grants_at_the_snapshot_dead
 
 
 async def _held_by(obs: AsyncTimeSliceClient, group: str, job: str) -> GroupRecord | None:
-    rec = await obs.status(group)
+    rec = await group_record(obs, group)
     return rec if rec.holder is not None and rec.holder.job == job else None
 
 
 async def _placed(obs: AsyncTimeSliceClient, group: str, jobs: set[str]) -> bool:
-    rec = await obs.status(group)
+    rec = await group_record(obs, group)
     return all(NODE in rec.placements.get(j, ()) for j in jobs)
 
 
@@ -515,10 +505,7 @@ async def test_job_saved_on_a_lost_agent_is_not_granted_without_its_state(
     b = spawn(g, "b", handler="slow", mb=1, slow_s=60)
     ready_a = await a.wait("ready", timeout=START)
     await b.wait("ready", timeout=START)
-    a.send("acquire")
-    worked_a = await a.wait("worked")
-    b.send("acquire")
-    await eventually(queued(observer, g, "b"), what="b queued behind a")
+    worked_a = await hold_then_queue(a, b, observer, g)
     a.send("release")
     await b.wait("worked")
     assert one(a.events("suspended"), "suspended a")["device_bytes_after"] == 0
@@ -529,7 +516,7 @@ async def test_job_saved_on_a_lost_agent_is_not_granted_without_its_state(
     agent.kill()
 
     async def lost() -> bool:
-        return NODE in (await observer.status(g)).lost_nodes
+        return NODE in (await group_record(observer, g)).lost_nodes
 
     await eventually(lost, timeout=AGENT_TTL + 15, what="n1's agent lost")
     # b's snapshot stays pending (b's own process may still be suspending it). a's restore either had not started
@@ -554,4 +541,4 @@ async def test_job_saved_on_a_lost_agent_is_not_granted_without_its_state(
 
 
 async def _faulted(obs: AsyncTimeSliceClient, group: str, job: str) -> bool:
-    return job in (await obs.status(group)).faulted
+    return job in (await group_record(obs, group)).faulted

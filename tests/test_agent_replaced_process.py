@@ -22,7 +22,7 @@ from timeslice_client import AsyncTimeSliceClient, GroupRecord
 from timeslice_client.protocol import JobRegistered, JobUnregistered, OpKind, OpStarted, decode_input, subjects
 
 from .agent_harness import NODE, Workload
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 from .workers import read_stream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ async def test_a_replacement_registered_during_its_predecessors_snapshot_is_not_
             b.send("acquire")
 
             async def b_waits() -> bool:
-                return "b" in [w.job for w in (await observer.status()).queue]
+                return "b" in [w.job for w in (await group_record(observer)).queue]
 
             await eventually(b_waits, what="b waiting")
             old.send("release")
@@ -60,7 +60,7 @@ async def test_a_replacement_registered_during_its_predecessors_snapshot_is_not_
             granted = await b.wait("granted", timeout=30)
 
             async def settled() -> GroupRecord | None:
-                rec = await observer.status()
+                rec = await group_record(observer)
                 return rec if rec.holder is not None and rec.holder.job == "b" else None
 
             rec = await eventually(settled, what="the record shows b holding")

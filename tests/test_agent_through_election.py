@@ -21,7 +21,7 @@ from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .agent_harness import Blocking, Recorder
 from .cluster import NatsCluster
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 from .workers import read_stream
 
 GROUP = "g-elect"
@@ -52,13 +52,13 @@ async def test_a_snapshot_answered_during_an_election_runs_once_and_counts_ok(cl
             AsyncTimeSliceClient("b", GROUP, url, request_timeout=30) as b,
         ):
             try:
-                await a.register_workload(Blocking("a", log, go, wait_s=60), node_id="n1", op_timeout=60)
-                await b.register_workload(Recorder("b", log), node_id="n1", op_timeout=60)
+                await a.register_workload(Blocking("a", log, go, wait_s=60), node_id="n1", op_timeout_s=60)
+                await b.register_workload(Recorder("b", log), node_id="n1", op_timeout_s=60)
                 await a.acquire(timeout=20)
                 tb = asyncio.create_task(b.acquire(timeout=120))
 
                 async def b_waits() -> bool:
-                    return "b" in [w.job for w in (await a.status()).queue]
+                    return "b" in [w.job for w in (await group_record(a)).queue]
 
                 async def snapshot_running() -> bool:
                     started, _ = await _ops(url)
@@ -76,7 +76,7 @@ async def test_a_snapshot_answered_during_an_election_runs_once_and_counts_ok(cl
 
                 async def stored() -> GroupRecord | None:  # the grant goes out before its record is written
                     try:
-                        rec = await b.status()
+                        rec = await group_record(b)
                     except Unavailable:  # the bus answers nothing while the cluster still settles its leaders
                         return None
                     return rec if rec.holder is not None and rec.holder.job == "b" else None

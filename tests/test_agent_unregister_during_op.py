@@ -28,7 +28,7 @@ from timeslice_client.protocol import (
 )
 
 from .agent_harness import NODE, Workload
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 from .workers import read_stream
 
 GROUP = "g-unreg-op"
@@ -43,7 +43,7 @@ async def _switch_under_way(a: Workload, b: Workload, observer: AsyncTimeSliceCl
     b.send("acquire")
 
     async def b_waits() -> bool:
-        return "b" in [w.job for w in (await observer.status()).queue]
+        return "b" in [w.job for w in (await group_record(observer)).queue]
 
     await eventually(b_waits, what="b waiting")
     a.send("release")

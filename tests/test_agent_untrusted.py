@@ -16,8 +16,6 @@ import asyncio
 import json
 import os
 import random
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -46,7 +44,7 @@ from timeslice_client.protocol import (
     validate_id,
 )
 
-from .agent_harness import NODE, ROOT, AgentProcess
+from .agent_harness import NODE, AgentProcess
 from .helpers import eventually, running
 
 DURABLE = f"agent-{NODE}"
@@ -57,19 +55,7 @@ class OwnSessionAgent(AgentProcess):
     """``python -m timeslice_agent`` in a session of its own: its process group is its pid, never this test's,
     so no registration the tests make can name a group that holds the test process."""
 
-    def start(self) -> None:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the child holds it; closed right after the fork
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "timeslice_agent", "--node-id", self.node, "--nats-url", self.nats_url],
-                cwd=ROOT,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        finally:
-            log.close()
+    own_session = True
 
     @property
     def pid(self) -> int:
@@ -82,14 +68,9 @@ class OwnSessionAgent(AgentProcess):
 
 @pytest.fixture
 async def agent(nats_url: str, tmp_path: Path) -> AsyncIterator[OwnSessionAgent]:
-    a = OwnSessionAgent(nats_url, NODE, tmp_path / "agent.log")
-    a.start()
-    try:
-        await a.wait_ready()
+    async with OwnSessionAgent(nats_url, NODE, tmp_path / "agent.log") as a:
         assert os.getpgid(a.pid) == a.pid != os.getpgid(0)
         yield a
-    finally:
-        a.stop()
 
 
 @pytest.fixture

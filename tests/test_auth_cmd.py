@@ -21,6 +21,7 @@ from timeslice_client import AsyncTimeSliceClient
 from timeslice_orchestrator._auth_issue import AuthDir, decode_jwt
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
+from .agent_harness import up_command, up_fields
 from .auth_stack import SecureBus, start_secure_bus
 from .helpers import running
 
@@ -150,34 +151,10 @@ async def test_commands_take_creds_by_flag_and_environment(bus: SecureBus) -> No
             r = await asyncio.to_thread(_timeslice, cmd, "--nats-url", bus.url, "--creds", str(reader), env=base)
             assert r.returncode in (0, 1), (cmd, r.stderr)  # read the stream (check: 1 when it finds a fault)
             assert "Violation" not in r.stderr and "Unavailable" not in r.stderr, (cmd, r.stderr)
-        r = await asyncio.to_thread(
-            _timeslice,
-            "clear-fault",
-            "--group",
-            "g",
-            "--job",
-            "a",
-            "--nats-url",
-            bus.url,
-            "--creds",
-            str(admin),
-            env=base,
-        )
+        clear_fault = ("clear-fault", "--group", "g", "--job", "a", "--nats-url", bus.url)
+        r = await asyncio.to_thread(_timeslice, *clear_fault, "--creds", str(admin), env=base)
         assert r.returncode == 0, r.stderr
-        r = await asyncio.to_thread(
-            _timeslice,
-            "clear-fault",
-            "--group",
-            "g",
-            "--job",
-            "a",
-            "--nats-url",
-            bus.url,
-            "--creds",
-            str(reader),
-            env=base,
-            timeout=90,
-        )
+        r = await asyncio.to_thread(_timeslice, *clear_fault, "--creds", str(reader), env=base, timeout=90)
         assert r.returncode != 0  # a reader may not: the stream never stores it
     text = " ".join(p.read_text() for p in bus.dir.glob("nats/*.log"))
     assert reader.read_text().split("SEED-----")[1].split("------END")[0].strip() not in text
@@ -209,35 +186,13 @@ async def _quiet(exc: Exception) -> None:
     pass
 
 
-def _fields(line: str) -> dict[str, str]:
-    return dict(part.split("=", 1) for part in line.split() if "=" in part)
-
-
 def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
-    env = dict(os.environ, TIMESLICE_URL_FILE=str(tmp_path / "nats.url"), TIMESLICE_LOG_LEVEL="warning")
-    env.pop("TIMESLICE_CREDS", None)
-    args = [
-        sys.executable,
-        "-m",
-        "timeslice_cli",
-        "up",
-        "--data-dir",
-        str(tmp_path / "data"),
-        "--node-id",
-        "n-up",
-        "--grpc-port",
-        "-1",
-        "--metrics-port",
-        "-1",
-        "--agent-metrics-port",
-        "-1",
-        *extra,
-    ]
+    args, env = up_command(tmp_path, *extra)
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
     assert line.startswith("timeslice up: nats="), (line, proc.poll())
-    return proc, _fields(line)
+    return proc, up_fields(line)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> tuple[bytes, bytes]:

@@ -18,7 +18,7 @@ from timeslice_client import AsyncTimeSliceClient, HandlerResult, JobState, Susp
 from timeslice_client.errors import TimeSliceError
 from timeslice_client.protocol import JobContext
 
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 
 
 @dataclass
@@ -282,7 +282,7 @@ async def test_registration_with_bad_endpoints_is_refused(nats_url: str, agent: 
 
 
 async def _queued(c: AsyncTimeSliceClient, job: str):  # type: ignore[no-untyped-def]
-    rec = await c.status()
+    rec = await group_record(c)
     return rec if job in [w.job for w in rec.queue] else None
 
 
@@ -297,7 +297,7 @@ async def test_grpc_snapshot_agent_service_drives_an_sglang_server(nats_url: str
         async with (
             Engine("sglang") as engine,
             AsyncTimeSliceClient("gen", "ge", nats_url) as gen,
-            AsyncSnapshotAgentClient(f"127.0.0.1:{port}", timeout=5, wait_timeout=20) as c,
+            AsyncSnapshotAgentClient(f"127.0.0.1:{port}", timeout=5, wait_timeout_s=20) as c,
         ):
             await gen.register_workload(Untouched(), node_id="n1", backends=("noop",))
             url = engine.url.removeprefix("sglang+")
@@ -327,7 +327,7 @@ async def test_a_standalone_vllm_snapshot_of_a_job_the_agent_never_saw(nats_url:
     try:
         async with (
             Engine("vllm") as engine,
-            AsyncSnapshotAgentClient(f"127.0.0.1:{port}", timeout=5, wait_timeout=20) as c,
+            AsyncSnapshotAgentClient(f"127.0.0.1:{port}", timeout=5, wait_timeout_s=20) as c,
         ):
             assert "serve" not in agent.jobs()
             url = engine.url.removeprefix("vllm+")

@@ -41,7 +41,7 @@ from timeslice_client.protocol import (
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .auth_stack import SecureBus, Violations, start_secure_bus
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 
 G = "g"
 
@@ -98,12 +98,12 @@ async def _barrier(bus: SecureBus) -> None:
 
 
 async def _holder(c: AsyncTimeSliceClient) -> str | None:
-    rec = await c.status()
+    rec = await group_record(c)
     return rec.holder.job if rec.holder else None
 
 
 async def _waiting(c: AsyncTimeSliceClient, job: str) -> bool:
-    return job in [w.job for w in (await c.status()).queue]
+    return job in [w.job for w in (await group_record(c)).queue]
 
 
 # --------------------------------------------------------------------------- connections
@@ -212,7 +212,7 @@ async def test_a_client_claiming_another_jobs_id_gets_nothing(bus: SecureBus, or
         finally:
             await fake.close()
         await _barrier(bus)
-        rec = await a.status()
+        rec = await group_record(a)
         assert rec.holder is not None and rec.holder.job == "a" and not rec.queue
         await a.release()
 
@@ -222,7 +222,7 @@ async def test_forged_granted_and_revoked_notices_are_refused(bus: SecureBus, or
         g = await a.acquire(timeout=10)
         wait_b = asyncio.create_task(b.acquire(timeout=30))
         await eventually(lambda: _waiting(a, "b"))
-        rid = (await a.status()).queue[0].request_id
+        rid = (await group_record(a)).queue[0].request_id
         await _refused(
             nc,
             v,
@@ -271,7 +271,7 @@ async def test_cancelling_another_jobs_wait_is_refused(bus: SecureBus, orch: Orc
         await a.acquire(timeout=10)
         wait_b = asyncio.create_task(b.acquire(timeout=30))
         await eventually(lambda: _waiting(a, "b"))
-        rid = (await a.status()).queue[0].request_id  # what anyone can read in the record
+        rid = (await group_record(a)).queue[0].request_id  # what anyone can read in the record
         cancel = msgspec.json.encode(
             {"type": "cancel", "group": G, "job": "b", "request_id": rid, "reason": "cancelled"}
         )

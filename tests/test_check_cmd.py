@@ -10,7 +10,6 @@ import asyncio
 import io
 import json
 import socket
-import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -41,7 +40,7 @@ from timeslice_client.protocol import (
 from timeslice_orchestrator.replay import StreamEvent
 from timeslice_orchestrator.replay._fold import group_of
 
-from .agent_harness import ROOT, queued
+from .agent_harness import queued, start_cli
 from .core_sim import Sim, commands
 from .helpers import eventually, running
 from .workers import read_stream
@@ -55,20 +54,7 @@ Msg = tuple[str, bytes]
 
 async def check_proc(nats_url: str, *args: str) -> tuple[int, str, str]:
     """``python -m timeslice_orchestrator check``, a real process: (rc, stdout, stderr)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "timeslice_cli",
-        "--log-level",
-        "warning",
-        "check",
-        "--nats-url",
-        nats_url,
-        *args,
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    proc = await start_cli(nats_url, "check", *args)
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()

@@ -14,7 +14,7 @@ from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .agent_harness import queued
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 from .workers import read_stream
 
 
@@ -67,7 +67,7 @@ async def test_reacquire_after_an_unwaited_release_is_granted_by_the_stream_alon
 
 
 async def _held_by(c: AsyncTimeSliceClient, job: str, epoch: int):  # type: ignore[no-untyped-def]
-    rec = await c.status()
+    rec = await group_record(c)
     return rec if rec.holder is not None and (rec.holder.job, rec.holder.epoch) == (job, epoch) else None
 
 

@@ -175,13 +175,8 @@ def test_switch_snapshots_then_restores_and_grants_only_after_every_restore() ->
 
 
 def test_failed_snapshot_faults_that_job_and_the_waiter_still_gets_the_group() -> None:
-    sim = Sim()
-    sim.register("a", "n1")
-    sim.register("b", "n1")
-    sim.hold("a")
-    sim.acquire("b")
-    snap, restore = commands(sim.release("a"))
-    assert (restore.job, restore.node, restore.after) == ("b", "n1", (snap.op_id,))  # type: ignore[union-attr]
+    sim, snap, restore = Sim.a_releasing_to_b()
+    assert (restore.job, restore.node, restore.after) == ("b", "n1", (snap.op_id,))
     assert commands(sim.result(snap, ok=False)) == []
     assert sim.rec.faulted == {"a": "backend said no"}
     (g,) = notices(sim.result(restore), Granted)
@@ -349,12 +344,7 @@ def test_invalid_acquire_is_refused() -> None:
 
 
 def test_late_op_result_of_an_older_epoch_changes_nothing() -> None:
-    sim = Sim()
-    sim.register("a", "n1")
-    sim.register("b", "n1")
-    sim.hold("a")
-    sim.acquire("b")
-    snap, restore = commands(sim.release("a"))
+    sim, snap, restore = Sim.a_releasing_to_b()
     sim.result(snap)
     sim.result(restore)  # b holds at epoch 2
     sim.renew("b")
@@ -440,12 +430,7 @@ def test_clearing_the_incoming_jobs_fault_mid_switch_does_not_grant_it() -> None
 def test_job_leaving_mid_snapshot_ends_the_operation_without_faulting_it() -> None:
     """A job whose process ends while it is being snapshotted leaves nothing to save: the switch goes on and
     the job is not faulted (it may register again and must not need a clear-fault first)."""
-    sim = Sim()
-    sim.register("a", "n1")
-    sim.register("b", "n1")
-    sim.hold("a")
-    sim.acquire("b")
-    snap, restore = commands(sim.release("a"))
+    sim, snap, restore = Sim.a_releasing_to_b()
     assert (restore.job, restore.node) == ("b", "n1")
     assert commands(sim(JobUnregistered(group=G, job="a", node="n1"))) == []
     assert sim.rec.faulted == {} and "a" not in sim.rec.saved and "a" not in sim.rec.placements

@@ -32,7 +32,7 @@ from timeslice_client.protocol import subjects
 from timeslice_orchestrator.invariants import InvariantViolation, StreamChecker
 
 from .conftest import OrchestratorProcess
-from .helpers import eventually_sync
+from .helpers import eventually_sync, group_record_sync
 from .workers import Worker, check_exclusive_holds, holds, read_stream
 
 JOBS = {"c1": "sync", "c2": "async", "c3": "sync", "c4": "async"}
@@ -183,7 +183,7 @@ def test_orchestrator_sigkilled_repeatedly_during_handoffs(
         # The stream's view, folded through the pure core.
         with TimeSliceClient("observer", "observer", nats_url) as obs:
             rec = eventually_sync(
-                lambda: (r := obs.status(group)).holder is None and not r.queue and r.switch is None and r,
+                lambda: (r := group_record_sync(obs, group)).holder is None and not r.queue and r.switch is None and r,
                 timeout=20,
                 what="group idle",
             )
@@ -201,7 +201,7 @@ def test_orchestrator_sigkilled_repeatedly_during_handoffs(
             assert st.revocations == 0, "a lease or confirmation window ran out during a restart"
             assert st.releases >= total  # re-issued Released notices count as well
             eventually_sync(
-                lambda: obs.status(group) == checker.records[group],
+                lambda: group_record_sync(obs, group) == checker.records[group],
                 timeout=20,
                 what="the stored record is the fold of the stream",
             )
@@ -232,7 +232,9 @@ def test_release_during_a_long_outage_hands_over_cleanly(
         waiter = Worker(tmp_path, nats_url, group, "waiter", mode="wait", acquire_timeout=60, request_timeout=60)
         with TimeSliceClient("observer", "observer", nats_url) as obs:
             eventually_sync(
-                lambda: [w.job for w in obs.status(group).queue] == ["waiter"], timeout=START, what="waiter queued"
+                lambda: [w.job for w in group_record_sync(obs, group).queue] == ["waiter"],
+                timeout=START,
+                what="waiter queued",
             )
         orch.kill()
         holder.usr1()  # releases into the stream while nobody applies it

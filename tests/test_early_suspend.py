@@ -40,7 +40,7 @@ from timeslice_orchestrator.replay._model import OpBar
 from timeslice_orchestrator.replay._summary import _op_figures
 
 from .agent_harness import Recorder, timeslice
-from .helpers import eventually
+from .helpers import eventually, group_record
 from .test_agent_flow import stack
 from .workers import read_stream
 
@@ -77,7 +77,7 @@ async def agent(nats_url: str, request: pytest.FixtureRequest) -> AsyncIterator[
 
 
 async def _waiting(c: AsyncTimeSliceClient, job: str) -> bool:
-    return job in [w.job for w in (await c.status()).queue]
+    return job in [w.job for w in (await group_record(c)).queue]
 
 
 async def test_a_contended_release_suspends_at_once_and_the_agents_command_takes_it(
@@ -209,11 +209,11 @@ async def _alone_again(nats_url: str, a_handler: Recorder) -> tuple[AsyncTimeSli
 
 
 async def _gone(c: AsyncTimeSliceClient) -> bool:
-    return not (await c.status()).queue
+    return not (await group_record(c)).queue
 
 
 async def _nobody_holds(c: AsyncTimeSliceClient) -> GroupRecord | None:
-    rec = await c.status()
+    rec = await group_record(c)
     return rec if rec.holder is None else None
 
 

@@ -23,7 +23,7 @@ from timeslice_client.vllm_engine import (
 )
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 from .workers.engine_fakes import FakeCudaOOM, FakeDevice, FakeLLM, FakeSglangEngine, SchedulerExited, checksum
 
 OFFLOAD, DISCARD = SuspendMode.OFFLOAD, SuspendMode.DISCARD
@@ -168,7 +168,7 @@ def test_an_object_that_is_not_a_sleepable_engine_is_refused_when_the_handler_is
     with pytest.raises(TypeError, match="reload_weights must be callable"):
         VllmEngineHandler(_llm(), reload_weights="reload")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="lock_timeout"):
-        VllmEngineHandler(_llm(), lock_timeout=0)
+        VllmEngineHandler(_llm(), lock_timeout_s=0)
 
 
 def test_an_engine_error_fails_the_suspend_with_its_words_bounded_and_the_engine_left_awake() -> None:
@@ -396,7 +396,7 @@ def test_the_handlers_import_no_engine_and_no_torch() -> None:
 
 def test_a_block_using_the_engine_holds_a_suspend_off_and_an_asleep_engine_cannot_be_used() -> None:
     llm = _llm()
-    h = VllmEngineHandler(llm, lock_timeout=0.05)
+    h = VllmEngineHandler(llm, lock_timeout_s=0.05)
     inside, leave = threading.Event(), threading.Event()
 
     def generate() -> None:
@@ -453,7 +453,7 @@ async def test_two_jobs_hand_a_group_back_and_forth_with_one_engine_awake_at_a_t
         task = asyncio.create_task(to.acquire(timeout=30))
 
         async def waits() -> bool:
-            return to.job_id in [w.job for w in (await frm.status()).queue]
+            return to.job_id in [w.job for w in (await group_record(frm)).queue]
 
         await eventually(waits, what=f"{to.job_id} waits")
         await frm.release()
@@ -512,14 +512,14 @@ async def test_an_engine_that_fails_to_sleep_faults_its_job_with_the_engines_wor
         tb = asyncio.create_task(b.acquire(timeout=30))
 
         async def b_waits() -> bool:
-            return [w.job for w in (await a.status()).queue] == ["b"]
+            return [w.job for w in (await group_record(a)).queue] == ["b"]
 
         await eventually(b_waits, what="b waits for the group")
         await a.release()
         await tb  # b still gets the group: a's failed snapshot faults a alone
 
         async def faulted() -> str | None:
-            return (await b.status()).faulted.get("a")
+            return (await group_record(b)).faulted.get("a")
 
         reason = await eventually(faulted, what="a is faulted in the group")
         assert "LLM.sleep(level=1) failed: RuntimeError: CUDA error: unspecified launch failure" in reason, reason

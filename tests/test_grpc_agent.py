@@ -190,7 +190,7 @@ def _has_backend(name: str) -> bool:
 
 async def test_snapshot_agent_client(target: str, workload: Workload, agent: Agent) -> None:
     def run() -> None:
-        with SnapshotAgentClient(target, timeout=5, wait_timeout=20) as c:
+        with SnapshotAgentClient(target, timeout=5, wait_timeout_s=20) as c:
             assert c.status().jobs == {"trainer": JobState.IDLE}
             op = c.snapshot_and_wait("trainer", backend=AppChannel(mode="discard", tags=("kv_cache",)))
             assert op.ok and op.state is OperationState.COMPLETE

@@ -26,7 +26,7 @@ from timeslice_client.protocol import JOBS_BUCKET, JobUnregistered, decode_input
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .grpc_proto_client import AGENT_PROTO, Stub, compile_proto
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 
 ROOT = Path(__file__).resolve().parents[1]
 REF_PROTO = ROOT / "tests" / "reference_api" / "snapshot_agent_ref.proto"
@@ -161,7 +161,7 @@ async def finished(stub: Any, pb: Any, op_id: str) -> Any:
 
 
 async def queued(c: AsyncTimeSliceClient, job: str) -> bool:
-    return job in [w.job for w in (await c.status()).queue]
+    return job in [w.job for w in (await group_record(c)).queue]
 
 
 def registered(agent: Agent, job: str) -> Callable[[], bool]:

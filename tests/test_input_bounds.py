@@ -29,7 +29,7 @@ from timeslice_orchestrator.core import LIMITS
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .agent_harness import timeslice
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 
 BIG_MS = 2**53
 
@@ -169,7 +169,7 @@ async def test_a_full_queue_refuses_with_a_typed_error_and_the_record_stays_smal
                 await js.publish(subjects.job("full", job, "acquire"), encode(ev))
 
             async def queue_len() -> int:
-                return len((await holder.status()).queue)
+                return len((await group_record(holder)).queue)
 
             await eventually(
                 lambda: _at_least(queue_len, LIMITS.max_queue), timeout=60, interval=0.2, what="the queue filled up"

@@ -26,7 +26,7 @@ from timeslice_client.protocol import (
 )
 from timeslice_orchestrator.invariants import InvariantViolation, StreamChecker, check_record
 
-from .core_sim import T0, G, Sim, commands
+from .core_sim import T0, G, Sim
 
 # --------------------------------------------------------------------------- the checkers can fail
 
@@ -96,12 +96,7 @@ def test_check_record_catches_a_stuck_switch() -> None:
 
 def _scenario() -> Sim:
     """A stream with a switch, a failed snapshot, a revocation, a re-acquire and a zero-cost grant."""
-    sim = Sim()
-    sim.register("a", "n1")
-    sim.register("b", "n1")
-    sim.hold("a")
-    sim.acquire("b")
-    snap, restore = commands(sim.release("a"))
+    sim, snap, restore = Sim.a_releasing_to_b()
     sim.result(snap, ok=False)
     sim.result(restore)
     sim.acquire("b")  # re-acquire by the holder

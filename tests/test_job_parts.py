@@ -42,7 +42,18 @@ from timeslice_client.protocol import (
     subjects,
 )
 
-from .agent_harness import NODE, START, AgentProcess, Recorder, Workload, one, op_events, queued, timeslice
+from .agent_harness import (
+    NODE,
+    START,
+    AgentProcess,
+    Recorder,
+    Workload,
+    hold_then_queue,
+    one,
+    op_events,
+    queued,
+    timeslice,
+)
 from .helpers import eventually
 from .test_agent_flow import stack
 
@@ -173,13 +184,8 @@ async def test_every_registration_of_a_process_is_suspended_and_resumed(nats_url
 
 @pytest.fixture
 async def agent(orchestrator: object, nats_url: str, tmp_path: Path) -> AsyncIterator[AgentProcess]:
-    a = AgentProcess(nats_url, NODE, tmp_path / "agent.log")
-    a.start()
-    try:
-        await a.wait_ready()
+    async with AgentProcess(nats_url, NODE, tmp_path / "agent.log") as a:
         yield a
-    finally:
-        a.stop()
 
 
 @pytest.fixture
@@ -220,10 +226,7 @@ async def test_a_switch_moves_every_process_of_the_job(workers: Any, agent: Agen
     assert rc == 0 and f"pids {ctx['pids'][0]},{ctx['parts'][0]['pids'][0]}" in row, out
 
     async with AsyncTimeSliceClient("observer", "observer", nats_url) as observer:
-        a1.send("acquire")
-        await a1.wait("worked")
-        b.send("acquire")
-        await eventually(queued(observer, g, "b"), what="b queued behind a")
+        await hold_then_queue(a1, b, observer, g)
         a1.send("release")
         await b.wait("worked")
         for w, ready in ((a1, ready1), (a2, ready2)):
@@ -283,10 +286,7 @@ async def test_a_part_that_cannot_suspend_undoes_the_others(workers: Any, agent:
     await b.wait("ready", timeout=START)
     await _parts_of(agent, "a", 2)
     async with AsyncTimeSliceClient("observer", "observer", nats_url) as observer:
-        a1.send("acquire")
-        await a1.wait("worked")
-        b.send("acquire")
-        await eventually(queued(observer, g, "b"), what="b queued behind a")
+        await hold_then_queue(a1, b, observer, g)
         a1.send("release")
         await a2.wait("suspend_failed")
         # a1 had suspended; the switch failed in a2, so a1 is brought back: the whole job runs again
@@ -330,10 +330,7 @@ async def test_a_process_that_dies_during_the_switch_does_not_hold_it_up(
         await w.wait("ready", timeout=START)
     await _parts_of(agent, "a", 2)
     async with AsyncTimeSliceClient("observer", "observer", nats_url) as observer:
-        a1.send("acquire")
-        await a1.wait("worked")
-        b.send("acquire")
-        await eventually(queued(observer, g, "b"), what="b queued behind a")
+        await hold_then_queue(a1, b, observer, g)
         a1.send("release")
         await a2.wait("suspend_start")
         await a1.wait("suspended")

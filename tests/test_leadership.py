@@ -30,7 +30,7 @@ from timeslice_orchestrator._leadership import (
 )
 
 from .conftest import ROOT
-from .helpers import eventually
+from .helpers import eventually, stop_process
 
 TTL = 1
 
@@ -294,12 +294,7 @@ class Worker:
     def close(self) -> None:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, grace_s=10, kill_wait_s=5)
 
 
 async def test_sigstopped_leader_never_believes_after_resume(nats_url: str, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from timeslice_client.bus import connect, kv_keys
 from timeslice_client.protocol import Refused, Release, decode_notice, encode, subjects
 from timeslice_orchestrator.service import Orchestrator
 
-from .helpers import eventually
+from .helpers import eventually, group_record
 
 pytestmark = pytest.mark.usefixtures("orchestrator")
 
@@ -38,7 +38,7 @@ async def test_acquire_release_and_zero_cost_reacquire(nats_url: str) -> None:
 
 
 async def _state(c: AsyncTimeSliceClient, group: str, state: GroupState):  # type: ignore[no-untyped-def]
-    rec = await c.status(group)
+    rec = await group_record(c, group)
     return rec if rec.state == state else None
 
 
@@ -70,7 +70,7 @@ async def test_handoff_fifo_and_status(nats_url: str) -> None:
 
 
 async def _queue_is(c: AsyncTimeSliceClient, jobs: list[str]):  # type: ignore[no-untyped-def]
-    rec = await c.status()
+    rec = await group_record(c)
     return rec if [w.job for w in rec.queue] == jobs else None
 
 

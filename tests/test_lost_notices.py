@@ -12,7 +12,7 @@ import time
 import pytest
 from timeslice_client import AsyncTimeSliceClient, LeaseExpired
 
-from .helpers import eventually
+from .helpers import eventually, group_record
 from .tcp_proxy import tcp_proxy
 
 pytestmark = pytest.mark.usefixtures("orchestrator")
@@ -29,7 +29,7 @@ async def test_a_waiter_cut_off_at_its_grant_is_granted_once_it_hears_again(nats
             wait = asyncio.create_task(b.acquire(timeout=40))
 
             async def b_waits() -> bool:
-                return any(w.job == "b" for w in (await a.status()).queue)
+                return any(w.job == "b" for w in (await group_record(a)).queue)
 
             await eventually(b_waits, what="b waits for the group")
             assert b._nc is not None
@@ -74,7 +74,7 @@ async def test_a_holder_cut_off_past_its_lease_stops_holding_before_anyone_else_
             wait = asyncio.create_task(b.acquire(timeout=40))
 
             async def b_waits() -> bool:
-                return any(w.job == "b" for w in (await b.status()).queue)
+                return any(w.job == "b" for w in (await group_record(b)).queue)
 
             await eventually(b_waits, what="b waits for the group")
             proxy.cut()

@@ -10,18 +10,18 @@ import asyncio
 import pytest
 from timeslice_client import AsyncTimeSliceClient, GroupRecord, GroupState, TimeSliceClient
 
-from .helpers import eventually, eventually_sync
+from .helpers import eventually, eventually_sync, group_record
 
 pytestmark = pytest.mark.usefixtures("orchestrator")
 
 
 async def _held_by(c: AsyncTimeSliceClient, job: str) -> GroupRecord | None:
-    rec = await c.status()
+    rec = await group_record(c)
     return rec if rec.holder is not None and rec.holder.job == job else None
 
 
 async def _released(c: AsyncTimeSliceClient) -> bool:
-    rec = await c.status()
+    rec = await group_record(c)
     return rec.state == GroupState.IDLE_YIELDED and rec.holder is None
 
 

@@ -14,6 +14,7 @@ from timeslice_client.protocol import MAX_PRIORITY, Acquire, Granted, decode_inp
 from timeslice_orchestrator.core import LIMITS
 
 from .core_sim import Sim, notices
+from .helpers import group_record
 
 AGEING = LIMITS.priority_ageing_ms
 # Long windows, so minutes of waiting need no renewals here (the state machine covers renewals).
@@ -106,13 +107,13 @@ async def test_through_the_stack_a_later_higher_class_waiter_is_granted_first(
         await holder.acquire(timeout=10)
         batch_wait = asyncio.create_task(batch.acquire(timeout=30))
         for _ in range(200):  # batch queues first (bounded poll of the record)
-            rec = await holder.status()
+            rec = await group_record(holder)
             if [w.job for w in rec.queue] == ["batch"]:
                 break
             await asyncio.sleep(0.01)
         urgent_wait = asyncio.create_task(urgent.acquire(timeout=30))
         for _ in range(200):
-            rec = await holder.status()
+            rec = await group_record(holder)
             if [(w.job, w.priority) for w in rec.queue] == [("batch", 0), ("urgent", 7)]:
                 break
             await asyncio.sleep(0.01)

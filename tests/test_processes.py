@@ -26,7 +26,7 @@ from timeslice_client import GroupRecord, GroupState, TimeSliceClient
 from timeslice_client.protocol import Dequeued, Granted, Released, Revoked, subjects
 from timeslice_orchestrator.invariants import StreamChecker
 
-from .helpers import eventually_sync
+from .helpers import eventually_sync, group_record_sync
 from .workers import Worker, check_exclusive_holds, holds, notices, read_stream
 
 pytestmark = pytest.mark.usefixtures("orchestrator_process")
@@ -68,11 +68,11 @@ def checked_stream(nats_url: str, group: str) -> tuple[StreamChecker, list[tuple
 
 
 def queue_of(obs: TimeSliceClient, group: str) -> list[str]:
-    return [w.job for w in obs.status(group).queue]
+    return [w.job for w in group_record_sync(obs, group).queue]
 
 
 def settled(obs: TimeSliceClient, group: str) -> GroupRecord | None:
-    rec = obs.status(group)
+    rec = group_record_sync(obs, group)
     return rec if rec.holder is None and not rec.queue and rec.switch is None else None
 
 
@@ -111,7 +111,7 @@ def test_job_processes_hand_the_group_around(spawn: Spawn, observer: TimeSliceCl
     assert (st.releases, st.revocations, st.max_epoch) == (total, 0, total)
     # The stored record is exactly the fold of the stream (once the orchestrator stored its last decision).
     eventually_sync(
-        lambda: observer.status(group) == checker.records[group],
+        lambda: group_record_sync(observer, group) == checker.records[group],
         timeout=10,
         what="stored record equals the fold of the stream",
     )
@@ -144,7 +144,7 @@ def test_killed_holder_loses_the_group_within_its_lease(
     if when == "after-confirm":
         eventually_sync(lambda: queue_of(observer, group) == ["waiter"], timeout=10, what="waiter queued")
         eventually_sync(
-            lambda: (h := observer.status(group).holder) is not None and h.confirmed,
+            lambda: (h := group_record_sync(observer, group).holder) is not None and h.confirmed,
             timeout=10,
             what="holder confirmed by a renewal",
         )

@@ -1,121 +1,23 @@
-"""The public surface of each package, pinned: a name added to or dropped from an ``__all__`` is a decision that
-shows up here (and in the changelog of whoever depends on it), never an accident of a refactor. Every exported
-name resolves, and every public module's ``__all__`` lists only what it defines or re-exports."""
+"""The public surface of each package, pinned in tests/public_api.json: a name added to or dropped from an
+``__all__`` is a decision that shows up there (and in the changelog of whoever depends on it), never an accident of a
+refactor. Every exported name resolves, and every public module's ``__all__`` lists only what it defines or
+re-exports."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import json
 from pathlib import Path
 
 import pytest
 
-PINNED: dict[str, set[str]] = {
-    "timeslice_client": {
-        "AcquireAllFailed",
-        "AcquireAllTimeout",
-        "AcquireCancelled",
-        "AcquireTimeout",
-        "AgentError",
-        "AgentRefused",
-        "AsyncSnapshotAgentClient",
-        "AsyncTimeSliceClient",
-        "BusUnreachable",
-        "CallbackHandler",
-        "CredentialsError",
-        "Grant",
-        "GroupFull",
-        "GroupQuarantined",
-        "GroupRecord",
-        "GroupState",
-        "HandlerError",
-        "HandlerResult",
-        "InvalidId",
-        "InvalidNatsUrl",
-        "InvalidRequest",
-        "JobFaulted",
-        "JobState",
-        "LeaseExpired",
-        "LockLost",
-        "LockOrderError",
-        "NotHolder",
-        "OperationFailed",
-        "OperationNotFound",
-        "OperationTimeout",
-        "ReleaseResult",
-        "SnapshotAgentClient",
-        "StaleEpoch",
-        "SuspendMode",
-        "TimeSliceClient",
-        "TimeSliceError",
-        "Unavailable",
-        "UnresizableStorage",
-        "WorkloadChannel",
-        "WorkloadHandler",
-        "register_workload",
-    },
-    "timeslice_agent": {
-        "Agent",
-        "AgentConfig",
-        "AgentMetrics",
-        "AgentServiceError",
-        "AgentSocketError",
-        "AppChannelBackend",
-        "AppEndpointBackend",
-        "Backend",
-        "BackendError",
-        "BackendUnavailable",
-        "CheckpointDriver",
-        "CudaBackend",
-        "DriverError",
-        "FreezeBackend",
-        "GpuAccounting",
-        "GpuProcess",
-        "GpuSource",
-        "HttpError",
-        "NoopBackend",
-        "OpContext",
-        "OperationInProgress",
-        "Outcome",
-        "ProcessState",
-        "Refusal",
-        "Refused",
-        "UnknownProcessState",
-        "available_backends",
-        "register_backend",
-        "unavailable_backends",
-    },
-    "timeslice_client.integrations": set(),  # each integration is a module of its own (OPTIONAL below)
-    "timeslice_client.integrations.slime": {"ENV", "ROLES", "TURNS", "PhaseCounts", "TimeSliceCallback"},
-    "timeslice_client.integrations.verl": {"PHASES", "PhaseCounts", "VerlHolds"},
-    "timeslice_orchestrator": {
-        "AdviseError",
-        "AuthError",
-        "Deposed",
-        "EmbeddedNatsError",
-        "LeaderWaitTimeout",
-        "LeadershipError",
-        "NatsServer",
-        "NotLeader",
-        "Orchestrator",
-        "OrchestratorConfig",
-        "OrchestratorError",
-        "OrchestratorMetrics",
-        "ReplayError",
-        "ServiceFailed",
-        "Unusable",
-        "apply",
-        "find_nats_server",
-        "new_record",
-        "next_deadline",
-    },
-}
-
-
+#: Each package's pinned ``__all__`` (``packages``) and, for modules that need an extra, the extra's import name and
+#: the pinned names (``optional``): data, so that a change of the surface reads as a change of this file.
+_PINS = json.loads((Path(__file__).with_name("public_api.json")).read_text())
+PINNED: dict[str, set[str]] = {package: set(names) for package, names in _PINS["packages"].items()}
 # Modules that need an extra: pinned the same way where the extra is installed (``needs``: its import name).
-OPTIONAL: dict[str, tuple[str, set[str]]] = {
-    "timeslice_client.integrations.trl": ("trl", {"HoldCounts", "OffloadCounts", "TimeSliceCallback", "attach"}),
-}
+OPTIONAL: dict[str, tuple[str, set[str]]] = {m: (p["needs"], set(p["names"])) for m, p in _PINS["optional"].items()}
 
 
 @pytest.mark.parametrize("package", sorted(PINNED))

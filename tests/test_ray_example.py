@@ -31,13 +31,8 @@ REWARD_S = 0.6
 
 @pytest.fixture
 async def agent(orchestrator: object, nats_url: str, tmp_path: Path) -> AsyncIterator[AgentProcess]:
-    a = AgentProcess(nats_url, NODE, tmp_path / "agent.log")
-    a.start()
-    try:
-        await a.wait_ready()
+    async with AgentProcess(nats_url, NODE, tmp_path / "agent.log") as a:
         yield a
-    finally:
-        a.stop()
 
 
 def _example(nats_url: str, *args: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from timeslice_orchestrator.replay import Replay, StreamEvent, fold_events, read
 from timeslice_orchestrator.replay._summary import clipped, quantile
 
 from .agent_harness import timeslice
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 from .replay_streams import MB, StreamBuilder, alternating, op_id
 
 T0 = 1_000_000
@@ -218,7 +218,7 @@ def _handler(nbytes: int) -> CallbackHandler:
 
 
 async def _queued(c: AsyncTimeSliceClient, job: str) -> bool:
-    return job in [w.job for w in (await c.status()).queue]
+    return job in [w.job for w in (await group_record(c)).queue]
 
 
 @pytest.mark.usefixtures("orchestrator")

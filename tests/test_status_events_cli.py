@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -19,7 +18,7 @@ from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
 from timeslice_client.bus import connect, kv_keys
 from timeslice_client.protocol import GROUPS_BUCKET, JOBS_BUCKET, GroupRecord, encode
 
-from .agent_harness import ROOT, queued, timeslice
+from .agent_harness import queued, start_cli, timeslice
 from .helpers import eventually, running
 from .workers import read_stream
 
@@ -106,22 +105,7 @@ class Proc:
 
     @classmethod
     async def start(cls, nats_url: str, *args: str) -> Proc:
-        sub, *rest = args
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "timeslice_cli",
-            "--log-level",
-            "warning",
-            sub,
-            "--nats-url",
-            nats_url,
-            *rest,
-            cwd=ROOT,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        return cls(proc)
+        return cls(await start_cli(nats_url, *args))
 
     async def until(self, pred: Any, timeout: float = 30) -> str:
         """The first line (from now on) for which ``pred`` holds."""

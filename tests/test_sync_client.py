@@ -10,7 +10,7 @@ import pytest
 from timeslice_client import AsyncTimeSliceClient, TimeSliceClient
 from timeslice_client._channel_thread import Responder
 
-from .helpers import eventually_sync
+from .helpers import eventually_sync, group_record_sync
 from .tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.usefixtures("orchestrator_process")
@@ -30,8 +30,8 @@ def test_sync_client_round_trip(nats_url: str) -> None:
         assert calls == [1, 2]
         with b.on_accelerators(timeout=10) as g:
             assert g.epoch == 3
-            eventually_sync(lambda: (h := a.status().holder) is not None and h.job == "b")
-        eventually_sync(lambda: b.status().active_job == "b" and b.status().holder is None)
+            eventually_sync(lambda: (h := group_record_sync(a).holder) is not None and h.job == "b")
+        eventually_sync(lambda: group_record_sync(b).active_job == "b" and group_record_sync(b).holder is None)
         assert "g10" in a.list_groups()
 
 
@@ -72,7 +72,7 @@ def test_calls_from_another_thread_run_while_one_waits(nats_url: str) -> None:
         got: list[int] = []
         waiter = threading.Thread(target=lambda: got.append(b.acquire(timeout=20).epoch))
         waiter.start()
-        eventually_sync(lambda: [w.job for w in b.status().queue] == ["b"], what="b waits (asked through b)")
+        eventually_sync(lambda: [w.job for w in group_record_sync(b).queue] == ["b"], what="b waits (asked through b)")
         assert b.list_groups() and not b.holding
         a.release()
         waiter.join(20)
@@ -89,11 +89,14 @@ def test_the_hold_is_renewed_between_calls(nats_url: str) -> None:
     ):
         g = a.acquire(timeout=10)
         # the record is stored a moment after the grant goes out
-        first = eventually_sync(lambda: obs.status("g13").holder, timeout=10, what="the record names the holder")
+        first = eventually_sync(
+            lambda: group_record_sync(obs, "g13").holder, timeout=10, what="the record names the holder"
+        )
         assert first.job == "a"
         eventually_sync(
             lambda: (
-                (h := obs.status("g13").holder) is not None and h.lease_deadline_ms >= first.lease_deadline_ms + 3000
+                (h := group_record_sync(obs, "g13").holder) is not None
+                and h.lease_deadline_ms >= first.lease_deadline_ms + 3000
             ),
             timeout=10,
             what="three more seconds of lease, renewed in the background",
@@ -126,11 +129,12 @@ def test_a_connection_cut_between_calls_is_mended_by_the_clients_thread(nats_url
             eventually_sync(lambda: not nc.is_connected, what="a's connection is cut")
             on_proxy_loop(proxy.restore)
             eventually_sync(lambda: nc.is_connected, timeout=15, what="a reconnected without a call made on it")
-            h0 = obs.status("g14").holder
+            h0 = group_record_sync(obs, "g14").holder
             assert h0 is not None and h0.job == "a"
             eventually_sync(
                 lambda: (
-                    (h := obs.status("g14").holder) is not None and h.lease_deadline_ms >= h0.lease_deadline_ms + 1000
+                    (h := group_record_sync(obs, "g14").holder) is not None
+                    and h.lease_deadline_ms >= h0.lease_deadline_ms + 1000
                 ),
                 timeout=10,
                 what="a's lease renewed after the reconnect",

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from timeslice_client import TimeSliceClient
 
-from .helpers import eventually_sync
+from .helpers import eventually_sync, group_record_sync
 
 pytestmark = pytest.mark.usefixtures("orchestrator_process")
 
@@ -49,7 +49,7 @@ def test_ctrl_c_withdraws_the_wait_before_the_process_exits(
     )
     try:
         eventually_sync(
-            lambda: [w.job for w in holder.status().queue] == ["doomed"],
+            lambda: [w.job for w in group_record_sync(holder).queue] == ["doomed"],
             timeout=START,
             what="the child waits behind the holder",
         )
@@ -64,7 +64,7 @@ def test_ctrl_c_withdraws_the_wait_before_the_process_exits(
     lines = ["ready"] if how == "exit" else ["ready", "interrupted"]
     assert log.read_text().splitlines() == lines, "the acquire did not raise KeyboardInterrupt"
     eventually_sync(
-        lambda: not holder.status().queue,
+        lambda: not group_record_sync(holder).queue,
         timeout=GONE_S,
         what="the interrupted waiter is gone from the queue right after its process exited",
     )
@@ -72,9 +72,9 @@ def test_ctrl_c_withdraws_the_wait_before_the_process_exits(
     assert released.pending_waiters == 0, "the release found the dead waiter still queued"
     # the record is stored a moment after the release is answered: wait until it no longer shows the holder's hold
     eventually_sync(
-        lambda: (h := holder.status().holder) is None or h.job != "holder",
+        lambda: (h := group_record_sync(holder).holder) is None or h.job != "holder",
         timeout=GONE_S,
         what="the record shows the release",
     )
-    rec = holder.status()
+    rec = group_record_sync(holder)
     assert rec.holder is None and rec.switch is None and not rec.queue, f"granted to somebody after all: {rec}"

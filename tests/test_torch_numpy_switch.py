@@ -15,7 +15,7 @@ from timeslice_client import AsyncTimeSliceClient, JobFaulted  # noqa: E402
 from timeslice_client.torch_offload import TorchOffloadHandler  # noqa: E402
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig  # noqa: E402
 
-from .helpers import eventually, running  # noqa: E402
+from .helpers import eventually, group_record, running  # noqa: E402
 
 
 async def test_numpy_on_a_registered_tensor_faults_the_switch_naming_the_call(nats_url: str) -> None:
@@ -35,13 +35,13 @@ async def test_numpy_on_a_registered_tensor_faults_the_switch_naming_the_call(na
             tb = asyncio.create_task(b.acquire(timeout=20))
 
             async def b_waits() -> bool:
-                return [w.job for w in (await a.status()).queue] == ["b"]
+                return [w.job for w in (await group_record(a)).queue] == ["b"]
 
             await eventually(b_waits, what="b waits for the group")
         await asyncio.wait_for(tb, 20)  # b still gets the group: a's suspend was refused before anything moved
 
         async def faulted() -> str | None:
-            return (await b.status()).faulted.get("a")
+            return (await group_record(b)).faulted.get("a")
 
         reason = await eventually(faulted, what="a is faulted in the group")
         assert "`tensor.numpy()`" in reason and "`.clone()`" in reason and "'weights'" in reason, reason

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -27,6 +28,8 @@ from typing import Any
 
 import pytest
 from timeslice_cli.demo._stack import embedded_stack
+
+from .helpers import example_line
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = "n-trl"
@@ -245,27 +248,10 @@ async def test_the_example_trains_through_the_stack_as_it_trains_without_it(tmp_
     async with embedded_stack(tmp_path / "stack", NODE) as stack:
         env = dict(os.environ, TIMESLICE_NATS_URL=stack.nats_url, TIMESLICE_NODE_ID=NODE, **_THREADS)
 
-        async def example(*extra: str) -> str:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                str(ROOT / "examples" / "trl_grpo.py"),
-                "--job",
-                "example",
-                "--steps",
-                "3",
-                "--reward-ms",
-                "10",
-                *extra,
-                env=env,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-            )
-            out, err = await asyncio.wait_for(proc.communicate(), BUILT_TIMEOUT_S + RUN_TIMEOUT_S)
-            assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
-            (line,) = [ln for ln in out.decode().splitlines() if ln.startswith("example: 3 steps in")]
-            return line
-
-        shared, plain = await asyncio.gather(example(), example("--plain"))
+        run = functools.partial(
+            example_line, "trl_grpo.py", "example", env=env, timeout=BUILT_TIMEOUT_S + RUN_TIMEOUT_S
+        )
+        shared, plain = await asyncio.gather(run(), run("--plain"))
     assert "moved out 0x" in shared and "waited" in shared, shared  # alone in its group: nothing moved
     assert shared.split("weights sha256 ")[1] == plain.split("weights sha256 ")[1], (shared, plain)
 

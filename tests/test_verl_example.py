@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import os
 import sys
@@ -31,7 +32,7 @@ from timeslice_cli.demo._stack import embedded_stack
 from timeslice_client import InvalidRequest, TimeSliceClient
 from timeslice_client.integrations.verl import VerlHolds
 
-from .helpers import running
+from .helpers import example_line, running
 from .pool_watch import PoolWatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,26 +217,7 @@ async def test_the_example_runs_through_the_stack_as_it_runs_without_it(tmp_path
             PYTHONPATH=os.pathsep.join(sys.path),
         )
 
-        async def example(*extra: str) -> str:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                str(ROOT / "examples" / "verl_timeslice.py"),
-                "--job",
-                "ppo-example",
-                "--steps",
-                "3",
-                "--reward-ms",
-                "10",
-                *extra,
-                env=env,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-            )
-            out, err = await asyncio.wait_for(proc.communicate(), JOB_TIMEOUT_S)
-            assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
-            (line,) = [ln for ln in out.decode().splitlines() if ln.startswith("ppo-example: 3 steps in")]
-            return line
-
-        shared, alone = await asyncio.gather(example(), example("--plain"))
+        run = functools.partial(example_line, "verl_timeslice.py", "ppo-example", env=env, timeout=JOB_TIMEOUT_S)
+        shared, alone = await asyncio.gather(run(), run("--plain"))
     assert "moved out 0x" in shared and "6 holds" in shared, shared  # alone in its group: nothing moved
     assert shared.split("state sha256 ")[1] == alone.split("state sha256 ")[1], (shared, alone)

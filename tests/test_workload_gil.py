@@ -25,7 +25,7 @@ from timeslice_client.protocol import WorkloadCommand, WorkloadReply, encode, su
 from timeslice_client.workload import register_workload
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
-from .helpers import eventually, running
+from .helpers import eventually, group_record, running
 
 RELEASES = 200  # GIL releases in one handler call
 
@@ -94,7 +94,9 @@ def test_prompt_threads_keeps_an_interval_set_meanwhile() -> None:
 async def _suspend_ms(nats_url: str, node: str, job: str, interval: float | None) -> tuple[float, list[float]]:
     """The handler's time (ms, as the channel reports it) and the intervals it saw, with ``interval``."""
     handler = _Releasing()
-    channel = await register_workload(job, "g-gil", handler, node_id=node, nats_url=nats_url, switch_interval=interval)
+    channel = await register_workload(
+        job, "g-gil", handler, node_id=node, nats_url=nats_url, switch_interval_s=interval
+    )
     nc = await connect(nats_url)
     try:
         cmd = WorkloadCommand(op_id=f"{job}-1", action="suspend", epoch=1)
@@ -134,7 +136,7 @@ async def test_a_job_that_yields_is_armed_until_its_suspend_is_answered_or_it_ac
         AsyncTimeSliceClient("c", "g-arm", nats_url) as c,
     ):
         await a.register_workload(handler, node_id="n-arm")
-        await c.register_workload(_Releasing(), node_id="n-arm", switch_interval=None)
+        await c.register_workload(_Releasing(), node_id="n-arm", switch_interval_s=None)
         await a.acquire(timeout=10)
         assert sys.getswitchinterval() == before
         await a.release()  # nobody waits: a keeps its context, and its channel stays armed
@@ -155,4 +157,4 @@ async def test_a_job_that_yields_is_armed_until_its_suspend_is_answered_or_it_ac
 
 
 async def _queued(c: AsyncTimeSliceClient, job: str) -> bool:
-    return job in [w.job for w in (await c.status()).queue]
+    return job in [w.job for w in (await group_record(c)).queue]

@@ -17,6 +17,7 @@ loop thread of its own.
 from typing import TYPE_CHECKING, Any
 
 from ._async_client import AsyncTimeSliceClient, Grant, ReleaseResult
+from ._group_status import GroupStatus, HolderStatus, WaiterStatus
 from ._sync_client import TimeSliceClient
 from .errors import (
     AcquireAllFailed,
@@ -89,8 +90,10 @@ __all__ = [
     "GroupQuarantined",
     "GroupRecord",
     "GroupState",
+    "GroupStatus",
     "HandlerError",
     "HandlerResult",
+    "HolderStatus",
     "InvalidId",
     "InvalidNatsUrl",
     "InvalidRequest",
@@ -111,6 +114,7 @@ __all__ = [
     "TimeSliceError",
     "Unavailable",
     "UnresizableStorage",
+    "WaiterStatus",
     "WorkloadChannel",
     "WorkloadHandler",
     "register_workload",

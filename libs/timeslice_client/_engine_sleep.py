@@ -28,7 +28,7 @@ from .handlers import HandlerResult
 from .protocol import DEFAULT_OP_TIMEOUT_MS, SuspendMode
 
 __all__ = [
-    "DEFAULT_LOCK_TIMEOUT",
+    "DEFAULT_LOCK_TIMEOUT_S",
     "KV_CACHE",
     "MESSAGE_CHARS",
     "WEIGHTS",
@@ -47,7 +47,7 @@ __all__ = [
 WEIGHTS: Final = "weights"
 KV_CACHE: Final = "kv_cache"
 MESSAGE_CHARS: Final = 200  # the engine's own words kept in an error (a fault reason on the wire keeps 256)
-DEFAULT_LOCK_TIMEOUT: Final = DEFAULT_OP_TIMEOUT_MS / 1000
+DEFAULT_LOCK_TIMEOUT_S: Final = DEFAULT_OP_TIMEOUT_MS / 1000
 _MISSING: Final = object()
 
 ReloadHook = Callable[[], object]
@@ -93,7 +93,7 @@ class Step:
 class SleepHandler(abc.ABC):
     """The shared state machine; subclasses say which engine calls a suspend and a wake make (see the module doc).
 
-    Thread-safe: every call (and :meth:`using`) holds one lock, waited for at most ``lock_timeout`` seconds.
+    Thread-safe: every call (and :meth:`using`) holds one lock, waited for at most ``lock_timeout_s`` seconds.
     Idempotent: a suspend of tags the handler already put to sleep, and a resume of tags that are awake, do nothing
     and report no bytes.
     """
@@ -106,7 +106,7 @@ class SleepHandler(abc.ABC):
         *,
         reload_weights: ReloadHook | None,
         device_bytes: DeviceBytes | None,
-        lock_timeout: float,
+        lock_timeout_s: float,
     ) -> None:
         if reload_weights is not None and not callable(reload_weights):
             raise TypeError(
@@ -118,12 +118,12 @@ class SleepHandler(abc.ABC):
                 f"device_bytes must be callable (returning the bytes the engine holds on the device), "
                 f"not {type(device_bytes).__name__!r}"
             )
-        if not lock_timeout > 0:
-            raise ValueError(f"lock_timeout must be positive seconds, not {lock_timeout}")
+        if not lock_timeout_s > 0:
+            raise ValueError(f"lock_timeout_s must be positive seconds, not {lock_timeout_s}")
         self.memory_tags = tuple(memory_tags)  # the engine's tags; a wake goes weights first, then this order
         self.reload_weights = reload_weights
         self.device_bytes = device_bytes
-        self.lock_timeout = lock_timeout
+        self.lock_timeout_s = lock_timeout_s
         self._lock = threading.RLock()
         self._asleep: set[str] = set()  # tags this handler put to sleep and has not woken
         self._weights_lost = False  # the sleeping weights' contents are gone: reload them once they are awake
@@ -153,7 +153,7 @@ class SleepHandler(abc.ABC):
     def using(self) -> Iterator[None]:
         """Hold the engine awake for a block (``with handler.using(): llm.generate(...)``): raises ``HandlerError``
         when it is asleep (instead of the engine's garbage or crash), and a suspend waits for the block to end (at
-        most ``lock_timeout``). Optional: a job that generates only inside its holds needs none."""
+        most ``lock_timeout_s``). Optional: a job that generates only inside its holds needs none."""
         with self._locked("use the engine"):
             if self._asleep or self._reload_due:
                 raise HandlerError(
@@ -353,10 +353,10 @@ class SleepHandler(abc.ABC):
 
     @contextlib.contextmanager
     def _locked(self, what: str) -> Iterator[None]:
-        if not self._lock.acquire(timeout=self.lock_timeout):
+        if not self._lock.acquire(timeout=self.lock_timeout_s):
             raise HandlerError(
                 f"could not {what}: another call has held this {self.engine} handler for over "
-                f"{self.lock_timeout:g} s (a block inside using(), or a suspend or resume still "
+                f"{self.lock_timeout_s:g} s (a block inside using(), or a suspend or resume still "
                 "running)"
             )
         try:

@@ -5,11 +5,19 @@ mypy and documented for users. Each default is ``WorkloadChannel``'s, which carr
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TypedDict
+from typing import Final, TypedDict, cast
 
 from ._codes import SuspendMode
+from ._renamed import rename_keywords
 
-__all__ = ["CLIENT_WORKLOAD_KEYS", "WORKLOAD_KEYS", "ClientWorkloadOptions", "WorkloadOptions", "check_options"]
+__all__ = [
+    "CLIENT_WORKLOAD_KEYS",
+    "RENAMED_KEYS",
+    "WORKLOAD_KEYS",
+    "ClientWorkloadOptions",
+    "WorkloadOptions",
+    "check_options",
+]
 
 
 class WorkloadOptions(TypedDict, total=False):
@@ -39,14 +47,14 @@ class WorkloadOptions(TypedDict, total=False):
     pgid: int | None
     """The process group such a backend stops as well (this process's own); default: none."""
 
-    op_timeout: float
+    op_timeout_s: float
     """Seconds the agent gives one suspend or resume of this job; default 120."""
 
     endpoints: Iterable[str]
     """The serving engines of backend ``app_endpoint`` (``"vllm+http://host:port"``, ``"sglang+http://host:port"``);
     default: none."""
 
-    switch_interval: float | None
+    switch_interval_s: float | None
     """The process's GIL switch interval (seconds, at most; default 1e-4) while it answers a suspend or resume (and,
     through a client, from this job's release until then), so a main thread busy in Python does not hold up the
     handler; ``None`` leaves it alone (docs/backends.md)."""
@@ -65,9 +73,17 @@ WORKLOAD_KEYS = WorkloadOptions.__optional_keys__
 CLIENT_WORKLOAD_KEYS = ClientWorkloadOptions.__optional_keys__
 
 
+#: Options renamed for the unit convention (docs/architecture.md, "Names and units"): old name -> new name. The old
+#: names work, with a DeprecationWarning, for one release.
+RENAMED_KEYS: Final[Mapping[str, str]] = {"op_timeout": "op_timeout_s", "switch_interval": "switch_interval_s"}
+
+
 def check_options(options: Mapping[str, object], keys: frozenset[str], call: str) -> None:
     """Refuse a keyword outside ``keys`` as Python refuses one a function does not name (``TypeError``): the options
-    go on to ``WorkloadChannel``, which takes more than a caller may give."""
+    go on to ``WorkloadChannel``, which takes more than a caller may give. An old name of ``RENAMED_KEYS`` is moved to
+    its new one in ``options`` (the caller's ``**options``, a dict of its own), with a DeprecationWarning for the
+    caller's caller."""
+    rename_keywords(cast("dict[str, object]", options), RENAMED_KEYS, call, stacklevel=4)
     for name in options:
         if name not in keys:
             raise TypeError(f"{call}() got an unexpected keyword argument {name!r}")

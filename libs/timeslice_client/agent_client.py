@@ -35,6 +35,7 @@ import grpc
 
 from ._grpc import snapshot_agent_pb2 as pb
 from ._grpc.runtime import channel_credentials
+from ._renamed import renamed_keywords
 from .errors import (
     AgentError,
     InvalidRequest,
@@ -222,20 +223,28 @@ class _Poll:
         return d
 
 
-# ---------------------------------------------------------------------- the blocking client
+def _finished(op: Operation, limit: float, deadline: float) -> bool:
+    """Whether ``wait()`` ends with ``op``: True when it succeeded; raises OperationFailed when it failed, and
+    OperationTimeout (``limit`` seconds) when it is still running at ``deadline`` (monotonic)."""
+    if op.done:
+        if not op.ok:
+            raise OperationFailed(op)
+        return True
+    if time.monotonic() >= deadline:
+        raise OperationTimeout(op.op_id, limit)
+    return False
 
 
-class SnapshotAgentClient:
-    """Blocking client of one node's snapshot agent. ``target`` is ``host:port`` (default
-    :func:`default_target`); ``tls=True`` (or any ``tls_*`` file) uses TLS, with ``tls_cert``/``tls_key``
-    for mutual TLS."""
+class _AgentClient:
+    """What both clients share: the target, the bounds and the channel's calls, one per method of the service."""
 
+    @renamed_keywords(wait_timeout="wait_timeout_s")
     def __init__(
         self,
         target: str | None = None,
         *,
         timeout: float = 10.0,
-        wait_timeout: float = 300.0,
+        wait_timeout_s: float = 300.0,
         tls: bool = False,
         tls_ca: str | Path | None = None,
         tls_cert: str | Path | None = None,
@@ -244,13 +253,9 @@ class SnapshotAgentClient:
     ) -> None:
         self.target = target or default_target()
         self.timeout = timeout
-        self.wait_timeout = wait_timeout
+        self.wait_timeout_s = wait_timeout_s
         creds = _credentials(tls_ca, tls_cert, tls_key, tls)
-        self._channel = (
-            grpc.secure_channel(self.target, creds, list(options))
-            if creds is not None
-            else grpc.insecure_channel(self.target, list(options))
-        )
+        self._channel = self._open(creds, list(options))
         self._calls: dict[str, Any] = {
             m.name: self._channel.unary_unary(
                 f"/{_SERVICE.full_name}/{m.name}",
@@ -259,6 +264,23 @@ class SnapshotAgentClient:
             )
             for m in _SERVICE.methods
         }
+
+    def _open(self, creds: grpc.ChannelCredentials | None, options: list[tuple[str, Any]]) -> Any:
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------- the blocking client
+
+
+class SnapshotAgentClient(_AgentClient):
+    """Blocking client of one node's snapshot agent. ``target`` is ``host:port`` (default
+    :func:`default_target`); ``tls=True`` (or any ``tls_*`` file) uses TLS, with ``tls_cert``/``tls_key``
+    for mutual TLS."""
+
+    def _open(self, creds: grpc.ChannelCredentials | None, options: list[tuple[str, Any]]) -> grpc.Channel:
+        if creds is not None:
+            return grpc.secure_channel(self.target, creds, options)
+        return grpc.insecure_channel(self.target, options)
 
     def _call(self, method: str, request: Any, timeout: float | None, what: str) -> Any:
         try:
@@ -285,17 +307,13 @@ class SnapshotAgentClient:
 
     def wait(self, op_id: str, *, timeout: float | None = None) -> Operation:
         """Poll until the operation is done. Raises OperationFailed or OperationTimeout."""
-        limit = self.wait_timeout if timeout is None else timeout
+        limit = self.wait_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         poll = _Poll()
         while True:
             op = self.get_operation(op_id, timeout=min(self.timeout, max(0.1, deadline - time.monotonic())))
-            if op.done:
-                if not op.ok:
-                    raise OperationFailed(op)
+            if _finished(op, limit, deadline):
                 return op
-            if time.monotonic() >= deadline:
-                raise OperationTimeout(op_id, limit)
             time.sleep(min(poll.next(), max(0.0, deadline - time.monotonic())))
 
     def snapshot_and_wait(
@@ -323,38 +341,13 @@ class SnapshotAgentClient:
 # ---------------------------------------------------------------------- the asyncio client
 
 
-class AsyncSnapshotAgentClient:
+class AsyncSnapshotAgentClient(_AgentClient):
     """The same API for asyncio (``grpc.aio``); every method is a coroutine."""
 
-    def __init__(
-        self,
-        target: str | None = None,
-        *,
-        timeout: float = 10.0,
-        wait_timeout: float = 300.0,
-        tls: bool = False,
-        tls_ca: str | Path | None = None,
-        tls_cert: str | Path | None = None,
-        tls_key: str | Path | None = None,
-        options: Sequence[tuple[str, Any]] = (),
-    ) -> None:
-        self.target = target or default_target()
-        self.timeout = timeout
-        self.wait_timeout = wait_timeout
-        creds = _credentials(tls_ca, tls_cert, tls_key, tls)
-        self._channel = (
-            grpc.aio.secure_channel(self.target, creds, list(options))
-            if creds is not None
-            else grpc.aio.insecure_channel(self.target, list(options))
-        )
-        self._calls: dict[str, Any] = {
-            m.name: self._channel.unary_unary(
-                f"/{_SERVICE.full_name}/{m.name}",
-                request_serializer=lambda msg: msg.SerializeToString(),
-                response_deserializer=getattr(pb, m.output_type.name).FromString,
-            )
-            for m in _SERVICE.methods
-        }
+    def _open(self, creds: grpc.ChannelCredentials | None, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
+        if creds is not None:
+            return grpc.aio.secure_channel(self.target, creds, options)
+        return grpc.aio.insecure_channel(self.target, options)
 
     async def _call(self, method: str, request: Any, timeout: float | None, what: str) -> Any:
         try:
@@ -382,17 +375,13 @@ class AsyncSnapshotAgentClient:
         return _status(await self._call("Status", pb.StatusRequest(), timeout, "status"))
 
     async def wait(self, op_id: str, *, timeout: float | None = None) -> Operation:
-        limit = self.wait_timeout if timeout is None else timeout
+        limit = self.wait_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
         poll = _Poll()
         while True:
             op = await self.get_operation(op_id, timeout=min(self.timeout, max(0.1, deadline - time.monotonic())))
-            if op.done:
-                if not op.ok:
-                    raise OperationFailed(op)
+            if _finished(op, limit, deadline):
                 return op
-            if time.monotonic() >= deadline:
-                raise OperationTimeout(op_id, limit)
             await asyncio.sleep(min(poll.next(), max(0.0, deadline - time.monotonic())))
 
     async def snapshot_and_wait(

@@ -345,7 +345,10 @@ Notice = Granted | Released | Refused | Revoked | Dequeued | Contended | YieldRe
 # --------------------------------------------------------------------------- orchestrator → agent
 
 
-class Snapshot(_Msg, frozen=True, tag="snapshot"):
+class _OpCommand(_Msg, frozen=True):
+    """What both commands carry: operation ``op_id`` on ``job``'s context on ``node``, for the switch of ``epoch``
+    of ``group``, due by ``deadline_ms``. Never sent itself."""
+
     op_id: OpId
     group: Id
     job: Id
@@ -354,17 +357,15 @@ class Snapshot(_Msg, frozen=True, tag="snapshot"):
     deadline_ms: Ms
 
 
-class Restore(_Msg, frozen=True, tag="restore"):
+class Snapshot(_OpCommand, frozen=True, tag="snapshot"):
+    pass  # move ``job``'s context off ``node``'s accelerators (no docstring: it would enter the published schema)
+
+
+class Restore(_OpCommand, frozen=True, tag="restore"):
     """Bring ``job``'s context back on ``node``. The orchestrator sends it together with the switch's
     snapshots; ``after`` names the snapshot operations on this node that the agent finishes first (whatever
     their outcome), so a restore never waits for a round trip through the orchestrator."""
 
-    op_id: OpId
-    group: Id
-    job: Id
-    node: Id
-    epoch: Count
-    deadline_ms: Ms
     after: Annotated[tuple[OpId, ...], msgspec.Meta(max_length=64)] = ()
 
 

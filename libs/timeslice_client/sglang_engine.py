@@ -66,7 +66,7 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from ._engine_sleep import (
-    DEFAULT_LOCK_TIMEOUT,
+    DEFAULT_LOCK_TIMEOUT_S,
     KV_CACHE,
     WEIGHTS,
     DeviceBytes,
@@ -80,6 +80,7 @@ from ._engine_sleep import (
     attribute,
     require_methods,
 )
+from ._renamed import renamed_keywords
 from .protocol import SuspendMode
 
 __all__ = [
@@ -108,12 +109,13 @@ class SglangEngineHandler(SleepHandler):
     are allocated again and before the rest is. ``weights_backed_up``: whether the engine keeps a host copy of the
     weights across a release (default: its ``server_args.enable_weights_cpu_backup``, else False).
     ``memory_tags``: what "everything" is, in the order the rest is woken after the weights. ``device_bytes``: the
-    device bytes the engine holds now, to report what a switch frees. ``lock_timeout``: how long a call waits for
+    device bytes the engine holds now, to report what a switch frees. ``lock_timeout_s``: how long a call waits for
     another one (or a ``using()`` block) to end.
     """
 
     engine = "SGLang engine"
 
+    @renamed_keywords(lock_timeout="lock_timeout_s")
     def __init__(
         self,
         engine: object,
@@ -122,7 +124,7 @@ class SglangEngineHandler(SleepHandler):
         weights_backed_up: bool | None = None,
         memory_tags: Iterable[str] = SGLANG_MEMORY_TAGS,
         device_bytes: DeviceBytes | None = None,
-        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+        lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
     ) -> None:
         require_methods(engine, "SGLang Engine", ("release_memory_occupation", "resume_memory_occupation"), _HINT)
         if attribute(engine, "server_args.enable_memory_saver") is False:
@@ -138,7 +140,10 @@ class SglangEngineHandler(SleepHandler):
         flush = getattr(engine, "flush_cache", None)
         self._flush = flush if callable(flush) else None
         super().__init__(
-            _checked(memory_tags), reload_weights=reload_weights, device_bytes=device_bytes, lock_timeout=lock_timeout
+            _checked(memory_tags),
+            reload_weights=reload_weights,
+            device_bytes=device_bytes,
+            lock_timeout_s=lock_timeout_s,
         )
 
     def _loses_weights(self, mode: SuspendMode, todo: tuple[str, ...]) -> bool:

@@ -68,7 +68,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from ._engine_sleep import (
-    DEFAULT_LOCK_TIMEOUT,
+    DEFAULT_LOCK_TIMEOUT_S,
     KV_CACHE,
     WEIGHTS,
     DeviceBytes,
@@ -82,6 +82,7 @@ from ._engine_sleep import (
     attribute,
     require_methods,
 )
+from ._renamed import renamed_keywords
 from .errors import HandlerError
 from .protocol import SuspendMode
 
@@ -103,18 +104,19 @@ class VllmEngineHandler(SleepHandler):
 
     ``reload_weights``: called with no arguments after a level-2 (``discard``) sleep, once the weights are awake
     and before the KV cache is. ``device_bytes``: the device bytes the engine holds now, to report what a switch
-    frees. ``lock_timeout``: how long a call waits for another one (or a ``using()`` block) to end.
+    frees. ``lock_timeout_s``: how long a call waits for another one (or a ``using()`` block) to end.
     """
 
     engine = "vLLM engine"
 
+    @renamed_keywords(lock_timeout="lock_timeout_s")
     def __init__(
         self,
         llm: object,
         *,
         reload_weights: ReloadHook | None = None,
         device_bytes: DeviceBytes | None = None,
-        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+        lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
     ) -> None:
         require_methods(llm, "vLLM LLM", ("sleep", "wake_up"), _HINT)
         for path in (
@@ -131,7 +133,7 @@ class VllmEngineHandler(SleepHandler):
             probe = attribute(llm, "is_sleeping")
         self._is_sleeping: Callable[[], object] | None = probe if callable(probe) else None
         super().__init__(
-            VLLM_MEMORY_TAGS, reload_weights=reload_weights, device_bytes=device_bytes, lock_timeout=lock_timeout
+            VLLM_MEMORY_TAGS, reload_weights=reload_weights, device_bytes=device_bytes, lock_timeout_s=lock_timeout_s
         )
 
     def _suspend_tags(self, tags: frozenset[str]) -> tuple[str, ...]:

@@ -47,6 +47,7 @@ from . import _switch_interval
 from ._agent_socket import ProofUnavailable, prove
 from ._bounds import MAX_TEXT
 from ._channel_thread import Responder
+from ._renamed import renamed_keywords
 from ._switch_interval import DEFAULT_SWITCH_INTERVAL, prompt_threads
 from ._workload_options import WORKLOAD_KEYS, ClientWorkloadOptions, WorkloadOptions, check_options
 from .bus import CredsPath, TlsOption, connect, identity_of, parse_servers
@@ -121,6 +122,7 @@ class WorkloadChannel:
     the others it knows). ``agent_socket``: the agent's Unix socket (default: ``$TIMESLICE_AGENT_SOCKET``, else where
     an agent serves it by default, see ``_agent_socket``)."""
 
+    @renamed_keywords(op_timeout="op_timeout_s", switch_interval="switch_interval_s")
     def __init__(
         self,
         nc: NATS,
@@ -134,11 +136,11 @@ class WorkloadChannel:
         backends: Iterable[str] = ("app_channel",),
         pids: Iterable[int] | None = None,
         pgid: int | None = None,
-        op_timeout: float = DEFAULT_OP_TIMEOUT_MS / 1000,
+        op_timeout_s: float = DEFAULT_OP_TIMEOUT_MS / 1000,
         request_timeout: float = 5.0,
         own_connection: bool = False,
         endpoints: Iterable[str] = (),
-        switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
+        switch_interval_s: float | None = DEFAULT_SWITCH_INTERVAL,
         early_suspend: bool = True,
         nats_url: str | None = None,
         agent_socket: str | None = None,
@@ -157,12 +159,12 @@ class WorkloadChannel:
         # talks to the orchestrator (a frozen process cannot ask for the group back).
         self.pids = tuple(pids) if pids is not None else (() if pgid is not None else (os.getpid(),))
         self.pgid = pgid
-        self.op_timeout = op_timeout
+        self.op_timeout_s = op_timeout_s
         self.request_timeout = request_timeout
         self.endpoints = tuple(endpoints)  # app_endpoint servers, e.g. "vllm+http://127.0.0.1:8000"
-        if switch_interval is not None and switch_interval <= 0:
-            raise InvalidRequest(f"switch_interval must be positive seconds or None, not {switch_interval}")
-        self.switch_interval = switch_interval  # the GIL switch interval while a command runs (None: as it is)
+        if switch_interval_s is not None and switch_interval_s <= 0:
+            raise InvalidRequest(f"switch_interval_s must be positive seconds or None, not {switch_interval_s}")
+        self.switch_interval_s = switch_interval_s  # the GIL switch interval while a command runs (None: as it is)
         self.nats_url = ",".join(parse_servers(nats_url)) if nats_url else None  # checked now, not at start()
         self.agent_socket = agent_socket
         self._own = own_connection
@@ -186,6 +188,16 @@ class WorkloadChannel:
         self.early_taken = 0  # early suspends a command took
         self.early_resumed = 0  # early suspends no command took, resumed by settle()
 
+    @property
+    def op_timeout(self) -> float:
+        """The old name of ``op_timeout_s``, kept for one release (docs/architecture.md, "Names and units")."""
+        return self.op_timeout_s
+
+    @property
+    def switch_interval(self) -> float | None:
+        """The old name of ``switch_interval_s``, kept for one release."""
+        return self.switch_interval_s
+
     # ------------------------------------------------------------------ lifecycle (the caller's loop)
 
     async def start(self) -> WorkloadChannel:
@@ -205,7 +217,7 @@ class WorkloadChannel:
             pgid=self.pgid,
             mode=self.mode,
             tags=self.tags,
-            op_timeout_ms=int(self.op_timeout * 1000),
+            op_timeout_ms=int(self.op_timeout_s * 1000),
             endpoints=self.endpoints,
             proof=proof,
             channel=self.token,
@@ -295,7 +307,7 @@ class WorkloadChannel:
         # nobody took is waited for too (its call must not outlive the channel), and left as it is.
         if self._responder is not None and self._responder.running:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.op_timeout):
+                async with asyncio.timeout(self.op_timeout_s):
                     await self._on_thread(self._quiesce())
         if self._registered and self.nc.is_connected:
             with contextlib.suppress(Exception):
@@ -337,9 +349,9 @@ class WorkloadChannel:
         would wait up to a default switch interval for the GIL. So the interval is lowered now, until the next
         command is answered or ``disarm()`` (the client calls both: on release, and on acquire or close)."""
         with self._gate:
-            if self.switch_interval is None or self._armed or self._closed:
+            if self.switch_interval_s is None or self._armed or self._closed:
                 return
-            _switch_interval.lower(self.switch_interval)
+            _switch_interval.lower(self.switch_interval_s)
             self._armed = True
 
     def disarm(self) -> None:
@@ -376,11 +388,11 @@ class WorkloadChannel:
             return False
         why = f"job {self.job_id!r} suspended at its release and no switch followed, but resuming it"
         try:
-            async with asyncio.timeout(self.op_timeout):
+            async with asyncio.timeout(self.op_timeout_s):
                 resumed = await self._on_thread(self._settle())
         except TimeoutError:
             raise HandlerError(
-                f"{why} took over op_timeout={self.op_timeout:g} s; its state may not be back: restart the job"
+                f"{why} took over op_timeout_s={self.op_timeout_s:g} s; its state may not be back: restart the job"
             ) from None
         except Exception as exc:
             raise HandlerError(
@@ -417,7 +429,7 @@ class WorkloadChannel:
 
     async def _run_early(self) -> _Early:
         t0 = time.perf_counter()
-        with prompt_threads(self.switch_interval):
+        with prompt_threads(self.switch_interval_s):
             try:
                 result = self.handler.suspend(self.mode, frozenset(self.tags))
             except Exception as exc:  # the handler left the state as it was (its contract)
@@ -429,7 +441,7 @@ class WorkloadChannel:
         return _Early(result, None, (time.perf_counter() - t0) * 1000)
 
     async def _settle(self) -> bool:
-        with prompt_threads(self.switch_interval):
+        with prompt_threads(self.switch_interval_s):
             async with self._exclusive():
                 early = await self._take_early()
                 if early is None or early.result is None:  # none, or it failed and changed nothing
@@ -468,7 +480,7 @@ class WorkloadChannel:
             )
             return
         # A main thread busy in Python would make each step below wait up to 5 ms for the GIL (see _switch_interval).
-        with prompt_threads(self.switch_interval):
+        with prompt_threads(self.switch_interval_s):
             answer = await self._answer(cmd)
             await msg.respond(encode(answer))
             await asyncio.sleep(0)  # the connection's flusher, woken by the reply, writes it before we go on

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import signal
 import subprocess
@@ -24,9 +23,11 @@ import nats.errors
 from timeslice_client.bus import connect
 from timeslice_client.protocol import STREAM, Notice, decode_notice, subjects
 
+from .event_log import log_events
+
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["Hold", "Worker", "check_exclusive_holds", "holds", "notices", "read_stream"]
+__all__ = ["Hold", "Worker", "check_exclusive_holds", "holds", "log_events", "notices", "read_stream"]
 
 
 class Worker:
@@ -67,18 +68,7 @@ class Worker:
         )
 
     def events(self, ev: str | None = None) -> list[dict[str, Any]]:
-        try:
-            text = self.out.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return []
-        out = []
-        for line in text.splitlines(keepends=True):
-            if not line.endswith("\n"):
-                break  # a line being written (or cut by SIGKILL)
-            e = json.loads(line)
-            if ev is None or e["ev"] == ev:
-                out.append(e)
-        return out
+        return log_events(self.out, ev)
 
     def last(self, ev: str) -> dict[str, Any] | None:
         found = self.events(ev)

@@ -34,36 +34,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import Any
 
 from timeslice_client import AsyncTimeSliceClient, TimeSliceClient
 
-
-class EventLog:
-    """Append-only JSON lines, one ``write`` + ``flush`` per event (survives SIGKILL of this process)."""
-
-    def __init__(self, path: str) -> None:
-        self._f: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._lock = threading.Lock()
-
-    def __call__(self, ev: str, **fields: Any) -> None:
-        line = json.dumps({"ev": ev, **fields, "t": time.time()})
-        with self._lock:
-            self._f.write(line + "\n")
-            self._f.flush()
-
-    def failure(self, where: str, exc: BaseException, **fields: Any) -> None:
-        self("error", where=where, type=exc.__class__.__name__, msg=str(exc)[:500], **fields)
-
-    def close(self) -> None:
-        self._f.close()
+from .event_log import EventLog
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -189,15 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     usr1 = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: usr1.set())
     log = EventLog(a.out)
-    try:
-        if a.client == "sync":
-            return run_sync(a, log, usr1)
-        return asyncio.run(run_async(a, log))
-    except Exception as exc:
-        log.failure("worker", exc)
-        return 2
-    finally:
-        log.close()
+    return log.run(lambda: run_sync(a, log, usr1) if a.client == "sync" else asyncio.run(run_async(a, log)))
 
 
 if __name__ == "__main__":

@@ -45,40 +45,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import os
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
 
+from .event_log import EventLog
+
 MB = 1024 * 1024
-
-
-class EventLog:
-    """Append-only JSON lines, one ``write`` + ``flush`` per event (threads share it)."""
-
-    def __init__(self, path: str) -> None:
-        self._f: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._lock = threading.Lock()
-
-    def __call__(self, ev: str, **fields: Any) -> None:
-        line = json.dumps({"ev": ev, **fields, "t": time.time()})
-        with self._lock:
-            if not self._f.closed:  # a daemon thread may log while the process exits
-                self._f.write(line + "\n")
-                self._f.flush()
-
-    def failure(self, where: str, exc: BaseException, **fields: Any) -> None:
-        self("error", where=where, type=exc.__class__.__name__, msg=str(exc)[:500], **fields)
-
-    def close(self) -> None:
-        with self._lock:
-            self._f.close()
 
 
 # --------------------------------------------------------------------------- state
@@ -374,7 +353,7 @@ async def run(a: argparse.Namespace, log: EventLog) -> int:
     )
     async with client:
         await client.register_workload(
-            handler, node_id=a.node_id, backends=tuple(a.backend.split("+")), mode=a.mode, op_timeout=a.op_timeout
+            handler, node_id=a.node_id, backends=tuple(a.backend.split("+")), mode=a.mode, op_timeout_s=a.op_timeout
         )
         log("ready", job=a.job, pid=os.getpid(), backends=a.backend.split("+"), handler=a.handler, **handler.describe())
         if a.counter_ms > 0:
@@ -431,13 +410,7 @@ async def run(a: argparse.Namespace, log: EventLog) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     log = EventLog(a.out)
-    try:
-        return asyncio.run(run(a, log))
-    except Exception as exc:
-        log.failure("worker", exc)
-        return 2
-    finally:
-        log.close()
+    return log.run(lambda: asyncio.run(run(a, log)))
 
 
 if __name__ == "__main__":

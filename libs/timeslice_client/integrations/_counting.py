@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import HandlerError
 from ..handlers import HandlerResult, WorkloadHandler
@@ -65,14 +65,12 @@ class CountingHandler:
             t0 = time.perf_counter()
             result = self._target().suspend(mode, tags)
             c = self._counts
-            self._counts = OffloadCounts(
-                c.suspends + 1,
-                c.resumes,
-                c.suspend_ms + (time.perf_counter() - t0) * 1000,
-                c.resume_ms,
-                c.bytes_out + result.bytes_moved,
-                c.bytes_in,
-                result.bytes_moved,
+            self._counts = replace(
+                c,
+                suspends=c.suspends + 1,
+                suspend_ms=c.suspend_ms + (time.perf_counter() - t0) * 1000,
+                bytes_out=c.bytes_out + result.bytes_moved,
+                last_suspend_bytes=result.bytes_moved,
             )
             self._suspended = True
             return result
@@ -82,14 +80,11 @@ class CountingHandler:
             t0 = time.perf_counter()
             result = self._target().resume(mode, tags)
             c = self._counts
-            self._counts = OffloadCounts(
-                c.suspends,
-                c.resumes + 1,
-                c.suspend_ms,
-                c.resume_ms + (time.perf_counter() - t0) * 1000,
-                c.bytes_out,
-                c.bytes_in + result.bytes_moved,
-                c.last_suspend_bytes,
+            self._counts = replace(
+                c,
+                resumes=c.resumes + 1,
+                resume_ms=c.resume_ms + (time.perf_counter() - t0) * 1000,
+                bytes_in=c.bytes_in + result.bytes_moved,
             )
             self._suspended = False
             return result

@@ -60,17 +60,17 @@ class PhaseCounts:
 
 class PhaseHolds:
     """The groups of a job's open phases, held through ``client`` (a :class:`TimeSliceClient`: the frameworks'
-    drivers are blocking). ``acquire_timeout``: the bound of each phase's taking (default: the client's). Meant for
+    drivers are blocking). ``acquire_timeout_s``: the bound of each phase's taking (default: the client's). Meant for
     one driver thread; calls from several are taken one at a time."""
 
-    def __init__(self, client: TimeSliceClient, *, acquire_timeout: float | None = None) -> None:
+    def __init__(self, client: TimeSliceClient, *, acquire_timeout_s: float | None = None) -> None:
         if not isinstance(client, TimeSliceClient):
             raise InvalidRequest(
                 f"phase holds need a TimeSliceClient, not {type(client).__name__} (the driver calls them on its "
                 "own thread, without an event loop)"
             )
         self.client = client
-        self.acquire_timeout = acquire_timeout
+        self.acquire_timeout_s = acquire_timeout_s
         self._open: list[tuple[str, frozenset[str]]] = []  # the open phases, in the order they began
         self._scopes: dict[str, _Scope] = {}  # one per group held through these phases
         self._since: dict[str, float] = {}  # when each was taken (monotonic)
@@ -173,9 +173,9 @@ class PhaseHolds:
     # ------------------------------------------------------------------ plumbing (under _lock)
 
     def _take(self, order: list[str]) -> None:
-        """Each group of ``order`` (sorted) through a scope of its own; ``acquire_timeout`` bounds them all (None:
+        """Each group of ``order`` (sorted) through a scope of its own; ``acquire_timeout_s`` bounds them all (None:
         each waits at most the client's ``acquire_timeout``)."""
-        deadline = None if self.acquire_timeout is None else time.monotonic() + self.acquire_timeout
+        deadline = None if self.acquire_timeout_s is None else time.monotonic() + self.acquire_timeout_s
         taken: list[str] = []
         try:
             for g in order:

@@ -68,6 +68,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from .._renamed import renamed_keywords
 from .._sync_client import TimeSliceClient
 from ..errors import InvalidRequest
 from ..handlers import WorkloadHandler
@@ -95,25 +96,26 @@ class TimeSliceCallback:
     ``TimeSliceCallback()`` (what slime's ``--phase-callback-path`` makes) reads the environment (:data:`ENV`) and
     makes its own client, closed by :meth:`close` (or at exit). ``TimeSliceCallback(client, trainer_group=...,
     sampler_group=...)`` uses ``client`` (its group is the default of both; the caller closes it).
-    ``acquire_timeout``: the bound of each phase's wait for its groups (default: the client's). ``turn``: how long a
+    ``acquire_timeout_s``: the bound of each phase's wait for its groups (default: the client's). ``turn``: how long a
     job keeps a pool once it has it: ``"phase"`` (two pools' default) gives each group back at the end of every
     phase that used it, so the other job's phase on that pool runs while this job works on the other pool;
     ``"rollout"`` (one pool's default) keeps it from phase to phase and gives it back when a phase of the next
     rollout begins (``context["rollout_id"]`` changes), so that the one pool changes hands once a rollout, not at
     every phase (with one pool there is nothing to overlap, and every handoff moves the whole state)."""
 
+    @renamed_keywords(acquire_timeout="acquire_timeout_s")
     def __init__(
         self,
         client: TimeSliceClient | None = None,
         *,
         trainer_group: str | None = None,
         sampler_group: str | None = None,
-        acquire_timeout: float | None = None,
+        acquire_timeout_s: float | None = None,
         turn: str | None = None,
     ) -> None:
         self._own = client is None
         if client is None:
-            client, trainer_group, sampler_group, acquire_timeout = _from_env(os.environ, acquire_timeout)
+            client, trainer_group, sampler_group, acquire_timeout_s = _from_env(os.environ, acquire_timeout_s)
         trainer = trainer_group or client.group_id
         sampler = sampler_group or trainer
         self.client = client
@@ -128,7 +130,7 @@ class TimeSliceCallback:
             raise InvalidRequest(
                 f"turn={self.turn!r}: a job's turn on a pool is one of {list(TURNS)}", job_id=client.job_id
             )
-        self.holds = PhaseHolds(client, acquire_timeout=acquire_timeout)
+        self.holds = PhaseHolds(client, acquire_timeout_s=acquire_timeout_s)
         self._rollout: object = None  # the rollout_id of the latest phase (turn="rollout")
         self._closed = False
         if self._own:

@@ -69,6 +69,7 @@ except ModuleNotFoundError as exc:
         name=exc.name,
     ) from exc
 
+from .._renamed import renamed_keywords
 from ..torch_offload import TorchOffloadHandler
 
 __all__ = ["HoldCounts", "OffloadCounts", "TimeSliceCallback", "attach"]
@@ -109,19 +110,20 @@ class TimeSliceCallback(TrainerCallback):  # type: ignore[misc]  # transformers 
     functions run; registers the trainer's model and optimizer with the node's agent. See the module doc.
 
     ``modules``: more modules whose state moves with the model's, by tag (e.g. ``{"ref": ref_model}``).
-    ``node_id``, ``op_timeout``: as :meth:`TimeSliceClient.register_workload`. ``device``: as
+    ``node_id``, ``op_timeout_s``: as :meth:`TimeSliceClient.register_workload`. ``device``: as
     :class:`TorchOffloadHandler` (default: CUDA when available, else CPU tensors stand in for the device).
-    ``acquire_timeout``: each acquire's bound (default: the client's)."""
+    ``acquire_timeout_s``: each acquire's bound (default: the client's)."""
 
+    @renamed_keywords(acquire_timeout="acquire_timeout_s", op_timeout="op_timeout_s")
     def __init__(
         self,
         client: TimeSliceClient,
         *,
         modules: Mapping[str, Any] | None = None,
         node_id: str | None = None,
-        op_timeout: float = DEFAULT_OP_TIMEOUT_S,
+        op_timeout_s: float = DEFAULT_OP_TIMEOUT_S,
         device: str | None = None,
-        acquire_timeout: float | None = None,
+        acquire_timeout_s: float | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(client, TimeSliceClient):
@@ -137,9 +139,9 @@ class TimeSliceCallback(TrainerCallback):  # type: ignore[misc]  # transformers 
                 job_id=client.job_id,
             )
         self.node_id = node_id
-        self.op_timeout = op_timeout
+        self.op_timeout_s = op_timeout_s
         self.device = device
-        self.acquire_timeout = acquire_timeout
+        self.acquire_timeout_s = acquire_timeout_s
         self.handler = CountingHandler()  # what the agent's switches call; forwards to the TorchOffloadHandler
         self.channel: WorkloadChannel | None = None
         self._moved: tuple[int, ...] = ()  # ids of the objects the current TorchOffloadHandler moves
@@ -221,7 +223,7 @@ class TimeSliceCallback(TrainerCallback):  # type: ignore[misc]  # transformers 
 
     def _take(self) -> None:
         """Acquire (the caller holds ``_lock`` or is the trainer's thread with no reward function running)."""
-        grant = self.client.acquire(self.acquire_timeout)
+        grant = self.client.acquire(self.acquire_timeout_s)
         with self._figures:
             self._acquires += 1
             self._waited_ms += grant.waited_ms
@@ -261,7 +263,7 @@ class TimeSliceCallback(TrainerCallback):  # type: ignore[misc]  # transformers 
                 self.handler.replace(self._offload(model, optimizer))
                 self._moved = moved
                 self.channel = self.client.register_workload(
-                    self.handler, node_id=self.node_id, op_timeout=self.op_timeout
+                    self.handler, node_id=self.node_id, op_timeout_s=self.op_timeout_s
                 )
             self._take()
             self._ours = True

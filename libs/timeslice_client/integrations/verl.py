@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from .._renamed import renamed_keywords
 from .._sync_client import TimeSliceClient
 from ..errors import InvalidRequest
 from ._phase_holds import PhaseCounts, PhaseHolds
@@ -56,8 +57,9 @@ class VerlHolds:
     ``actor_pool``: the group of the actor, critic and reference workers (update, log-probs, checkpoints).
     ``rollout_pool``: the rollout engines' (default: the actor pool: one pool, the hybrid engine).
     ``reward_pool``: the reward model's (default: the actor pool, veRL's default placement).
-    ``acquire_timeout``: the bound of each phase's wait for its groups (default: the client's)."""
+    ``acquire_timeout_s``: the bound of each phase's wait for its groups (default: the client's)."""
 
+    @renamed_keywords(acquire_timeout="acquire_timeout_s")
     def __init__(
         self,
         client: TimeSliceClient,
@@ -65,13 +67,13 @@ class VerlHolds:
         actor_pool: str | None = None,
         rollout_pool: str | None = None,
         reward_pool: str | None = None,
-        acquire_timeout: float | None = None,
+        acquire_timeout_s: float | None = None,
     ) -> None:
         self.client = client
         self.actor_pool = actor_pool or client.group_id
         self.rollout_pool = rollout_pool or self.actor_pool
         self.reward_pool = reward_pool or self.actor_pool
-        self.holds = PhaseHolds(client, acquire_timeout=acquire_timeout)
+        self.holds = PhaseHolds(client, acquire_timeout_s=acquire_timeout_s)
 
     @property
     def colocated(self) -> bool:

@@ -35,7 +35,7 @@ from timeslice_orchestrator.replay._fold import group_of
 from timeslice_orchestrator.replay._model import StreamEvent
 
 from ._common import add_nats_flag
-from ._events import Event, format_line
+from ._events import Event, event_data, format_line
 from ._replay import parse_time
 
 __all__ = ["CheckReport", "check_events", "parse_duration", "parse_since", "register", "run"]
@@ -168,13 +168,7 @@ def _epochs_and_jobs(values: Mapping[str, object]) -> tuple[tuple[int, ...], tup
 
 
 def _event(ev: StreamEvent) -> Event:
-    try:
-        data = msgspec.json.decode(ev.data)
-    except msgspec.DecodeError:
-        data = {"type": "?", "raw": ev.data.decode(errors="replace")}
-    if not isinstance(data, dict):
-        data = {"type": "?", "raw": data}
-    return Event(ev.seq, ev.ts_ms, ev.subject, data)
+    return Event(ev.seq, ev.ts_ms, ev.subject, event_data(ev.data))
 
 
 def _when(ms: int) -> str:

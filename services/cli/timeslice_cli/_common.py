@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from timeslice_client.bus import nats_url_arg
 from timeslice_client.errors import TimeSliceError
 
-__all__ = ["CliError", "add_nats_flag", "emit_json"]
+__all__ = ["CliError", "add_nats_flag", "emit_json", "publish_control", "until_applied"]
 
 
 class CliError(TimeSliceError):
@@ -36,3 +39,28 @@ def emit_json(doc: Any, *, indent: int | None = 2) -> None:
     """One JSON document on stdout (``--json``: machine-readable output, nothing else on stdout)."""
     sys.stdout.write(json.dumps(doc, indent=indent, default=str) + "\n")
     sys.stdout.flush()
+
+
+async def publish_control(nc: Any, subject: str, data: bytes, *, timeout: float, what: str) -> None:
+    """Store an operator's control event (``what``, for the error) in the stream; a CliError that points at the
+    operator's rights when the bus does not take it."""
+    try:
+        await nc.jetstream().publish(subject, data, timeout=timeout)
+    except Exception as exc:
+        raise CliError(
+            f"the bus did not take {what} ({type(exc).__name__}: {exc or 'no answer'}); does this identity (--creds) "
+            "have the operator's rights? (docs/security.md)"
+        ) from exc
+
+
+async def until_applied(applied: Callable[[], Awaitable[bool]], *, timeout: float, what: str) -> None:
+    """Poll the record the orchestrator writes until ``applied()``, at most ``timeout`` seconds; then a CliError
+    saying the orchestrator did not ``what``."""
+    deadline = time.monotonic() + timeout
+    while not await applied():
+        if time.monotonic() > deadline:
+            raise CliError(
+                f"the orchestrator did not {what} within {timeout:g} s (is one running? `timeslice status` names the "
+                "leader)"
+            )
+        await asyncio.sleep(0.05)  # polling the record the orchestrator writes, bounded by the deadline

@@ -32,7 +32,7 @@ from timeslice_orchestrator._delivery import seq_and_time
 
 from ._common import add_nats_flag
 
-__all__ = ["Event", "format_line", "parse_since", "register", "to_json"]
+__all__ = ["Event", "event_data", "format_line", "parse_since", "register", "to_json"]
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -51,6 +51,16 @@ def parse_since(text: str, now: datetime | None = None) -> datetime:
             f"--since {text!r}: give a duration (30s, 10m, 2h, 1d) or an ISO time (2026-11-30T10:00:00Z)"
         ) from None
     return when if when.tzinfo is not None else when.astimezone()
+
+
+def event_data(raw: bytes) -> dict[str, Any]:
+    """A stream message's payload, decoded and untyped; one that is not a JSON object reads as type ``?`` with its
+    ``raw`` content."""
+    try:
+        data = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return {"type": "?", "raw": raw.decode(errors="replace")}
+    return data if isinstance(data, dict) else {"type": "?", "raw": data}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,13 +82,7 @@ class Event:
         # from the reply subject's nanoseconds, in integers: nats-py's metadata goes through a float
         # and a datetime, which can land a millisecond early (1796117798341 ms read as ...340; docs/nats.md)
         seq, time_ms = seq_and_time(msg.reply)
-        try:
-            data = msgspec.json.decode(msg.data)
-        except msgspec.DecodeError:
-            data = {"type": "?", "raw": msg.data.decode(errors="replace")}
-        if not isinstance(data, dict):
-            data = {"type": "?", "raw": data}
-        return cls(seq, time_ms, msg.subject, data)
+        return cls(seq, time_ms, msg.subject, event_data(msg.data))
 
     @property
     def group(self) -> str | None:

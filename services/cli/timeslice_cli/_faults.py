@@ -9,12 +9,10 @@ exit code 1. A job that is not faulted there: nothing to clear, said so, exit 0.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import time
 from typing import Any
 
-from ._common import CliError, add_nats_flag
+from ._common import CliError, add_nats_flag, publish_control, until_applied
 
 __all__ = ["register"]
 
@@ -38,16 +36,9 @@ async def _clear_fault(args: argparse.Namespace) -> int:
         faulted = await _faulted(nc, group)
         if faulted is None:
             raise CliError(f"no group {group!r} on this bus (`timeslice status` lists them): nothing to clear")
-        try:
-            await nc.jetstream().publish(
-                subjects.ctl(group, "clear_fault"), encode(ClearFault(group=group, job=job)), timeout=args.timeout
-            )
-        except Exception as exc:
-            raise CliError(
-                f"the bus did not take the request to clear job {job!r}'s fault in group {group!r} "
-                f"({type(exc).__name__}: {exc or 'no answer'}); does this identity (--creds) have the "
-                "operator's rights? (docs/security.md)"
-            ) from exc
+        what = f"the request to clear job {job!r}'s fault in group {group!r}"
+        clear = encode(ClearFault(group=group, job=job))
+        await publish_control(nc, subjects.ctl(group, "clear_fault"), clear, timeout=args.timeout, what=what)
         if job not in faulted:
             names = ", ".join(sorted(faulted)) or "none"
             _say(
@@ -56,14 +47,12 @@ async def _clear_fault(args: argparse.Namespace) -> int:
                 f"job {job} is not faulted in group {group} (faulted there: {names}): nothing to clear",
             )
             return 0
-        deadline = time.monotonic() + args.timeout
-        while (now := await _faulted(nc, group)) is not None and job in now:
-            if time.monotonic() > deadline:
-                raise CliError(
-                    f"the orchestrator did not clear job {job!r}'s fault in group {group!r} within "
-                    f"{args.timeout:g} s (is one running? `timeslice status` names the leader)"
-                )
-            await asyncio.sleep(0.05)  # polling the record the orchestrator writes, bounded by the deadline
+
+        async def cleared() -> bool:
+            now = await _faulted(nc, group)
+            return now is None or job not in now
+
+        await until_applied(cleared, timeout=args.timeout, what=f"clear job {job!r}'s fault in group {group!r}")
     finally:
         await nc.close()
     _say(

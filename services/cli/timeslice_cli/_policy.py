@@ -9,12 +9,10 @@ record that does not show it when ``--timeout`` ends: one line on stderr and exi
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import time
 from typing import Any
 
-from ._common import CliError, add_nats_flag
+from ._common import CliError, add_nats_flag, publish_control, until_applied
 
 __all__ = ["register"]
 
@@ -32,7 +30,7 @@ async def _set_policy(args: argparse.Namespace) -> int:
     from timeslice_client.protocol import MAX_QUANTUM_MS, SetPolicy, encode, subjects, validate_id
 
     group = validate_id("group", args.group)
-    quantum_ms = round(args.quantum_s * 1000)
+    quantum_ms: int = round(args.quantum_s * 1000)
     if not 0 <= quantum_ms <= MAX_QUANTUM_MS:
         raise CliError(f"--quantum-s must lie between 0 (none) and {MAX_QUANTUM_MS // 1000} s, not {args.quantum_s:g}")
     nc = await connect(args.nats_url)
@@ -42,26 +40,14 @@ async def _set_policy(args: argparse.Namespace) -> int:
                 f"no group {group!r} on this bus (`timeslice status` lists them); a group exists once a "
                 "job asked for it"
             )
-        try:
-            await nc.jetstream().publish(
-                subjects.ctl(group, "set_policy"),
-                encode(SetPolicy(group=group, quantum_ms=quantum_ms)),
-                timeout=args.timeout,
-            )
-        except Exception as exc:
-            raise CliError(
-                f"the bus did not take the policy for group {group!r} ({type(exc).__name__}: "
-                f"{exc or 'no answer'}); does this identity (--creds) have the operator's rights? "
-                "(docs/security.md)"
-            ) from exc
-        deadline = time.monotonic() + args.timeout
-        while await _quantum_ms(nc, group) != quantum_ms:
-            if time.monotonic() > deadline:
-                raise CliError(
-                    f"the orchestrator did not apply the policy of group {group!r} within "
-                    f"{args.timeout:g} s (is one running? `timeslice status` names the leader)"
-                )
-            await asyncio.sleep(0.05)  # polling the record the orchestrator writes, bounded by the deadline
+        policy = encode(SetPolicy(group=group, quantum_ms=quantum_ms))
+        what = f"the policy for group {group!r}"
+        await publish_control(nc, subjects.ctl(group, "set_policy"), policy, timeout=args.timeout, what=what)
+
+        async def applied() -> bool:
+            return await _quantum_ms(nc, group) == quantum_ms
+
+        await until_applied(applied, timeout=args.timeout, what=f"apply the policy of group {group!r}")
     finally:
         await nc.close()
     text = (

@@ -155,9 +155,9 @@ def run(a: argparse.Namespace, out: _Out) -> int:
     latency_s = a.reward_latency_ms / 1000
     out(m.Built(a.job, policy.backend, torch_available(), os.getpid(), suspend_ms, resume_ms))
     wait_for("register", GO_TIMEOUT_S)
-    with TimeSliceClient(a.job, a.group, a.nats_url, lease_seconds=a.lease_seconds) as client:
+    with TimeSliceClient(a.job, a.group, a.nats_url, lease_seconds=a.lease_s) as client:
         # A switch moves ~10 MB here: an operation still unanswered after 30 s means this process is gone.
-        client.register_workload(handler, node_id=a.node_id, op_timeout=30.0)
+        client.register_workload(handler, node_id=a.node_id, op_timeout_s=30.0)
         out(m.Ready(a.job))
         wait_for("go", GO_TIMEOUT_S)
         start = time.perf_counter()
@@ -221,7 +221,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--reward-latency-ms", type=float, default=500.0, help="modelled latency of the remote reward service, per step"
     )
-    p.add_argument("--lease-seconds", type=float, default=30.0)
+    p.add_argument("--lease-s", type=float, default=30.0)
     return p.parse_args(argv)
 
 

@@ -46,7 +46,7 @@ class TorchPolicy:
     def probs(self, x: Array) -> Array:
         with torch.no_grad():
             p = torch.softmax(self.rollout(torch.from_numpy(x)), dim=-1)
-        return p.numpy()
+        return np.asarray(p.numpy())  # typed as an ndarray whether or not torch's stubs are installed
 
     def train(self, x: Array, actions: Array, weights: Array) -> float:
         """One policy-gradient step: minimise -mean(weight · log π(action | x))."""
@@ -54,7 +54,7 @@ class TorchPolicy:
         taken = logp.gather(1, torch.from_numpy(actions).unsqueeze(1)).squeeze(1)
         loss = -(torch.from_numpy(weights) * taken).mean()
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss.backward()  # type: ignore[no-untyped-call, unused-ignore]  # untyped in torch; Any without it
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return float(loss.detach())
