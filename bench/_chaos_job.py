@@ -56,7 +56,7 @@ async def main() -> None:
         if a.node:
             try:
                 await client.register_workload(
-                    CallbackHandler(suspend=pause, resume=pause), node_id=a.node, op_timeout=30
+                    CallbackHandler(suspend=pause, resume=pause), node_id=a.node, op_timeout_s=30
                 )
             except TimeSliceError as exc:
                 log("error", where="register", type=exc.__class__.__name__, msg=str(exc)[:300])

@@ -134,7 +134,7 @@ class _TimedHandler:
 
 async def _wait_waiter(c: Any, budget: Budget) -> None:
     async with asyncio.timeout(budget.bound(120)):
-        while not any(w.job != c.job_id for w in (await c.status()).queue):
+        while not any(w.job != c.job_id for w in (await c.status()).waiters):
             await asyncio.sleep(0.005)
 
 
@@ -166,7 +166,7 @@ async def _job(
     switches: list[dict[str, Any]] = []
     b = budget.bound
     async with AsyncTimeSliceClient(job, group, url, lease_seconds=120, acquire_timeout=b(300)) as c:
-        await c.register_workload(handler, node_id=NODE, op_timeout=b(300))
+        await c.register_workload(handler, node_id=NODE, op_timeout_s=b(300))
         if leader:
             await c.acquire(timeout=b(120))
         ready.write_text("ok")

@@ -99,7 +99,7 @@ async def _wait_waiter(c: Any) -> None:
     deadline = time.monotonic() + 120
     while True:
         rec = await c.status()
-        if any(w.job != c.job_id for w in rec.queue):
+        if any(w.job != c.job_id for w in rec.waiters):
             return
         if time.monotonic() > deadline:
             raise TimeoutError("nobody queued behind this job")
@@ -150,7 +150,7 @@ async def run_job(
 
     async with AsyncTimeSliceClient(job, group, url, lease_seconds=60, acquire_timeout=300) as c:
         # Once, without retries: the agent is up (the driver saw it answer).
-        await c.register_workload(_Timed(inner, calls), node_id=NODE, op_timeout=300, early_suspend=early)
+        await c.register_workload(_Timed(inner, calls), node_id=NODE, op_timeout_s=300, early_suspend=early)
         if leader:
             await grant(c)
         Path(ready).write_text("ok")

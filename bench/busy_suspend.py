@@ -23,7 +23,7 @@ Each condition prints the suspend and resume medians of ``--reps`` cycles, and t
 Then the channel itself: a job process registers a do-nothing handler with a node agent (a private
 nats-server, the agent in this process), and this process sends it ``--requests`` suspend/resume commands
 as the agent does, 20 ms apart, timing each round trip. Conditions: idle; busy with the interval left alone
-(``switch_interval=None``); busy with the interval lowered only while a command runs; busy with the channel
+(``switch_interval_s=None``); busy with the interval lowered only while a command runs; busy with the channel
 armed as the client arms it at every release (``WorkloadChannel.arm()``, so the interval is already low
 when the command is read). Baseline: idle, same run.
 
@@ -129,7 +129,7 @@ async def _job(url: str, busy: bool, condition: str) -> None:
 
     interval = None if condition == "busy, left alone" else DEFAULT_SWITCH_INTERVAL
     channel = await register_workload(
-        "busy-job", "busy-group", Nothing(), node_id="busy-node", nats_url=url, switch_interval=interval
+        "busy-job", "busy-group", Nothing(), node_id="busy-node", nats_url=url, switch_interval_s=interval
     )
     with c.python_spinning(busy):
         print("ready", flush=True)

@@ -122,7 +122,7 @@ def _spawn(role: str, url: str, order: str, log: Path) -> subprocess.Popen[bytes
 async def _waiting(c: Any, job: str, timeout: float = 30.0) -> None:
     """Until ``job`` waits for ``c``'s group (so a release starts a switch)."""
     deadline = time.monotonic() + timeout
-    while job not in [w.job for w in (await c.status()).queue]:
+    while job not in [w.job for w in (await c.status()).waiters]:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{job} never queued")
         await asyncio.sleep(0.005)
@@ -166,7 +166,7 @@ async def _measure(
             for job in ("a", "b"):
                 c = AsyncTimeSliceClient(job, f"g-{order}", url, lease_seconds=60, bind_process=False)
                 await stack.enter_async_context(c)
-                await c.register_workload(handler, node_id=f"n-{order}", op_timeout=60)
+                await c.register_workload(handler, node_id=f"n-{order}", op_timeout_s=60)
                 jobs.append(c)
             await jobs[0].acquire(timeout=60)
             pairs[order] = jobs

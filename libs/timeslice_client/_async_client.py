@@ -20,6 +20,7 @@ from nats.js.kv import KeyValue
 from ._bind import Binding, bind_process
 from ._grants import Grant, ReleaseResult, _Claim, _Hold, _Superseded, _WaitLost
 from ._group_reads import groups_kv, read_record
+from ._group_status import GroupStatus, group_status
 from ._hold_scope import AsyncHold, AsyncScopes
 from ._keeper import keep
 from ._multi_group import AsyncMultiHold, JobGroups, MultiGroupCalls, sibling
@@ -44,7 +45,6 @@ from .protocol import (
     DequeueCode,
     Dequeued,
     Granted,
-    GroupRecord,
     Phase,
     Refused,
     Released,
@@ -451,10 +451,12 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
 
     # ------------------------------------------------------------------ status
 
-    async def status(self, group_id: str | None = None) -> GroupRecord:
-        """The group's lock record (a fresh group reads as IDLE at epoch 0)."""
+    async def status(self, group_id: str | None = None) -> GroupStatus:
+        """What the group's lock record says now: its state, epoch, holder and lease, the jobs waiting, faults (a
+        read-only view with units in its names, :class:`~timeslice_client.GroupStatus`; a fresh group reads as IDLE
+        at epoch 0)."""
         group = validate_id("group", group_id or self.group_id)
-        return await read_record(await self._groups_kv(), group, self.nats_url)
+        return group_status(await read_record(await self._groups_kv(), group, self.nats_url))
 
     async def list_groups(self) -> list[str]:
         await self._groups_kv()  # Unavailable, with what to do, when the bucket is missing
@@ -473,8 +475,8 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
         rec = await self._record_or_none()
         return rec.holder.job if rec and rec.holder else None
 
-    async def _record_or_none(self) -> GroupRecord | None:
-        """The group's record, for an error message (None: not readable within a second)."""
+    async def _record_or_none(self) -> GroupStatus | None:
+        """The group's status, for an error message (None: not readable within a second)."""
         with contextlib.suppress(Exception):
             async with asyncio.timeout(1):
                 return await self.status()

@@ -13,9 +13,10 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from ._grants import ReleaseResult, _checks_claims, _Claim, _Hold
+from ._group_status import GroupStatus
 from ._publish_rules import request_id
 from .errors import LeaseExpired, NotHolder, Unavailable
-from .protocol import GroupRecord, Release, Released
+from .protocol import Release, Released
 from .workload import WorkloadChannel
 
 __all__ = ["ReleaseCalls"]
@@ -42,7 +43,7 @@ class ReleaseCalls:
     _claims: bool | None
     _claim: _Claim | None
     _publish: Callable[..., Awaitable[int]]
-    _record_or_none: Callable[[], Awaitable[GroupRecord | None]]
+    _record_or_none: Callable[[], Awaitable[GroupStatus | None]]
 
     async def release(self) -> ReleaseResult:
         """Give the group back. Raises NotHolder, StaleEpoch or LeaseExpired when you no longer hold it.
@@ -82,7 +83,7 @@ class ReleaseCalls:
 
     def _settle_budget(self) -> float:
         """The longest ``acquire()`` may spend after the grant, resuming what suspended early (seconds)."""
-        return sum(ch.op_timeout for ch in self._channels if ch.early_suspend)
+        return sum(ch.op_timeout_s for ch in self._channels if ch.early_suspend)
 
     def _suspend_early(self) -> None:
         for ch in self._channels:

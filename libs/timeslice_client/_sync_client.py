@@ -9,6 +9,7 @@ from types import TracebackType
 from typing import Any, TypeVar, Unpack, overload
 
 from ._async_client import AsyncTimeSliceClient, Grant, ReleaseResult
+from ._group_status import GroupStatus
 from ._hold_scope import SyncHold, SyncScopes
 from ._multi_group import SyncGroups, SyncMultiHold
 from ._shared_loop import CallTimeout, LoopClosed, SharedLoop
@@ -16,7 +17,6 @@ from ._workload_options import CLIENT_WORKLOAD_KEYS, ClientWorkloadOptions, chec
 from .bus import CredsPath, TlsOption
 from .errors import TimeSliceError, Unavailable
 from .handlers import WorkloadHandler
-from .protocol import GroupRecord
 from .workload import WorkloadChannel
 
 __all__ = ["TimeSliceClient"]
@@ -178,8 +178,9 @@ class TimeSliceClient:
         n = len(self._client.held_groups) + 1
         return self._run(self._client.release_all(), self._margin(n * self._client.request_timeout))
 
-    def status(self, group_id: str | None = None) -> GroupRecord:
-        """The lock record of ``group_id`` (default: this client's group; a fresh group reads as IDLE at epoch 0)."""
+    def status(self, group_id: str | None = None) -> GroupStatus:
+        """What the lock record of ``group_id`` says now (default: this client's group; a fresh group reads as IDLE at
+        epoch 0); see :meth:`AsyncTimeSliceClient.status`."""
         return self._run(self._client.status(group_id), self._margin(self._client.request_timeout))
 
     def list_groups(self) -> list[str]:
