@@ -50,7 +50,7 @@ async def main() -> None:
         return HandlerResult(bytes_moved=1)
 
     client = AsyncTimeSliceClient(
-        a.job, a.group, a.nats_url, lease_seconds=a.lease, acquire_timeout=300, request_timeout=10
+        a.job, a.group, a.nats_url, lease_s=a.lease, acquire_timeout_s=300, request_timeout_s=10
     )
     async with client:
         if a.node:

@@ -165,7 +165,7 @@ async def _job(
     result: dict[str, Any] = {"torch_before": handler.allocated(), "nvml_before": _nvml_used(os.getpid())}
     switches: list[dict[str, Any]] = []
     b = budget.bound
-    async with AsyncTimeSliceClient(job, group, url, lease_seconds=120, acquire_timeout=b(300)) as c:
+    async with AsyncTimeSliceClient(job, group, url, lease_s=120, acquire_timeout_s=b(300)) as c:
         await c.register_workload(handler, node_id=NODE, op_timeout_s=b(300))
         if leader:
             await c.acquire(timeout=b(120))

@@ -18,7 +18,7 @@ async def _pingpong(url: str, group: str, job: str, n: int, gap: float, out: str
     from timeslice_client import AsyncTimeSliceClient
 
     rows: list[tuple[str, int, int]] = []
-    async with AsyncTimeSliceClient(job, group, url, lease_seconds=30) as c:
+    async with AsyncTimeSliceClient(job, group, url, lease_s=30) as c:
         for _ in range(n):
             g = await c.acquire(timeout=60)
             rows.append(("g", g.epoch, time.monotonic_ns()))
@@ -49,7 +49,7 @@ def _pingpong_sync(url: str, group: str, job: str, n: int, gap: float, out: str)
     from timeslice_client import TimeSliceClient
 
     rows: list[tuple[str, int, int]] = []
-    with TimeSliceClient(job, group, url, lease_seconds=30) as c:
+    with TimeSliceClient(job, group, url, lease_s=30) as c:
         for _ in range(n):
             g = c.acquire(timeout=60)
             rows.append(("g", g.epoch, time.monotonic_ns()))

@@ -29,7 +29,7 @@ class Handoffs:
         self.granted = asyncio.Event()
         # fast_reacquire off: every grant is the orchestrator's decision
         self.clients = [
-            AsyncTimeSliceClient(job, group, url, fast_reacquire=False, request_timeout=30)
+            AsyncTimeSliceClient(job, group, url, fast_reacquire=False, request_timeout_s=30)
             for job in ("job-a", "job-b")
         ]
         self.tasks: list[asyncio.Task[None]] = []

@@ -148,7 +148,7 @@ async def run_job(
         rows.append(["release", c.epoch, time.monotonic_ns()])
         await c.release()
 
-    async with AsyncTimeSliceClient(job, group, url, lease_seconds=60, acquire_timeout=300) as c:
+    async with AsyncTimeSliceClient(job, group, url, lease_s=60, acquire_timeout_s=300) as c:
         # Once, without retries: the agent is up (the driver saw it answer).
         await c.register_workload(_Timed(inner, calls), node_id=NODE, op_timeout_s=300, early_suspend=early)
         if leader:

@@ -54,7 +54,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             go.set_result(json.loads(msg.data))
 
     await nc.subscribe(GO_SUBJECT, cb=on_go)
-    async with AsyncTimeSliceClient(a.job, a.group, a.url, lease_seconds=30, nc=nc) as client:
+    async with AsyncTimeSliceClient(a.job, a.group, a.url, lease_s=30, nc=nc) as client:
         await client.register_workload(CallbackHandler(suspend, resume), node_id=a.node)
         await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
         await nc.flush()

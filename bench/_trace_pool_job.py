@@ -75,9 +75,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     async with contextlib.AsyncExitStack() as stack:
         clients: dict[str, AsyncTimeSliceClient] = {}
         for pool in prof.pools:
-            c = AsyncTimeSliceClient(
-                a.job, f"{a.group_prefix}-{pool}", a.url, lease_seconds=30, nc=nc, bind_process=False
-            )
+            c = AsyncTimeSliceClient(a.job, f"{a.group_prefix}-{pool}", a.url, lease_s=30, nc=nc, bind_process=False)
             clients[pool] = await stack.enter_async_context(c)
             await c.register_workload(handler(pool), node_id=f"{a.node_prefix}-{pool}")
         await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)

@@ -168,7 +168,7 @@ async def _measure(
             await _common.wait_agent(url, f"n-{order}")
             jobs = []
             for job in ("a", "b"):
-                c = AsyncTimeSliceClient(job, f"g-{order}", url, lease_seconds=60, bind_process=False)
+                c = AsyncTimeSliceClient(job, f"g-{order}", url, lease_s=60, bind_process=False)
                 await stack.enter_async_context(c)
                 await c.register_workload(handler, node_id=f"n-{order}", op_timeout_s=60)
                 jobs.append(c)

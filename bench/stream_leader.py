@@ -50,7 +50,7 @@ async def _leaders(urls: list[str], streams: tuple[str, ...]) -> dict[str, str]:
     """Each stream's leader as a server among ``urls`` sees it ("" while it has none, or it is not known)."""
     out = dict.fromkeys(streams, "")
     with contextlib.suppress(Exception):
-        nc = await connect(urls, name="bench-leaders", connect_timeout=1)
+        nc = await connect(urls, name="bench-leaders", connect_timeout_s=1)
         try:
             js = nc.jetstream(timeout=0.5)
             for s in streams:
@@ -157,7 +157,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             moved = tuple(s for s, name in before.items() if name == dead)  # their leader goes with the server
             consumer_moved = await _consumer_leader(js, DURABLE) == dead
             survivors = [u for i, u in enumerate(cluster.urls) if i != lead]
-            probe = await connect(survivors, name="bench-election-probe", connect_timeout=2)
+            probe = await connect(survivors, name="bench-election-probe", connect_timeout_s=2)
             probes = [probe.jetstream(timeout=0.2) for _ in range(len(moved) + 1)]
             await asyncio.sleep(rng.uniform(0.0, 0.05))  # a random instant between grants, not a wait for anything
             t0 = time.monotonic()

@@ -83,7 +83,7 @@ class NatsCluster:
 
     async def stream_info_replicas(self, stream: str) -> tuple[str | None, int, list[bool]]:
         """(leader's name, configured replicas, each follower current?) of ``stream``, asked of a running node."""
-        nc = await connect([self.urls[i] for i in self.running()], name="test-cluster-info", connect_timeout=2)
+        nc = await connect([self.urls[i] for i in self.running()], name="test-cluster-info", connect_timeout_s=2)
         try:
             info = await nc.jetstream(timeout=2).stream_info(stream)
         finally:

@@ -102,7 +102,7 @@ async def group_record(client: AsyncTimeSliceClient, group: str | None = None) -
 def group_record_sync(client: TimeSliceClient, group: str | None = None) -> GroupRecord:
     """:func:`group_record` through a blocking client."""
     inner = client._client
-    return client._run(group_record(inner, group), client._margin(inner.request_timeout))
+    return client._run(group_record(inner, group), client._margin(inner.request_timeout_s))
 
 
 async def example_line(script: str, job: str, *extra: str, env: dict[str, str], timeout: float) -> str:

@@ -56,7 +56,7 @@ async def _job(a: argparse.Namespace) -> int:
         opt.zero_grad()
 
     train_step()  # the optimizer's state exists from here on
-    async with AsyncTimeSliceClient(a.job, GROUP, a.nats_url, lease_seconds=30) as client:
+    async with AsyncTimeSliceClient(a.job, GROUP, a.nats_url, lease_s=30) as client:
         await client.register_workload(TorchOffloadHandler(model, opt, device="cpu"), node_id=NODE)
         if a.start_with_reward:
             async with client.phase("reward"):

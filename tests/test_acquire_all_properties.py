@@ -203,7 +203,7 @@ class SimMember:
     ``AsyncTimeSliceClient`` does with the wire, without the keeper (leases and waits outlive the run)."""
 
     def __init__(self, job: str, group: str, bus: SimBus) -> None:
-        self.job_id, self.group_id, self.acquire_timeout = job, group, PATIENT_S
+        self.job_id, self.group_id, self.acquire_timeout_s = job, group, PATIENT_S
         self.bus = bus
         self.groups: JobGroups[SimMember] | None = None
         self.hold: tuple[int, str] | None = None  # (epoch, request id)
@@ -238,7 +238,7 @@ class SimMember:
 
     async def _acquire(self, timeout: float | None) -> Grant:
         loop = asyncio.get_running_loop()
-        t = self.acquire_timeout if timeout is None else timeout
+        t = self.acquire_timeout_s if timeout is None else timeout
         deadline = loop.time() + t
         rid = f"{self.job_id}-{self.group_id}-{next(self.rids)}"
         fut: asyncio.Future[Notice] = loop.create_future()

@@ -48,8 +48,8 @@ async def test_a_snapshot_answered_during_an_election_runs_once_and_counts_ok(cl
         running(Agent(AgentConfig(node_id="n1", nats_url=url)), timeout=30),
     ):
         async with (
-            AsyncTimeSliceClient("a", GROUP, url, request_timeout=30) as a,
-            AsyncTimeSliceClient("b", GROUP, url, request_timeout=30) as b,
+            AsyncTimeSliceClient("a", GROUP, url, request_timeout_s=30) as a,
+            AsyncTimeSliceClient("b", GROUP, url, request_timeout_s=30) as b,
         ):
             try:
                 await a.register_workload(Blocking("a", log, go, wait_s=60), node_id="n1", op_timeout_s=60)
@@ -81,7 +81,7 @@ async def test_a_snapshot_answered_during_an_election_runs_once_and_counts_ok(cl
                         return None
                     return rec if rec.holder is not None and rec.holder.job == "b" else None
 
-                # One read may itself take the client's request_timeout (30 s: a KV read sent to a server the cluster
+                # One read may itself take the client's request_timeout_s (30 s: a KV read sent to a server the cluster
                 # is still electing around answers only then), so the bound is longer than one read.
                 rec = await eventually(stored, timeout=90, what="the record shows b holding")
                 assert "a" not in rec.faulted, rec.faulted

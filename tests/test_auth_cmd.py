@@ -216,7 +216,7 @@ async def test_timeslice_up_runs_with_auth_and_local_clients_need_no_flag(
         assert _mode(auth) == 0o700 and all(_mode(p) == 0o600 for p in auth.iterdir())
         assert decode_jwt(creds.read_text().split("JWT-----")[1].split("------END")[0].strip())["name"] == "local"
         # the README's quick start: no URL, no credentials given
-        async with AsyncTimeSliceClient("job-a", "gpus-0", lease_seconds=30) as client:
+        async with AsyncTimeSliceClient("job-a", "gpus-0", lease_s=30) as client:
             g = await client.acquire(timeout=20)
             await client.release()
             assert (await client.status()).epoch == g.epoch

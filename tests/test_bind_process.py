@@ -37,7 +37,7 @@ JOB = textwrap.dedent("""
             f.write(line + "\\n")
 
     job, group, url, rounds, out = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), Path(sys.argv[5])
-    with TimeSliceClient(job, group, url, acquire_timeout=60) as client:
+    with TimeSliceClient(job, group, url, acquire_timeout_s=60) as client:
         for i in range(rounds):
             with client.on_accelerators():
                 say(f"held {i}")

@@ -87,7 +87,7 @@ async def _refused(nc: NATS, v: Violations, subject: str, data: bytes = b"{}", *
 
 
 def _client(bus: SecureBus, job: str, **kw: object) -> AsyncTimeSliceClient:
-    return AsyncTimeSliceClient(job, G, bus.url, creds=bus.creds("job", job), request_timeout=2.0, **kw)  # type: ignore[arg-type]
+    return AsyncTimeSliceClient(job, G, bus.url, creds=bus.creds("job", job), request_timeout_s=2.0, **kw)  # type: ignore[arg-type]
 
 
 async def _barrier(bus: SecureBus) -> None:
@@ -111,7 +111,7 @@ async def _waiting(c: AsyncTimeSliceClient, job: str) -> bool:
 
 async def test_a_connection_without_credentials_is_refused(bus: SecureBus) -> None:
     with pytest.raises(Unavailable, match=r"(?i)authorization violation") as info:
-        await connect(bus.url, connect_timeout=1)
+        await connect(bus.url, connect_timeout_s=1)
     assert "--creds" in str(info.value)
 
 
@@ -119,7 +119,7 @@ async def test_credentials_of_another_operator_are_refused(bus: SecureBus, tmp_p
     other = start_secure_bus(tmp_path / "other")
     try:
         with pytest.raises(Unavailable, match=r"(?i)authorization violation"):
-            await connect(bus.url, creds=other.creds("job", "a"), connect_timeout=1)
+            await connect(bus.url, creds=other.creds("job", "a"), connect_timeout_s=1)
     finally:
         other.stop()
 
@@ -135,10 +135,10 @@ async def test_tls_and_mutual_tls_connect(tmp_path: Path) -> None:
         await nc.jetstream().account_info()
         await nc.close()
         with pytest.raises(Unavailable):  # the server's certificate is not one the system trusts
-            await connect(tls.url, creds=tls.creds("reader"), connect_timeout=1)
+            await connect(tls.url, creds=tls.creds("reader"), connect_timeout_s=1)
         c = mtls.certs
         with pytest.raises(Unavailable):  # no client certificate
-            await connect(mtls.url, creds=mtls.creds("reader"), tls=TlsFiles(ca=c.ca), connect_timeout=1)
+            await connect(mtls.url, creds=mtls.creds("reader"), tls=TlsFiles(ca=c.ca), connect_timeout_s=1)
         nc = await connect(mtls.url, creds=mtls.creds("reader"), tls=TlsFiles(c.ca, c.client_cert, c.client_key))
         await nc.jetstream().account_info()
         await nc.close()
@@ -164,7 +164,7 @@ async def test_a_revoked_credential_no_longer_connects(bus: SecureBus) -> None:
 
     async def refused() -> bool:
         try:
-            c = await connect(bus.url, creds=path, connect_timeout=0.5)
+            c = await connect(bus.url, creds=path, connect_timeout_s=0.5)
         except Unavailable as exc:
             return "authorization violation" in str(exc).lower()
         await c.close()
@@ -201,7 +201,7 @@ async def test_a_client_claiming_another_jobs_id_gets_nothing(bus: SecureBus, or
     async with _client(bus, "a") as a:
         await a.acquire(timeout=10)
         v = Violations()
-        fake = AsyncTimeSliceClient("b", G, bus.url, creds=bus.creds("job", "mallory"), request_timeout=0.5)
+        fake = AsyncTimeSliceClient("b", G, bus.url, creds=bus.creds("job", "mallory"), request_timeout_s=0.5)
         fake_nc = await connect(bus.url, creds=bus.creds("job", "mallory"), error_cb=v)
         fake._nc, fake._own_nc = fake_nc, True
         try:
@@ -251,7 +251,7 @@ async def test_forged_granted_and_revoked_notices_are_refused(bus: SecureBus, or
 
 
 async def test_renewing_a_dead_jobs_lease_is_refused(bus: SecureBus, orch: Orchestrator) -> None:
-    dead = _client(bus, "dead", lease_seconds=1.0)
+    dead = _client(bus, "dead", lease_s=1.0)
     g = await dead.acquire(timeout=10)
     assert dead._keeper is not None
     dead._keeper.cancel()  # it dies: no more renewals, no release

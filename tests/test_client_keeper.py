@@ -46,7 +46,7 @@ async def test_waiting_place_is_renewed_past_its_ttl(nats_url: str) -> None:
     await nc.flush()
     a = await AsyncTimeSliceClient("a", "gk1", nats_url).connect()
     # A 0.3 s place: dropped by the orchestrator unless renewed every 0.1 s.
-    b = await AsyncTimeSliceClient("b", "gk1", nats_url, waiter_ttl_seconds=0.3).connect()
+    b = await AsyncTimeSliceClient("b", "gk1", nats_url, waiter_ttl_s=0.3).connect()
     try:
         ga = await a.acquire(timeout=10)
         wait = asyncio.create_task(b.acquire(timeout=30))
@@ -69,7 +69,7 @@ async def test_lease_is_renewed_after_quick_cycles(nats_url: str) -> None:
     await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
     await nc.flush()
     try:
-        async with AsyncTimeSliceClient("a", "gk2", nats_url, lease_seconds=1, confirm_seconds=0.3) as a:
+        async with AsyncTimeSliceClient("a", "gk2", nats_url, lease_s=1, confirm_s=0.3) as a:
             for _ in range(3):  # grants that come at once: the keeper is not woken for their waits
                 await a.acquire(timeout=10)
                 await a.release()

@@ -45,7 +45,7 @@ async def _connect_error(client: AsyncTimeSliceClient) -> tuple[Unavailable, flo
 
 async def test_a_refused_port_fails_at_once_naming_the_url_and_how_up_advertises_it(no_advertised_url: Path) -> None:
     url = f"nats://127.0.0.1:{_closed_port()}"
-    err, took = await _connect_error(AsyncTimeSliceClient("j", "g", url, connect_timeout=5))
+    err, took = await _connect_error(AsyncTimeSliceClient("j", "g", url, connect_timeout_s=5))
     assert took < 1.0, f"a refused port took {took:.2f} s to fail"
     assert isinstance(err, errors.BusUnreachable) and err.refused and err.nats_url == url
     text = str(err)
@@ -55,12 +55,14 @@ async def test_a_refused_port_fails_at_once_naming_the_url_and_how_up_advertises
 
 async def test_every_refused_server_of_a_list_fails_at_once() -> None:
     url = f"nats://127.0.0.1:{_closed_port()},nats://127.0.0.1:{_closed_port()}"
-    err, took = await _connect_error(AsyncTimeSliceClient("j", "g", url, connect_timeout=5))
+    err, took = await _connect_error(AsyncTimeSliceClient("j", "g", url, connect_timeout_s=5))
     assert took < 1.0 and getattr(err, "refused", False) and url in str(err)
 
 
 async def test_a_refused_server_beside_a_live_one_is_passed_over(nats_url: str) -> None:
-    async with AsyncTimeSliceClient("j", "g", f"nats://127.0.0.1:{_closed_port()},{nats_url}", connect_timeout=5) as c:
+    async with AsyncTimeSliceClient(
+        "j", "g", f"nats://127.0.0.1:{_closed_port()},{nats_url}", connect_timeout_s=5
+    ) as c:
         assert c._nc is not None and c._nc.is_connected
 
 
@@ -84,8 +86,8 @@ async def _silent_server() -> AsyncIterator[str]:
 
 async def test_a_silent_server_fails_within_the_connect_timeout() -> None:
     async with _silent_server() as url:
-        err, took = await _connect_error(AsyncTimeSliceClient("j", "g", url, connect_timeout=1.5))
-    assert took < 1.5 + 0.5, f"the connect took {took:.2f} s, more than its connect_timeout of 1.5 s"
+        err, took = await _connect_error(AsyncTimeSliceClient("j", "g", url, connect_timeout_s=1.5))
+    assert took < 1.5 + 0.5, f"the connect took {took:.2f} s, more than its connect_timeout_s of 1.5 s"
     assert url in str(err) and not getattr(err, "refused", True)
 
 
@@ -94,7 +96,7 @@ async def test_no_url_anywhere_says_it_tried_the_default_and_how_to_set_one(
 ) -> None:
     default = f"nats://127.0.0.1:{_closed_port()}"
     monkeypatch.setattr(bus, "_DEFAULT_URL", default)  # port 4222 of this machine may be anyone's
-    err, took = await _connect_error(AsyncTimeSliceClient("j", "g", connect_timeout=5))
+    err, took = await _connect_error(AsyncTimeSliceClient("j", "g", connect_timeout_s=5))
     text = str(err)
     assert took < 1.0 and default in text
     assert "the default" in text and "no URL was given" in text and str(no_advertised_url) in text
@@ -105,14 +107,14 @@ async def test_a_stale_url_file_is_named(no_advertised_url: Path) -> None:
     url = f"nats://127.0.0.1:{_closed_port()}"
     no_advertised_url.parent.mkdir(parents=True)
     no_advertised_url.write_text(url + "\n")
-    err, _ = await _connect_error(AsyncTimeSliceClient("j", "g", connect_timeout=5))
+    err, _ = await _connect_error(AsyncTimeSliceClient("j", "g", connect_timeout_s=5))
     assert f"advertised by `timeslice up` in {no_advertised_url}" in str(err) and "is not running" in str(err)
 
 
 async def test_the_env_var_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     url = f"nats://127.0.0.1:{_closed_port()}"
     monkeypatch.setenv("TIMESLICE_NATS_URL", url)
-    err, _ = await _connect_error(AsyncTimeSliceClient("j", "g", connect_timeout=5))
+    err, _ = await _connect_error(AsyncTimeSliceClient("j", "g", connect_timeout_s=5))
     assert url in str(err) and "from $TIMESLICE_NATS_URL" in str(err)
 
 

@@ -103,7 +103,7 @@ class _NoHandler:
 class _Handoffs:
     grants: list[tuple[float, str, int]] = field(default_factory=list)  # (monotonic s, job, epoch)
     lost: list[tuple[float, str, str]] = field(default_factory=list)  # holds lost before their release (stall)
-    unanswered: int = 0  # releases stored whose answer came after request_timeout (the client raised Unavailable)
+    unanswered: int = 0  # releases stored whose answer came after request_timeout_s (the client raised Unavailable)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     def after(self, t: float) -> list[tuple[float, str, int]]:
@@ -121,7 +121,7 @@ async def _hand_off(client: AsyncTimeSliceClient, log: _Handoffs, limit: int = 1
             await client.release()
         except LockLost as exc:  # revoked while the bus stalled (e.g. its confirmation could not be stored)
             log.lost.append((time.monotonic(), client.job_id, str(exc)))
-        except Unavailable as exc:  # stored in the stream but not answered within request_timeout: it still counts
+        except Unavailable as exc:  # stored in the stream but not answered within request_timeout_s: it still counts
             assert "release was not answered" in str(exc)
             log.unanswered += 1
     return limit

@@ -23,7 +23,7 @@ CUT_S = 1.0  # how long the connection stays cut (the fault's duration, not a wa
 async def test_a_waiter_cut_off_at_its_grant_is_granted_once_it_hears_again(nats_url: str) -> None:
     async with tcp_proxy(nats_url) as proxy:
         a = await AsyncTimeSliceClient("a", "lost1", nats_url).connect()
-        b = await AsyncTimeSliceClient("b", "lost1", proxy.url, acquire_timeout=40).connect()
+        b = await AsyncTimeSliceClient("b", "lost1", proxy.url, acquire_timeout_s=40).connect()
         try:
             ga = await a.acquire(timeout=10)
             wait = asyncio.create_task(b.acquire(timeout=40))
@@ -67,7 +67,7 @@ async def test_a_holder_cut_off_past_its_lease_stops_holding_before_anyone_else_
     stream stored plus its lease has passed: before the orchestrator (which counts from that renewal's stream time)
     can grant anyone else. Its release then says the lease expired; once it hears again, the group works on."""
     async with tcp_proxy(nats_url) as proxy:
-        a = await AsyncTimeSliceClient("a", "lost2", proxy.url, lease_seconds=2, confirm_seconds=1).connect()
+        a = await AsyncTimeSliceClient("a", "lost2", proxy.url, lease_s=2, confirm_s=1).connect()
         b = await AsyncTimeSliceClient("b", "lost2", nats_url).connect()
         try:
             ga = await a.acquire(timeout=10)

@@ -100,7 +100,7 @@ def shared_job(
     name: str, nats_url: str, trainer: str, sampler: str, args: slime.Args, driver: Driver, pools: Pools
 ) -> Run:
     with TimeSliceClient(
-        name, trainer, nats_url, lease_seconds=10, acquire_timeout=JOB_TIMEOUT_S, bind_process=False
+        name, trainer, nats_url, lease_s=10, acquire_timeout_s=JOB_TIMEOUT_S, bind_process=False
     ) as client:
         callback = TimeSliceCallback(client, trainer_group=trainer, sampler_group=sampler)
         one_node = callback.colocated

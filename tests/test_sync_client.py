@@ -84,7 +84,7 @@ def test_the_hold_is_renewed_between_calls(nats_url: str) -> None:
     """Between calls (the job trains) the client's own thread renews the lease: held for several leases without a
     call on the client, the group stays this job's."""
     with (
-        TimeSliceClient("a", "g13", nats_url, lease_seconds=1.0) as a,
+        TimeSliceClient("a", "g13", nats_url, lease_s=1.0) as a,
         TimeSliceClient("observer", "observer", nats_url) as obs,
     ):
         g = a.acquire(timeout=10)
@@ -119,7 +119,7 @@ def test_a_connection_cut_between_calls_is_mended_by_the_clients_thread(nats_url
     proxy = proxy_loop.submit(TcpProxy(nats_url).start()).result(10)
     try:
         with (
-            TimeSliceClient("a", "g14", proxy.url, lease_seconds=4.0) as a,
+            TimeSliceClient("a", "g14", proxy.url, lease_s=4.0) as a,
             TimeSliceClient("observer", "observer", nats_url) as obs,
         ):
             g = a.acquire(timeout=10)

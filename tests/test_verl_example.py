@@ -92,7 +92,7 @@ def plain(seed: int, colocated: bool) -> Run:
 
 def shared_job(name: str, nats_url: str, actor: str, rollout: str, seed: int, pools: Pools) -> Run:
     with TimeSliceClient(
-        name, actor, nats_url, lease_seconds=10, acquire_timeout=JOB_TIMEOUT_S, bind_process=False
+        name, actor, nats_url, lease_s=10, acquire_timeout_s=JOB_TIMEOUT_S, bind_process=False
     ) as client:
         holds = VerlHolds(client, actor_pool=actor, rollout_pool=rollout)
         trainer = ex.build(seed=seed, steps=STEPS, colocated=holds.colocated, on_work=pools.work(name, holds))

@@ -143,7 +143,7 @@ async def test_a_channel_needs_a_connected_nc_or_a_url(nats_url: str) -> None:
 
 async def test_a_channel_whose_server_does_not_answer_says_so_and_leaves_no_thread() -> None:
     ch = WorkloadChannel(
-        NATS(), "j5", "g", _Blocking(), node_id=NODE, nats_url="nats://127.0.0.1:1", request_timeout=0.5
+        NATS(), "j5", "g", _Blocking(), node_id=NODE, nats_url="nats://127.0.0.1:1", request_timeout_s=0.5
     )
     with pytest.raises(Unavailable, match="cannot connect"):
         await ch.start()

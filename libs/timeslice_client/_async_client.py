@@ -27,6 +27,7 @@ from ._multi_group import AsyncMultiHold, JobGroups, MultiGroupCalls, sibling
 from ._publish_rules import publish_stored, request_id
 from ._refusals import refusal_error
 from ._release_calls import ReleaseCalls
+from ._renamed import RenamedAttribute, renamed_keywords
 from ._workload_options import CLIENT_WORKLOAD_KEYS, ClientWorkloadOptions, check_options
 from .bus import CredsPath, TlsOption, connect, default_nats_url, kv_keys, resolve_nats_url
 from .errors import (
@@ -62,6 +63,17 @@ __all__ = ["AsyncTimeSliceClient", "Grant", "ReleaseResult"]
 
 log = logging.getLogger("timeslice.client")
 
+# The clients' constructor options renamed for their units (old -> new; docs/architecture.md, "Names and units"),
+# the old names kept for one release.
+RENAMED_OPTIONS = {
+    "lease_seconds": "lease_s",
+    "acquire_timeout": "acquire_timeout_s",
+    "request_timeout": "request_timeout_s",
+    "waiter_ttl_seconds": "waiter_ttl_s",
+    "confirm_seconds": "confirm_s",
+    "connect_timeout": "connect_timeout_s",
+}
+
 
 class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
     """One job's handle on one group.
@@ -72,7 +84,7 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
 
     ``nats_url`` (default: ``$TIMESLICE_NATS_URL``, else the URL ``timeslice up`` advertises, else
     ``nats://127.0.0.1:4222``; see ``bus.resolve_nats_url``) is checked here: a malformed one raises
-    ``InvalidNatsUrl``. ``connect_timeout`` bounds the connection; a server that refuses it fails it at once
+    ``InvalidNatsUrl``. ``connect_timeout_s`` bounds the connection; a server that refuses it fails it at once
     (``BusUnreachable``, saying where the URL came from).
 
     ``bind_process`` (on by default): the first acquire binds this process to its node's agent (``node_id``:
@@ -81,20 +93,31 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
 
     ``priority``: this job's class among the group's waiters, 0 (default) to ``MAX_PRIORITY``, higher first, each
     waiter's rising by one per minute waited (``docs/scheduling.md``, "Priorities"; cooperative: any job may ask any).
+
+    Durations are in seconds, named so (``lease_s``, ``acquire_timeout_s``, ...); the options' old names
+    (``lease_seconds``, ``acquire_timeout``, ``request_timeout``, ``waiter_ttl_seconds``, ``confirm_seconds``,
+    ``connect_timeout``) and the attributes' (``acquire_timeout``, ``request_timeout``, ``connect_timeout``) still
+    work for one release, with a ``DeprecationWarning``.
     """
 
+    # the attributes' old names (docs/architecture.md, "Names and units")
+    acquire_timeout = RenamedAttribute[float]("acquire_timeout_s")
+    request_timeout = RenamedAttribute[float]("request_timeout_s")
+    connect_timeout = RenamedAttribute[float]("connect_timeout_s")
+
+    @renamed_keywords(**RENAMED_OPTIONS)
     def __init__(
         self,
         job_id: str,
         group_id: str,
         nats_url: str | None = None,
-        lease_seconds: float = 30.0,
+        lease_s: float = 30.0,
         *,
-        acquire_timeout: float = 600.0,
-        request_timeout: float = 5.0,
-        waiter_ttl_seconds: float = 5.0,
-        confirm_seconds: float = 3.0,
-        connect_timeout: float = 5.0,
+        acquire_timeout_s: float = 600.0,
+        request_timeout_s: float = 5.0,
+        waiter_ttl_s: float = 5.0,
+        confirm_s: float = 3.0,
+        connect_timeout_s: float = 5.0,
         fast_reacquire: bool = True,
         nc: NATS | None = None,
         creds: CredsPath | None = None,
@@ -110,14 +133,14 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
         # Checked now (InvalidNatsUrl), and where it came from kept for the error when nobody answers there.
         self._url = resolve_nats_url(nats_url) if nc is None or nats_url else None
         self.nats_url = self._url.text if self._url else default_nats_url()
-        if lease_seconds < 1:
-            raise InvalidRequest(f"lease_seconds must be at least 1, not {lease_seconds}")
-        self.lease_ms = int(lease_seconds * 1000)
-        self.acquire_timeout = acquire_timeout
-        self.request_timeout = request_timeout
-        self.waiter_ttl_ms = int(waiter_ttl_seconds * 1000)
-        self.confirm_ms = int(confirm_seconds * 1000)
-        self.connect_timeout = connect_timeout
+        if lease_s < 1:
+            raise InvalidRequest(f"lease_s must be at least 1, not {lease_s}")
+        self.lease_ms = int(lease_s * 1000)
+        self.acquire_timeout_s = acquire_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.waiter_ttl_ms = int(waiter_ttl_s * 1000)
+        self.confirm_ms = int(confirm_s * 1000)
+        self.connect_timeout_s = connect_timeout_s
         self.fast_reacquire = fast_reacquire
         self._nc = nc
         self._own_nc = nc is None
@@ -162,17 +185,17 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
                     self._url,
                     name=f"timeslice-job-{self.job_id}",
                     **self._identity,
-                    connect_timeout=self.connect_timeout,
+                    connect_timeout_s=self.connect_timeout_s,
                     reconnected_cb=self._on_reconnected,
                 )
-            self._js = self._nc.jetstream(timeout=self.request_timeout)
+            self._js = self._nc.jetstream(timeout=self.request_timeout_s)
             v = self._nc.connected_server_version
             # The sequence check's -Subject header came with nats-server 2.11; an older server would check the
             # acquire's own subject and refuse every claim (safe, but a wasted round trip each time; docs/nats.md).
             self._claims = None if self.fast_reacquire and (v.major, v.minor) >= (2, 11) else False
             self._sub = await self._nc.subscribe(self._notice_subject, cb=self._on_notice)
             await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
-            await self._nc.flush(timeout=max(1, math.ceil(self.request_timeout)))
+            await self._nc.flush(timeout=max(1, math.ceil(self.request_timeout_s)))
             self._keeper = asyncio.get_running_loop().create_task(keep(self), name=f"timeslice-keeper-{self.job_id}")
             return self
 
@@ -261,7 +284,7 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
                     self.group_id,
                     self.job_id,
                     self.node_id or default_node_id(),
-                    timeout=self.request_timeout,
+                    timeout=self.request_timeout_s,
                 )
         except BaseException:
             hold, self._hold = self._hold, None
@@ -276,7 +299,7 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
             await self.connect()
         for ch in self._channels:
             ch.disarm()  # armed since this job's release (its main thread waits here now)
-        timeout = self.acquire_timeout if timeout is None else timeout
+        timeout = self.acquire_timeout_s if timeout is None else timeout
         claim, self._claim = self._claim, None
         if claim is not None:
             grant = await self._try_claim(claim)
@@ -416,7 +439,7 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
         await c.connect()
         assert c._nc is not None
         channel = WorkloadChannel(
-            c._nc, self.job_id, c.group_id, handler, request_timeout=self.request_timeout, **options
+            c._nc, self.job_id, c.group_id, handler, request_timeout_s=self.request_timeout_s, **options
         )
         await channel.start()
         c._channels.append(channel)
@@ -461,7 +484,7 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
     async def list_groups(self) -> list[str]:
         await self._groups_kv()  # Unavailable, with what to do, when the bucket is missing
         assert self._nc is not None
-        keys = await kv_keys(self._nc, GROUPS_BUCKET, timeout=self.request_timeout)  # not kv.keys(): it can miss keys
+        keys = await kv_keys(self._nc, GROUPS_BUCKET, timeout=self.request_timeout_s)  # not kv.keys(): it can miss keys
         return [k for k in keys if is_group_key(k)]
 
     async def _groups_kv(self) -> KeyValue:
@@ -498,7 +521,7 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
         self._claim = None  # a job input after the release: the stream would refuse the claim
         self._published += 1
         return await publish_stored(
-            self._js, subject, data, headers=headers, timeout=self.request_timeout, nats_url=self.nats_url
+            self._js, subject, data, headers=headers, timeout=self.request_timeout_s, nats_url=self.nats_url
         )
 
     def _subject(self, msg: msgspec.Struct) -> str:

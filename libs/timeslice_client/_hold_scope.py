@@ -49,9 +49,9 @@ class AsyncScopes(_Scopes):
 
 
 class SyncScopes(_Scopes):
-    def __init__(self, acquire_timeout: float) -> None:
+    def __init__(self, acquire_timeout_s: float) -> None:
         super().__init__()
-        self.acquire_timeout = acquire_timeout  # the bound of a wait for another thread's grant (timeout=None)
+        self.acquire_timeout_s = acquire_timeout_s  # the bound of a wait for another thread's grant (timeout=None)
         self.entering = threading.Lock()
 
 
@@ -66,7 +66,7 @@ class AsyncHold:
 
     async def __aenter__(self) -> Grant:
         client, scopes = self._client, self._client._scopes
-        bound = client.acquire_timeout if self._timeout is None else self._timeout
+        bound = client.acquire_timeout_s if self._timeout is None else self._timeout
         try:
             async with asyncio.timeout(bound):
                 await scopes.entering.acquire()
@@ -140,7 +140,7 @@ class SyncHold:
 
     def __enter__(self) -> Grant:
         client, scopes = self._client, self._scopes
-        bound = scopes.acquire_timeout if self._timeout is None else self._timeout
+        bound = scopes.acquire_timeout_s if self._timeout is None else self._timeout
         if not scopes.entering.acquire(timeout=max(0.0, bound)):
             raise AcquireTimeout(client.group_id, client.job_id, bound)
         try:

@@ -74,7 +74,7 @@ class Member(Protocol):
 
     job_id: str
     group_id: str
-    acquire_timeout: float
+    acquire_timeout_s: float
 
     @property
     def holding(self) -> bool: ...
@@ -111,11 +111,11 @@ def sibling(owner: AsyncTimeSliceClient, group: str) -> AsyncTimeSliceClient:
         group,
         owner.nats_url,
         owner.lease_ms / 1000,
-        acquire_timeout=owner.acquire_timeout,
-        request_timeout=owner.request_timeout,
-        waiter_ttl_seconds=owner.waiter_ttl_ms / 1000,
-        confirm_seconds=owner.confirm_ms / 1000,
-        connect_timeout=owner.connect_timeout,
+        acquire_timeout_s=owner.acquire_timeout_s,
+        request_timeout_s=owner.request_timeout_s,
+        waiter_ttl_s=owner.waiter_ttl_ms / 1000,
+        confirm_s=owner.confirm_ms / 1000,
+        connect_timeout_s=owner.connect_timeout_s,
         fast_reacquire=owner.fast_reacquire,
         nc=owner._nc,
         bind_process=False,
@@ -192,7 +192,7 @@ class JobGroups(Generic[M]):
         order. Within ``acquire_all``'s turn, as it is: that call has the turn, and checked the order."""
         if self._turn_task is not None and self._turn_task is asyncio.current_task():
             return await m._acquire(timeout)
-        t = m.acquire_timeout if timeout is None else timeout
+        t = m.acquire_timeout_s if timeout is None else timeout
         loop = asyncio.get_running_loop()
         deadline = loop.time() + t
         waited = self._turn.locked()
@@ -207,7 +207,7 @@ class JobGroups(Generic[M]):
     async def acquire_all(self, groups: Iterable[str], timeout: float | None) -> dict[str, Grant]:
         """Every group of ``groups``, in sorted order, within ``timeout`` for the whole call; see the module doc."""
         order = take_order(groups)
-        t = self.owner.acquire_timeout if timeout is None else timeout
+        t = self.owner.acquire_timeout_s if timeout is None else timeout
         loop = asyncio.get_running_loop()
         deadline = loop.time() + t
         job = self.owner.job_id
@@ -372,7 +372,7 @@ class MultiGroupCalls:
 
     async def acquire_all(self, groups: Iterable[str], timeout: float | None = None) -> dict[str, Grant]:
         """Take every group of ``groups`` (this client's own and any other of its job's) in sorted order, within
-        ``timeout`` (default ``acquire_timeout``) for the whole call: the grants by group, in that order. A group this
+        ``timeout`` (default ``acquire_timeout_s``) for the whole call: the grants by group, in that order. A group this
         job holds already is kept (its grant as it is). Raises LockOrderError (before asking anything) when the job
         holds a group that sorts after one it would wait for; on any other failure (timeout, cancel, refusal,
         fault) releases what the call took and withdraws its wait before raising AcquireAllFailed (a timeout:
@@ -407,7 +407,7 @@ class AsyncMultiHold:
         self._entered: list[AsyncHold] = []
 
     async def __aenter__(self) -> dict[str, Grant]:
-        t = self._groups.owner.acquire_timeout if self._timeout is None else self._timeout
+        t = self._groups.owner.acquire_timeout_s if self._timeout is None else self._timeout
         loop = asyncio.get_running_loop()
         deadline = loop.time() + t
         grants: dict[str, Grant] = {}
@@ -487,13 +487,13 @@ class _SyncSibling:
 
     def acquire(self, timeout: float | None = None) -> Grant:
         m = self._member
-        t = m.acquire_timeout if timeout is None else timeout
+        t = m.acquire_timeout_s if timeout is None else timeout
         grant: Grant = self._runner._run(m.acquire(timeout), self._runner._margin(t) + m._settle_budget())
         return grant
 
     def release(self) -> ReleaseResult:
         result: ReleaseResult = self._runner._run(
-            self._member.release(), self._runner._margin(self._member.request_timeout)
+            self._member.release(), self._runner._margin(self._member.request_timeout_s)
         )
         return result
 
@@ -507,10 +507,10 @@ class SyncGroups:
         owner: _SyncClient,
         scopes: SyncScopes,
         groups: JobGroups[AsyncTimeSliceClient],
-        acquire_timeout: float,
+        acquire_timeout_s: float,
     ) -> None:
         self.runner = runner
-        self.acquire_timeout = acquire_timeout
+        self.acquire_timeout_s = acquire_timeout_s
         self._groups = groups
         self._scopes: dict[str, tuple[_SyncClient, SyncScopes]] = {owner.group_id: (owner, scopes)}
         self._lock = threading.Lock()
@@ -522,7 +522,9 @@ class SyncGroups:
             return got
         member: AsyncTimeSliceClient = self.runner._run(self._groups.member(group), self.runner._margin(timeout))
         with self._lock:
-            return self._scopes.setdefault(group, (_SyncSibling(self.runner, member), SyncScopes(self.acquire_timeout)))
+            return self._scopes.setdefault(
+                group, (_SyncSibling(self.runner, member), SyncScopes(self.acquire_timeout_s))
+            )
 
 
 class SyncMultiHold:
@@ -535,7 +537,7 @@ class SyncMultiHold:
         self._entered: list[tuple[SyncHold, SyncScopes, str]] = []
 
     def __enter__(self) -> dict[str, Grant]:
-        t = self._groups.acquire_timeout if self._timeout is None else self._timeout
+        t = self._groups.acquire_timeout_s if self._timeout is None else self._timeout
         deadline = time.monotonic() + t
         grants: dict[str, Grant] = {}
         entered: list[tuple[SyncHold, SyncScopes, str]] = []

@@ -32,7 +32,7 @@ class ReleaseCalls:
     group_id: str
     job_id: str
     nats_url: str
-    request_timeout: float
+    request_timeout_s: float
     _nc: NATS | None
     _js: JetStreamContext | None
     _hold: _Hold | None
@@ -122,13 +122,13 @@ class ReleaseCalls:
                 Release(group=self.group_id, job=self.job_id, request_id=rid, epoch=hold.epoch), msg_id=rid
             )
             try:
-                async with asyncio.timeout(self.request_timeout):
+                async with asyncio.timeout(self.request_timeout_s):
                     return await fut, seq
             except TimeoutError:
                 raise Unavailable(
                     "release was not answered (is the orchestrator running?)",
                     nats_url=self.nats_url,
-                    after_s=self.request_timeout,
+                    after_s=self.request_timeout_s,
                 ) from None
         finally:
             self._pending.pop(rid, None)

@@ -1,19 +1,21 @@
 """Old keyword names kept working for one release after a rename (docs/architecture.md, "Names and units").
 
 A call that uses an old name gets a ``DeprecationWarning`` that names the new one, and the value goes to the new
-name; giving both is a ``TypeError``, as Python says of a keyword given twice."""
+name; giving both is a ``TypeError``, as Python says of a keyword given twice. An attribute renamed with them reads
+(and sets) on under its old name through ``RenamedAttribute``, with the same warning."""
 
 from __future__ import annotations
 
 import functools
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping
-from typing import ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar, overload
 
-__all__ = ["rename_keywords", "renamed_keywords"]
+__all__ = ["RenamedAttribute", "rename_keywords", "renamed_keywords"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 def rename_keywords(
@@ -45,3 +47,34 @@ def renamed_keywords(**renamed: str) -> Callable[[Callable[P, R]], Callable[P, R
         return wrapper
 
     return decorate
+
+
+class RenamedAttribute(Generic[T]):
+    """An attribute's old name, kept for one release: ``old = RenamedAttribute[float]("old_s")`` in the class body
+    reads and sets ``old_s``, each time with a ``DeprecationWarning`` that names it."""
+
+    def __init__(self, new: str) -> None:
+        self.new = new
+        self.old = new
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.old = name
+
+    def _warn(self, obj: object) -> None:
+        warnings.warn(
+            f"{type(obj).__name__}.{self.old} is deprecated, use {self.new}", DeprecationWarning, stacklevel=3
+        )
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> RenamedAttribute[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        self._warn(obj)
+        return getattr(obj, self.new)
+
+    def __set__(self, obj: object, value: T) -> None:
+        self._warn(obj)
+        setattr(obj, self.new, value)

@@ -8,10 +8,11 @@ from collections.abc import Coroutine, Iterable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar, Unpack, overload
 
-from ._async_client import AsyncTimeSliceClient, Grant, ReleaseResult
+from ._async_client import RENAMED_OPTIONS, AsyncTimeSliceClient, Grant, ReleaseResult
 from ._group_status import GroupStatus
 from ._hold_scope import SyncHold, SyncScopes
 from ._multi_group import SyncGroups, SyncMultiHold
+from ._renamed import renamed_keywords
 from ._shared_loop import CallTimeout, LoopClosed, SharedLoop
 from ._workload_options import CLIENT_WORKLOAD_KEYS, ClientWorkloadOptions, check_options
 from .bus import CredsPath, TlsOption
@@ -38,28 +39,31 @@ class TimeSliceClient:
     others' calls run there). Ctrl-C during a call withdraws what it waited for before ``KeyboardInterrupt``
     reaches you (at most ~2 s; a second Ctrl-C does not wait).
 
-    The options are :class:`AsyncTimeSliceClient`'s: ``lease_seconds`` (the hold's lease, renewed in the
-    background), ``acquire_timeout`` (``acquire()``'s default wait, s), ``request_timeout`` (each request to the
-    bus), ``waiter_ttl_seconds`` (a wait is dropped when not renewed for this long), ``confirm_seconds``,
-    ``connect_timeout``, ``fast_reacquire`` (claims: a re-acquire right after a release nobody waited for returns at
-    the stream's PubAck), ``creds`` and ``tls`` (found by ``bus.connect`` when None), ``bind_process`` and ``node_id``
-    (the first acquire binds this process to its node's agent), ``priority`` (this job's class among the group's
-    waiters, 0 to 9: docs/scheduling.md). Not ``nc``: a connection belongs to the loop it was
-    made on, and this client's loop is its own.
+    The options are :class:`AsyncTimeSliceClient`'s: ``lease_s`` (the hold's lease, renewed in the background),
+    ``acquire_timeout_s`` (``acquire()``'s default wait), ``request_timeout_s`` (each request to the bus),
+    ``waiter_ttl_s`` (a wait is dropped when not renewed for this long), ``confirm_s`` (a grant must be confirmed
+    within this long), ``connect_timeout_s`` (the first connection), all in seconds; ``fast_reacquire`` (claims: a
+    re-acquire right after a release nobody waited for returns at the stream's PubAck), ``creds`` and ``tls`` (found
+    by ``bus.connect`` when None), ``bind_process`` and ``node_id`` (the first acquire binds this process to its
+    node's agent), ``priority`` (this job's class among the group's waiters, 0 to 9: docs/scheduling.md). Not
+    ``nc``: a connection belongs to the loop it was made on, and this client's loop is its own. The duration
+    options' old names (``lease_seconds``, ``acquire_timeout``, ``request_timeout``, ``waiter_ttl_seconds``,
+    ``confirm_seconds``, ``connect_timeout``) still work for one release, with a ``DeprecationWarning``.
     """
 
+    @renamed_keywords(**RENAMED_OPTIONS)
     def __init__(
         self,
         job_id: str,
         group_id: str,
         nats_url: str | None = None,
-        lease_seconds: float = 30.0,
+        lease_s: float = 30.0,
         *,
-        acquire_timeout: float = 600.0,
-        request_timeout: float = 5.0,
-        waiter_ttl_seconds: float = 5.0,
-        confirm_seconds: float = 3.0,
-        connect_timeout: float = 5.0,
+        acquire_timeout_s: float = 600.0,
+        request_timeout_s: float = 5.0,
+        waiter_ttl_s: float = 5.0,
+        confirm_s: float = 3.0,
+        connect_timeout_s: float = 5.0,
         fast_reacquire: bool = True,
         creds: CredsPath | None = None,
         tls: TlsOption | None = None,
@@ -71,12 +75,12 @@ class TimeSliceClient:
             job_id,
             group_id,
             nats_url,
-            lease_seconds,
-            acquire_timeout=acquire_timeout,
-            request_timeout=request_timeout,
-            waiter_ttl_seconds=waiter_ttl_seconds,
-            confirm_seconds=confirm_seconds,
-            connect_timeout=connect_timeout,
+            lease_s,
+            acquire_timeout_s=acquire_timeout_s,
+            request_timeout_s=request_timeout_s,
+            waiter_ttl_s=waiter_ttl_s,
+            confirm_s=confirm_s,
+            connect_timeout_s=connect_timeout_s,
             fast_reacquire=fast_reacquire,
             creds=creds,
             tls=tls,
@@ -87,8 +91,8 @@ class TimeSliceClient:
         self._loop = SharedLoop(f"timeslice-{job_id}")
         self._loop.start()
         self._closed = False
-        self._scopes = SyncScopes(self._client.acquire_timeout)  # the open on_accelerators() scopes
-        self._groups = SyncGroups(self, self, self._scopes, self._client._groups, self._client.acquire_timeout)
+        self._scopes = SyncScopes(self._client.acquire_timeout_s)  # the open on_accelerators() scopes
+        self._groups = SyncGroups(self, self, self._scopes, self._client._groups, self._client.acquire_timeout_s)
 
     @property
     def job_id(self) -> str:
@@ -144,48 +148,48 @@ class TimeSliceClient:
             raise Unavailable("the client's event loop did not answer", after_s=timeout) from None
 
     def _margin(self, t: float) -> float:
-        return t + 3 * self._client.request_timeout + 5
+        return t + 3 * self._client.request_timeout_s + 5
 
     def connect(self) -> TimeSliceClient:
         """Connect to NATS and start the lease keeper (``acquire()`` connects too). Returns this client."""
-        self._run(self._client.connect(), self._margin(self._client.connect_timeout))
+        self._run(self._client.connect(), self._margin(self._client.connect_timeout_s))
         return self
 
     def acquire(self, timeout: float | None = None) -> Grant:
-        """Wait (at most ``timeout`` s, default ``acquire_timeout``) for the group; see
+        """Wait (at most ``timeout`` s, default ``acquire_timeout_s``) for the group; see
         :meth:`AsyncTimeSliceClient.acquire`. Raises AcquireTimeout (the wait is withdrawn), JobFaulted,
         Unavailable, HandlerError."""
-        t = self._client.acquire_timeout if timeout is None else timeout
+        t = self._client.acquire_timeout_s if timeout is None else timeout
         # A workload suspended at the last release may have to be resumed before the grant is returned.
         return self._run(self._client.acquire(timeout), self._margin(t) + self._client._settle_budget())
 
     def release(self) -> ReleaseResult:
         """Give the group back; see :meth:`AsyncTimeSliceClient.release`. Raises NotHolder, StaleEpoch or
         LeaseExpired when this job no longer holds it."""
-        return self._run(self._client.release(), self._margin(self._client.request_timeout))
+        return self._run(self._client.release(), self._margin(self._client.request_timeout_s))
 
     def acquire_all(self, groups: Iterable[str], timeout: float | None = None) -> dict[str, Grant]:
         """Take every group of ``groups`` in sorted order, within ``timeout`` for the whole call; the grants by group.
         On a failure what it took is released before AcquireAllFailed (AcquireAllTimeout) is raised; see
         :meth:`AsyncTimeSliceClient.acquire_all` and docs/multi-pool.md."""
         groups = tuple(groups)
-        t = self._client.acquire_timeout if timeout is None else timeout
-        extra = len(groups) * self._client.request_timeout + self._client._groups.settle_budget()  # joins, resumes
+        t = self._client.acquire_timeout_s if timeout is None else timeout
+        extra = len(groups) * self._client.request_timeout_s + self._client._groups.settle_budget()  # joins, resumes
         return self._run(self._client.acquire_all(groups, timeout), self._margin(t) + extra)
 
     def release_all(self) -> dict[str, ReleaseResult]:
         """Release every group this client holds, in reverse order; see :meth:`AsyncTimeSliceClient.release_all`."""
         n = len(self._client.held_groups) + 1
-        return self._run(self._client.release_all(), self._margin(n * self._client.request_timeout))
+        return self._run(self._client.release_all(), self._margin(n * self._client.request_timeout_s))
 
     def status(self, group_id: str | None = None) -> GroupStatus:
         """What the lock record of ``group_id`` says now (default: this client's group; a fresh group reads as IDLE at
         epoch 0); see :meth:`AsyncTimeSliceClient.status`."""
-        return self._run(self._client.status(group_id), self._margin(self._client.request_timeout))
+        return self._run(self._client.status(group_id), self._margin(self._client.request_timeout_s))
 
     def list_groups(self) -> list[str]:
         """The ids of the groups the orchestrator has records of."""
-        return self._run(self._client.list_groups(), self._margin(self._client.request_timeout))
+        return self._run(self._client.list_groups(), self._margin(self._client.request_timeout_s))
 
     def register_workload(
         self, handler: WorkloadHandler, *, group_id: str | None = None, **options: Unpack[ClientWorkloadOptions]
@@ -196,7 +200,7 @@ class TimeSliceClient:
         the channel is closed with the client. ``group_id``: in another group of this job's."""
         check_options(options, CLIENT_WORKLOAD_KEYS, "register_workload")
         coro = self._client.register_workload(handler, group_id=group_id, **options)
-        return self._run(coro, self._margin(2 * self._client.request_timeout))
+        return self._run(coro, self._margin(2 * self._client.request_timeout_s))
 
     @overload
     def on_accelerators(self, timeout: float | None = None) -> SyncHold: ...
@@ -212,14 +216,14 @@ class TimeSliceClient:
     def phase(self, name: str) -> Iterator[None]:
         """Publish phase start/end events around a block (for ``timeslice replay``)."""
         cm = self._client.phase(name)
-        self._run(cm.__aenter__(), self._margin(self._client.request_timeout))
+        self._run(cm.__aenter__(), self._margin(self._client.request_timeout_s))
         try:
             yield
         except BaseException as exc:
-            self._run(cm.__aexit__(type(exc), exc, exc.__traceback__), self._margin(self._client.request_timeout))
+            self._run(cm.__aexit__(type(exc), exc, exc.__traceback__), self._margin(self._client.request_timeout_s))
             raise
         else:
-            self._run(cm.__aexit__(None, None, None), self._margin(self._client.request_timeout))
+            self._run(cm.__aexit__(None, None, None), self._margin(self._client.request_timeout_s))
 
     def close(self) -> None:
         """Release a held group, withdraw waits, close workload channels, disconnect, stop the client's thread
@@ -227,7 +231,7 @@ class TimeSliceClient:
         if self._closed:
             return
         try:
-            self._run(self._client.close(), self._margin(self._client.request_timeout))
+            self._run(self._client.close(), self._margin(self._client.request_timeout_s))
         finally:
             self._closed = True
             self._loop.stop(10)

@@ -39,6 +39,7 @@ from nats.aio.client import Client as NATS
 
 from . import _bus_auth
 from ._bus_auth import BusAuth, CredsPath, TlsFiles, TlsOption
+from ._renamed import renamed_keywords
 from .errors import BusUnreachable, InvalidNatsUrl, Unavailable
 
 __all__ = [
@@ -218,11 +219,12 @@ async def _quiet_error_cb(exc: Exception) -> None:
     log.debug("nats connection error: %r", exc)
 
 
+@renamed_keywords(connect_timeout="connect_timeout_s")
 async def connect(
     url: str | Sequence[str] | NatsUrl | None = None,
     *,
     name: str = "timeslice",
-    connect_timeout: float = 5.0,
+    connect_timeout_s: float = 5.0,
     creds: CredsPath | None = None,
     tls: TlsOption | None = None,
     **kwargs: Any,
@@ -230,7 +232,7 @@ async def connect(
     """Connect to NATS with reconnects on, a quiet error callback and a clear error when nobody answers.
     ``url``: one server, or several (comma-separated, or a sequence; tried in turn, and again on reconnect), read
     by ``parse_servers`` (``InvalidNatsUrl`` names a bad one); default ``default_nats_url()`` (see
-    ``resolve_nats_url``). ``connect_timeout`` bounds the whole first connection (each server's attempt gets its
+    ``resolve_nats_url``). ``connect_timeout_s`` bounds the whole first connection (each server's attempt gets its
     share); a refusal by every server (nothing listens on the port, or the host name does not resolve) ends it at
     once. Both raise ``BusUnreachable`` naming the URL, where it came from and what to do.
     ``creds``: a NATS ``.creds`` file; ``tls``: the CA / client certificate files (or a ready ``SSLContext``);
@@ -261,7 +263,7 @@ async def connect(
 
     opts: dict[str, Any] = {
         "name": name,
-        "connect_timeout": connect_timeout / len(servers),
+        "connect_timeout": connect_timeout_s / len(servers),
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.25,
@@ -274,7 +276,7 @@ async def connect(
     started = time.monotonic()
     try:
         # With unlimited reconnects nats-py retries a first connection forever: bound it here (docs/nats.md).
-        await _first_connection(nc, servers, opts, refused, connect_timeout)
+        await _first_connection(nc, servers, opts, refused, connect_timeout_s)
     except Exception as exc:
         first = errors[0] if errors else exc
         reason = f"{first.__class__.__name__}: {first}; tried {who}" if str(first) else f"tried {who}"

@@ -47,7 +47,7 @@ from . import _switch_interval
 from ._agent_socket import ProofUnavailable, prove
 from ._bounds import MAX_TEXT
 from ._channel_thread import Responder
-from ._renamed import renamed_keywords
+from ._renamed import RenamedAttribute, renamed_keywords
 from ._switch_interval import DEFAULT_SWITCH_INTERVAL, prompt_threads
 from ._workload_options import WORKLOAD_KEYS, ClientWorkloadOptions, WorkloadOptions, check_options
 from .bus import CredsPath, TlsOption, connect, identity_of, parse_servers
@@ -122,7 +122,9 @@ class WorkloadChannel:
     the others it knows). ``agent_socket``: the agent's Unix socket (default: ``$TIMESLICE_AGENT_SOCKET``, else where
     an agent serves it by default, see ``_agent_socket``)."""
 
-    @renamed_keywords(op_timeout="op_timeout_s", switch_interval="switch_interval_s")
+    @renamed_keywords(
+        op_timeout="op_timeout_s", switch_interval="switch_interval_s", request_timeout="request_timeout_s"
+    )
     def __init__(
         self,
         nc: NATS,
@@ -137,7 +139,7 @@ class WorkloadChannel:
         pids: Iterable[int] | None = None,
         pgid: int | None = None,
         op_timeout_s: float = DEFAULT_OP_TIMEOUT_MS / 1000,
-        request_timeout: float = 5.0,
+        request_timeout_s: float = 5.0,
         own_connection: bool = False,
         endpoints: Iterable[str] = (),
         switch_interval_s: float | None = DEFAULT_SWITCH_INTERVAL,
@@ -160,7 +162,7 @@ class WorkloadChannel:
         self.pids = tuple(pids) if pids is not None else (() if pgid is not None else (os.getpid(),))
         self.pgid = pgid
         self.op_timeout_s = op_timeout_s
-        self.request_timeout = request_timeout
+        self.request_timeout_s = request_timeout_s
         self.endpoints = tuple(endpoints)  # app_endpoint servers, e.g. "vllm+http://127.0.0.1:8000"
         if switch_interval_s is not None and switch_interval_s <= 0:
             raise InvalidRequest(f"switch_interval_s must be positive seconds or None, not {switch_interval_s}")
@@ -198,13 +200,17 @@ class WorkloadChannel:
         """The old name of ``switch_interval_s``, kept for one release."""
         return self.switch_interval_s
 
+    request_timeout = RenamedAttribute[float]("request_timeout_s")  # the old name, kept for one release (warns)
+
     # ------------------------------------------------------------------ lifecycle (the caller's loop)
 
     async def start(self) -> WorkloadChannel:
         await self._open()
         try:
             proof, unproven = (
-                await prove(self.job_id, self.node_id, path=self.agent_socket, timeout=min(self.request_timeout, 5.0)),
+                await prove(
+                    self.job_id, self.node_id, path=self.agent_socket, timeout=min(self.request_timeout_s, 5.0)
+                ),
                 None,
             )
         except ProofUnavailable as exc:  # only backends that touch no process are registered then
@@ -258,14 +264,14 @@ class WorkloadChannel:
         nc = await connect(
             servers,
             name=f"timeslice-workload-{self.job_id}",
-            connect_timeout=self.request_timeout,
+            connect_timeout_s=self.request_timeout_s,
             dont_randomize=True,
             **identity_of(self.nc),
         )
         try:
             await nc.subscribe(subjects.workload_rpc(self.node_id, self.job_id), cb=self._on_command)
             await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
-            await nc.flush(timeout=max(1, int(self.request_timeout)))
+            await nc.flush(timeout=max(1, int(self.request_timeout_s)))
         except BaseException:
             await nc.close()
             raise
@@ -282,12 +288,12 @@ class WorkloadChannel:
         """One request to the agent (``unproven``: why no proof came with it, said in a refusal)."""
         subject = subjects.agent_rpc(self.node_id, verb, self.job_id)
         try:
-            msg = await self.nc.request(subject, data, timeout=self.request_timeout)
+            msg = await self.nc.request(subject, data, timeout=self.request_timeout_s)
         except Exception as exc:
             raise Unavailable(
                 f"no snapshot agent answered on node {self.node_id!r} ({exc.__class__.__name__}); "
                 f"is `timeslice agent --node-id {self.node_id}` running?",
-                after_s=self.request_timeout,
+                after_s=self.request_timeout_s,
             ) from exc
         reply = _reply_decoder.decode(msg.data)
         if not reply.ok:
@@ -330,9 +336,9 @@ class WorkloadChannel:
         rnc, self._rnc = self._rnc, None
         if rnc is not None and responder.running:
             with contextlib.suppress(Exception):
-                async with asyncio.timeout(self.request_timeout):
+                async with asyncio.timeout(self.request_timeout_s):
                     await responder.call(rnc.drain())
-        await responder.stop(timeout=self.request_timeout)
+        await responder.stop(timeout=self.request_timeout_s)
 
     async def __aenter__(self) -> WorkloadChannel:
         return self

@@ -21,7 +21,7 @@ from timeslice_client import TimeSliceClient
 def main() -> None:
     url, group, job, out, how = sys.argv[1:6]
     log = Path(out)
-    client = TimeSliceClient(job, group, url, waiter_ttl_seconds=60.0).connect()
+    client = TimeSliceClient(job, group, url, waiter_ttl_s=60.0).connect()
     log.write_text("ready\n")
     try:
         client.acquire(timeout=120)

@@ -72,11 +72,11 @@ def _client_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         "job_id": a.job,
         "group_id": a.group,
         "nats_url": a.nats_url,
-        "lease_seconds": a.lease_seconds,
-        "acquire_timeout": a.acquire_timeout,
-        "request_timeout": a.request_timeout,
-        "waiter_ttl_seconds": a.waiter_ttl,
-        "confirm_seconds": a.confirm,
+        "lease_s": a.lease_seconds,
+        "acquire_timeout_s": a.acquire_timeout,
+        "request_timeout_s": a.request_timeout,
+        "waiter_ttl_s": a.waiter_ttl,
+        "confirm_s": a.confirm,
     }
 
 

@@ -144,7 +144,7 @@ def run(a: argparse.Namespace) -> None:
         train_dataset=dataset(),
         processing_class=tokenizer(),
     )
-    with TimeSliceClient(a.job, a.group, a.nats_url, lease_seconds=30, acquire_timeout=120) as client:
+    with TimeSliceClient(a.job, a.group, a.nats_url, lease_s=30, acquire_timeout_s=120) as client:
         say("built")
         wait_for("go")
         callback = attach(trainer, client, node_id=a.node_id)

@@ -347,9 +347,9 @@ async def run(a: argparse.Namespace, log: EventLog) -> int:
         a.job,
         a.group,
         a.nats_url,
-        lease_seconds=a.lease_seconds,
-        acquire_timeout=a.acquire_timeout,
-        waiter_ttl_seconds=a.waiter_ttl,
+        lease_s=a.lease_seconds,
+        acquire_timeout_s=a.acquire_timeout,
+        waiter_ttl_s=a.waiter_ttl,
     )
     async with client:
         await client.register_workload(

@@ -174,7 +174,7 @@ class PhaseHolds:
 
     def _take(self, order: list[str]) -> None:
         """Each group of ``order`` (sorted) through a scope of its own; ``acquire_timeout_s`` bounds them all (None:
-        each waits at most the client's ``acquire_timeout``)."""
+        each waits at most the client's ``acquire_timeout_s``)."""
         deadline = None if self.acquire_timeout_s is None else time.monotonic() + self.acquire_timeout_s
         taken: list[str] = []
         try:

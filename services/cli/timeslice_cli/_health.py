@@ -198,7 +198,7 @@ async def run_checks(nats_url: str | None, *, timeout: float = 5.0, nodes: list[
     from timeslice_client.errors import TimeSliceError
 
     try:
-        nc = await connect(nats_url, name="timeslice-health", connect_timeout=timeout)
+        nc = await connect(nats_url, name="timeslice-health", connect_timeout_s=timeout)
     except TimeSliceError as exc:
         return [Check("bus", Status.FAIL, str(exc))]
     try:

@@ -351,9 +351,9 @@ class OrchestratorGrpcShim:
                 job,
                 group,
                 self.nats_url,
-                lease_seconds=cfg.lease_s,
-                acquire_timeout=cfg.max_wait_s,
-                request_timeout=cfg.request_timeout_s,
+                lease_s=cfg.lease_s,
+                acquire_timeout_s=cfg.max_wait_s,
+                request_timeout_s=cfg.request_timeout_s,
                 nc=self._nc,
             )
             j = self._jobs[(group, job)] = _Job(client)

@@ -155,7 +155,7 @@ def run(a: argparse.Namespace, out: _Out) -> int:
     latency_s = a.reward_latency_ms / 1000
     out(m.Built(a.job, policy.backend, torch_available(), os.getpid(), suspend_ms, resume_ms))
     wait_for("register", GO_TIMEOUT_S)
-    with TimeSliceClient(a.job, a.group, a.nats_url, lease_seconds=a.lease_s) as client:
+    with TimeSliceClient(a.job, a.group, a.nats_url, lease_s=a.lease_s) as client:
         # A switch moves ~10 MB here: an operation still unanswered after 30 s means this process is gone.
         client.register_workload(handler, node_id=a.node_id, op_timeout_s=30.0)
         out(m.Ready(a.job))
