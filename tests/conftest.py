@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from nats.aio.client import Client as NATS
+from timeslice_client.bus import connect
 from timeslice_orchestrator.embedded import NatsServer
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
@@ -74,6 +76,16 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
 @pytest.fixture
 def nats_url(nats_server: NatsServer) -> str:
     return nats_server.url
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[NATS]:
+    """A bus connection to this test's server."""
+    c = await connect(nats_url)
+    try:
+        yield c
+    finally:
+        await c.close()
 
 
 @pytest.fixture
