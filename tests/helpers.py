@@ -53,6 +53,17 @@ async def running(service: S, *, timeout: float = 20.0) -> AsyncIterator[S]:
             await asyncio.wait_for(task, timeout)
 
 
+@contextlib.asynccontextmanager
+async def running_agents(nats_url: str, nodes: list[str]) -> AsyncIterator[None]:
+    """An in-process agent for each of ``nodes``, all running while the block runs."""
+    from timeslice_agent import Agent, AgentConfig
+
+    async with contextlib.AsyncExitStack() as stack:
+        for node in nodes:
+            await stack.enter_async_context(running(Agent(AgentConfig(node_id=node, nats_url=nats_url))))
+        yield
+
+
 async def eventually(
     check: Callable[[], Awaitable[T] | T], *, timeout: float = 10.0, interval: float = 0.01, what: str = ""
 ) -> T:
