@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from _trace_model import Log, PoolCost, PoolStep
+from _trace_model import Log, PoolCost, PoolStep, switches_between
 from timeslice_client.protocol import (
     Acquire,
     Granted,
@@ -370,17 +370,7 @@ def switch_windows(log: Log) -> list[tuple[float, float, str]]:
                 grants.append((t, job, acq))
             elif k == "release":
                 releases.append((t, job))
-    releases.sort()
-    out: list[tuple[float, float, str]] = []
-    ri = 0
-    last: tuple[float, str] | None = None
-    for t, job, acq in sorted(grants):
-        while ri < len(releases) and releases[ri][0] <= t:
-            last = releases[ri]
-            ri += 1
-        if last is not None and last[1] != job:
-            out.append((max(last[0], acq), t, job))
-    return out
+    return switches_between(grants, releases)
 
 
 def _median(xs: Sequence[float]) -> float:
