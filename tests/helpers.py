@@ -7,9 +7,9 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from timeslice_client import AsyncTimeSliceClient, TimeSliceClient
@@ -62,6 +62,30 @@ async def running_agents(nats_url: str, nodes: list[str]) -> AsyncIterator[None]
         for node in nodes:
             await stack.enter_async_context(running(Agent(AgentConfig(node_id=node, nats_url=nats_url))))
         yield
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=Closable)
+
+
+@contextlib.contextmanager
+def all_closed(make: Callable[..., C]) -> Iterator[Callable[..., C]]:
+    """``make`` (a process's constructor, say), and everything it made closed when the block ends."""
+    made: list[C] = []
+
+    def _make(*args: Any, **kwargs: Any) -> C:
+        c = make(*args, **kwargs)
+        made.append(c)
+        return c
+
+    try:
+        yield _make
+    finally:
+        for c in made:
+            c.close()
 
 
 async def eventually(
