@@ -229,6 +229,21 @@ def wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float, what: s
         time.sleep(0.01)  # polling a file another process writes; bounded by the deadline
 
 
+async def wait_all_ready(
+    marks: Sequence[tuple[Path, subprocess.Popen[bytes]]], timeout: float, logs: str, what: str = "trace job"
+) -> None:
+    """Until each process writes its ready file (``marks``: the file and the process); an error naming ``what``
+    and where the logs are (``logs``) as soon as one has exited, or once ``timeout`` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    for ready, p in marks:
+        while not ready.exists():
+            if p.poll() is not None:
+                raise RuntimeError(f"{what} exited with {p.returncode}; see {logs}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}s did not start within {timeout:g} s")
+            await asyncio.sleep(0.02)  # polling the file the worker writes, bounded
+
+
 async def wait_procs(procs: Sequence[subprocess.Popen[bytes]], timeout: float, what: str) -> None:
     """Wait for worker processes to exit; raise (naming the log) if one fails or they overrun."""
     async with asyncio.timeout(timeout):
@@ -355,6 +370,28 @@ async def go(nc: Any, warmup: float, duration: float) -> tuple[float, float]:
     await nc.publish(GO_SUBJECT, json.dumps({"window_start": w0, "window_end": w1, "stop": w1}).encode())
     await nc.flush()
     return w0, w1
+
+
+async def go_future(nc: Any) -> asyncio.Future[dict[str, float]]:
+    """A job's side of :func:`go`: subscribed on ``nc``, the go message's window once it arrives."""
+    went: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
+
+    async def on_go(msg: Any) -> None:
+        if not went.done():
+            went.set_result(json.loads(msg.data))
+
+    await nc.subscribe(GO_SUBJECT, cb=on_go)
+    return went
+
+
+async def ready_then_go(nc: Any, went: asyncio.Future[dict[str, float]], ready: str, timeout: float) -> float:
+    """Say the job is ready (its subscriptions reached the server, then the file ``ready`` written) and wait, at
+    most ``timeout`` s, for the go (``went``: :func:`go_future`'s); the measured window's start."""
+    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
+    await nc.flush()
+    Path(ready).write_text("ready")
+    async with asyncio.timeout(timeout):
+        return float((await went)["window_start"])
 
 
 async def sleep_until(t: float) -> None:

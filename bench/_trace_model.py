@@ -20,6 +20,7 @@ Shared by both modes of trace_replay.py, so the real and the simulated run are j
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -168,6 +169,24 @@ def accel_seconds(sched: list[Step]) -> float:
 Log = dict[str, list[tuple[str, float]]]  # job -> [(kind, modelled seconds)], kind: acquire/grant/release/end
 
 
+def switches_between(
+    grants: Sequence[tuple[float, str, float]], releases: Sequence[tuple[float, str]]
+) -> list[tuple[float, float, str]]:
+    """Each grant (time, job, its acquire's time) that followed another job's release (time, job), as
+    (that release, or the acquire if later; the grant; the job), in the grants' order."""
+    ordered = sorted(releases)
+    out: list[tuple[float, float, str]] = []
+    ri = 0
+    last: tuple[float, str] | None = None
+    for t, job, acq in sorted(grants):
+        while ri < len(ordered) and ordered[ri][0] <= t:
+            last = ordered[ri]
+            ri += 1
+        if last is not None and last[1] != job:
+            out.append((max(last[0], acq), t, job))
+    return out
+
+
 def figures(log: Log, steps: int) -> dict[str, Any]:
     """Wall time, throughput, accelerator duty cycle, and the share of time lost to switching.
 
@@ -178,7 +197,6 @@ def figures(log: Log, steps: int) -> dict[str, Any]:
     """
     wall = max((t for ev in log.values() for k, t in ev if k == "end"), default=0.0)
     held = 0.0
-    switches: list[float] = []
     grants: list[tuple[float, str, float]] = []  # (grant time, job, its acquire time)
     releases: list[tuple[float, str]] = []
     for job, ev in log.items():
@@ -194,15 +212,7 @@ def figures(log: Log, steps: int) -> dict[str, Any]:
                 held += t - g
                 releases.append((t, job))
                 g = None
-    releases.sort()
-    ri = 0
-    last: tuple[float, str] | None = None
-    for t, job, acq in sorted(grants):
-        while ri < len(releases) and releases[ri][0] <= t:
-            last = releases[ri]
-            ri += 1
-        if last is not None and last[1] != job:
-            switches.append(t - max(last[0], acq))
+    switches = [t - start for start, t, _ in switches_between(grants, releases)]
     total_steps = steps * len(log)
     return {
         "jobs": len(log),

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import GO_SUBJECT, loop_run
+from _common import go_future, loop_run, ready_then_go
 from _trace_model import load_profile, pool_schedule
 from timeslice_client import AsyncTimeSliceClient
 from timeslice_client.bus import connect
@@ -65,24 +65,14 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
     logs: dict[str, list[tuple[str, float]]] = {p: [] for p in prof.pools}
     nc = await connect(a.url, name=f"trace-{a.job}")
-    go: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
-
-    async def on_go(msg: Any) -> None:
-        if not go.done():
-            go.set_result(json.loads(msg.data))
-
-    await nc.subscribe(GO_SUBJECT, cb=on_go)
+    go = await go_future(nc)
     async with contextlib.AsyncExitStack() as stack:
         clients: dict[str, AsyncTimeSliceClient] = {}
         for pool in prof.pools:
             c = AsyncTimeSliceClient(a.job, f"{a.group_prefix}-{pool}", a.url, lease_s=30, nc=nc, bind_process=False)
             clients[pool] = await stack.enter_async_context(c)
             await c.register_workload(handler(pool), node_id=f"{a.node_prefix}-{pool}")
-        await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
-        await nc.flush()
-        Path(a.ready).write_text("ready")
-        async with asyncio.timeout(a.go_timeout):
-            t0 = float((await go)["window_start"])
+        t0 = await ready_then_go(nc, go, a.ready, a.go_timeout)
 
         held: set[str] = set()
 

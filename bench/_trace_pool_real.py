@@ -11,12 +11,10 @@ message) is not compressed: in modelled time it weighs the compression factor mo
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import time
 from typing import Any, Literal
 
 import _common as c
@@ -69,15 +67,8 @@ async def _one_run(
                 )
             )
             files.append(res)
-        deadline = time.monotonic() + 120
-        for res, p in zip(files, procs, strict=True):
-            ready = res.with_suffix(".ready")
-            while not ready.exists():
-                if p.poll() is not None:
-                    raise RuntimeError(f"trace job exited with {p.returncode}; see {tmp}/{run_id}-*.log")
-                if time.monotonic() > deadline:
-                    raise TimeoutError("trace jobs did not start within 120 s")
-                await asyncio.sleep(0.02)  # polling the file the worker writes, bounded
+        marks = [(res.with_suffix(".ready"), p) for res, p in zip(files, procs, strict=True)]
+        await c.wait_all_ready(marks, 120, f"{tmp}/{run_id}-*.log")
         await c.go(nc, 0.0, 0.0)
         await c.wait_procs(procs, 120 + 4 * 3600 / compression * 2, "trace pool job")
         return [json.loads(f.read_text()) for f in files]

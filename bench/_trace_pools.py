@@ -35,14 +35,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from _trace_model import Log, PoolCost, PoolStep
+from _trace_model import Log, PoolCost, PoolStep, switches_between
 from timeslice_client.protocol import (
     Acquire,
     Granted,
     InputEvent,
     JobRegistered,
-    OpKind,
-    OpResult,
     Release,
     Renew,
     Restore,
@@ -51,6 +49,7 @@ from timeslice_client.protocol import (
     Tick,
     YieldRequested,
 )
+from timeslice_orchestrator.advise import SwitchCost, agent_op
 from timeslice_orchestrator.core import Command, Notify, apply, new_record, next_deadline
 
 LEASE_MS = 24 * 3600 * 1000  # as advise's simulation: long leases, renewed a third of the way
@@ -296,43 +295,21 @@ class _Sim:
         if cmd.op_id in self.finished_at:  # a command sent again (unanswered for Limits.resend_ms): the agent
             return  # answers it once, when it is done, as the real agent does
         key = (pool, cmd.job)
-        state = self.ctx.get(key, "IDLE")
         cost = self.costs.get(pool, PoolCost())
-        start = t + self.hop
-        overlapped = False
-        kind_name: Literal["snapshot", "restore"]
-        if isinstance(cmd, Snapshot):
-            seconds = cost.snapshot if state == "RUNNING" else 0.0
-            self.ctx[key] = "SAVED" if state == "RUNNING" else state
-            kind, kind_name = OpKind.SNAPSHOT, "snapshot"
-        else:
-            seconds = cost.restore if state == "SAVED" else 0.0
-            self.ctx[key] = "RUNNING"
-            kind, kind_name = OpKind.RESTORE, "restore"
-            after = max((self.finished_at.get(op, start) for op in cmd.after), default=start)
-            if not self.room:
-                start = max(start, after)  # once the snapshots it follows are done
-            else:
-                overlapped = after > start  # beside a snapshot that still runs
-        self.finished_at[cmd.op_id] = start + seconds
-        if seconds:
-            self.ops.append(OpSpan(pool, cmd.job, kind_name, start, start + seconds))
-        self.push(
-            start + seconds + self.hop,
-            "input",
-            OpResult(
-                group=self.group[pool],
-                op_id=cmd.op_id,
-                node=cmd.node,
-                job=cmd.job,
-                kind=kind,
-                epoch=cmd.epoch,
-                ok=True,
-                backend="app_channel",
-                elapsed_ms=seconds * 1000,
-                overlapped=overlapped,
-            ),
+        op = agent_op(
+            cmd,
+            self.ctx.get(key, "IDLE"),
+            SwitchCost(cost.snapshot, cost.restore),
+            start=t + self.hop,
+            finished_at=self.finished_at,
+            room=self.room,
         )
+        self.ctx[key] = op.state
+        self.finished_at[cmd.op_id] = op.end
+        if op.seconds:
+            kind: Literal["snapshot", "restore"] = "snapshot" if isinstance(cmd, Snapshot) else "restore"
+            self.ops.append(OpSpan(pool, cmd.job, kind, op.start, op.end))
+        self.push(op.end + self.hop, "input", op.result)
 
 
 def simulate_pools(
@@ -393,17 +370,7 @@ def switch_windows(log: Log) -> list[tuple[float, float, str]]:
                 grants.append((t, job, acq))
             elif k == "release":
                 releases.append((t, job))
-    releases.sort()
-    out: list[tuple[float, float, str]] = []
-    ri = 0
-    last: tuple[float, str] | None = None
-    for t, job, acq in sorted(grants):
-        while ri < len(releases) and releases[ri][0] <= t:
-            last = releases[ri]
-            ri += 1
-        if last is not None and last[1] != job:
-            out.append((max(last[0], acq), t, job))
-    return out
+    return switches_between(grants, releases)
 
 
 def _median(xs: Sequence[float]) -> float:

@@ -183,14 +183,8 @@ async def run_real(profiles: list[str], switch: str, steps: int, compression: fl
                         )
                     )
                     files.append((i, ready, res))
-                deadline = time.monotonic() + 120
-                for (_, ready, _), p in zip(files, procs, strict=True):
-                    while not ready.exists():
-                        if p.poll() is not None:
-                            raise RuntimeError(f"trace job exited with {p.returncode}; see {tmp}/{run_id}-*.log")
-                        if time.monotonic() > deadline:
-                            raise TimeoutError("trace jobs did not start within 120 s")
-                        await asyncio.sleep(0.02)  # polling the file the worker writes, bounded
+                marks = [(ready, p) for (_, ready, _), p in zip(files, procs, strict=True)]
+                await c.wait_all_ready(marks, 120, f"{tmp}/{run_id}-*.log")
                 await c.go(nc, 0.0, 0.0)
                 await c.wait_procs(procs, 120 + steps * 200 / compression * 2, "trace job")
                 logs[tag] = {}

@@ -30,17 +30,15 @@ from trl import GRPOConfig, GRPOTrainer
 WORDS = ["<pad>", "<eos>", "<unk>", *(f"w{i}" for i in range(61))]
 
 
-def build(a: argparse.Namespace, output_dir: str) -> GRPOTrainer:
-    tk = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    torch.manual_seed(a.seed)
-    model = LlamaForCausalLM(
+def tiny_llama(seed: int, vocab_size: int, hidden: int, layers: int) -> LlamaForCausalLM:
+    """A small Llama, randomly initialised from ``seed`` (nothing is downloaded); token 0 pads, 1 ends."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(
         LlamaConfig(
-            vocab_size=len(WORDS),
-            hidden_size=a.hidden,
-            intermediate_size=2 * a.hidden,
-            num_hidden_layers=a.layers,
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=64,
@@ -49,6 +47,13 @@ def build(a: argparse.Namespace, output_dir: str) -> GRPOTrainer:
             eos_token_id=1,
         )
     )
+
+
+def build(a: argparse.Namespace, output_dir: str) -> GRPOTrainer:
+    tk = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    model = tiny_llama(a.seed, len(WORDS), a.hidden, a.layers)
     dataset = Dataset.from_dict({"prompt": [" ".join(f"w{(i * 7 + j) % 61}" for j in range(4)) for i in range(256)]})
 
     def reward(completions: list[str], **_: Any) -> list[float]:

@@ -13,13 +13,19 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+from nats.aio.client import Client as NATS
+from timeslice_client.bus import connect
 from timeslice_orchestrator.embedded import NatsServer
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .cluster import cluster  # noqa: F401 - the fixture: a 3-node loopback NATS cluster
 from .helpers import stop_process
+
+if TYPE_CHECKING:
+    from .auth_stack import SecureBus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,6 +80,28 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
 @pytest.fixture
 def nats_url(nats_server: NatsServer) -> str:
     return nats_server.url
+
+
+@pytest.fixture
+def bus(tmp_path: Path) -> Iterator[SecureBus]:
+    """A nats-server with timeslice's auth on (tests/auth_stack.py), for the security tests."""
+    from .auth_stack import start_secure_bus
+
+    b = start_secure_bus(tmp_path)
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[NATS]:
+    """A bus connection to this test's server."""
+    c = await connect(nats_url)
+    try:
+        yield c
+    finally:
+        await c.close()
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from timeslice_client import AsyncTimeSliceClient, TimeSliceClient
@@ -51,6 +51,41 @@ async def running(service: S, *, timeout: float = 20.0) -> AsyncIterator[S]:
         service.shutdown()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, timeout)
+
+
+@contextlib.asynccontextmanager
+async def running_agents(nats_url: str, nodes: list[str]) -> AsyncIterator[None]:
+    """An in-process agent for each of ``nodes``, all running while the block runs."""
+    from timeslice_agent import Agent, AgentConfig
+
+    async with contextlib.AsyncExitStack() as stack:
+        for node in nodes:
+            await stack.enter_async_context(running(Agent(AgentConfig(node_id=node, nats_url=nats_url))))
+        yield
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=Closable)
+
+
+@contextlib.contextmanager
+def all_closed(make: Callable[..., C]) -> Iterator[Callable[..., C]]:
+    """``make`` (a process's constructor, say), and everything it made closed when the block ends."""
+    made: list[C] = []
+
+    def _make(*args: Any, **kwargs: Any) -> C:
+        c = make(*args, **kwargs)
+        made.append(c)
+        return c
+
+    try:
+        yield _make
+    finally:
+        for c in made:
+            c.close()
 
 
 async def eventually(

@@ -30,7 +30,6 @@ from timeslice_agent import Agent, AgentConfig
 from timeslice_client import AgentRefused, CallbackHandler, register_workload
 from timeslice_client._agent_socket import MAX_LINE, Answer, ProofUnavailable, prove
 from timeslice_client._internal.bus_layout import ensure_bus
-from timeslice_client.bus import connect
 from timeslice_client.protocol import (
     AgentReply,
     JobContext,
@@ -68,15 +67,6 @@ def sock(agent_socket_dir: Path) -> str:
 async def agent(nats_url: str, tmp_path: Path) -> AsyncIterator[SocketAgent]:
     async with SocketAgent(nats_url, NODE, tmp_path / "agent.log") as a:
         yield a
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[NATS]:
-    c = await connect(nats_url)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 def _sleeper(**kw: Any) -> subprocess.Popen[bytes]:

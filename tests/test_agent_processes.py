@@ -49,7 +49,7 @@ from .agent_harness import (
     queued,
     timeslice,
 )
-from .helpers import eventually, group_record
+from .helpers import all_closed, eventually, group_record
 
 pytestmark = pytest.mark.usefixtures("orchestrator")
 
@@ -62,16 +62,11 @@ async def agent(orchestrator: object, nats_url: str, tmp_path: Path) -> AsyncIte
 
 @pytest.fixture
 def spawn(agent: AgentProcess, tmp_path: Path, nats_url: str) -> Iterator[Spawn]:
-    started: list[Workload] = []
+    def workload(group: str, job: str, **opts: Any) -> Workload:
+        return Workload(tmp_path, nats_url, group, job, NODE, **opts)
 
-    def _spawn(group: str, job: str, **opts: Any) -> Workload:
-        w = Workload(tmp_path, nats_url, group, job, NODE, **opts)
-        started.append(w)
-        return w
-
-    yield _spawn
-    for w in started:
-        w.close()
+    with all_closed(workload) as made:
+        yield made
 
 
 @pytest.fixture

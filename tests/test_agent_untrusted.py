@@ -29,7 +29,6 @@ from nats.js.errors import NotFoundError
 from timeslice_agent import Agent, AgentConfig
 from timeslice_client._internal.bus_layout import ensure_bus
 from timeslice_client._names import AGENT_JOB_VERBS
-from timeslice_client.bus import connect
 from timeslice_client.protocol import (
     STREAM,
     AgentReply,
@@ -71,15 +70,6 @@ async def agent(nats_url: str, tmp_path: Path) -> AsyncIterator[OwnSessionAgent]
     async with OwnSessionAgent(nats_url, NODE, tmp_path / "agent.log") as a:
         assert os.getpgid(a.pid) == a.pid != os.getpgid(0)
         yield a
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[NATS]:
-    c = await connect(nats_url)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 def _now_ms() -> int:

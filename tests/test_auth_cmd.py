@@ -11,7 +11,6 @@ import signal
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import nats
@@ -22,7 +21,7 @@ from timeslice_orchestrator._auth_issue import AuthDir, decode_jwt
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .agent_harness import up_command, up_fields
-from .auth_stack import SecureBus, start_secure_bus
+from .auth_stack import SecureBus
 from .helpers import running
 
 # `timeslice up` takes NATS port 4222 when it is free: tests that need it free to themselves wait (tests/conftest.py)
@@ -116,15 +115,6 @@ def test_revoke_rewrites_the_server_config(tmp_path: Path) -> None:
     assert user in decode_jwt(account_jwt)["nats"]["revocations"]
     assert account_jwt in (d / "nats-auth.conf").read_text()
     assert _timeslice("auth", "revoke", "--dir", str(d), "--user-key", "Unot-a-key").returncode != 0
-
-
-@pytest.fixture
-def bus(tmp_path: Path) -> Iterator[SecureBus]:
-    b = start_secure_bus(tmp_path)
-    try:
-        yield b
-    finally:
-        b.stop()
 
 
 async def test_commands_take_creds_by_flag_and_environment(bus: SecureBus) -> None:

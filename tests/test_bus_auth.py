@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import os
 import stat
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -44,15 +44,6 @@ from .auth_stack import SecureBus, Violations, start_secure_bus
 from .helpers import eventually, group_record, running
 
 G = "g"
-
-
-@pytest.fixture
-def bus(tmp_path: Path) -> Iterator[SecureBus]:
-    b = start_secure_bus(tmp_path)
-    try:
-        yield b
-    finally:
-        b.stop()
 
 
 @pytest.fixture

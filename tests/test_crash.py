@@ -29,11 +29,10 @@ from pathlib import Path
 import pytest
 from timeslice_client import GroupState, TimeSliceClient
 from timeslice_client.protocol import subjects
-from timeslice_orchestrator.invariants import InvariantViolation, StreamChecker
 
 from .conftest import OrchestratorProcess
 from .helpers import eventually_sync, group_record_sync
-from .workers import Worker, check_exclusive_holds, holds, read_stream
+from .workers import Worker, check_exclusive_holds, fold_checked, holds, looping_worker, read_stream
 
 JOBS = {"c1": "sync", "c2": "async", "c3": "sync", "c4": "async"}
 ROUNDS = 90  # per job: 360 handoffs, plus the slow job's
@@ -55,54 +54,24 @@ def test_orchestrator_sigkilled_repeatedly_during_handoffs(
     group = "crash"
     total = ROUNDS * len(JOBS) + SLOW_ROUNDS
     workers = [
-        Worker(
-            tmp_path,
-            nats_url,
-            group,
-            job,
-            mode="loop",
-            rounds=ROUNDS,
-            hold_ms=rng.choice([0, 1, 3]),
-            client=kind,
-            wait_start=True,
-            # a restart takes about a second; a release must outwait it rather than fail
-            request_timeout=30,
-            acquire_timeout=120,
-        )
+        looping_worker(tmp_path, nats_url, group, job, client=kind, rounds=ROUNDS, hold_ms=rng.choice([0, 1, 3]))
         for job, kind in JOBS.items()
     ]
     # One job holds long enough to renew its lease (and confirm its grants) across restarts.
-    slow = Worker(
+    slow = looping_worker(
         tmp_path,
         nats_url,
         group,
         "slow",
-        mode="loop",
+        client="async",
         rounds=SLOW_ROUNDS,
         hold_ms=1500,
         gap_ms=1000,
         lease_seconds=3,
-        client="async",
-        wait_start=True,
-        request_timeout=30,
-        acquire_timeout=120,
     )
     workers.append(slow)
     pair = [
-        Worker(
-            tmp_path,
-            nats_url,
-            "crash-pair",
-            job,
-            mode="loop",
-            rounds=rounds,
-            hold_ms=1,
-            gap_ms=gap,
-            client=kind,
-            wait_start=True,
-            request_timeout=30,
-            acquire_timeout=120,
-        )
+        looping_worker(tmp_path, nats_url, "crash-pair", job, client=kind, rounds=rounds, hold_ms=1, gap_ms=gap)
         for job, (kind, gap, rounds) in PAIR.items()
     ]
     pair_total = sum(rounds for _, _, rounds in PAIR.values())
@@ -189,12 +158,7 @@ def test_orchestrator_sigkilled_repeatedly_during_handoffs(
             )
             assert rec.state == GroupState.IDLE_YIELDED
             stream = asyncio.run(read_stream(nats_url))
-            checker = StreamChecker()
-            try:
-                checker.feed_all(stream)
-            except InvariantViolation as exc:
-                raise AssertionError(f"{exc}\n({context()})") from exc
-            assert checker.unpublished_grants() == [], context()
+            checker = fold_checked(stream, context)
             st = checker.stats[group]
             assert st.grants == st.fold_grants == st.max_epoch == total
             assert st.grants_by_job == {**dict.fromkeys(JOBS, ROUNDS), "slow": SLOW_ROUNDS}

@@ -177,25 +177,18 @@ def test_pinned_section_plumbing_on_cpu(gc: ModuleType) -> None:
     assert "pinned" in gc.SECTIONS and quick.pinned_bytes < full.pinned_bytes
 
 
+def _on_cpu(only: str, out: Path, *flags: str) -> list[str]:
+    """The check's command line for its ``only`` sections on CPU tensors, its report written to ``out``."""
+    return [sys.executable, str(SCRIPT), "--device", "cpu", "--only", only, *flags, "--out", str(out)]
+
+
 def test_switch_plumbing_on_cpu(tmp_path: Path) -> None:
     """The switch section end to end on CPU tensors: bench/offload.py through the stack, its figures kept in the
     check's report and its own JSON beside it. The verdict depends on this machine's speed, the plumbing not."""
     pytest.importorskip("torch")
     out = tmp_path / "sw.json"
     run = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--device",
-            "cpu",
-            "--only",
-            "switch",
-            "--quick",
-            "--switch-gib",
-            "0.02",
-            "--out",
-            str(out),
-        ],
+        _on_cpu("switch", out, "--quick", "--switch-gib", "0.02"),
         capture_output=True,
         text=True,
         timeout=300,
@@ -234,19 +227,7 @@ def test_offload_plumbing_on_cpu(tmp_path: Path, flags: tuple[str, ...]) -> None
     pytest.importorskip("torch")
     out = tmp_path / "cpu.json"
     run = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--device",
-            "cpu",
-            "--only",
-            "offload",
-            "--sizes",
-            "0.02",
-            "--out",
-            str(out),
-            *flags,
-        ],
+        _on_cpu("offload", out, "--sizes", "0.02", *flags),
         capture_output=True,
         text=True,
         timeout=180,
@@ -442,21 +423,7 @@ def test_a_killed_run_leaves_the_sections_it_did(tmp_path: Path) -> None:
     temp = tmp_path / "tmp"  # the check's and bench/offload.py's temp folders, so that their leftovers are found
     temp.mkdir()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--device",
-            "cpu",
-            "--only",
-            "offload,switch",
-            "--quick",
-            "--sizes",
-            "0.02",
-            "--switch-gib",
-            "0.02",
-            "--out",
-            str(out),
-        ],
+        _on_cpu("offload,switch", out, "--quick", "--sizes", "0.02", "--switch-gib", "0.02"),
         stdout=subprocess.DEVNULL,
         start_new_session=True,
         env={**os.environ, "TMPDIR": str(temp)},

@@ -41,6 +41,19 @@ async def health_async(url: str, *args: str) -> tuple[int, dict[str, object], fl
     return await asyncio.to_thread(health, url, *args)
 
 
+def plain_health(url: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``timeslice health`` without ``--json`` (a 2 s timeout), in ``env`` (None: this process's)."""
+    return subprocess.run(
+        [sys.executable, "-m", "timeslice_cli", "health", "--nats-url", url, "--timeout", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+
+
 def statuses(doc: dict[str, object]) -> dict[str, str]:
     checks = doc["checks"]
     assert isinstance(checks, list)
@@ -92,14 +105,7 @@ async def test_without_agents_it_warns_and_strict_makes_the_warning_fail(orchest
 
 
 def test_the_plain_output_is_one_line_per_check_and_a_verdict(nats_url: str) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "timeslice_cli", "health", "--nats-url", nats_url, "--timeout", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = plain_health(nats_url)
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 1, out
     assert [ln.split()[1] for ln in lines[:-1]] == ["bus", "stream", "orchestrator", "agents", "groups"], lines
@@ -109,16 +115,7 @@ def test_the_plain_output_is_one_line_per_check_and_a_verdict(nats_url: str) -> 
 def test_colour_only_on_a_terminal_or_when_forced_and_never_with_no_color(nats_url: str) -> None:
     def run(**env: str) -> str:
         base = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR")}
-        out = subprocess.run(
-            [sys.executable, "-m", "timeslice_cli", "health", "--nats-url", nats_url, "--timeout", "2"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-            env={**base, **env},
-        )
-        return out.stdout
+        return plain_health(nats_url, {**base, **env}).stdout
 
     plain = run()
     assert "\x1b" not in plain and plain.splitlines()[-1] == "NOT healthy", plain  # a pipe: the text as it is

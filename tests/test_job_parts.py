@@ -54,7 +54,7 @@ from .agent_harness import (
     queued,
     timeslice,
 )
-from .helpers import eventually
+from .helpers import all_closed, eventually
 from .test_agent_flow import stack
 
 
@@ -190,18 +190,13 @@ async def agent(orchestrator: object, nats_url: str, tmp_path: Path) -> AsyncIte
 
 @pytest.fixture
 def workers(agent: AgentProcess, tmp_path: Path, nats_url: str) -> Iterator[Any]:
-    started: list[Workload] = []
-
-    def _spawn(group: str, job: str, name: str, **opts: Any) -> Workload:
+    def workload(group: str, job: str, name: str, **opts: Any) -> Workload:
         where = tmp_path / name  # each process of the job its own files
         where.mkdir()
-        w = Workload(where, nats_url, group, job, NODE, **opts)
-        started.append(w)
-        return w
+        return Workload(where, nats_url, group, job, NODE, **opts)
 
-    yield _spawn
-    for w in started:
-        w.close()
+    with all_closed(workload) as made:
+        yield made
 
 
 async def _parts_of(agent: AgentProcess, job: str, n: int) -> dict[str, Any]:

@@ -81,6 +81,19 @@ def leaders(xs: list[Instance]) -> list[Instance]:
     return [i for i in xs if i.lead.is_leader()]
 
 
+async def elected(xs: list[Instance]) -> tuple[Instance, Instance]:
+    """The instance elected leader (once one is) and the other one."""
+    first = (await eventually(lambda: leaders(xs), timeout=5, what="a leader"))[0]
+    return first, next(i for i in xs if i is not first)
+
+
+def term_of(x: Instance) -> int:
+    """The term ``x`` leads in (it leads)."""
+    term = x.lead.term
+    assert term is not None
+    return term
+
+
 async def test_two_instances_exactly_one_leader(nats_url: str) -> None:
     async with instances(nats_url, "a", "b") as xs:
         first = (await eventually(lambda: leaders(xs), timeout=5, what="a leader"))[0]
@@ -99,10 +112,8 @@ async def test_two_instances_exactly_one_leader(nats_url: str) -> None:
 
 async def test_crashed_leader_replaced_within_ttl_with_higher_term(nats_url: str) -> None:
     async with instances(nats_url, "a", "b") as xs:
-        first = (await eventually(lambda: leaders(xs), timeout=5, what="a leader"))[0]
-        other = next(i for i in xs if i is not first)
-        old_term = first.lead.term
-        assert old_term is not None
+        first, other = await elected(xs)
+        old_term = term_of(first)
         t0 = time.monotonic()
         await first.crash()
         term = await other.lead.wait_leader(timeout=3)
@@ -115,8 +126,7 @@ async def test_crashed_leader_replaced_within_ttl_with_higher_term(nats_url: str
 
 async def test_closed_connection_steps_down_and_is_replaced(nats_url: str) -> None:
     async with instances(nats_url, "a", "b") as xs:
-        first = (await eventually(lambda: leaders(xs), timeout=5, what="a leader"))[0]
-        other = next(i for i in xs if i is not first)
+        first, other = await elected(xs)
         await first.nc.close()
         with pytest.raises(LeadershipError, match="connection closed"):
             await asyncio.wait_for(first.task, 5)
@@ -126,10 +136,8 @@ async def test_closed_connection_steps_down_and_is_replaced(nats_url: str) -> No
 
 async def test_resign_hands_over_at_once(nats_url: str) -> None:
     async with instances(nats_url, "a", "b") as xs:
-        first = (await eventually(lambda: leaders(xs), timeout=5, what="a leader"))[0]
-        other = next(i for i in xs if i is not first)
-        old = first.lead.term
-        assert old is not None
+        first, other = await elected(xs)
+        old = term_of(first)
         t0 = time.monotonic()
         assert await first.lead.resign() is True
         assert not first.lead.is_leader()  # believes it is out before anyone else can be in
@@ -142,8 +150,7 @@ async def test_resign_hands_over_at_once(nats_url: str) -> None:
 
 async def test_stop_resigns(nats_url: str) -> None:
     async with instances(nats_url, "a", "b") as xs:
-        first = (await eventually(lambda: leaders(xs), timeout=5, what="a leader"))[0]
-        other = next(i for i in xs if i is not first)
+        first, other = await elected(xs)
         t0 = time.monotonic()
         first.stop.set()
         await asyncio.wait_for(first.task, 2)
@@ -208,10 +215,8 @@ async def test_takeover_without_ttl_markers(nats_url: str) -> None:
     finally:
         await nc.close()
     async with instances(nats_url, "a", "b") as xs:
-        first = (await eventually(lambda: leaders(xs), timeout=5, what="a leader"))[0]
-        other = next(i for i in xs if i is not first)
-        old = first.lead.term
-        assert old is not None
+        first, other = await elected(xs)
+        old = term_of(first)
         t0 = time.monotonic()
         await first.crash()
         assert await other.lead.wait_leader(timeout=3) > old
@@ -228,8 +233,7 @@ async def test_wait_leader_times_out_while_another_leads(nats_url: str) -> None:
 
 async def test_confirm_is_a_fenced_write(nats_url: str) -> None:
     async with instances(nats_url, "a", "b") as xs:
-        first = (await eventually(lambda: leaders(xs), timeout=5, what="a leader"))[0]
-        other = next(i for i in xs if i is not first)
+        first, other = await elected(xs)
         assert await first.lead.confirm() == first.lead.term
         with pytest.raises(NotLeader):
             await other.lead.confirm()

@@ -22,6 +22,8 @@ from timeslice_client.errors import HandlerError  # noqa: E402
 from timeslice_client.protocol import SuspendMode  # noqa: E402
 from timeslice_client.torch_offload import TorchOffloadHandler  # noqa: E402
 
+from .failing_copy import FailingCopy  # noqa: E402
+
 OFFLOAD = SuspendMode.OFFLOAD
 DISCARD = SuspendMode.DISCARD
 ALL: frozenset[str] = frozenset()
@@ -166,33 +168,15 @@ def test_discard_and_drop_release_the_buffer() -> None:
     assert h.resume(OFFLOAD, ALL).bytes_moved == 0
 
 
-class FailingAt(TorchOffloadHandler):
-    """Raises at the n-th storage copied (either way), as a failing device copy would."""
-
-    fail_at = 0
-    calls = 0
-
-    def _fail(self, n: int) -> None:
-        self.calls += n
-        if self.fail_at and self.calls >= self.fail_at:
-            self.fail_at = 0
-            raise RuntimeError("injected copy failure")
-
-    def _copy_bytes(self, dst: Any, src: Any) -> None:
-        self._fail(1)
-        super()._copy_bytes(dst, src)
-
-    def _copy_all(self, pairs: list[tuple[Any, Any]]) -> None:
-        self._fail(len(pairs))
-        super()._copy_all(pairs)
-
-
-def failing(tensors: dict[str, Any], reg: Registrar, batched: bool) -> FailingAt:
-    h = FailingAt(
-        tensors=one_group(tensors), device="cpu", host_memory="registered", registrar=reg, keep_host_buffers=False
+def failing(tensors: dict[str, Any], reg: Registrar, batched: bool) -> FailingCopy:
+    return FailingCopy(
+        tensors=one_group(tensors),
+        device="cpu",
+        host_memory="registered",
+        registrar=reg,
+        keep_host_buffers=False,
+        batched=batched,
     )
-    h._batched = batched
-    return h
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["per-storage", "batched"])

@@ -16,6 +16,7 @@ What each test checks:
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ from timeslice_client import GroupRecord, GroupState, TimeSliceClient
 from timeslice_client.protocol import Dequeued, Granted, Released, Revoked, subjects
 from timeslice_orchestrator.invariants import StreamChecker
 
-from .helpers import eventually_sync, group_record_sync
+from .helpers import all_closed, eventually_sync, group_record_sync
 from .workers import Worker, check_exclusive_holds, holds, notices, read_stream
 
 pytestmark = pytest.mark.usefixtures("orchestrator_process")
@@ -38,16 +39,8 @@ Spawn = Callable[..., Worker]
 
 @pytest.fixture
 def spawn(tmp_path: Path, nats_url: str) -> Iterator[Spawn]:
-    started: list[Worker] = []
-
-    def _spawn(group: str, job: str, **opts: object) -> Worker:
-        w = Worker(tmp_path, nats_url, group, job, **opts)
-        started.append(w)
-        return w
-
-    yield _spawn
-    for w in started:
-        w.close()
+    with all_closed(functools.partial(Worker, tmp_path, nats_url)) as made:
+        yield made
 
 
 @pytest.fixture

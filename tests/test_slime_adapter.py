@@ -33,14 +33,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from timeslice_agent import Agent, AgentConfig
 from timeslice_client import InvalidRequest, TimeSliceClient
 from timeslice_client.integrations.slime import TimeSliceCallback
 from timeslice_orchestrator.grpc_shim import GrpcConfig, OrchestratorGrpcShim
 from timeslice_orchestrator.service import Orchestrator
 
 from .grpc_proto_client import OrchestratorClient
-from .helpers import running
+from .helpers import running_agents
 from .pool_watch import PoolWatch
 from .workers import slime_standins as slime
 
@@ -130,14 +129,6 @@ async def handoffs(nats_url: str, group: str, since_ms: int, until_ms: int) -> t
     return g.handoffs, g.faults, len(replay.violations)
 
 
-@contextlib.asynccontextmanager
-async def agents(nats_url: str, nodes: list[str]) -> AsyncIterator[None]:
-    async with contextlib.AsyncExitStack() as stack:
-        for node in nodes:
-            await stack.enter_async_context(running(Agent(AgentConfig(node_id=node, nats_url=nats_url))))
-        yield
-
-
 async def two_jobs(
     nats_url: str, trainer: str, sampler: str, args: slime.Args, driver: Driver
 ) -> tuple[dict[str, Run], dict[str, Run], Pools, dict[str, tuple[int, int, int]]]:
@@ -146,7 +137,7 @@ async def two_jobs(
     solo = {j: await asyncio.to_thread(plain, replace(args, seed=s), driver) for j, s in seeds.items()}
     pools = Pools()
     nodes = [NODES["trainer"]] if trainer == sampler else list(NODES.values())
-    async with agents(nats_url, nodes):
+    async with running_agents(nats_url, nodes):
         since = int(time.time() * 1000)
         runs = await asyncio.wait_for(
             asyncio.gather(

@@ -20,13 +20,12 @@ import pytest
 from timeslice_client import AsyncTimeSliceClient, GroupState, TimeSliceClient
 from timeslice_client.bus import connect
 from timeslice_orchestrator._leadership import holder_pid, read_leader
-from timeslice_orchestrator.invariants import InvariantViolation, StreamChecker
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .agent_harness import timeslice
 from .conftest import OrchestratorProcess
 from .helpers import eventually, eventually_sync, running
-from .workers import Worker, check_exclusive_holds, holds, read_stream
+from .workers import check_exclusive_holds, fold_checked, holds, looping_worker, read_stream
 
 
 async def _leader_pid(nats_url: str) -> int | None:
@@ -90,19 +89,7 @@ def test_two_orchestrators_killed_paused_and_stopped_during_handoffs_never_break
     group = "standby"
     total = ROUNDS * len(JOBS)
     workers = [
-        Worker(
-            tmp_path,
-            nats_url,
-            group,
-            job,
-            mode="loop",
-            rounds=ROUNDS,
-            hold_ms=rng.choice([0, 1, 2]),
-            client=kind,
-            wait_start=True,
-            request_timeout=30,
-            acquire_timeout=120,
-        )
+        looping_worker(tmp_path, nats_url, group, job, client=kind, rounds=ROUNDS, hold_ms=rng.choice([0, 1, 2]))
         for job, kind in JOBS.items()
     ]
     faults: list[str] = []
@@ -184,12 +171,7 @@ def test_two_orchestrators_killed_paused_and_stopped_during_handoffs_never_break
         with TimeSliceClient("observer", "observer", nats_url) as obs:
             eventually_sync(lambda: obs.status(group).state is GroupState.IDLE_YIELDED, timeout=20, what="idle")
         stream = asyncio.run(read_stream(nats_url))
-        checker = StreamChecker()
-        try:
-            checker.feed_all(stream)
-        except InvariantViolation as exc:
-            raise AssertionError(f"{exc}\n({context()})") from exc
-        assert checker.unpublished_grants() == [], context()
+        checker = fold_checked(stream, context)
         st = checker.stats[group]
         assert st.grants == st.fold_grants == st.max_epoch == total, context()
         # The paused leader came back as a standby: alive, not leading, and it said why it stopped.

@@ -17,6 +17,8 @@ from timeslice_client.handlers import HandlerResult, WorkloadHandler  # noqa: E4
 from timeslice_client.protocol import SuspendMode  # noqa: E402
 from timeslice_client.torch_offload import TorchOffloadHandler as _Handler  # noqa: E402
 
+from .failing_copy import FailingCopy  # noqa: E402
+
 OFFLOAD = SuspendMode.OFFLOAD
 DISCARD = SuspendMode.DISCARD
 ALL: frozenset[str] = frozenset()
@@ -246,38 +248,10 @@ def test_discard_frees_without_copying_and_resume_zero_fills(trained: tuple[Net,
         assert not bits(t).strip(b"\0")
 
 
-class FailingCopy(TorchOffloadHandler):
-    """Raises on the n-th storage copied out: each storage is one ``_copy_bytes`` call (per storage, as on
-    CUDA), or one pair of the one ``_copy_all`` call (batched, as on CPU)."""
-
-    def __init__(self, *args: Any, fail_at: int, batched: bool, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._batched = batched
-        self.fail_at = fail_at
-        self.calls = 0
-        self.freed_before_failure = 0
-        self.tracked: list[Any] = []
-
-    def _fail(self, n: int) -> None:
-        self.calls += n
-        if self.fail_at and self.calls >= self.fail_at:
-            self.fail_at = 0
-            self.freed_before_failure = sum(t.untyped_storage().nbytes() == 0 for t in self.tracked)
-            raise RuntimeError("injected copy failure")
-
-    def _copy_bytes(self, dst: Any, src: Any) -> None:
-        self._fail(1)
-        super()._copy_bytes(dst, src)
-
-    def _copy_all(self, pairs: list[tuple[Any, Any]]) -> None:
-        self._fail(len(pairs))
-        super()._copy_all(pairs)
-
-
 @pytest.mark.parametrize("batched", [False, True], ids=["per-storage", "batched"])
 def test_failed_suspend_rolls_back_every_tensor(trained: tuple[Net, Any], batched: bool) -> None:
     model, opt = trained
-    handler = FailingCopy(model, opt, fail_at=3, batched=batched)
+    handler = FailingCopy(model, opt, device="cpu", fail_at=3, batched=batched)
     tensors = state_tensors(model, opt)
     handler.tracked = list(tensors.values())
     before = snapshot(tensors)

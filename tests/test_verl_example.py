@@ -20,19 +20,17 @@ import importlib.util
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-from timeslice_agent import Agent, AgentConfig
 from timeslice_cli.demo._stack import embedded_stack
 from timeslice_client import InvalidRequest, TimeSliceClient
 from timeslice_client.integrations.verl import VerlHolds
 
-from .helpers import example_line, running
+from .helpers import example_line, running_agents
 from .pool_watch import PoolWatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,21 +107,13 @@ def shared_job(name: str, nats_url: str, actor: str, rollout: str, seed: int, po
             return Run(trainer.digest(), start, end, holds.counts, {p: h.counts for p, h in handlers.items()})
 
 
-@contextlib.asynccontextmanager
-async def agents(nats_url: str, nodes: list[str]) -> AsyncIterator[None]:
-    async with contextlib.AsyncExitStack() as stack:
-        for node in nodes:
-            await stack.enter_async_context(running(Agent(AgentConfig(node_id=node, nats_url=nats_url))))
-        yield
-
-
 async def two_jobs(nats_url: str, actor: str, rollout: str) -> tuple[dict[str, Run], dict[str, Run], Pools]:
     seeds = {"verl-a": 1, "verl-b": 2}
     colocated = actor == rollout
     # Off the event loop: the orchestrator serves from it (a blocked loop would let its leadership lapse).
     solo = {job: await asyncio.to_thread(plain, seed, colocated) for job, seed in seeds.items()}
     pools = Pools()
-    async with agents(nats_url, [NODES["actor"]] if colocated else list(NODES.values())):
+    async with running_agents(nats_url, [NODES["actor"]] if colocated else list(NODES.values())):
         runs = await asyncio.wait_for(
             asyncio.gather(
                 *(

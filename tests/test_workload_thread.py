@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
@@ -47,15 +46,6 @@ class _Blocking:
     def resume(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
         self.threads.append(threading.current_thread().name)
         return HandlerResult(bytes_moved=3)
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[NATS]:
-    conn = await connect(nats_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 def _encoded(action: str, op: str) -> bytes:

@@ -4,7 +4,9 @@
 * :func:`holds` / :func:`check_exclusive_holds` turn the logs into hold intervals and check them;
 * :func:`read_stream` reads the whole ``TIMESLICE`` stream as ``(seq, now_ms, subject, data)``, with
   ``now_ms`` computed exactly as the orchestrator computes it (the delivery's nanosecond timestamp);
-* :func:`notices` decodes the notices published in it for one job.
+* :func:`fold_checked` folds it it through the invariant checker;
+* :func:`notices` decodes the notices published in it for one job;
+* :func:`looping_worker` starts a job that hands a group around through orchestrator restarts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,12 +25,23 @@ from typing import Any
 import nats.errors
 from timeslice_client.bus import connect
 from timeslice_client.protocol import STREAM, Notice, decode_notice, subjects
+from timeslice_orchestrator.invariants import InvariantViolation, StreamChecker
 
 from .event_log import log_events
 
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["Hold", "Worker", "check_exclusive_holds", "holds", "log_events", "notices", "read_stream"]
+__all__ = [
+    "Hold",
+    "Worker",
+    "check_exclusive_holds",
+    "fold_checked",
+    "holds",
+    "log_events",
+    "looping_worker",
+    "notices",
+    "read_stream",
+]
 
 
 class Worker:
@@ -100,6 +114,23 @@ class Worker:
         self._stderr.close()
 
 
+def looping_worker(tmp: Path, nats_url: str, group: str, job: str, *, client: str, **opts: Any) -> Worker:
+    """A ``client`` ("sync" or "async") worker that takes ``group`` in a loop (``opts``: ``rounds``, ``hold_ms``, ...),
+    started when told, whose calls outwait an orchestrator's restart (about a second) rather than fail."""
+    return Worker(
+        tmp,
+        nats_url,
+        group,
+        job,
+        mode="loop",
+        client=client,
+        wait_start=True,
+        request_timeout=30,
+        acquire_timeout=120,
+        **opts,
+    )
+
+
 @dataclass(frozen=True)
 class Hold:
     job: str
@@ -132,6 +163,18 @@ def check_exclusive_holds(hs: list[Hold]) -> None:
     for prev, nxt in itertools.pairwise(hs):
         assert nxt.start > prev.end, f"holds overlap: {prev} and {nxt}"
         assert nxt.epoch > prev.epoch, f"epoch did not rise: {prev} then {nxt}"
+
+
+def fold_checked(stream: list[tuple[int, int, str, bytes]], context: Callable[[], str]) -> StreamChecker:
+    """``stream`` (as :func:`read_stream` reads it) folded through the invariant checker: a violation, or a grant
+    the fold decided that the orchestrator never published, fails the test with ``context()`` besides."""
+    checker = StreamChecker()
+    try:
+        checker.feed_all(stream)
+    except InvariantViolation as exc:
+        raise AssertionError(f"{exc}\n({context()})") from exc
+    assert checker.unpublished_grants() == [], context()
+    return checker
 
 
 def _seq_and_time(reply: str) -> tuple[int, int]:

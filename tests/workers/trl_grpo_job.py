@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import select
 import sys
@@ -37,10 +38,11 @@ from datasets import Dataset
 from timeslice_client import TimeSliceClient
 from timeslice_client.integrations.trl import attach
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer
 
 WORDS = ["<pad>", "<eos>", "<unk>", *(f"w{i}" for i in range(29))]
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
 WAIT_S = 300.0  # for the test's next word: it starts every job early and runs them in turn
 
 
@@ -51,20 +53,13 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 
 def model(seed: int, hidden: int, layers: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=len(WORDS),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=1,
-    )
-    return LlamaForCausalLM(cfg)
+    """The example's model (examples/trl_grpo.py), over this job's smaller vocabulary."""
+    spec = importlib.util.spec_from_file_location("trl_grpo_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    built: LlamaForCausalLM = example.tiny_llama(seed, len(WORDS), hidden, layers)
+    return built
 
 
 def dataset() -> Dataset:

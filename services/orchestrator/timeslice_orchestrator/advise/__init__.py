@@ -15,12 +15,13 @@ What it models and leaves out: docs/scheduling.md, "Predicting a shared run".
 
 from ._model import CostSource, JobOutcome, JobTrace, Phase, Prediction, SwitchCost
 from ._predict import predict
-from ._simulate import Log, SimRun, simulate
+from ._simulate import AgentOp, Log, SimRun, agent_op, simulate
 from ._text import render_prediction
 from ._traces import MAX_JOBS, job_spec, measured_cost, trace_of, traces
 
 __all__ = [
     "MAX_JOBS",
+    "AgentOp",
     "CostSource",
     "JobOutcome",
     "JobTrace",
@@ -29,6 +30,7 @@ __all__ = [
     "Prediction",
     "SimRun",
     "SwitchCost",
+    "agent_op",
     "job_spec",
     "measured_cost",
     "predict",

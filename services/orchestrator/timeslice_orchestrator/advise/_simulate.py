@@ -46,7 +46,7 @@ from .._errors import AdviseError
 from ..core import Command, Notify, apply, new_record, next_deadline
 from ._model import Phase, SwitchCost
 
-__all__ = ["Log", "LogKind", "SimRun", "simulate"]
+__all__ = ["AgentOp", "Log", "LogKind", "SimRun", "agent_op", "simulate"]
 
 LogKind = Literal["acquire", "grant", "release", "end"]
 Log = dict[str, list[tuple[LogKind, float]]]  # per job: when it asked, was granted, released, ended (seconds)
@@ -197,41 +197,67 @@ class _Sim:
     def _agent(self, t: float, cmd: Snapshot | Restore) -> None:
         if cmd.op_id in self.finished_at:
             return  # the core's resend of an operation under way (after resend_ms): the agent runs each op once
-        state = self.ctx[cmd.job]
         cost = self.costs.get(cmd.job, SwitchCost())
-        start = t + self.hop
-        overlapped = False
-        if isinstance(cmd, Snapshot):
-            seconds = cost.snapshot_s if state == "RUNNING" else 0.0
-            self.ctx[cmd.job] = "SAVED" if state == "RUNNING" else state
-            kind = OpKind.SNAPSHOT
+        op = agent_op(cmd, self.ctx[cmd.job], cost, start=t + self.hop, finished_at=self.finished_at, room=self.room)
+        self.ctx[cmd.job] = op.state
+        self.finished_at[cmd.op_id] = op.end
+        self.push(op.end + self.hop, "input", op.result)
+
+
+@dataclass(frozen=True)
+class AgentOp:
+    """The simulated agent's run of one command: the context's state after it, when it ran, and its answer."""
+
+    state: str  # IDLE, RUNNING, SAVED
+    start: float
+    seconds: float  # how long it took
+    result: OpResult
+
+    @property
+    def end(self) -> float:
+        return self.start + self.seconds
+
+
+def agent_op(
+    cmd: Snapshot | Restore,
+    state: str,
+    cost: SwitchCost,
+    *,
+    start: float,
+    finished_at: Mapping[str, float],
+    room: bool,
+) -> AgentOp:
+    """How the simulated agent runs ``cmd``, reaching it at ``start``, on a context in ``state`` (IDLE, RUNNING,
+    SAVED): it takes ``cost`` (nothing for a context already where it should be, as the real agent does). Without
+    ``room`` a restore starts once the snapshots it follows are done (``finished_at``: op id -> when it ended); with
+    ``room`` it starts at once and says it overlapped a snapshot that still runs."""
+    overlapped = False
+    if isinstance(cmd, Snapshot):
+        seconds = cost.snapshot_s if state == "RUNNING" else 0.0
+        state = "SAVED" if state == "RUNNING" else state
+        kind = OpKind.SNAPSHOT
+    else:
+        seconds = cost.restore_s if state == "SAVED" else 0.0
+        state = "RUNNING"
+        kind = OpKind.RESTORE
+        after = max((finished_at.get(op, start) for op in cmd.after), default=start)
+        if not room:
+            start = max(start, after)  # the agent runs it once the snapshots it follows are done
         else:
-            seconds = cost.restore_s if state == "SAVED" else 0.0
-            self.ctx[cmd.job] = "RUNNING"
-            kind = OpKind.RESTORE
-            after = max((self.finished_at.get(op, start) for op in cmd.after), default=start)
-            if not self.room:
-                start = max(start, after)  # the agent runs it once the snapshots it follows are done
-            else:
-                overlapped = after > start  # beside a snapshot that still runs
-        self.finished_at[cmd.op_id] = start + seconds
-        done = start + seconds + self.hop
-        self.push(
-            done,
-            "input",
-            OpResult(
-                group=self.group,
-                op_id=cmd.op_id,
-                node=cmd.node,
-                job=cmd.job,
-                kind=kind,
-                epoch=cmd.epoch,
-                ok=True,
-                backend="app_channel",
-                elapsed_ms=seconds * 1000,
-                overlapped=overlapped,
-            ),
-        )
+            overlapped = after > start  # beside a snapshot that still runs
+    result = OpResult(
+        group=cmd.group,
+        op_id=cmd.op_id,
+        node=cmd.node,
+        job=cmd.job,
+        kind=kind,
+        epoch=cmd.epoch,
+        ok=True,
+        backend="app_channel",
+        elapsed_ms=seconds * 1000,
+        overlapped=overlapped,
+    )
+    return AgentOp(state, start, seconds, result)
 
 
 def simulate(
