@@ -18,11 +18,16 @@ includes :func:`reserve_deadline` so that the orchestrator's timer ends the wind
 
 from __future__ import annotations
 
+from typing import Final, Literal
+
 from timeslice_client.protocol import GroupRecord, HolderRecord, Reservation, WaiterRecord
 
 from ._work import Work
 
-__all__ = ["grant_reserved", "reserve_deadline", "reserve_on_release"]
+__all__ = ["OUTCOMES", "Outcome", "grant_reserved", "reservation_change", "reserve_deadline", "reserve_on_release"]
+
+Outcome = Literal["kept", "reacquired", "expired", "ended"]
+OUTCOMES: Final[tuple[Outcome, ...]] = ("kept", "reacquired", "expired", "ended")
 
 
 def reserve_on_release(w: Work, h: HolderRecord) -> None:
@@ -50,3 +55,18 @@ def grant_reserved(w: Work, wr: WaiterRecord) -> bool:
 def reserve_deadline(rec: GroupRecord) -> int | None:
     """When the reservation of ``rec`` ends by itself (None: none runs)."""
     return rec.reserved.until_ms if rec.reserved is not None else None
+
+
+def reservation_change(before: GroupRecord | None, after: GroupRecord, now_ms: int) -> Outcome | None:
+    """What an event at ``now_ms`` did to the group's reservation (for metrics and replay): ``kept`` (a short
+    release kept the group), ``reacquired`` (its job took it back), ``expired`` (the window ended), ``ended`` (its
+    job faulted or left a node); None: nothing."""
+    old = before.reserved if before is not None else None
+    new = after.reserved
+    if old == new:
+        return None
+    if old is None or new is not None:
+        return "kept"
+    if after.holder is not None and after.holder.job == old.job and after.epoch == old.epoch + 1:
+        return "reacquired"
+    return "expired" if now_ms >= old.until_ms else "ended"
