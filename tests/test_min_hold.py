@@ -1,15 +1,20 @@
 """A group's minimum hold (``SetPolicy.min_hold_ms``, ``_min_hold``): a job granted through a switch that releases
 before it while others wait keeps the group (``GroupRecord.reserved``) until its grant time plus the minimum hold; its
 re-acquire within that window is granted at once, without a switch; at the window's end the next waiter is served.
-In the pure core, the stream checker's rules on it, replay and the metrics. The state machine
-(``test_core_properties.py``) checks it against a model too."""
+In the pure core, the stream checker's rules on it, replay and the metrics, and through the real stack with
+``timeslice set-policy --min-hold-s``. The state machine (``test_core_properties.py``) checks it against a model
+too."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 from typing import Any
 
 import msgspec
 import pytest
+from timeslice_client import AsyncTimeSliceClient
 from timeslice_client.protocol import (
     Acquire,
     Granted,
@@ -29,7 +34,9 @@ from timeslice_orchestrator import invariants
 from timeslice_orchestrator.core import Action, apply, next_deadline
 from timeslice_orchestrator.invariants import InvariantViolation, StreamChecker, check_record, subject_matches
 
+from .agent_harness import timeslice
 from .core_sim import G, Sim, commands, notices
+from .helpers import eventually
 
 PATIENT: dict[str, Any] = dict(lease_ms=3_600_000, timeout_ms=3_600_000, waiter_ttl_ms=600_000, confirm_ms=600_000)
 M = 10_000
@@ -215,3 +222,59 @@ def test_replay_and_the_metrics_show_each_decision() -> None:
         "expired": 1,
         "ended": 0,
     }
+
+
+async def test_min_hold_through_the_stack(orchestrator: object, nats_url: str) -> None:
+    """Without an agent nothing moves at a switch, but the lock decides as with one: b, switched in, releases at
+    once while a waits and keeps the group; its re-acquire is granted ahead of a; a, switched in, releases at once
+    while b waits and the group goes to b only when a's window ends (the orchestrator's timer). A minimum hold set
+    while a job holds applies at its release."""
+    group = "g-minhold"
+    async with (
+        AsyncTimeSliceClient("a", group, nats_url, bind_process=False) as a,
+        AsyncTimeSliceClient("b", group, nats_url, bind_process=False) as b,
+    ):
+        await a.acquire(timeout=10)  # the group exists once a job asked for it
+        await a.release()
+        # Long enough for a `timeslice status` process to look while the group is kept, on a loaded machine too.
+        rc, out = await timeslice(nats_url, "set-policy", "--group", group, "--min-hold-s", "60", "--json")
+        assert rc == 0, out
+        assert json.loads(out) == {"group": group, "min_hold_ms": 60_000}
+        st = await a.status()
+        assert (st.min_hold_ms, st.quantum_ms, st.kept_for) == (60_000, 0, None)
+
+        async def waiting(job: str) -> bool:
+            return job in [w.job for w in (await a.status()).waiters]
+
+        await b.acquire(timeout=10)  # a switch (a's context was the active one)
+        a_waits = asyncio.create_task(a.acquire(timeout=30))
+        await eventually(lambda: waiting("a"), what="a waits")
+        r = await b.release()
+        assert r.pending_waiters == 1 and r.snapshot_deferred
+        st = await b.status()
+        assert st.kept_for == "b" and st.state is GroupState.IDLE_YIELDED and not a_waits.done()
+        rc, out = await timeslice(nats_url, "status", "--group", group)
+        assert rc == 0 and "min hold: 1m00s (kept for b for " in out, out
+        g = await b.acquire(timeout=10)  # taken back at once, ahead of a, without a switch
+        assert not g.context_restored and b.holding and not a_waits.done()
+        rc, out = await timeslice(nats_url, "set-policy", "--group", group, "--min-hold-s", "3")
+        assert rc == 0 and "keeps the group until then" in out, out
+        await b.release()  # never renewed: passed on at once
+        await asyncio.wait_for(a_waits, 10)
+        a_granted = time.monotonic()
+        assert a.holding
+        b_waits = asyncio.create_task(b.acquire(timeout=30))
+        await eventually(lambda: waiting("b"), what="b waits")
+        await a.release()
+        assert (await a.status()).kept_for == "a"
+        await asyncio.wait_for(b_waits, 10)  # served when a's window ended
+        assert time.monotonic() - a_granted >= 2.5  # (3 s from a's grant in stream time; a little slack for clocks)
+        assert (await b.status()).kept_for is None
+        await b.release()
+
+
+async def test_set_policy_refuses_a_min_hold_out_of_range_and_needs_a_policy(nats_url: str) -> None:
+    rc, out = await timeslice(nats_url, "set-policy", "--group", "g", "--min-hold-s", "3601")
+    assert rc != 0 and "--min-hold-s must lie between 0 (none) and 3600 s" in out
+    rc, out = await timeslice(nats_url, "set-policy", "--group", "g")
+    assert rc != 0 and "give --quantum-s, --min-hold-s or both" in out
