@@ -31,7 +31,7 @@ from timeslice_client.protocol import (
     subjects,
 )
 from timeslice_orchestrator import invariants
-from timeslice_orchestrator.core import Action, apply, next_deadline
+from timeslice_orchestrator.core import Action, Transition, apply, next_deadline
 from timeslice_orchestrator.invariants import InvariantViolation, StreamChecker, check_record, subject_matches
 
 from .agent_harness import timeslice
@@ -98,6 +98,8 @@ def test_the_next_waiter_is_served_when_the_window_ends() -> None:
     assert sim.rec.reserved is not None
     actions = sim.tick(dt=1)
     assert sim.rec.reserved is None and {type(c) for c in commands(actions)} == {Snapshot, Restore}
+    (change,) = [a.change for a in actions if isinstance(a, Transition)]
+    assert change.reason == "min hold of a ended: its window passed; then restoring", change
     assert sim.settle(actions).job == "b"
     checked(sim)
 

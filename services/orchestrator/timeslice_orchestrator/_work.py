@@ -109,6 +109,7 @@ class Work:
     actions: list[Action] = field(default_factory=list)
     changed: bool = False
     reason: str = ""
+    kept_reason: str = ""  # a minimum hold that ended in this event: said in the StateChanged whatever follows it
     seq: int = 0
     limits: Limits = LIMITS
 
@@ -154,7 +155,9 @@ class Work:
                         epoch=self.epoch,
                         holder=self.holder.job if self.holder else None,
                         active_job=self.active_job,
-                        reason=self.reason or "",
+                        reason=f"{self.kept_reason}; then {self.reason}"
+                        if self.kept_reason and self.kept_reason != self.reason
+                        else self.reason,
                     )
                 )
             )
@@ -281,7 +284,8 @@ class Work:
         r = self.reserved
         if r is not None and job in (None, r.job):
             self.reserved = None
-            self.touch(f"min hold of {r.job} ended: {why}")
+            self.kept_reason = f"min hold of {r.job} ended: {why}"
+            self.touch(self.kept_reason)
 
     def fault(self, job: str, reason: str) -> None:
         if len(reason) > self.limits.max_reason:
