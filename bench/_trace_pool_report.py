@@ -60,7 +60,13 @@ def vs_published(prof: Profile, alone: list[dict[str, Any]], shared: dict[str, A
 
 
 def run_pool_profile(
-    name: str, costs: list[str], policies: list[Policy], hop_s: float, quantum_s: float, steps: int | None
+    name: str,
+    costs: list[str],
+    policies: list[Policy],
+    hop_s: float,
+    quantum_s: float,
+    steps: int | None,
+    min_hold_s: float = 30.0,
 ) -> dict[str, Any]:
     prof = load_profile(name)
     if not prof.pools:
@@ -78,10 +84,12 @@ def run_pool_profile(
         for pol in policies:
             alone = []
             for j, sched in scheds.items():
-                r = simulate_pools({j: sched}, pools, hop_s, pol, f"{prof.name}-{j}", quantum_s, prof.staleness)
+                r = simulate_pools(
+                    {j: sched}, pools, hop_s, pol, f"{prof.name}-{j}", quantum_s, prof.staleness, min_hold_s
+                )
                 alone.append(run_figures(r, n))
                 events += r.events
-            r = simulate_pools(scheds, pools, hop_s, pol, f"{prof.name}-shared", quantum_s, prof.staleness)
+            r = simulate_pools(scheds, pools, hop_s, pol, f"{prof.name}-shared", quantum_s, prof.staleness, min_hold_s)
             events += r.events
             shared = run_figures(r, n)
             back_to_back = sum(a["makespan_s"] for a in alone)
@@ -113,6 +121,7 @@ def run_pool_profile(
             "jobs": JOBS,
             "hop_ms": hop_s * 1000,
             "quantum_s": quantum_s,
+            "min_hold_s": min_hold_s,
             "policies": {p: POLICY_TEXT[p] for p in policies},
             "events": events,
             "cpu_s": time.process_time() - t,

@@ -19,7 +19,9 @@ module runs the same world with one record per pool:
   ``room`` (the node fits both contexts) beside them, and says so (``OpResult.overlapped``), so the core grants on
   the restore;
 * policies: FIFO (the core's default), priority classes (``Acquire.priority``), a quantum (``SetPolicy``: a holder
-  asked to yield gives back at its next phase boundary a pool it would have kept), grant on restore (``room``).
+  asked to yield gives back at its next phase boundary a pool it would have kept), grant on restore (``room``), a
+  minimum hold (``SetPolicy.min_hold_ms``: a job switched into a pool that gives it back early while another waits
+  keeps it for the window, and takes it back without a switch if it needs it again within it).
 
 The run's log is kept per pool (each job's acquire, grant, release and end, as ``_trace_model.Log``), with every
 operation the simulated agents ran (:class:`OpSpan`), so that the switch time on the critical path can be split into
@@ -58,14 +60,16 @@ CONFIRM_MS = 600_000
 TIMEOUT_MS = 7 * 24 * 3600 * 1000  # no simulated wait ever gives up
 MAX_EVENTS = 2_000_000  # a bound on one simulation
 
-Policy = Literal["fifo", "room", "priority", "quantum"]
-POLICIES: tuple[Policy, ...] = ("fifo", "room", "priority", "quantum")
+Policy = Literal["fifo", "room", "priority", "quantum", "min_hold"]
+POLICIES: tuple[Policy, ...] = ("fifo", "room", "priority", "quantum", "min_hold")
 POLICY_TEXT: dict[str, str] = {
     "fifo": "first come, first served; snapshot, then restore, then grant (today's default)",
     "room": "FIFO with grant on restore: the node fits both contexts, the restore runs beside the snapshot",
     "priority": "priority classes: job j0 asks at class 1, the others at 0 (ageing 1 class a minute)",
     "quantum": "FIFO with a quantum: a holder that held a pool past it while another job waits gives that pool back "
     "at its next phase boundary",
+    "min_hold": "FIFO with a minimum hold: a job switched into a pool that gives it back before the minimum hold while "
+    "another job waits keeps it until then, and takes it back without a switch if it asks within that window",
 }
 
 
@@ -113,6 +117,7 @@ class _Sim:
         group: str,
         quantum_s: float,
         staleness: int,
+        min_hold_s: float = 0.0,
     ) -> None:
         self.hop, self.costs, self.policy, self.staleness = hop_s, costs, policy, staleness
         self.room = policy == "room"
@@ -125,6 +130,7 @@ class _Sim:
         self.ticks: dict[str, set[int]] = {p: set() for p in pools}
         self.priority = {j: (1 if policy == "priority" and i == 0 else 0) for i, j in enumerate(self.jobs)}
         self.quantum_ms = int(quantum_s * 1000) if policy == "quantum" else 0
+        self.min_hold_ms = int(min_hold_s * 1000) if policy == "min_hold" else 0
         self.heap: list[tuple[float, int, str, Any]] = []
         self.order = itertools.count()
         self.rids = itertools.count()
@@ -147,6 +153,8 @@ class _Sim:
         for p, g in self.group.items():
             if self.quantum_ms:
                 self.push(0.0, "input", SetPolicy(group=g, quantum_ms=self.quantum_ms))
+            if self.min_hold_ms:
+                self.push(0.0, "input", SetPolicy(group=g, min_hold_ms=self.min_hold_ms))
             for j in self.jobs:
                 self.push(0.0, "input", JobRegistered(group=g, job=j, node=f"node-{p}", backend="app_channel"))
         for j in self.jobs:
@@ -320,12 +328,13 @@ def simulate_pools(
     group: str = "sim",
     quantum_s: float = 60.0,
     staleness: int = 0,
+    min_hold_s: float = 30.0,
 ) -> PoolRun:
     """Run every job's schedule from time 0 over the pools its phases name; ``costs``: each pool's switch cost;
     ``staleness``: how far a paced phase's producer may run ahead of its job."""
     if hop_s < 0:
         raise ValueError(f"hop_s must be at least 0, not {hop_s}")
-    return _Sim(schedules, costs, hop_s, policy, group, quantum_s, staleness).run()
+    return _Sim(schedules, costs, hop_s, policy, group, quantum_s, staleness, min_hold_s).run()
 
 
 # ---------------------------------------------------------------------- figures

@@ -28,7 +28,8 @@ per pool (``bench/_trace_pools.py``), in sim mode (``--pool-mode``, default ``si
 an agent per pool, FIFO and grant on restore only, ``--pool-real-steps`` steps at ``--pool-compression``:
 ``bench/_trace_pool_real.py``), per cost model (``--costs``: ``published``, the published
 checkpoint/restore medians; ``pcie``, the state's bytes over 55 GB/s each way) and policy (``--policies``: ``fifo``,
-``room``: grant on restore, ``priority``: classes, ``quantum``: ``--quantum-s``): jobs 0 and 1 alone and the two
+``room``: grant on restore, ``priority``: classes, ``quantum``: ``--quantum-s``, ``min_hold``: ``--min-hold-s``,
+not run unless named): jobs 0 and 1 alone and the two
 sharing, the makespan, each pool's duty, the switches, and the switch time on the critical path split into snapshot,
 restore and lock/bus, beside the published figures (``bench/_trace_pool_report.py``).
 
@@ -291,7 +292,9 @@ def pool_block(names: list[str], costs: list[str], policies: list[Policy], a: ar
     hop_s = a.hop_ms / 1000
     if a.pool_mode != "real":
         for n in names:
-            out[load_profile(n).name] = run_pool_profile(n, costs, policies, hop_s, a.quantum_s, a.pool_steps)
+            out[load_profile(n).name] = run_pool_profile(
+                n, costs, policies, hop_s, a.quantum_s, a.pool_steps, a.min_hold_s
+            )
     if a.pool_mode != "sim":
         real_pols = [p for p in REAL_POLICIES if p in policies] or list(REAL_POLICIES)
         real = asyncio.run(run_real_pools(names, costs, real_pols, a.pool_real_steps, a.pool_compression))
@@ -329,6 +332,9 @@ def main() -> None:
     p.add_argument("--policies", default="fifo,room,priority,quantum", help="multi-pool profiles: the policies to run")
     p.add_argument("--quantum-s", type=float, default=120.0, help="multi-pool profiles: the quantum policy's quantum")
     p.add_argument(
+        "--min-hold-s", type=float, default=30.0, help="multi-pool profiles: the min_hold policy's minimum hold"
+    )
+    p.add_argument(
         "--pool-steps", type=int, default=0, help="multi-pool profiles: steps per job (0: the profile's published)"
     )
     p.add_argument(
@@ -358,8 +364,11 @@ def main() -> None:
         policies = parse_policies(a.policies)
     except ValueError as e:
         p.error(str(e))
-    if a.quantum_s <= 0 or a.pool_steps < 0 or a.pool_real_steps < 1 or a.pool_compression <= 0:
-        p.error("--quantum-s, --pool-real-steps and --pool-compression must be positive, --pool-steps at least 0")
+    if a.quantum_s <= 0 or a.min_hold_s <= 0 or a.pool_steps < 0 or a.pool_real_steps < 1 or a.pool_compression <= 0:
+        p.error(
+            "--quantum-s, --min-hold-s, --pool-real-steps and --pool-compression must be positive, --pool-steps at "
+            "least 0"
+        )
     sw = load_switch(a.switch)
     res: dict[str, Any] = {
         "bench": "trace_replay",

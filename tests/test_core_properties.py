@@ -3,7 +3,9 @@
 It drives ``apply()`` with random job, control and agent events (acquire, release, renew, cancel,
 ticks and time jumps, registrations, operation results both fresh and late, lost agents) and checks
 after every event: the record invariants (``check_record``), mutual exclusion as the notices tell it,
-the waiters served by priority class with ageing (first come, first served within a class: ``_next_waiter``),
+the waiters served by priority class with ageing (first come, first served within a class: ``_next_waiter``), the
+minimum hold (a group kept only for a job switched in that released early while others waited, until its window
+ends, never renewed, and taken back only by that job: ``_min_hold``),
 rising grant epochs, no grant to a request that left, no
 waiter lost without a notice, grants only after every restore succeeded, fencing (late or forged
 operation results change nothing), ``next_deadline`` (nothing expires before it, something does at
@@ -46,6 +48,7 @@ from timeslice_client.protocol import (
     Release,
     Released,
     Renew,
+    Reservation,
     Restore,
     Revoked,
     SetPolicy,
@@ -95,6 +98,7 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
         self.beside: set[tuple[str, int]] = set()  # (node, epoch): a restore that succeeded beside a snapshot there
         self.facts: list[Message] = []  # the agents' facts that come before the next event (a restore's OpStarted)
         self.yield_asked: set[int] = set()  # epochs whose holder was asked to yield (YieldRequested)
+        self.taken_back: set[int] = set()  # epochs of holds taken back within a minimum hold (never kept again)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -155,6 +159,7 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
         cmds = commands(actions)
         sent_before = set(self.ops)
         check_contexts(new)
+        self.check_min_hold(old, new, ev, actions)
         if new.trailing is not None and new.queue and new.holder is None:
             event("waiters wait for a trailing snapshot")
         for c in cmds:
@@ -257,7 +262,12 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
                     enqueue_pending()
                 entry = self.entries.get(n.job)
                 assert entry is not None and entry[1] == n.request_id, f"{n.job} was not waiting with {n}"
-                if n.job != chosen_before:  # chosen in this event (else when its switch began: checked then)
+                if old.reserved is not None and old.reserved.job == n.job:  # taken back within its minimum hold
+                    assert isinstance(ev, Acquire) and self.now < old.reserved.until_ms and new.reserved is None, ev
+                    assert new.holder is not None and not new.holder.switched and not cmds
+                    self.taken_back.add(n.epoch)
+                    event("taken back within the minimum hold")
+                elif n.job != chosen_before:  # chosen in this event (else when its switch began: checked then)
                     self.check_choice(n.job, chosen_before)
                 del self.entries[n.job]
                 restores = [r for c, r in self.ops.values() if isinstance(c, Restore) and c.epoch == n.epoch]
@@ -334,6 +344,25 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
         else:
             assert not contended, f"contention notice without a new waiter: {ns}"
 
+    def check_min_hold(self, old: GroupRecord, new: GroupRecord, ev: InputEvent, actions: list[Action]) -> None:
+        """A release keeps the group exactly when its hold came through a switch (not one taken back within a
+        minimum hold), ended before the minimum hold, and others wait; a kept group is never kept past its window."""
+        h = old.holder
+        (rel,) = [n for n in notices(actions, Released) if isinstance(ev, Release)] or [None]
+        if rel is not None and h is not None and rel.epoch == h.epoch:
+            until = h.granted_at_ms + old.min_hold_ms
+            due = old.min_hold_ms > 0 and h.switched and self.now < until and rel.pending_waiters > 0
+            assert new.reserved == (Reservation(job=h.job, epoch=h.epoch, until_ms=until) if due else None), (h, new)
+            assert not due or (h.epoch not in self.taken_back and rel.snapshot_deferred), (h, rel)
+            if due:
+                event("kept within the minimum hold")
+        elif new.reserved is not None:
+            assert new.reserved == old.reserved, (old.reserved, new.reserved)
+        if new.reserved is not None:
+            assert self.now < new.reserved.until_ms, "a group is never kept past its job's window"
+        elif old.reserved is not None and self.now >= old.reserved.until_ms:
+            event("minimum hold ran out")
+
     def check_choice(self, job: str, excluded: str | None) -> None:
         """``job`` was the waiter the group passed to: the highest class plus ageing, then the first to ask."""
 
@@ -393,6 +422,17 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
     @rule(quantum=st.sampled_from([0, 500, 5_000, 60_000]))
     def set_policy(self, quantum: int) -> None:
         self.step(SetPolicy(group=G, quantum_ms=quantum))
+
+    @rule(min_hold=st.sampled_from([0, 300, 2_000, 20_000]))
+    def set_min_hold(self, min_hold: int) -> None:
+        self.step(SetPolicy(group=G, min_hold_ms=min_hold))
+
+    @precondition(lambda self: self.rec.reserved is not None)
+    @rule()
+    def take_back(self) -> None:
+        """The job the group is kept for asks again (within its window or not)."""
+        assert self.rec.reserved is not None
+        self.acquire_patient(self.rec.reserved.job)
 
     @precondition(lambda self: self.rec.quantum_ms > 0 and self.rec.holder is not None and self.rec.queue)
     @rule(extra=st.sampled_from([-1, 0, 0, 1, 50]))

@@ -107,7 +107,7 @@ def _order_kept(log_by_pool: dict[str, Log]) -> bool:
 
 @pytest.mark.parametrize("name", NEW)
 @pytest.mark.parametrize("cost", ["published", "pcie"])
-@pytest.mark.parametrize("policy", ["fifo", "room", "priority", "quantum"])
+@pytest.mark.parametrize("policy", ["fifo", "room", "priority", "quantum", "min_hold"])
 def test_two_jobs_sharing_switch_and_never_hold_one_pool_at_once(name: str, cost: str, policy: Any) -> None:
     prof = load_profile(name)
     pub = prof.published

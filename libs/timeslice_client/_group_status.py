@@ -69,6 +69,13 @@ class GroupStatus(msgspec.Struct, frozen=True, kw_only=True):
     """Nodes whose agent was lost and has not registered a job since."""
     quantum_ms: int
     """How long a hold may last while another job waits before it is asked to yield (0: no quantum)."""
+    min_hold_ms: int = 0
+    """A job granted through a switch that releases sooner than this while others wait keeps the group until its grant
+    time plus this (0: no minimum hold; docs/scheduling.md)."""
+    kept_for: str | None = None
+    """The job the group is kept for now (its minimum hold): its next acquire is granted without a switch."""
+    kept_until_ms: int | None = None
+    """When the group stops being kept for ``kept_for`` (wall clock, ms since the Unix epoch)."""
 
 
 def _holder(h: HolderRecord) -> HolderStatus:
@@ -101,4 +108,7 @@ def group_status(rec: GroupRecord) -> GroupStatus:
         faulted_jobs=dict(rec.faulted),
         lost_nodes=rec.lost_nodes,
         quantum_ms=rec.quantum_ms,
+        min_hold_ms=rec.min_hold_ms,
+        kept_for=rec.reserved.job if rec.reserved else None,
+        kept_until_ms=rec.reserved.until_ms if rec.reserved else None,
     )

@@ -1,5 +1,6 @@
-"""The wire types of a group's scheduling policy: an operator sets it (``SetPolicy``), and the orchestrator asks a
-holder to yield once it has held past the policy's quantum while others wait (``YieldRequested``).
+"""The wire types of a group's scheduling policy: an operator sets it (``SetPolicy``), the orchestrator asks a
+holder to yield once it has held past the policy's quantum while others wait (``YieldRequested``), and a group stays
+reserved for a job that released early within its minimum hold (``Reservation``, in ``GroupRecord.reserved``).
 
 Apart from ``protocol`` so that it stays within its size; ``protocol`` puts them in its unions and exports them.
 """
@@ -12,9 +13,10 @@ import msgspec
 
 from ._bounds import Count, Id, Ms
 
-__all__ = ["MAX_QUANTUM_MS", "SetPolicy", "YieldRequested"]
+__all__ = ["MAX_MIN_HOLD_MS", "MAX_QUANTUM_MS", "Reservation", "SetPolicy", "YieldRequested"]
 
 MAX_QUANTUM_MS: Final = 7 * 24 * 3600 * 1000  # a week: longer is no quantum
+MAX_MIN_HOLD_MS: Final = 3600 * 1000  # an hour: the longest that waiters may be kept waiting for a job's return
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
@@ -24,10 +26,24 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 class SetPolicy(_Msg, frozen=True, tag="set_policy"):
     """An operator sets a group's scheduling policy (``ts.v1.ctl.<group>.set_policy``: the admin identity only).
     ``quantum_ms``: how long a holder holds while others wait before the orchestrator asks it to yield
-    (``YieldRequested``); 0: never asked. The priority classes of the waiters need no setting (``Acquire.priority``)."""
+    (``YieldRequested``); 0: never asked. ``min_hold_ms``: a job granted through a switch that releases sooner than
+    this after its grant while others wait keeps the group reserved until then (``Reservation``); 0: never. None
+    (either): left as it is. The priority classes of the waiters need no setting (``Acquire.priority``)."""
 
     group: Id
-    quantum_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_QUANTUM_MS)] = 0
+    quantum_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_QUANTUM_MS)] | None = None
+    min_hold_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_MIN_HOLD_MS)] | None = None
+
+
+class Reservation(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The group is kept for ``job`` until ``until_ms`` (``GroupRecord.reserved``; the minimum hold, ``_min_hold``):
+    it was granted at ``epoch`` through a switch and released before the group's ``min_hold_ms`` had passed while
+    others waited. No switch starts meanwhile; its next acquire is granted at once, without a switch, and ends it,
+    as do ``until_ms`` (the next waiter is then served), a fault of the job, and its leaving a node."""
+
+    job: str
+    epoch: int
+    until_ms: int
 
 
 class YieldRequested(_Msg, frozen=True, tag="yield_requested"):

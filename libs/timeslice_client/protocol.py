@@ -49,7 +49,7 @@ from ._bounds import (
 )
 from ._codes import DequeueCode, ErrorCode, GroupState, JobState, OpKind, RevokeCode, SuspendMode
 from ._names import subjects, validate_id
-from ._policy_msgs import MAX_QUANTUM_MS, SetPolicy, YieldRequested
+from ._policy_msgs import MAX_MIN_HOLD_MS, MAX_QUANTUM_MS, Reservation, SetPolicy, YieldRequested
 
 __all__ = [
     "AGENTS_BUCKET",
@@ -57,6 +57,7 @@ __all__ = [
     "GROUPS_BUCKET",
     "JOBS_BUCKET",
     "MAX_JOB_PARTS",
+    "MAX_MIN_HOLD_MS",
     "MAX_PRIORITY",
     "MAX_QUANTUM_MS",
     "STREAM",
@@ -99,6 +100,7 @@ __all__ = [
     "Release",
     "Released",
     "Renew",
+    "Reservation",
     "Restore",
     "RevokeCode",
     "Revoked",
@@ -495,6 +497,7 @@ class HolderRecord(_Rec, frozen=True):
     waited_ms: int = 0  # what the grant said, so that a re-sent grant says the same
     restored: bool = False
     resends: int = 0  # times an unconfirmed grant was sent again on a renewal of the wait (core.Limits bounds it)
+    switched: bool = False  # granted by a switch (not a zero-cost re-acquire or claim): its minimum hold applies
 
 
 class WaiterRecord(_Rec, frozen=True):
@@ -564,6 +567,8 @@ class GroupRecord(_Rec, frozen=True):
     trailing: TrailRecord | None = None  # snapshots of the last switch still running beside its grant
     quantum_ms: int = 0  # the group's quantum (``SetPolicy``; 0: none)
     yield_asked_epoch: int = 0  # the last hold asked to yield (``YieldRequested``: once per hold)
+    min_hold_ms: int = 0  # the group's minimum hold (``SetPolicy``; 0: none)
+    reserved: Reservation | None = None  # kept for a job that released within its minimum hold (``_min_hold``)
 
 
 # --------------------------------------------------------------------------- codecs

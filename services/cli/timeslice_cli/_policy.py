@@ -1,4 +1,5 @@
-"""``timeslice set-policy``: set a group's scheduling policy (its quantum), and say once the orchestrator applied it.
+"""``timeslice set-policy``: set a group's scheduling policy (its quantum, its minimum hold), and say once the
+orchestrator applied it. What is not given stays as it is.
 
 The request is an event in the stream (``SetPolicy`` on ``ts.v1.ctl.<group>.set_policy``, which only the operator's
 identity may publish), applied by the orchestrator like any other, so ``timeslice replay`` folds the same decisions;
@@ -17,64 +18,97 @@ from ._common import CliError, add_nats_flag, publish_control, until_applied
 __all__ = ["register"]
 
 
-async def _quantum_ms(nc: Any, group: str) -> int | None:
-    """The group's quantum as its record says (None: no such group)."""
+async def _policy(nc: Any, group: str) -> dict[str, int] | None:
+    """The group's policy as its record says (None: no such group)."""
     from ._status import read_view
 
     rec = (await read_view(nc, group)).groups.get(group)
-    return None if rec is None else rec.quantum_ms
+    return None if rec is None else {"quantum_ms": rec.quantum_ms, "min_hold_ms": rec.min_hold_ms}
+
+
+def _ms(seconds: float | None, flag: str, most: int) -> int | None:
+    if seconds is None:
+        return None
+    ms = round(seconds * 1000)
+    if not 0 <= ms <= most:
+        raise CliError(f"{flag} must lie between 0 (none) and {most // 1000} s, not {seconds:g}")
+    return ms
+
+
+def _said(group: str, wanted: dict[str, int]) -> str:
+    lines = []
+    if (q := wanted.get("quantum_ms")) is not None:
+        lines.append(
+            f"group {group}: a holder is asked to yield after {q / 1000:g} s while another job waits"
+            if q
+            else f"group {group}: no quantum (a holder is never asked to yield)"
+        )
+    if (m := wanted.get("min_hold_ms")) is not None:
+        lines.append(
+            f"group {group}: a job switched in that releases within {m / 1000:g} s while others wait keeps the group "
+            "until then (its next acquire is granted without a switch)"
+            if m
+            else f"group {group}: no minimum hold (a release passes the group on at once)"
+        )
+    return "\n".join(lines)
 
 
 async def _set_policy(args: argparse.Namespace) -> int:
     from timeslice_client.bus import connect
-    from timeslice_client.protocol import MAX_QUANTUM_MS, SetPolicy, encode, subjects, validate_id
+    from timeslice_client.protocol import MAX_MIN_HOLD_MS, MAX_QUANTUM_MS, SetPolicy, encode, subjects, validate_id
 
     group = validate_id("group", args.group)
-    quantum_ms: int = round(args.quantum_s * 1000)
-    if not 0 <= quantum_ms <= MAX_QUANTUM_MS:
-        raise CliError(f"--quantum-s must lie between 0 (none) and {MAX_QUANTUM_MS // 1000} s, not {args.quantum_s:g}")
+    quantum_ms = _ms(args.quantum_s, "--quantum-s", MAX_QUANTUM_MS)
+    min_hold_ms = _ms(args.min_hold_s, "--min-hold-s", MAX_MIN_HOLD_MS)
+    if quantum_ms is None and min_hold_ms is None:
+        raise CliError("give --quantum-s, --min-hold-s or both")
+    wanted = {k: v for k, v in (("quantum_ms", quantum_ms), ("min_hold_ms", min_hold_ms)) if v is not None}
     nc = await connect(args.nats_url)
     try:
-        if await _quantum_ms(nc, group) is None:
+        if await _policy(nc, group) is None:
             raise CliError(
                 f"no group {group!r} on this bus (`timeslice status` lists them); a group exists once a "
                 "job asked for it"
             )
-        policy = encode(SetPolicy(group=group, quantum_ms=quantum_ms))
+        policy = encode(SetPolicy(group=group, quantum_ms=quantum_ms, min_hold_ms=min_hold_ms))
         what = f"the policy for group {group!r}"
         await publish_control(nc, subjects.ctl(group, "set_policy"), policy, timeout=args.timeout, what=what)
 
         async def applied() -> bool:
-            return await _quantum_ms(nc, group) == quantum_ms
+            now = await _policy(nc, group)
+            return now is not None and all(now[k] == v for k, v in wanted.items())
 
         await until_applied(applied, timeout=args.timeout, what=f"apply the policy of group {group!r}")
     finally:
         await nc.close()
-    text = (
-        f"group {group}: a holder is asked to yield after {args.quantum_s:g} s while another job waits"
-        if quantum_ms
-        else f"group {group}: no quantum (a holder is never asked to yield)"
-    )
-    print(json.dumps({"group": group, "quantum_ms": quantum_ms}) if args.json else text, flush=True)
+    print(json.dumps({"group": group, **wanted}) if args.json else _said(group, wanted), flush=True)
     return 0
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "set-policy",
-        help="set a group's quantum: when a holder is asked to yield (operator)",
-        description="Set a group's scheduling policy. --quantum-s S: a job that has held the group for "
-        "S seconds while another waits is asked, once per hold, to release at its next "
-        "phase boundary (the client's yield_requested); 0 turns it off. Priority classes "
-        "need no setting: each job asks at its own (docs/scheduling.md).",
+        help="set a group's quantum (when a holder is asked to yield) and minimum hold (operator)",
+        description="Set a group's scheduling policy; what is not given stays as it is. --quantum-s S: a job "
+        "that has held the group for S seconds while another waits is asked, once per hold, to release at its next "
+        "phase boundary (the client's yield_requested). --min-hold-s S: a job switched in that releases sooner "
+        "than S seconds after its grant while others wait keeps the group until then, and its next acquire "
+        "within that window is granted without a switch. 0 turns either off. Priority classes need no setting: "
+        "each job asks at its own (docs/scheduling.md).",
     )
     p.add_argument("--group", required=True, help="the group")
     p.add_argument(
         "--quantum-s",
         type=float,
-        required=True,
         metavar="S",
         help="seconds a holder holds while others wait before it is asked to yield (0: never)",
+    )
+    p.add_argument(
+        "--min-hold-s",
+        type=float,
+        metavar="S",
+        help="seconds after a switch's grant that the group stays kept for its job if it releases sooner "
+        "while others wait (0: never; at most an hour)",
     )
     add_nats_flag(p)
     p.add_argument("--json", action="store_true", help="the outcome as JSON on stdout")

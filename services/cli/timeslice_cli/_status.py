@@ -212,6 +212,13 @@ def render_table(
         if r.quantum_ms:
             asked = r.holder is not None and r.yield_asked_epoch == r.holder.epoch
             lines.append(pad + f"quantum: {_dur(r.quantum_ms)}" + (" (the holder was asked to yield)" if asked else ""))
+        if r.min_hold_ms or r.reserved is not None:
+            kept = r.reserved
+            lines.append(
+                pad
+                + f"min hold: {_dur(r.min_hold_ms)}"
+                + (f" (kept for {kept.job} for {_dur(max(0, kept.until_ms - now_ms))} more)" if kept else "")
+            )
     if view is not None:
         for g, why in sorted(view.quarantined.items()):
             lines.append(f"QUARANTINED {g}: {why} (not served; every other group is)")

@@ -31,6 +31,7 @@ from timeslice_client.protocol import (
     WaiterRecord,
 )
 
+from ._min_hold import grant_reserved, reserve_on_release
 from ._work import Limits, Work
 
 __all__ = ["HANDLERS"]
@@ -80,6 +81,8 @@ def _on_acquire(w: Work, ev: Acquire) -> None:
         confirm_ms=ev.confirm_ms,
         priority=ev.priority,
     )
+    if grant_reserved(w, wr):  # the group was kept for it (its minimum hold): no switch, ahead of the waiters
+        return
     sw = w.switch
     if sw is not None and sw.to is not None and sw.to.job == ev.job:
         w.switch = msgspec.structs.replace(sw, to=msgspec.structs.replace(wr, enqueued_at_ms=sw.to.enqueued_at_ms))
@@ -189,6 +192,7 @@ def _on_release(w: Work, ev: Release) -> None:
     if ev.epoch != h.epoch:
         w.refuse(ev.job, ev.request_id, ErrorCode.STALE_EPOCH, f"epoch {ev.epoch} is not the current epoch {h.epoch}")
         return
+    reserve_on_release(w, h)  # the group kept for it (its minimum hold: ``_min_hold``), its snapshot deferred
     _released(w, ev.job, ev.request_id, h.epoch, "released")
 
 
@@ -204,10 +208,11 @@ def _released(w: Work, job: str, request_id: str, epoch: int, why: str) -> None:
             request_id=request_id,
             epoch=epoch,
             pending_waiters=pending,
-            snapshot_deferred=pending == 0,
+            snapshot_deferred=pending == 0 or w.reserved is not None,
         )
     )
-    w.touch(why)
+    if w.reserved is None:  # (else the reason says why it was kept)
+        w.touch(why)
 
 
 def _on_renew(w: Work, ev: Renew) -> None:
@@ -280,9 +285,14 @@ def _on_tick(w: Work, ev: Tick) -> None:
 
 
 def _on_set_policy(w: Work, ev: SetPolicy) -> None:
-    if ev.quantum_ms != w.quantum_ms:
+    """A field left out (None) stays as it is. A minimum hold set lower (or off) leaves a running reservation as it
+    was given: it ends at its own time."""
+    if ev.quantum_ms is not None and ev.quantum_ms != w.quantum_ms:
         w.quantum_ms = ev.quantum_ms
         w.touch(f"policy set: quantum {ev.quantum_ms} ms")
+    if ev.min_hold_ms is not None and ev.min_hold_ms != w.min_hold_ms:
+        w.min_hold_ms = ev.min_hold_ms
+        w.touch(f"policy set: min hold {ev.min_hold_ms} ms")
 
 
 def _on_clear_fault(w: Work, ev: ClearFault) -> None:
@@ -333,6 +343,7 @@ def _on_unregistered(w: Work, ev: JobUnregistered) -> None:
     w.unsave(ev.job, ev.node)
     if w.loaded.get(ev.node) == ev.job:
         del w.loaded[ev.node]
+    w.unreserve(ev.job, f"it left node {ev.node}")  # its context there went with its process
     # The job left the node (its process ended or it closed its channel), so its context there is gone with
     # it: a snapshot of it ends without faulting the job (it may come back and register again). A restore of
     # the incoming job cannot bring anything back: that still faults it (it is refused, not granted empty).

@@ -84,7 +84,7 @@ def check_record(rec: GroupRecord) -> None:
             raise fail("holder-lease", "a holder has a positive lease", holder=h)
         only_loaded(h.job, "while a job holds the group, no other job's context is on its accelerators", holder=h.job)
     elif rec.switch is None:
-        if rec.queue and rec.trailing is None:
+        if rec.queue and rec.trailing is None and rec.reserved is None:
             raise fail(
                 "idle-with-waiters",
                 "nobody holds and no switch runs, yet jobs wait (no grant would ever come)",
@@ -151,6 +151,7 @@ def check_record(rec: GroupRecord) -> None:
         if both:
             raise fail("saved-loaded", "a context is either saved or loaded on a node, not both", job=job, nodes=both)
     _check_trailing(rec, fail)
+    _check_reserved(rec, fail)
     pending = {(op.node, op.job) for op in pending_ops(rec) if op.kind is OpKind.SNAPSHOT}
     lost_loaded = sorted(n for n in rec.lost_nodes if n in rec.loaded and (n, rec.loaded[n]) not in pending)
     if lost_loaded:
@@ -222,3 +223,24 @@ def _check_trailing(rec: GroupRecord, fail: Callable[..., InvariantViolation]) -
                 op=op,
                 placements=rec.placements.get(op.job, ()),
             )
+
+
+def _check_reserved(rec: GroupRecord, fail: Callable[..., InvariantViolation]) -> None:
+    """A group kept for a job within its minimum hold (``_min_hold``): nobody holds it, no switch runs, nothing was
+    granted since the reserved job's hold, and that job's context is the active one (``reserved-idle``)."""
+    r = rec.reserved
+    if r is None:
+        return
+    if rec.holder is not None or rec.switch is not None or r.epoch != rec.epoch or rec.active_job != r.job:
+        raise fail(
+            "reserved-idle",
+            "while the group is kept for a job (its minimum hold), nobody holds it, no switch runs, no grant was made "
+            "since that job's hold, and its context is the active one",
+            reserved=r,
+            holder=rec.holder,
+            switch=rec.switch,
+            epoch=rec.epoch,
+            active_job=rec.active_job,
+        )
+    if r.job in rec.faulted:
+        raise fail("reserved-job", "a group is kept only for a job that is not faulted", reserved=r, faults=rec.faulted)

@@ -21,6 +21,7 @@ from timeslice_client.protocol import (
     OpKind,
     OpRecord,
     Refused,
+    Reservation,
     Restore,
     RevokeCode,
     Revoked,
@@ -103,9 +104,12 @@ class Work:
     trailing: TrailRecord | None = None
     quantum_ms: int = 0  # the group's policy (``SetPolicy``) and the last hold asked to yield (``_quantum``)
     yield_asked_epoch: int = 0
+    min_hold_ms: int = 0  # the group's minimum hold (``SetPolicy``) and the job the group is kept for (``_min_hold``)
+    reserved: Reservation | None = None
     actions: list[Action] = field(default_factory=list)
     changed: bool = False
     reason: str = ""
+    kept_reason: str = ""  # a minimum hold that ended in this event: said in the StateChanged whatever follows it
     seq: int = 0
     limits: Limits = LIMITS
 
@@ -131,6 +135,8 @@ class Work:
             trailing=rec.trailing,
             quantum_ms=rec.quantum_ms,
             yield_asked_epoch=rec.yield_asked_epoch,
+            min_hold_ms=rec.min_hold_ms,
+            reserved=rec.reserved,
         )
 
     def finish(self, rec: GroupRecord, seq: int) -> tuple[GroupRecord, list[Action]]:
@@ -149,7 +155,9 @@ class Work:
                         epoch=self.epoch,
                         holder=self.holder.job if self.holder else None,
                         active_job=self.active_job,
-                        reason=self.reason or "",
+                        reason=f"{self.kept_reason}; then {self.reason}"
+                        if self.kept_reason and self.kept_reason != self.reason
+                        else self.reason,
                     )
                 )
             )
@@ -172,6 +180,8 @@ class Work:
             trailing=self.trailing,
             quantum_ms=self.quantum_ms,
             yield_asked_epoch=self.yield_asked_epoch,
+            min_hold_ms=self.min_hold_ms,
+            reserved=self.reserved,
         )
         return new, self.actions
 
@@ -213,7 +223,10 @@ class Work:
                 return i
         return None
 
-    def grant(self, wr: WaiterRecord, epoch: int, restored: bool) -> None:
+    def grant(self, wr: WaiterRecord, epoch: int, restored: bool, *, switched: bool = False) -> None:
+        """``switched``: by a switch (the minimum hold applies to it: ``_min_hold``)."""
+        if self.reserved is not None and self.reserved.job == wr.job:
+            self.reserved = None  # it took its group back
         self.epoch = epoch
         self.holder = HolderRecord(
             job=wr.job,
@@ -225,6 +238,7 @@ class Work:
             waiter_ttl_ms=wr.waiter_ttl_ms,
             waited_ms=max(0, self.now - wr.enqueued_at_ms),
             restored=restored,
+            switched=switched,
         )
         self.active_job = wr.job
         self.notify_grant(self.holder)
@@ -264,11 +278,21 @@ class Work:
         else:
             self.saved.pop(job, None)
 
+    def unreserve(self, job: str | None, why: str) -> None:
+        """End the group's reservation (``_min_hold``) if it is ``job``'s (None: whoever's): the next waiter is served
+        by ``advance`` as usual."""
+        r = self.reserved
+        if r is not None and job in (None, r.job):
+            self.reserved = None
+            self.kept_reason = f"min hold of {r.job} ended: {why}"
+            self.touch(self.kept_reason)
+
     def fault(self, job: str, reason: str) -> None:
         if len(reason) > self.limits.max_reason:
             reason = reason[: self.limits.max_reason - 1] + "…"
         self.faulted[job] = reason
         self.touch("job faulted")
+        self.unreserve(job, "faulted")
         i = self.waiter_index(job)
         if i is not None:
             self.drop_waiter(i, DequeueCode.FAULTED, f"faulted: {reason}")
@@ -289,6 +313,8 @@ class Work:
             self.notify(Revoked(group=self.group, job=h.job, epoch=h.epoch, reason=why, code=revoke))
             self.holder = None
             self.touch(why)
+        if self.reserved is not None and now >= self.reserved.until_ms:
+            self.unreserve(None, "its window passed")
         for i in range(len(self.queue) - 1, -1, -1):
             wr = self.queue[i]
             if now >= wr.deadline_ms:
@@ -345,14 +371,14 @@ class Work:
                 if to is not None and to.job not in self.faulted:
                     if sw.ops:  # grant on restore: the outgoing snapshots trail the grant
                         self.trailing = TrailRecord(epoch=sw.epoch, ops=sw.ops)
-                    self.grant(to, sw.epoch, sw.restored)
+                    self.grant(to, sw.epoch, sw.restored, switched=True)
                     return
                 if to is not None:
                     self.refuse(to.job, to.request_id, ErrorCode.JOB_FAULTED, self.faulted[to.job])
                 self.touch("switch ended without grant")
                 continue
-            if self.holder is not None or not self.queue or self.trailing is not None:
-                return  # (no switch while snapshots trail: its restores would make a third context)
+            if self.holder is not None or not self.queue or self.trailing is not None or self.reserved is not None:
+                return  # (no switch while snapshots trail: its restores would make a third context; nor while reserved)
             wr = self.queue.pop(next_waiter(self.queue, self.now, self.limits.priority_ageing_ms))
             self.touch("next waiter")
             if wr.job in self.faulted:

@@ -55,7 +55,12 @@ Semantics, per group:
   with ``Dequeued(lost=True)``, and the client waits again;
 * **who is next, and when a holder is asked to yield**: the waiter with the highest priority class plus its ageing
   goes first (``_next_waiter``; one class: first come, first served); a holder that held past the group's quantum
-  (``SetPolicy``) while a job waits is asked once to yield (``YieldRequested``, ``_quantum``), never revoked for it.
+  (``SetPolicy``) while a job waits is asked once to yield (``YieldRequested``, ``_quantum``), never revoked for it;
+* **a minimum hold** (``SetPolicy.min_hold_ms``, ``_min_hold``): a job granted through a switch that releases sooner
+  than that after its grant while others wait keeps the group (``GroupRecord.reserved``) until its grant time plus
+  the minimum hold; its acquire within that window is granted at once, without a switch; at the window's end (or
+  at once if it faults or leaves a node) the next waiter is served. Never renewed: the hold taken back is not a
+  switch's.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from __future__ import annotations
 from timeslice_client.protocol import GroupRecord, InputEvent
 
 from ._handlers import HANDLERS
+from ._min_hold import reserve_deadline
 from ._quantum import ask_to_yield, yield_deadline
 from ._work import LIMITS, Action, Command, Limits, Notify, Transition, Work
 
@@ -98,6 +104,8 @@ def next_deadline(rec: GroupRecord) -> int | None:
         times.append(min(to.deadline_ms, to.alive_until_ms))
     if (ask := yield_deadline(rec)) is not None:
         times.append(ask)
+    if (kept := reserve_deadline(rec)) is not None:
+        times.append(kept)
     return min(times) if times else None
 
 

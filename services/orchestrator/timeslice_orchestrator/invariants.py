@@ -30,6 +30,7 @@ from timeslice_client.protocol import (
     Granted,
     GroupRecord,
     InputEvent,
+    JobUnregistered,
     OpStarted,
     Release,
     Released,
@@ -244,6 +245,8 @@ class StreamChecker:
             raise _violation(
                 "fold-epoch", "the epoch never goes down", group, seq, before=rec.epoch, after=new.epoch, event=ev
             )
+        if rec.reserved is not None and new.reserved is None:
+            _check_reservation_end(seq, now_ms, ev, rec, new)
         self._facts.core_ended(rec, new)
         holder = (rec.holder.job, rec.holder.epoch) if rec.holder is not None else None
         for a in actions:
@@ -406,6 +409,31 @@ class StreamChecker:
             st.grants_by_job[n.job] = st.grants_by_job.get(n.job, 0) + 1
             st.holder = (n.job, n.epoch)
         view.published.add((n.job, n.epoch, n.request_id))
+
+
+def _check_reservation_end(seq: int, now_ms: int, ev: InputEvent, before: GroupRecord, after: GroupRecord) -> None:
+    """A group kept for a job within its minimum hold (``_min_hold``) is passed on to nobody else before its window
+    ends: the reservation ends only by that job's own grant, its window's end, its fault, or its leaving a node."""
+    r = before.reserved
+    assert r is not None
+    if (
+        (after.holder is not None and after.holder.job == r.job and after.epoch == r.epoch + 1)
+        or now_ms >= r.until_ms
+        or r.job in after.faulted
+        or (isinstance(ev, JobUnregistered) and ev.job == r.job)
+    ):
+        return
+    raise _violation(
+        "min-hold-kept",
+        "a group kept for a job within its minimum hold goes to nobody else before its window ends",
+        before.group,
+        seq,
+        reserved=r,
+        now_ms=now_ms,
+        event=ev,
+        holder=after.holder,
+        switch=after.switch,
+    )
 
 
 def _check_claim(seq: int, ev: Acquire, before: GroupRecord, actions: list[Action]) -> None:

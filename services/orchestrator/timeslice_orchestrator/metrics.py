@@ -37,6 +37,7 @@ from timeslice_client.protocol import (
     YieldRequested,
 )
 
+from ._min_hold import OUTCOMES, reservation_change
 from ._work import Action, Notify
 
 __all__ = ["APPLY_BUCKETS", "DURATION_BUCKETS", "OrchestratorMetrics"]
@@ -96,6 +97,7 @@ class _Group:
     grants: int = 0
     releases: int = 0
     yield_requests: int = 0
+    min_holds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     faults: int = 0
     expiries: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_EXPIRY_REASONS, 0))
     dequeued: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_DEQUEUE_REASONS, 0))
@@ -149,6 +151,11 @@ class OrchestratorMetrics(Collector):
         if new is old:
             return
         s = self._groups.get(new.group) or self._group(new.group)
+        kept = reservation_change(old, new, now_ms)
+        if kept is not None:
+            s.min_holds[kept] += 1
+            if kept in ("expired", "ended"):
+                s.vacated_ms = now_ms  # the handoff to the next waiter begins now
         for a in actions:
             if not isinstance(a, Notify):
                 continue
@@ -239,6 +246,13 @@ class OrchestratorMetrics(Collector):
             "Holders asked to yield: held past the group's quantum while a job waited.",
             labels=["group"],
         )
+        min_holds = CounterMetricFamily(
+            "timeslice_min_holds",
+            "A group's minimum hold, by outcome: kept (a job granted through a switch released before it while others "
+            "waited, so the group was kept for it), reacquired (it took the group back within the window, without a "
+            "switch), expired (the window ended: the next waiter is served), ended (it faulted or left a node).",
+            labels=["group", "outcome"],
+        )
         for g, s in groups:
             wait.add_metric([g], s.acquire_wait.buckets(), s.acquire_wait.sum)
             handoff.add_metric([g], s.handoff.buckets(), s.handoff.sum)
@@ -248,6 +262,8 @@ class OrchestratorMetrics(Collector):
             releases.add_metric([g], s.releases)
             faults.add_metric([g], s.faults)
             yields.add_metric([g], s.yield_requests)
+            for outcome, n in list(s.min_holds.items()):
+                min_holds.add_metric([g, outcome], n)
             for reason, n in list(s.expiries.items()):
                 expiries.add_metric([g, reason], n)
             for reason, n in list(s.dequeued.items()):
@@ -301,6 +317,7 @@ class OrchestratorMetrics(Collector):
             grants,
             releases,
             yields,
+            min_holds,
             expiries,
             cancelled,
             faults,

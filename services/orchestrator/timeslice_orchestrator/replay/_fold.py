@@ -33,6 +33,7 @@ from timeslice_client.protocol import (
     subjects,
 )
 
+from .._min_hold import reservation_change
 from .._op_facts import pending_ops
 from ..core import Action, Command, Notify
 from ..invariants import InvariantViolation, StreamChecker, subject_matches
@@ -42,6 +43,7 @@ from ._model import (
     Handoff,
     HoldInterval,
     JobLane,
+    MinHold,
     OpBar,
     PhaseSpan,
     Replay,
@@ -225,6 +227,12 @@ class _Folder:
             if isinstance(n, YieldRequested) and w.hold is not None and w.hold.epoch == n.epoch:
                 w.hold.yield_requested_ms = ts
         tl = w.timeline
+        kept = reservation_change(before, after, ts)
+        if kept not in (None, "kept") and tl.min_holds and tl.min_holds[-1].end_ms is None:
+            tl.min_holds[-1].end_ms, tl.min_holds[-1].outcome = ts, kept
+        if kept == "kept" and after.reserved is not None:
+            r = after.reserved
+            tl.min_holds.append(MinHold(job=r.job, epoch=r.epoch, start_ms=ts, until_ms=r.until_ms))
         old_faults = before.faulted if before is not None else {}
         for job, reason in after.faulted.items():
             if job not in old_faults:
@@ -429,6 +437,7 @@ def _clip_timeline(tl: GroupTimeline, since: int) -> GroupTimeline:
         switches=[s for s in tl.switches if _overlaps(s.start_ms, s.end_ms, since)],
         handoffs=[h for h in tl.handoffs if h.granted_ms >= since],
         faults=[f for f in tl.faults if f.ts_ms >= since],
+        min_holds=[m for m in tl.min_holds if _overlaps(m.start_ms, m.end_ms, since)],
         lease_expiries=sum(1 for h in tl.holds if h.end_ms is not None and h.end_ms >= since and h.end != "released"),
         events=tl.events,
     )

@@ -101,6 +101,21 @@ class Fault:
 
 
 @dataclass
+class MinHold:
+    """The group was kept for ``job`` (its hold at ``epoch`` came through a switch and ended before the group's
+    minimum hold while others waited) from ``start_ms`` until ``end_ms``: ``outcome`` says how it ended
+    (``reacquired``: the job took the group back without a switch; ``expired``: the window ended and the next
+    waiter was served; ``ended``: the job faulted or left a node)."""
+
+    job: str
+    epoch: int
+    start_ms: int
+    until_ms: int
+    end_ms: int | None = None
+    outcome: str = ""
+
+
+@dataclass
 class GroupTimeline:
     group: str
     holds: list[HoldInterval] = field(default_factory=list)
@@ -108,6 +123,7 @@ class GroupTimeline:
     switches: list[SwitchInterval] = field(default_factory=list)
     handoffs: list[Handoff] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
+    min_holds: list[MinHold] = field(default_factory=list)
     lease_expiries: int = 0
     events: int = 0  # input events folded
 
@@ -191,6 +207,8 @@ class GroupSummary:
     grants: int = 0
     handoff_p50_ms: float | None = None  # previous hold ended -> next job granted
     yield_requests: int = 0  # holders asked to yield (the group's quantum)
+    min_holds_kept: int = 0  # short releases that kept the group for their job (the group's minimum hold)
+    min_holds_reacquired: int = 0  # of those, taken back by their job without a switch
 
 
 @dataclass

@@ -69,6 +69,8 @@ def _group_summary(tl: GroupTimeline, ops: Sequence[OpBar], since: int, until: i
         yield_requests=sum(
             1 for h in tl.holds if h.yield_requested_ms is not None and since <= h.yield_requested_ms <= until
         ),
+        min_holds_kept=sum(1 for m in tl.min_holds if since <= m.start_ms <= until),
+        min_holds_reacquired=sum(1 for m in tl.min_holds if since <= m.start_ms <= until and m.outcome == "reacquired"),
     )
 
 

@@ -117,6 +117,20 @@ def render_summary(replay: Replay) -> str:
             f"{fmt_ms((h.end_ms - (h.yield_requested_ms or 0)) if h.end_ms else None)} later"
             for g, h in asked
         ]
+    kept = [(g, m) for g, tl in sorted(replay.groups.items()) for m in tl.min_holds]
+    if kept:
+        how = {"reacquired": "taken back without a switch", "expired": "window ended, passed on", "ended": "ended"}
+        lines += ["", "kept for a job within the minimum hold (released early while others waited):"]
+        lines += [
+            f"  {_when(m.start_ms)} {g}/{m.job} after its hold at epoch {m.epoch}: "
+            f"kept {fmt_ms(m.until_ms - m.start_ms)} at most, "
+            + (
+                f"{how.get(m.outcome, m.outcome)} after {fmt_ms(m.end_ms - m.start_ms)}"
+                if m.end_ms is not None
+                else "still kept where the window read ends"
+            )
+            for g, m in kept
+        ]
     faults = [(g, f) for g, tl in sorted(replay.groups.items()) for f in tl.faults]
     if faults:
         lines += ["", "faults:"] + [f"  {_when(f.ts_ms)} {g}/{f.job}: {f.reason}" for g, f in faults]
