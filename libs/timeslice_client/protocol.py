@@ -48,6 +48,7 @@ from ._bounds import (
     Text,
 )
 from ._codes import DequeueCode, ErrorCode, GroupState, JobState, OpKind, RevokeCode, SuspendMode
+from ._group_records import GroupRecord, HolderRecord, OpRecord, SwitchRecord, TrailRecord, WaiterRecord
 from ._names import subjects, validate_id
 from ._policy_msgs import MAX_MIN_HOLD_MS, MAX_QUANTUM_MS, Reservation, SetPolicy, YieldRequested
 
@@ -476,99 +477,6 @@ class WorkloadReply(_Msg, frozen=True, tag="workload_reply"):
     device_bytes_freed: Count = 0
     elapsed_ms: Elapsed = 0.0  # the handler's own call
     began_at_release: bool = False  # the suspend began at the job's release, before the command came
-
-
-# --------------------------------------------------------------------------- KV records
-
-
-class _Rec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    pass
-
-
-class HolderRecord(_Rec, frozen=True):
-    job: str
-    request_id: str
-    epoch: int
-    granted_at_ms: int
-    lease_ms: int
-    lease_deadline_ms: int
-    confirmed: bool = False
-    waiter_ttl_ms: int = 0  # an unconfirmed grant lives this long after each renewal of the wait
-    waited_ms: int = 0  # what the grant said, so that a re-sent grant says the same
-    restored: bool = False
-    resends: int = 0  # times an unconfirmed grant was sent again on a renewal of the wait (core.Limits bounds it)
-    switched: bool = False  # granted by a switch (not a zero-cost re-acquire or claim): its minimum hold applies
-
-
-class WaiterRecord(_Rec, frozen=True):
-    job: str
-    request_id: str
-    enqueued_at_ms: int
-    deadline_ms: int
-    alive_until_ms: int
-    lease_ms: int
-    waiter_ttl_ms: int
-    confirm_ms: int
-    # A fresh liveness window was given, once, because the check that found this wait silent came too late to tell
-    # silence from a lock that could not hear (``Limits.deaf_after_ms``); a renewal clears it.
-    forgiven: bool = False
-    priority: int = 0  # the acquire's priority class (``Acquire.priority``)
-
-
-class OpRecord(_Rec, frozen=True):
-    op_id: str
-    node: str
-    job: str
-    kind: OpKind
-    deadline_ms: int
-    # When the command goes out again while unanswered (0: never): a command published while the stream could not
-    # store it (a NATS cluster electing the stream's leader) never reaches the agent; the agent answers a repeated
-    # op id once, with the same outcome.
-    resend_at_ms: int = 0
-
-
-class SwitchRecord(_Rec, frozen=True):
-    to: WaiterRecord | None
-    epoch: int
-    phase: OpKind
-    started_at_ms: int
-    ops: tuple[OpRecord, ...] = ()
-    restored: bool = False  # a restore of the incoming job succeeded: its grant says context_restored
-    beside: tuple[str, ...] = ()  # nodes where it succeeded beside the snapshots there (OpResult.overlapped)
-
-
-class TrailRecord(_Rec, frozen=True):
-    """The outgoing job's snapshots still running after the switch of ``epoch`` granted on restore: the incoming
-    job's restore on each of their nodes ran beside them by the agent's room rule and succeeded. No switch starts
-    while they run (never three contexts on a device)."""
-
-    epoch: int
-    ops: tuple[OpRecord, ...]
-
-
-class GroupRecord(_Rec, frozen=True):
-    """The authoritative lock record of one group (KV ``groups``, key = group id)."""
-
-    group: str
-    epoch: int = 0
-    state: GroupState = GroupState.IDLE
-    since_ms: int = 0
-    holder: HolderRecord | None = None
-    active_job: str | None = None
-    loaded: dict[str, str] = {}
-    placements: dict[str, tuple[str, ...]] = {}
-    op_timeouts: dict[str, int] = {}
-    queue: tuple[WaiterRecord, ...] = ()
-    switch: SwitchRecord | None = None
-    faulted: dict[str, str] = {}
-    saved: dict[str, tuple[str, ...]] = {}  # job -> nodes where its context is saved (snapshot done)
-    lost_nodes: tuple[str, ...] = ()  # nodes whose agent was lost and has not registered a job since
-    last_seq: int = 0
-    trailing: TrailRecord | None = None  # snapshots of the last switch still running beside its grant
-    quantum_ms: int = 0  # the group's quantum (``SetPolicy``; 0: none)
-    yield_asked_epoch: int = 0  # the last hold asked to yield (``YieldRequested``: once per hold)
-    min_hold_ms: int = 0  # the group's minimum hold (``SetPolicy``; 0: none)
-    reserved: Reservation | None = None  # kept for a job that released within its minimum hold (``_min_hold``)
 
 
 # --------------------------------------------------------------------------- codecs
