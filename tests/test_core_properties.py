@@ -232,10 +232,11 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
                     # The grantee still renews its wait: it has not heard of its grant, which is sent again as it was.
                     expired = ("timeout", "waiter lost (no renewal)")  # what this event's time may have dropped first
                     assert not cmds and all(
-                        isinstance(m, Dequeued) and m.request_id != n.request_id and m.reason in expired
+                        (isinstance(m, Dequeued) and m.request_id != n.request_id and m.reason in expired)
+                        or (isinstance(m, YieldRequested) and m.job == n.job)  # the quantum may pass at that time
                         for m in ns
                         if m is not n
-                    ), f"a re-sent grant comes alone (but for expiries): {ns}"
+                    ), f"a re-sent grant comes alone (but for expiries and the holder's yield request): {ns}"
                     assert new.holder is not None and not new.holder.confirmed, "only an unconfirmed grant is re-sent"
                     assert (n.waited_ms, n.context_restored) == (new.holder.waited_ms, new.holder.restored)
                     event("grant re-sent")
@@ -258,12 +259,16 @@ class CoreMachine(BesideRules, RuleBasedStateMachine):
                 assert n.epoch > self.max_epoch, f"grant epoch {n.epoch} after {self.max_epoch}"
                 assert i == len(ns) - 1, f"a new grant is the last notice of its event: {ns}"
                 assert not cmds, "a grant never comes with new snapshot/restore commands"
-                if pending is not None and pending[1] == n.request_id:
+                if pending is not None and (pending[1] == n.request_id or pending[0] in self.entries):
+                    # This event's acquire was applied before the choice: a waiter's second acquire replaced its
+                    # request and its class already.
                     enqueue_pending()
                 entry = self.entries.get(n.job)
                 assert entry is not None and entry[1] == n.request_id, f"{n.job} was not waiting with {n}"
-                if old.reserved is not None and old.reserved.job == n.job:  # taken back within its minimum hold
-                    assert isinstance(ev, Acquire) and self.now < old.reserved.until_ms and new.reserved is None, ev
+                if old.reserved is not None and old.reserved.job == n.job and self.now < old.reserved.until_ms:
+                    # Taken back within its minimum hold (at the window's end or past it, the reservation has
+                    # expired first and the job is chosen, if at all, as any waiter).
+                    assert isinstance(ev, Acquire) and new.reserved is None, ev
                     assert new.holder is not None and not new.holder.switched and not cmds
                     self.taken_back.add(n.epoch)
                     event("taken back within the minimum hold")
