@@ -417,3 +417,37 @@ async def test_a_suspend_of_a_suspended_state_does_not_run_the_handler_again(
     again = await _handle(ch, _cmd("suspend", 2))  # another op id: an agent that lost track (restarted)
     assert again.ok and h.calls == [("suspend", ("weights",))] and ch.suspended
     assert (await _handle(ch, _cmd("resume", 3))).ok and not ch.suspended
+
+
+async def test_a_release_within_its_minimum_hold_begins_no_suspend(nats_url: str) -> None:
+    """A job switched in that gives the group back at once while another waits keeps it (its minimum hold): no switch
+    follows, so its workloads do not suspend at that release (its grant said how long its window runs:
+    ``Granted.min_hold_ms``), and its re-acquire finds them as they were. Its next, unkept release suspends early as
+    usual, and the switch takes that suspend."""
+    log: list[str] = []
+    async with (
+        stack(nats_url, "apart") as agent,
+        AsyncTimeSliceClient("a", "gk", nats_url) as a,
+        AsyncTimeSliceClient("b", "gk", nats_url) as b,
+    ):
+        await a.register_workload(Recorder("a", log), node_id=NODE)
+        chb = await b.register_workload(Recorder("b", log), node_id=NODE)
+        await a.acquire(timeout=10)
+        await a.release()
+        rc, out = await timeslice(nats_url, "set-policy", "--group", "gk", "--min-hold-s", "60")
+        assert rc == 0, out
+        await b.acquire(timeout=10)  # switched in: a's context goes out
+        assert log == ["a:suspend"]
+        ta = asyncio.create_task(a.acquire(timeout=60))
+        await eventually(lambda: b.contended, what="the orchestrator tells b that a waits")
+        await b.release()
+        assert (await b.status()).kept_for == "b"
+        g = await b.acquire(timeout=10)  # taken back within its window: no switch, nothing to resume
+        assert not g.context_restored and not ta.done()
+        assert log == ["a:suspend"] and chb.early_resumed == 0 and not chb.suspended
+        await eventually(lambda: b.contended, what="b's new hold is told that a waits")
+        await b.release()  # this hold came without a switch: the group passes on, b suspends at the release
+        ga = await asyncio.wait_for(ta, 20)
+        assert ga.context_restored and log == ["a:suspend", "b:suspend", "a:resume"] and chb.early_taken == 1
+        assert agent.jobs()["b"].state is JobState.SAVED
+        await a.release()

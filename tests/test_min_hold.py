@@ -88,6 +88,26 @@ def test_a_short_release_keeps_the_group_and_the_re_acquire_is_free() -> None:
     assert checked(sim).stats[G].fold_grants == 3
 
 
+def test_a_grant_says_what_is_left_of_its_minimum_hold() -> None:
+    # Through a switch: the whole window (the client then skips its early suspend at a release within it).
+    sim = Sim()
+    sim(SetPolicy(group=G, min_hold_ms=M))
+    sim.register("a", "n1")
+    g = sim.settle(sim.acquire("a", **PATIENT))
+    assert g.min_hold_ms == M
+    # The holder asking again later (a retry) is told the time left.
+    (again,) = notices(sim.acquire("a", dt=4_000, **PATIENT), Granted)
+    assert again.epoch == g.epoch and again.min_hold_ms == M - 4_000
+    # A hold taken without a switch (its context stayed loaded) has none; nor does any grant with the policy off.
+    sim.renew("a")
+    sim.release("a", dt=1)
+    (back,) = notices(sim.acquire("a", dt=1, **PATIENT), Granted)
+    assert back.epoch == g.epoch + 1 and back.min_hold_ms == 0
+    off = Sim()
+    off.register("a", "n1")
+    assert off.settle(off.acquire("a", **PATIENT)).min_hold_ms == 0
+
+
 def test_the_next_waiter_is_served_when_the_window_ends() -> None:
     sim = switched_to_a()
     h = sim.rec.holder

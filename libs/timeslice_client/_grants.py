@@ -69,6 +69,9 @@ class _Hold:
     valid_until: float
     lost: str | None = None
     renew_ids: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=8))
+    # Until when (monotonic s) a release of this hold keeps the group for this job (its minimum hold,
+    # ``Granted.min_hold_ms``, less a margin for the grant's way here): no early suspend before then.
+    kept_until: float = 0.0
 
     @classmethod
     def granted(cls, epoch: int, request_id: str, *, lease_ms: int, confirm_ms: int, now: float) -> _Hold:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -68,7 +69,8 @@ class ReleaseCalls:
         before = self._published
         for ch in self._channels:
             ch.arm()  # the suspend may come while this job's main thread runs Python (see WorkloadChannel.arm)
-        early = self._contended_epoch == hold.epoch and bool(self._channels)
+        # Not when the group stays this job's (a release within its minimum hold keeps it: no switch follows).
+        early = self._contended_epoch == hold.epoch and bool(self._channels) and time.monotonic() >= hold.kept_until
         try:
             r, seq = await (self._release_suspending(hold) if early else self._send_release(hold))
         except BaseException:

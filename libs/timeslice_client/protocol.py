@@ -290,6 +290,9 @@ class Granted(_Msg, frozen=True, tag="granted"):
     context_restored: bool
     lease_deadline_ms: int
     waiters: int = 0  # jobs still waiting for the group at this grant (see Contended)
+    # The time left (ms) of this hold's minimum hold (``SetPolicy.min_hold_ms``): a release sooner than that, while
+    # others wait, keeps the group for this job, so its workloads need not suspend at that release (0: none).
+    min_hold_ms: int = 0
 
 
 class Released(_Msg, frozen=True, tag="released"):

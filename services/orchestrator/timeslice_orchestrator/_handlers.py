@@ -66,6 +66,7 @@ def _on_acquire(w: Work, ev: Acquire) -> None:
                 context_restored=False,
                 lease_deadline_ms=now + ev.lease_ms,
                 waiters=len(w.queue),
+                min_hold_ms=w.min_hold_left(h),
             )
         )
         w.touch("re-acquired by holder")

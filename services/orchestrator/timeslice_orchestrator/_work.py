@@ -257,8 +257,13 @@ class Work:
                 context_restored=h.restored,
                 lease_deadline_ms=h.lease_deadline_ms,
                 waiters=len(self.queue),
+                min_hold_ms=self.min_hold_left(h),
             )
         )
+
+    def min_hold_left(self, h: HolderRecord) -> int:
+        """What is left of ``h``'s minimum hold now (ms; 0: none): only a hold granted through a switch has one."""
+        return max(0, h.granted_at_ms + self.min_hold_ms - self.now) if h.switched and self.min_hold_ms > 0 else 0
 
     def dequeued(self, job: str, request_id: str, reason: str, code: DequeueCode) -> None:
         """Tell a waiter its wait ended (``Dequeued``); ``lost`` when no renewal of it came in time, or a renewal
