@@ -448,6 +448,7 @@ async def test_a_release_within_its_minimum_hold_begins_no_suspend(nats_url: str
         await eventually(lambda: b.contended, what="b's new hold is told that a waits")
         await b.release()  # this hold came without a switch: the group passes on, b suspends at the release
         ga = await asyncio.wait_for(ta, 20)
-        assert ga.context_restored and log == ["a:suspend", "b:suspend", "a:resume"] and chb.early_taken == 1
+        assert ga.context_restored and log[0] == "a:suspend" and sorted(log[1:]) == ["a:resume", "b:suspend"]
+        assert chb.early_taken == 1, "the switch took b's early suspend, not a second one"
         assert agent.jobs()["b"].state is JobState.SAVED
         await a.release()
