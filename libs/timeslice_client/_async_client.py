@@ -343,19 +343,7 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
         try:
             if (left := deadline - time.monotonic()) <= 0:
                 raise AcquireTimeout(self.group_id, self.job_id, timeout, await self._holder_or_none())
-            await self._publish(
-                Acquire(
-                    group=self.group_id,
-                    job=self.job_id,
-                    request_id=rid,
-                    lease_ms=self.lease_ms,
-                    timeout_ms=int(left * 1000),
-                    waiter_ttl_ms=self.waiter_ttl_ms,
-                    confirm_ms=self.confirm_ms,
-                    priority=self.priority,
-                ),
-                msg_id=rid,
-            )
+            await self._publish(self._acquire_msg(rid, int(left * 1000), priority=self.priority), msg_id=rid)
             # Renewed only once the stream stored the acquire: a renewal stored before it (the acquire's publish
             # retried through a cluster's election) would find no such wait and end it ("not waiting").
             self._waiting[rid] = time.monotonic() + renew_in
@@ -397,20 +385,7 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
             "Nats-Expected-Last-Subject-Sequence-Subject": self._claim_filter,
         }
         try:
-            await self._publish(
-                Acquire(
-                    group=self.group_id,
-                    job=self.job_id,
-                    request_id=rid,
-                    lease_ms=self.lease_ms,
-                    timeout_ms=0,
-                    waiter_ttl_ms=self.waiter_ttl_ms,
-                    confirm_ms=self.confirm_ms,
-                    claim_epoch=claim.epoch,
-                ),
-                msg_id=rid,
-                headers=check,
-            )
+            await self._publish(self._acquire_msg(rid, 0, claim_epoch=claim.epoch), msg_id=rid, headers=check)
         except _Superseded:
             log.debug(
                 "claim of epoch %d superseded: another request for the group came first",
@@ -422,6 +397,20 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
         self._hold = _Hold.granted(claim.epoch, rid, lease_ms=self.lease_ms, confirm_ms=self.confirm_ms, now=sent)
         self._wake.set()
         return Grant(self.group_id, self.job_id, claim.epoch, 0, False)
+
+    def _acquire_msg(self, rid: str, timeout_ms: int, *, priority: int = 0, claim_epoch: int | None = None) -> Acquire:
+        """This job's ``Acquire`` of its group, with the client's lease, liveness and confirmation windows."""
+        return Acquire(
+            group=self.group_id,
+            job=self.job_id,
+            request_id=rid,
+            lease_ms=self.lease_ms,
+            timeout_ms=timeout_ms,
+            waiter_ttl_ms=self.waiter_ttl_ms,
+            confirm_ms=self.confirm_ms,
+            priority=priority,
+            claim_epoch=claim_epoch,
+        )
 
     async def _withdraw(self, rid: str) -> None:
         """Withdraw a wait (once); if the grant crossed it, the orchestrator releases that grant."""
