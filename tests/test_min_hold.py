@@ -300,3 +300,28 @@ async def test_set_policy_refuses_a_min_hold_out_of_range_and_needs_a_policy(nat
     assert rc != 0 and "--min-hold-s must lie between 0 (none) and 3600 s" in out
     rc, out = await timeslice(nats_url, "set-policy", "--group", "g")
     assert rc != 0 and "give --quantum-s, --min-hold-s or both" in out
+
+
+def test_a_grant_without_a_minimum_hold_reads_as_before_it_existed() -> None:
+    """A client that predates ``Granted.min_hold_ms`` (decoding is strict) still reads every grant of a group whose
+    minimum hold is off: fields at their defaults are left out on the wire."""
+
+    class OldGranted(
+        msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type", tag="granted"
+    ):
+        group: str
+        job: str
+        request_id: str
+        epoch: int
+        waited_ms: int
+        context_restored: bool
+        lease_deadline_ms: int
+        waiters: int = 0
+
+    off = Sim()
+    off.register("a", "n1")
+    grant = off.settle(off.acquire("a", **PATIENT))
+    old = msgspec.json.decode(msgspec.json.encode(grant), type=OldGranted)
+    assert (old.job, old.epoch) == ("a", grant.epoch)
+    with pytest.raises(msgspec.ValidationError, match="min_hold_ms"):  # a grant that uses it: an older client refuses
+        msgspec.json.decode(msgspec.json.encode(msgspec.structs.replace(grant, min_hold_ms=M)), type=OldGranted)

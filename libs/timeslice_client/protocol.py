@@ -281,7 +281,10 @@ InputEvent = (
 # --------------------------------------------------------------------------- orchestrator → job
 
 
-class Granted(_Msg, frozen=True, tag="granted"):
+class Granted(_Msg, frozen=True, tag="granted", omit_defaults=True):
+    """A grant. Fields at their defaults are left out on the wire (``omit_defaults``), so a client that predates one
+    of them still reads a grant that does not use it (decoding is strict)."""
+
     group: str
     job: str
     request_id: str
