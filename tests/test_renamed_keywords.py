@@ -152,6 +152,10 @@ def test_workload_channel_takes_request_timeout_as_request_timeout_s() -> None:
         DeprecationWarning, match=r"^WorkloadChannel\.request_timeout is deprecated, use request_timeout_s$"
     ):
         assert ch.request_timeout == 0.5
+    # Its older renamed attributes read on too, and say so alike.
+    for old, new in (("op_timeout", "op_timeout_s"), ("switch_interval", "switch_interval_s")):
+        with pytest.warns(DeprecationWarning, match=rf"^WorkloadChannel\.{old} is deprecated, use {new}$"):
+            assert getattr(ch, old) == getattr(ch, new)
 
 
 class _NoHandler:

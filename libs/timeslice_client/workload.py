@@ -190,17 +190,10 @@ class WorkloadChannel:
         self.early_taken = 0  # early suspends a command took
         self.early_resumed = 0  # early suspends no command took, resumed by settle()
 
-    @property
-    def op_timeout(self) -> float:
-        """The old name of ``op_timeout_s``, kept for one release (docs/architecture.md, "Names and units")."""
-        return self.op_timeout_s
-
-    @property
-    def switch_interval(self) -> float | None:
-        """The old name of ``switch_interval_s``, kept for one release."""
-        return self.switch_interval_s
-
-    request_timeout = RenamedAttribute[float]("request_timeout_s")  # the old name, kept for one release (warns)
+    # The old names, kept for one release (docs/architecture.md, "Names and units"); each use warns.
+    op_timeout = RenamedAttribute[float]("op_timeout_s")
+    switch_interval = RenamedAttribute[float | None]("switch_interval_s")
+    request_timeout = RenamedAttribute[float]("request_timeout_s")
 
     # ------------------------------------------------------------------ lifecycle (the caller's loop)
 
