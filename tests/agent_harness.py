@@ -7,11 +7,12 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
 import msgspec
+import pytest
 from timeslice_client import AsyncTimeSliceClient, GroupRecord, HandlerResult, SuspendMode
 from timeslice_client.bus import connect
 from timeslice_client.protocol import OpResult, OpStarted, decode_input, subjects
@@ -118,6 +119,14 @@ class AgentProcess:
     def describe(self) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return f"agent rc={self.proc.poll() if self.proc else None} log={text[-3000:]!r}"
+
+
+@pytest.fixture(name="agent")
+async def node_agent(orchestrator: object, nats_url: str, tmp_path: Path) -> AsyncIterator[AgentProcess]:
+    """The fixture ``agent``: ``NODE``'s agent process (its log ``tmp_path / "agent.log"``), started and answering,
+    beside the in-process orchestrator. A test module takes it by importing ``node_agent``."""
+    async with AgentProcess(nats_url, NODE, tmp_path / "agent.log") as a:
+        yield a
 
 
 class Workload:

@@ -44,6 +44,7 @@ from .agent_harness import (
     Spawn,
     Workload,
     hold_then_queue,
+    node_agent,  # noqa: F401 - the fixture agent
     one,
     op_events,
     queued,
@@ -52,12 +53,6 @@ from .agent_harness import (
 from .helpers import all_closed, eventually, group_record
 
 pytestmark = pytest.mark.usefixtures("orchestrator")
-
-
-@pytest.fixture
-async def agent(orchestrator: object, nats_url: str, tmp_path: Path) -> AsyncIterator[AgentProcess]:
-    async with AgentProcess(nats_url, NODE, tmp_path / "agent.log") as a:
-        yield a
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ one process, on the in-process stack."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from .agent_harness import (
     Recorder,
     Workload,
     hold_then_queue,
+    node_agent,  # noqa: F401 - the fixture agent
     one,
     op_events,
     queued,
@@ -180,12 +181,6 @@ async def test_every_registration_of_a_process_is_suspended_and_resumed(nats_url
 
 
 # --------------------------------------------------------------------------- processes of one job
-
-
-@pytest.fixture
-async def agent(orchestrator: object, nats_url: str, tmp_path: Path) -> AsyncIterator[AgentProcess]:
-    async with AgentProcess(nats_url, NODE, tmp_path / "agent.log") as a:
-        yield a
 
 
 @pytest.fixture
