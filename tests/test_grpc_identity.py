@@ -21,6 +21,7 @@ from timeslice_client._grpc.runtime import channel_credentials
 from timeslice_client._internal.grpc_server.guard import GrpcRefusedToStart
 from timeslice_orchestrator.grpc_shim import GrpcConfig, OrchestratorGrpcShim
 
+from .grpc_helpers import call, rpc_error
 from .grpc_identity_helpers import (
     Pki,
     account_jwt,
@@ -55,14 +56,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     )
 
 
-def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    return asyncio.to_thread(fn, *args, **kwargs)
-
-
 async def code_of(fn: Any, *args: Any, **kwargs: Any) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as info:
-        await call(fn, *args, **kwargs)
-    err: Any = info.value
+    err: Any = await rpc_error(fn, *args, **kwargs)
     return err.code(), err.details() or ""
 
 

@@ -23,6 +23,7 @@ from timeslice_orchestrator.embedded import NatsServer
 from timeslice_orchestrator.grpc_shim import GrpcConfig, OrchestratorGrpcShim
 from timeslice_orchestrator.service import Orchestrator
 
+from .grpc_helpers import call, rpc_error
 from .grpc_proto_client import OrchestratorClient
 from .helpers import eventually
 
@@ -52,17 +53,6 @@ def target(shim: OrchestratorGrpcShim) -> str:
 def client(target: str) -> Iterator[OrchestratorClient]:
     with OrchestratorClient(target) as c:
         yield c
-
-
-def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """A blocking gRPC call, off the event loop that serves it."""
-    return asyncio.to_thread(fn, *args, **kwargs)
-
-
-async def rpc_error(fn: Any, *args: Any, **kwargs: Any) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as info:
-        await call(fn, *args, **kwargs)
-    return info.value
 
 
 async def queue_depth(c: OrchestratorClient, group: str) -> int:
