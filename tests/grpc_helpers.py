@@ -1,8 +1,10 @@
-"""What the gRPC tests share: blocking gRPC calls made off the event loop that serves them."""
+"""What the gRPC tests share: blocking gRPC calls made off the event loop that serves them, and the orchestrator
+process's command line."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import grpc
@@ -19,3 +21,8 @@ async def rpc_error(fn: Any, *args: Any, **kwargs: Any) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         await call(fn, *args, **kwargs)
     return info.value
+
+
+def orchestrator_command(nats_url: str, *flags: str) -> list[str]:
+    """The argv of ``timeslice orchestrator --nats-url <nats_url> <flags>`` (``python -m timeslice_orchestrator``)."""
+    return [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", nats_url, *flags]

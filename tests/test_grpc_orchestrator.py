@@ -9,7 +9,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -23,7 +22,7 @@ from timeslice_orchestrator.embedded import NatsServer
 from timeslice_orchestrator.grpc_shim import GrpcConfig, OrchestratorGrpcShim
 from timeslice_orchestrator.service import Orchestrator
 
-from .grpc_helpers import call, rpc_error
+from .grpc_helpers import call, orchestrator_command, rpc_error
 from .grpc_proto_client import OrchestratorClient
 from .helpers import eventually
 
@@ -432,18 +431,7 @@ async def test_orchestrator_process_serves_grpc(nats_url: str, tmp_path: Path) -
     env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
     log = (tmp_path / "orch.log").open("wb")
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "timeslice_orchestrator",
-            "orchestrator",
-            "--nats-url",
-            nats_url,
-            "--grpc-port",
-            str(port),
-            "--grpc-host",
-            "127.0.0.1",
-        ],
+        orchestrator_command(nats_url, "--grpc-port", str(port), "--grpc-host", "127.0.0.1"),
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
