@@ -19,7 +19,7 @@ from timeslice_client.protocol import OpResult, OpStarted, decode_input, subject
 from timeslice_orchestrator.invariants import StreamChecker
 
 from .helpers import eventually, group_record, stop_process
-from .workers import log_events, read_stream
+from .workers import log_events, read_stream, worker_command
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = "n1"
@@ -139,25 +139,9 @@ class Workload:
         self.control = tmp / f"workload-{group}-{job}.ctl"
         self.stderr_path = tmp / f"workload-{group}-{job}.stderr"
         self.control.write_text("")
-        args = [
-            sys.executable,
-            "-m",
-            "tests.workers.workload_worker",
-            "--nats-url",
-            nats_url,
-            "--group",
-            group,
-            "--job",
-            job,
-            "--node-id",
-            node,
-            "--out",
-            str(self.out),
-            "--control-file",
-            str(self.control),
-        ]
-        for k, v in opts.items():
-            args += ["--" + k.replace("_", "-"), str(v)]
+        args = worker_command(
+            "workload_worker", nats_url, group, job, self.out, node_id=node, control_file=self.control, **opts
+        )
         err = open(self.stderr_path, "ab")  # noqa: SIM115 - the child holds it; closed right after the fork
         try:
             self.proc = subprocess.Popen(
