@@ -124,7 +124,8 @@ class AgentProcess:
 @pytest.fixture(name="agent")
 async def node_agent(orchestrator: object, nats_url: str, tmp_path: Path) -> AsyncIterator[AgentProcess]:
     """The fixture ``agent``: ``NODE``'s agent process (its log ``tmp_path / "agent.log"``), started and answering,
-    beside the in-process orchestrator. A test module takes it by importing ``node_agent``."""
+    beside the in-process orchestrator. Every test module's (conftest.py imports it); a module's own ``agent``
+    fixture overrides it."""
     async with AgentProcess(nats_url, NODE, tmp_path / "agent.log") as a:
         yield a
 
@@ -262,6 +263,15 @@ async def hold_then_queue(a: Workload, b: Workload, observer: AsyncTimeSliceClie
     b.send("acquire")
     await eventually(queued(observer, group, b.job), what=f"{b.job} queued behind {a.job}")
     return worked
+
+
+async def switch_back(a: Workload, b: Workload, observer: AsyncTimeSliceClient, group: str) -> dict[str, Any]:
+    """``a``, which held ``group`` before ``b``, asks again and waits behind ``b`` (the record shows it queued); ``b``
+    releases. Returns a's second ``granted`` event."""
+    a.send("acquire")
+    await eventually(queued(observer, group, a.job), what=f"{a.job} queued behind {b.job}")
+    b.send("release")
+    return await a.wait("granted", n=2)
 
 
 async def op_events(nats_url: str, group: str) -> tuple[list[OpResult], list[OpStarted], StreamChecker]:

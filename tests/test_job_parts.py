@@ -49,10 +49,10 @@ from .agent_harness import (
     Recorder,
     Workload,
     hold_then_queue,
-    node_agent,  # noqa: F401 - the fixture agent
     one,
     op_events,
     queued,
+    switch_back,
     timeslice,
 )
 from .helpers import all_closed, eventually
@@ -228,10 +228,7 @@ async def test_a_switch_moves_every_process_of_the_job(workers: Any, agent: Agen
         snap = one([r for r in results if r.job == "a" and r.kind is OpKind.SNAPSHOT], "a's snapshot")
         assert snap.ok and snap.bytes_moved >= ready1["device_bytes"] + ready2["device_bytes"], snap
 
-        a1.send("acquire")
-        await eventually(queued(observer, g, "a"), what="a queued behind b")
-        b.send("release")
-        granted = await a1.wait("granted", n=2)
+        granted = await switch_back(a1, b, observer, g)
         resumed2 = one(a2.events("resumed"), "resume of a2")
         assert granted["context_restored"] is True
         assert resumed2["checksum"] == ready2["checksum"] and resumed2["ids"] == ready2["ids"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from .agent_harness import NODE, ROOT, AgentProcess, node_agent  # noqa: F401 - the fixture agent
+from .agent_harness import NODE, ROOT, AgentProcess
 
 pytest.importorskip("torch")
 pytest.importorskip("ray")
