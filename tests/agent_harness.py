@@ -7,18 +7,19 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
 import msgspec
+import pytest
 from timeslice_client import AsyncTimeSliceClient, GroupRecord, HandlerResult, SuspendMode
 from timeslice_client.bus import connect
 from timeslice_client.protocol import OpResult, OpStarted, decode_input, subjects
 from timeslice_orchestrator.invariants import StreamChecker
 
 from .helpers import eventually, group_record, stop_process
-from .workers import log_events, read_stream
+from .workers import log_events, read_stream, worker_command
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = "n1"
@@ -120,6 +121,15 @@ class AgentProcess:
         return f"agent rc={self.proc.poll() if self.proc else None} log={text[-3000:]!r}"
 
 
+@pytest.fixture(name="agent")
+async def node_agent(orchestrator: object, nats_url: str, tmp_path: Path) -> AsyncIterator[AgentProcess]:
+    """The fixture ``agent``: ``NODE``'s agent process (its log ``tmp_path / "agent.log"``), started and answering,
+    beside the in-process orchestrator. Every test module's (conftest.py imports it); a module's own ``agent``
+    fixture overrides it."""
+    async with AgentProcess(nats_url, NODE, tmp_path / "agent.log") as a:
+        yield a
+
+
 class Workload:
     """One ``tests.workers.workload_worker`` process: commands go to its control file, events come from
     its JSON-lines log."""
@@ -130,25 +140,9 @@ class Workload:
         self.control = tmp / f"workload-{group}-{job}.ctl"
         self.stderr_path = tmp / f"workload-{group}-{job}.stderr"
         self.control.write_text("")
-        args = [
-            sys.executable,
-            "-m",
-            "tests.workers.workload_worker",
-            "--nats-url",
-            nats_url,
-            "--group",
-            group,
-            "--job",
-            job,
-            "--node-id",
-            node,
-            "--out",
-            str(self.out),
-            "--control-file",
-            str(self.control),
-        ]
-        for k, v in opts.items():
-            args += ["--" + k.replace("_", "-"), str(v)]
+        args = worker_command(
+            "workload_worker", nats_url, group, job, self.out, node_id=node, control_file=self.control, **opts
+        )
         err = open(self.stderr_path, "ab")  # noqa: SIM115 - the child holds it; closed right after the fork
         try:
             self.proc = subprocess.Popen(
@@ -269,6 +263,15 @@ async def hold_then_queue(a: Workload, b: Workload, observer: AsyncTimeSliceClie
     b.send("acquire")
     await eventually(queued(observer, group, b.job), what=f"{b.job} queued behind {a.job}")
     return worked
+
+
+async def switch_back(a: Workload, b: Workload, observer: AsyncTimeSliceClient, group: str) -> dict[str, Any]:
+    """``a``, which held ``group`` before ``b``, asks again and waits behind ``b`` (the record shows it queued); ``b``
+    releases. Returns a's second ``granted`` event."""
+    a.send("acquire")
+    await eventually(queued(observer, group, a.job), what=f"{a.job} queued behind {b.job}")
+    b.send("release")
+    return await a.wait("granted", n=2)
 
 
 async def op_events(nats_url: str, group: str) -> tuple[list[OpResult], list[OpStarted], StreamChecker]:

@@ -47,17 +47,12 @@ from .agent_harness import (
     one,
     op_events,
     queued,
+    switch_back,
     timeslice,
 )
 from .helpers import all_closed, eventually, group_record
 
 pytestmark = pytest.mark.usefixtures("orchestrator")
-
-
-@pytest.fixture
-async def agent(orchestrator: object, nats_url: str, tmp_path: Path) -> AsyncIterator[AgentProcess]:
-    async with AgentProcess(nats_url, NODE, tmp_path / "agent.log") as a:
-        yield a
 
 
 @pytest.fixture
@@ -109,10 +104,7 @@ async def test_switch_frees_device_state_and_restores_it_bit_exact(
     assert jobs["a"]["last_op_ok"] is True and jobs["a"]["device_bytes_freed"] == susp["device_bytes_freed"]
     assert b.events("resume_start") == [], "b never ran: there was nothing to restore"
 
-    a.send("acquire")
-    await eventually(queued(observer, g, "a"), what="a queued behind b")
-    b.send("release")
-    granted_a = await a.wait("granted", n=2)
+    granted_a = await switch_back(a, b, observer, g)
     resumed = one(a.events("resumed"), "resume of a")
     # Bit-exact, into the same objects the training loop holds.
     assert granted_a["context_restored"] is True
@@ -246,10 +238,7 @@ async def test_failed_suspend_rolls_back_and_faults_only_that_job(
     rc, out = await timeslice(nats_url, "clear-fault", "--group", g, "--job", "a")
     assert rc == 0, out
     await eventually(lambda: _not_faulted(observer, g, "a"), what="a's fault cleared")
-    a.send("acquire")
-    await eventually(queued(observer, g, "a"), what="a queued behind b")
-    b.send("release")
-    granted_a = await a.wait("granted", n=2)
+    granted_a = await switch_back(a, b, observer, g)
     # a's state never left (the suspend was rolled back): it is just as it was.
     assert granted_a["checksum"] == worked_a["checksum"] and granted_a["ids"] == ready_a["ids"]
     assert granted_a["device_bytes"] == ready_a["device_bytes"]

@@ -35,7 +35,7 @@ from timeslice_agent import (
 )
 from timeslice_agent import backends as backends_mod
 from timeslice_agent._cuda import CudaPythonDriver, cuda_unavailable_reason, make_cuda_backend
-from timeslice_client import CallbackHandler, register_workload
+from timeslice_client import CallbackHandler, WorkloadChannel, register_workload
 from timeslice_client.protocol import DeviceInfo, JobContext, JobState, OpKind, OpResult
 
 from .helpers import eventually, running
@@ -422,6 +422,20 @@ async def agent(nats_url: str) -> AsyncIterator[Agent]:
         yield a
 
 
+async def _register_cuda_job(nats_url: str, pid: int) -> WorkloadChannel:
+    """Job ``j`` (group ``standalone``) registered on node ``n1`` from this process, with the ``cuda`` backend over
+    ``pid`` and handlers that do nothing."""
+    return await register_workload(
+        "j",
+        "standalone",
+        CallbackHandler(lambda m, t: None, lambda m, t: None),
+        node_id="n1",
+        nats_url=nats_url,
+        backends=("cuda",),
+        pids=(pid,),
+    )
+
+
 async def _finish(agent: Agent, op_id: str) -> OpResult:
     def done() -> OpResult:
         status = agent.operation(op_id)
@@ -440,15 +454,7 @@ async def test_agent_state_machine_over_the_cuda_backend(
     with pytest.raises(ValueError, match="did not prove its processes"):
         await agent.run_standalone("j", OpKind.SNAPSHOT, backends=("cuda",), pids=(pid,))
     # Registered from this process (the agent socket proves it), its child is the job's to checkpoint.
-    channel = await register_workload(
-        "j",
-        "standalone",
-        CallbackHandler(lambda m, t: None, lambda m, t: None),
-        node_id="n1",
-        nats_url=nats_url,
-        backends=("cuda",),
-        pids=(pid,),
-    )
+    channel = await _register_cuda_job(nats_url, pid)
     assert agent.jobs()["j"].owner is not None and agent.jobs()["j"].owner.pid == os.getpid()
     r = await _finish(agent, await agent.run_standalone("j", OpKind.SNAPSHOT))
     assert r.ok and r.device_bytes_freed == 2 * GB and r.backend == "cuda"
@@ -481,15 +487,7 @@ async def test_the_grpc_api_refuses_a_process_the_job_did_not_prove_as_permissio
     from .grpc_proto_client import AGENT_PROTO, Stub, compile_proto
 
     drv, _ = rule_driver
-    channel = await register_workload(
-        "j",
-        "standalone",
-        CallbackHandler(lambda m, t: None, lambda m, t: None),
-        node_id="n1",
-        nats_url=nats_url,
-        backends=("cuda",),
-        pids=(children[0],),
-    )
+    channel = await _register_cuda_job(nats_url, children[0])
     shim = AgentGrpcShim(agent, AgentGrpcConfig(host="127.0.0.1", port=0))
     port = await shim.start()
     pb = compile_proto(AGENT_PROTO)

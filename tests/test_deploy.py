@@ -274,8 +274,13 @@ def _nats_check(tmp: Path, conf: str, files: dict[str, str]) -> None:
             dest.write_bytes(pki.server_key.read_bytes())
         else:
             dest.write_bytes(pki.server_cert.read_bytes())
+    _nats_config_parses(server, root / config.lstrip("/"))
+
+
+def _nats_config_parses(server: str, config: Path) -> None:
+    """``nats-server -t`` (``server``, the binary) accepts ``config``, read as the pod ``nats-0`` reads it."""
     done = subprocess.run(
-        [server, "-t", "-c", str(root / config.lstrip("/"))],
+        [server, "-t", "-c", str(config)],
         env={"SERVER_NAME": "nats-0"},
         capture_output=True,
         text=True,

@@ -33,6 +33,7 @@ from .test_deploy import (
     _k8s,
     _k8s_files,
     _nats_conf,
+    _nats_config_parses,
     _nats_server,
     _projected_files,
     _published,
@@ -289,12 +290,4 @@ def test_make_secrets_runs_with_the_real_cli(tmp_path: Path) -> None:
         else:
             name, key = what.split(":")
             dest.write_bytes(base64.b64decode(secrets[name]["data"][key]))
-    done = subprocess.run(
-        [_nats_server(), "-t", "-c", str(root / "etc/nats/nats.conf")],
-        env={"SERVER_NAME": "nats-0"},
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    _nats_config_parses(_nats_server(), root / "etc/nats/nats.conf")

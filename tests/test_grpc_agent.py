@@ -3,7 +3,6 @@ alone, and ``SnapshotAgentClient``, against a real agent on a real nats-server."
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import subprocess
@@ -31,6 +30,7 @@ from timeslice_client.agent_client import (
 )
 from timeslice_client.errors import InvalidRequest
 
+from .grpc_helpers import call, rpc_error
 from .grpc_proto_client import AGENT_PROTO, Stub, compile_proto
 from .helpers import eventually, running
 
@@ -83,16 +83,6 @@ async def workload(nats_url: str, agent: Agent) -> AsyncIterator[Workload]:
     async with AsyncTimeSliceClient("trainer", "solo", nats_url) as c:
         await c.register_workload(w.handler(), node_id=NODE)
         yield w
-
-
-def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    return asyncio.to_thread(fn, *args, **kwargs)
-
-
-async def rpc_error(fn: Any, *args: Any, **kwargs: Any) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as info:
-        await call(fn, *args, **kwargs)
-    return info.value
 
 
 async def test_standalone_snapshot_and_restore_proto_only(target: str, workload: Workload) -> None:

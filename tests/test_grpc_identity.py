@@ -9,7 +9,6 @@ import asyncio
 import logging
 import os
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from timeslice_client._grpc.runtime import channel_credentials
 from timeslice_client._internal.grpc_server.guard import GrpcRefusedToStart
 from timeslice_orchestrator.grpc_shim import GrpcConfig, OrchestratorGrpcShim
 
+from .grpc_helpers import call, orchestrator_command, rpc_error
 from .grpc_identity_helpers import (
     Pki,
     account_jwt,
@@ -55,14 +55,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     )
 
 
-def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    return asyncio.to_thread(fn, *args, **kwargs)
-
-
 async def code_of(fn: Any, *args: Any, **kwargs: Any) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as info:
-        await call(fn, *args, **kwargs)
-    err: Any = info.value
+    err: Any = await rpc_error(fn, *args, **kwargs)
     return err.code(), err.details() or ""
 
 
@@ -345,18 +339,7 @@ async def test_health_alone_on_a_plaintext_port_beside_mutual_tls(start: Any, pk
 
 def test_the_cli_refuses_plaintext_grpc_off_loopback(nats_url: str) -> None:
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "timeslice_orchestrator",
-            "orchestrator",
-            "--nats-url",
-            nats_url,
-            "--grpc-port",
-            "0",
-            "--grpc-host",
-            "0.0.0.0",
-        ],
+        orchestrator_command(nats_url, "--grpc-port", "0", "--grpc-host", "0.0.0.0"),
         capture_output=True,
         text=True,
         timeout=60,

@@ -9,7 +9,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -23,6 +22,7 @@ from timeslice_orchestrator.embedded import NatsServer
 from timeslice_orchestrator.grpc_shim import GrpcConfig, OrchestratorGrpcShim
 from timeslice_orchestrator.service import Orchestrator
 
+from .grpc_helpers import call, orchestrator_command, rpc_error
 from .grpc_proto_client import OrchestratorClient
 from .helpers import eventually
 
@@ -52,17 +52,6 @@ def target(shim: OrchestratorGrpcShim) -> str:
 def client(target: str) -> Iterator[OrchestratorClient]:
     with OrchestratorClient(target) as c:
         yield c
-
-
-def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """A blocking gRPC call, off the event loop that serves it."""
-    return asyncio.to_thread(fn, *args, **kwargs)
-
-
-async def rpc_error(fn: Any, *args: Any, **kwargs: Any) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as info:
-        await call(fn, *args, **kwargs)
-    return info.value
 
 
 async def queue_depth(c: OrchestratorClient, group: str) -> int:
@@ -442,18 +431,7 @@ async def test_orchestrator_process_serves_grpc(nats_url: str, tmp_path: Path) -
     env = dict(os.environ, TIMESLICE_LOG_LEVEL="warning")
     log = (tmp_path / "orch.log").open("wb")
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "timeslice_orchestrator",
-            "orchestrator",
-            "--nats-url",
-            nats_url,
-            "--grpc-port",
-            str(port),
-            "--grpc-host",
-            "127.0.0.1",
-        ],
+        orchestrator_command(nats_url, "--grpc-port", str(port), "--grpc-host", "127.0.0.1"),
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,

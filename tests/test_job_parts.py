@@ -9,7 +9,7 @@ one process, on the in-process stack."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from .agent_harness import (
     one,
     op_events,
     queued,
+    switch_back,
     timeslice,
 )
 from .helpers import all_closed, eventually
@@ -183,12 +184,6 @@ async def test_every_registration_of_a_process_is_suspended_and_resumed(nats_url
 
 
 @pytest.fixture
-async def agent(orchestrator: object, nats_url: str, tmp_path: Path) -> AsyncIterator[AgentProcess]:
-    async with AgentProcess(nats_url, NODE, tmp_path / "agent.log") as a:
-        yield a
-
-
-@pytest.fixture
 def workers(agent: AgentProcess, tmp_path: Path, nats_url: str) -> Iterator[Any]:
     def workload(group: str, job: str, name: str, **opts: Any) -> Workload:
         where = tmp_path / name  # each process of the job its own files
@@ -233,10 +228,7 @@ async def test_a_switch_moves_every_process_of_the_job(workers: Any, agent: Agen
         snap = one([r for r in results if r.job == "a" and r.kind is OpKind.SNAPSHOT], "a's snapshot")
         assert snap.ok and snap.bytes_moved >= ready1["device_bytes"] + ready2["device_bytes"], snap
 
-        a1.send("acquire")
-        await eventually(queued(observer, g, "a"), what="a queued behind b")
-        b.send("release")
-        granted = await a1.wait("granted", n=2)
+        granted = await switch_back(a1, b, observer, g)
         resumed2 = one(a2.events("resumed"), "resume of a2")
         assert granted["context_restored"] is True
         assert resumed2["checksum"] == ready2["checksum"] and resumed2["ids"] == ready2["ids"]

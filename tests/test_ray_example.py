@@ -11,8 +11,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,12 +25,6 @@ STEPS = 6
 # runs meanwhile) stays clear of what switching costs on CI's two busy cores: one run there had every switch so slow
 # (11 per job instead of 6) that sharing at 0.25 s took 1.18x back to back.
 REWARD_S = 0.6
-
-
-@pytest.fixture
-async def agent(orchestrator: object, nats_url: str, tmp_path: Path) -> AsyncIterator[AgentProcess]:
-    async with AgentProcess(nats_url, NODE, tmp_path / "agent.log") as a:
-        yield a
 
 
 def _example(nats_url: str, *args: str) -> dict[str, Any]:

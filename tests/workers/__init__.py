@@ -1,6 +1,7 @@
 """Job processes for the multi-process and crash tests, and what the tests need around them.
 
 * :class:`Worker` starts ``python -m tests.workers.job_worker`` and reads its JSON-lines event log;
+* :func:`worker_command` is the command line of a ``job_worker`` or ``workload_worker`` process;
 * :func:`holds` / :func:`check_exclusive_holds` turn the logs into hold intervals and check them;
 * :func:`read_stream` reads the whole ``TIMESLICE`` stream as ``(seq, now_ms, subject, data)``, with
   ``now_ms`` computed exactly as the orchestrator computes it (the delivery's nanosecond timestamp);
@@ -41,7 +42,23 @@ __all__ = [
     "looping_worker",
     "notices",
     "read_stream",
+    "worker_command",
 ]
+
+
+def worker_command(module: str, nats_url: str, group: str, job: str, out: Path, **opts: Any) -> list[str]:
+    """The argv of ``python -m tests.workers.<module>`` (``job_worker``, ``workload_worker``) for ``job`` in ``group``,
+    its event log ``out``, then ``opts`` as flags: ``some_opt=v`` is ``--some-opt v``, ``True`` the flag alone,
+    ``False`` or ``None`` no flag."""
+    args = [sys.executable, "-m", f"tests.workers.{module}", "--nats-url", nats_url, "--group", group, "--job", job]
+    args += ["--out", str(out)]
+    for k, v in opts.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            args.append(flag)
+        elif v is not False and v is not None:
+            args += [flag, str(v)]
+    return args
 
 
 class Worker:
@@ -52,25 +69,7 @@ class Worker:
         self.group = group
         self.out = tmp / f"worker-{group}-{job}.jsonl"
         self.stderr_path = tmp / f"worker-{group}-{job}.stderr"
-        args = [
-            sys.executable,
-            "-m",
-            "tests.workers.job_worker",
-            "--nats-url",
-            nats_url,
-            "--group",
-            group,
-            "--job",
-            job,
-            "--out",
-            str(self.out),
-        ]
-        for k, v in opts.items():
-            flag = "--" + k.replace("_", "-")
-            if v is True:
-                args.append(flag)
-            elif v is not False and v is not None:
-                args += [flag, str(v)]
+        args = worker_command("job_worker", nats_url, group, job, self.out, **opts)
         self._stderr = open(self.stderr_path, "ab")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             args,
