@@ -176,7 +176,8 @@ def run_job(job: str, seed: int, steps: int, share: _Shared | None, reward_s: fl
     wall = time.perf_counter() - t0
     with held():  # the weights are read inside a hold: between holds they may be off the device
         digest = ray.get(trainer.digest.remote())
-    counts = {"rollout": ray.get(rollout.counts.remote()), "trainer": ray.get(trainer.counts.remote())}
+        # Counted inside the hold too: after its release, a switch may be moving one actor out and not yet the other.
+        counts = {"rollout": ray.get(rollout.counts.remote()), "trainer": ray.get(trainer.counts.remote())}
     ray.get([rollout.close.remote(), trainer.close.remote()])
     if client is not None:
         client.close()
