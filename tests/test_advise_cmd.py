@@ -14,6 +14,10 @@ from timeslice_client import AsyncTimeSliceClient
 from .agent_harness import timeslice
 from .conftest import OrchestratorProcess
 
+# Compares wall-clock runs (shared against solo or predicted): one CI worker runs these modules one after another
+# (``--dist loadgroup``), so they never load the 2 cores against each other.
+pytestmark = pytest.mark.xdist_group("wall_clock")
+
 STEPS = 6
 HOLD_S = 0.08  # each step's phase on the accelerators: slept inside the hold, as a GPU phase leaves the CPU free
 GAP_S = 0.12  # and off them (reward scoring): the other job's turn when they share

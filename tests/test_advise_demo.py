@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from .test_demo import run_demo
+
+# Compares wall-clock runs (shared against solo or predicted): one CI worker runs these modules one after another
+# (``--dist loadgroup``), so they never load the 2 cores against each other.
+pytestmark = pytest.mark.xdist_group("wall_clock")
 
 
 def test_advise_predicts_the_demos_shared_run_within_ten_percent(tmp_path: Path) -> None:

@@ -20,6 +20,10 @@ from timeslice_cli.demo._progress import Progress
 from timeslice_cli.demo._report import weights_identical
 from timeslice_cli.demo._task import Batch, SortTask, edit_distance
 
+# Compares wall-clock runs (shared against solo or predicted): one CI worker runs these modules one after another
+# (``--dist loadgroup``), so they never load the 2 cores against each other.
+pytestmark = pytest.mark.xdist_group("wall_clock")
+
 ROOT = Path(__file__).resolve().parents[1]
 # Short and small: 3 steps of a narrow model with a short modelled reward latency.
 SHORT = ["--jobs", "2", "--steps", "3", "--hidden", "256", "--reward-latency-ms", "50"]

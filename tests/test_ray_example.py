@@ -17,6 +17,10 @@ import pytest
 
 from .agent_harness import NODE, ROOT, AgentProcess
 
+# Compares wall-clock runs (shared against solo or predicted): one CI worker runs these modules one after another
+# (``--dist loadgroup``), so they never load the 2 cores against each other.
+pytestmark = pytest.mark.xdist_group("wall_clock")
+
 pytest.importorskip("torch")
 pytest.importorskip("ray")
 

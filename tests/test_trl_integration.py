@@ -31,6 +31,10 @@ from timeslice_cli.demo._stack import embedded_stack
 
 from .helpers import example_line
 
+# Compares wall-clock runs (shared against solo or predicted): one CI worker runs these modules one after another
+# (``--dist loadgroup``), so they never load the 2 cores against each other.
+pytestmark = pytest.mark.xdist_group("wall_clock")
+
 ROOT = Path(__file__).resolve().parents[1]
 NODE = "n-trl"
 # The model's size and the steps: small by default; docs/integrations.md measures a larger one with these variables.
