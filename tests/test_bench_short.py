@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 
-# module-scoped fixtures: the whole module in one worker, its fixtures made once
+# module-scoped fixtures: the whole module in one worker, its fixtures made once. Its figures compare conditions by
+# wall clock, so it runs in the group of such modules (one worker, one after another: scripts/test).
+pytestmark = pytest.mark.xdist_group("wall_clock")
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
