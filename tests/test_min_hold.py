@@ -16,6 +16,7 @@ import msgspec
 import pytest
 from timeslice_client import AsyncTimeSliceClient
 from timeslice_client.protocol import (
+    MAX_MIN_HOLD_MS,
     Acquire,
     Granted,
     GroupRecord,
@@ -28,6 +29,7 @@ from timeslice_client.protocol import (
     SetPolicy,
     Snapshot,
     decode_input,
+    decode_notice,
     subjects,
 )
 from timeslice_orchestrator import invariants
@@ -325,3 +327,16 @@ def test_a_grant_without_a_minimum_hold_reads_as_before_it_existed() -> None:
     assert (old.job, old.epoch) == ("a", grant.epoch)
     with pytest.raises(msgspec.ValidationError, match="min_hold_ms"):  # a grant that uses it: an older client refuses
         msgspec.json.decode(msgspec.json.encode(msgspec.structs.replace(grant, min_hold_ms=M)), type=OldGranted)
+
+
+@pytest.mark.parametrize("value", [-1, MAX_MIN_HOLD_MS + 1, 2**63])
+def test_a_grant_with_a_minimum_hold_out_of_bounds_is_refused_at_decoding(value: int) -> None:
+    """The client decodes every notice strictly (``decode_notice``): a grant whose ``min_hold_ms`` lies outside
+    0..``MAX_MIN_HOLD_MS`` is undecodable, logged and dropped by ``_on_notice``, never acted on."""
+    sim = Sim()
+    sim.register("a", "n1")
+    grant = sim.settle(sim.acquire("a", **PATIENT))
+    raw = msgspec.json.decode(msgspec.json.encode(grant))
+    raw["min_hold_ms"] = value
+    with pytest.raises((msgspec.ValidationError, msgspec.DecodeError)):
+        decode_notice(msgspec.json.encode(raw))

@@ -21,6 +21,7 @@ ran and failed), :class:`OperationNotFound`, :class:`OperationTimeout`,
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import enum
 import os
@@ -235,7 +236,7 @@ def _finished(op: Operation, limit: float, deadline: float) -> bool:
     return False
 
 
-class _AgentClient:
+class _AgentClient(abc.ABC):
     """What both clients share: the target, the bounds and the channel's calls, one per method of the service."""
 
     @renamed_keywords(wait_timeout="wait_timeout_s")
@@ -265,8 +266,9 @@ class _AgentClient:
             for m in _SERVICE.methods
         }
 
+    @abc.abstractmethod
     def _open(self, creds: grpc.ChannelCredentials | None, options: list[tuple[str, Any]]) -> Any:
-        raise NotImplementedError
+        """The channel to the agent: a blocking or an asyncio one, by the client's kind."""
 
 
 # ---------------------------------------------------------------------- the blocking client

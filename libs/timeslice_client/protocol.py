@@ -295,7 +295,7 @@ class Granted(_Msg, frozen=True, tag="granted", omit_defaults=True):
     waiters: int = 0  # jobs still waiting for the group at this grant (see Contended)
     # The time left (ms) of this hold's minimum hold (``SetPolicy.min_hold_ms``): a release sooner than that, while
     # others wait, keeps the group for this job, so its workloads need not suspend at that release (0: none).
-    min_hold_ms: int = 0
+    min_hold_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_MIN_HOLD_MS)] = 0
 
 
 class Released(_Msg, frozen=True, tag="released"):
