@@ -31,7 +31,7 @@ from timeslice_client.protocol import (
 from . import _stored as stored
 from ._app_endpoint import check_endpoints
 from ._host import alive
-from ._job_parts import all_backends, put_part, same_part, views, without_channel, without_dead
+from ._job_parts import all_backends, put_part, registered, same_part, views, without_channel, without_dead
 from ._untrusted import MAX_JOBS, Refusal, Refused, check_processes, check_registration, shown
 from ._workload_stream import is_stream_channel
 from .backends import make_backend
@@ -93,21 +93,7 @@ class JobBook:
         old = self.jobs.get(req.job)
         if old is not None and old.group != req.group:
             return AgentReply(ok=False, error=f"job {req.job!r} is registered in group {old.group!r} on this node")
-        new = JobContext(
-            node=self.node,
-            job=req.job,
-            group=req.group,
-            state=JobState.IDLE,
-            backends=req.backends,
-            pids=req.pids,
-            pgid=req.pgid,
-            mode=req.mode,
-            tags=req.tags,
-            op_timeout_ms=req.op_timeout_ms,
-            endpoints=req.endpoints,
-            owner=owner,
-            channel=req.channel,
-        )
+        new = registered(self.node, req, owner)
         if old is not None and not any(same_part(v, new) for v in views(old)):
             living, dropped = without_dead(old, alive)
             if living is None:
@@ -237,19 +223,7 @@ class JobBook:
                 if ctx.node != self.node or key != f"{self.node}.{ctx.job}":
                     raise Refused(Refusal.WRONG_NODE, f"it names node {shown(ctx.node)} and job {shown(ctx.job)}")
                 for v in views(ctx):
-                    check_registration(
-                        RegisterJob(
-                            group=v.group,
-                            job=v.job,
-                            backends=v.backends,
-                            pids=v.pids,
-                            pgid=v.pgid,
-                            mode=v.mode,
-                            tags=v.tags,
-                            endpoints=v.endpoints,
-                            op_timeout_ms=v.op_timeout_ms,
-                        )
-                    )
+                    check_registration(v)
                 return ctx
             except Refused as exc:
                 problem = exc

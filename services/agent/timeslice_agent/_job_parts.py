@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
-from timeslice_client.protocol import MAX_JOB_PARTS, JobContext, JobPart
+from timeslice_client.protocol import MAX_JOB_PARTS, JobContext, JobPart, JobState, ProcessOwner, RegisterJob
 
 from ._errors import Refused
 from ._untrusted import PROCESS_ACTING, Refusal
@@ -28,6 +28,7 @@ __all__ = [
     "combine",
     "part_count",
     "put_part",
+    "registered",
     "same_part",
     "views",
     "without_channel",
@@ -71,6 +72,14 @@ def same_part(a: JobContext, b: JobContext) -> bool:
     if a.channel is not None and b.channel is not None:
         return a.channel == b.channel or not a.pids or not b.pids
     return (a.pids, a.pgid) == (b.pids, b.pgid)
+
+
+def registered(node: str, req: RegisterJob, owner: ProcessOwner | None) -> JobContext:
+    """Registration ``req`` as the single-part context ``put_part`` takes, IDLE (``owner``: the process that proved
+    it, None when unproven). Its part's fields are ``JobPart``'s, so a registration carries into a part every field
+    a part keeps, and only those."""
+    part = {f: getattr(req, f) for f in _PART_FIELDS if f != "owner"}
+    return JobContext(node=node, job=req.job, group=req.group, state=JobState.IDLE, owner=owner, **part)
 
 
 def put_part(ctx: JobContext | None, new: JobContext) -> tuple[JobContext, JobContext | None]:

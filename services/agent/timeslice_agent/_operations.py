@@ -28,7 +28,6 @@ from timeslice_client.protocol import (
     JobState,
     OpKind,
     OpResult,
-    OpStarted,
     Restore,
     Snapshot,
     encode,
@@ -41,13 +40,14 @@ from ._config import AgentConfig
 from ._job_book import JobBook, now_ms
 from ._job_locks import JobLocks
 from ._job_parts import all_backends, views
+from ._op_messages import kind_of, naming, op_result, op_started
 from ._op_rules import Answer, decide, settle
 from ._ownership import ProcessGuard
 from ._requests import log_refusal
 from ._restore_overlap import RestoreOrder
 from ._running_ops import RunningOps
 from ._standalone import OpSettings, run_context
-from ._untrusted import Refused, cap
+from ._untrusted import Refused
 from .backends import OpContext, Outcome, acts_on_processes, make_backend
 from .metrics import AgentMetrics
 
@@ -71,14 +71,13 @@ class Operations:
 
     def __init__(
         self,
-        node: str,
         config: AgentConfig,
         book: JobBook,
         locks: JobLocks,
         guard: ProcessGuard,
         metrics: AgentMetrics,
     ) -> None:
-        self.node = node
+        self.node = book.node  # the book's node: this agent's
         self.config = config
         self.metrics = metrics
         self._book = book
@@ -117,7 +116,7 @@ class Operations:
             with contextlib.suppress(TimeoutError):  # set in a finally by the orchestrator: this bound is never hit
                 async with asyncio.timeout(10):
                     await gate.wait()
-        kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
+        kind = kind_of(cmd)
         fresh = cmd.op_id not in self._results  # a redelivered command is answered from memory: not counted again
         ids = {"node": self.node, "group": cmd.group, "job": cmd.job, "op_id": cmd.op_id}
         try:
@@ -126,7 +125,7 @@ class Operations:
             except Exception as exc:  # never leave the orchestrator waiting on an answer
                 log.exception("operation crashed", extra=ids)
                 self.metrics.task_error("operation")
-                result, published = self._result(cmd, kind, "?", ok=False, error=f"agent error: {exc!r}"), False
+                result, published = op_result(cmd, self.node, "?", ok=False, error=f"agent error: {exc!r}"), False
                 fresh = False
                 self.metrics.operation(result, "failed")
                 self._remember(result)  # the same op id gets the same answer: a command sent again does not run again
@@ -152,37 +151,6 @@ class Operations:
             outcome = "failed" if ctx is None or ctx.state is JobState.FAULTED else "rolled_back"
         self.metrics.operation(result, outcome)
 
-    def _result(
-        self,
-        cmd: Snapshot | Restore,
-        kind: OpKind,
-        backend: str,
-        *,
-        ok: bool,
-        error: str | None = None,
-        outcome: Outcome | None = None,
-        elapsed_ms: float = 0.0,
-        overlapped: bool = False,
-    ) -> OpResult:
-        out = outcome or Outcome()
-        return OpResult(
-            group=cmd.group,
-            op_id=cmd.op_id,
-            node=self.node,
-            job=cmd.job,
-            kind=kind,
-            epoch=cmd.epoch,
-            ok=ok,
-            error=cap(error) if error else error,
-            backend=backend,
-            bytes_moved=out.bytes_moved,
-            device_bytes_freed=out.device_bytes_freed,
-            elapsed_ms=elapsed_ms,
-            began_at_release=out.began_at_release,
-            work_ms=out.work_ms,
-            overlapped=overlapped,
-        )
-
     async def _execute(
         self, cmd: Snapshot | Restore, kind: OpKind, asked: OpSettings | None = None
     ) -> tuple[OpResult, bool]:
@@ -195,7 +163,7 @@ class Operations:
         others = [j for j in self._book.jobs.values() if j.group == cmd.group and j.job != cmd.job]
         async with self._order.turn(cmd, self._book.jobs.get(cmd.job), others) as turn:
             if turn.error is not None:
-                return self._remember(self._result(cmd, kind, "none", ok=False, error=turn.error)), False
+                return self._remember(op_result(cmd, self.node, "none", ok=False, error=turn.error)), False
             return await self._execute_now(cmd, kind, overlapped=turn.overlapped, asked=asked)
 
     async def _execute_now(
@@ -209,13 +177,8 @@ class Operations:
             backend = "+".join(all_backends(ctx)) if ctx is not None and ctx.group == cmd.group else "none"
             verdict, fence = decide(
                 ctx,
-                node=self.node,
-                job=cmd.job,
-                group=cmd.group,
-                op_id=cmd.op_id,
-                epoch=cmd.epoch,
+                **naming(cmd, self.node),
                 deadline_ms=cmd.deadline_ms,
-                kind=kind,
                 newest_epoch=self._epochs.get(cmd.group, 0),
                 now_ms=now_ms(),
             )
@@ -224,7 +187,7 @@ class Operations:
             if isinstance(verdict, Answer):
                 if verdict.save is not None:
                     await self._book.save(verdict.save)
-                answer = self._result(cmd, kind, backend, ok=verdict.ok, error=verdict.error)
+                answer = op_result(cmd, self.node, backend, ok=verdict.ok, error=verdict.error)
                 return (self._remember(answer) if verdict.remember else answer), False
             assert ctx is not None
             remaining = cmd.deadline_ms / 1000 - time.time()
@@ -233,19 +196,7 @@ class Operations:
             ctx = await self._book.save(verdict.marked, wait=False)
             assert self._nc is not None
             await self._nc.publish(
-                subjects.agent_op(self.node),
-                encode(
-                    OpStarted(
-                        op_id=cmd.op_id,
-                        group=cmd.group,
-                        job=cmd.job,
-                        node=self.node,
-                        kind=kind,
-                        epoch=cmd.epoch,
-                        backend=backend,
-                        overlapped=overlapped,
-                    )
-                ),
+                subjects.agent_op(self.node), encode(op_started(cmd, self.node, backend, overlapped=overlapped))
             )
             if overlapped:
                 self.metrics.overlapped.labels(backend).inc()
@@ -259,13 +210,13 @@ class Operations:
                 error = f"the job's processes exited during the {kind}"
                 if (current := self._book.registration(ctx)) is not None:
                     await self._book.unregister(current, error)
-                result = self._result(cmd, kind, backend, ok=False, error=error, elapsed_ms=elapsed)
+                result = op_result(cmd, self.node, backend, ok=False, error=error, elapsed_ms=elapsed)
                 await self._publish_result(result)
                 return self._remember(result), True
             state, failure, outcome = performed
-            result = self._result(
+            result = op_result(
                 cmd,
-                kind,
+                self.node,
                 backend,
                 ok=failure is None,
                 error=failure,
@@ -360,7 +311,7 @@ class Operations:
         except Exception as exc:
             log.exception("standalone operation crashed", extra=ids)
             self.metrics.task_error("standalone")
-            result, published = self._result(cmd, kind, "?", ok=False, error=f"agent error: {exc!r}"), False
+            result, published = op_result(cmd, self.node, "?", ok=False, error=f"agent error: {exc!r}"), False
             self.metrics.operation(result, "failed")
         self._remember(result)
         self.standalone.pop(cmd.op_id, None)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Final
 
 from timeslice_client.errors import InvalidId
-from timeslice_client.protocol import OpKind, OpResult, RegisterJob, Restore, Snapshot, validate_id
+from timeslice_client.protocol import JobContext, RegisterJob, Restore, Snapshot, validate_id
 
 from ._errors import REFUSALS, Refusal, Refused
 
@@ -37,7 +37,6 @@ __all__ = [
     "check_op_id",
     "check_processes",
     "check_registration",
-    "refusal_result",
     "shown",
 ]
 
@@ -103,25 +102,6 @@ def answerable(cmd: Snapshot | Restore) -> bool:
     except Refused:
         return False
     return True
-
-
-def refusal_result(cmd: Snapshot | Restore, node: str, exc: Refused) -> OpResult | None:
-    """The answer to a refused command, or None when it cannot be answered (see :func:`answerable`). Its epoch
-    is 0 where the command's is out of bounds: the orchestrator then takes it for a late answer and drops it."""
-    if not answerable(cmd):
-        return None
-    kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
-    return OpResult(
-        group=cmd.group,
-        op_id=cmd.op_id,
-        node=node,
-        job=cmd.job,
-        kind=kind,
-        epoch=cmd.epoch if 0 <= cmd.epoch <= MAX_EPOCH else 0,
-        ok=False,
-        error=cap(f"refused ({exc.code}): {exc}"),
-        backend="none",
-    )
 
 
 def check_command(cmd: Snapshot | Restore, node: str, now_ms: int) -> None:
@@ -201,8 +181,10 @@ def _bounded(what: str, items: tuple[str, ...], count: int, length: int) -> None
             raise Refused(Refusal.TOO_LARGE, f"{what[:-1]} {shown(item)} is empty or longer than {length} characters")
 
 
-def check_registration(req: RegisterJob, *, processes: bool = True) -> None:
-    """Refuse a registration with bad ids, absurd sizes or (``processes``) a process the agent must not act on."""
+def check_registration(req: RegisterJob | JobContext, *, processes: bool = True) -> None:
+    """Refuse a registration with bad ids, absurd sizes or (``processes``) a process the agent must not act on.
+    A job context (one part's view, ``_job_parts.views``) is checked as the registration it stands for: one read
+    back from KV, or made up for a standalone operation, passes the checks a registration would."""
     check_id("group", req.group)
     check_id("job", req.job)
     if not req.backends:

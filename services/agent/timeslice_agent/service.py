@@ -60,6 +60,7 @@ from ._job_book import JobBook, now_ms
 from ._job_locks import JobLocks
 from ._job_parts import without_dead
 from ._nvml import GpuSource, gpu_source, gpu_source_error
+from ._op_messages import refusal_result
 from ._operations import Operations, OperationStatus
 from ._ownership import ProcessGuard, ProcFS
 from ._peer import PeerServer
@@ -67,7 +68,7 @@ from ._pod_discovery import PodDiscovery, pod_source_for
 from ._pods import PodSource
 from ._requests import Requests, log_refusal
 from ._standalone import OpSettings, check_idle, standalone_context
-from ._untrusted import Refusal, Refused, check_command, check_id, check_registration, refusal_result, shown
+from ._untrusted import Refusal, Refused, check_command, check_id, check_registration, shown
 from .backends import acts_on_processes, make_backend
 from .metrics import AgentMetrics
 
@@ -132,7 +133,7 @@ class Agent:
                 gpus=gpus,
                 nvml_error=gpu_source_error() if gpus is None else None,
             )
-        self._ops = Operations(self.node, self.config, self._book, self._locks, self._guard, self.metrics)
+        self._ops = Operations(self.config, self._book, self._locks, self._guard, self.metrics)
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
@@ -399,19 +400,7 @@ class Agent:
                 current, self.node, job, kind, group=group, backends=backends, pids=pids, endpoints=endpoints
             )
             if ctx is not current:
-                check_registration(
-                    RegisterJob(
-                        group=ctx.group,
-                        job=job,
-                        backends=ctx.backends,
-                        pids=ctx.pids,
-                        pgid=ctx.pgid,
-                        mode=ctx.mode,
-                        tags=ctx.tags,
-                        endpoints=ctx.endpoints,
-                        op_timeout_ms=ctx.op_timeout_ms,
-                    )
-                )  # Refused: a ValueError
+                check_registration(ctx)  # Refused: a ValueError
                 if acts_on_processes(ctx.backends):  # only processes the registration proved (Refused)
                     ctx = await asyncio.to_thread(self._guard.standalone, current, ctx)
                 ctx = await self._book.save(ctx)
