@@ -35,6 +35,7 @@ from timeslice_client.protocol import JobContext
 
 from ._backend_api import BackendError, BackendUnavailable, OpContext, Outcome
 from ._errors import DriverError, UnknownProcessState
+from ._load_once import LoadOnce
 from ._nvml import GpuAccounting, gpu_source, process_tree
 
 __all__ = [
@@ -398,35 +399,27 @@ class CudaBackend:
 
 # --------------------------------------------------------------------------- the agent's instance
 
-_shared: CudaBackend | None = None
-_error: str | None = None
-_load_lock = threading.Lock()
+
+def _new_backend() -> CudaBackend:
+    try:
+        return CudaBackend(CudaPythonDriver(), GpuAccounting(gpu_source()))
+    except BackendUnavailable:
+        raise
+    except Exception as exc:  # a broken installation must not take the agent down
+        raise BackendUnavailable(f"cuda-python failed to load: {exc!r}") from exc
 
 
-def _load() -> CudaBackend | None:
-    global _shared, _error
-    with _load_lock:
-        if _shared is None and _error is None:
-            try:
-                _shared = CudaBackend(CudaPythonDriver(), GpuAccounting(gpu_source()))
-            except BackendUnavailable as exc:
-                _error = str(exc)
-            except Exception as exc:  # a broken installation must not take the agent down
-                _error = f"cuda-python failed to load: {exc!r}"
-            if _error is not None:
-                log.info("the cuda backend is unavailable: %s", _error)
-        return _shared
+_shared = LoadOnce(_new_backend, BackendUnavailable, "the cuda backend is unavailable: %s")
 
 
 def cuda_unavailable_reason() -> str | None:
     """None when the cuda backend works on this node, else why not (tried once per process)."""
-    _load()
-    return _error
+    return _shared.error()
 
 
 def make_cuda_backend(nc: object, node: str) -> CudaBackend:
     """The backend factory: the process-wide instance (it keeps the PIDs of outstanding snapshots)."""
-    backend = _load()
+    backend = _shared.get()
     if backend is None:
-        raise BackendUnavailable(f"the cuda backend is unavailable on node {node!r}: {_error}")
+        raise BackendUnavailable(f"the cuda backend is unavailable on node {node!r}: {_shared.error()}")
     return backend

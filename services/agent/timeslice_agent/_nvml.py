@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 from timeslice_client.protocol import DeviceInfo
 
+from ._load_once import LoadOnce
+
 log = logging.getLogger("timeslice.agent")
 
 __all__ = [
@@ -118,28 +120,17 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-_loaded: PynvmlSource | None = None
-_load_error: str | None = None
-_load_lock = threading.Lock()
+_source = LoadOnce(PynvmlSource, NvmlUnavailable, "no GPU devices reported: %s")
 
 
 def gpu_source() -> PynvmlSource | None:
     """The node's NVML, loaded on first use (once per process); None when it cannot be used."""
-    global _loaded, _load_error
-    with _load_lock:
-        if _loaded is None and _load_error is None:
-            try:
-                _loaded = PynvmlSource()
-            except NvmlUnavailable as exc:
-                _load_error = str(exc)
-                log.info("no GPU devices reported: %s", _load_error)
-        return _loaded
+    return _source.get()
 
 
 def gpu_source_error() -> str | None:
-    """Why :func:`gpu_source` is None (None while it works or was not tried)."""
-    gpu_source()
-    return _load_error
+    """Why :func:`gpu_source` is None (None while it works)."""
+    return _source.error()
 
 
 def node_devices() -> tuple[DeviceInfo, ...]:

@@ -38,7 +38,7 @@ import socket
 import ssl
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Final, Protocol, runtime_checkable
 
@@ -441,12 +441,8 @@ class KubePodSource:
             }
         )
         path = f"{self._pods_path}?{self._selectors}&{query}"
-        headers = {"Accept": "application/json", "User-Agent": "timeslice-agent"}
-        if (token := self._token()) is not None:
-            headers["Authorization"] = f"Bearer {token}"
         deadline = time.monotonic() + timeout_s + self.timeout_s
-        conn = self._connection(timeout_s + self.timeout_s)
-        try:
+        with self._api(timeout_s + self.timeout_s, "the watch failed") as (conn, headers):
             conn.connect()
             if not cut.hold(conn.sock):
                 return False
@@ -475,18 +471,29 @@ class KubePodSource:
                     continue
                 return True  # ADDED, MODIFIED, DELETED, or an ERROR (e.g. the version expired): list again
             return False
+
+    @contextlib.contextmanager
+    def _api(self, timeout_s: float, failed: str) -> Iterator[tuple[http.client.HTTPConnection, dict[str, str]]]:
+        """A connection to the API whose every socket operation waits at most ``timeout_s``, with the headers of a
+        request on it (the token read now); closed after. The connection failing (a socket, HTTP or TLS error) is a
+        :class:`PodListError` that says ``failed``, as every other failure of a call to the API is."""
+        headers = {"Accept": "application/json", "User-Agent": "timeslice-agent"}
+        if (token := self._token()) is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        if self._https:
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                self._host or "", self._port, timeout=timeout_s, context=self._ssl
+            )
+        else:
+            conn = http.client.HTTPConnection(self._host or "", self._port, timeout=timeout_s)
+        try:
+            yield conn, headers
         except PodListError:
             raise
         except (OSError, http.client.HTTPException, ssl.SSLError) as exc:
-            raise PodListError(self.url, f"the watch failed: {exc!r}") from exc
+            raise PodListError(self.url, f"{failed}: {exc!r}") from exc
         finally:
             conn.close()
-
-    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
-        """A connection to the API whose every socket operation waits at most ``timeout_s``."""
-        if self._https:
-            return http.client.HTTPSConnection(self._host or "", self._port, timeout=timeout_s, context=self._ssl)
-        return http.client.HTTPConnection(self._host or "", self._port, timeout=timeout_s)
 
     def _token(self) -> str | None:
         if self.token_file is None:
@@ -504,11 +511,7 @@ class KubePodSource:
         """The answer's body to ``GET path`` (blocking: run in a thread). Every socket operation waits at most
         ``timeout_s``, and the whole call gives up past twice that."""
         deadline = time.monotonic() + 2 * self.timeout_s
-        headers = {"Accept": "application/json", "User-Agent": "timeslice-agent"}
-        if (token := self._token()) is not None:
-            headers["Authorization"] = f"Bearer {token}"
-        conn = self._connection(self.timeout_s)
-        try:
+        with self._api(self.timeout_s, "no answer") as (conn, headers):
             conn.request("GET", path, headers=headers)
             resp = conn.getresponse()
             body = bytearray()
@@ -521,12 +524,6 @@ class KubePodSource:
                 if not chunk:
                     break
                 body += chunk
-        except PodListError:
-            raise
-        except (OSError, http.client.HTTPException, ssl.SSLError) as exc:
-            raise PodListError(self.url, f"no answer: {exc!r}") from exc
-        finally:
-            conn.close()
         if resp.status != 200:
             hint = (
                 (

@@ -34,7 +34,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import argparse
 import logging
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypedDict
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -96,16 +96,15 @@ class AgentGrpcConfig(ShimSettings):
     port: int = Field(default=DEFAULT_GRPC_PORT, ge=0, le=65535)
 
 
-class _Plan:
-    def __init__(
-        self,
-        backends: tuple[str, ...] | None = None,
-        pids: tuple[int, ...] = (),
-        mode: SuspendMode | None = None,
-        tags: tuple[str, ...] | None = None,
-        endpoints: tuple[str, ...] = (),
-    ) -> None:
-        self.backends, self.pids, self.mode, self.tags, self.endpoints = backends, pids, mode, tags, endpoints
+class _Plan(TypedDict, total=False):
+    """What a call asks of its standalone operation beyond the job's registration: ``Agent.run_standalone``'s
+    keywords of the same names (a key left out: as the job registered)."""
+
+    backends: tuple[str, ...] | None
+    pids: tuple[int, ...]
+    mode: SuspendMode | None
+    tags: tuple[str, ...] | None
+    endpoints: tuple[str, ...]
 
 
 class AgentGrpcShim:
@@ -176,22 +175,14 @@ class AgentGrpcShim:
         await authorize(ctx, self.auth, log, job, group)
         plan = await self._plan(req, ctx)
         stream = of_job(self.agent.node, job)
-        if kind is OpKind.SNAPSHOT and plan.mode is not None and plan.backends == ("app_channel",) and stream:
+        mode = plan.get("mode")
+        if kind is OpKind.SNAPSHOT and mode is not None and plan.get("backends") == ("app_channel",) and stream:
             try:
-                stream.check_mode(plan.mode)
+                stream.check_mode(mode)
             except UnsupportedMode as exc:
                 await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         try:
-            return await self.agent.run_standalone(
-                job,
-                kind,
-                group=group,
-                backends=plan.backends,
-                pids=plan.pids,
-                mode=plan.mode,
-                tags=plan.tags,
-                endpoints=plan.endpoints,
-            )
+            return await self.agent.run_standalone(job, kind, group=group, **plan)
         except OperationInProgress as exc:
             await ctx.abort(grpc.StatusCode.ABORTED, str(exc))
         except BackendUnavailable as exc:
