@@ -14,8 +14,6 @@ from timeslice_client.protocol import (
     Granted,
     InputEvent,
     JobRegistered,
-    OpKind,
-    OpResult,
     Phase,
     Release,
     Renew,
@@ -28,6 +26,8 @@ from timeslice_client.protocol import (
 )
 from timeslice_orchestrator.core import Action, Command, Notify, apply, new_record
 from timeslice_orchestrator.invariants import check_record
+
+from .op_messages import AgentOp
 
 G = "g"
 JOBS = ("a", "b", "c", "d")
@@ -86,11 +86,14 @@ class Sim:
         self.seq += 1
         self.rec, actions = apply(self.rec, ev, self.now, self.seq)
         check_record(self.rec)
-        self.stream.append((len(self.stream) + 1, self.now, input_subject(ev), encode(ev)))
+        self.publish(input_subject(ev), encode(ev))
         for a in actions:
-            subject, data = action_message(self.group, a)
-            self.stream.append((len(self.stream) + 1, self.now, subject, data))
+            self.publish(*action_message(self.group, a))
         return actions
+
+    def publish(self, subject: str, data: bytes) -> None:
+        """Append a message to the stream, now (the core's events and actions, or what a test adds beside them)."""
+        self.stream.append((len(self.stream) + 1, self.now, subject, data))
 
     def rid(self, job: str) -> str:
         return f"{job}-{next(self.rids)}"
@@ -118,21 +121,7 @@ class Sim:
 
     def result(self, cmd: Snapshot | Restore, ok: bool = True, *, dt: int = 0, **kw: Any) -> list[Action]:
         """The agent's answer to ``cmd`` (``kw``: more of OpResult's fields, e.g. ``overlapped=True``)."""
-        kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
-        return self(
-            OpResult(
-                group=self.group,
-                op_id=cmd.op_id,
-                node=cmd.node,
-                job=cmd.job,
-                kind=kind,
-                epoch=cmd.epoch,
-                ok=ok,
-                error=None if ok else "backend said no",
-                **kw,
-            ),
-            dt=dt,
-        )
+        return self(AgentOp.of(cmd).result(ok, error=None if ok else "backend said no", **kw), dt=dt)
 
     def tick(self, *, dt: int = 0) -> list[Action]:
         return self(Tick(group=self.group), dt=dt)

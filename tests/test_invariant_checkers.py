@@ -15,8 +15,6 @@ from timeslice_client.protocol import (
     HolderRecord,
     Notice,
     OpKind,
-    OpResult,
-    OpStarted,
     Released,
     Revoked,
     SwitchRecord,
@@ -27,6 +25,7 @@ from timeslice_client.protocol import (
 from timeslice_orchestrator.invariants import InvariantViolation, StreamChecker, check_record
 
 from .core_sim import T0, G, Sim
+from .op_messages import AgentOp
 
 # --------------------------------------------------------------------------- the checkers can fail
 
@@ -262,23 +261,11 @@ def _op_events(order: list[tuple[str, str, str]]) -> list[tuple[int, int, str, b
     for node, kind, edge in order:
         seq += 1
         job = "a" if kind == "snapshot" else "b"
-        op_id = f"{G}:{epoch}:{kind}:{node}"
-        k = OpKind(kind)
+        op = AgentOp(G, f"{G}:{epoch}:{kind}:{node}", node, job, OpKind(kind), epoch)
         if edge in ("start", "start-overlapped"):
-            msg: msgspec.Struct = OpStarted(
-                op_id=op_id,
-                group=G,
-                job=job,
-                node=node,
-                kind=k,
-                epoch=epoch,
-                backend="noop",
-                overlapped=edge == "start-overlapped",
-            )
-            out.append((seq, now, subjects.agent_op(node), encode(msg)))
+            out.append((seq, now, subjects.agent_op(node), encode(op.started(overlapped=edge == "start-overlapped"))))
         else:
-            msg = OpResult(group=G, op_id=op_id, node=node, job=job, kind=k, epoch=epoch, ok=True)
-            out.append((seq, now, subjects.agent_event(node, G), encode(msg)))
+            out.append((seq, now, subjects.agent_event(node, G), encode(op.result())))
     return out
 
 
