@@ -8,17 +8,14 @@ from typing import Any
 import msgspec
 from timeslice_client.protocol import (
     Acquire,
-    AgentLost,
-    Cancel,
-    ClearFault,
+    ControlEvent,
     Granted,
     InputEvent,
+    JobEvent,
     JobRegistered,
-    Phase,
     Release,
     Renew,
     Restore,
-    SetPolicy,
     Snapshot,
     Tick,
     encode,
@@ -55,9 +52,9 @@ def tag(ev: msgspec.Struct) -> str:
 
 
 def input_subject(ev: InputEvent) -> str:
-    if isinstance(ev, Acquire | Release | Renew | Cancel | Phase):
+    if isinstance(ev, JobEvent):
         return subjects.job(ev.group, ev.job, tag(ev))
-    if isinstance(ev, Tick | ClearFault | AgentLost | SetPolicy):
+    if isinstance(ev, ControlEvent):
         return subjects.ctl(ev.group, tag(ev))
     return subjects.agent_event(ev.node, ev.group)
 
@@ -68,6 +65,13 @@ def action_message(group: str, a: Action) -> tuple[str, bytes]:
     if isinstance(a, Command):
         return subjects.agent_cmd(a.command.node), encode(a.command)
     return subjects.group_state(group), encode(a.change)
+
+
+def grant_notice(job: str, epoch: int, rid: str, *, restored: bool = False) -> Granted:
+    """A grant for the checkers to judge, one no core decided: no wait, no lease (what the checkers do not read)."""
+    return Granted(
+        group=G, job=job, request_id=rid, epoch=epoch, waited_ms=0, context_restored=restored, lease_deadline_ms=0
+    )
 
 
 class Sim:

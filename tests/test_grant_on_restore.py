@@ -34,7 +34,7 @@ from timeslice_orchestrator._op_facts import OpFacts
 from timeslice_orchestrator.invariants import InvariantViolation, StreamChecker, check_record
 from timeslice_orchestrator.replay import StreamEvent
 
-from .core_sim import G, Sim, commands, notices
+from .core_sim import G, Sim, commands, grant_notice, notices
 from .op_messages import AgentOp
 
 
@@ -266,15 +266,7 @@ def _started(sim: Sim, cmd: Snapshot | Restore, *, overlapped: bool = False) -> 
 
 
 def _inject_grant(sim: Sim, job: str, epoch: int) -> None:
-    g = Granted(
-        group=G,
-        job=job,
-        request_id=f"{job}-forged",
-        epoch=epoch,
-        waited_ms=0,
-        context_restored=True,
-        lease_deadline_ms=0,
-    )
+    g = grant_notice(job, epoch, f"{job}-forged", restored=True)
     sim.publish(subjects.notice(G, job), encode(g))
 
 
@@ -341,9 +333,7 @@ def test_op_facts_admit_a_grant_beside_a_running_snapshot_only_after_the_grantee
     facts = OpFacts()
     assert (snap.job, snap.node, restore.job, restore.node, restore.epoch) == ("a", "n1", "b", "n1", snap.epoch)
     facts.started(AgentOp.of(snap).started(), 1, sim.rec)
-    grant = Granted(
-        group=G, job="b", request_id="r", epoch=snap.epoch, waited_ms=0, context_restored=True, lease_deadline_ms=0
-    )
+    grant = grant_notice("b", snap.epoch, "r", restored=True)
     with pytest.raises(InvariantViolation) as info:
         facts.granted(grant, 2)
     assert info.value.rule == "grant-beside-restore"

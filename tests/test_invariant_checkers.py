@@ -24,7 +24,7 @@ from timeslice_client.protocol import (
 )
 from timeslice_orchestrator.invariants import InvariantViolation, StreamChecker, check_record
 
-from .core_sim import T0, G, Sim
+from .core_sim import T0, G, Sim, grant_notice
 from .op_messages import AgentOp
 
 # --------------------------------------------------------------------------- the checkers can fail
@@ -190,15 +190,7 @@ def test_stream_checker_catches(rule: str) -> None:
 
 
 def _granted(job: str, epoch: int) -> Granted:
-    return Granted(
-        group=G,
-        job=job,
-        request_id=f"{job}@{epoch}",
-        epoch=epoch,
-        waited_ms=0,
-        context_restored=False,
-        lease_deadline_ms=0,
-    )
+    return grant_notice(job, epoch, f"{job}@{epoch}")
 
 
 def _notices_only(*ns: Notice) -> StreamChecker:
@@ -240,7 +232,7 @@ def test_stream_checker_rejects_a_grant_the_core_never_decided() -> None:
 def test_stream_checker_catches_a_notice_on_the_wrong_subject() -> None:
     sim = _scenario()
     checker = StreamChecker()
-    g = Granted(group=G, job="a", request_id="r", epoch=1, waited_ms=0, context_restored=False, lease_deadline_ms=0)
+    g = grant_notice("a", 1, "r")
     with pytest.raises(InvariantViolation, match="notice-subject"):
         checker.feed(1, sim.now, subjects.notice(G, "b"), encode(g))
 
