@@ -18,7 +18,6 @@ from timeslice_client.protocol import (
     Released,
     Revoked,
     SwitchRecord,
-    WaiterRecord,
     encode,
     subjects,
 )
@@ -73,16 +72,7 @@ def test_check_record_catches(rule: str) -> None:
 
 
 def test_check_record_catches_a_stuck_switch() -> None:
-    waiter = WaiterRecord(
-        job="b",
-        request_id="r",
-        enqueued_at_ms=0,
-        deadline_ms=10,
-        alive_until_ms=10,
-        lease_ms=1_000,
-        waiter_ttl_ms=1_000,
-        confirm_ms=1_000,
-    )
+    (waiter,) = _locked_record().queue  # b, switched to below
     rec = GroupRecord(
         group=G,
         epoch=1,
@@ -286,24 +276,15 @@ def test_stream_checker_catches_a_restore_started_beside_a_running_snapshot_on_i
 def test_stream_checker_admits_a_restore_that_says_it_overlapped_and_still_grants_after_all() -> None:
     """An agent with room starts the restore beside the snapshot (``OpStarted.overlapped``); the grant
     still comes only once both ended, whichever ends first."""
-    for order in (
-        [("n1", "snapshot", "start"), ("n1", "restore", "start-overlapped"), ("n1", "restore", "end")],
-        [("n1", "snapshot", "start"), ("n1", "restore", "start-overlapped"), ("n1", "snapshot", "end")],
-    ):
+    beside = [("n1", "snapshot", "start"), ("n1", "restore", "start-overlapped")]
+    n2_restore = [("n2", "restore", "start"), ("n2", "restore", "end")]
+    for ended in ("restore", "snapshot"):
         checker = StreamChecker()
-        checker.feed_all(_op_events([("n2", "restore", "start"), ("n2", "restore", "end"), *order]))
+        checker.feed_all(_op_events([*n2_restore, *beside, ("n1", ended, "end")]))
         rec = checker.records[G]
         assert rec.holder is None and rec.switch is not None  # one operation is still running: no grant yet
-    both = [
-        ("n1", "snapshot", "start"),
-        ("n1", "restore", "start-overlapped"),
-        ("n1", "restore", "end"),
-        ("n2", "restore", "start"),
-        ("n2", "restore", "end"),
-        ("n1", "snapshot", "end"),
-    ]
     checker = StreamChecker()
-    checker.feed_all(_op_events(both))
+    checker.feed_all(_op_events([*beside, ("n1", "restore", "end"), *n2_restore, ("n1", "snapshot", "end")]))
     holder = checker.records[G].holder
     assert holder is not None and holder.job == "b"
 
