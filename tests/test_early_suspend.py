@@ -7,9 +7,9 @@ did before the agent's command reached it is seen without timing windows."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import msgspec
 import pytest
@@ -367,24 +367,15 @@ def test_outcomes_compose_their_work_time_and_whether_it_began_at_release() -> N
     assert Outcome(1, 0, 2.0) + Outcome(2, 0, 3.0) == Outcome(3, 0, 5.0, False)
 
 
+def _snapshot_of_400_mb(op_id: str, epoch: int, **timing: Any) -> OpBar:
+    """A snapshot that moved 400 MB, from 0 (``timing``: when it ended, what the agent and the workload measured)."""
+    return OpBar(op_id=op_id, kind="snapshot", epoch=epoch, start_ms=0, bytes=400_000_000, ok=True, **timing)
+
+
 def test_replay_rates_a_suspend_begun_at_release_by_the_workloads_whole_call() -> None:
     """The agent saw 2 ms of a 40 ms copy of 400 MB: 10 GB/s, not 200 GB/s."""
-    early = OpBar(
-        op_id="o1",
-        kind="snapshot",
-        epoch=2,
-        start_ms=0,
-        end_ms=2,
-        bytes=400_000_000,
-        elapsed_ms=2.0,
-        work_ms=40.0,
-        began_at_release=True,
-        ok=True,
-    )
-    # The same copy, not begun at the release: the agent saw all of it.
-    plain = dataclasses.replace(
-        early, op_id="o2", epoch=4, end_ms=40, elapsed_ms=40.0, work_ms=39.0, began_at_release=False
-    )
+    early = _snapshot_of_400_mb("o1", 2, end_ms=2, elapsed_ms=2.0, work_ms=40.0, began_at_release=True)
+    plain = _snapshot_of_400_mb("o2", 4, end_ms=40, elapsed_ms=40.0, work_ms=39.0)  # the agent saw all of it
     assert early.copy_ms == 40.0 and early.duration_ms == 2.0 and plain.copy_ms == 40.0
     assert _op_figures([early]) == (2.0, pytest.approx(10.0))
     assert _op_figures([plain]) == (40.0, pytest.approx(10.0))
