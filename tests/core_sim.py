@@ -8,19 +8,14 @@ from typing import Any
 import msgspec
 from timeslice_client.protocol import (
     Acquire,
-    AgentLost,
-    Cancel,
-    ClearFault,
+    ControlEvent,
     Granted,
     InputEvent,
+    JobEvent,
     JobRegistered,
-    OpKind,
-    OpResult,
-    Phase,
     Release,
     Renew,
     Restore,
-    SetPolicy,
     Snapshot,
     Tick,
     encode,
@@ -28,6 +23,8 @@ from timeslice_client.protocol import (
 )
 from timeslice_orchestrator.core import Action, Command, Notify, apply, new_record
 from timeslice_orchestrator.invariants import check_record
+
+from .op_messages import AgentOp
 
 G = "g"
 JOBS = ("a", "b", "c", "d")
@@ -55,9 +52,9 @@ def tag(ev: msgspec.Struct) -> str:
 
 
 def input_subject(ev: InputEvent) -> str:
-    if isinstance(ev, Acquire | Release | Renew | Cancel | Phase):
+    if isinstance(ev, JobEvent):
         return subjects.job(ev.group, ev.job, tag(ev))
-    if isinstance(ev, Tick | ClearFault | AgentLost | SetPolicy):
+    if isinstance(ev, ControlEvent):
         return subjects.ctl(ev.group, tag(ev))
     return subjects.agent_event(ev.node, ev.group)
 
@@ -68,6 +65,13 @@ def action_message(group: str, a: Action) -> tuple[str, bytes]:
     if isinstance(a, Command):
         return subjects.agent_cmd(a.command.node), encode(a.command)
     return subjects.group_state(group), encode(a.change)
+
+
+def grant_notice(job: str, epoch: int, rid: str, *, restored: bool = False) -> Granted:
+    """A grant for the checkers to judge, one no core decided: no wait, no lease (what the checkers do not read)."""
+    return Granted(
+        group=G, job=job, request_id=rid, epoch=epoch, waited_ms=0, context_restored=restored, lease_deadline_ms=0
+    )
 
 
 class Sim:
@@ -86,11 +90,14 @@ class Sim:
         self.seq += 1
         self.rec, actions = apply(self.rec, ev, self.now, self.seq)
         check_record(self.rec)
-        self.stream.append((len(self.stream) + 1, self.now, input_subject(ev), encode(ev)))
+        self.publish(input_subject(ev), encode(ev))
         for a in actions:
-            subject, data = action_message(self.group, a)
-            self.stream.append((len(self.stream) + 1, self.now, subject, data))
+            self.publish(*action_message(self.group, a))
         return actions
+
+    def publish(self, subject: str, data: bytes) -> None:
+        """Append a message to the stream, now (the core's events and actions, or what a test adds beside them)."""
+        self.stream.append((len(self.stream) + 1, self.now, subject, data))
 
     def rid(self, job: str) -> str:
         return f"{job}-{next(self.rids)}"
@@ -118,21 +125,7 @@ class Sim:
 
     def result(self, cmd: Snapshot | Restore, ok: bool = True, *, dt: int = 0, **kw: Any) -> list[Action]:
         """The agent's answer to ``cmd`` (``kw``: more of OpResult's fields, e.g. ``overlapped=True``)."""
-        kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
-        return self(
-            OpResult(
-                group=self.group,
-                op_id=cmd.op_id,
-                node=cmd.node,
-                job=cmd.job,
-                kind=kind,
-                epoch=cmd.epoch,
-                ok=ok,
-                error=None if ok else "backend said no",
-                **kw,
-            ),
-            dt=dt,
-        )
+        return self(AgentOp.of(cmd).result(ok, error=None if ok else "backend said no", **kw), dt=dt)
 
     def tick(self, *, dt: int = 0) -> list[Action]:
         return self(Tick(group=self.group), dt=dt)

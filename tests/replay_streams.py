@@ -10,8 +10,6 @@ from timeslice_client.protocol import (
     Acquire,
     JobRegistered,
     OpKind,
-    OpResult,
-    OpStarted,
     Phase,
     Release,
     Tick,
@@ -19,6 +17,8 @@ from timeslice_client.protocol import (
     subjects,
 )
 from timeslice_orchestrator.replay import StreamEvent
+
+from .op_messages import AgentOp
 
 MB = 1024 * 1024
 
@@ -82,40 +82,13 @@ class StreamBuilder:
         overlapped: bool = False,
     ) -> None:
         """The agent's OpStarted at ``start`` and its OpResult at ``end`` (elapsed = end - start)."""
-        oid = op_id(self.group, epoch, kind, node)
-        k = OpKind(kind)
-        self.add(
-            start,
-            subjects.agent_op(node),
-            OpStarted(
-                op_id=oid,
-                group=self.group,
-                job=job,
-                node=node,
-                kind=k,
-                epoch=epoch,
-                backend="app_channel",
-                overlapped=overlapped,
-            ),
+        op = AgentOp(self.group, op_id(self.group, epoch, kind, node), node, job, OpKind(kind), epoch)
+        self.add(start, subjects.agent_op(node), op.started(backend="app_channel", overlapped=overlapped))
+        elapsed_ms = float(end - start)
+        result = op.result(
+            ok, error=error, backend="app_channel", bytes_moved=nbytes, device_bytes_freed=nbytes, elapsed_ms=elapsed_ms
         )
-        self.add(
-            end,
-            subjects.agent_event(node, self.group),
-            OpResult(
-                group=self.group,
-                op_id=oid,
-                node=node,
-                job=job,
-                kind=k,
-                epoch=epoch,
-                ok=ok,
-                error=error,
-                backend="app_channel",
-                bytes_moved=nbytes,
-                device_bytes_freed=nbytes,
-                elapsed_ms=float(end - start),
-            ),
-        )
+        self.add(end, subjects.agent_event(node, self.group), result)
 
 
 @dataclass(frozen=True)

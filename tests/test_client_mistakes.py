@@ -118,14 +118,19 @@ async def test_the_env_var_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert url in str(err) and "from $TIMESLICE_NATS_URL" in str(err)
 
 
+_ONE_BAD_URL = [  # the error names the URL itself as the entry it refused
+    ("http://127.0.0.1:4222", "unknown scheme"),
+    ("nats://:4222", "no host"),
+    ("nats://127.0.0.1:99999", "Port out of range"),
+    ("nats://127.0.0.1:x", "cannot read it"),
+]
+
+
 @pytest.mark.parametrize(
     ("url", "entry", "why"),
     [
-        ("http://127.0.0.1:4222", "http://127.0.0.1:4222", "unknown scheme"),
-        ("nats://:4222", "nats://:4222", "no host"),
-        ("nats://127.0.0.1:99999", "nats://127.0.0.1:99999", "Port out of range"),
-        ("nats://127.0.0.1:x", "nats://127.0.0.1:x", "cannot read it"),
-        ("nats://a:4222,,nats://b:4222", "", "empty entry"),
+        *[(url, url, why) for url, why in _ONE_BAD_URL],
+        ("nats://a:4222,,nats://b:4222", "", "empty entry"),  # a list's empty entry: named as ""
         ("nats://a:4222,", "", "empty entry"),
     ],
 )

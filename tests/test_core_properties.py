@@ -37,7 +37,6 @@ from timeslice_client.protocol import (
     JobUnregistered,
     OpKind,
     OpRecord,
-    OpResult,
     Phase,
     Release,
     Released,
@@ -53,6 +52,7 @@ from timeslice_orchestrator.core import Action, apply, new_record, next_deadline
 from .core_agents import BesideRules, Message, Step, check_run, op_started, pending_epoch, runs_beside
 from .core_model_checks import ModelChecks
 from .core_sim import JOBS, NODES, SEQ_GAP, T0, G, input_subject, notices, tag
+from .op_messages import AgentOp
 
 # Most acquires at the default class (first come, first served), some at others, so choices by class and by ageing
 # both come up.
@@ -393,16 +393,8 @@ class CoreMachine(ModelChecks, BesideRules, RuleBasedStateMachine):
                 self.beside.add((op.node, epoch))
         tr, holder = self.rec.trailing, self.rec.holder
         self.step(
-            OpResult(
-                group=G,
-                op_id=op.op_id,
-                node=op.node,
-                job=op.job,
-                kind=op.kind,
-                epoch=epoch,
-                ok=ok,
-                error=None if ok else "backend failed",
-                overlapped=beside and reports,
+            AgentOp.pending(G, op, epoch).result(
+                ok, error=None if ok else "backend failed", overlapped=beside and reports
             )
         )
         if tr is not None and op in tr.ops and not ok:
@@ -441,30 +433,14 @@ class CoreMachine(ModelChecks, BesideRules, RuleBasedStateMachine):
         elif kind == "forged" and pending_ops(self.rec):
             # A pending operation's id with an older epoch: fenced off.
             op = data.draw(st.sampled_from(pending_ops(self.rec)))
-            self.step_inert(
-                OpResult(
-                    group=G,
-                    op_id=op.op_id,
-                    node=op.node,
-                    job=op.job,
-                    kind=op.kind,
-                    epoch=pending_epoch(self.rec) - 1,
-                    ok=ok,
-                    overlapped=ok,
-                )
-            )
+            self.step_inert(AgentOp.pending(G, op, pending_epoch(self.rec) - 1).result(ok, overlapped=ok))
         elif kind == "late":
             # An answer for an operation that is no longer pending (answered, timed out, older switch).
             pending = {op.op_id for op in pending_ops(self.rec)}
             old = [c for c, _ in self.ops.values() if c.op_id not in pending]
             if old:
                 c = data.draw(st.sampled_from(old))
-                kind_ = OpKind.SNAPSHOT if isinstance(c, Snapshot) else OpKind.RESTORE
-                self.step_inert(
-                    OpResult(
-                        group=G, op_id=c.op_id, node=c.node, job=c.job, kind=kind_, epoch=c.epoch, ok=ok, overlapped=ok
-                    )
-                )
+                self.step_inert(AgentOp.of(c).result(ok, overlapped=ok))
         elif kind == "duplicate" and self.rec.last_seq > 0:
             # Re-applying an event already reflected in the record: the same object, no actions.
             done = [s for s in self.steps if s.seq <= self.rec.last_seq]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import msgspec
 import pytest
@@ -191,21 +193,28 @@ async def test_the_suspend_begins_before_the_stream_answers_and_a_failed_release
         assert gb.epoch == g.epoch + 1 and ch.early_taken == 1 and log[-1] == "a:suspend"
 
 
-async def _alone_again(nats_url: str, a_handler: Recorder) -> tuple[AsyncTimeSliceClient, WorkloadChannel]:
-    """a holds, b starts waiting (a is told), b gives up, a releases: nobody waits any more, so no switch."""
+@asynccontextmanager
+async def _alone_again(
+    nats_url: str, a_handler: Recorder
+) -> AsyncIterator[tuple[AsyncTimeSliceClient, WorkloadChannel]]:
+    """a holds, b starts waiting (a is told), b gives up, a releases: nobody waits any more, so no switch. a's
+    client is closed at the end."""
     a = AsyncTimeSliceClient("a", "gw", nats_url)
-    ch = await a.register_workload(a_handler, node_id=NODE)
-    await a.acquire(timeout=10)
-    async with AsyncTimeSliceClient("b", "gw", nats_url) as b:
-        tb = asyncio.create_task(b.acquire(timeout=30))
-        await eventually(lambda: a.contended, what="the orchestrator tells a that b waits")
-        tb.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await tb
-        await eventually(lambda: _gone(a), what="b's wait withdrawn")
-    r = await a.release()
-    assert r.pending_waiters == 0 and r.snapshot_deferred
-    return a, ch
+    try:
+        ch = await a.register_workload(a_handler, node_id=NODE)
+        await a.acquire(timeout=10)
+        async with AsyncTimeSliceClient("b", "gw", nats_url) as b:
+            tb = asyncio.create_task(b.acquire(timeout=30))
+            await eventually(lambda: a.contended, what="the orchestrator tells a that b waits")
+            tb.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await tb
+            await eventually(lambda: _gone(a), what="b's wait withdrawn")
+        r = await a.release()
+        assert r.pending_waiters == 0 and r.snapshot_deferred
+        yield a, ch
+    finally:
+        await a.close()
 
 
 async def _gone(c: AsyncTimeSliceClient) -> bool:
@@ -221,16 +230,13 @@ async def test_no_switch_after_an_early_suspend_resumes_it_before_the_next_acqui
     nats_url: str, agent: Agent
 ) -> None:
     log: list[str] = []
-    a, ch = await _alone_again(nats_url, Recorder("a", log))
-    try:
+    async with _alone_again(nats_url, Recorder("a", log)) as (a, ch):
         g = await a.acquire(timeout=10)
         assert not g.context_restored, "alone: the orchestrator granted without a restore"
         assert log == ["a:suspend", "a:resume"] and ch.early_resumed == 1 and ch.early_taken == 0
         assert not ch.suspended
         assert agent.jobs()["a"].state is JobState.RUNNING, "the agent never moved a"
         await a.release()
-    finally:
-        await a.close()
 
 
 class _ResumeFails(Recorder):
@@ -242,8 +248,7 @@ async def test_a_failed_resume_after_an_early_suspend_fails_the_acquire_and_give
     nats_url: str, agent: Agent
 ) -> None:
     log: list[str] = []
-    a, _ = await _alone_again(nats_url, _ResumeFails("a", log))
-    try:
+    async with _alone_again(nats_url, _ResumeFails("a", log)) as (a, _):
         with pytest.raises(HandlerError, match="no device memory") as exc:
             await a.acquire(timeout=10)
         assert "restart the job" in str(exc.value)
@@ -251,8 +256,6 @@ async def test_a_failed_resume_after_an_early_suspend_fails_the_acquire_and_give
         # The orchestrator answered the release; its record is written after the answer.
         rec = await eventually(lambda: _nobody_holds(a), what="the grant was given back")
         assert rec.holder is None and rec.epoch == 2
-    finally:
-        await a.close()
 
 
 # --------------------------------------------------------------------------- the channel's side, command by command
@@ -364,31 +367,15 @@ def test_outcomes_compose_their_work_time_and_whether_it_began_at_release() -> N
     assert Outcome(1, 0, 2.0) + Outcome(2, 0, 3.0) == Outcome(3, 0, 5.0, False)
 
 
+def _snapshot_of_400_mb(op_id: str, epoch: int, **timing: Any) -> OpBar:
+    """A snapshot that moved 400 MB, from 0 (``timing``: when it ended, what the agent and the workload measured)."""
+    return OpBar(op_id=op_id, kind="snapshot", epoch=epoch, start_ms=0, bytes=400_000_000, ok=True, **timing)
+
+
 def test_replay_rates_a_suspend_begun_at_release_by_the_workloads_whole_call() -> None:
     """The agent saw 2 ms of a 40 ms copy of 400 MB: 10 GB/s, not 200 GB/s."""
-    early = OpBar(
-        op_id="o1",
-        kind="snapshot",
-        epoch=2,
-        start_ms=0,
-        end_ms=2,
-        bytes=400_000_000,
-        elapsed_ms=2.0,
-        work_ms=40.0,
-        began_at_release=True,
-        ok=True,
-    )
-    plain = OpBar(
-        op_id="o2",
-        kind="snapshot",
-        epoch=4,
-        start_ms=0,
-        end_ms=40,
-        bytes=400_000_000,
-        elapsed_ms=40.0,
-        work_ms=39.0,
-        ok=True,
-    )
+    early = _snapshot_of_400_mb("o1", 2, end_ms=2, elapsed_ms=2.0, work_ms=40.0, began_at_release=True)
+    plain = _snapshot_of_400_mb("o2", 4, end_ms=40, elapsed_ms=40.0, work_ms=39.0)  # the agent saw all of it
     assert early.copy_ms == 40.0 and early.duration_ms == 2.0 and plain.copy_ms == 40.0
     assert _op_figures([early]) == (2.0, pytest.approx(10.0))
     assert _op_figures([plain]) == (40.0, pytest.approx(10.0))

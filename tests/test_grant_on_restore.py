@@ -21,7 +21,6 @@ from timeslice_client.protocol import (
     JobUnregistered,
     OpKind,
     OpRecord,
-    OpStarted,
     Refused,
     Released,
     Restore,
@@ -35,7 +34,8 @@ from timeslice_orchestrator._op_facts import OpFacts
 from timeslice_orchestrator.invariants import InvariantViolation, StreamChecker, check_record
 from timeslice_orchestrator.replay import StreamEvent
 
-from .core_sim import G, Sim, commands, notices
+from .core_sim import G, Sim, commands, grant_notice, notices
+from .op_messages import AgentOp
 
 
 def beside_switch(*, a_nodes: tuple[str, ...] = ("n1",)) -> tuple[Sim, list[Snapshot | Restore]]:
@@ -261,39 +261,13 @@ def test_check_record_allows_no_other_trailing_snapshot(rule: str) -> None:
 
 
 def _started(sim: Sim, cmd: Snapshot | Restore, *, overlapped: bool = False) -> None:
-    kind = OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
-    sim.stream.append(
-        (
-            len(sim.stream) + 1,
-            sim.now,
-            subjects.agent_op(cmd.node),
-            encode(
-                OpStarted(
-                    op_id=cmd.op_id,
-                    group=G,
-                    job=cmd.job,
-                    node=cmd.node,
-                    kind=kind,
-                    epoch=cmd.epoch,
-                    backend="app_channel",
-                    overlapped=overlapped,
-                )
-            ),
-        )
-    )
+    started = AgentOp.of(cmd).started(backend="app_channel", overlapped=overlapped)
+    sim.publish(subjects.agent_op(cmd.node), encode(started))
 
 
 def _inject_grant(sim: Sim, job: str, epoch: int) -> None:
-    g = Granted(
-        group=G,
-        job=job,
-        request_id=f"{job}-forged",
-        epoch=epoch,
-        waited_ms=0,
-        context_restored=True,
-        lease_deadline_ms=0,
-    )
-    sim.stream.append((len(sim.stream) + 1, sim.now, subjects.notice(G, job), encode(g)))
+    g = grant_notice(job, epoch, f"{job}-forged", restored=True)
+    sim.publish(subjects.notice(G, job), encode(g))
 
 
 def _events(sim: Sim) -> list[StreamEvent]:
@@ -357,33 +331,13 @@ def test_op_facts_admit_a_grant_beside_a_running_snapshot_only_after_the_grantee
     sim, cmds = beside_switch()
     (snap,), restore = _split(cmds)
     facts = OpFacts()
-    facts.started(
-        OpStarted(
-            op_id=snap.op_id, group=G, job="a", node="n1", kind=OpKind.SNAPSHOT, epoch=snap.epoch, backend="noop"
-        ),
-        1,
-        sim.rec,
-    )
-    grant = Granted(
-        group=G, job="b", request_id="r", epoch=snap.epoch, waited_ms=0, context_restored=True, lease_deadline_ms=0
-    )
+    assert (snap.job, snap.node, restore.job, restore.node, restore.epoch) == ("a", "n1", "b", "n1", snap.epoch)
+    facts.started(AgentOp.of(snap).started(), 1, sim.rec)
+    grant = grant_notice("b", snap.epoch, "r", restored=True)
     with pytest.raises(InvariantViolation) as info:
         facts.granted(grant, 2)
     assert info.value.rule == "grant-beside-restore"
-    from timeslice_client.protocol import OpResult
-
-    facts.ended(
-        OpResult(
-            group=G,
-            op_id=restore.op_id,
-            node="n1",
-            job="b",
-            kind=OpKind.RESTORE,
-            epoch=snap.epoch,
-            ok=True,
-            overlapped=True,
-        )
-    )
+    facts.ended(AgentOp.of(restore).result(overlapped=True))
     facts.granted(grant, 3)  # beside b's restore: a grant on restore
     with pytest.raises(InvariantViolation):
         facts.granted(msgspec.structs.replace(grant, job="c", epoch=snap.epoch + 1), 4)  # nobody else

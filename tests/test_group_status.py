@@ -41,13 +41,14 @@ def test_a_fresh_group_reads_as_idle_at_epoch_zero() -> None:
 
 
 def test_a_held_group_shows_its_holder_waiters_and_faults_under_the_public_names() -> None:
+    granted_at, lease = 1_000, 30_000
     holder = HolderRecord(
         job="a",
         request_id="rid-a",
         epoch=7,
-        granted_at_ms=1_000,
-        lease_ms=30_000,
-        lease_deadline_ms=31_000,
+        granted_at_ms=granted_at,
+        lease_ms=lease,
+        lease_deadline_ms=granted_at + lease,
         confirmed=True,
         restored=True,
     )
@@ -55,7 +56,7 @@ def test_a_held_group_shows_its_holder_waiters_and_faults_under_the_public_names
         group="g",
         epoch=7,
         state=GroupState.LOCKED,
-        since_ms=1_000,
+        since_ms=granted_at,
         holder=holder,
         active_job="a",
         queue=(_waiter("b"), _waiter("c", priority=3, at=2_500)),

@@ -15,18 +15,16 @@ from timeslice_client.protocol import (
     HolderRecord,
     Notice,
     OpKind,
-    OpResult,
-    OpStarted,
     Released,
     Revoked,
     SwitchRecord,
-    WaiterRecord,
     encode,
     subjects,
 )
 from timeslice_orchestrator.invariants import InvariantViolation, StreamChecker, check_record
 
-from .core_sim import T0, G, Sim
+from .core_sim import T0, G, Sim, grant_notice
+from .op_messages import AgentOp
 
 # --------------------------------------------------------------------------- the checkers can fail
 
@@ -74,16 +72,7 @@ def test_check_record_catches(rule: str) -> None:
 
 
 def test_check_record_catches_a_stuck_switch() -> None:
-    waiter = WaiterRecord(
-        job="b",
-        request_id="r",
-        enqueued_at_ms=0,
-        deadline_ms=10,
-        alive_until_ms=10,
-        lease_ms=1_000,
-        waiter_ttl_ms=1_000,
-        confirm_ms=1_000,
-    )
+    (waiter,) = _locked_record().queue  # b, switched to below
     rec = GroupRecord(
         group=G,
         epoch=1,
@@ -191,15 +180,7 @@ def test_stream_checker_catches(rule: str) -> None:
 
 
 def _granted(job: str, epoch: int) -> Granted:
-    return Granted(
-        group=G,
-        job=job,
-        request_id=f"{job}@{epoch}",
-        epoch=epoch,
-        waited_ms=0,
-        context_restored=False,
-        lease_deadline_ms=0,
-    )
+    return grant_notice(job, epoch, f"{job}@{epoch}")
 
 
 def _notices_only(*ns: Notice) -> StreamChecker:
@@ -241,7 +222,7 @@ def test_stream_checker_rejects_a_grant_the_core_never_decided() -> None:
 def test_stream_checker_catches_a_notice_on_the_wrong_subject() -> None:
     sim = _scenario()
     checker = StreamChecker()
-    g = Granted(group=G, job="a", request_id="r", epoch=1, waited_ms=0, context_restored=False, lease_deadline_ms=0)
+    g = grant_notice("a", 1, "r")
     with pytest.raises(InvariantViolation, match="notice-subject"):
         checker.feed(1, sim.now, subjects.notice(G, "b"), encode(g))
 
@@ -262,23 +243,11 @@ def _op_events(order: list[tuple[str, str, str]]) -> list[tuple[int, int, str, b
     for node, kind, edge in order:
         seq += 1
         job = "a" if kind == "snapshot" else "b"
-        op_id = f"{G}:{epoch}:{kind}:{node}"
-        k = OpKind(kind)
+        op = AgentOp(G, f"{G}:{epoch}:{kind}:{node}", node, job, OpKind(kind), epoch)
         if edge in ("start", "start-overlapped"):
-            msg: msgspec.Struct = OpStarted(
-                op_id=op_id,
-                group=G,
-                job=job,
-                node=node,
-                kind=k,
-                epoch=epoch,
-                backend="noop",
-                overlapped=edge == "start-overlapped",
-            )
-            out.append((seq, now, subjects.agent_op(node), encode(msg)))
+            out.append((seq, now, subjects.agent_op(node), encode(op.started(overlapped=edge == "start-overlapped"))))
         else:
-            msg = OpResult(group=G, op_id=op_id, node=node, job=job, kind=k, epoch=epoch, ok=True)
-            out.append((seq, now, subjects.agent_event(node, G), encode(msg)))
+            out.append((seq, now, subjects.agent_event(node, G), encode(op.result())))
     return out
 
 
@@ -307,24 +276,15 @@ def test_stream_checker_catches_a_restore_started_beside_a_running_snapshot_on_i
 def test_stream_checker_admits_a_restore_that_says_it_overlapped_and_still_grants_after_all() -> None:
     """An agent with room starts the restore beside the snapshot (``OpStarted.overlapped``); the grant
     still comes only once both ended, whichever ends first."""
-    for order in (
-        [("n1", "snapshot", "start"), ("n1", "restore", "start-overlapped"), ("n1", "restore", "end")],
-        [("n1", "snapshot", "start"), ("n1", "restore", "start-overlapped"), ("n1", "snapshot", "end")],
-    ):
+    beside = [("n1", "snapshot", "start"), ("n1", "restore", "start-overlapped")]
+    n2_restore = [("n2", "restore", "start"), ("n2", "restore", "end")]
+    for ended in ("restore", "snapshot"):
         checker = StreamChecker()
-        checker.feed_all(_op_events([("n2", "restore", "start"), ("n2", "restore", "end"), *order]))
+        checker.feed_all(_op_events([*n2_restore, *beside, ("n1", ended, "end")]))
         rec = checker.records[G]
         assert rec.holder is None and rec.switch is not None  # one operation is still running: no grant yet
-    both = [
-        ("n1", "snapshot", "start"),
-        ("n1", "restore", "start-overlapped"),
-        ("n1", "restore", "end"),
-        ("n2", "restore", "start"),
-        ("n2", "restore", "end"),
-        ("n1", "snapshot", "end"),
-    ]
     checker = StreamChecker()
-    checker.feed_all(_op_events(both))
+    checker.feed_all(_op_events([*beside, ("n1", "restore", "end"), *n2_restore, ("n1", "snapshot", "end")]))
     holder = checker.records[G].holder
     assert holder is not None and holder.job == "b"
 
