@@ -63,6 +63,7 @@ from ._lease_key import (
     seen_from,
 )
 from ._lease_timing import LeaseTiming
+from ._tasks import cancel_and_wait
 
 __all__ = [
     "LEADER_BUCKET",
@@ -453,9 +454,7 @@ class Leadership:
                 f"instance {self.instance_id}: the NATS connection closed; Leadership.run() needs an open connection"
             ) from exc
         finally:
-            stopper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await stopper
+            await cancel_and_wait(stopper)
             if self._leading and self.resign_on_stop:
                 try:
                     await self.resign(timeout=self.timing.op_timeout_s * 2)
