@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import get_origin
 
 import msgspec
 from timeslice_client.protocol import (
@@ -54,8 +55,10 @@ class Transition(msgspec.Struct, frozen=True):
 
 Action = Notify | Command | Transition
 
-# What a Work mirrors of its record: every field but the sequence number of the event last applied.
-_RECORD_FIELDS = tuple(name for name in GroupRecord.__struct_fields__ if name != "last_seq")
+# What a Work mirrors of its record: every field but the sequence number of the event last applied; the dicts
+# among them are copied (the handlers change them in place).
+_RECORD_FIELDS = tuple(f.name for f in msgspec.structs.fields(GroupRecord) if f.name != "last_seq")
+_RECORD_DICTS = tuple(f.name for f in msgspec.structs.fields(GroupRecord) if get_origin(f.type) is dict)
 
 
 @dataclass
@@ -92,13 +95,17 @@ class Work:
     @classmethod
     def of(cls, rec: GroupRecord, now: int, limits: Limits = LIMITS) -> Work:
         """A working copy of every field of ``rec`` (``finish`` sets ``last_seq``): its dicts and queue are copied, as
-        the handlers change them in place and ``rec`` stays as it was read. A field added to the record without one
-        here fails the first ``apply`` instead of being dropped silently."""
-        fields = {name: getattr(rec, name) for name in _RECORD_FIELDS}
-        copies = {name: dict(value) for name, value in fields.items() if isinstance(value, dict)}
-        return cls(now=now, limits=limits, **(fields | copies | {"queue": list(rec.queue)}))
+        the handlers change them in place and ``rec`` stays as it was read. A field added to the record but not to
+        ``Work`` fails the first ``apply`` instead of being dropped silently."""
+        fields = msgspec.structs.asdict(rec)
+        del fields["last_seq"]
+        for name in _RECORD_DICTS:
+            fields[name] = dict(fields[name])
+        fields["queue"] = list(rec.queue)
+        return cls(now=now, limits=limits, **fields)
 
     def finish(self, rec: GroupRecord, seq: int) -> tuple[GroupRecord, list[Action]]:
+        """The record after the event applied as ``seq`` (``rec`` itself when nothing changed) and the actions."""
         if not self.changed and not self.actions:
             return rec, []
         state = self._derive_state()
@@ -120,8 +127,10 @@ class Work:
                     )
                 )
             )
-        fields = {name: getattr(self, name) for name in _RECORD_FIELDS}
-        new = GroupRecord(**(fields | {"state": state, "since_ms": since, "queue": tuple(self.queue)}), last_seq=seq)
+        mine = vars(self)
+        fields = {name: mine[name] for name in _RECORD_FIELDS}
+        fields.update(state=state, since_ms=since, queue=tuple(self.queue), last_seq=seq)
+        new = GroupRecord(**fields)
         return new, self.actions
 
     def _derive_state(self) -> GroupState:
