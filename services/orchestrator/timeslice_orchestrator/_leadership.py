@@ -62,6 +62,8 @@ from ._lease_key import (
     read_leader,
     seen_from,
 )
+from ._lease_timing import LeaseTiming
+from ._tasks import cancel_and_wait
 
 __all__ = [
     "LEADER_BUCKET",
@@ -114,22 +116,10 @@ class Leadership:
         on_change: Callable[[LeadershipChange], None] | None = None,
         metrics: Callable[[str, float], None] | None = None,
     ) -> None:
-        if int(ttl_s) != ttl_s or ttl_s < 1:
-            raise LeadershipError(f"ttl_s={ttl_s}: the server takes whole seconds, at least 1; pass 1, 2, ...")
-        if not 0 < margin_s < ttl_s:
-            raise LeadershipError(f"margin_s={margin_s} must be in (0, ttl_s={ttl_s})")
-        if not 0 < renew_s < ttl_s - margin_s:
-            raise LeadershipError(
-                f"renew_s={renew_s} must be in (0, ttl_s - margin_s = {ttl_s - margin_s}): "
-                "the lease would lapse between renewals"
-            )
         self._js = js
         self.instance_id = instance_id or default_instance_id()
         self.label = label
-        self.ttl_s = int(ttl_s)
-        self.renew_s = renew_s
-        self.margin_s = margin_s
-        self.op_timeout_s = op_timeout_s
+        self.timing = LeaseTiming(ttl_s, renew_s, margin_s, op_timeout_s)
         self.replicas = replicas
         self.resign_on_stop = resign_on_stop
         self._on_change = on_change
@@ -178,11 +168,11 @@ class Leadership:
         self._leading = True
         self._term = term
         self._rev = rev
-        self._valid_until = sent + self.ttl_s - self.margin_s
+        self._valid_until = self.timing.valid_until(sent)
         self._last_sent = sent
         self._unconfirmed_since = None
         self._since_ms = record.since_ms
-        self._seen = Seen(rev, record, float(self.ttl_s), clock())
+        self._seen = Seen(rev, record, float(self.timing.ttl_s), clock())
         self._pulse()
         self._gone_at = None
         if gone_at is not None:
@@ -248,16 +238,16 @@ class Leadership:
         return LeaderRecord(self.instance_id, self._term, self._since_ms, self.label)
 
     async def _publish(self, data: bytes, headers: dict[str, str]) -> int:
-        pa = await self._js.publish(SUBJECT, data, timeout=self.op_timeout_s, headers=headers)
+        pa = await self._js.publish(SUBJECT, data, timeout=self.timing.op_timeout_s, headers=headers)
         return int(pa.seq)
 
     async def _campaign(self) -> None:
         async with self._lock:
             if self._leading or self._retired:
                 return
-            async with asyncio.timeout(self.op_timeout_s):
+            async with asyncio.timeout(self.timing.op_timeout_s):
                 last_seq = int((await self._js.stream_info(STREAM)).state.last_seq)
-            seen = await read_key(self._js, self.op_timeout_s)
+            seen = await read_key(self._js, self.timing.op_timeout_s)
             self._observe(seen)
             if seen.record is not None:
                 return
@@ -266,7 +256,7 @@ class Leadership:
             headers = {
                 Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(seen.rev),
                 Header.EXPECTED_LAST_SEQUENCE.value: str(last_seq),
-                Header.MSG_TTL.value: f"{self.ttl_s}s",
+                Header.MSG_TTL.value: f"{self.timing.ttl_s}s",
             }
             gone_at = self._gone_at  # (the watch may show our record before the answer comes)
             sent = clock()
@@ -279,7 +269,7 @@ class Leadership:
                 self._metric("campaign_lost")
                 return
             except UNANSWERED:  # the record, if it landed, says whether we won
-                seen = await read_key(self._js, self.op_timeout_s)
+                seen = await read_key(self._js, self.timing.op_timeout_s)
                 if seen.record == record:
                     rev = seen.rev
                 else:
@@ -304,7 +294,7 @@ class Leadership:
             self._last_sent = sent
             headers = {
                 Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value: str(self._rev),
-                Header.MSG_TTL.value: f"{self.ttl_s}s",
+                Header.MSG_TTL.value: f"{self.timing.ttl_s}s",
             }
             try:
                 rev = await self._publish(msgspec.json.encode(self._record()), headers)
@@ -323,14 +313,14 @@ class Leadership:
 
     def _confirmed(self, rev: int, sent: float) -> None:
         self._rev = rev
-        self._valid_until = sent + self.ttl_s - self.margin_s
+        self._valid_until = self.timing.valid_until(sent)
         self._unconfirmed_since = None
         self._pulse()
 
     async def _reconcile(self, refused: str | None = None) -> None:
         """After a renewal that was refused or not answered: read the key and believe what it says."""
         try:
-            seen = await read_key(self._js, self.op_timeout_s)
+            seen = await read_key(self._js, self.timing.op_timeout_s)
         except (TimeoutError, nats.errors.Error) as exc:
             log.warning(
                 "leader key unreadable after a renewal (%s): %r", refused or "unanswered", exc, extra=self._extra()
@@ -361,7 +351,7 @@ class Leadership:
         standby that holds off for ``ttl_s``. True when the purge was written."""
         self._retired = self._retired or not rejoin
         if rejoin:
-            self._holdoff_until = clock() + self.ttl_s
+            self._holdoff_until = clock() + self.timing.ttl_s
         self._wake.set()
         async with asyncio.timeout(timeout), self._lock:
             if not self._leading:
@@ -449,7 +439,7 @@ class Leadership:
                         await self._follow_once()
                 except (TimeoutError, *UNANSWERED) as exc:
                     log.warning("leader key unreachable: %r", exc, extra=self._extra())
-                    await self._sleep_until(clock() + min(self.renew_s, 0.1))
+                    await self._sleep_until(clock() + min(self.timing.renew_s, 0.1))
                 except NotFoundError as exc:
                     if exc.err_code != STREAM_NOT_FOUND:
                         raise
@@ -464,24 +454,25 @@ class Leadership:
                 f"instance {self.instance_id}: the NATS connection closed; Leadership.run() needs an open connection"
             ) from exc
         finally:
-            stopper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await stopper
+            await cancel_and_wait(stopper)
             if self._leading and self.resign_on_stop:
                 try:
-                    await self.resign(timeout=self.op_timeout_s * 2)
+                    await self.resign(timeout=self.timing.op_timeout_s * 2)
                 except (TimeoutError, nats.errors.Error) as exc:
                     log.warning(
-                        "resign on stop failed: %r (the lease expires in %d s)", exc, self.ttl_s, extra=self._extra()
+                        "resign on stop failed: %r (the lease expires in %d s)",
+                        exc,
+                        self.timing.ttl_s,
+                        extra=self._extra(),
                     )
             self._step_down("stopped")
             with contextlib.suppress(Exception):
-                async with asyncio.timeout(self.op_timeout_s):
+                async with asyncio.timeout(self.timing.op_timeout_s):
                     await sub.unsubscribe()
             self._running = False
 
     async def _lead_once(self) -> None:
-        await self._sleep_until(self._last_sent + self.renew_s)
+        await self._sleep_until(self._last_sent + self.timing.renew_s)
         if self._wake.is_set() or not self._leading:
             return  # the watch or stop woke us: the loop looks again
         await self._renew()
@@ -495,10 +486,10 @@ class Leadership:
         if seen is None or seen.record is None:
             await self._campaign()
             if not self._leading:  # lost the race: the winner's record arrives on the watch
-                await self._sleep_until(clock() + self.renew_s)
+                await self._sleep_until(clock() + self.timing.renew_s)
             return
         # Held by someone: the watch tells us when it goes; re-read if nothing came by its expiry.
-        ttl = seen.ttl_s if seen.ttl_s is not None else float(self.ttl_s)
+        ttl = seen.ttl_s if seen.ttl_s is not None else float(self.timing.ttl_s)
         await self._sleep_until(max(seen.at + ttl + 0.1, now + 0.05))
         if not self._wake.is_set():
-            self._observe(await read_key(self._js, self.op_timeout_s))
+            self._observe(await read_key(self._js, self.timing.op_timeout_s))

@@ -4,7 +4,10 @@ The handlers that change the working copy, one per input event type, are in ``_h
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import get_origin
 
 import msgspec
 from timeslice_client.protocol import (
@@ -52,6 +55,11 @@ class Transition(msgspec.Struct, frozen=True):
 
 Action = Notify | Command | Transition
 
+# What a Work mirrors of its record: every field but the sequence number of the event last applied; the dicts
+# among them are copied (the handlers change them in place).
+_RECORD_FIELDS = tuple(f.name for f in msgspec.structs.fields(GroupRecord) if f.name != "last_seq")
+_RECORD_DICTS = tuple(f.name for f in msgspec.structs.fields(GroupRecord) if get_origin(f.type) is dict)
+
 
 @dataclass
 class Work:
@@ -86,31 +94,18 @@ class Work:
 
     @classmethod
     def of(cls, rec: GroupRecord, now: int, limits: Limits = LIMITS) -> Work:
-        return cls(
-            limits=limits,
-            group=rec.group,
-            now=now,
-            epoch=rec.epoch,
-            state=rec.state,
-            since_ms=rec.since_ms,
-            holder=rec.holder,
-            active_job=rec.active_job,
-            loaded=dict(rec.loaded),
-            placements=dict(rec.placements),
-            op_timeouts=dict(rec.op_timeouts),
-            queue=list(rec.queue),
-            switch=rec.switch,
-            faulted=dict(rec.faulted),
-            saved=dict(rec.saved),
-            lost_nodes=rec.lost_nodes,
-            trailing=rec.trailing,
-            quantum_ms=rec.quantum_ms,
-            yield_asked_epoch=rec.yield_asked_epoch,
-            min_hold_ms=rec.min_hold_ms,
-            reserved=rec.reserved,
-        )
+        """A working copy of every field of ``rec`` (``finish`` sets ``last_seq``): its dicts and queue are copied, as
+        the handlers change them in place and ``rec`` stays as it was read. A field added to the record but not to
+        ``Work`` fails the first ``apply`` instead of being dropped silently."""
+        fields = msgspec.structs.asdict(rec)
+        del fields["last_seq"]
+        for name in _RECORD_DICTS:
+            fields[name] = dict(fields[name])
+        fields["queue"] = list(rec.queue)
+        return cls(now=now, limits=limits, **fields)
 
     def finish(self, rec: GroupRecord, seq: int) -> tuple[GroupRecord, list[Action]]:
+        """The record after the event applied as ``seq`` (``rec`` itself when nothing changed) and the actions."""
         if not self.changed and not self.actions:
             return rec, []
         state = self._derive_state()
@@ -132,28 +127,10 @@ class Work:
                     )
                 )
             )
-        new = GroupRecord(
-            group=self.group,
-            epoch=self.epoch,
-            state=state,
-            since_ms=since,
-            holder=self.holder,
-            active_job=self.active_job,
-            loaded=self.loaded,
-            placements=self.placements,
-            op_timeouts=self.op_timeouts,
-            queue=tuple(self.queue),
-            switch=self.switch,
-            faulted=self.faulted,
-            saved=self.saved,
-            lost_nodes=self.lost_nodes,
-            last_seq=seq,
-            trailing=self.trailing,
-            quantum_ms=self.quantum_ms,
-            yield_asked_epoch=self.yield_asked_epoch,
-            min_hold_ms=self.min_hold_ms,
-            reserved=self.reserved,
-        )
+        mine = vars(self)
+        fields = {name: mine[name] for name in _RECORD_FIELDS}
+        fields.update(state=state, since_ms=since, queue=tuple(self.queue), last_seq=seq)
+        new = GroupRecord(**fields)
         return new, self.actions
 
     def _derive_state(self) -> GroupState:
@@ -455,38 +432,12 @@ class Work:
             self._set_resend_at({op.op_id}, again)
         tr = self.trailing
         if tr is not None:  # a trailing snapshot, at the epoch of the switch that granted on restore
-            self.actions.append(
-                Command(
-                    Snapshot(
-                        op_id=op.op_id,
-                        group=self.group,
-                        job=op.job,
-                        node=op.node,
-                        epoch=tr.epoch,
-                        deadline_ms=op.deadline_ms,
-                    )
-                )
-            )
+            self.actions.append(self._command(op, tr.epoch))
             return
         sw = self.switch
         assert sw is not None
-        cmd: AgentCommand
-        if op.kind is OpKind.SNAPSHOT:
-            cmd = Snapshot(
-                op_id=op.op_id, group=self.group, job=op.job, node=op.node, epoch=sw.epoch, deadline_ms=op.deadline_ms
-            )
-        else:
-            after = tuple(o.op_id for o in sw.ops if o.node == op.node and o.kind is OpKind.SNAPSHOT)
-            cmd = Restore(
-                op_id=op.op_id,
-                group=self.group,
-                job=op.job,
-                node=op.node,
-                epoch=sw.epoch,
-                deadline_ms=op.deadline_ms,
-                after=after,
-            )
-        self.actions.append(Command(cmd))
+        after = tuple(o.op_id for o in sw.ops if o.node == op.node and o.kind is OpKind.SNAPSHOT)
+        self.actions.append(self._command(op, sw.epoch, after))
 
     def restore_op(self, sw: SwitchRecord, node: str, job: str, suffix: str = "") -> OpRecord:
         """A restore of ``job`` on ``node``, after the switch's snapshots still pending there; its deadline
@@ -517,22 +468,16 @@ class Work:
             deadline_ms=(self.now if start_ms is None else start_ms) + timeout,
             resend_at_ms=self.now + self.limits.resend_ms,
         )
-        if kind is OpKind.SNAPSHOT:
-            cmd: AgentCommand = Snapshot(
-                op_id=op.op_id, group=self.group, job=job, node=node, epoch=epoch, deadline_ms=op.deadline_ms
-            )
-        else:
-            cmd = Restore(
-                op_id=op.op_id,
-                group=self.group,
-                job=job,
-                node=node,
-                epoch=epoch,
-                deadline_ms=op.deadline_ms,
-                after=after,
-            )
-        self.actions.append(Command(cmd))
+        self.actions.append(self._command(op, epoch, after))
         return op
+
+    def _command(self, op: OpRecord, epoch: int, after: tuple[str, ...] = ()) -> Command:
+        """The agent's command for ``op`` at ``epoch`` (a restore after the snapshot operations ``after`` names): one
+        builder, so that an operation sent again is the command first sent."""
+        make: Callable[..., AgentCommand] = Snapshot if op.kind is OpKind.SNAPSHOT else partial(Restore, after=after)
+        return Command(
+            make(op_id=op.op_id, group=self.group, job=op.job, node=op.node, epoch=epoch, deadline_ms=op.deadline_ms)
+        )
 
     def op_done(self, op: OpRecord, *, ok: bool, error: str | None, fault: bool = True, beside: bool = False) -> None:
         """An operation of the running switch, or a trailing snapshot, ended. ``fault=False``: it failed because its

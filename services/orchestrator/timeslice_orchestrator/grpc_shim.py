@@ -91,6 +91,7 @@ from timeslice_client.protocol import (
 )
 
 from ._grpc_answers import agent_states, group_status, status_code
+from ._tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from .service import Orchestrator
@@ -204,10 +205,7 @@ class OrchestratorGrpcShim:
             await self._server.stop(self.config.stop_grace_s)
         if self._health_server is not None:
             await self._health_server.stop(0)
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+        await cancel_and_wait(self._watch)
         if self._nc is not None:
             with contextlib.suppress(Exception):
                 await self._nc.drain()  # first: a client closed on a closed connection releases nothing

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, NamedTuple
 
 import msgspec
 from prometheus_client import CollectorRegistry
@@ -55,6 +55,57 @@ APPLY_BUCKETS: Final = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0
 _DEQUEUE_REASONS: Final = ("cancelled", "timeout", "lost", "faulted")
 _EXPIRY_REASONS: Final = ("lease_expired", "grant_unconfirmed")
 
+
+class _InstanceFamily(NamedTuple):
+    """One of the instance's own numbers (one sample, not per group): its family, the attribute of
+    ``OrchestratorMetrics`` that holds the value, and its help."""
+
+    kind: type[CounterMetricFamily | GaugeMetricFamily]
+    name: str
+    attr: str
+    doc: str
+
+
+# In the order a scrape shows them, after the per-group families.
+_INSTANCE_FAMILIES: Final = (
+    _InstanceFamily(
+        CounterMetricFamily,
+        "timeslice_events_rejected",
+        "rejected",
+        "Events refused before the core (malformed or on an unknown subject).",
+    ),
+    _InstanceFamily(
+        GaugeMetricFamily,
+        "timeslice_groups_quarantined",
+        "quarantined",
+        "Groups not served because their record cannot be loaded, decoded or stored (alarm on > 0; "
+        "`timeslice status` shows which and why).",
+    ),
+    _InstanceFamily(
+        GaugeMetricFamily,
+        "timeslice_orchestrator_leading",
+        "leading",
+        "1 while this orchestrator leads, 0 while it stands by (exactly one instance should show 1).",
+    ),
+    _InstanceFamily(
+        GaugeMetricFamily,
+        "timeslice_orchestrator_term",
+        "term",
+        "The leadership term of this instance's latest election (terms only grow).",
+    ),
+    _InstanceFamily(
+        CounterMetricFamily,
+        "timeslice_orchestrator_elections",
+        "elections",
+        "Times this instance was elected leader.",
+    ),
+    _InstanceFamily(
+        CounterMetricFamily,
+        "timeslice_orchestrator_leadership_losses",
+        "leader_losses",
+        "Times this instance lost or gave up the leadership.",
+    ),
+)
 
 _DEQUEUE_LABELS: Final = {DequeueCode.TIMEOUT: "timeout", DequeueCode.LOST: "lost", DequeueCode.FAULTED: "faulted"}
 
@@ -273,36 +324,6 @@ class OrchestratorMetrics(Collector):
         )
         for tag, n in sorted(events.items()):
             applied.add_metric([tag], n)
-        quarantined = GaugeMetricFamily(
-            "timeslice_groups_quarantined",
-            "Groups not served because their record "
-            "cannot be loaded, decoded or stored (alarm on > 0; `timeslice status` "
-            "shows which and why).",
-            value=self.quarantined,
-        )
-        leading = GaugeMetricFamily(
-            "timeslice_orchestrator_leading",
-            "1 while this orchestrator leads, 0 while it stands by (exactly one instance should show 1).",
-            value=self.leading,
-        )
-        term = GaugeMetricFamily(
-            "timeslice_orchestrator_term",
-            "The leadership term of this instance's latest election (terms only grow).",
-            value=self.term,
-        )
-        elections = CounterMetricFamily(
-            "timeslice_orchestrator_elections", "Times this instance was elected leader.", value=self.elections
-        )
-        losses = CounterMetricFamily(
-            "timeslice_orchestrator_leadership_losses",
-            "Times this instance lost or gave up the leadership.",
-            value=self.leader_losses,
-        )
-        rejected = CounterMetricFamily(
-            "timeslice_events_rejected",
-            "Events refused before the core (malformed or on an unknown subject).",
-            value=self.rejected,
-        )
         latency = HistogramMetricFamily(
             "timeslice_apply_seconds",
             "Time spent in the pure core per event.",
@@ -322,12 +343,7 @@ class OrchestratorMetrics(Collector):
             cancelled,
             faults,
             applied,
-            rejected,
-            quarantined,
-            leading,
-            term,
-            elections,
-            losses,
+            *(f.kind(f.name, f.doc, value=getattr(self, f.attr)) for f in _INSTANCE_FAMILIES),
             latency,
         )
 
