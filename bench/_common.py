@@ -19,7 +19,10 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+if TYPE_CHECKING:
+    from tests.cluster import NatsCluster
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -313,6 +316,17 @@ def scratch_dir(prefix: str) -> Path:
 
 def remove_dir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+async def nats_cluster(tmp: Path, name: str) -> NatsCluster:
+    """Three clustered NATS servers under ``tmp/nats``, started and ready: for the benches that kill or cut off a
+    server under a replicated stream (chaos.py, stream_leader.py); the caller closes it."""
+    from tests.cluster import NatsCluster
+
+    cluster = NatsCluster(tmp / "nats", size=3, name=name)
+    cluster.start()
+    await cluster.ready()
+    return cluster
 
 
 # ---------------------------------------------------------------------- load generators
