@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,29 @@ def _published(vp: dict[str, Any]) -> str:
     )
 
 
+def _sim_caption(s: dict[str, Any], cm: str) -> str:
+    return (
+        f"Sim, cost model *{cm}*, {s['jobs']} jobs {X} {s['steps']} steps, bus pass {s['hop_ms']:.2f} ms, "
+        f"quantum {s['quantum_s']:.0f} s:"
+    )
+
+
+def _real_caption(r: dict[str, Any], cm: str) -> str:
+    return f"Real, cost model *{cm}*, {r['jobs']} jobs {X} {r['steps']} steps, time ÷ {r['compression']:.0f}:"
+
+
+def _same_steps_caption(s: dict[str, Any], cm: str) -> str:
+    return f"Sim at the real run's {s['steps']} steps, cost model *{cm}* (to set beside the real run):"
+
+
+# A profile's runs, in the order the section shows them (each a table per cost model), and the line above each table.
+_CAPTIONS: dict[str, Callable[[dict[str, Any], str], str]] = {
+    "sim": _sim_caption,
+    "real": _real_caption,
+    "sim_same_steps": _same_steps_caption,
+}
+
+
 def pool_markdown(r: dict[str, Any]) -> list[str]:
     """The section's lines (without its title) from a trace_replay result; [] when it ran no multi-pool profile."""
     pp = r.get("pool_profiles") or {}
@@ -121,35 +145,14 @@ def pool_markdown(r: dict[str, Any]) -> list[str]:
         for cm, c in p.get("costs", {}).items():
             out += [f"- cost model *{cm}*: {c['description']}"]
         out += [""]
-        if "sim" in p:
-            s = p["sim"]
-            for cm, by_pol in s["runs"].items():
-                out += [
-                    f"Sim, cost model *{cm}*, {s['jobs']} jobs {X} {s['steps']} steps, bus pass {s['hop_ms']:.2f} ms, "
-                    f"quantum {s['quantum_s']:.0f} s:",
-                    "",
-                    *_table(_head(p), _rows(p, by_pol)),
-                ]
+        for mode, caption in _CAPTIONS.items():
+            if mode not in p:
+                continue
+            for cm, by_pol in p[mode]["runs"].items():
+                out += [caption(p[mode], cm), "", *_table(_head(p), _rows(p, by_pol))]
                 fifo = by_pol.get("fifo") or next(iter(by_pol.values()))
-                if fifo.get("vs_published"):
+                if mode == "sim" and fifo.get("vs_published"):
                     out += [_published(fifo["vs_published"]), ""]
-        if "real" in p:
-            rr = p["real"]
-            for cm, by_pol in rr["runs"].items():
-                out += [
-                    f"Real, cost model *{cm}*, {rr['jobs']} jobs {X} {rr['steps']} steps, time ÷ "
-                    f"{rr['compression']:.0f}:",
-                    "",
-                    *_table(_head(p), _rows(p, by_pol)),
-                ]
-        if "sim_same_steps" in p:
-            s = p["sim_same_steps"]
-            for cm, by_pol in s["runs"].items():
-                out += [
-                    f"Sim at the real run's {s['steps']} steps, cost model *{cm}* (to set beside the real run):",
-                    "",
-                    *_table(_head(p), _rows(p, by_pol)),
-                ]
     return out
 
 
