@@ -6,6 +6,7 @@ so ``bench/`` is on ``sys.path``).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import datetime
@@ -114,6 +115,25 @@ def write_json(path: str | os.PathLike[str] | None, result: dict[str, Any]) -> N
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+def write_result(
+    path: str | os.PathLike[str] | None, bench: str, machine: dict[str, Any], figures: dict[str, Any]
+) -> None:
+    """Write a bench's result file (``--json-out``, nothing without one): which bench, the command that ran it, the
+    machine's facts at its start, then its figures."""
+    write_json(path, {"bench": bench, "command": command_line(), "machine": machine, **figures})
+
+
+def trials_args(doc: str, trials: int, quick: int) -> tuple[int, str | None]:
+    """The command line of a bench that times ``--trials`` attempts each way (``--quick``: ``quick`` of them, to
+    check the pipeline): how many to run, and where ``--json-out`` writes the result."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n", maxsplit=1)[0])
+    p.add_argument("--trials", type=int, default=trials)
+    p.add_argument("--quick", action="store_true", help=f"{quick} trials each way (checks the pipeline)")
+    p.add_argument("--json-out", default=None)
+    a = p.parse_args()
+    return (quick if a.quick else a.trials), a.json_out
 
 
 def command_line() -> str:
@@ -406,6 +426,20 @@ async def ready_then_go(nc: Any, went: asyncio.Future[dict[str, float]], ready: 
     Path(ready).write_text("ready")
     async with asyncio.timeout(timeout):
         return float((await went)["window_start"])
+
+
+def trace_job_parser(doc: str, *flags: str) -> argparse.ArgumentParser:
+    """The command line trace_replay.py starts a trace job with (``_trace_job``, ``_trace_pool_job``): the bus, the
+    job, its profile, its ready and result files and its own string ``flags``, all required; the run's steps, seed
+    and time compression; how long it waits for the go."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for flag in ("--url", "--job", "--profile", "--ready", "--out", *flags):
+        p.add_argument(flag, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--compression", type=float, required=True)
+    p.add_argument("--go-timeout", type=float, default=300.0)
+    return p
 
 
 async def sleep_until(t: float) -> None:
