@@ -13,7 +13,7 @@ from typing import Any
 from timeslice_client.bus import nats_url_arg
 from timeslice_client.errors import TimeSliceError
 
-__all__ = ["CliError", "add_nats_flag", "emit_json", "publish_control", "until_applied"]
+__all__ = ["CliError", "add_nats_flag", "emit_json", "in_range", "publish_control", "until_applied"]
 
 
 class CliError(TimeSliceError):
@@ -33,6 +33,19 @@ def add_nats_flag(p: argparse.ArgumentParser) -> None:
         default=None,
         help="NATS server(s), comma-separated (default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)",
     )
+
+
+def in_range(flag: str, low: float, high: float, unit: str) -> Callable[[str], float]:
+    """An argparse type for ``flag``: a number from ``low`` to ``high`` ``unit``; out of range, the error says the
+    range (a bound that keeps the command useful: a timeout it can wait out, a rate the terminal can show)."""
+
+    def number(text: str) -> float:
+        value = float(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{flag} {value}: give {low:g} to {high:g} {unit}")
+        return value
+
+    return number
 
 
 def emit_json(doc: Any, *, indent: int | None = 2) -> None:

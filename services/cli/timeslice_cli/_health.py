@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._common import add_nats_flag, emit_json
+from ._common import add_nats_flag, emit_json, in_range
 from ._term import show
 
 __all__ = ["Check", "Status", "register", "run_checks"]
@@ -232,13 +232,6 @@ async def _run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _timeout(text: str) -> float:
-    value = float(text)
-    if not 0.1 <= value <= 300:
-        raise argparse.ArgumentTypeError(f"--timeout {value}: give 0.1 to 300 seconds")
-    return value
-
-
 def register(sub: Any) -> None:
     """Add ``health`` to the ``timeslice`` command's subparsers."""
     h = sub.add_parser(
@@ -252,7 +245,12 @@ def register(sub: Any) -> None:
         help="require a live agent on this node (repeat for several)",
     )
     h.add_argument("--strict", action="store_true", help="a warning (no agent, a faulted job) fails too")
-    h.add_argument("--timeout", type=_timeout, default=5.0, help="seconds each check may take (default 5)")
+    h.add_argument(
+        "--timeout",
+        type=in_range("--timeout", 0.1, 300, "seconds"),
+        default=5.0,
+        help="seconds each check may take (default 5)",
+    )
     h.add_argument("--json", action="store_true", help="the checks as one JSON document on stdout")
     add_nats_flag(h)
     h.set_defaults(func=_run)

@@ -40,7 +40,7 @@ from timeslice_client.protocol import (
 from timeslice_orchestrator._leadership import LeaderRecord, read_leader
 from timeslice_orchestrator._quarantine import read_quarantined
 
-from ._common import add_nats_flag
+from ._common import add_nats_flag, in_range
 from ._term import show
 
 __all__ = ["View", "fit", "read_control", "read_view", "register", "render_json", "render_table"]
@@ -352,13 +352,6 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rate(text: str) -> float:
-    value = float(text)
-    if not 0.1 <= value <= 50:
-        raise argparse.ArgumentTypeError(f"--max-rate {value}: give 0.1 to 50 refreshes per second")
-    return value
-
-
 def register(sub: Any) -> None:
     """Add ``status`` to the ``timeslice`` command's subparsers."""
     st = sub.add_parser("status", help="groups: state, holder, epoch, held for, queue, and job states per node")
@@ -369,6 +362,11 @@ def register(sub: Any) -> None:
         help="the stored records and job states as JSON on stdout (with --watch: one document a line)",
     )
     st.add_argument("--watch", action="store_true", help="refresh live as the records change (Ctrl-C to stop)")
-    st.add_argument("--max-rate", type=_rate, default=4.0, help="with --watch: at most this many refreshes a second")
+    st.add_argument(
+        "--max-rate",
+        type=in_range("--max-rate", 0.1, 50, "refreshes per second"),
+        default=4.0,
+        help="with --watch: at most this many refreshes a second",
+    )
     add_nats_flag(st)
     st.set_defaults(func=run)
