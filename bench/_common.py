@@ -223,6 +223,12 @@ class Orchestrator:
             proc.wait(10)
 
 
+def flags(**values: object) -> list[str]:
+    """A child script's flags from keywords, in order: ``flags(go_timeout=3, out=path)`` is ``["--go-timeout", "3",
+    "--out", str(path)]``."""
+    return [arg for name, value in values.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
+
+
 def spawn(script: Path, *args: str, log_path: Path | None = None) -> subprocess.Popen[bytes]:
     """A bench worker (``python bench/<script> ...``) in its own process."""
     out: Any = log_path.open("ab") if log_path else None
@@ -364,36 +370,9 @@ async def start_loadgens(
         if n == 0:
             continue
         ready, res = tmp / f"{tag}-{k}.ready", tmp / f"{tag}-{k}.json"
-        p = spawn(
-            LOADGEN,
-            "--url",
-            url,
-            "--mode",
-            mode,
-            "--prefix",
-            f"{prefix}{k}",
-            "--first",
-            str(first),
-            "--count",
-            str(n),
-            "--jobs",
-            str(JOBS),
-            "--ready",
-            str(ready),
-            "--out",
-            str(res),
-            *extra,
-            log_path=tmp / f"{tag}-{k}.log",
-        )
-        out.append((p, ready, res))
-    deadline = time.monotonic() + 120
-    for p, ready, _ in out:
-        while not ready.exists():
-            if p.poll() is not None:
-                raise RuntimeError(f"load generator exited with {p.returncode}; see {tmp}/{tag}-*.log")
-            if time.monotonic() > deadline:
-                raise TimeoutError("load generators did not start within 120 s")
-            await asyncio.sleep(0.02)  # polling the file the worker writes, bounded by the deadline
+        argv = flags(url=url, mode=mode, prefix=f"{prefix}{k}", first=first, count=n, jobs=JOBS, ready=ready, out=res)
+        out.append((spawn(LOADGEN, *argv, *extra, log_path=tmp / f"{tag}-{k}.log"), ready, res))
+    await wait_all_ready([(ready, p) for p, ready, _ in out], 120, f"{tmp}/{tag}-*.log", "load generator")
     return out
 
 

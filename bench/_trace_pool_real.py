@@ -59,10 +59,9 @@ async def _one_run(
             procs.append(
                 c.spawn(
                     JOB_SCRIPT,
-                    *("--url", url, "--group-prefix", run_id, "--node-prefix", node_prefix),
-                    *("--job", f"{run_id}-j{i}", "--profile", str(resolve(prof)), "--cost", cost),
-                    *("--steps", str(steps), "--seed", str(i), "--compression", str(compression)),
-                    *("--ready", str(ready), "--out", str(res)),
+                    *c.flags(url=url, group_prefix=run_id, node_prefix=node_prefix),
+                    *c.flags(job=f"{run_id}-j{i}", profile=resolve(prof), cost=cost),
+                    *c.flags(steps=steps, seed=i, compression=compression, ready=ready, out=res),
                     log_path=tmp / f"{run_id}-j{i}.log",
                 )
             )
