@@ -231,10 +231,19 @@ def flags(**values: object) -> list[str]:
 
 def spawn(script: Path, *args: str, log_path: Path | None = None) -> subprocess.Popen[bytes]:
     """A bench worker (``python bench/<script> ...``) in its own process."""
+    return _python(str(script), *args, log_path=log_path)
+
+
+def start_agent(url: str, node: str, log_path: Path, *flags: str) -> subprocess.Popen[bytes]:
+    """``node``'s agent (``python -m timeslice_agent``) in its own process, its output in ``log_path``."""
+    return _python("-m", "timeslice_agent", "--node-id", node, "--nats-url", url, *flags, log_path=log_path)
+
+
+def _python(*args: str, log_path: Path | None) -> subprocess.Popen[bytes]:
     out: Any = log_path.open("ab") if log_path else None
     try:
         return subprocess.Popen(
-            [sys.executable, str(script), *args],
+            [sys.executable, *args],
             cwd=ROOT,
             env=child_env(),
             stdin=subprocess.DEVNULL,
@@ -405,20 +414,6 @@ async def ready_then_go(nc: Any, went: asyncio.Future[dict[str, float]], ready: 
     Path(ready).write_text("ready")
     async with asyncio.timeout(timeout):
         return float((await went)["window_start"])
-
-
-def trace_job_parser(doc: str, *flags: str) -> argparse.ArgumentParser:
-    """The command line trace_replay.py starts a trace job with (``_trace_job``, ``_trace_pool_job``): the bus, the
-    job, its profile, its ready and result files and its own string ``flags``, all required; the run's steps, seed
-    and time compression; how long it waits for the go."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for flag in ("--url", "--job", "--profile", "--ready", "--out", *flags):
-        p.add_argument(flag, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--compression", type=float, required=True)
-    p.add_argument("--go-timeout", type=float, default=300.0)
-    return p
 
 
 async def sleep_until(t: float) -> None:

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import go_future, loop_run, ready_then_go, trace_job_parser
+from _common import go_future, loop_run, ready_then_go
+from _trace_jobs import trace_job_parser
 from _trace_model import load_profile, load_switch, schedule
 from timeslice_client import AsyncTimeSliceClient
 from timeslice_client.bus import connect

@@ -232,6 +232,9 @@ async def _run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+_timeout = in_range("--timeout", 0.1, 300, "seconds")
+
+
 def register(sub: Any) -> None:
     """Add ``health`` to the ``timeslice`` command's subparsers."""
     h = sub.add_parser(
@@ -245,12 +248,7 @@ def register(sub: Any) -> None:
         help="require a live agent on this node (repeat for several)",
     )
     h.add_argument("--strict", action="store_true", help="a warning (no agent, a faulted job) fails too")
-    h.add_argument(
-        "--timeout",
-        type=in_range("--timeout", 0.1, 300, "seconds"),
-        default=5.0,
-        help="seconds each check may take (default 5)",
-    )
+    h.add_argument("--timeout", type=_timeout, default=5.0, help="seconds each check may take (default 5)")
     h.add_argument("--json", action="store_true", help="the checks as one JSON document on stdout")
     add_nats_flag(h)
     h.set_defaults(func=_run)

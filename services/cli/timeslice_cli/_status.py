@@ -352,6 +352,9 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
+_rate = in_range("--max-rate", 0.1, 50, "refreshes per second")
+
+
 def register(sub: Any) -> None:
     """Add ``status`` to the ``timeslice`` command's subparsers."""
     st = sub.add_parser("status", help="groups: state, holder, epoch, held for, queue, and job states per node")
@@ -362,11 +365,6 @@ def register(sub: Any) -> None:
         help="the stored records and job states as JSON on stdout (with --watch: one document a line)",
     )
     st.add_argument("--watch", action="store_true", help="refresh live as the records change (Ctrl-C to stop)")
-    st.add_argument(
-        "--max-rate",
-        type=in_range("--max-rate", 0.1, 50, "refreshes per second"),
-        default=4.0,
-        help="with --watch: at most this many refreshes a second",
-    )
+    st.add_argument("--max-rate", type=_rate, default=4.0, help="with --watch: at most this many refreshes a second")
     add_nats_flag(st)
     st.set_defaults(func=run)
