@@ -285,30 +285,14 @@ def _trace_rows(block: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def _real_caption(_: dict[str, Any], s: dict[str, Any]) -> str:
-    return f"Real, {s['steps']} steps per job, time ÷ {s['compression']:.0f}:"
-
-
-def _sim_caption(_: dict[str, Any], s: dict[str, Any]) -> str:
-    return (
-        f"Sim, {s['steps']} steps per job, bus pass {s['hop_ms']:.2f} ms; {s['events']:,} events applied in "
-        f"{s['cpu_s']:.2f} s of CPU:"
-    )
-
-
-def _calibrated_caption(p: dict[str, Any], s: dict[str, Any]) -> str:
-    return (
-        f"Sim at the real run's steps with the bus pass calibrated from the real run ({s['hop_ms']:.1f} ms modelled "
-        f"per pass): worst relative difference to real {p['agreement']['worst_relative_diff']:.1%} (throughput, duty "
-        "cycle, speedup at 2 and 3 jobs)."
-    )
-
-
-# A trace profile's runs, in the order the section shows them (a table each), and the line above each table.
-_TRACE_CAPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str]] = {
-    "real": _real_caption,
-    "sim": _sim_caption,
-    "sim_calibrated": _calibrated_caption,
+# A trace profile's runs, in the order the section shows them (a table each), and the line above each table (filled
+# in from the run's figures, and the profile's ``agreement``).
+_TRACE_CAPTIONS = {
+    "real": "Real, {steps} steps per job, time ÷ {compression:.0f}:",
+    "sim": "Sim, {steps} steps per job, bus pass {hop_ms:.2f} ms; {events:,} events applied in {cpu_s:.2f} s of CPU:",
+    "sim_calibrated": "Sim at the real run's steps with the bus pass calibrated from the real run ({hop_ms:.1f} ms "
+    "modelled per pass): worst relative difference to real {agreement[worst_relative_diff]:.1%} (throughput, duty "
+    "cycle, speedup at 2 and 3 jobs).",
 }
 
 
@@ -332,7 +316,8 @@ def _trace(r: dict[str, Any]) -> list[str]:
         head = ["run", "wall", "steps/h", "duty cycle", "lost to switching", "speedup vs back to back"]
         for mode, caption in _TRACE_CAPTIONS.items():
             if mode in p:
-                out += [caption(p, p[mode]), "", *_table(head, _trace_rows(p[mode]))]
+                text = caption.format_map({**p[mode], "agreement": p.get("agreement")})
+                out += [text, "", *_table(head, _trace_rows(p[mode]))]
     if pool := pool_markdown(r):  # the multi-pool profiles of the same run: a section of their own
         out += [f"## {POOL_TITLE}", "", *pool]
     return out

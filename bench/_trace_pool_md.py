@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,26 +91,13 @@ def _published(vp: dict[str, Any]) -> str:
     )
 
 
-def _sim_caption(s: dict[str, Any], cm: str) -> str:
-    return (
-        f"Sim, cost model *{cm}*, {s['jobs']} jobs {X} {s['steps']} steps, bus pass {s['hop_ms']:.2f} ms, "
-        f"quantum {s['quantum_s']:.0f} s:"
-    )
-
-
-def _real_caption(r: dict[str, Any], cm: str) -> str:
-    return f"Real, cost model *{cm}*, {r['jobs']} jobs {X} {r['steps']} steps, time ÷ {r['compression']:.0f}:"
-
-
-def _same_steps_caption(s: dict[str, Any], cm: str) -> str:
-    return f"Sim at the real run's {s['steps']} steps, cost model *{cm}* (to set beside the real run):"
-
-
-# A profile's runs, in the order the section shows them (each a table per cost model), and the line above each table.
-_CAPTIONS: dict[str, Callable[[dict[str, Any], str], str]] = {
-    "sim": _sim_caption,
-    "real": _real_caption,
-    "sim_same_steps": _same_steps_caption,
+# A profile's runs, in the order the section shows them (a table per cost model), and the line above each table
+# (filled in from the run's figures and the cost model ``cm``).
+_CAPTIONS = {
+    "sim": "Sim, cost model *{cm}*, {jobs} jobs {X} {steps} steps, bus pass {hop_ms:.2f} ms, quantum "
+    "{quantum_s:.0f} s:",
+    "real": "Real, cost model *{cm}*, {jobs} jobs {X} {steps} steps, time ÷ {compression:.0f}:",
+    "sim_same_steps": "Sim at the real run's {steps} steps, cost model *{cm}* (to set beside the real run):",
 }
 
 
@@ -149,7 +135,7 @@ def pool_markdown(r: dict[str, Any]) -> list[str]:
             if mode not in p:
                 continue
             for cm, by_pol in p[mode]["runs"].items():
-                out += [caption(p[mode], cm), "", *_table(_head(p), _rows(p, by_pol))]
+                out += [caption.format_map({**p[mode], "cm": cm, "X": X}), "", *_table(_head(p), _rows(p, by_pol))]
                 fifo = by_pol.get("fifo") or next(iter(by_pol.values()))
                 if mode == "sim" and fifo.get("vs_published"):
                     out += [_published(fifo["vs_published"]), ""]
