@@ -6,6 +6,7 @@ so ``bench/`` is on ``sys.path``).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import datetime
@@ -19,7 +20,10 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+if TYPE_CHECKING:
+    from tests.cluster import NatsCluster
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -113,6 +117,25 @@ def write_json(path: str | os.PathLike[str] | None, result: dict[str, Any]) -> N
     p.write_text(json.dumps(result, indent=2, default=str) + "\n")
 
 
+def write_result(
+    path: str | os.PathLike[str] | None, bench: str, machine: dict[str, Any], figures: dict[str, Any]
+) -> None:
+    """Write a bench's result file (``--json-out``, nothing without one): which bench, the command that ran it, the
+    machine's facts at its start, then its figures."""
+    write_json(path, {"bench": bench, "command": command_line(), "machine": machine, **figures})
+
+
+def trials_args(doc: str, trials: int, quick: int) -> tuple[int, str | None]:
+    """The command line of a bench that times ``--trials`` attempts each way (``--quick``: ``quick`` of them, to
+    check the pipeline): how many to run, and where ``--json-out`` writes the result."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n", maxsplit=1)[0])
+    p.add_argument("--trials", type=int, default=trials)
+    p.add_argument("--quick", action="store_true", help=f"{quick} trials each way (checks the pipeline)")
+    p.add_argument("--json-out", default=None)
+    a = p.parse_args()
+    return (quick if a.quick else a.trials), a.json_out
+
+
 def command_line() -> str:
     """The command that produced this result, as a person would type it."""
     script = Path(sys.argv[0])
@@ -200,12 +223,27 @@ class Orchestrator:
             proc.wait(10)
 
 
+def flags(**values: object) -> list[str]:
+    """A child script's flags from keywords, in order: ``flags(go_timeout=3, out=path)`` is ``["--go-timeout", "3",
+    "--out", str(path)]``."""
+    return [arg for name, value in values.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
+
+
 def spawn(script: Path, *args: str, log_path: Path | None = None) -> subprocess.Popen[bytes]:
     """A bench worker (``python bench/<script> ...``) in its own process."""
+    return _python(str(script), *args, log_path=log_path)
+
+
+def start_agent(url: str, node: str, log_path: Path, *flags: str) -> subprocess.Popen[bytes]:
+    """``node``'s agent (``python -m timeslice_agent``) in its own process, its output in ``log_path``."""
+    return _python("-m", "timeslice_agent", "--node-id", node, "--nats-url", url, *flags, log_path=log_path)
+
+
+def _python(*args: str, log_path: Path | None) -> subprocess.Popen[bytes]:
     out: Any = log_path.open("ab") if log_path else None
     try:
         return subprocess.Popen(
-            [sys.executable, str(script), *args],
+            [sys.executable, *args],
             cwd=ROOT,
             env=child_env(),
             stdin=subprocess.DEVNULL,
@@ -315,6 +353,17 @@ def remove_dir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+async def nats_cluster(tmp: Path, name: str) -> NatsCluster:
+    """Three clustered NATS servers under ``tmp/nats``, started and ready: for the benches that kill or cut off a
+    server under a replicated stream (chaos.py, stream_leader.py); the caller closes it."""
+    from tests.cluster import NatsCluster
+
+    cluster = NatsCluster(tmp / "nats", size=3, name=name)
+    cluster.start()
+    await cluster.ready()
+    return cluster
+
+
 # ---------------------------------------------------------------------- load generators
 
 
@@ -330,36 +379,9 @@ async def start_loadgens(
         if n == 0:
             continue
         ready, res = tmp / f"{tag}-{k}.ready", tmp / f"{tag}-{k}.json"
-        p = spawn(
-            LOADGEN,
-            "--url",
-            url,
-            "--mode",
-            mode,
-            "--prefix",
-            f"{prefix}{k}",
-            "--first",
-            str(first),
-            "--count",
-            str(n),
-            "--jobs",
-            str(JOBS),
-            "--ready",
-            str(ready),
-            "--out",
-            str(res),
-            *extra,
-            log_path=tmp / f"{tag}-{k}.log",
-        )
-        out.append((p, ready, res))
-    deadline = time.monotonic() + 120
-    for p, ready, _ in out:
-        while not ready.exists():
-            if p.poll() is not None:
-                raise RuntimeError(f"load generator exited with {p.returncode}; see {tmp}/{tag}-*.log")
-            if time.monotonic() > deadline:
-                raise TimeoutError("load generators did not start within 120 s")
-            await asyncio.sleep(0.02)  # polling the file the worker writes, bounded by the deadline
+        argv = flags(url=url, mode=mode, prefix=f"{prefix}{k}", first=first, count=n, jobs=JOBS, ready=ready, out=res)
+        out.append((spawn(LOADGEN, *argv, *extra, log_path=tmp / f"{tag}-{k}.log"), ready, res))
+    await wait_all_ready([(ready, p) for p, ready, _ in out], 120, f"{tmp}/{tag}-*.log", "load generator")
     return out
 
 

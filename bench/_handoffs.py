@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from timeslice_client import AsyncTimeSliceClient
@@ -16,7 +17,7 @@ from timeslice_client.errors import TimeSliceError
 from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.replay._read import read_window
 
-__all__ = ["Handoffs", "check_stream"]
+__all__ = ["Handoffs", "check_stream", "close_stack"]
 
 
 class Handoffs:
@@ -117,6 +118,15 @@ class Handoffs:
             },
             "violations": 0 if st.grants == st.fold_grants and not unpublished else 1,
         }
+
+
+async def close_stack(h: Handoffs, nc: Any, orchestrators: Iterable[Any]) -> None:
+    """What the failover benches run on the bus, stopped whatever the run came to: the two jobs, the bench's own
+    connection, then the orchestrators (the bus itself is the caller's)."""
+    await h.close()
+    await nc.close()
+    for p in orchestrators:
+        p.stop()
 
 
 async def check_stream(url: str) -> tuple[StreamChecker, list[tuple[int, int, str, bytes]]]:

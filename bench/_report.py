@@ -285,6 +285,17 @@ def _trace_rows(block: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+# A trace profile's runs, in the order the section shows them (a table each), and the line above each table (filled
+# in from the run's figures, and the profile's ``agreement``).
+_TRACE_CAPTIONS = {
+    "real": "Real, {steps} steps per job, time ÷ {compression:.0f}:",
+    "sim": "Sim, {steps} steps per job, bus pass {hop_ms:.2f} ms; {events:,} events applied in {cpu_s:.2f} s of CPU:",
+    "sim_calibrated": "Sim at the real run's steps with the bus pass calibrated from the real run ({hop_ms:.1f} ms "
+    "modelled per pass): worst relative difference to real {agreement[worst_relative_diff]:.1%} (throughput, duty "
+    "cycle, speedup at 2 and 3 jobs).",
+}
+
+
 def _trace(r: dict[str, Any]) -> list[str]:
     sw = r.get("switch", {})
     out = [
@@ -303,29 +314,10 @@ def _trace(r: dict[str, Any]) -> list[str]:
     for name, p in r.get("profiles", {}).items():
         out += [f"### {name}", "", p.get("description", ""), ""]
         head = ["run", "wall", "steps/h", "duty cycle", "lost to switching", "speedup vs back to back"]
-        if "real" in p:
-            out += [
-                f"Real, {p['real']['steps']} steps per job, time ÷ {p['real']['compression']:.0f}:",
-                "",
-                *_table(head, _trace_rows(p["real"])),
-            ]
-        if "sim" in p:
-            s = p["sim"]
-            out += [
-                f"Sim, {s['steps']} steps per job, bus pass {s['hop_ms']:.2f} ms; {s['events']:,} events "
-                f"applied in {s['cpu_s']:.2f} s of CPU:",
-                "",
-                *_table(head, _trace_rows(s)),
-            ]
-        if "sim_calibrated" in p:
-            s = p["sim_calibrated"]
-            out += [
-                f"Sim at the real run's steps with the bus pass calibrated from the real run "
-                f"({s['hop_ms']:.1f} ms modelled per pass): worst relative difference to real "
-                f"{p['agreement']['worst_relative_diff']:.1%} (throughput, duty cycle, speedup at 2 and 3 jobs).",
-                "",
-                *_table(head, _trace_rows(s)),
-            ]
+        for mode, caption in _TRACE_CAPTIONS.items():
+            if mode in p:
+                text = caption.format_map({**p[mode], "agreement": p.get("agreement")})
+                out += [text, "", *_table(head, _trace_rows(p[mode]))]
     if pool := pool_markdown(r):  # the multi-pool profiles of the same run: a section of their own
         out += [f"## {POOL_TITLE}", "", *pool]
     return out
@@ -358,15 +350,18 @@ def _demo_lock(lock: dict[str, Any] | None) -> list[str]:
     """The shared run's lock figures (from `timeslice replay` over the run's window, as the demo reports them)."""
     if not lock:
         return []
-    return [
-        f"Shared run, from the stream: duty cycle {_n(100 * lock['duty_cycle'], 0)}%, {_n(lock.get('grants'), 0)} "
-        f"grants, {_n(lock.get('handoffs'), 0)} handoffs (p50 {_n(lock.get('handoff_p50_ms'), 1, ' ms')} release → "
-        f"next grant, the offload and restore included), waits p50 {_n(lock.get('wait_p50_ms'), 1, ' ms')}, "
-        f"snapshot p50 {_n(lock.get('snapshot_p50_ms'), 1, ' ms')} at {_n(lock.get('snapshot_gbps'), 2, ' GB/s')}, "
-        f"restore p50 {_n(lock.get('restore_p50_ms'), 1, ' ms')} at {_n(lock.get('restore_gbps'), 2, ' GB/s')}, "
-        f"faults {_n(lock.get('faults'), 0)}, invariant violations {_n(lock.get('violations'), 0)}.",
-        "",
+    figures = [
+        f"duty cycle {_n(100 * lock['duty_cycle'], 0)}%",
+        f"{_n(lock.get('grants'), 0)} grants",
+        f"{_n(lock.get('handoffs'), 0)} handoffs (p50 {_n(lock.get('handoff_p50_ms'), 1, ' ms')} release → next "
+        "grant, the offload and restore included)",
+        f"waits p50 {_n(lock.get('wait_p50_ms'), 1, ' ms')}",
+        f"snapshot p50 {_n(lock.get('snapshot_p50_ms'), 1, ' ms')} at {_n(lock.get('snapshot_gbps'), 2, ' GB/s')}",
+        f"restore p50 {_n(lock.get('restore_p50_ms'), 1, ' ms')} at {_n(lock.get('restore_gbps'), 2, ' GB/s')}",
+        f"faults {_n(lock.get('faults'), 0)}",
+        f"invariant violations {_n(lock.get('violations'), 0)}",
     ]
+    return [f"Shared run, from the stream: {', '.join(figures)}.", ""]
 
 
 def _bind_cost(r: dict[str, Any]) -> list[str]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import go_future, loop_run, ready_then_go
+from _trace_jobs import trace_job_parser
 from _trace_model import load_profile, pool_schedule
 from timeslice_client import AsyncTimeSliceClient
 from timeslice_client.bus import connect
@@ -118,14 +119,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for flag in ("--url", "--group-prefix", "--node-prefix", "--job", "--profile", "--cost", "--ready", "--out"):
-        p.add_argument(flag, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--compression", type=float, required=True)
+    p = trace_job_parser(__doc__, "--group-prefix", "--node-prefix", "--cost")
     p.add_argument("--report-bytes", type=int, default=1 << 20, help="the bytes the handler says it moved")
-    p.add_argument("--go-timeout", type=float, default=300.0)
     a = p.parse_args()
     Path(a.out).write_text(json.dumps(loop_run(run(a))))
 

@@ -91,6 +91,16 @@ def _published(vp: dict[str, Any]) -> str:
     )
 
 
+# A profile's runs, in the order the section shows them (a table per cost model), and the line above each table
+# (filled in from the run's figures and the cost model ``cm``).
+_CAPTIONS = {
+    "sim": "Sim, cost model *{cm}*, {jobs} jobs {X} {steps} steps, bus pass {hop_ms:.2f} ms, quantum "
+    "{quantum_s:.0f} s:",
+    "real": "Real, cost model *{cm}*, {jobs} jobs {X} {steps} steps, time ÷ {compression:.0f}:",
+    "sim_same_steps": "Sim at the real run's {steps} steps, cost model *{cm}* (to set beside the real run):",
+}
+
+
 def pool_markdown(r: dict[str, Any]) -> list[str]:
     """The section's lines (without its title) from a trace_replay result; [] when it ran no multi-pool profile."""
     pp = r.get("pool_profiles") or {}
@@ -121,35 +131,14 @@ def pool_markdown(r: dict[str, Any]) -> list[str]:
         for cm, c in p.get("costs", {}).items():
             out += [f"- cost model *{cm}*: {c['description']}"]
         out += [""]
-        if "sim" in p:
-            s = p["sim"]
-            for cm, by_pol in s["runs"].items():
-                out += [
-                    f"Sim, cost model *{cm}*, {s['jobs']} jobs {X} {s['steps']} steps, bus pass {s['hop_ms']:.2f} ms, "
-                    f"quantum {s['quantum_s']:.0f} s:",
-                    "",
-                    *_table(_head(p), _rows(p, by_pol)),
-                ]
+        for mode, caption in _CAPTIONS.items():
+            if mode not in p:
+                continue
+            for cm, by_pol in p[mode]["runs"].items():
+                out += [caption.format_map({**p[mode], "cm": cm, "X": X}), "", *_table(_head(p), _rows(p, by_pol))]
                 fifo = by_pol.get("fifo") or next(iter(by_pol.values()))
-                if fifo.get("vs_published"):
+                if mode == "sim" and fifo.get("vs_published"):
                     out += [_published(fifo["vs_published"]), ""]
-        if "real" in p:
-            rr = p["real"]
-            for cm, by_pol in rr["runs"].items():
-                out += [
-                    f"Real, cost model *{cm}*, {rr['jobs']} jobs {X} {rr['steps']} steps, time ÷ "
-                    f"{rr['compression']:.0f}:",
-                    "",
-                    *_table(_head(p), _rows(p, by_pol)),
-                ]
-        if "sim_same_steps" in p:
-            s = p["sim_same_steps"]
-            for cm, by_pol in s["runs"].items():
-                out += [
-                    f"Sim at the real run's {s['steps']} steps, cost model *{cm}* (to set beside the real run):",
-                    "",
-                    *_table(_head(p), _rows(p, by_pol)),
-                ]
     return out
 
 

@@ -11,13 +11,12 @@ message) is not compressed: in modelled time it weighs the compression factor mo
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 from typing import Any, Literal
 
 import _common as c
+from _trace_jobs import run_trace_jobs
 from _trace_model import load_profile, resolve
 from _trace_pools import OpSpan, PoolRun, exclusive, run_figures
 
@@ -51,29 +50,10 @@ async def _one_run(
     steps: int,
     compression: float,
 ) -> list[dict[str, Any]]:
-    files = []
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for i in jobs:
-            ready, res = tmp / f"{run_id}-j{i}.ready", tmp / f"{run_id}-j{i}.json"
-            procs.append(
-                c.spawn(
-                    JOB_SCRIPT,
-                    *("--url", url, "--group-prefix", run_id, "--node-prefix", node_prefix),
-                    *("--job", f"{run_id}-j{i}", "--profile", str(resolve(prof)), "--cost", cost),
-                    *("--steps", str(steps), "--seed", str(i), "--compression", str(compression)),
-                    *("--ready", str(ready), "--out", str(res)),
-                    log_path=tmp / f"{run_id}-j{i}.log",
-                )
-            )
-            files.append(res)
-        marks = [(res.with_suffix(".ready"), p) for res, p in zip(files, procs, strict=True)]
-        await c.wait_all_ready(marks, 120, f"{tmp}/{run_id}-*.log")
-        await c.go(nc, 0.0, 0.0)
-        await c.wait_procs(procs, 120 + 4 * 3600 / compression * 2, "trace pool job")
-        return [json.loads(f.read_text()) for f in files]
-    finally:
-        c.stop_procs(procs)
+    flags = c.flags(url=url, group_prefix=run_id, node_prefix=node_prefix, profile=resolve(prof), cost=cost)
+    flags += c.flags(steps=steps, compression=compression)
+    timeout = 120 + 4 * 3600 / compression * 2
+    return await run_trace_jobs(JOB_SCRIPT, nc, tmp, run_id, jobs, flags, timeout, "trace pool job")
 
 
 async def run_real_pools(
@@ -96,21 +76,9 @@ async def run_real_pools(
             nc = await connect(url)
             orch.start()
             await orch.wait_ready(nc.jetstream())
+            fifo = ["--no-overlap-restores"] if policy == "fifo" else []
             for pool in pools:
-                args = ["--node-id", f"{node_prefix}-{pool}", "--nats-url", url]
-                if policy == "fifo":
-                    args.append("--no-overlap-restores")
-                with (tmp / f"agent-{pool}.log").open("ab") as log:
-                    agents.append(
-                        subprocess.Popen(
-                            [sys.executable, "-m", "timeslice_agent", *args],
-                            cwd=c.ROOT,
-                            env=c.child_env(),
-                            stdin=subprocess.DEVNULL,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                        )
-                    )
+                agents.append(c.start_agent(url, f"{node_prefix}-{pool}", tmp / f"agent-{pool}.log", *fifo))
             for pool, agent in zip(pools, agents, strict=True):
 
                 def check(agent: subprocess.Popen[bytes] = agent, where: Any = tmp) -> None:

@@ -181,24 +181,33 @@ def _print_runs(p: dict[str, Any], runs: dict[str, dict[str, Any]], mode: str, p
             )
 
 
+# A profile's runs in the order printed: the line above each (filled in from the run's figures and the profile's
+# ``pools``), the mode its rows are labelled with, and whether the published figures are set beside it.
+_MODES = {
+    "sim": (
+        "  sim: {jobs} jobs x {steps} steps over pools {pools}, bus pass {hop_ms:.2f} ms, {events} events in "
+        "{cpu_s:.2f} s CPU",
+        "sim",
+        True,
+    ),
+    "real": (
+        "  real: {jobs} jobs x {steps} steps through the stack (an agent per pool), time x1/{compression:.0f}; the "
+        "stack's overhead weighs {compression:.0f}x in modelled time",
+        "real",
+        True,
+    ),
+    "sim_same_steps": (
+        "  sim at the real run's {steps} steps, bus pass {hop_ms:.2f} ms (for comparison)",
+        "sim",
+        False,
+    ),
+}
+
+
 def print_pool_profile(name: str, p: dict[str, Any]) -> None:
     print(f"{name}: {p['description'][:110]}...")
-    if "sim" in p:
-        s = p["sim"]
-        print(
-            f"  sim: {s['jobs']} jobs x {s['steps']} steps over pools {', '.join(p['pools'])}, bus pass "
-            f"{s['hop_ms']:.2f} ms, {s['events']} events in {s['cpu_s']:.2f} s CPU"
-        )
-        _print_runs(p, s["runs"], "sim")
-    if "real" in p:
-        r = p["real"]
-        print(
-            f"  real: {r['jobs']} jobs x {r['steps']} steps through the stack (an agent per pool), time "
-            f"x1/{r['compression']:.0f}; the stack's overhead weighs {r['compression']:.0f}x in modelled time"
-        )
-        _print_runs(p, r["runs"], "real")
-    if "sim_same_steps" in p:
-        s = p["sim_same_steps"]
-        print(f"  sim at the real run's {s['steps']} steps, bus pass {s['hop_ms']:.2f} ms (for comparison)")
-        _print_runs(p, s["runs"], "sim", published=False)
+    for mode, (heading, shown_as, published) in _MODES.items():
+        if mode in p:
+            print(heading.format_map({**p[mode], "pools": ", ".join(p["pools"])}))
+            _print_runs(p, p[mode]["runs"], shown_as, published=published)
     print("    baseline: each job alone; vs fifo: the shared makespan over FIFO's with the same costs")

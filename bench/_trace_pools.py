@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -131,7 +131,7 @@ class _Sim:
         self.priority = {j: (1 if policy == "priority" and i == 0 else 0) for i, j in enumerate(self.jobs)}
         self.quantum_ms = int(quantum_s * 1000) if policy == "quantum" else 0
         self.min_hold_ms = int(min_hold_s * 1000) if policy == "min_hold" else 0
-        self.heap: list[tuple[float, int, str, Any]] = []
+        self.heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self.order = itertools.count()
         self.rids = itertools.count()
         self.ctx: dict[tuple[str, str], str] = {}  # (pool, job) -> IDLE, RUNNING, SAVED (the simulated agent's view)
@@ -143,8 +143,9 @@ class _Sim:
         self.yields = 0
         self.ends: dict[str, float] = {}
 
-    def push(self, t: float, kind: str, data: Any) -> None:
-        heapq.heappush(self.heap, (t, next(self.order), kind, data))
+    def push(self, t: float, handler: Callable[..., None], *args: Any) -> None:
+        """Have ``handler(t, *args)`` run at simulated time ``t`` (after what is already due then)."""
+        heapq.heappush(self.heap, (t, next(self.order), handler, args))
 
     def rid(self, prefix: str) -> str:
         return f"{prefix}{next(self.rids)}"
@@ -152,36 +153,30 @@ class _Sim:
     def run(self) -> PoolRun:
         for p, g in self.group.items():
             if self.quantum_ms:
-                self.push(0.0, "input", SetPolicy(group=g, quantum_ms=self.quantum_ms))
+                self.push(0.0, self._apply, SetPolicy(group=g, quantum_ms=self.quantum_ms))
             if self.min_hold_ms:
-                self.push(0.0, "input", SetPolicy(group=g, min_hold_ms=self.min_hold_ms))
+                self.push(0.0, self._apply, SetPolicy(group=g, min_hold_ms=self.min_hold_ms))
             for j in self.jobs:
-                self.push(0.0, "input", JobRegistered(group=g, job=j, node=f"node-{p}", backend="app_channel"))
+                self.push(0.0, self._apply, JobRegistered(group=g, job=j, node=f"node-{p}", backend="app_channel"))
         for j in self.jobs:
-            self.push(0.0, "next", j)
+            self.push(0.0, self._next, j)
         while self.heap:
-            t, _, kind, data = heapq.heappop(self.heap)
-            if kind == "input":
-                self._apply(t, data)
-            elif kind == "next":
-                self._next(t, data)
-            elif kind == "granted":
-                self._granted(t, *data)
-            elif kind == "renew_wait":
-                job, pool, rid = data
-                if self.jobs[job].waiting == (pool, rid):  # still waiting with it
-                    self.push(t + self.hop, "input", Renew(group=self.group[pool], job=job, request_id=rid))
-                    self.push(t + WAITER_TTL_MS / 3000, "renew_wait", data)
-            elif kind == "renew_hold":
-                job, pool, epoch = data
-                if self.jobs[job].held.get(pool) == epoch:  # still holding it
-                    self.push(
-                        t + self.hop,
-                        "input",
-                        Renew(group=self.group[pool], job=job, request_id=self.rid("h"), epoch=epoch),
-                    )
-                    self.push(t + LEASE_MS / 3000, "renew_hold", data)
+            t, _, handler, args = heapq.heappop(self.heap)
+            handler(t, *args)
         return PoolRun(logs=self.logs, ops=self.ops, events=self.events, yields=self.yields, ends=self.ends)
+
+    def _renew_wait(self, t: float, job: str, pool: str, rid: str) -> None:
+        """Keep a wait alive, as the client does, while the job still waits with it."""
+        if self.jobs[job].waiting == (pool, rid):
+            self.push(t + self.hop, self._apply, Renew(group=self.group[pool], job=job, request_id=rid))
+            self.push(t + WAITER_TTL_MS / 3000, self._renew_wait, job, pool, rid)
+
+    def _renew_hold(self, t: float, job: str, pool: str, epoch: int) -> None:
+        """Keep a hold's lease alive, as the client does, while the job still holds it."""
+        if self.jobs[job].held.get(pool) == epoch:
+            renew = Renew(group=self.group[pool], job=job, request_id=self.rid("h"), epoch=epoch)
+            self.push(t + self.hop, self._apply, renew)
+            self.push(t + LEASE_MS / 3000, self._renew_hold, job, pool, epoch)
 
     # ------------------------------------------------------------------ the jobs
 
@@ -194,7 +189,7 @@ class _Sim:
             raise AssertionError(f"{job} released {pool} held by {self.holding[pool]}")
         self.holding[pool] = None
         self.push(
-            t + self.hop, "input", Release(group=self.group[pool], job=job, request_id=self.rid("r"), epoch=epoch)
+            t + self.hop, self._apply, Release(group=self.group[pool], job=job, request_id=self.rid("r"), epoch=epoch)
         )
 
     def _next(self, t: float, job: str) -> None:
@@ -229,14 +224,14 @@ class _Sim:
             missing = sorted(need - set(jb.held))
         jb.missing, jb.seconds = missing, seconds
         if not pools:
-            self.push(t + seconds, "next", job)
+            self.push(t + seconds, self._next, job)
         else:
             self._take_or_run(t, job)
 
     def _take_or_run(self, t: float, job: str) -> None:
         jb = self.jobs[job]
         if not jb.missing:
-            self.push(t + jb.seconds, "next", job)
+            self.push(t + jb.seconds, self._next, job)
             return
         pool = jb.missing.pop(0)
         self.logs[pool][job].append(("acquire", t))
@@ -244,7 +239,7 @@ class _Sim:
         jb.waiting = (pool, rid)
         self.push(
             t + self.hop,
-            "input",
+            self._apply,
             Acquire(
                 group=self.group[pool],
                 job=job,
@@ -256,7 +251,7 @@ class _Sim:
                 priority=self.priority[job],
             ),
         )
-        self.push(t + WAITER_TTL_MS / 3000, "renew_wait", (job, pool, rid))
+        self.push(t + WAITER_TTL_MS / 3000, self._renew_wait, job, pool, rid)
 
     def _granted(self, t: float, job: str, pool: str, epoch: int, rid: str) -> None:
         jb = self.jobs[job]
@@ -269,8 +264,8 @@ class _Sim:
         jb.held[pool] = epoch
         self.logs[pool][job].append(("grant", t))
         g = self.group[pool]
-        self.push(t + self.hop, "input", Renew(group=g, job=job, request_id=self.rid("c"), epoch=epoch))
-        self.push(t + LEASE_MS / 3000, "renew_hold", (job, pool, epoch))
+        self.push(t + self.hop, self._apply, Renew(group=g, job=job, request_id=self.rid("c"), epoch=epoch))
+        self.push(t + LEASE_MS / 3000, self._renew_hold, job, pool, epoch)
         self._take_or_run(t, job)
 
     # ------------------------------------------------------------------ the cores and the agents
@@ -285,7 +280,7 @@ class _Sim:
         for a in actions:
             if isinstance(a, Notify) and isinstance(a.notice, Granted):
                 n = a.notice
-                self.push(t + self.hop, "granted", (n.job, pool, n.epoch, n.request_id))
+                self.push(t + self.hop, self._granted, n.job, pool, n.epoch, n.request_id)
             elif isinstance(a, Notify) and isinstance(a.notice, YieldRequested):
                 y = a.notice
                 jb = self.jobs[y.job]
@@ -297,7 +292,7 @@ class _Sim:
         dl = next_deadline(self.rec[pool])
         if dl is not None and dl not in self.ticks[pool] and dl / 1000 >= t:
             self.ticks[pool].add(dl)
-            self.push(dl / 1000, "input", Tick(group=self.group[pool]))
+            self.push(dl / 1000, self._apply, Tick(group=self.group[pool]))
 
     def _agent(self, t: float, pool: str, cmd: Snapshot | Restore) -> None:
         if cmd.op_id in self.finished_at:  # a command sent again (unanswered for Limits.resend_ms): the agent
@@ -317,7 +312,7 @@ class _Sim:
         if op.seconds:
             kind: Literal["snapshot", "restore"] = "snapshot" if isinstance(cmd, Snapshot) else "restore"
             self.ops.append(OpSpan(pool, cmd.job, kind, op.start, op.end))
-        self.push(op.end + self.hop, "input", op.result)
+        self.push(op.end + self.hop, self._apply, op.result)
 
 
 def simulate_pools(

@@ -10,7 +10,6 @@ see the same machine. Prints the first acquire's p50/p95 each way and the ratio 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import tempfile
@@ -69,12 +68,8 @@ async def run(trials: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trials", type=int, default=40)
-    p.add_argument("--quick", action="store_true", help="5 trials each way (checks the pipeline)")
-    p.add_argument("--json-out", default=None)
-    a = p.parse_args()
-    r = asyncio.run(run(5 if a.quick else a.trials))
+    trials, json_out = c.trials_args(__doc__, trials=40, quick=5)
+    r = asyncio.run(run(trials))
     f = r["first_acquire_ms"]
     print(
         f"first acquire, {r['trials']} trials each (bound: {r['bound']}): "
@@ -82,7 +77,7 @@ def main() -> None:
         f"no bind p50 {f['no_bind']['p50']:.2f} ms p95 {f['no_bind']['p95']:.2f} ms; "
         f"ratio p50 {r['ratio_p50']:.2f}x (baseline: bind off, same run)"
     )
-    c.write_json(a.json_out, r)
+    c.write_json(json_out, r)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,6 @@ from timeslice_client.bus import connect
 from timeslice_client.protocol import GROUPS_BUCKET, STREAM, GroupRecord, subjects
 from timeslice_orchestrator._leadership import holder_pid, read_leader
 
-from tests.cluster import NatsCluster
 from tests.tcp_proxy import TcpProxy
 
 KINDS = ("leader-kill", "leader-stop", "standby-kill", "agent-kill", "job-kill", "cut", "nats-restart", "garbage")
@@ -171,9 +170,7 @@ def _stalls(logs: dict[str, list[Path]]) -> tuple[float, str]:
 async def run(a: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(a.seed)
     tmp = c.scratch_dir("chaos")
-    cluster = NatsCluster(tmp / "nats", size=3, name="chaos")
-    cluster.start()
-    await cluster.ready()
+    cluster = await c.nats_cluster(tmp, "chaos")
     url = cluster.url
     proxy = await TcpProxy(cluster.urls[0]).start()
     py = sys.executable

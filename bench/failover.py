@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 import _common as c
-from _handoffs import Handoffs, check_stream
+from _handoffs import Handoffs, check_stream, close_stack
 from timeslice_client.bus import connect
 from timeslice_orchestrator._leadership import holder_pid, read_leader
 from timeslice_orchestrator.embedded import NatsServer
@@ -130,10 +130,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         checker, stream = await check_stream(url)
         result.update(h.figures(checker, stream, GROUP, "repeated_grants"))
     finally:
-        await h.close()
-        await nc.close()
-        for p in procs:
-            p.stop()
+        await close_stack(h, nc, procs)
         server.stop()
         c.remove_dir(tmp)
     return result

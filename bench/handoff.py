@@ -288,10 +288,7 @@ def main() -> None:
         a.n = min(a.n, 300)
     machine = _common.machine_facts()  # when the run starts: its time and load are those of the start
     res = run(a.n, a.gap_ms)
-    if a.json_out:
-        _common.write_json(
-            a.json_out, {"bench": "handoff", "command": _common.command_line(), "machine": machine, **res}
-        )
+    _common.write_result(a.json_out, "handoff", machine, res)
     if a.json:
         print(json.dumps(res))
         return

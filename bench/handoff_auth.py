@@ -184,10 +184,7 @@ def main() -> None:
         a.n, a.rounds = min(a.n, 200), 1
     machine = _common.machine_facts()
     res = run(a.n, a.rounds, a.gap_ms)
-    if a.json_out:
-        _common.write_json(
-            a.json_out, {"bench": "handoff_auth", "command": _common.command_line(), "machine": machine, **res}
-        )
+    _common.write_result(a.json_out, "handoff_auth", machine, res)
     if a.json:
         print(json.dumps(res))
         return

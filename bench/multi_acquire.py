@@ -12,7 +12,6 @@ Prints p50/p95 of each, and the ratio to the baseline of the same run::
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import tempfile
 import time
@@ -114,16 +113,12 @@ def _line(name: str, r: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trials", type=int, default=200)
-    p.add_argument("--quick", action="store_true", help="10 trials each way (checks the pipeline)")
-    p.add_argument("--json-out", default=None)
-    a = p.parse_args()
-    r = c.loop_run(run(10 if a.quick else a.trials))
+    trials, json_out = c.trials_args(__doc__, trials=200, quick=10)
+    r = c.loop_run(run(trials))
     print(f"{r['trials']} trials each way, 2 free groups (baseline: two single acquires, same run)")
     print(_line("claims on ", r["claims"]))
     print(_line("claims off", r["no_claims"]))
-    c.write_json(a.json_out, r)
+    c.write_json(json_out, r)
 
 
 if __name__ == "__main__":

@@ -476,10 +476,7 @@ def main() -> None:
     res = run(
         sizes, a.cycles, a.hold_ms, a.baseline_reps, a.device, a.floor_switches, a.agent_process, not a.no_early_suspend
     )
-    if a.json_out:
-        _common.write_json(
-            a.json_out, {"bench": "offload", "command": _common.command_line(), "machine": machine, **res}
-        )
+    _common.write_result(a.json_out, "offload", machine, res)
     if a.json:
         print(json.dumps(res))
     else:

@@ -31,13 +31,11 @@ import time
 from typing import Any
 
 import _common as c
-from _handoffs import Handoffs, check_stream
+from _handoffs import Handoffs, check_stream, close_stack
 
-sys.path.insert(0, str(c.ROOT))  # the loopback cluster the tests use
+sys.path.insert(0, str(c.ROOT))  # the loopback cluster the tests use (c.nats_cluster)
 from timeslice_client.bus import connect
 from timeslice_client.protocol import STREAM, Granted, decode_notice
-
-from tests.cluster import NatsCluster
 
 GOAL_MARGIN_S = 1.0
 GROUP = "leaderloss"
@@ -131,9 +129,7 @@ def _sent_at(stream: list[tuple[int, int, str, bytes]]) -> dict[int, float]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     tmp = c.scratch_dir("stream-leader")
-    cluster = NatsCluster(tmp / "nats", size=3, name="leaderloss")
-    cluster.start()
-    await cluster.ready()
+    cluster = await c.nats_cluster(tmp, "leaderloss")
     url = cluster.url
     procs = [c.Orchestrator(url, tmp / f"orchestrator-{i}.log", ("--replicas", "3")) for i in range(2)]
     nc = await connect(url)
@@ -211,10 +207,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         result.update(h.figures(checker, stream, GROUP, "unstored_grants"))
         result["orchestrators_alive"] = sum(p.proc is not None and p.proc.poll() is None for p in procs)
     finally:
-        await h.close()
-        await nc.close()
-        for p in procs:
-            p.stop()
+        await close_stack(h, nc, procs)
         cluster.close()
         if args.keep:
             result["scratch"] = str(tmp)

@@ -45,13 +45,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import sys
 import time
 from typing import Any
 
 import _common as c
+from _trace_jobs import run_trace_jobs
 from _trace_model import Log, Step, compare, figures, load_profile, load_switch, resolve, schedule
 from _trace_pool_real import REAL_POLICIES, run_real_pools
 from _trace_pool_report import parse_policies, print_pool_profile, run_pool_profile
@@ -128,22 +127,13 @@ async def run_real(profiles: list[str], switch: str, steps: int, compression: fl
     url = server.start()
     orch = c.Orchestrator(url, tmp / "orchestrator.log")
     agent: subprocess.Popen[bytes] | None = None
-    procs: list[subprocess.Popen[bytes]] = []
     out: dict[str, dict[str, Any]] = {}
     try:
         nc = await connect(url)
         js = nc.jetstream()
         orch.start()
         await orch.wait_ready(js)
-        with (tmp / "agent.log").open("ab") as log:
-            agent = subprocess.Popen(
-                [sys.executable, "-m", "timeslice_agent", "--node-id", NODE, "--nats-url", url],
-                cwd=c.ROOT,
-                env=c.child_env(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+        agent = c.start_agent(url, NODE, tmp / "agent.log")
         await _agent_up(js, agent)
         for prof in profiles:
             name = load_profile(prof).name
@@ -151,46 +141,12 @@ async def run_real(profiles: list[str], switch: str, steps: int, compression: fl
             handler: dict[str, float] = {"suspend": 0.0, "resume": 0.0}
             for tag, jobs in _runs():
                 run_id = f"{name}-{tag}"
-                files = []
-                procs = []
-                for i in jobs:
-                    ready, res = tmp / f"{run_id}-j{i}.ready", tmp / f"{run_id}-j{i}.json"
-                    procs.append(
-                        c.spawn(
-                            JOB_SCRIPT,
-                            "--url",
-                            url,
-                            "--group",
-                            run_id,
-                            "--job",
-                            f"{run_id}-j{i}",
-                            "--node",
-                            NODE,
-                            "--profile",
-                            str(resolve(prof)),
-                            "--switch",
-                            str(resolve(switch)),
-                            "--steps",
-                            str(steps),
-                            "--seed",
-                            str(i),
-                            "--compression",
-                            str(compression),
-                            "--ready",
-                            str(ready),
-                            "--out",
-                            str(res),
-                            log_path=tmp / f"{run_id}-j{i}.log",
-                        )
-                    )
-                    files.append((i, ready, res))
-                marks = [(ready, p) for (_, ready, _), p in zip(files, procs, strict=True)]
-                await c.wait_all_ready(marks, 120, f"{tmp}/{run_id}-*.log")
-                await c.go(nc, 0.0, 0.0)
-                await c.wait_procs(procs, 120 + steps * 200 / compression * 2, "trace job")
+                flags = c.flags(url=url, group=run_id, node=NODE, profile=resolve(prof), switch=resolve(switch))
+                flags += c.flags(steps=steps, compression=compression)
+                timeout = 120 + steps * 200 / compression * 2
+                results = await run_trace_jobs(JOB_SCRIPT, nc, tmp, run_id, jobs, flags, timeout, "trace job")
                 logs[tag] = {}
-                for i, _, res in files:
-                    r = json.loads(res.read_text())
+                for i, r in zip(jobs, results, strict=True):
                     logs[tag][f"j{i}"] = [(k, t) for k, t in r["log"]]
                     for k2 in handler:
                         handler[k2] += r["handler_s"][k2]
@@ -199,7 +155,6 @@ async def run_real(profiles: list[str], switch: str, steps: int, compression: fl
             out[prof] = summary
         await nc.close()
     finally:
-        c.stop_procs(procs)
         if agent is not None:
             c.stop_procs([agent])
         orch.stop()

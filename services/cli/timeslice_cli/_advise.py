@@ -14,7 +14,7 @@ from typing import Any
 
 from timeslice_client.protocol import validate_id
 
-from ._common import CliError, add_nats_flag, emit_json
+from ._common import CliError, add_stream_flags, add_window_flags, emit_json
 from ._replay import parse_time
 
 __all__ = ["register"]
@@ -137,12 +137,7 @@ def register(sub: Any) -> None:
         metavar="JOB[@GROUP]",
         help="two jobs or more; @GROUP names the group whose holds make the job's run, when it held several",
     )
-    p.add_argument(
-        "--since",
-        default=None,
-        help="window start: 10m / 2h ago, ms since the epoch or ISO 8601 (default: the stream's first message)",
-    )
-    p.add_argument("--until", default=None, help="window end, same forms (default: the stream's last message)")
+    add_window_flags(p)
     p.add_argument(
         "--snapshot-s",
         type=_seconds,
@@ -180,6 +175,5 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="the traces and the prediction as JSON on stdout")
     p.add_argument("-o", "--output", default=None, metavar="FILE", help="also write them as JSON to FILE")
-    add_nats_flag(p)
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for reading the stream")
+    add_stream_flags(p)
     p.set_defaults(func=_advise)

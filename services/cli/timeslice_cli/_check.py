@@ -34,7 +34,7 @@ from timeslice_orchestrator.replay import read_window
 from timeslice_orchestrator.replay._fold import group_of
 from timeslice_orchestrator.replay._model import StreamEvent
 
-from ._common import add_nats_flag
+from ._common import add_stream_flags
 from ._events import Event, event_data, format_line
 from ._replay import parse_time
 
@@ -285,6 +285,5 @@ def register(sub: Any) -> None:
         f"default: the group's largest acquire lease + {STUCK_MARGIN_MS // 1000}s)",
     )
     p.add_argument("--json", action="store_true", help="the report as one JSON document on stdout")
-    add_nats_flag(p)
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for reading the stream")
+    add_stream_flags(p)
     p.set_defaults(func=run)

@@ -13,7 +13,16 @@ from typing import Any
 from timeslice_client.bus import nats_url_arg
 from timeslice_client.errors import TimeSliceError
 
-__all__ = ["CliError", "add_nats_flag", "emit_json", "publish_control", "until_applied"]
+__all__ = [
+    "CliError",
+    "add_nats_flag",
+    "add_stream_flags",
+    "add_window_flags",
+    "emit_json",
+    "in_range",
+    "publish_control",
+    "until_applied",
+]
 
 
 class CliError(TimeSliceError):
@@ -33,6 +42,35 @@ def add_nats_flag(p: argparse.ArgumentParser) -> None:
         default=None,
         help="NATS server(s), comma-separated (default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)",
     )
+
+
+def add_window_flags(p: argparse.ArgumentParser) -> None:
+    """``--since`` and ``--until``: the window of the event stream a command folds (``replay``, ``advise``)."""
+    p.add_argument(
+        "--since",
+        default=None,
+        help="window start: 10m / 2h ago, ms since the epoch or ISO 8601 (default: the stream's first message)",
+    )
+    p.add_argument("--until", default=None, help="window end, same forms (default: the stream's last message)")
+
+
+def add_stream_flags(p: argparse.ArgumentParser) -> None:
+    """The bus (``--nats-url``) and ``--timeout`` of a command that reads the event stream through."""
+    add_nats_flag(p)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for reading the stream")
+
+
+def in_range(flag: str, low: float, high: float, unit: str) -> Callable[[str], float]:
+    """An argparse type for ``flag``: a number from ``low`` to ``high`` ``unit``; out of range, the error says the
+    range (a bound that keeps the command useful: a timeout it can wait out, a rate the terminal can show)."""
+
+    def number(text: str) -> float:
+        value = float(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{flag} {value}: give {low:g} to {high:g} {unit}")
+        return value
+
+    return number
 
 
 def emit_json(doc: Any, *, indent: int | None = 2) -> None:

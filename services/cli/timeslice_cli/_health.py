@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._common import add_nats_flag, emit_json
+from ._common import add_nats_flag, emit_json, in_range
 from ._term import show
 
 __all__ = ["Check", "Status", "register", "run_checks"]
@@ -232,11 +232,7 @@ async def _run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _timeout(text: str) -> float:
-    value = float(text)
-    if not 0.1 <= value <= 300:
-        raise argparse.ArgumentTypeError(f"--timeout {value}: give 0.1 to 300 seconds")
-    return value
+_timeout = in_range("--timeout", 0.1, 300, "seconds")
 
 
 def register(sub: Any) -> None:

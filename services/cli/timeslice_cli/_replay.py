@@ -14,7 +14,7 @@ from typing import Any
 from timeslice_client.protocol import validate_id
 from timeslice_orchestrator.replay import Replay, fold_events, read_window, render_summary, write_html
 
-from ._common import CliError, add_nats_flag
+from ._common import CliError, add_stream_flags, add_window_flags
 
 __all__ = ["parse_time", "register"]
 
@@ -88,12 +88,7 @@ def register(sub: Any) -> None:
         "who held which group when, who waited, and where the time went.",
     )
     p.add_argument("--group", default=None, help="one group only (default: every group)")
-    p.add_argument(
-        "--since",
-        default=None,
-        help="window start: 10m / 2h ago, ms since the epoch or ISO 8601 (default: the stream's first message)",
-    )
-    p.add_argument("--until", default=None, help="window end, same forms (default: the stream's last message)")
+    add_window_flags(p)
     p.add_argument("--html", default=None, metavar="FILE", help="write the interactive timeline to FILE")
     p.add_argument(
         "--json", action="store_true", help="the reconstructed intervals as JSON on stdout, instead of the summary"
@@ -101,6 +96,5 @@ def register(sub: Any) -> None:
     p.add_argument(
         "-o", "--output", default=None, metavar="FILE", help="also write the reconstructed intervals as JSON to FILE"
     )
-    add_nats_flag(p)
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for reading the stream")
+    add_stream_flags(p)
     p.set_defaults(func=_replay)

@@ -40,7 +40,7 @@ from timeslice_client.protocol import (
 from timeslice_orchestrator._leadership import LeaderRecord, read_leader
 from timeslice_orchestrator._quarantine import read_quarantined
 
-from ._common import add_nats_flag
+from ._common import add_nats_flag, in_range
 from ._term import show
 
 __all__ = ["View", "fit", "read_control", "read_view", "register", "render_json", "render_table"]
@@ -352,11 +352,7 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rate(text: str) -> float:
-    value = float(text)
-    if not 0.1 <= value <= 50:
-        raise argparse.ArgumentTypeError(f"--max-rate {value}: give 0.1 to 50 refreshes per second")
-    return value
+_rate = in_range("--max-rate", 0.1, 50, "refreshes per second")
 
 
 def register(sub: Any) -> None:

@@ -30,7 +30,7 @@ import select
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -83,17 +83,26 @@ class _Reporting:
         self.resumes = 0
 
     def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
-        t0 = time.perf_counter()
-        r = self.inner.suspend(mode, tags)
+        r = self._timed("suspend", self.inner.suspend, mode, tags)
         self.suspends += 1
-        self.out(m.Offload(self.job, "suspend", r.bytes_moved, (time.perf_counter() - t0) * 1000))
         return r
 
     def resume(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
-        t0 = time.perf_counter()
-        r = self.inner.resume(mode, tags)
+        r = self._timed("resume", self.inner.resume, mode, tags)
         self.resumes += 1
-        self.out(m.Offload(self.job, "resume", r.bytes_moved, (time.perf_counter() - t0) * 1000))
+        return r
+
+    def _timed(
+        self,
+        action: str,
+        call: Callable[[SuspendMode, frozenset[str]], HandlerResult],
+        mode: SuspendMode,
+        tags: frozenset[str],
+    ) -> HandlerResult:
+        """``call`` (the policy's own suspend or resume), timed, and reported to the runner as ``action``."""
+        t0 = time.perf_counter()
+        r = call(mode, tags)
+        self.out(m.Offload(self.job, action, r.bytes_moved, (time.perf_counter() - t0) * 1000))
         return r
 
 
