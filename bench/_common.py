@@ -428,18 +428,36 @@ async def stop_loadgens(nc: Any, after_next_grant: float | None = None) -> None:
     await nc.flush()
 
 
+class Spin:
+    """What the spinning thread of ``python_spinning`` got: its CPU time and the wall time it was on (both 0 when
+    off). ``cpu_share``: the part of that wall time it ran, about 1 when it had a core of its own; near 0 on a machine
+    too loaded to run it, where it cannot take the GIL from anyone, so a comparison against it says nothing."""
+
+    def __init__(self) -> None:
+        self.cpu_s = 0.0
+        self.wall_s = 0.0
+
+    @property
+    def cpu_share(self) -> float:
+        return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
 @contextlib.contextmanager
-def python_spinning(on: bool = True) -> Iterator[None]:
+def python_spinning(on: bool = True) -> Iterator[Spin]:
     """While inside, another thread of this process runs Python without pause (a job scoring rewards after it
-    yielded), once it runs: a new thread needs the GIL to begin, so this waits until it holds it once."""
+    yielded), once it runs: a new thread needs the GIL to begin, so this waits until it holds it once. The ``Spin``
+    it yields is filled on the way out."""
     stop, spinning = threading.Event(), threading.Event()
+    got = Spin()
 
     def spin() -> None:
         spinning.set()
+        t0, c0 = time.perf_counter(), time.thread_time()
         x = 0
         while not stop.is_set():
             for i in range(1000):
                 x += i * i
+        got.cpu_s, got.wall_s = time.thread_time() - c0, time.perf_counter() - t0
 
     t = threading.Thread(target=spin, daemon=True)
     if on:
@@ -447,7 +465,7 @@ def python_spinning(on: bool = True) -> Iterator[None]:
         if not spinning.wait(10):
             raise RuntimeError("the spinning thread did not start within 10 s")
     try:
-        yield
+        yield got
     finally:
         stop.set()
         if on:

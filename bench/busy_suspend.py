@@ -81,7 +81,7 @@ def measure(tensors: int, tensor_kib: int, reps: int, device: str = "cpu") -> di
         prompt = prompt_threads(DEFAULT_SWITCH_INTERVAL if name.endswith("prompt") else None)
         sus: list[float] = []
         res: list[float] = []
-        with c.python_spinning(name != "idle"), prompt:
+        with c.python_spinning(name != "idle") as spin, prompt:
             for _ in range(reps):
                 sus.append(_in_thread(lambda: handler.suspend(SuspendMode.OFFLOAD, all_tags)))
                 res.append(_in_thread(lambda: handler.resume(SuspendMode.OFFLOAD, all_tags)))
@@ -90,6 +90,7 @@ def measure(tensors: int, tensor_kib: int, reps: int, device: str = "cpu") -> di
             "resume_ms": statistics.median(res) * 1e3,
             "suspend_all_ms": [x * 1e3 for x in sus],
             "resume_all_ms": [x * 1e3 for x in res],
+            "spinner_cpu_share": spin.cpu_share,
         }
     for i, t in enumerate(state):
         if float(t[0]) != float(i) or float(t[-1]) != float(i):
@@ -238,6 +239,7 @@ def main() -> None:
         print(
             f"  {name:26s} suspend {x['suspend_ms']:8.1f} ms ({x['suspend_x_idle']:6.1f}x idle)   "
             f"resume {x['resume_ms']:8.1f} ms ({x['resume_x_idle']:6.1f}x idle)"
+            + (f"   busy thread ran {x['spinner_cpu_share']:.0%} of the time" if name != "idle" else "")
         )
     print(
         f"  the workload channel, {a.requests} commands per condition (a do-nothing handler in a job process), "

@@ -77,18 +77,18 @@ class _Silent:
 
     @staticmethod
     def agent(config: Any, nc: Any = None) -> Any:
-        from timeslice_agent import Agent
+        from timeslice_agent import Agent, _operations
 
-        agent = Agent(config, nc=nc)
-        ops = agent._ops  # the agent's operations (timeslice_agent._operations): where each OpResult is made
-        result = ops._result
+        # Every OpResult the agent's operations make comes from ``op_result`` (``timeslice_agent._op_messages``), as
+        # ``_operations`` imported it: this process runs this one agent, so the module's name is replaced.
+        result = _operations.op_result
 
         def silent(*args: Any, **kw: Any) -> Any:
             kw.pop("overlapped", None)
             return result(*args, **kw)
 
-        ops._result = silent  # type: ignore[method-assign]
-        return agent
+        _operations.op_result = silent  # type: ignore[assignment]
+        return Agent(config, nc=nc)
 
 
 def _service(role: str, url: str, order: str) -> None:

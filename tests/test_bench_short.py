@@ -177,15 +177,21 @@ def test_busy_suspend_compares_each_condition_to_idle(results: tuple[Path, dict[
     ]
     assert data["device"] == "cpu"
     assert conds["idle"]["suspend_x_idle"] == 1.0 and all(x["suspend_ms"] > 0 for x in conds.values())
-    # Left at 5 ms, one storage at a time: the copies wait for the GIL (40 storages each way, several calls each).
-    # Both directions together: one alone can get lucky on a loaded machine (33 ms once, against 133 alone).
-    busy, idle = conds["busy, per storage"], conds["idle"]
-    # (2x, not more: the suite's other workers load the machine, the idle condition included)
-    assert busy["suspend_ms"] + busy["resume_ms"] > max(20.0, 2 * (idle["suspend_ms"] + idle["resume_ms"])), conds
     assert "busy, batched, prompt" in printed["busy_suspend"] and "x idle" in printed["busy_suspend"]
+    assert "busy thread ran" in printed["busy_suspend"]
+    assert all(0 <= x["spinner_cpu_share"] <= 1.05 for x in conds.values()) and conds["idle"]["spinner_cpu_share"] == 0
     channel = data["channel"]
     assert list(channel) == ["idle", "busy, left alone", "busy, lowered per command", "busy, armed"]
     assert all(x["p50_ms"] > 0 for x in channel.values()) and channel["idle"]["x_idle"] == 1.0
+    # Left at 5 ms, one storage at a time: the copies wait for the GIL (40 storages each way, several calls each).
+    # Both directions together: one alone can get lucky on a loaded machine (33 ms once, against 133 alone).
+    busy, idle = conds["busy, per storage"], conds["idle"]
+    if busy["spinner_cpu_share"] < 0.5:
+        # The busy thread hardly ran (the suite's other workers had the cores): it never held the GIL against the
+        # copies, so there is nothing to compare. Said, not passed silently.
+        pytest.skip(f"the busy thread ran {busy['spinner_cpu_share']:.0%} of the time: machine too loaded to compare")
+    # (2x, not more: the suite's other workers load the machine, the idle condition included)
+    assert busy["suspend_ms"] + busy["resume_ms"] > max(20.0, 2 * (idle["suspend_ms"] + idle["resume_ms"])), conds
 
 
 def test_run_all_writes_the_document(results: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
