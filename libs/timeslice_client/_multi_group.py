@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
 
+from ._descriptors import Forwarded
 from ._grants import Grant, ReleaseResult
 from ._hold_scope import AsyncHold, SyncHold, SyncScopes, _SyncClient
 from .errors import (
@@ -473,17 +474,9 @@ class _SyncSibling:
         self._runner = runner
         self._member = member
 
-    @property
-    def job_id(self) -> str:
-        return self._member.job_id
-
-    @property
-    def group_id(self) -> str:
-        return self._member.group_id
-
-    @property
-    def holding(self) -> bool:
-        return self._member.holding
+    job_id = Forwarded[str]("_member")
+    group_id = Forwarded[str]("_member")
+    holding = Forwarded[bool]("_member")
 
     def acquire(self, timeout: float | None = None) -> Grant:
         m = self._member
