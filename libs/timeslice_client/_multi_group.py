@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
 from ._descriptors import Forwarded
 from ._grants import Grant, ReleaseResult
 from ._hold_scope import AsyncHold, SyncHold, SyncScopes, _SyncClient
+from ._scope_decorators import run_within, run_within_async
 from .errors import (
     AcquireAllFailed,
     AcquireAllTimeout,
@@ -439,12 +439,7 @@ class AsyncMultiHold:
             raise first
 
     def __call__(self, fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
-        @functools.wraps(fn)
-        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            async with AsyncMultiHold(self._groups, self._order, self._timeout):
-                return await fn(*args, **kwargs)
-
-        return wrapper
+        return run_within_async(lambda: AsyncMultiHold(self._groups, self._order, self._timeout), fn)
 
 
 async def _leave(entered: list[AsyncHold], exc: BaseException) -> tuple[str, ...]:
@@ -561,12 +556,7 @@ class SyncMultiHold:
             raise first
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
-        @functools.wraps(fn)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            with SyncMultiHold(self._groups, self._order, self._timeout):
-                return fn(*args, **kwargs)
-
-        return wrapper
+        return run_within(lambda: SyncMultiHold(self._groups, self._order, self._timeout), fn)
 
 
 def _leave_sync(entered: list[tuple[SyncHold, SyncScopes, str]], exc: BaseException) -> tuple[str, ...]:
