@@ -58,6 +58,7 @@ import torch
 
 from ._huge_pages import advise_huge_pages
 from ._pinned_host import HostBuffer, HostMemory, HostMemoryKind, HostRegistrar
+from ._tag_queries import TagQueries
 from ._torch_state import Group, Slot, check_resizable, plain_storage, several, source, unresizable
 from .errors import HandlerError
 from .handlers import HandlerResult
@@ -95,7 +96,7 @@ def _align(offset: int, nbytes: int) -> int:
 # --------------------------------------------------------------------------- the handler
 
 
-class TorchOffloadHandler:
+class TorchOffloadHandler(TagQueries):
     """Suspends PyTorch state to host memory (or drops it) and brings it back; see the module doc.
 
     ``TorchOffloadHandler(*objects, modules=..., optimizers=..., tensors=...)``: positional modules go
@@ -173,15 +174,6 @@ class TorchOffloadHandler:
             check_resizable(group.tag, group.named(call=False), device)
 
     # ------------------------------------------------------------------ queries
-
-    @property
-    def tags(self) -> frozenset[str]:
-        return frozenset(self._groups)
-
-    @property
-    def suspended_tags(self) -> frozenset[str]:
-        with self._lock:
-            return frozenset(tag for tag, g in self._groups.items() if g.saved is not None)
 
     def device_bytes(self, tags: Iterable[str] = ()) -> int:
         """Bytes the selected groups (all when ``tags`` is empty) hold on the device now."""
@@ -342,6 +334,9 @@ class TorchOffloadHandler:
         if group is None:
             group = self._groups[tag] = Group(tag)
         return group
+
+    def _suspended(self) -> dict[str, bool]:
+        return {tag: g.saved is not None for tag, g in self._groups.items()}
 
     def _select(self, tags: frozenset[str]) -> list[Group]:
         if not tags:
