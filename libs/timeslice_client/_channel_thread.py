@@ -19,6 +19,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from ._serving_thread import ServingThread
+
 __all__ = ["Responder"]
 
 log = logging.getLogger("timeslice.workload")
@@ -37,10 +39,12 @@ def _new_loop(fast: bool) -> asyncio.AbstractEventLoop:
     return loop
 
 
-class Responder:
+class Responder(ServingThread):
     """One thread running one event loop until :meth:`stop` (or :meth:`stop_blocking`). Coroutines are handed
     to it with :meth:`call` (from another loop) or :meth:`submit` (from any thread). ``fast``: uvloop's loop
-    when it is installed, else asyncio's own."""
+    when it is installed, else asyncio's own. :meth:`start` it (``ServingThread.start``: until its loop runs)."""
+
+    kind = "responder"
 
     def __init__(self, name: str, *, start_timeout: float = 5.0, fast: bool = True) -> None:
         self.name = name
@@ -54,17 +58,7 @@ class Responder:
     def running(self) -> bool:
         return self._loop is not None and not self._stopped
 
-    def start(self) -> None:
-        """Start the thread and wait (at most ``start_timeout`` s) until its loop runs."""
-        if self._thread is not None:
-            raise RuntimeError(f"responder {self.name!r} was started already")
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._main, args=(ready,), name=self.name, daemon=True)
-        self._thread.start()
-        if not ready.wait(self.start_timeout):
-            raise RuntimeError(f"the thread of {self.name!r} did not start within {self.start_timeout:g} s")
-
-    def _main(self, ready: threading.Event) -> None:
+    def _serve(self, ready: threading.Event) -> None:
         loop = _new_loop(self.fast)
         asyncio.set_event_loop(loop)
         self._loop = loop

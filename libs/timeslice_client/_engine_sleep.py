@@ -19,11 +19,11 @@ from __future__ import annotations
 import abc
 import contextlib
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
-from .errors import EngineCallFailed, EngineNotSleepable, HandlerError, MissingEngineMethod, NoWeightReload
+from .errors import EngineCallFailed, HandlerError, NoWeightReload
 from .handlers import HandlerResult
 from .protocol import DEFAULT_OP_TIMEOUT_MS, SuspendMode
 
@@ -33,22 +33,15 @@ __all__ = [
     "MESSAGE_CHARS",
     "WEIGHTS",
     "DeviceBytes",
-    "EngineCallFailed",
-    "EngineNotSleepable",
-    "MissingEngineMethod",
-    "NoWeightReload",
     "ReloadHook",
     "SleepHandler",
     "Step",
-    "attribute",
-    "require_methods",
 ]
 
 WEIGHTS: Final = "weights"
 KV_CACHE: Final = "kv_cache"
 MESSAGE_CHARS: Final = 200  # the engine's own words kept in an error (a fault reason on the wire keeps 256)
 DEFAULT_LOCK_TIMEOUT_S: Final = DEFAULT_OP_TIMEOUT_MS / 1000
-_MISSING: Final = object()
 
 ReloadHook = Callable[[], object]
 DeviceBytes = Callable[[], int]
@@ -58,25 +51,6 @@ def describe(exc: BaseException) -> str:
     """An engine's exception in at most ``MESSAGE_CHARS`` characters."""
     text = f"{exc.__class__.__name__}: {exc}".strip()
     return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 1] + "…"
-
-
-# --------------------------------------------------------------------------- duck typing
-
-
-def require_methods(obj: object, engine: str, methods: Iterable[str], hint: str) -> None:
-    """Refuse ``obj`` unless each of ``methods`` is a callable attribute of it."""
-    for name in methods:
-        if not callable(getattr(obj, name, None)):
-            raise MissingEngineMethod(engine, type(obj).__name__, name, hint)
-
-
-def attribute(obj: object, path: str) -> object:
-    """``obj.a.b.c`` for ``path`` ``"a.b.c"``, or ``None`` when any link is missing (an engine of another version)."""
-    for name in path.split("."):
-        obj = getattr(obj, name, _MISSING)
-        if obj is _MISSING:
-            return None
-    return obj
 
 
 @dataclass(frozen=True, slots=True)

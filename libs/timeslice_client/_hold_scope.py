@@ -12,14 +12,15 @@ waits for that grant (at most its own ``timeout``) instead of asking twice.
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
 from ._grants import Grant, ReleaseResult
+from ._scope_decorators import run_within, run_within_async
 from .errors import AcquireTimeout, TimeSliceError
 
 if TYPE_CHECKING:
@@ -41,11 +42,35 @@ class _Scopes:
         self.owns = False  # the outermost scope acquired (False: it borrowed a hold the caller took with acquire())
         self.grant: Grant | None = None  # the grant every open scope returns
 
+    def opened(self, grant: Grant | None = None, *, owns: bool = False) -> Grant:
+        """Count one more open scope and return the grant they all share: the outermost one brings the grant it
+        took (``owns``: by acquiring the group, not by borrowing a hold the caller took with ``acquire()``)."""
+        if grant is not None:
+            self.grant, self.owns = grant, owns
+        self.depth += 1
+        assert self.grant is not None
+        return self.grant
+
 
 class AsyncScopes(_Scopes):
     def __init__(self) -> None:
         super().__init__()
         self.entering = asyncio.Lock()  # held while the outermost scope is being granted
+
+    @contextlib.asynccontextmanager
+    async def entry(self, timeout: float | None, client: AsyncTimeSliceClient) -> AsyncIterator[None]:
+        """Hold ``entering`` while a scope enters, waiting for it at most ``timeout`` s (None: the client's
+        ``acquire_timeout_s``; past it, ``AcquireTimeout``)."""
+        bound = client.acquire_timeout_s if timeout is None else timeout
+        try:
+            async with asyncio.timeout(bound):
+                await self.entering.acquire()
+        except TimeoutError:
+            raise AcquireTimeout(client.group_id, client.job_id, bound) from None
+        try:
+            yield
+        finally:
+            self.entering.release()
 
 
 class SyncScopes(_Scopes):
@@ -53,6 +78,17 @@ class SyncScopes(_Scopes):
         super().__init__()
         self.acquire_timeout_s = acquire_timeout_s  # the bound of a wait for another thread's grant (timeout=None)
         self.entering = threading.Lock()
+
+    @contextlib.contextmanager
+    def entry(self, timeout: float | None, client: _SyncClient) -> Iterator[None]:
+        """``AsyncScopes.entry`` for threads: the wait's default bound is ``acquire_timeout_s``."""
+        bound = self.acquire_timeout_s if timeout is None else timeout
+        if not self.entering.acquire(timeout=max(0.0, bound)):
+            raise AcquireTimeout(client.group_id, client.job_id, bound)
+        try:
+            yield
+        finally:
+            self.entering.release()
 
 
 class AsyncHold:
@@ -66,23 +102,13 @@ class AsyncHold:
 
     async def __aenter__(self) -> Grant:
         client, scopes = self._client, self._client._scopes
-        bound = client.acquire_timeout_s if self._timeout is None else self._timeout
-        try:
-            async with asyncio.timeout(bound):
-                await scopes.entering.acquire()
-        except TimeoutError:
-            raise AcquireTimeout(client.group_id, client.job_id, bound) from None
-        try:
-            if scopes.depth == 0:
+        async with scopes.entry(self._timeout, client):
+            if scopes.depth > 0:
+                self.grant = scopes.opened()
+            else:
                 owns = not client.holding
-                scopes.grant = await client.acquire(self._timeout)  # held already: the same grant back
-                scopes.owns = owns
-            scopes.depth += 1
-        finally:
-            scopes.entering.release()
-        assert scopes.grant is not None
-        self.grant = scopes.grant
-        return scopes.grant
+                self.grant = scopes.opened(await client.acquire(self._timeout), owns=owns)  # already held: that grant
+        return self.grant
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -100,12 +126,7 @@ class AsyncHold:
                 await _release(self._client.release(), exc)
 
     def __call__(self, fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
-        @functools.wraps(fn)
-        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            async with AsyncHold(self._client, self._timeout):
-                return await fn(*args, **kwargs)
-
-        return wrapper
+        return run_within_async(lambda: AsyncHold(self._client, self._timeout), fn)
 
 
 async def _release(release: Awaitable[ReleaseResult], exc: BaseException | None) -> None:
@@ -140,20 +161,13 @@ class SyncHold:
 
     def __enter__(self) -> Grant:
         client, scopes = self._client, self._scopes
-        bound = scopes.acquire_timeout_s if self._timeout is None else self._timeout
-        if not scopes.entering.acquire(timeout=max(0.0, bound)):
-            raise AcquireTimeout(client.group_id, client.job_id, bound)
-        try:
-            if scopes.depth == 0:
+        with scopes.entry(self._timeout, client):
+            if scopes.depth > 0:
+                self.grant = scopes.opened()
+            else:
                 owns = not client.holding
-                scopes.grant = client.acquire(self._timeout)  # held already: the same grant back
-                scopes.owns = owns
-            scopes.depth += 1
-        finally:
-            scopes.entering.release()
-        assert scopes.grant is not None
-        self.grant = scopes.grant
-        return scopes.grant
+                self.grant = scopes.opened(client.acquire(self._timeout), owns=owns)  # already held: that grant
+        return self.grant
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -175,9 +189,4 @@ class SyncHold:
                 log.warning("release after a failed block did not succeed", exc_info=True)
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
-        @functools.wraps(fn)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            with SyncHold(self._client, self._timeout, self._scopes):
-                return fn(*args, **kwargs)
-
-        return wrapper
+        return run_within(lambda: SyncHold(self._client, self._timeout, self._scopes), fn)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -32,8 +31,10 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
 
+from ._descriptors import Forwarded
 from ._grants import Grant, ReleaseResult
 from ._hold_scope import AsyncHold, SyncHold, SyncScopes, _SyncClient
+from ._scope_decorators import run_within, run_within_async
 from .errors import (
     AcquireAllFailed,
     AcquireAllTimeout,
@@ -438,12 +439,7 @@ class AsyncMultiHold:
             raise first
 
     def __call__(self, fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
-        @functools.wraps(fn)
-        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            async with AsyncMultiHold(self._groups, self._order, self._timeout):
-                return await fn(*args, **kwargs)
-
-        return wrapper
+        return run_within_async(lambda: AsyncMultiHold(self._groups, self._order, self._timeout), fn)
 
 
 async def _leave(entered: list[AsyncHold], exc: BaseException) -> tuple[str, ...]:
@@ -473,17 +469,9 @@ class _SyncSibling:
         self._runner = runner
         self._member = member
 
-    @property
-    def job_id(self) -> str:
-        return self._member.job_id
-
-    @property
-    def group_id(self) -> str:
-        return self._member.group_id
-
-    @property
-    def holding(self) -> bool:
-        return self._member.holding
+    job_id = Forwarded[str]("_member")
+    group_id = Forwarded[str]("_member")
+    holding = Forwarded[bool]("_member")
 
     def acquire(self, timeout: float | None = None) -> Grant:
         m = self._member
@@ -568,12 +556,7 @@ class SyncMultiHold:
             raise first
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
-        @functools.wraps(fn)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            with SyncMultiHold(self._groups, self._order, self._timeout):
-                return fn(*args, **kwargs)
-
-        return wrapper
+        return run_within(lambda: SyncMultiHold(self._groups, self._order, self._timeout), fn)
 
 
 def _leave_sync(entered: list[tuple[SyncHold, SyncScopes, str]], exc: BaseException) -> tuple[str, ...]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any, Generic, ParamSpec, TypeVar, overload
+from typing import ParamSpec, TypeVar
+
+from ._descriptors import Descriptor
 
 __all__ = ["RenamedAttribute", "rename_keywords", "renamed_keywords"]
 
@@ -49,32 +51,23 @@ def renamed_keywords(**renamed: str) -> Callable[[Callable[P, R]], Callable[P, R
     return decorate
 
 
-class RenamedAttribute(Generic[T]):
+class RenamedAttribute(Descriptor[T]):
     """An attribute's old name, kept for one release: ``old = RenamedAttribute[float]("old_s")`` in the class body
     reads and sets ``old_s``, each time with a ``DeprecationWarning`` that names it."""
 
     def __init__(self, new: str) -> None:
         self.new = new
-        self.old = new
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.old = name
-
-    def _warn(self, obj: object) -> None:
+    def _warn(self, obj: object, stacklevel: int) -> None:
         warnings.warn(
-            f"{type(obj).__name__}.{self.old} is deprecated, use {self.new}", DeprecationWarning, stacklevel=3
+            f"{type(obj).__name__}.{self.name} is deprecated, use {self.new}", DeprecationWarning, stacklevel=stacklevel
         )
 
-    @overload
-    def __get__(self, obj: None, owner: type | None = None) -> RenamedAttribute[T]: ...
-    @overload
-    def __get__(self, obj: object, owner: type | None = None) -> T: ...
-    def __get__(self, obj: object, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        self._warn(obj)
-        return getattr(obj, self.new)
+    def read(self, obj: object) -> T:
+        self._warn(obj, stacklevel=4)  # _warn, read, Descriptor.__get__, then the code that read it
+        value: T = getattr(obj, self.new)
+        return value
 
     def __set__(self, obj: object, value: T) -> None:
-        self._warn(obj)
+        self._warn(obj, stacklevel=3)
         setattr(obj, self.new, value)

@@ -45,6 +45,8 @@ from collections.abc import Coroutine, Iterator
 from types import FrameType
 from typing import Any, Protocol, TypeVar, cast
 
+from ._serving_thread import ServingThread
+
 __all__ = ["INTERRUPT_GRACE_S", "CallTimeout", "LoopClosed", "SharedLoop"]
 
 log = logging.getLogger("timeslice.client")
@@ -135,9 +137,11 @@ class _Waits:
             self._epoll.close()
 
 
-class SharedLoop:
+class SharedLoop(ServingThread):
     """One asyncio loop, run by the thread of a blocking :meth:`run` for its length and by a thread of its own
     (``name``) between calls. :meth:`start` it, :meth:`stop` it (idempotent; joins the thread)."""
+
+    kind = "loop"
 
     # The loop's thread wakes at least this often (s), so a timer that a call sets further out than that needs no
     # wake-up at the call's end (one the thread would take while the job's thread runs again).
@@ -178,16 +182,6 @@ class SharedLoop:
         self._on_sigint = self._cut.handler
 
     # ------------------------------------------------------------------ lifecycle
-
-    def start(self) -> None:
-        """Start the loop's thread and wait (at most ``start_timeout`` s) until it serves the loop."""
-        if self._thread is not None:
-            raise RuntimeError(f"loop {self.name!r} was started already")
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._serve, args=(ready,), name=self.name, daemon=True)
-        self._thread.start()
-        if not ready.wait(self.start_timeout):
-            raise RuntimeError(f"the thread of {self.name!r} did not start within {self.start_timeout:g} s")
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the loop's thread (joined, at most ``timeout`` s), cancel the tasks left and close the loop.

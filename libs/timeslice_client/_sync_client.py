@@ -9,6 +9,7 @@ from types import TracebackType
 from typing import Any, TypeVar, Unpack, overload
 
 from ._async_client import RENAMED_OPTIONS, AsyncTimeSliceClient, Grant, ReleaseResult
+from ._descriptors import Forwarded
 from ._group_status import GroupStatus
 from ._hold_scope import SyncHold, SyncScopes
 from ._multi_group import SyncGroups, SyncMultiHold
@@ -94,47 +95,25 @@ class TimeSliceClient:
         self._scopes = SyncScopes(self._client.acquire_timeout_s)  # the open on_accelerators() scopes
         self._groups = SyncGroups(self, self, self._scopes, self._client._groups, self._client.acquire_timeout_s)
 
-    @property
-    def job_id(self) -> str:
-        """This job's id."""
-        return self._client.job_id
-
-    @property
-    def group_id(self) -> str:
-        """The group this client acquires."""
-        return self._client.group_id
-
-    @property
-    def nats_url(self) -> str:
-        """The NATS server(s) this client connects to."""
-        return self._client.nats_url
-
-    @property
-    def holding(self) -> bool:
-        """This job holds the group (granted, and its lease is not known to be lost)."""
-        return self._client.holding
-
-    @property
-    def contended(self) -> bool:
-        """Another job waits for the group this job holds (as the orchestrator has said): a good moment to
-        release. False when this job does not hold the group."""
-        return self._client.contended
-
-    @property
-    def yield_requested(self) -> bool:
-        """This hold ran past the group's quantum while another job waits (``timeslice set-policy``): release at the
-        next phase boundary. A request only: the hold stays valid. False when this job does not hold the group."""
-        return self._client.yield_requested
-
-    @property
-    def epoch(self) -> int | None:
-        """The epoch of this job's current hold (None when it holds nothing)."""
-        return self._client.epoch
-
-    @property
-    def held_groups(self) -> tuple[str, ...]:
-        """The groups this job holds through this client (its own and those of ``acquire_all``), sorted."""
-        return self._client.held_groups
+    # What the async client knows, read from it each time (``Forwarded``: a read-only attribute apiece).
+    job_id = Forwarded[str]("_client", "This job's id.")
+    group_id = Forwarded[str]("_client", "The group this client acquires.")
+    nats_url = Forwarded[str]("_client", "The NATS server(s) this client connects to.")
+    holding = Forwarded[bool]("_client", "This job holds the group (granted, and its lease is not known to be lost).")
+    contended = Forwarded[bool](
+        "_client",
+        "Another job waits for the group this job holds (as the orchestrator has said): a good moment to\n"
+        "release. False when this job does not hold the group.",
+    )
+    yield_requested = Forwarded[bool](
+        "_client",
+        "This hold ran past the group's quantum while another job waits (``timeslice set-policy``): release at the\n"
+        "next phase boundary. A request only: the hold stays valid. False when this job does not hold the group.",
+    )
+    epoch = Forwarded[int | None]("_client", "The epoch of this job's current hold (None when it holds nothing).")
+    held_groups = Forwarded[tuple[str, ...]](
+        "_client", "The groups this job holds through this client (its own and those of ``acquire_all``), sorted."
+    )
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         if self._closed:

@@ -1,16 +1,31 @@
-"""What a ``TorchOffloadHandler`` is given: the tensors of its modules, optimizers and sources (plain, for a
-suspend, or named, for an error), and the refusal of a storage it could never free (``UnresizableStorage``)."""
+"""What a ``TorchOffloadHandler`` is given and keeps: its groups (a tag's modules, optimizers and sources, and what a
+suspend of them saved), their tensors (plain, for a suspend, or named, for an error), and the refusal of a storage
+it could never free (``UnresizableStorage``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import UnresizableStorage
 
-__all__ = ["check_resizable", "named_tensors", "plain_storage", "several", "source", "unresizable", "walk"]
+if TYPE_CHECKING:
+    from ._pinned_host import HostBuffer
+
+__all__ = [
+    "Group",
+    "Slot",
+    "check_resizable",
+    "named_tensors",
+    "plain_storage",
+    "several",
+    "source",
+    "unresizable",
+    "walk",
+]
 
 
 def walk(obj: Any) -> Iterator[Any]:
@@ -106,3 +121,40 @@ def source(value: Any, tag: str) -> Any:
     if isinstance(value, Iterable):
         return tuple(value)  # a one-shot iterator: keep what it gives now
     raise TypeError(f"tensors[{tag!r}] must be a tensor, a collection of tensors or a callable returning them")
+
+
+@dataclass(slots=True)
+class Slot:
+    """One storage a suspend freed, and where its bytes went."""
+
+    storage: Any  # the torch.UntypedStorage the tensors share (the same object before and after)
+    nbytes: int
+    host: Any  # uint8 view of the group's host buffer, or None (DISCARD)
+
+
+@dataclass(slots=True)
+class Group:
+    """One tag's objects: what the handler was given under it, and what a suspend of it saved."""
+
+    tag: str
+    modules: list[Any] = field(default_factory=list)
+    optimizers: list[Any] = field(default_factory=list)
+    sources: list[Any] = field(default_factory=list)  # tensors, containers of tensors, callables
+    saved: list[Slot] | None = None  # set while suspended
+    host: HostBuffer | None = None  # cached: reused across cycles; registered: released at the resume
+
+    def tensors(self) -> Iterator[Any]:
+        for module in self.modules:
+            for param in module.parameters():
+                yield param
+                if param.grad is not None:
+                    yield param.grad
+            yield from module.buffers()
+        for optimizer in self.optimizers:
+            yield from walk(list(optimizer.state.values()))
+        for src in self.sources:
+            yield from walk(src() if callable(src) and not isinstance(src, torch.Tensor) else src)
+
+    def named(self, *, call: bool) -> Iterator[tuple[str, Any]]:
+        """The tensors with words naming them (for errors); ``call``: also those callable sources return now."""
+        return named_tensors(self.modules, self.optimizers, self.sources, call=call)

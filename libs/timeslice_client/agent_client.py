@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import grpc
 
+from ._async_closing import AsyncClosing
 from ._grpc import snapshot_agent_pb2 as pb
 from ._grpc.runtime import channel_credentials
 from ._renamed import renamed_keywords
@@ -343,7 +344,7 @@ class SnapshotAgentClient(_AgentClient):
 # ---------------------------------------------------------------------- the asyncio client
 
 
-class AsyncSnapshotAgentClient(_AgentClient):
+class AsyncSnapshotAgentClient(_AgentClient, AsyncClosing):
     """The same API for asyncio (``grpc.aio``); every method is a coroutine."""
 
     def _open(self, creds: grpc.ChannelCredentials | None, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
@@ -398,11 +399,3 @@ class AsyncSnapshotAgentClient(_AgentClient):
 
     async def close(self) -> None:
         await self._channel.close()
-
-    async def __aenter__(self) -> AsyncSnapshotAgentClient:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()

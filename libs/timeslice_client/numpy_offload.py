@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ._tag_queries import TagQueries
 from .errors import HandlerError
 from .handlers import HandlerResult
 from .protocol import SuspendMode
@@ -54,7 +55,7 @@ class _Tag:
     suspended: SuspendMode | None = None
 
 
-class NumpyOffloadHandler:
+class NumpyOffloadHandler(TagQueries):
     """Suspends numpy arrays to a host buffer (or drops them) and brings them back; see the module doc.
 
     ``NumpyOffloadHandler(weights=[...], optimizer=[...])``: one tag per keyword. Thread-safe; a
@@ -86,15 +87,6 @@ class NumpyOffloadHandler:
                 offset = (tag.host_size + _ALIGN - 1) // _ALIGN * _ALIGN
                 tag.entries.append(_Entry(a, tuple(a.shape), int(a.nbytes), offset))
                 tag.host_size = offset + int(a.nbytes)
-
-    @property
-    def tags(self) -> frozenset[str]:
-        return frozenset(self._tags)
-
-    @property
-    def suspended_tags(self) -> frozenset[str]:
-        with self._lock:
-            return frozenset(n for n, t in self._tags.items() if t.suspended is not None)
 
     def device_bytes(self, tags: Iterable[str] = ()) -> int:
         """Bytes the selected tags (all when ``tags`` is empty) hold in their arrays now."""
@@ -145,6 +137,9 @@ class NumpyOffloadHandler:
                     taken += e.nbytes
                 t.suspended = None
             return HandlerResult(bytes_moved=moved, device_bytes_freed=taken)
+
+    def _suspended(self) -> dict[str, bool]:
+        return {n: t.suspended is not None for n, t in self._tags.items()}
 
     def _select(self, tags: frozenset[str]) -> list[_Tag]:
         if not tags:

@@ -65,22 +65,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Final
 
-from ._engine_sleep import (
-    DEFAULT_LOCK_TIMEOUT_S,
-    KV_CACHE,
-    WEIGHTS,
-    DeviceBytes,
-    EngineCallFailed,
-    EngineNotSleepable,
-    MissingEngineMethod,
-    NoWeightReload,
-    ReloadHook,
-    SleepHandler,
-    Step,
-    attribute,
-    require_methods,
-)
+from ._duck_engine import attribute, require_methods
+from ._engine_sleep import DEFAULT_LOCK_TIMEOUT_S, KV_CACHE, WEIGHTS, DeviceBytes, ReloadHook, SleepHandler, Step
 from ._renamed import renamed_keywords
+from .errors import EngineCallFailed, EngineNotSleepable, MissingEngineMethod, NoWeightReload
 from .protocol import SuspendMode
 
 __all__ = [

@@ -51,15 +51,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Final
 
 import torch
 
 from ._huge_pages import advise_huge_pages
 from ._pinned_host import HostBuffer, HostMemory, HostMemoryKind, HostRegistrar
-from ._torch_state import check_resizable, named_tensors, plain_storage, several, source, unresizable, walk
+from ._tag_queries import TagQueries
+from ._torch_state import Group, Slot, check_resizable, plain_storage, several, source, unresizable
 from .errors import HandlerError
 from .handlers import HandlerResult
 from .protocol import SuspendMode
@@ -83,39 +83,6 @@ _FOREACH_ZERO: Final = getattr(torch, "_foreach_zero_", None)
 # --------------------------------------------------------------------------- state
 
 
-@dataclass(slots=True)
-class _Slot:
-    storage: Any  # the torch.UntypedStorage the tensors share (the same object before and after)
-    nbytes: int
-    host: Any  # uint8 view of the group's host buffer, or None (DISCARD)
-
-
-@dataclass(slots=True)
-class _Group:
-    tag: str
-    modules: list[Any] = field(default_factory=list)
-    optimizers: list[Any] = field(default_factory=list)
-    sources: list[Any] = field(default_factory=list)  # tensors, containers of tensors, callables
-    saved: list[_Slot] | None = None  # set while suspended
-    host: HostBuffer | None = None  # cached: reused across cycles; registered: released at the resume
-
-    def tensors(self) -> Iterator[Any]:
-        for module in self.modules:
-            for param in module.parameters():
-                yield param
-                if param.grad is not None:
-                    yield param.grad
-            yield from module.buffers()
-        for optimizer in self.optimizers:
-            yield from walk(list(optimizer.state.values()))
-        for src in self.sources:
-            yield from walk(src() if callable(src) and not isinstance(src, torch.Tensor) else src)
-
-    def named(self, *, call: bool) -> Iterator[tuple[str, Any]]:
-        """The tensors with words naming them (for errors); ``call``: also those callable sources return now."""
-        return named_tensors(self.modules, self.optimizers, self.sources, call=call)
-
-
 def _bytes_of(storage: Any) -> Any:
     """A flat uint8 tensor over all of ``storage``."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -129,7 +96,7 @@ def _align(offset: int, nbytes: int) -> int:
 # --------------------------------------------------------------------------- the handler
 
 
-class TorchOffloadHandler:
+class TorchOffloadHandler(TagQueries):
     """Suspends PyTorch state to host memory (or drops it) and brings it back; see the module doc.
 
     ``TorchOffloadHandler(*objects, modules=..., optimizers=..., tensors=...)``: positional modules go
@@ -179,7 +146,7 @@ class TorchOffloadHandler:
         # freed once its copy is done. Tests run the per-storage path on CPU tensors too.
         self._batched = not self._cuda
         self._device_type = device
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, Group] = {}
         self._streams: dict[int, Any] = {}
         self._lock = threading.RLock()
 
@@ -207,15 +174,6 @@ class TorchOffloadHandler:
             check_resizable(group.tag, group.named(call=False), device)
 
     # ------------------------------------------------------------------ queries
-
-    @property
-    def tags(self) -> frozenset[str]:
-        return frozenset(self._groups)
-
-    @property
-    def suspended_tags(self) -> frozenset[str]:
-        with self._lock:
-            return frozenset(tag for tag, g in self._groups.items() if g.saved is not None)
 
     def device_bytes(self, tags: Iterable[str] = ()) -> int:
         """Bytes the selected groups (all when ``tags`` is empty) hold on the device now."""
@@ -324,7 +282,7 @@ class TorchOffloadHandler:
                 return HandlerResult()
             # Plan everything (and allocate host buffers) before anything moves.
             seen: set[int] = set()
-            plans: list[tuple[_Group, list[_Slot]]] = []
+            plans: list[tuple[Group, list[Slot]]] = []
             try:
                 for group in groups:
                     found = self._live(group, seen)
@@ -369,20 +327,23 @@ class TorchOffloadHandler:
 
     # ------------------------------------------------------------------ internals
 
-    def _group(self, tag: str) -> _Group:
+    def _group(self, tag: str) -> Group:
         if not isinstance(tag, str) or not tag:
             raise ValueError(f"a tag must be a non-empty string, not {tag!r}")
         group = self._groups.get(tag)
         if group is None:
-            group = self._groups[tag] = _Group(tag)
+            group = self._groups[tag] = Group(tag)
         return group
 
-    def _select(self, tags: frozenset[str]) -> list[_Group]:
+    def _suspended(self) -> dict[str, bool]:
+        return {tag: g.saved is not None for tag, g in self._groups.items()}
+
+    def _select(self, tags: frozenset[str]) -> list[Group]:
         if not tags:
             return list(self._groups.values())
         return [g for tag, g in self._groups.items() if tag in tags]
 
-    def _live(self, group: _Group, seen: set[int]) -> list[tuple[Any, int]]:
+    def _live(self, group: Group, seen: set[int]) -> list[tuple[Any, int]]:
         """The group's device storages that hold memory, each once (also across calls sharing ``seen``)."""
         found: list[tuple[Any, int]] = []
         for tensor in group.tensors():
@@ -399,9 +360,9 @@ class TorchOffloadHandler:
             found.append((storage, nbytes))
         return found
 
-    def _slots(self, group: _Group, found: list[tuple[Any, int]], offload: bool) -> list[_Slot]:
+    def _slots(self, group: Group, found: list[tuple[Any, int]], offload: bool) -> list[Slot]:
         if not offload:
-            return [_Slot(storage, nbytes, None) for storage, nbytes in found]
+            return [Slot(storage, nbytes, None) for storage, nbytes in found]
         offsets: list[int] = []
         size = 0
         for _, nbytes in found:
@@ -412,18 +373,18 @@ class TorchOffloadHandler:
             return []
         host = self._host_buffer(group, size).tensor
         return [
-            _Slot(storage, nbytes, host[off : off + nbytes])
+            Slot(storage, nbytes, host[off : off + nbytes])
             for (storage, nbytes), off in zip(found, offsets, strict=True)
         ]
 
-    def _host_buffer(self, group: _Group, nbytes: int) -> HostBuffer:
+    def _host_buffer(self, group: Group, nbytes: int) -> HostBuffer:
         if group.host is not None and group.host.fits(nbytes):
             return group.host
         self._release(group)  # drop the old buffer before allocating its successor
         group.host = self._host.allocate(nbytes)
         return group.host
 
-    def _release(self, group: _Group, *, keep_cached: bool = False) -> None:
+    def _release(self, group: Group, *, keep_cached: bool = False) -> None:
         """Let go of the group's host buffer (``keep_cached``: unless it is a cached one, kept for reuse)."""
         if group.host is not None and not (keep_cached and group.host.cached):
             buf, group.host = group.host, None
@@ -437,7 +398,7 @@ class TorchOffloadHandler:
             stream = self._streams[index] = factory(device=index)
         return stream
 
-    def _sync_devices(self, slots: list[_Slot]) -> None:
+    def _sync_devices(self, slots: list[Slot]) -> None:
         """CUDA: let every kernel the job queued finish before its tensors are read or freed."""
         if self._cuda:
             for index in sorted({s.storage.device.index or 0 for s in slots}):
@@ -493,18 +454,16 @@ class TorchOffloadHandler:
             return
         _FOREACH_COPY(dst, src)
 
-    def _free_all(self, slots: list[_Slot], offload: bool) -> None:
+    def _free_all(self, slots: list[Slot], offload: bool) -> None:
         """Copy out (if ``offload``) and free every slot; on any failure put back what was freed and raise."""
         if self._batched:
             self._free_all_batched(slots, offload)
             return
-        freed: list[_Slot] = []
-        pending: list[tuple[_Slot, Any]] = []  # CUDA: copied out once its event has fired
-        try:
+        pending: list[tuple[Slot, Any]] = []  # CUDA: copied out once its event has fired
+        with self._freeing() as free:
             for slot in slots:
                 if not offload:
-                    slot.storage.resize_(0)
-                    freed.append(slot)
+                    free(slot)
                     continue
                 with self._on_stream(slot.storage):
                     self._copy_bytes(slot.host, _bytes_of(slot.storage))
@@ -519,30 +478,35 @@ class TorchOffloadHandler:
                     done, event = pending.pop(0)
                     if event is not None:
                         event.synchronize()
-                    done.storage.resize_(0)
-                    freed.append(done)
+                    free(done)
             self._sync_streams()
             for done, _ in pending:
-                done.storage.resize_(0)
-                freed.append(done)
-        except BaseException as exc:
-            self._put_back(freed, exc)
-            raise
+                free(done)
 
-    def _free_all_batched(self, slots: list[_Slot], offload: bool) -> None:
+    def _free_all_batched(self, slots: list[Slot], offload: bool) -> None:
         """``_free_all`` batched (CPU): every copy first, in one call (``_copy_all``), then every free."""
-        freed: list[_Slot] = []
-        try:
+        with self._freeing() as free:
             if offload:
                 self._copy_all([(slot.host, _bytes_of(slot.storage)) for slot in slots])
             for slot in slots:
-                slot.storage.resize_(0)
-                freed.append(slot)
+                free(slot)
+
+    @contextlib.contextmanager
+    def _freeing(self) -> Iterator[Callable[[Slot], None]]:
+        """A block that frees slots with the function it gets; a failure in it puts back what it freed and raises."""
+        freed: list[Slot] = []
+
+        def free(slot: Slot) -> None:
+            slot.storage.resize_(0)
+            freed.append(slot)
+
+        try:
+            yield free
         except BaseException as exc:
             self._put_back(freed, exc)
             raise
 
-    def _put_back(self, freed: list[_Slot], exc: BaseException) -> None:
+    def _put_back(self, freed: list[Slot], exc: BaseException) -> None:
         """Roll back a failed suspend: re-allocate the freed storages and copy their bytes back."""
         with contextlib.suppress(Exception):
             self._sync_streams()  # copies still queued when the failure came
@@ -560,9 +524,9 @@ class TorchOffloadHandler:
                 "zero-filled: rebuild them"
             ) from exc
 
-    def _restore_all(self, slots: list[_Slot]) -> None:
+    def _restore_all(self, slots: list[Slot]) -> None:
         """Re-allocate and refill every slot; on failure free them again (still suspended) and raise."""
-        allocated: list[_Slot] = []
+        allocated: list[Slot] = []
         try:
             self._refill(slots, allocated)
         except BaseException:
@@ -573,7 +537,7 @@ class TorchOffloadHandler:
                     slot.storage.resize_(0)
             raise
 
-    def _refill(self, slots: list[_Slot], allocated: list[_Slot]) -> None:
+    def _refill(self, slots: list[Slot], allocated: list[Slot]) -> None:
         """Re-allocate every slot's storage (appending it to ``allocated``), then copy its bytes back or zero it."""
         for slot in slots:
             self._allocate(slot.storage, slot.nbytes)

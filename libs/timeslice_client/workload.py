@@ -36,7 +36,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterable
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
 import msgspec
@@ -45,6 +44,7 @@ from nats.aio.msg import Msg
 
 from . import _switch_interval
 from ._agent_socket import ProofUnavailable, prove
+from ._async_closing import AsyncClosing
 from ._bounds import MAX_TEXT
 from ._channel_thread import Responder
 from ._renamed import RenamedAttribute, renamed_keywords
@@ -114,7 +114,7 @@ def _servers_of(nc: NATS) -> list[str]:
     return [first, *(u for u in (s.geturl() for s in nc.servers) if u != first)]
 
 
-class WorkloadChannel:
+class WorkloadChannel(AsyncClosing):
     """One registered workload. ``close()`` unregisters it (idempotent).
 
     ``nc`` carries the registration. The commands come on a connection of the channel's own, made on its
@@ -332,14 +332,6 @@ class WorkloadChannel:
                 async with asyncio.timeout(self.request_timeout_s):
                     await responder.call(rnc.drain())
         await responder.stop(timeout=self.request_timeout_s)
-
-    async def __aenter__(self) -> WorkloadChannel:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
 
     # ------------------------------------------------------------------ the job's release and acquire (caller)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..errors import HandlerError
@@ -62,29 +63,31 @@ class CountingHandler:
 
     def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
         with self._lock:
-            t0 = time.perf_counter()
-            result = self._target().suspend(mode, tags)
-            c = self._counts
+            result, ms = _timed(self._target().suspend, mode, tags)
+            c, moved = self._counts, result.bytes_moved
             self._counts = replace(
                 c,
                 suspends=c.suspends + 1,
-                suspend_ms=c.suspend_ms + (time.perf_counter() - t0) * 1000,
-                bytes_out=c.bytes_out + result.bytes_moved,
-                last_suspend_bytes=result.bytes_moved,
+                suspend_ms=c.suspend_ms + ms,
+                bytes_out=c.bytes_out + moved,
+                last_suspend_bytes=moved,
             )
             self._suspended = True
             return result
 
     def resume(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
         with self._lock:
-            t0 = time.perf_counter()
-            result = self._target().resume(mode, tags)
-            c = self._counts
-            self._counts = replace(
-                c,
-                resumes=c.resumes + 1,
-                resume_ms=c.resume_ms + (time.perf_counter() - t0) * 1000,
-                bytes_in=c.bytes_in + result.bytes_moved,
-            )
+            result, ms = _timed(self._target().resume, mode, tags)
+            c, moved = self._counts, result.bytes_moved
+            self._counts = replace(c, resumes=c.resumes + 1, resume_ms=c.resume_ms + ms, bytes_in=c.bytes_in + moved)
             self._suspended = False
             return result
+
+
+def _timed(
+    call: Callable[[SuspendMode, frozenset[str]], HandlerResult], mode: SuspendMode, tags: frozenset[str]
+) -> tuple[HandlerResult, float]:
+    """``call(mode, tags)``'s result and the milliseconds it took (a call that raises counts nothing)."""
+    t0 = time.perf_counter()
+    result = call(mode, tags)
+    return result, (time.perf_counter() - t0) * 1000

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
@@ -34,7 +34,7 @@ from .._grants import Grant
 from .._sync_client import TimeSliceClient
 from ..errors import InvalidRequest, TimeSliceError
 
-__all__ = ["PhaseCounts", "PhaseHolds"]
+__all__ = ["PhaseAdapter", "PhaseCounts", "PhaseHolds"]
 
 
 class _Scope(Protocol):
@@ -238,3 +238,25 @@ class PhaseHolds:
             held[g] = held.get(g, 0.0) + now - since
         c = self._counts
         return PhaseCounts(c.phases, c.acquires, c.releases, c.waited_ms, c.reorders, tuple(sorted(held.items())))
+
+
+class PhaseAdapter:
+    """The base of a framework's adapter (slime's ``TimeSliceCallback``, veRL's ``VerlHolds``): its phases' holds
+    (``holds``) through ``client``, the figures they report, and the lookup of a phase's groups by the name the
+    framework gives it."""
+
+    client: TimeSliceClient
+    holds: PhaseHolds
+
+    @property
+    def counts(self) -> PhaseCounts:
+        """What the holds did so far (:class:`PhaseCounts`)."""
+        return self.holds.counts
+
+    def _lookup(self, table: Mapping[str, tuple[str, ...]], name: str, unknown: str) -> tuple[str, ...]:
+        """``table[name]``; a name missing from it (one of a newer framework's, or a typo) is an ``InvalidRequest``
+        that says ``unknown``."""
+        try:
+            return table[name]
+        except KeyError:
+            raise InvalidRequest(unknown, job_id=self.client.job_id) from None

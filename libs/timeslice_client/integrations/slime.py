@@ -73,7 +73,7 @@ from .._sync_client import TimeSliceClient
 from ..errors import InvalidRequest
 from ..handlers import WorkloadHandler
 from ..workload import WorkloadChannel
-from ._phase_holds import PhaseCounts, PhaseHolds
+from ._phase_holds import PhaseAdapter, PhaseCounts, PhaseHolds
 
 __all__ = ["ENV", "ROLES", "TURNS", "PhaseCounts", "TimeSliceCallback"]
 
@@ -90,7 +90,7 @@ ENV = {
 }
 
 
-class TimeSliceCallback:
+class TimeSliceCallback(PhaseAdapter):
     """slime's ``PhaseCallback``, holding the job's groups phase by phase (see the module doc).
 
     ``TimeSliceCallback()`` (what slime's ``--phase-callback-path`` makes) reads the environment (:data:`ENV`) and
@@ -155,21 +155,14 @@ class TimeSliceCallback:
         """One pool for every role (slime's ``--colocate``)."""
         return self.trainer_group == self.sampler_group
 
-    @property
-    def counts(self) -> PhaseCounts:
-        """What the holds did so far (:class:`PhaseCounts`)."""
-        return self.holds.counts
-
     def groups_of(self, role: str) -> tuple[str, ...]:
         """The groups a phase of ``role`` holds."""
-        try:
-            return self.groups[role]
-        except KeyError:
-            raise InvalidRequest(
-                f"slime named role {role!r}; the phase-callback roles are {list(ROLES)} (a newer slime? map it "
-                "with callback.groups[role] = (group, ...))",
-                job_id=self.client.job_id,
-            ) from None
+        return self._lookup(
+            self.groups,
+            role,
+            f"slime named role {role!r}; the phase-callback roles are {list(ROLES)} (a newer slime? map it "
+            "with callback.groups[role] = (group, ...))",
+        )
 
     # ------------------------------------------------------------------ slime's PhaseCallback
 

@@ -42,15 +42,14 @@ from collections.abc import Iterator
 
 from .._renamed import renamed_keywords
 from .._sync_client import TimeSliceClient
-from ..errors import InvalidRequest
-from ._phase_holds import PhaseCounts, PhaseHolds
+from ._phase_holds import PhaseAdapter, PhaseCounts, PhaseHolds
 
 __all__ = ["PHASES", "PhaseCounts", "VerlHolds"]
 
 PHASES = ("rollout", "reward_model", "update", "weight_sync", "validate", "save")
 
 
-class VerlHolds:
+class VerlHolds(PhaseAdapter):
     """The holds of ``RayPPOTrainer.fit``'s phases (see the module doc), through ``client`` (a
     :class:`TimeSliceClient`; its group is the default of every pool).
 
@@ -80,10 +79,6 @@ class VerlHolds:
         """One pool for the actor and the rollout (veRL's hybrid engine)."""
         return self.actor_pool == self.rollout_pool
 
-    @property
-    def counts(self) -> PhaseCounts:
-        return self.holds.counts
-
     def pools(self, phase: str) -> tuple[str, ...]:
         """The groups ``phase`` holds."""
         by_phase = {
@@ -94,12 +89,7 @@ class VerlHolds:
             "save": (self.actor_pool,),
             "weight_sync": tuple(sorted({self.actor_pool, self.rollout_pool})),
         }
-        try:
-            return by_phase[phase]
-        except KeyError:
-            raise InvalidRequest(
-                f"veRL phase {phase!r}: the phases are {list(PHASES)}", job_id=self.client.job_id
-            ) from None
+        return self._lookup(by_phase, phase, f"veRL phase {phase!r}: the phases are {list(PHASES)}")
 
     @contextlib.contextmanager
     def phase(self, phase: str, *, keep: bool = False) -> Iterator[None]:
