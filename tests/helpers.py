@@ -7,7 +7,7 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from timeslice_client.protocol import GroupRecord
 
 T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Service(Protocol):
@@ -145,7 +146,7 @@ async def example_line(script: str, job: str, *extra: str, env: dict[str, str], 
     summary line (``<job>: 3 steps in ...``); a nonzero exit fails the test with the end of its stderr."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
-        str(Path(__file__).resolve().parents[1] / "examples" / script),
+        str(ROOT / "examples" / script),
         "--job",
         job,
         "--steps",
@@ -172,3 +173,17 @@ def stop_process(proc: subprocess.Popen[bytes], *, grace_s: float = 15.0, kill_w
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(kill_wait_s)
+
+
+def run_text(
+    args: Sequence[str],
+    *,
+    timeout: float,
+    cwd: Path | str = ROOT,
+    env: Mapping[str, str] | None = None,
+    check: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``args`` to its end (in ``cwd``, default the repository; ``env`` None: this process's), its stdout and
+    stderr captured as text: how the tests run a command or a script and read what it said. ``check``: a nonzero
+    exit raises ``CalledProcessError``; else the caller asserts on ``returncode`` with the output in the message."""
+    return subprocess.run(list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=check)
