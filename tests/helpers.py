@@ -126,6 +126,13 @@ def eventually_sync(check: Callable[[], T], *, timeout: float = 10.0, interval: 
         time.sleep(interval)
 
 
+def loopback_url(server: asyncio.Server | None, scheme: str) -> str:
+    """``<scheme>://127.0.0.1:<port>`` of a server a test started on 127.0.0.1 with port 0 (the system chose the
+    port): the address its clients are given."""
+    assert server is not None, "the server is not started"
+    return f"{scheme}://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
 async def group_record(client: AsyncTimeSliceClient, group: str | None = None) -> GroupRecord:
     """The orchestrator's stored record of ``group`` (default: the client's), read through ``client``'s connection:
     what a test checks the orchestrator's bookkeeping against (request ids, confirmations, the switch), which
