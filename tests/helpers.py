@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import subprocess
 import sys
 import time
@@ -131,6 +132,16 @@ def loopback_url(server: asyncio.Server | None, scheme: str) -> str:
     port): the address its clients are given."""
     assert server is not None, "the server is not started"
     return f"{scheme}://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def strike_point(ready: Callable[[], bool], finished: Callable[[], bool], rng: random.Random, what: str) -> bool:
+    """For the fault tests: wait (60 s at most) until ``ready()`` or until every job ``finished()``, then a random
+    instant of up to 10 ms more. Whether to strike there (False: the jobs are done, nothing is left to strike)."""
+    eventually_sync(lambda: ready() or finished(), timeout=60, what=what)
+    if finished():
+        return False
+    time.sleep(rng.uniform(0.0, 0.01))  # a random instant to strike at, not a wait for anything
+    return True
 
 
 async def group_record(client: AsyncTimeSliceClient, group: str | None = None) -> GroupRecord:

@@ -55,22 +55,20 @@ async def _renewals(nats_url: str, group: str, job: str) -> AsyncIterator[_Renew
 
 
 async def test_waiting_place_is_renewed_past_its_ttl(nats_url: str) -> None:
-    async with _renewals(nats_url, "gk1", "b") as renewals:
-        a = await AsyncTimeSliceClient("a", "gk1", nats_url).connect()
+    async with (
+        _renewals(nats_url, "gk1", "b") as renewals,
+        AsyncTimeSliceClient("a", "gk1", nats_url) as a,
         # A 0.3 s place: dropped by the orchestrator unless renewed every 0.1 s.
-        b = await AsyncTimeSliceClient("b", "gk1", nats_url, waiter_ttl_s=0.3).connect()
-        try:
-            ga = await a.acquire(timeout=10)
-            wait = asyncio.create_task(b.acquire(timeout=30))
-            await renewals.until(waiting=8)  # well past two TTLs
-            assert not wait.done(), "the waiter lost its place although it renewed it"
-            await a.release()
-            gb = await asyncio.wait_for(wait, 10)
-            assert gb.epoch == ga.epoch + 1
-            await b.release()
-        finally:
-            await b.close()
-            await a.close()
+        AsyncTimeSliceClient("b", "gk1", nats_url, waiter_ttl_s=0.3) as b,
+    ):
+        ga = await a.acquire(timeout=10)
+        wait = asyncio.create_task(b.acquire(timeout=30))
+        await renewals.until(waiting=8)  # well past two TTLs
+        assert not wait.done(), "the waiter lost its place although it renewed it"
+        await a.release()
+        gb = await asyncio.wait_for(wait, 10)
+        assert gb.epoch == ga.epoch + 1
+        await b.release()
 
 
 async def test_lease_is_renewed_after_quick_cycles(nats_url: str) -> None:

@@ -111,15 +111,13 @@ class TimeSliceOrchestratorClient:
     def acquire(
         self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None
     ) -> AcquireResult:
-        req = self.pb.AcquireRequest(job_id=self._job(job_id), group_id=self._group(group_id))
-        r = self._call("Acquire", req, timeout_sec)
+        r = self._call("Acquire", self._job_request("AcquireRequest", job_id, group_id), timeout_sec)
         return AcquireResult(r.success, r.waited_ms, r.context_restored)
 
     def release(
         self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None
     ) -> YieldResult:
-        req = self.pb.YieldRequest(job_id=self._job(job_id), group_id=self._group(group_id))
-        r = self._call("Yield", req, timeout_sec)
+        r = self._call("Yield", self._job_request("YieldRequest", job_id, group_id), timeout_sec)
         return YieldResult(r.success, r.pending_waiters, r.snapshot_deferred)
 
     def get_status(self, group_id: str | None = None, timeout_sec: float | None = None) -> Any:
@@ -132,6 +130,10 @@ class TimeSliceOrchestratorClient:
         self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None
     ) -> contextlib.AbstractContextManager[AcquireResult]:
         return held(lambda: self.acquire(job_id, group_id, timeout_sec), lambda: self.release(job_id, group_id))
+
+    def _job_request(self, message: str, job_id: str | None, group_id: str | None) -> Any:
+        """A request ``message`` for the job and the group (the call's, else the client's)."""
+        return getattr(self.pb, message)(job_id=self._job(job_id), group_id=self._group(group_id))
 
     def _call(self, method: str, request: Any, timeout_sec: float | None) -> Any:
         """One call of the service (None: no deadline); a failure raised as ``OrchestratorError``, as the
