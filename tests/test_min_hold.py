@@ -320,6 +320,7 @@ def test_a_grant_without_a_minimum_hold_reads_as_before_it_existed() -> None:
         tag_field="type",
         tag="granted",
     )
+    assert OldGranted.__struct_fields__[-1] == "waiters", OldGranted.__struct_fields__  # the last before it
     off = Sim()
     off.register("a", "n1")
     grant = off.settle(off.acquire("a", **PATIENT))
