@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Self
 
 import msgspec
 import pytest
-from timeslice_client import AsyncTimeSliceClient, GroupRecord, HandlerResult, SuspendMode
+from timeslice_client import AsyncTimeSliceClient, Grant, GroupRecord, HandlerResult, SuspendMode
 from timeslice_client.bus import connect
 from timeslice_client.protocol import OpResult, OpStarted, decode_input, subjects
 from timeslice_orchestrator.invariants import StreamChecker
@@ -218,22 +218,25 @@ def up_fields(line: str) -> dict[str, str]:
     return dict(part.split("=", 1) for part in line.split() if "=" in part)
 
 
-async def start_cli(nats_url: str, sub: str, *rest: str) -> asyncio.subprocess.Process:
-    """Start ``timeslice <sub> --nats-url <nats_url> <rest>`` (``python -m timeslice_cli``, logging warnings only),
-    its stdout and stderr piped."""
+async def start_cli(
+    nats_url: str, sub: str, *rest: str, log_level: str = "warning", merged: bool = False
+) -> asyncio.subprocess.Process:
+    """Start ``timeslice <sub> --nats-url <nats_url> <rest>`` (``python -m timeslice_cli``, logging warnings only
+    unless ``log_level`` says), its stdout and stderr piped (``merged``: both in one pipe, stdout, for a test that
+    reads its log lines as they come)."""
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "timeslice_cli",
         "--log-level",
-        "warning",
+        log_level,
         sub,
         "--nats-url",
         nats_url,
         *rest,
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT if merged else asyncio.subprocess.PIPE,
     )
 
 
@@ -263,6 +266,48 @@ async def hold_then_queue(a: Workload, b: Workload, observer: AsyncTimeSliceClie
     b.send("acquire")
     await eventually(queued(observer, group, b.job), what=f"{b.job} queued behind {a.job}")
     return worked
+
+
+async def switch_under_way(a: Workload, b: Workload, observer: AsyncTimeSliceClient) -> None:
+    """``a`` holds, ``b`` waits, ``a`` releases: the switch's snapshot of ``a`` runs, blocked in ``a``'s handler
+    (a ``slow`` one) until the test lets it go on."""
+    await a.wait("ready")
+    await b.wait("ready")
+    a.send("acquire")
+    await a.wait("granted")
+    b.send("acquire")
+    await eventually(queued(observer, observer.group_id, b.job), what=f"{b.job} waiting")
+    a.send("release")
+    await a.wait("suspend_start")
+
+
+async def queue_behind(
+    holder: AsyncTimeSliceClient,
+    waiter: AsyncTimeSliceClient,
+    *,
+    wait_s: float = 10.0,
+    observer: AsyncTimeSliceClient | None = None,
+) -> tuple[Grant, asyncio.Task[Grant]]:
+    """``holder`` takes its group, then ``waiter`` asks and waits behind it (the record, read through ``observer``,
+    default the holder, shows it queued): a switch set up, up to the holder's release. Returns the holder's grant
+    and the waiter's acquire, still pending (``wait_s``: its timeout)."""
+    grant = await holder.acquire(timeout=10)
+    task = asyncio.create_task(waiter.acquire(timeout=wait_s))
+    obs = observer or holder
+    await eventually(queued(obs, obs.group_id, waiter.job_id), what=f"{waiter.job_id} queued behind {holder.job_id}")
+    return grant, task
+
+
+async def recorded_switch(
+    a: AsyncTimeSliceClient, b: AsyncTimeSliceClient, log: list[str], node: str, *, wait_s: float = 10.0
+) -> Grant:
+    """Jobs ``a`` and ``b`` register :class:`Recorder` workloads on ``node`` (one ``log``); ``a`` holds, ``b`` queues
+    behind it and ``a`` releases: returns b's grant, which the switch's snapshot of a and restore of b came before."""
+    await a.register_workload(Recorder(a.job_id, log), node_id=node)
+    await b.register_workload(Recorder(b.job_id, log), node_id=node)
+    _, tb = await queue_behind(a, b, wait_s=wait_s)
+    await a.release()
+    return await tb
 
 
 async def switch_back(a: Workload, b: Workload, observer: AsyncTimeSliceClient, group: str) -> dict[str, Any]:

@@ -1,14 +1,18 @@
-"""What the gRPC tests share: blocking gRPC calls made off the event loop that serves them, and the orchestrator
-process's command line."""
+"""What the gRPC tests share: blocking gRPC calls made off the event loop that serves them, the agent's gRPC shim
+for a test's block, and the orchestrator process's command line."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import pytest
+from timeslice_agent import Agent
+from timeslice_agent.grpc_shim import AgentGrpcConfig, AgentGrpcShim
 
 
 def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -21,6 +25,18 @@ async def rpc_error(fn: Any, *args: Any, **kwargs: Any) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         await call(fn, *args, **kwargs)
     return info.value
+
+
+@contextlib.asynccontextmanager
+async def shim_target(agent: Agent) -> AsyncIterator[str]:
+    """``agent``'s gRPC shim while the block runs, on 127.0.0.1 at a port the system chose: its ``host:port``. Its
+    callers are local, so their uid is the test's, the workload's."""
+    shim = AgentGrpcShim(agent, AgentGrpcConfig(host="127.0.0.1", port=0))
+    port = await shim.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await shim.stop()
 
 
 def orchestrator_command(nats_url: str, *flags: str) -> list[str]:

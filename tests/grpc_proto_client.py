@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_tools import protoc
@@ -44,6 +44,20 @@ def compile_proto(rel: str) -> ModuleType:
 ORCHESTRATOR_PROTO = "timeslice_orchestrator/v1alpha1/timeslice_orchestrator.proto"
 LEGACY_PROTO = "accelerator_orchestrator/v1alpha1/accelerator_orchestrator.proto"
 AGENT_PROTO = "snapshot_agent/v1alpha1/snapshot_agent.proto"
+
+
+T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def held(acquire: Callable[[], T], release: Callable[[], object]) -> Iterator[T]:
+    """A gRPC client's ``on_accelerators``: ``acquire()``'s reply for the block, then ``release()`` however the block
+    ended (an acquire that failed released nothing)."""
+    result = acquire()
+    try:
+        yield result
+    finally:
+        release()
 
 
 class Stub:
@@ -122,15 +136,10 @@ class OrchestratorClient:
             self.pb.GetGroupStatusRequest(group_id=group_id or self.group_id), timeout=timeout, metadata=self.metadata
         )
 
-    @contextlib.contextmanager
     def on_accelerators(
         self, job_id: str | None = None, group_id: str | None = None, timeout: float | None = None
-    ) -> Iterator[Any]:
-        result = self.acquire(job_id, group_id, timeout)
-        try:
-            yield result
-        finally:
-            self.release(job_id, group_id)
+    ) -> contextlib.AbstractContextManager[Any]:
+        return held(lambda: self.acquire(job_id, group_id, timeout), lambda: self.release(job_id, group_id))
 
     def close(self) -> None:
         self.channel.close()

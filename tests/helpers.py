@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
     from timeslice_client.protocol import GroupRecord
 
 T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Service(Protocol):
@@ -125,6 +127,23 @@ def eventually_sync(check: Callable[[], T], *, timeout: float = 10.0, interval: 
         time.sleep(interval)
 
 
+def loopback_url(server: asyncio.Server | None, scheme: str) -> str:
+    """``<scheme>://127.0.0.1:<port>`` of a server a test started on 127.0.0.1 with port 0 (the system chose the
+    port): the address its clients are given."""
+    assert server is not None, "the server is not started"
+    return f"{scheme}://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def strike_point(ready: Callable[[], bool], finished: Callable[[], bool], rng: random.Random, what: str) -> bool:
+    """For the fault tests: wait (60 s at most) until ``ready()`` or until every job ``finished()``, then a random
+    instant of up to 10 ms more. Whether to strike there (False: the jobs are done, nothing is left to strike)."""
+    eventually_sync(lambda: ready() or finished(), timeout=60, what=what)
+    if finished():
+        return False
+    time.sleep(rng.uniform(0.0, 0.01))  # a random instant to strike at, not a wait for anything
+    return True
+
+
 async def group_record(client: AsyncTimeSliceClient, group: str | None = None) -> GroupRecord:
     """The orchestrator's stored record of ``group`` (default: the client's), read through ``client``'s connection:
     what a test checks the orchestrator's bookkeeping against (request ids, confirmations, the switch), which
@@ -145,7 +164,7 @@ async def example_line(script: str, job: str, *extra: str, env: dict[str, str], 
     summary line (``<job>: 3 steps in ...``); a nonzero exit fails the test with the end of its stderr."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
-        str(Path(__file__).resolve().parents[1] / "examples" / script),
+        str(ROOT / "examples" / script),
         "--job",
         job,
         "--steps",
@@ -172,3 +191,17 @@ def stop_process(proc: subprocess.Popen[bytes], *, grace_s: float = 15.0, kill_w
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(kill_wait_s)
+
+
+def run_text(
+    args: Sequence[str],
+    *,
+    timeout: float,
+    cwd: Path | str = ROOT,
+    env: Mapping[str, str] | None = None,
+    check: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``args`` to its end (in ``cwd``, default the repository; ``env`` None: this process's), its stdout and
+    stderr captured as text: how the tests run a command or a script and read what it said. ``check``: a nonzero
+    exit raises ``CalledProcessError``; else the caller asserts on ``returncode`` with the output in the message."""
+    return subprocess.run(list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=check)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -17,6 +17,17 @@ class PoolWatch:
         self._inside: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.violations: list[str] = []
         self.calls: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def watched(
+        self, job: str, group_of: Callable[[str], str] | None, holds: Any | None
+    ) -> Callable[[str, str], contextlib.AbstractContextManager[None]]:
+        """The framework's ``on_work(pool, call)`` hook for ``job``'s workers: each call runs :meth:`inside`, on the
+        group ``group_of`` names for its pool (None: the pool's own name, a run without timeslice)."""
+
+        def on_work(pool: str, call: str) -> contextlib.AbstractContextManager[None]:
+            return self.inside(job, pool, pool if group_of is None else group_of(pool), call, holds)
+
+        return on_work
 
     @contextlib.contextmanager
     def inside(self, job: str, pool: str, group: str, call: str, holds: Any | None) -> Iterator[None]:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .helpers import stop_process
+from .helpers import run_text, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = "gpus-0"
@@ -134,7 +134,7 @@ def _demo(a: argparse.Namespace) -> int:
                 print((work / f"job-{name}.log").read_text(errors="replace")[-3000:], file=sys.stderr)
                 raise RuntimeError(f"job {name} exited with {rc}; logs in {work}")
         html = Path(a.html) if a.html else work / "replay.html"
-        replay = subprocess.run(
+        replay = run_text(
             [
                 sys.executable,
                 "-m",
@@ -149,9 +149,6 @@ def _demo(a: argparse.Namespace) -> int:
                 "--html",
                 str(html),
             ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
             timeout=120,
             check=True,
         )

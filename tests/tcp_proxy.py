@@ -11,6 +11,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from urllib.parse import urlparse
 
+from .helpers import loopback_url
+
 __all__ = ["TcpProxy", "tcp_proxy"]
 
 
@@ -28,9 +30,7 @@ class TcpProxy:
 
     @property
     def url(self) -> str:
-        assert self._server is not None
-        port = self._server.sockets[0].getsockname()[1]
-        return f"nats://127.0.0.1:{port}"
+        return loopback_url(self._server, "nats")
 
     async def start(self) -> TcpProxy:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)

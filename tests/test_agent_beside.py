@@ -25,7 +25,7 @@ from timeslice_client.protocol import OpKind, OpStarted, Restore, Snapshot, subj
 from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig, OrchestratorError
 
-from .agent_harness import Blocking, Recorder, up_command, up_fields
+from .agent_harness import Blocking, Recorder, queue_behind, recorded_switch, up_command, up_fields
 from .conftest import OrchestratorProcess
 from .helpers import eventually, group_record, running
 from .workers import read_stream
@@ -135,13 +135,7 @@ async def test_timeslice_up_runs_the_agent_in_its_process_unless_asked(
         assert ("(in this process)" in line.decode()) is not apart
         log: list[str] = []
         async with AsyncTimeSliceClient("a", "g-up", url) as a, AsyncTimeSliceClient("b", "g-up", url) as b:
-            await a.register_workload(Recorder("a", log), node_id="n-up")
-            await b.register_workload(Recorder("b", log), node_id="n-up")
-            await a.acquire(timeout=10)
-            tb = asyncio.create_task(b.acquire(timeout=10))
-            await eventually(lambda: _waiting(a, "b"))
-            await a.release()
-            gb = await tb
+            gb = await recorded_switch(a, b, log, "n-up")
             assert gb.context_restored and log == ["a:suspend"]
             await b.release()
         if not apart:  # the agent's metrics, served by the `up` process: every command was handed over (a's first
@@ -165,10 +159,6 @@ async def test_timeslice_up_runs_the_agent_in_its_process_unless_asked(
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-
-
-async def _waiting(c: AsyncTimeSliceClient, job: str) -> bool:
-    return job in [w.job for w in (await group_record(c)).queue]
 
 
 async def _held_by(c: AsyncTimeSliceClient, job: str) -> GroupRecord | None:
@@ -204,9 +194,7 @@ async def test_killed_mid_snapshot_and_restarted_the_stack_moves_on_once_the_sus
         async with AsyncTimeSliceClient("a", "g-cut", nats_url) as a, AsyncTimeSliceClient("b", "g-cut", nats_url) as b:
             await a.register_workload(Blocking("a", log, go, wait_s=60), node_id="n1", op_timeout_s=60)
             await b.register_workload(Recorder("b", log), node_id="n1", op_timeout_s=60)
-            await a.acquire(timeout=10)
-            tb = asyncio.create_task(b.acquire(timeout=90))
-            await eventually(lambda: _waiting(a, "b"))
+            _, tb = await queue_behind(a, b, wait_s=90)
             await a.release()
             # a's suspend begins at its release (early suspend); the kill must come once the agent's operation
             # runs too, and the stream shows when it does.

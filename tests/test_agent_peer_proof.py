@@ -146,53 +146,21 @@ async def _refused(job: str, nats_url: str, code: str, match: str, **kw: Any) ->
 async def test_processes_the_job_does_not_own_are_refused(
     agent: SocketAgent, nats_url: str, stranger: int, child: subprocess.Popen[bytes]
 ) -> None:
-    # Another job's process and its process group: no descendant of the registering process (this test).
-    await _refused(
-        "j1",
-        nats_url,
-        "not_owned",
-        f"pid {stranger} is not process {os.getpid()}",
-        backends=("freeze",),
-        pids=(stranger,),
-    )
-    await _refused(
-        "j2",
-        nats_url,
-        "not_owned",
-        f"process group {stranger} is not the registering process's own",
-        backends=("freeze",),
-        pgid=stranger,
-    )
-    await _refused("j3", nats_url, "not_owned", f"pid {stranger}", backends=("freeze",), pids=(child.pid, stranger))
-    # Never init, never a group a kill(2) would widen, never the agent itself or its group: a proof changes nothing.
-    await _refused(
-        "j4", nats_url, "forbidden_process", "pid 1 is not a job's process id", backends=("freeze",), pids=(1,)
-    )
-    for pgid in (0, 1):
-        await _refused(
-            f"j5-{pgid}",
-            nats_url,
-            "forbidden_process",
-            f"pgid {pgid} is not a job's process group",
-            backends=("freeze",),
-            pgid=pgid,
-        )
-    await _refused(
-        "j6",
-        nats_url,
-        "forbidden_process",
-        f"pid {agent.pid} is the agent's own process",
-        backends=("freeze",),
-        pids=(agent.pid,),
-    )
-    await _refused(
-        "j7",
-        nats_url,
-        "forbidden_process",
-        f"pgid {agent.pid} is the agent's own process group",
-        backends=("freeze",),
-        pgid=agent.pid,
-    )
+    # (job, code, what the reason says, the processes it names), each registered with the freeze backend
+    refusals: list[tuple[str, str, str, dict[str, Any]]] = [
+        # Another job's process and its process group: no descendant of the registering process (this test).
+        ("j1", "not_owned", f"pid {stranger} is not process {os.getpid()}", {"pids": (stranger,)}),
+        ("j2", "not_owned", f"process group {stranger} is not the registering process's own", {"pgid": stranger}),
+        ("j3", "not_owned", f"pid {stranger}", {"pids": (child.pid, stranger)}),
+        # Never init, never a group a kill(2) would widen, never the agent itself or its group: a proof changes
+        # nothing.
+        ("j4", "forbidden_process", "pid 1 is not a job's process id", {"pids": (1,)}),
+        *((f"j5-{g}", "forbidden_process", f"pgid {g} is not a job's process group", {"pgid": g}) for g in (0, 1)),
+        ("j6", "forbidden_process", f"pid {agent.pid} is the agent's own process", {"pids": (agent.pid,)}),
+        ("j7", "forbidden_process", f"pgid {agent.pid} is the agent's own process group", {"pgid": agent.pid}),
+    ]
+    for job, code, match, processes in refusals:
+        await _refused(job, nats_url, code, match, backends=("freeze",), **processes)
     assert await agent.jobs() == {}, "a refused registration was stored"
     assert _state(stranger) != "T" and _state(agent.pid) != "T"
 

@@ -11,9 +11,8 @@ old snapshot as "job gone", nobody is faulted, and the stream checks clean."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
@@ -21,11 +20,10 @@ from timeslice_agent import Agent, AgentConfig
 from timeslice_client import AsyncTimeSliceClient, GroupRecord
 from timeslice_client.protocol import JobRegistered, JobUnregistered, OpKind, OpStarted, decode_input, subjects
 
-from .agent_harness import NODE, Workload
+from .agent_harness import NODE, Workload, start_cli, switch_under_way
 from .helpers import eventually, group_record, running
 from .workers import read_stream
 
-ROOT = Path(__file__).resolve().parents[1]
 GROUP = "g-replaced"
 
 
@@ -41,18 +39,7 @@ async def test_a_replacement_registered_during_its_predecessors_snapshot_is_not_
         b = Workload(tmp_path, nats_url, GROUP, "b", NODE)
         new: Workload | None = None
         try:
-            await old.wait("ready")
-            await b.wait("ready")
-            old.send("acquire")
-            await old.wait("granted")
-            b.send("acquire")
-
-            async def b_waits() -> bool:
-                return "b" in [w.job for w in (await group_record(observer)).queue]
-
-            await eventually(b_waits, what="b waiting")
-            old.send("release")
-            await old.wait("suspend_start")  # the switch's snapshot of a runs, blocked in a's handler
+            await switch_under_way(old, b, observer)  # the switch's snapshot of a runs, blocked in a's handler
             old.proc.kill()
             old.proc.wait(10)
             new = Workload(tmp_path / "new", nats_url, GROUP, "a", NODE)
@@ -86,27 +73,9 @@ async def test_a_replacement_registered_during_its_predecessors_snapshot_is_not_
             assert len(regs) == 2, shown
             assert gone and regs[0] < gone[0] < regs[1], shown  # the old process left before the new one came
 
-            check = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "timeslice_cli",
-                    "--log-level",
-                    "warning",
-                    "check",
-                    "--nats-url",
-                    nats_url,
-                    "--json",
-                    "--timeout",
-                    "60",
-                ],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
-            verdict = json.loads(check.stdout)
+            check = await start_cli(nats_url, "check", "--json", "--timeout", "60")
+            out, _ = await asyncio.wait_for(check.communicate(), 120)
+            verdict = json.loads(out)
             assert check.returncode == 0 and verdict["ok"], verdict
         finally:
             for w in (old, b, new):

@@ -27,27 +27,11 @@ from timeslice_client.protocol import (
     subjects,
 )
 
-from .agent_harness import NODE, Workload
-from .helpers import eventually, group_record, running
+from .agent_harness import NODE, Workload, switch_under_way
+from .helpers import eventually, running
 from .workers import read_stream
 
 GROUP = "g-unreg-op"
-
-
-async def _switch_under_way(a: Workload, b: Workload, observer: AsyncTimeSliceClient) -> None:
-    """``a`` holds, ``b`` waits, ``a`` releases: the switch's snapshot of ``a`` runs, blocked in ``a``'s handler."""
-    await a.wait("ready")
-    await b.wait("ready")
-    a.send("acquire")
-    await a.wait("granted")
-    b.send("acquire")
-
-    async def b_waits() -> bool:
-        return "b" in [w.job for w in (await group_record(observer)).queue]
-
-    await eventually(b_waits, what="b waiting")
-    a.send("release")
-    await a.wait("suspend_start")
 
 
 async def test_an_unregistration_during_a_snapshot_waits_for_it_and_the_next_grant_follows_the_suspend(
@@ -59,7 +43,7 @@ async def test_an_unregistration_during_a_snapshot_waits_for_it_and_the_next_gra
         b = Workload(tmp_path, nats_url, GROUP, "b", NODE)
         nc = await nats.connect(nats_url)
         try:
-            await _switch_under_way(a, b, observer)  # the switch's snapshot of a runs, blocked in a's handler
+            await switch_under_way(a, b, observer)  # the switch's snapshot of a runs, blocked in a's handler
 
             # The job itself (its process, with its own credential) asks to leave while its state is moving.
             asked = asyncio.ensure_future(
@@ -110,7 +94,7 @@ async def test_an_unregistration_that_outwaits_its_bound_is_answered_busy_and_th
         b = Workload(tmp_path, nats_url, GROUP + "-b", "b", NODE)
         nc = await nats.connect(nats_url)
         try:
-            await _switch_under_way(a, b, observer)
+            await switch_under_way(a, b, observer)
             subject = subjects.agent_rpc(NODE, "unregister", "a")
             data = encode(UnregisterJob(group=GROUP + "-b", job="a"))
             first = asyncio.ensure_future(nc.request(subject, data, timeout=30))

@@ -18,7 +18,7 @@ from timeslice_client import AsyncTimeSliceClient, HandlerResult, JobState, Susp
 from timeslice_client.errors import TimeSliceError
 from timeslice_client.protocol import JobContext
 
-from .helpers import eventually, group_record, running
+from .helpers import eventually, group_record, loopback_url, running
 
 
 @dataclass
@@ -40,9 +40,7 @@ class Engine:
 
     @property
     def url(self) -> str:
-        assert self.server is not None
-        port = self.server.sockets[0].getsockname()[1]
-        return f"{self.app}+http://127.0.0.1:{port}"
+        return loopback_url(self.server, f"{self.app}+http")
 
     async def __aenter__(self) -> Engine:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -288,53 +286,45 @@ async def _queued(c: AsyncTimeSliceClient, job: str):  # type: ignore[no-untyped
 
 async def test_grpc_snapshot_agent_service_drives_an_sglang_server(nats_url: str, agent: Agent) -> None:
     """``SnapshotAgentService`` with ``AppEndpointConfig`` (app and plain URLs) reaches the server."""
-    from timeslice_agent.grpc_shim import AgentGrpcConfig, AgentGrpcShim
     from timeslice_client.agent_client import AppEndpoint, AsyncSnapshotAgentClient
 
-    shim = AgentGrpcShim(agent, AgentGrpcConfig(host="127.0.0.1", port=0))
-    port = await shim.start()
-    try:
-        async with (
-            Engine("sglang") as engine,
-            AsyncTimeSliceClient("gen", "ge", nats_url) as gen,
-            AsyncSnapshotAgentClient(f"127.0.0.1:{port}", timeout=5, wait_timeout_s=20) as c,
-        ):
-            await gen.register_workload(Untouched(), node_id="n1", backends=("noop",))
-            url = engine.url.removeprefix("sglang+")
-            op = await c.snapshot_and_wait(
-                "gen", backend=AppEndpoint(app="sglang", endpoints=[url], tags=("kv_cache",))
-            )
-            assert op.ok, op.error
-            assert engine.sleeping() and agent.jobs()["gen"].endpoints == (f"sglang+{url}",)
-            op = await c.restore_and_wait("gen")
-            assert op.ok and not engine.sleeping()
-            assert calls(engine) == [
-                ("/release_memory_occupation", {}, {"tags": ["kv_cache"]}),
-                ("/resume_memory_occupation", {}, {"tags": ["kv_cache"]}),
-            ]
-    finally:
-        await shim.stop()
+    from .grpc_helpers import shim_target
+
+    async with (
+        shim_target(agent) as target,
+        Engine("sglang") as engine,
+        AsyncTimeSliceClient("gen", "ge", nats_url) as gen,
+        AsyncSnapshotAgentClient(target, timeout=5, wait_timeout_s=20) as c,
+    ):
+        await gen.register_workload(Untouched(), node_id="n1", backends=("noop",))
+        url = engine.url.removeprefix("sglang+")
+        op = await c.snapshot_and_wait("gen", backend=AppEndpoint(app="sglang", endpoints=[url], tags=("kv_cache",)))
+        assert op.ok, op.error
+        assert engine.sleeping() and agent.jobs()["gen"].endpoints == (f"sglang+{url}",)
+        op = await c.restore_and_wait("gen")
+        assert op.ok and not engine.sleeping()
+        assert calls(engine) == [
+            ("/release_memory_occupation", {}, {"tags": ["kv_cache"]}),
+            ("/resume_memory_occupation", {}, {"tags": ["kv_cache"]}),
+        ]
 
 
 async def test_a_standalone_vllm_snapshot_of_a_job_the_agent_never_saw(nats_url: str, agent: Agent) -> None:
     """The reference guide's standalone example: ``Snapshot`` with an ``AppEndpointConfig`` for a job that never
     registered puts the vLLM server to sleep, and ``Restore`` wakes it (it used to fail with FAILED_PRECONDITION)."""
-    from timeslice_agent.grpc_shim import AgentGrpcConfig, AgentGrpcShim
     from timeslice_client.agent_client import AppEndpoint, AsyncSnapshotAgentClient
 
-    shim = AgentGrpcShim(agent, AgentGrpcConfig(host="127.0.0.1", port=0))
-    port = await shim.start()
-    try:
-        async with (
-            Engine("vllm") as engine,
-            AsyncSnapshotAgentClient(f"127.0.0.1:{port}", timeout=5, wait_timeout_s=20) as c,
-        ):
-            assert "serve" not in agent.jobs()
-            url = engine.url.removeprefix("vllm+")
-            op = await c.snapshot_and_wait("serve", backend=AppEndpoint(app="vllm", endpoints=[url]))
-            assert op.ok, op.error
-            assert engine.sleeping() and agent.jobs()["serve"].endpoints == (f"vllm+{url}",)
-            op = await c.restore_and_wait("serve")
-            assert op.ok and not engine.sleeping()
-    finally:
-        await shim.stop()
+    from .grpc_helpers import shim_target
+
+    async with (
+        shim_target(agent) as target,
+        Engine("vllm") as engine,
+        AsyncSnapshotAgentClient(target, timeout=5, wait_timeout_s=20) as c,
+    ):
+        assert "serve" not in agent.jobs()
+        url = engine.url.removeprefix("vllm+")
+        op = await c.snapshot_and_wait("serve", backend=AppEndpoint(app="vllm", endpoints=[url]))
+        assert op.ok, op.error
+        assert engine.sleeping() and agent.jobs()["serve"].endpoints == (f"vllm+{url}",)
+        op = await c.restore_and_wait("serve")
+        assert op.ok and not engine.sleeping()

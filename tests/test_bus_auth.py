@@ -40,6 +40,7 @@ from timeslice_client.protocol import (
 )
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
+from .agent_harness import queue_behind, recorded_switch
 from .auth_stack import SecureBus, Violations, start_secure_bus
 from .helpers import eventually, group_record, running
 
@@ -171,9 +172,7 @@ async def test_a_revoked_credential_no_longer_connects(bus: SecureBus) -> None:
 
 async def test_forged_release_with_the_holders_epoch_is_refused(bus: SecureBus, orch: Orchestrator) -> None:
     async with _client(bus, "a") as a, _client(bus, "b") as b, _mallory(bus) as (nc, v):
-        g = await a.acquire(timeout=10)
-        wait_b = asyncio.create_task(b.acquire(timeout=30))
-        await eventually(lambda: _waiting(a, "b"))
+        g, wait_b = await queue_behind(a, b, wait_s=30)
         forged = encode(Release(group=G, job="a", request_id="forged", epoch=g.epoch))
         await _refused(nc, v, subjects.job(G, "a", "release"), forged)
         # on its own subject, naming the victim: stored, and refused by the orchestrator
@@ -210,9 +209,7 @@ async def test_a_client_claiming_another_jobs_id_gets_nothing(bus: SecureBus, or
 
 async def test_forged_granted_and_revoked_notices_are_refused(bus: SecureBus, orch: Orchestrator) -> None:
     async with _client(bus, "a") as a, _client(bus, "b") as b, _mallory(bus) as (nc, v):
-        g = await a.acquire(timeout=10)
-        wait_b = asyncio.create_task(b.acquire(timeout=30))
-        await eventually(lambda: _waiting(a, "b"))
+        g, wait_b = await queue_behind(a, b, wait_s=30)
         rid = (await group_record(a)).queue[0].request_id
         await _refused(
             nc,
@@ -259,9 +256,7 @@ async def test_renewing_a_dead_jobs_lease_is_refused(bus: SecureBus, orch: Orche
 
 async def test_cancelling_another_jobs_wait_is_refused(bus: SecureBus, orch: Orchestrator) -> None:
     async with _client(bus, "a") as a, _client(bus, "b") as b, _mallory(bus) as (nc, v):
-        await a.acquire(timeout=10)
-        wait_b = asyncio.create_task(b.acquire(timeout=30))
-        await eventually(lambda: _waiting(a, "b"))
+        _, wait_b = await queue_behind(a, b, wait_s=30)
         rid = (await group_record(a)).queue[0].request_id  # what anyone can read in the record
         cancel = msgspec.json.encode(
             {"type": "cancel", "group": G, "job": "b", "request_id": rid, "reason": "cancelled"}
@@ -415,8 +410,6 @@ async def test_the_agent_does_its_nodes_work_with_its_own_credential(bus: Secure
     of issue 24); a reader asks the agent's status."""
     from timeslice_agent import Agent, AgentConfig
 
-    from .agent_harness import Recorder
-
     agent_nc, av = await _conn(bus, "agent", "n1")
     agent = Agent(AgentConfig(node_id="n1", nats_url=bus.url), nc=agent_nc)
     local = bus.creds("local")
@@ -427,13 +420,7 @@ async def test_the_agent_does_its_nodes_work_with_its_own_credential(bus: Secure
             AsyncTimeSliceClient("a", G, bus.url, creds=local) as a,
             AsyncTimeSliceClient("b", G, bus.url, creds=local) as b,
         ):
-            await a.register_workload(Recorder("a", log), node_id="n1")
-            await b.register_workload(Recorder("b", log), node_id="n1")
-            await a.acquire(timeout=10)
-            tb = asyncio.create_task(b.acquire(timeout=30))
-            await eventually(lambda: _waiting(a, "b"))
-            await a.release()
-            gb = await tb
+            gb = await recorded_switch(a, b, log, "n1", wait_s=30)
             assert gb.context_restored and log == ["a:suspend"]
             await b.release()
             reader, _ = await _conn(bus, "reader")

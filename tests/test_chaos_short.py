@@ -7,11 +7,12 @@ in the stream. Printed, not asserted: the longest live waiter without a grant (i
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .helpers import run_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(420)
 def test_every_fault_kind_once_leaves_no_violation_and_no_long_stall(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
-    proc = subprocess.run(
+    proc = run_text(
         [
             sys.executable,
             str(ROOT / "bench" / "chaos.py"),
@@ -35,11 +36,7 @@ def test_every_fault_kind_once_leaves_no_violation_and_no_long_stall(tmp_path: P
             "--json-out",
             str(out),
         ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=400,
-        check=False,
     )
     print(proc.stdout[-3000:])
     assert out.exists(), proc.stderr[-3000:]

@@ -4,6 +4,8 @@ once on every acquire (which would put its work in the window where the orchestr
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.msg import Msg
@@ -38,16 +40,27 @@ class _Renewals:
                 await self.changed.wait()
 
 
-async def test_waiting_place_is_renewed_past_its_ttl(nats_url: str) -> None:
+@contextlib.asynccontextmanager
+async def _renewals(nats_url: str, group: str, job: str) -> AsyncIterator[_Renewals]:
+    """Counts ``job``'s Renew messages in ``group`` while the block runs (subscribed before it starts)."""
     nc = await connect(nats_url)
-    renewals = _Renewals()
-    await nc.subscribe(subjects.job("gk1", "b", "renew"), cb=renewals.on_msg)
-    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
-    await nc.flush()
-    a = await AsyncTimeSliceClient("a", "gk1", nats_url).connect()
-    # A 0.3 s place: dropped by the orchestrator unless renewed every 0.1 s.
-    b = await AsyncTimeSliceClient("b", "gk1", nats_url, waiter_ttl_s=0.3).connect()
     try:
+        renewals = _Renewals()
+        await nc.subscribe(subjects.job(group, job, "renew"), cb=renewals.on_msg)
+        await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
+        await nc.flush()
+        yield renewals
+    finally:
+        await nc.close()
+
+
+async def test_waiting_place_is_renewed_past_its_ttl(nats_url: str) -> None:
+    async with (
+        _renewals(nats_url, "gk1", "b") as renewals,
+        AsyncTimeSliceClient("a", "gk1", nats_url) as a,
+        # A 0.3 s place: dropped by the orchestrator unless renewed every 0.1 s.
+        AsyncTimeSliceClient("b", "gk1", nats_url, waiter_ttl_s=0.3) as b,
+    ):
         ga = await a.acquire(timeout=10)
         wait = asyncio.create_task(b.acquire(timeout=30))
         await renewals.until(waiting=8)  # well past two TTLs
@@ -56,27 +69,18 @@ async def test_waiting_place_is_renewed_past_its_ttl(nats_url: str) -> None:
         gb = await asyncio.wait_for(wait, 10)
         assert gb.epoch == ga.epoch + 1
         await b.release()
-    finally:
-        await b.close()
-        await a.close()
-        await nc.close()
 
 
 async def test_lease_is_renewed_after_quick_cycles(nats_url: str) -> None:
-    nc = await connect(nats_url)
-    renewals = _Renewals()
-    await nc.subscribe(subjects.job("gk2", "a", "renew"), cb=renewals.on_msg)
-    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
-    await nc.flush()
-    try:
-        async with AsyncTimeSliceClient("a", "gk2", nats_url, lease_s=1, confirm_s=0.3) as a:
-            for _ in range(3):  # grants that come at once: the keeper is not woken for their waits
-                await a.acquire(timeout=10)
-                await a.release()
-            g = await a.acquire(timeout=10)
-            await renewals.until(holding=4)  # renewed every third of the lease: held past the whole lease
-            assert a.holding
-            r = await a.release()
-            assert r.epoch == g.epoch
-    finally:
-        await nc.close()
+    async with (
+        _renewals(nats_url, "gk2", "a") as renewals,
+        AsyncTimeSliceClient("a", "gk2", nats_url, lease_s=1, confirm_s=0.3) as a,
+    ):
+        for _ in range(3):  # grants that come at once: the keeper is not woken for their waits
+            await a.acquire(timeout=10)
+            await a.release()
+        g = await a.acquire(timeout=10)
+        await renewals.until(holding=4)  # renewed every third of the lease: held past the whole lease
+        assert a.holding
+        r = await a.release()
+        assert r.epoch == g.epoch

@@ -200,16 +200,23 @@ def test_failed_restore_faults_the_incoming_job_which_is_refused() -> None:
     assert sim.rec.state is GroupState.IDLE and sim.rec.holder is None and "b" in sim.rec.faulted
 
 
-def test_agent_lost_mid_snapshot_grants_nothing_until_the_snapshot_is_known_or_its_deadline() -> None:
-    """The agent snapshotting the outgoing job dies: that job's context may still be on the device (its own
-    process may still be suspending it), so the incoming job is not granted on the agent's loss; the snapshot
-    stays pending until an agent on that node answers it, or until its deadline, which faults the outgoing job."""
+def _two_node_switch(**register_a: Any) -> tuple[Sim, Snapshot | Restore, Snapshot | Restore]:
+    """Job a on n1 (``register_a``: its registration's options) holds, b on n2 waits patiently, a releases: the
+    switch's snapshot of a on n1 and restore of b on n2, neither answered yet."""
     sim = Sim()
-    sim.register("a", "n1", op_timeout_ms=10_000)
+    sim.register("a", "n1", **register_a)
     sim.register("b", "n2")
     sim.hold("a")
     sim.acquire("b", timeout_ms=60_000, waiter_ttl_ms=600_000)
     snap, restore = commands(sim.release("a"))
+    return sim, snap, restore
+
+
+def test_agent_lost_mid_snapshot_grants_nothing_until_the_snapshot_is_known_or_its_deadline() -> None:
+    """The agent snapshotting the outgoing job dies: that job's context may still be on the device (its own
+    process may still be suspending it), so the incoming job is not granted on the agent's loss; the snapshot
+    stays pending until an agent on that node answers it, or until its deadline, which faults the outgoing job."""
+    sim, snap, restore = _two_node_switch(op_timeout_ms=10_000)
     assert snap.node == "n1"
     assert (restore.job, restore.node, restore.after) == ("b", "n2", ())  # type: ignore[union-attr]
     assert commands(sim(AgentLost(group=G, node="n1"))) == []
@@ -226,12 +233,7 @@ def test_agent_lost_mid_snapshot_grants_nothing_until_the_snapshot_is_known_or_i
 
 
 def test_agent_restarted_mid_snapshot_answers_it_and_only_then_the_incoming_job_is_granted() -> None:
-    sim = Sim()
-    sim.register("a", "n1")
-    sim.register("b", "n2")
-    sim.hold("a")
-    sim.acquire("b", timeout_ms=60_000, waiter_ttl_ms=600_000)
-    snap, restore = commands(sim.release("a"))
+    sim, snap, restore = _two_node_switch()
     sim(AgentLost(group=G, node="n1"))
     assert notices(sim.result(restore), Granted) == []
     assert commands(sim.register("a", "n1")) == [snap], "the restarted agent is sent the snapshot again"
@@ -250,12 +252,7 @@ def test_agent_lost_mid_restore_faults_the_incoming_job() -> None:
 
 
 def test_operation_timeout_resolves_the_operation() -> None:
-    sim = Sim()
-    sim.register("a", "n1", op_timeout_ms=2_000)
-    sim.register("b", "n2")
-    sim.hold("a")
-    sim.acquire("b", timeout_ms=60_000, waiter_ttl_ms=600_000)
-    snap, restore = commands(sim.release("a"))
+    sim, snap, restore = _two_node_switch(op_timeout_ms=2_000)
     assert next_deadline(sim.rec) == snap.deadline_ms == sim.now + 2_000
     assert restore.job == "b" and restore.deadline_ms == sim.now + 10_000  # on n2: it follows nothing
     assert commands(sim.tick(dt=2_000)) == []

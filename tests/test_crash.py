@@ -31,7 +31,7 @@ from timeslice_client import GroupState, TimeSliceClient
 from timeslice_client.protocol import subjects
 
 from .conftest import OrchestratorProcess
-from .helpers import eventually_sync, group_record_sync
+from .helpers import eventually_sync, group_record_sync, strike_point
 from .workers import Worker, check_exclusive_holds, fold_checked, holds, looping_worker, read_stream
 
 JOBS = {"c1": "sync", "c2": "async", "c3": "sync", "c4": "async"}
@@ -102,16 +102,11 @@ def test_orchestrator_sigkilled_repeatedly_during_handoffs(
         schedule = [lo + i * width + rng.randrange(width) for i in range(KILLS - 1)]
         for i, target in enumerate([0, *schedule]):
             if i == 0:
-                eventually_sync(slow_holding, timeout=60, what=f"the slow job holds ({context()})")
+                ready, what = slow_holding, f"the slow job holds ({context()})"
             else:
-                eventually_sync(
-                    lambda t=target: progress() >= t or finished(),
-                    timeout=60,  # type: ignore[misc]
-                    what=f"handoffs go on ({context()})",
-                )
-            if finished():
+                ready, what = (lambda t=target: progress() >= t), f"handoffs go on ({context()})"
+            if not strike_point(ready, finished, rng, what):
                 break
-            time.sleep(rng.uniform(0.0, 0.01))  # a random instant to kill at, not a wait for anything
             at = progress()
             t0 = time.monotonic()
             orch.kill()

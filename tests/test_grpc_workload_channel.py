@@ -25,6 +25,7 @@ from timeslice_client.bus import connect
 from timeslice_client.protocol import JOBS_BUCKET, JobUnregistered, decode_input, subjects
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
+from .grpc_helpers import shim_target
 from .grpc_proto_client import AGENT_PROTO, Stub, compile_proto
 from .helpers import eventually, group_record, running
 
@@ -66,12 +67,8 @@ async def agent(nats_url: str) -> AsyncIterator[Agent]:
 
 @pytest.fixture
 async def target(agent: Agent) -> AsyncIterator[str]:
-    shim = AgentGrpcShim(agent, AgentGrpcConfig(host="127.0.0.1", port=0))  # local callers: the workload's uid
-    port = await shim.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await shim.stop()
+    async with shim_target(agent) as t:  # local callers: the workload's uid
+        yield t
 
 
 class RefWorkload:

@@ -15,20 +15,15 @@ from pathlib import Path
 from timeslice_agent import Agent, AgentConfig
 from timeslice_client import AsyncTimeSliceClient
 
-from .helpers import running
+from .helpers import run_text, running
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def health(url: str, *args: str, timeout: float = 60) -> tuple[int, dict[str, object], float]:
     t0 = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, "-m", "timeslice_cli", "health", "--nats-url", url, "--json", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
+    out = run_text(
+        [sys.executable, "-m", "timeslice_cli", "health", "--nats-url", url, "--json", *args], timeout=timeout
     )
     elapsed = time.monotonic() - t0
     assert out.stdout, out.stderr
@@ -43,14 +38,8 @@ async def health_async(url: str, *args: str) -> tuple[int, dict[str, object], fl
 
 def plain_health(url: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``timeslice health`` without ``--json`` (a 2 s timeout), in ``env`` (None: this process's)."""
-    return subprocess.run(
-        [sys.executable, "-m", "timeslice_cli", "health", "--nats-url", url, "--timeout", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=env,
+    return run_text(
+        [sys.executable, "-m", "timeslice_cli", "health", "--nats-url", url, "--timeout", "2"], timeout=60, env=env
     )
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 from timeslice_client import AsyncTimeSliceClient, GroupFull, GroupQuarantined
@@ -32,10 +34,18 @@ from .agent_harness import timeslice
 from .helpers import eventually, group_record, running
 
 BIG_MS = 2**53
+R = TypeVar("R", bound=msgspec.Struct)
 
 
 def _id(prefix: str, i: int, n: int = 64) -> str:
     return f"{prefix}{i}".ljust(n, "x")[:n]
+
+
+def _at_limits(cls: type[R], **fields: Any) -> R:
+    """A ``cls`` with ``fields``, and every other number it must be given (times, epochs, durations) at ``BIG_MS``:
+    as long on the wire as it can be."""
+    required = {f.name: BIG_MS for f in msgspec.structs.fields(cls) if f.required and f.type is int}
+    return cls(**(required | fields))
 
 
 def test_a_record_at_every_limit_at_once_stays_far_below_the_payload_limit() -> None:
@@ -43,12 +53,10 @@ def test_a_record_at_every_limit_at_once_stays_far_below_the_payload_limit() -> 
     pairs all saved, loaded and faulted with the longest reasons, ``max_lost_nodes`` lost nodes, a switch with a
     restore beside a snapshot on every node."""
     rid = "r" * 128
-    waiter = WaiterRecord(
+    waiter = _at_limits(
+        WaiterRecord,
         job=_id("j", 0),
         request_id=rid,
-        enqueued_at_ms=BIG_MS,
-        deadline_ms=BIG_MS,
-        alive_until_ms=BIG_MS,
         lease_ms=LIMITS.max_lease_ms,
         waiter_ttl_ms=LIMITS.max_ttl_ms,
         confirm_ms=LIMITS.max_ttl_ms,
@@ -63,16 +71,7 @@ def test_a_record_at_every_limit_at_once_stays_far_below_the_payload_limit() -> 
     rec = GroupRecord(
         group=_id("g", 0),
         epoch=BIG_MS,
-        holder=HolderRecord(
-            job=_id("h", 0),
-            request_id=rid,
-            epoch=BIG_MS,
-            granted_at_ms=BIG_MS,
-            lease_ms=BIG_MS,
-            lease_deadline_ms=BIG_MS,
-            waiter_ttl_ms=BIG_MS,
-            waited_ms=BIG_MS,
-        ),
+        holder=_at_limits(HolderRecord, job=_id("h", 0), request_id=rid, waiter_ttl_ms=BIG_MS, waited_ms=BIG_MS),
         active_job=_id("h", 0),
         loaded={node: job for job, node in pairs},
         placements=placements,
@@ -97,8 +96,6 @@ def test_a_record_at_every_limit_at_once_stays_far_below_the_payload_limit() -> 
 
 
 def msgspec_replace(w: WaiterRecord, **kw: object) -> WaiterRecord:
-    import msgspec
-
     return msgspec.structs.replace(w, **kw)
 
 

@@ -202,6 +202,16 @@ async def _parts_of(agent: AgentProcess, job: str, n: int) -> dict[str, Any]:
     return await eventually(check, interval=0.05, what=f"job {job} registered as {n} processes")
 
 
+async def _switch_begins(
+    agent: AgentProcess, a1: Workload, b: Workload, observer: AsyncTimeSliceClient, group: str
+) -> None:
+    """Once job a is registered as two processes, ``a1`` (one of them) holds, ``b`` queues behind it and ``a1``
+    releases: the switch from a, both its parts, to b begins."""
+    await _parts_of(agent, "a", 2)
+    await hold_then_queue(a1, b, observer, group)
+    a1.send("release")
+
+
 async def test_a_switch_moves_every_process_of_the_job(workers: Any, agent: AgentProcess, nats_url: str) -> None:
     g = "parts"
     a1 = workers(g, "a", "a1", handler="numpy", mb=4)  # the process that takes the holds
@@ -271,10 +281,8 @@ async def test_a_part_that_cannot_suspend_undoes_the_others(workers: Any, agent:
     ready1 = await a1.wait("ready", timeout=START)
     await a2.wait("ready", timeout=START)
     await b.wait("ready", timeout=START)
-    await _parts_of(agent, "a", 2)
     async with AsyncTimeSliceClient("observer", "observer", nats_url) as observer:
-        await hold_then_queue(a1, b, observer, g)
-        a1.send("release")
+        await _switch_begins(agent, a1, b, observer, g)
         await a2.wait("suspend_failed")
         # a1 had suspended; the switch failed in a2, so a1 is brought back: the whole job runs again
         resumed = await a1.wait("resumed")  # its undo carries the snapshot's op id: before, a1 took it for a retry
@@ -315,10 +323,8 @@ async def test_a_process_that_dies_during_the_switch_does_not_hold_it_up(
     b = workers(g, "b", "b", handler="numpy", mb=1)
     for w in (a1, a2, b):
         await w.wait("ready", timeout=START)
-    await _parts_of(agent, "a", 2)
     async with AsyncTimeSliceClient("observer", "observer", nats_url) as observer:
-        await hold_then_queue(a1, b, observer, g)
-        a1.send("release")
+        await _switch_begins(agent, a1, b, observer, g)
         await a2.wait("suspend_start")
         await a1.wait("suspended")
         a2.close()  # SIGKILL mid-suspend

@@ -301,41 +301,41 @@ class Worker:
         stop_process(self.proc, grace_s=10, kill_wait_s=5)
 
 
-async def test_sigstopped_leader_never_believes_after_resume(nats_url: str, tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def _leading_worker(nats_url: str, tmp_path: Path) -> AsyncIterator[tuple[Worker, int]]:
+    """A ``leader_worker`` process once it believes it leads: it and its term; closed (woken first, were it stopped)
+    when the block ends."""
     w = Worker(tmp_path, nats_url, "w")
     try:
         await eventually(lambda: w.events("believes"), timeout=20, what=f"the worker leads ({w.err})")
-        w_term = w.events("elected")[0]["term"]
-        async with instances(nats_url, "b") as (b,):
-            os.kill(w.proc.pid, signal.SIGSTOP)
-            stopped = time.time()
-            b_term = await b.lead.wait_leader(timeout=5)
-            assert b_term > w_term
-            os.kill(w.proc.pid, signal.SIGCONT)
-            fenced = (await eventually(lambda: w.events("fenced"), timeout=5, what="the fenced write"))[0]
-            cont = w.events("cont")[0]
-            assert cont["is_leader"] is False, cont  # the window had passed: nothing needed to run first
-            assert fenced["ok"] is False and fenced["error"] == "NotLeader", fenced
-            await eventually(lambda: w.events("lost"), timeout=5, what="the worker notices it lost")
-            # While b leads, the worker never believed it leads after the pause.
-            assert b.lead.is_leader()
-            assert [e for e in w.events("believes") if e["t"] > stopped] == []
-            assert w.proc.poll() is None
+        yield w, w.events("elected")[0]["term"]
     finally:
         w.close()
+
+
+async def test_sigstopped_leader_never_believes_after_resume(nats_url: str, tmp_path: Path) -> None:
+    async with _leading_worker(nats_url, tmp_path) as (w, w_term), instances(nats_url, "b") as (b,):
+        os.kill(w.proc.pid, signal.SIGSTOP)
+        stopped = time.time()
+        b_term = await b.lead.wait_leader(timeout=5)
+        assert b_term > w_term
+        os.kill(w.proc.pid, signal.SIGCONT)
+        fenced = (await eventually(lambda: w.events("fenced"), timeout=5, what="the fenced write"))[0]
+        cont = w.events("cont")[0]
+        assert cont["is_leader"] is False, cont  # the window had passed: nothing needed to run first
+        assert fenced["ok"] is False and fenced["error"] == "NotLeader", fenced
+        await eventually(lambda: w.events("lost"), timeout=5, what="the worker notices it lost")
+        # While b leads, the worker never believed it leads after the pause.
+        assert b.lead.is_leader()
+        assert [e for e in w.events("believes") if e["t"] > stopped] == []
+        assert w.proc.poll() is None
     assert w.proc.returncode == 0, w.err.read_text()
 
 
 async def test_kill9_leader_process_replaced(nats_url: str, tmp_path: Path) -> None:
-    w = Worker(tmp_path, nats_url, "w")
-    try:
-        await eventually(lambda: w.events("believes"), timeout=20, what=f"the worker leads ({w.err})")
-        w_term = w.events("elected")[0]["term"]
-        async with instances(nats_url, "b") as (b,):
-            t0 = time.monotonic()
-            w.proc.kill()
-            term = await b.lead.wait_leader(timeout=5)
-            took = time.monotonic() - t0
-            assert term > w_term and took < TTL + 0.4, took
-    finally:
-        w.close()
+    async with _leading_worker(nats_url, tmp_path) as (w, w_term), instances(nats_url, "b") as (b,):
+        t0 = time.monotonic()
+        w.proc.kill()
+        term = await b.lead.wait_leader(timeout=5)
+        took = time.monotonic() - t0
+        assert term > w_term and took < TTL + 0.4, took

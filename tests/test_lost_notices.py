@@ -12,7 +12,8 @@ import time
 import pytest
 from timeslice_client import AsyncTimeSliceClient, LeaseExpired
 
-from .helpers import eventually, group_record
+from .agent_harness import queue_behind
+from .helpers import eventually
 from .tcp_proxy import tcp_proxy
 
 pytestmark = pytest.mark.usefixtures("orchestrator")
@@ -25,13 +26,7 @@ async def test_a_waiter_cut_off_at_its_grant_is_granted_once_it_hears_again(nats
         a = await AsyncTimeSliceClient("a", "lost1", nats_url).connect()
         b = await AsyncTimeSliceClient("b", "lost1", proxy.url, acquire_timeout_s=40).connect()
         try:
-            ga = await a.acquire(timeout=10)
-            wait = asyncio.create_task(b.acquire(timeout=40))
-
-            async def b_waits() -> bool:
-                return any(w.job == "b" for w in (await group_record(a)).queue)
-
-            await eventually(b_waits, what="b waits for the group")
+            ga, wait = await queue_behind(a, b, wait_s=40)
             assert b._nc is not None
             proxy.cut()
             await eventually(lambda: not b._nc.is_connected, what="b's connection is cut")  # type: ignore[union-attr]
@@ -70,13 +65,7 @@ async def test_a_holder_cut_off_past_its_lease_stops_holding_before_anyone_else_
         a = await AsyncTimeSliceClient("a", "lost2", proxy.url, lease_s=2, confirm_s=1).connect()
         b = await AsyncTimeSliceClient("b", "lost2", nats_url).connect()
         try:
-            ga = await a.acquire(timeout=10)
-            wait = asyncio.create_task(b.acquire(timeout=40))
-
-            async def b_waits() -> bool:
-                return any(w.job == "b" for w in (await group_record(b)).queue)
-
-            await eventually(b_waits, what="b waits for the group")
+            ga, wait = await queue_behind(a, b, wait_s=40, observer=b)
             proxy.cut()
             t_cut = time.monotonic()
             await eventually(lambda: not a._nc.is_connected, what="a's connection is cut")  # type: ignore[union-attr]

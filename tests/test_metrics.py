@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import sys
 import urllib.request
 from collections.abc import AsyncIterator
 
@@ -19,7 +18,7 @@ from timeslice_client.bus import connect
 from timeslice_client.protocol import Acquire, GroupRecord, encode, subjects
 from timeslice_orchestrator import Orchestrator, OrchestratorConfig, OrchestratorMetrics
 
-from .agent_harness import ROOT, queued
+from .agent_harness import queued, start_cli
 from .helpers import eventually, running
 
 
@@ -211,22 +210,9 @@ def _get(url: str) -> str:
 @pytest.mark.parametrize("command", [["orchestrator"], ["agent", "--node-id", "node-p"]])
 async def test_metrics_port_flag_serves_the_process_metrics(nats_url: str, command: list[str]) -> None:
     """``timeslice orchestrator|agent --metrics-port 0`` as a real process: the port it logs answers /metrics."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "timeslice_cli",
-        "--log-level",
-        "info",
-        *command,
-        "--nats-url",
-        nats_url,
-        "--metrics-port",
-        "0",
-        "--metrics-host",
-        "127.0.0.1",
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
+    sub, *rest = command
+    proc = await start_cli(
+        nats_url, sub, *rest, "--metrics-port", "0", "--metrics-host", "127.0.0.1", log_level="info", merged=True
     )
     assert proc.stdout is not None
     seen: list[str] = []

@@ -168,8 +168,12 @@ def test_discard_and_drop_release_the_buffer() -> None:
     assert h.resume(OFFLOAD, ALL).bytes_moved == 0
 
 
-def failing(tensors: dict[str, Any], reg: Registrar, batched: bool) -> FailingCopy:
-    return FailingCopy(
+def failing(seed: int, batched: bool) -> tuple[FailingCopy, Registrar, dict[str, Any], dict[str, bytes]]:
+    """A handler whose copies fail when told (``fail_at``), over ``state(seed)`` in registered host memory (a fresh
+    registrar): the handler, the registrar, the tensors and their bytes before anything moved."""
+    reg, tensors = Registrar(), state(seed)
+    before = raw(tensors)
+    h = FailingCopy(
         tensors=one_group(tensors),
         device="cpu",
         host_memory="registered",
@@ -177,14 +181,12 @@ def failing(tensors: dict[str, Any], reg: Registrar, batched: bool) -> FailingCo
         keep_host_buffers=False,
         batched=batched,
     )
+    return h, reg, tensors, before
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["per-storage", "batched"])
 def test_a_suspend_failing_midway_rolls_back_and_releases_its_buffer(batched: bool) -> None:
-    reg = Registrar()
-    tensors = state(2)
-    before = raw(tensors)
-    h = failing(tensors, reg, batched)
+    h, reg, tensors, before = failing(2, batched)
     h.fail_at = 3
     with pytest.raises(RuntimeError, match="injected"):
         h.suspend(OFFLOAD, ALL)
@@ -207,10 +209,7 @@ def test_a_suspend_refused_at_a_later_group_releases_the_earlier_groups_buffers(
 
 @pytest.mark.parametrize("batched", [False, True], ids=["per-storage", "batched"])
 def test_a_resume_failing_midway_keeps_the_buffer_until_a_resume_succeeds(batched: bool) -> None:
-    reg = Registrar()
-    tensors = state(3)
-    before = raw(tensors)
-    h = failing(tensors, reg, batched)
+    h, reg, tensors, before = failing(3, batched)
     h.suspend(OFFLOAD, ALL)
     held = dict(reg.live)
     h.fail_at = h.calls + 2

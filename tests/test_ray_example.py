@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 
 from .agent_harness import NODE, ROOT, AgentProcess
+from .helpers import run_text
 
 # Compares wall-clock runs (shared against solo or predicted): one CI worker runs these modules one after another
 # (``--dist loadgroup``), so they never load the 2 cores against each other.
@@ -38,7 +38,7 @@ def _example(nats_url: str, *args: str) -> dict[str, Any]:
 
 
 def _run(env: dict[str, str], *args: str) -> dict[str, Any]:
-    proc = subprocess.run(
+    proc = run_text(
         [
             sys.executable,
             str(ROOT / "examples" / "ray_timeslice.py"),
@@ -50,12 +50,8 @@ def _run(env: dict[str, str], *args: str) -> dict[str, Any]:
             NODE,
             *args,
         ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
         timeout=240,
-        check=False,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 from timeslice_agent import Agent, AgentConfig
 from timeslice_client.workload import default_node_id
 
-from .helpers import running
+from .helpers import run_text, running
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,16 +65,7 @@ async def test_every_readme_example_runs_in_order_against_a_real_stack(
         Agent(AgentConfig(node_id=default_node_id(), nats_url=nats_url, socket=str(tmp_path / "agent.sock")))
     ):
         env["TIMESLICE_AGENT_SOCKET"] = str(tmp_path / "agent.sock")
-        out = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, str(script)],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        out = await asyncio.to_thread(run_text, [sys.executable, str(script)], timeout=120, cwd=tmp_path, env=env)
     n = len(readme_examples())
     assert out.returncode == 0, f"rc={out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     assert [ln for ln in out.stdout.splitlines() if ln.endswith(" ran")] == [

@@ -6,7 +6,6 @@ Regenerate the schemas after changing a wire type with ``python -m timeslice_cli
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -25,6 +24,8 @@ from timeslice_client.protocol import (
     decode_record,
     encode,
 )
+
+from .helpers import run_text
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_DIR = ROOT / "schemas" / "events"
@@ -130,14 +131,7 @@ def test_check_and_write_on_a_directory(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_module_entry_point_checks_the_repository() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "timeslice_client._schemas", "--check"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-        check=False,
-    )
+    proc = run_text([sys.executable, "-m", "timeslice_client._schemas", "--check"], timeout=60)
     assert proc.returncode == 0, proc.stderr
 
 

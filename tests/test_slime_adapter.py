@@ -19,7 +19,6 @@ uses them unchanged, else stand-ins that make the same calls on stubs compiled f
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import os
@@ -52,6 +51,13 @@ SIZE = int(os.environ.get("TIMESLICE_SLIME_SIZE", "4096"))  # float64s per array
 GEN_S, TRAIN_S, SYNC_S = 0.2, 0.2, 0.02
 GOAL_RATIO = 0.9  # two pools, trainer first: shared against back to back
 JOB_TIMEOUT_S = 60.0
+# The two pools' groups in both orders: whether the trainer's sorts before the sampler's decides whether a job may
+# keep its trainer pool into the weight sync (the holds are taken in sorted order).
+POOL_ORDERS = pytest.mark.parametrize(
+    ("trainer", "sampler"),
+    [("a-trainer", "b-sampler"), ("trainers", "samplers")],
+    ids=["trainer-sorts-first", "sampler-sorts-first"],
+)
 
 
 # --------------------------------------------------------------------------- the probe
@@ -61,16 +67,9 @@ class Pools(PoolWatch):
     """The watch (tests/pool_watch.py), told each call's group as this framework's pools name it."""
 
     def work(self, job: str, callback: TimeSliceCallback | None) -> slime.Work:
-        def on_work(pool: str, call: str) -> Any:
-            return self._inside_pool(job, callback, pool, call)
-
-        return on_work
-
-    def _inside_pool(
-        self, job: str, callback: TimeSliceCallback | None, pool: str, call: str
-    ) -> contextlib.AbstractContextManager[None]:
-        group = callback.groups_of(pool)[0] if callback is not None else pool
-        return self.inside(job, pool, group, call, callback.holds if callback is not None else None)
+        if callback is None:
+            return self.watched(job, None, None)
+        return self.watched(job, lambda pool: callback.groups_of(pool)[0], callback.holds)
 
 
 @dataclass
@@ -185,11 +184,7 @@ def check(solo: dict[str, Run], shared: dict[str, Run], pools: Pools, moved: dic
 
 
 @pytest.mark.usefixtures("orchestrator")
-@pytest.mark.parametrize(
-    ("trainer", "sampler"),
-    [("a-trainer", "b-sampler"), ("trainers", "samplers")],
-    ids=["trainer-sorts-first", "sampler-sorts-first"],
-)
+@POOL_ORDERS
 async def test_two_slime_jobs_share_the_trainer_and_sampler_pools(nats_url: str, trainer: str, sampler: str) -> None:
     """The synchronous driver on two pools: B generates while A trains, the weight sync takes both. When the
     trainer's group sorts first, the trainer pool is kept from training into the weight sync; else it is given
@@ -236,11 +231,7 @@ async def test_two_slime_jobs_share_one_pool_colocated(nats_url: str) -> None:
 
 
 @pytest.mark.usefixtures("orchestrator")
-@pytest.mark.parametrize(
-    ("trainer", "sampler"),
-    [("trainers", "samplers"), ("a-trainer", "b-sampler")],
-    ids=["sampler-sorts-first", "trainer-sorts-first"],
-)
+@POOL_ORDERS
 async def test_two_slime_async_jobs_pipeline_without_deadlock(nats_url: str, trainer: str, sampler: str) -> None:
     """``train_async.py``: the next generation is dispatched (its sampler hold taken) while the job trains. With
     the sampler pool sorting first, taking it while holding the trainer pool would break the order: the trainer

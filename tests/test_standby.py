@@ -24,7 +24,7 @@ from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .agent_harness import timeslice
 from .conftest import OrchestratorProcess
-from .helpers import eventually, eventually_sync, running
+from .helpers import eventually, eventually_sync, running, strike_point
 from .workers import check_exclusive_holds, fold_checked, holds, looping_worker, read_stream
 
 
@@ -127,14 +127,9 @@ def test_two_orchestrators_killed_paused_and_stopped_during_handoffs_never_break
         rng.shuffle(plan)
         width = total // (len(plan) + 2)
         for i, fault in enumerate(plan):
-            eventually_sync(
-                lambda t=(i + 1) * width: progress() >= t or finished(),
-                timeout=60,  # type: ignore[misc]
-                what=f"handoffs go on ({context()})",
-            )
-            if finished():
+            target = (i + 1) * width
+            if not strike_point(lambda t=target: progress() >= t, finished, rng, f"handoffs go on ({context()})"):
                 break
-            time.sleep(rng.uniform(0.0, 0.01))  # a random instant to strike at, not a wait for anything
             p = leader()
             at, t0 = progress(), time.monotonic()
             assert p.proc is not None

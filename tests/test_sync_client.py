@@ -80,6 +80,16 @@ def test_calls_from_another_thread_run_while_one_waits(nats_url: str) -> None:
         b.release()
 
 
+def _lease_renewed(obs: TimeSliceClient, group: str, *, past_ms: int, what: str) -> None:
+    """Wait (10 s at most) until the record of ``group``, read through ``obs``, shows its holder's lease deadline at
+    ``past_ms`` or later: renewed on the client's own thread, no call made on it."""
+    eventually_sync(
+        lambda: (h := group_record_sync(obs, group).holder) is not None and h.lease_deadline_ms >= past_ms,
+        timeout=10,
+        what=f"{what}, renewed in the background",
+    )
+
+
 def test_the_hold_is_renewed_between_calls(nats_url: str) -> None:
     """Between calls (the job trains) the client's own thread renews the lease: held for several leases without a
     call on the client, the group stays this job's."""
@@ -93,14 +103,7 @@ def test_the_hold_is_renewed_between_calls(nats_url: str) -> None:
             lambda: group_record_sync(obs, "g13").holder, timeout=10, what="the record names the holder"
         )
         assert first.job == "a"
-        eventually_sync(
-            lambda: (
-                (h := group_record_sync(obs, "g13").holder) is not None
-                and h.lease_deadline_ms >= first.lease_deadline_ms + 3000
-            ),
-            timeout=10,
-            what="three more seconds of lease, renewed in the background",
-        )
+        _lease_renewed(obs, "g13", past_ms=first.lease_deadline_ms + 3000, what="three more seconds of lease")
         assert a.holding and a.epoch == g.epoch
         a.release()
 
@@ -131,14 +134,7 @@ def test_a_connection_cut_between_calls_is_mended_by_the_clients_thread(nats_url
             eventually_sync(lambda: nc.is_connected, timeout=15, what="a reconnected without a call made on it")
             h0 = group_record_sync(obs, "g14").holder
             assert h0 is not None and h0.job == "a"
-            eventually_sync(
-                lambda: (
-                    (h := group_record_sync(obs, "g14").holder) is not None
-                    and h.lease_deadline_ms >= h0.lease_deadline_ms + 1000
-                ),
-                timeout=10,
-                what="a's lease renewed after the reconnect",
-            )
+            _lease_renewed(obs, "g14", past_ms=h0.lease_deadline_ms + 1000, what="a's lease after the reconnect")
             assert a.holding and a.epoch == g.epoch
             a.release()
             assert a.acquire(timeout=10).epoch == g.epoch + 1

@@ -14,7 +14,6 @@ other updates). Plus: the example runs as a script, through a stack, to the stat
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import importlib.util
 import os
@@ -56,20 +55,13 @@ class Pools(PoolWatch):
     """The watch (tests/pool_watch.py), told each call's group as this framework's pools name it."""
 
     def work(self, job: str, holds: VerlHolds | None) -> Any:
-        def on_work(pool: str, call: str) -> Any:
-            return self._inside_pool(job, holds, pool, call)
-
-        return on_work
-
-    def _inside_pool(
-        self, job: str, holds: VerlHolds | None, pool: str, call: str
-    ) -> contextlib.AbstractContextManager[None]:
-        group = (
-            pool
-            if holds is None
-            else {"actor": holds.actor_pool, "rollout": holds.rollout_pool, "reward": holds.reward_pool}[pool]
+        if holds is None:
+            return self.watched(job, None, None)
+        return self.watched(
+            job,
+            lambda pool: {"actor": holds.actor_pool, "rollout": holds.rollout_pool, "reward": holds.reward_pool}[pool],
+            holds.holds,
         )
-        return self.inside(job, pool, group, call, holds.holds if holds is not None else None)
 
 
 @dataclass

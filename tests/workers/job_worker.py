@@ -45,14 +45,11 @@ from typing import Any
 from timeslice_client import AsyncTimeSliceClient, TimeSliceClient
 
 from .event_log import EventLog
+from .job_flags import job_parser
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="job_worker", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nats-url", required=True)
-    p.add_argument("--group", required=True)
-    p.add_argument("--job", required=True)
-    p.add_argument("--out", required=True, help="JSON-lines event log (appended)")
+    p = job_parser("job_worker", __doc__, out_help="JSON-lines event log (appended)")
     p.add_argument("--mode", choices=("loop", "hold", "wait"), default="loop")
     p.add_argument("--client", choices=("sync", "async"), default="async")
     p.add_argument("--rounds", type=int, default=1)

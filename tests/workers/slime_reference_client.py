@@ -26,13 +26,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from ..grpc_proto_client import LEGACY_PROTO, ORCHESTRATOR_PROTO, Stub, compile_proto
+from ..grpc_proto_client import LEGACY_PROTO, ORCHESTRATOR_PROTO, Stub, compile_proto, held
 
 __all__ = ["OrchestratorError", "TimeSliceOrchestratorClient"]
 
@@ -112,46 +111,37 @@ class TimeSliceOrchestratorClient:
     def acquire(
         self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None
     ) -> AcquireResult:
-        req = self.pb.AcquireRequest(job_id=self._job(job_id), group_id=self._group(group_id))
-        try:
-            r = self._stub.Acquire(req, timeout=timeout_sec)
-        except grpc.RpcError as e:
-            raise OrchestratorError(e) from e
+        r = self._call("Acquire", self._job_request("AcquireRequest", job_id, group_id), timeout_sec)
         return AcquireResult(r.success, r.waited_ms, r.context_restored)
 
     def release(
         self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None
     ) -> YieldResult:
-        req = self.pb.YieldRequest(job_id=self._job(job_id), group_id=self._group(group_id))
-        try:
-            r = self._stub.Yield(req, timeout=timeout_sec)
-        except grpc.RpcError as e:
-            raise OrchestratorError(e) from e
+        r = self._call("Yield", self._job_request("YieldRequest", job_id, group_id), timeout_sec)
         return YieldResult(r.success, r.pending_waiters, r.snapshot_deferred)
 
     def get_status(self, group_id: str | None = None, timeout_sec: float | None = None) -> Any:
-        try:
-            return self._stub.GetGroupStatus(
-                self.pb.GetGroupStatusRequest(group_id=self._group(group_id)), timeout=timeout_sec
-            )
-        except grpc.RpcError as e:
-            raise OrchestratorError(e) from e
+        return self._call("GetGroupStatus", self.pb.GetGroupStatusRequest(group_id=self._group(group_id)), timeout_sec)
 
     def list_groups(self, timeout_sec: float | None = None) -> list[str]:
-        try:
-            return list(self._stub.ListGroups(self.pb.ListGroupsRequest(), timeout=timeout_sec).group_ids)
-        except grpc.RpcError as e:
-            raise OrchestratorError(e) from e
+        return list(self._call("ListGroups", self.pb.ListGroupsRequest(), timeout_sec).group_ids)
 
-    @contextlib.contextmanager
     def on_accelerators(
         self, job_id: str | None = None, group_id: str | None = None, timeout_sec: float | None = None
-    ) -> Iterator[AcquireResult]:
-        result = self.acquire(job_id, group_id, timeout_sec)
+    ) -> contextlib.AbstractContextManager[AcquireResult]:
+        return held(lambda: self.acquire(job_id, group_id, timeout_sec), lambda: self.release(job_id, group_id))
+
+    def _job_request(self, message: str, job_id: str | None, group_id: str | None) -> Any:
+        """A request ``message`` for the job and the group (the call's, else the client's)."""
+        return getattr(self.pb, message)(job_id=self._job(job_id), group_id=self._group(group_id))
+
+    def _call(self, method: str, request: Any, timeout_sec: float | None) -> Any:
+        """One call of the service (None: no deadline); a failure raised as ``OrchestratorError``, as the
+        reference raises it."""
         try:
-            yield result
-        finally:
-            self.release(job_id, group_id)
+            return getattr(self._stub, method)(request, timeout=timeout_sec)
+        except grpc.RpcError as e:
+            raise OrchestratorError(e) from e
 
     def _job(self, job_id: str | None) -> str:
         if not (job_id or self.job_id):

@@ -41,6 +41,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer
 
+from .job_flags import job_parser
+
 WORDS = ["<pad>", "<eos>", "<unk>", *(f"w{i}" for i in range(29))]
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
 WAIT_S = 300.0  # for the test's next word: it starts every job early and runs them in turn
@@ -167,12 +169,7 @@ def run(a: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--job", required=True)
-    p.add_argument("--group", required=True)
-    p.add_argument("--nats-url", required=True)
-    p.add_argument("--node-id", required=True)
-    p.add_argument("--out", required=True)
+    p = job_parser(None, __doc__, node=True, out_help="where to write the result (JSON)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--reward-ms", type=float, default=300.0)

@@ -56,6 +56,7 @@ from typing import Any
 from timeslice_client import AsyncTimeSliceClient, HandlerResult, SuspendMode
 
 from .event_log import EventLog
+from .job_flags import job_parser
 
 MB = 1024 * 1024
 
@@ -279,12 +280,7 @@ class LoggingHandler:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="workload_worker", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nats-url", required=True)
-    p.add_argument("--group", required=True)
-    p.add_argument("--job", required=True)
-    p.add_argument("--node-id", required=True)
-    p.add_argument("--out", required=True, help="JSON-lines event log (appended)")
+    p = job_parser("workload_worker", __doc__, node=True, out_help="JSON-lines event log (appended)")
     p.add_argument("--control-file", required=True, help="commands, one per line (appended by the test)")
     p.add_argument("--mb", type=float, default=8.0, help="size of the state in MB")
     p.add_argument("--backend", default="app_channel", help="backends joined by '+', e.g. app_channel+freeze")
