@@ -416,6 +416,44 @@ async def ready_then_go(nc: Any, went: asyncio.Future[dict[str, float]], ready: 
         return float((await went)["window_start"])
 
 
+async def timed_cycles(client: Any, n: int, gap: float, *, hold: float = 0.0) -> list[tuple[int, int]]:
+    """Time ``n`` acquire/release cycles of an open ``AsyncTimeSliceClient``, each after ``gap`` s idle, holding
+    ``hold`` s between its acquire and its release: each cycle's (acquire, release) in ns of CLOCK_MONOTONIC. A first
+    cycle, untimed, makes the connection's subscriptions and the group's record, so that none is in the timings."""
+    await client.acquire(timeout=30)
+    await client.release()
+    out: list[tuple[int, int]] = []
+    for _ in range(n):
+        await asyncio.sleep(gap)
+        t0 = time.monotonic_ns()
+        await client.acquire(timeout=30)
+        t1 = time.monotonic_ns()
+        if hold:
+            await asyncio.sleep(hold)
+        t2 = time.monotonic_ns()
+        await client.release()
+        out.append((t1 - t0, time.monotonic_ns() - t2))
+    return out
+
+
+def blocking_timed_cycles(client: Any, n: int, gap: float, *, hold: float = 0.0) -> list[tuple[int, int]]:
+    """:func:`timed_cycles` through the blocking ``TimeSliceClient``: each cycle's (acquire, release) in ns."""
+    client.acquire(timeout=30)
+    client.release()
+    out: list[tuple[int, int]] = []
+    for _ in range(n):
+        time.sleep(gap)
+        t0 = time.monotonic_ns()
+        client.acquire(timeout=30)
+        t1 = time.monotonic_ns()
+        if hold:
+            time.sleep(hold)
+        t2 = time.monotonic_ns()
+        client.release()
+        out.append((t1 - t0, time.monotonic_ns() - t2))
+    return out
+
+
 async def sleep_until(t: float) -> None:
     await asyncio.sleep(max(0.0, t - time.monotonic()))  # the measurement window's planned edges
 

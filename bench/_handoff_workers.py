@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import loop_run, push_consumer
+from _common import blocking_timed_cycles, loop_run, push_consumer, timed_cycles
 
 
 async def _pingpong(url: str, group: str, job: str, n: int, gap: float, out: str) -> None:
@@ -31,17 +31,9 @@ async def _pingpong(url: str, group: str, job: str, n: int, gap: float, out: str
 async def _reacquire(url: str, group: str, n: int, gap: float, out: str, plain: bool) -> None:
     from timeslice_client import AsyncTimeSliceClient
 
-    lat: list[int] = []
     async with AsyncTimeSliceClient("solo", group, url, fast_reacquire=not plain) as c:
-        await c.acquire(timeout=30)
-        await c.release()
-        for _ in range(n):
-            await asyncio.sleep(gap)
-            t0 = time.monotonic_ns()
-            await c.acquire(timeout=30)
-            lat.append(time.monotonic_ns() - t0)
-            await c.release()
-    Path(out).write_text(json.dumps(lat))
+        cycles = await timed_cycles(c, n, gap)
+    Path(out).write_text(json.dumps([acquire_ns for acquire_ns, _ in cycles]))
 
 
 def _pingpong_sync(url: str, group: str, job: str, n: int, gap: float, out: str) -> None:
@@ -63,17 +55,9 @@ def _reacquire_sync(url: str, group: str, n: int, gap: float, out: str) -> None:
     """``_reacquire`` (claims on) through the blocking ``TimeSliceClient``."""
     from timeslice_client import TimeSliceClient
 
-    lat: list[int] = []
     with TimeSliceClient("solo-sync", group, url) as c:
-        c.acquire(timeout=30)
-        c.release()
-        for _ in range(n):
-            time.sleep(gap)
-            t0 = time.monotonic_ns()
-            c.acquire(timeout=30)
-            lat.append(time.monotonic_ns() - t0)
-            c.release()
-    Path(out).write_text(json.dumps(lat))
+        cycles = blocking_timed_cycles(c, n, gap)
+    Path(out).write_text(json.dumps([acquire_ns for acquire_ns, _ in cycles]))
 
 
 async def _responder(url: str, ready: str) -> None:

@@ -20,7 +20,6 @@ Run: ``python bench/_sync_hops.py [--n 1000] [--gap-ms 2]``; prints medians (µs
 from __future__ import annotations
 
 import argparse
-import asyncio
 import concurrent.futures
 import os
 import subprocess
@@ -41,26 +40,16 @@ def _med(xs: list[float]) -> float:
 def _async_rows(url: str, n: int, gap: float) -> dict[str, list[float]]:
     from timeslice_client import AsyncTimeSliceClient
 
-    rows: dict[str, list[float]] = {"acquire": [], "release": []}
-
-    async def main() -> None:
+    async def main() -> list[tuple[int, int]]:
         async with AsyncTimeSliceClient("hops-async", "hops-async", url) as c:
-            await c.acquire(timeout=30)
-            await c.release()
-            for _ in range(n):
-                await asyncio.sleep(gap)
-                t0 = time.perf_counter_ns()
-                await c.acquire(timeout=30)
-                t1 = time.perf_counter_ns()
-                await asyncio.sleep(gap)
-                t2 = time.perf_counter_ns()
-                await c.release()
-                t3 = time.perf_counter_ns()
-                rows["acquire"].append((t1 - t0) / 1e3)
-                rows["release"].append((t3 - t2) / 1e3)
+            return await _common.timed_cycles(c, n, gap, hold=gap)
 
-    _common.loop_run(main())
-    return rows
+    return _us_rows(_common.loop_run(main()))
+
+
+def _us_rows(cycles: list[tuple[int, int]]) -> dict[str, list[float]]:
+    """Cycles timed in ns as the table's rows: each call's times in µs."""
+    return {"acquire": [a / 1e3 for a, _ in cycles], "release": [r / 1e3 for _, r in cycles]}
 
 
 def _responder_rows(url: str, n: int, gap: float, fast: bool | None) -> dict[str, list[float]]:
@@ -135,22 +124,8 @@ def _responder_rows(url: str, n: int, gap: float, fast: bool | None) -> dict[str
 def _sync_rows(url: str, n: int, gap: float) -> dict[str, list[float]]:
     from timeslice_client import TimeSliceClient
 
-    rows: dict[str, list[float]] = {"acquire": [], "release": []}
     with TimeSliceClient("hops-sync", "hops-sync", url) as c:
-        c.acquire(timeout=30)
-        c.release()
-        for _ in range(n):
-            time.sleep(gap)
-            t0 = time.perf_counter_ns()
-            c.acquire(timeout=30)
-            t1 = time.perf_counter_ns()
-            time.sleep(gap)
-            t2 = time.perf_counter_ns()
-            c.release()
-            t3 = time.perf_counter_ns()
-            rows["acquire"].append((t1 - t0) / 1e3)
-            rows["release"].append((t3 - t2) / 1e3)
-    return rows
+        return _us_rows(_common.blocking_timed_cycles(c, n, gap, hold=gap))
 
 
 def main() -> None:

@@ -39,7 +39,6 @@ from typing import Any, Literal
 
 from _trace_model import Log, PoolCost, PoolStep, switches_between
 from timeslice_client.protocol import (
-    Acquire,
     Granted,
     InputEvent,
     JobRegistered,
@@ -51,13 +50,10 @@ from timeslice_client.protocol import (
     Tick,
     YieldRequested,
 )
-from timeslice_orchestrator.advise import SwitchCost, agent_op
+from timeslice_orchestrator.advise import SwitchCost, agent_op, client_acquire
+from timeslice_orchestrator.advise._simulate import LEASE_MS, WAITER_TTL_MS  # client_acquire's lease and window
 from timeslice_orchestrator.core import Command, Notify, apply, new_record, next_deadline
 
-LEASE_MS = 24 * 3600 * 1000  # as advise's simulation: long leases, renewed a third of the way
-WAITER_TTL_MS = 600_000
-CONFIRM_MS = 600_000
-TIMEOUT_MS = 7 * 24 * 3600 * 1000  # no simulated wait ever gives up
 MAX_EVENTS = 2_000_000  # a bound on one simulation
 
 Policy = Literal["fifo", "room", "priority", "quantum", "min_hold"]
@@ -237,20 +233,7 @@ class _Sim:
         self.logs[pool][job].append(("acquire", t))
         rid = self.rid("a")
         jb.waiting = (pool, rid)
-        self.push(
-            t + self.hop,
-            self._apply,
-            Acquire(
-                group=self.group[pool],
-                job=job,
-                request_id=rid,
-                lease_ms=LEASE_MS,
-                timeout_ms=TIMEOUT_MS,
-                waiter_ttl_ms=WAITER_TTL_MS,
-                confirm_ms=CONFIRM_MS,
-                priority=self.priority[job],
-            ),
-        )
+        self.push(t + self.hop, self._apply, client_acquire(self.group[pool], job, rid, self.priority[job]))
         self.push(t + WAITER_TTL_MS / 3000, self._renew_wait, job, pool, rid)
 
     def _granted(self, t: float, job: str, pool: str, epoch: int, rid: str) -> None:

@@ -1,5 +1,5 @@
 """What the services' own ``python -m`` entry points share (the orchestrator's, the agent's): the ``--log-level``
-flag, and how a run ends as an exit code.
+and ``--nats-url`` flags (the latter the ``timeslice`` command's too), and how a run ends as an exit code.
 
 Both answer alike so that a supervisor (systemd, Kubernetes) reads them alike: 130 on Ctrl-C, 2 and one line on
 stderr for a refusal that says what to do (a ``TimeSliceError``), 1 and the traceback in the log for anything else.
@@ -14,11 +14,12 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
+from timeslice_client.bus import nats_url_arg
 from timeslice_client.errors import TimeSliceError
 
 from .runner import run
 
-__all__ = ["add_log_level_flag", "exit_code"]
+__all__ = ["add_log_level_flag", "add_nats_url_flag", "exit_code"]
 
 
 def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +30,18 @@ def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
         choices=("debug", "info", "warning", "error", "critical"),
         type=str.lower,
         help="log threshold (default $TIMESLICE_LOG_LEVEL, else info)",
+    )
+
+
+def add_nats_url_flag(parser: argparse.ArgumentParser, *, example: str | None = None) -> None:
+    """``--nats-url``, checked (``bus.nats_url_arg``), the same flag everywhere a bus is named; ``example``: a list
+    of servers the help shows."""
+    such_as = f", e.g. {example}" if example else ""
+    parser.add_argument(
+        "--nats-url",
+        type=nats_url_arg,
+        default=None,
+        help=f"NATS server(s), comma-separated{such_as} (default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)",
     )
 
 

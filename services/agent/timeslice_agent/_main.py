@@ -17,8 +17,7 @@ from typing import Any
 
 from timeslice_client._bus_auth import add_auth_flags as add_bus_auth_flags
 from timeslice_client._bus_auth import auth_from_args, set_process_auth
-from timeslice_client._internal.service_main import add_log_level_flag, exit_code
-from timeslice_client.bus import nats_url_arg
+from timeslice_client._internal.service_main import add_log_level_flag, add_nats_url_flag, exit_code
 
 from ._config import DEFAULT_GRPC_PORT
 
@@ -74,12 +73,7 @@ async def run_agent(args: argparse.Namespace) -> int:
 def add_agent_flags(p: argparse.ArgumentParser) -> None:
     """The flags of the agent service (``timeslice agent`` serves the same)."""
     p.add_argument("--node-id", default=None, help="this node's id (default: $TIMESLICE_NODE_ID or the host name)")
-    p.add_argument(
-        "--nats-url",
-        type=nats_url_arg,
-        default=None,
-        help="NATS server(s), comma-separated (default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)",
-    )
+    add_nats_url_flag(p)
     p.add_argument(
         "--grpc-port",
         type=int,

@@ -10,7 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from timeslice_client.bus import nats_url_arg
+from timeslice_client._internal.service_main import add_nats_url_flag
 from timeslice_client.errors import TimeSliceError
 
 __all__ = [
@@ -36,12 +36,7 @@ class CliError(TimeSliceError):
 
 def add_nats_flag(p: argparse.ArgumentParser) -> None:
     """``--nats-url`` (the bus's identity and TLS flags are added to every command that has it)."""
-    p.add_argument(
-        "--nats-url",
-        type=nats_url_arg,
-        default=None,
-        help="NATS server(s), comma-separated (default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)",
-    )
+    add_nats_url_flag(p)
 
 
 def add_window_flags(p: argparse.ArgumentParser) -> None:

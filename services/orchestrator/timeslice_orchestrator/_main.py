@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from timeslice_client._bus_auth import add_auth_flags, auth_from_args, set_process_auth
 from timeslice_client._internal.metrics_http import MetricsEndpoint, serve_metrics
-from timeslice_client._internal.service_main import add_log_level_flag, exit_code
-from timeslice_client.bus import nats_url_arg
+from timeslice_client._internal.service_main import add_log_level_flag, add_nats_url_flag, exit_code
 
 from ._errors import ServiceFailed
 from ._in_process_agent import AgentBeside
@@ -157,13 +156,7 @@ def add_replicas_flag(parser: argparse.ArgumentParser) -> None:
 
 def add_orchestrator_flags(orch: argparse.ArgumentParser) -> None:
     """The flags of the orchestrator service (``timeslice orchestrator`` serves the same)."""
-    orch.add_argument(
-        "--nats-url",
-        type=nats_url_arg,
-        default=None,
-        help="NATS server(s), comma-separated, e.g. nats://a:4222,nats://b:4222,nats://c:4222 "
-        "(default: $TIMESLICE_NATS_URL or what `timeslice up` wrote)",
-    )
+    add_nats_url_flag(orch, example="nats://a:4222,nats://b:4222,nats://c:4222")
     add_replicas_flag(orch)
     add_grpc_flags(orch, default_port=None)
     orch.add_argument(

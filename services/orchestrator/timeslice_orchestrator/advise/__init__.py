@@ -15,7 +15,7 @@ What it models and leaves out: docs/scheduling.md, "Predicting a shared run".
 
 from ._model import CostSource, JobOutcome, JobTrace, Phase, Prediction, SwitchCost
 from ._predict import predict
-from ._simulate import AgentOp, Log, SimRun, agent_op, simulate
+from ._simulate import AgentOp, Log, SimRun, agent_op, client_acquire, simulate
 from ._text import render_prediction
 from ._traces import MAX_JOBS, job_spec, measured_cost, trace_of, traces
 
@@ -31,6 +31,7 @@ __all__ = [
     "SimRun",
     "SwitchCost",
     "agent_op",
+    "client_acquire",
     "job_spec",
     "measured_cost",
     "predict",

@@ -46,7 +46,7 @@ from .._errors import AdviseError
 from ..core import Command, Notify, apply, new_record, next_deadline
 from ._model import Phase, SwitchCost
 
-__all__ = ["AgentOp", "Log", "LogKind", "SimRun", "agent_op", "simulate"]
+__all__ = ["AgentOp", "Log", "LogKind", "SimRun", "agent_op", "client_acquire", "simulate"]
 
 LogKind = Literal["acquire", "grant", "release", "end"]
 Log = dict[str, list[tuple[LogKind, float]]]  # per job: when it asked, was granted, released, ended (seconds)
@@ -57,6 +57,22 @@ WAITER_TTL_MS = 600_000  # the longest waiter window the core takes (renewed lik
 CONFIRM_MS = 600_000
 TIMEOUT_MS = 7 * 24 * 3600 * 1000  # no simulated wait ever gives up
 MAX_EVENTS = 5_000_000  # a bound on one simulation (a run this long would take minutes; the caller says too long)
+
+
+def client_acquire(group: str, job: str, request_id: str, priority: int = 0) -> Acquire:
+    """The ``Acquire`` a simulated job sends: the longest lease and windows the core takes, which the job keeps alive
+    with renewals a third of the way (``LEASE_MS``, ``WAITER_TTL_MS``), and a wait that never gives up, so that no
+    simulated run, however long, loses a hold or a place to a lapse. Shared with the bench's multi-pool simulation."""
+    return Acquire(
+        group=group,
+        job=job,
+        request_id=request_id,
+        lease_ms=LEASE_MS,
+        timeout_ms=TIMEOUT_MS,
+        waiter_ttl_ms=WAITER_TTL_MS,
+        confirm_ms=CONFIRM_MS,
+        priority=priority,
+    )
 
 
 @dataclass(frozen=True)
@@ -141,20 +157,7 @@ class _Sim:
         rid = self.rid("a")
         self.hold_for[rid] = phase.seconds
         self.waiting[job] = rid
-        self.push(
-            t + self.hop,
-            "input",
-            Acquire(
-                group=self.group,
-                job=job,
-                request_id=rid,
-                lease_ms=LEASE_MS,
-                timeout_ms=TIMEOUT_MS,
-                waiter_ttl_ms=WAITER_TTL_MS,
-                confirm_ms=CONFIRM_MS,
-                priority=self.priorities.get(job, 0),
-            ),
-        )
+        self.push(t + self.hop, "input", client_acquire(self.group, job, rid, self.priorities.get(job, 0)))
         self.push(t + WAITER_TTL_MS / 3000, "renew_wait", (job, rid))
 
     def _granted(self, t: float, job: str, epoch: int, rid: str) -> None:
