@@ -26,7 +26,6 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
-import select
 import sys
 import time
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ from typing import Any
 
 import torch
 from datasets import Dataset
+from timeslice_cli.demo._job import wait_for as demo_wait_for
 from timeslice_client import TimeSliceClient
 from timeslice_client.integrations.trl import attach
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -104,12 +104,7 @@ def digest(trainer: GRPOTrainer) -> tuple[str, int]:
 
 
 def wait_for(word: str) -> None:
-    ready, _, _ = select.select([sys.stdin], [], [], WAIT_S)
-    if not ready:
-        raise TimeoutError(f"no {word!r} from the test within {WAIT_S:.0f} s")
-    line = sys.stdin.readline().strip()
-    if line != word:
-        raise RuntimeError(f"expected {word!r} from the test, got {line!r}")
+    demo_wait_for(word, WAIT_S, sender="the test")  # the demo job's handshake: this worker is paced as it is
 
 
 def say(word: str) -> None:

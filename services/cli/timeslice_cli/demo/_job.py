@@ -132,14 +132,16 @@ def digest(state: dict[str, Array]) -> str:
     return h.hexdigest()
 
 
-def wait_for(word: str, timeout: float) -> None:
-    """The runner's next word on stdin must be ``word``."""
+def wait_for(word: str, timeout: float, *, sender: str = "the demo runner") -> None:
+    """The next word on stdin, from ``sender`` (the process that started this job and paces it), must be ``word``:
+    a job that waited in vain, or read something else, fails loudly instead of going on out of step. Also the
+    pacing of the TRL test's worker (``tests/workers/trl_grpo_job.py``), which the test starts as the runner does."""
     ready, _, _ = select.select([sys.stdin], [], [], timeout)
     if not ready:
-        raise TimeoutError(f"no {word!r} from the demo runner within {timeout:.0f} s")
+        raise TimeoutError(f"no {word!r} from {sender} within {timeout:.0f} s")
     line = sys.stdin.readline().strip()
     if line != word:
-        raise RuntimeError(f"expected {word!r} from the demo runner, got {line!r} (the runner stopped?)")
+        raise RuntimeError(f"expected {word!r} from {sender}, got {line!r} (has it stopped?)")
 
 
 def _time_a_switch(handler: WorkloadHandler, rounds: int = 2) -> tuple[float, float]:
