@@ -252,10 +252,11 @@ def pool_block(names: list[str], costs: list[str], policies: list[Policy], a: ar
             )
     if a.pool_mode != "sim":
         real_pols = [p for p in REAL_POLICIES if p in policies] or list(REAL_POLICIES)
-        real = asyncio.run(run_real_pools(names, costs, real_pols, a.pool_real_steps, a.pool_compression))
+        real_costs = [cm for cm in a.pool_real_costs.split(",") if cm.strip() and cm.strip() in costs]
+        real = asyncio.run(run_real_pools(names, real_costs, real_pols, a.pool_real_steps, a.pool_compression))
         for n in names:
             name = load_profile(n).name
-            same = run_pool_profile(n, costs, list(real_pols), hop_s, a.quantum_s, a.pool_real_steps)
+            same = run_pool_profile(n, real_costs, list(real_pols), hop_s, a.quantum_s, a.pool_real_steps)
             entry = out.setdefault(name, {k: v for k, v in same.items() if k != "sim"})
             entry["real"] = {
                 "steps": a.pool_real_steps,
@@ -298,12 +299,19 @@ def main() -> None:
         default="sim",
         help="multi-pool profiles: sim (default), real (the stack, fifo and room), or both",
     )
-    p.add_argument("--pool-real-steps", type=int, default=3, help="multi-pool profiles, real mode: steps per job")
+    p.add_argument("--pool-real-steps", type=int, default=10, help="multi-pool profiles, real mode: steps per job")
     p.add_argument(
         "--pool-compression",
         type=float,
-        default=1000.0,
-        help="multi-pool profiles, real mode: durations divided by this",
+        default=200.0,
+        help="multi-pool profiles, real mode: durations divided by this (200: the published restores take 12.5 and "
+        "46 ms, several times the stack's own few ms a switch)",
+    )
+    p.add_argument(
+        "--pool-real-costs",
+        default="published",
+        help="multi-pool profiles, real mode: the cost models to run through the stack (of --costs; the PCIe floor's "
+        "copies, compressed, take less than the stack's own overhead, so by default only the published costs)",
     )
     p.add_argument("--json-out", help="write the result as JSON here")
     a = p.parse_args()
