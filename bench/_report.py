@@ -16,7 +16,7 @@ from typing import Any
 from _report_format import NA, X, _cmd, _met, _n, _table
 from _report_offload import _busy_suspend, _gpu, _offload
 from _report_robust import _chaos, _failover, _handoff_auth, _stream_leader
-from _report_switch import _grant_on_restore
+from _report_switch import _grant_on_restore, _precopy
 from _trace_pool_md import TITLE as POOL_TITLE
 from _trace_pool_md import pool_markdown
 
@@ -29,6 +29,7 @@ ORDER = (
     "offload",
     "busy_suspend",
     "grant_on_restore",
+    "precopy",
     "scale",
     "recovery",
     "failover",
@@ -395,6 +396,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]]]] = {
     "offload": ("Offload (bench/offload.py)", _offload),
     "busy_suspend": ("Suspend beside a busy thread (bench/busy_suspend.py)", _busy_suspend),
     "grant_on_restore": ("Grant on restore (bench/grant_on_restore.py)", _grant_on_restore),
+    "precopy": ("Pre-copy while idle (bench/precopy.py)", _precopy),
     "scale": ("Scale (bench/scale.py)", _scale),
     "recovery": ("Recovery (bench/recovery.py)", _recovery),
     "failover": ("Failover (bench/failover.py)", _failover),

@@ -1,5 +1,6 @@
-"""The section of docs/benchmarks.md on hiding the switch (``_report`` renders it): grant on restore against the
-orders before it, from ``bench/grant_on_restore.py``'s result files (one per layout)."""
+"""The sections of docs/benchmarks.md on hiding the switch (``_report`` renders them): grant on restore against the
+orders before it, from ``bench/grant_on_restore.py``'s result files (one per layout), and pre-copy while idle against
+the copy at the switch (``bench/precopy.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from _report_format import X, _cmd, _met, _n, _table
 
-__all__ = ["_grant_on_restore"]
+__all__ = ["_grant_on_restore", "_precopy"]
 
 _ORDERS = {
     "in-order": "in order: snapshot, restore, grant (the room rule's no)",
@@ -55,3 +56,25 @@ def _grant_on_restore(r: dict[str, Any]) -> list[str]:
             "",
         ]
     return lines
+
+
+def _precopy(r: dict[str, Any]) -> list[str]:
+    v = r["variants"]
+    rows = [
+        [label, _n(v[name]["switch_p50_ms"], 1, " ms"), _n(v[name]["switch_p50_ms"] / v["copy"]["switch_p50_ms"], 2, X)]
+        for name, label in (("copy", "copy at the switch (baseline)"), ("precopy", "precopied while idle"))
+    ]
+    return [
+        "Job A (its state behind `TorchOffloadHandler`) releases with nobody waiting and stays idle; then job B "
+        "acquires, and the switch moves A's state out and B's in. Timed: B's `acquire()`. Baseline, same run: the same "
+        'cycles with A\'s channel at `precopy="never"` (the copy on B\'s critical path); then `"always"`: A\'s state '
+        'was copied to host memory while A was idle, and the snapshot only frees it (docs/backends.md, "Pre-copy").',
+        "",
+        f"{_n(r['gib'], 2, ' GiB')} in A on `{r['device']}`, {r['cycles']} cycles per variant, A idle "
+        f"{_n(r['idle_ms'], 0, ' ms')} between its release and B's acquire; A's precopy took "
+        f"{_n(v['precopy']['precopy_p50_ms'], 1, ' ms')} (median), used by {v['precopy']['precopied_suspends']} "
+        "snapshots.",
+        "",
+        *_cmd(r),
+        *_table(["variant", "B's acquire p50", "vs baseline"], rows),
+    ]

@@ -397,21 +397,21 @@ def test_large_tensor_is_copied_in_chunks_bit_exact() -> None:
 
 def test_batched_copies_go_in_one_call_of_chunks_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     """Batched (CPU): every storage's chunks in one ``torch._foreach_copy_`` call each way."""
-    from timeslice_client import torch_offload
+    from timeslice_client import _torch_copies
 
     big = torch.randn(100_003)  # 400 012 bytes: 97 chunks of 4096 and one of 2700
     small = [torch.randn(10) for _ in range(3)]
     handler = TorchOffloadHandler(tensors={"t": [big, *small]}, chunk_bytes=4096)
     before = [bits(t) for t in (big, *small)]
     calls: list[list[int]] = []
-    original = torch_offload._FOREACH_COPY
+    original = _torch_copies._FOREACH_COPY
     assert original is not None  # torch >= 2.1 here
 
     def spy(dst: list[Any], src: list[Any]) -> None:
         calls.append([int(s.numel()) for s in src])
         original(dst, src)
 
-    monkeypatch.setattr(torch_offload, "_FOREACH_COPY", spy)
+    monkeypatch.setattr(_torch_copies, "_FOREACH_COPY", spy)
     assert handler.suspend(OFFLOAD, ALL).bytes_moved == 400_012 + 3 * 40
     assert all(t.untyped_storage().nbytes() == 0 for t in (big, *small))
     assert handler.resume(OFFLOAD, ALL).bytes_moved == 400_012 + 3 * 40

@@ -272,6 +272,7 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
 
         A workload channel that suspended early at the release (``release()``) and was not switched out is
         resumed before this returns; the first acquire binds this process to its node's agent (``bind_process``).
+        A copy of the state a channel made after the last release (``precopy``) is dropped at the grant.
         Right after a release that nobody waited for, the acquire is a *claim* (unless ``fast_reacquire`` is
         off): it is published with the stream's sequence check (the group's last job input must still be that
         release), and once the stream has stored it the grant is certain (the orchestrator decides it from the
@@ -281,6 +282,7 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
         grant = await self._groups.acquire(self, timeout)
         try:
             for ch in self._channels:
+                ch.cancel_precopy()  # the job may change its state from now on: a copy made while idle is stale
                 await ch.settle()
             if self._bind_pending and self._nc is not None:  # once; never fails the acquire (_bind.py)
                 self._bind_pending = False

@@ -77,6 +77,9 @@ class ReleaseCalls:
             for ch in self._channels:
                 ch.disarm()
             raise
+        if r.pending_waiters == 0 and r.snapshot_deferred:
+            for ch in self._channels:
+                ch.precopy_idle()  # when a switch is expected, the next one then only frees device memory
         if self._claims is None and r.pending_waiters == 0 and self._js is not None:
             self._claims = await _checks_claims(self._js)  # once: the stream exists now (it stored the release)
         if self._claims and r.pending_waiters == 0 and self._published == before + 1:

@@ -4,6 +4,7 @@ it could never free (``UnresizableStorage``)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -17,12 +18,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Group",
+    "Precopy",
     "Slot",
     "check_resizable",
     "named_tensors",
     "plain_storage",
     "several",
     "source",
+    "storage_key",
     "unresizable",
     "walk",
 ]
@@ -133,6 +136,25 @@ class Slot:
 
 
 @dataclass(slots=True)
+class Precopy:
+    """A copy of a running group's storages in its host buffer, made while the job was idle (``precopy``): a suspend
+    that finds it still ``valid`` only frees the device memory. ``key``: each storage's address and size when copied;
+    ``cancelled``: set when the job may have run again since (its next acquire), which makes the copy worthless."""
+
+    slots: list[Slot]
+    key: tuple[tuple[int, int], ...]
+    cancelled: threading.Event
+
+    def valid(self, found: list[tuple[Any, int]]) -> bool:
+        """Whether the copy still stands for the storages a suspend ``found`` (the same ones, not cancelled)."""
+        return not self.cancelled.is_set() and self.key == storage_key(found)
+
+
+def storage_key(found: list[tuple[Any, int]]) -> tuple[tuple[int, int], ...]:
+    return tuple((int(storage.data_ptr()), nbytes) for storage, nbytes in found)
+
+
+@dataclass(slots=True)
 class Group:
     """One tag's objects: what the handler was given under it, and what a suspend of it saved."""
 
@@ -142,6 +164,7 @@ class Group:
     sources: list[Any] = field(default_factory=list)  # tensors, containers of tensors, callables
     saved: list[Slot] | None = None  # set while suspended
     host: HostBuffer | None = None  # cached: reused across cycles; registered: released at the resume
+    precopied: Precopy | None = None  # a copy made while running but idle, for the next suspend (see Precopy)
 
     def tensors(self) -> Iterator[Any]:
         for module in self.modules:

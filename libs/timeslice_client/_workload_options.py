@@ -5,16 +5,18 @@ mypy and documented for users. Each default is ``WorkloadChannel``'s, which carr
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Final, TypedDict, cast
+from typing import Final, Literal, TypedDict, cast
 
 from ._codes import SuspendMode
 from ._renamed import rename_keywords
 
 __all__ = [
     "CLIENT_WORKLOAD_KEYS",
+    "PRECOPY_CHOICES",
     "RENAMED_KEYS",
     "WORKLOAD_KEYS",
     "ClientWorkloadOptions",
+    "Precopy",
     "WorkloadOptions",
     "check_options",
 ]
@@ -60,6 +62,10 @@ class WorkloadOptions(TypedDict, total=False):
     handler; ``None`` leaves it alone (docs/backends.md)."""
 
 
+Precopy = Literal["auto", "always", "never"]
+PRECOPY_CHOICES: Final[tuple[Precopy, ...]] = ("auto", "always", "never")
+
+
 class ClientWorkloadOptions(WorkloadOptions, total=False):
     """What a client's ``register_workload`` takes beside the handler and ``group_id``: every
     :class:`WorkloadOptions`, and"""
@@ -67,6 +73,12 @@ class ClientWorkloadOptions(WorkloadOptions, total=False):
     early_suspend: bool
     """Begin the suspend at a release that another job waits for, rather than at the agent's command (default True;
     see ``release()``; docs/backends.md, "Early suspend"). A channel registered without a client never does."""
+
+    precopy: Precopy
+    """After a release nobody waited for, whose state stays on the device, copy it to host memory while the job is
+    idle, so that the next switch only frees the device memory (``WorkloadChannel.precopy_idle``; the handler needs
+    a ``precopy`` method, as ``TorchOffloadHandler`` has): ``"auto"`` (default) once this channel has been switched
+    out before (another job shares the group), ``"always"`` or ``"never"`` (docs/backends.md, "Pre-copy")."""
 
 
 WORKLOAD_KEYS = WorkloadOptions.__optional_keys__

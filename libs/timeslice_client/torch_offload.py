@@ -56,10 +56,20 @@ from typing import Any, Final
 
 import torch
 
-from ._huge_pages import advise_huge_pages
 from ._pinned_host import HostBuffer, HostMemory, HostMemoryKind, HostRegistrar
 from ._tag_queries import TagQueries
-from ._torch_state import Group, Slot, check_resizable, plain_storage, several, source, unresizable
+from ._torch_copies import FOREACH_ZERO, ByteCopies, bytes_of
+from ._torch_state import (
+    Group,
+    Precopy,
+    Slot,
+    check_resizable,
+    plain_storage,
+    several,
+    source,
+    storage_key,
+    unresizable,
+)
 from .errors import HandlerError
 from .handlers import HandlerResult
 from .protocol import SuspendMode
@@ -75,17 +85,6 @@ OPTIMIZER: Final = "optimizer"  # tag of optimizers passed positionally
 TENSORS: Final = "tensors"  # tag of tensors passed positionally
 
 _SMALL: Final = 1 << 20  # storages below this are packed at 64-byte alignment, larger ones at 4 KiB
-# One call for many copies or fills (torch >= 2.1); underscored in torch, as its optimizers use them.
-_FOREACH_COPY: Final = getattr(torch, "_foreach_copy_", None)
-_FOREACH_ZERO: Final = getattr(torch, "_foreach_zero_", None)
-
-
-# --------------------------------------------------------------------------- state
-
-
-def _bytes_of(storage: Any) -> Any:
-    """A flat uint8 tensor over all of ``storage``."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _align(offset: int, nbytes: int) -> int:
@@ -96,7 +95,7 @@ def _align(offset: int, nbytes: int) -> int:
 # --------------------------------------------------------------------------- the handler
 
 
-class TorchOffloadHandler(TagQueries):
+class TorchOffloadHandler(TagQueries, ByteCopies):
     """Suspends PyTorch state to host memory (or drops it) and brings it back; see the module doc.
 
     ``TorchOffloadHandler(*objects, modules=..., optimizers=..., tensors=...)``: positional modules go
@@ -149,6 +148,7 @@ class TorchOffloadHandler(TagQueries):
         self._groups: dict[str, Group] = {}
         self._streams: dict[int, Any] = {}
         self._lock = threading.RLock()
+        self.precopied_suspends = 0  # suspends that only freed memory, as a precopy had copied it already
 
         for obj in objects:
             if isinstance(obj, torch.nn.Module):
@@ -248,6 +248,7 @@ class TorchOffloadHandler(TagQueries):
             released = cached = 0
             for group in self._groups.values():
                 if group.saved is None and group.host is not None:
+                    group.precopied = None  # it lay in this buffer
                     released += group.host.nbytes
                     cached += group.host.cached
                     self._release(group)
@@ -267,6 +268,41 @@ class TorchOffloadHandler(TagQueries):
                     self._release(group)
             return released
 
+    def precopy(self, tags: frozenset[str], cancelled: threading.Event | None = None) -> HandlerResult:
+        """Copy the selected running groups to their host buffers and keep them on the device: made while the job
+        is idle (it released the group, and another job is expected to take it), so that the next
+        ``suspend(OFFLOAD)`` only frees the device memory. ``cancelled``: set it when the job may run again (its
+        next acquire); the copy then stops at its next chunk and is never used. Returns the bytes copied.
+
+        Holds the handler for its length: a suspend that comes meanwhile waits for it, then uses it. The job must
+        leave the tensors alone between its release and its next acquire (the rule of every hold): a copy made
+        while they changed is used only if ``cancelled`` was set before they did."""
+        stop = cancelled if cancelled is not None else threading.Event()
+        with self._lock:
+            seen: set[int] = set()
+            plans: list[tuple[Group, list[tuple[Any, int]], list[Slot]]] = []
+            for group in self._select(frozenset(tags)):
+                group.precopied = None
+                if group.saved is not None:
+                    continue
+                found = self._live(group, seen)
+                if found:
+                    plans.append((group, found, self._slots(group, found, offload=True)))
+            self._sync_devices([slot for _, _, plan in plans for slot in plan])  # the job's last kernels
+            copied = 0
+            for group, found, plan in plans:
+                for slot in plan:
+                    with self._on_stream(slot.storage):
+                        for dst, src in self._chunks(slot.host, bytes_of(slot.storage)):
+                            if stop.is_set():
+                                self._sync_streams()
+                                return HandlerResult(bytes_moved=copied)
+                            dst.copy_(src, non_blocking=self._cuda)
+                            copied += int(src.numel())
+                self._sync_streams()
+                group.precopied = Precopy(plan, storage_key(found), stop)
+            return HandlerResult(bytes_moved=copied)
+
     # ------------------------------------------------------------------ the handler interface
 
     def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
@@ -283,17 +319,25 @@ class TorchOffloadHandler(TagQueries):
             # Plan everything (and allocate host buffers) before anything moves.
             seen: set[int] = set()
             plans: list[tuple[Group, list[Slot]]] = []
+            copied: list[Slot] = []  # copied while the job was idle (precopy): only freed now
             try:
                 for group in groups:
                     found = self._live(group, seen)
                     for storage, _ in found:
                         if not storage.resizable():  # e.g. .numpy() was called on it since the handler was made
                             raise unresizable(group.tag, storage, group.named(call=True))
-                    plans.append((group, self._slots(group, found, offload)))
+                    pre, group.precopied = group.precopied, None
+                    if offload and pre is not None and pre.valid(found):
+                        plans.append((group, pre.slots))
+                        copied += pre.slots
+                    else:
+                        plans.append((group, self._slots(group, found, offload)))
                 slots = [slot for _, plan in plans for slot in plan]
                 if sync_device:
                     self._sync_devices(slots)
-                self._free_all(slots, offload)  # copies done (or rolled back) when it returns or raises
+                self._free_all(slots, offload, copied={id(slot) for slot in copied})  # (or rolled back)
+                if copied:
+                    self.precopied_suspends += 1
             except BaseException:
                 plans, slots = [], []  # the buffers' views, before the buffers go
                 for group in groups:
@@ -416,57 +460,20 @@ class TorchOffloadHandler(TagQueries):
         with torch.cuda.device(storage.device), torch.cuda.stream(self._stream(storage.device)):
             yield
 
-    def _chunks(self, dst: Any, src: Any) -> Iterator[tuple[Any, Any]]:
-        """``(dst, src)`` pieces of two flat uint8 tensors, at most ``chunk_bytes`` each."""
-        n = int(src.numel())
-        step = self.chunk_bytes
-        if n <= step:
-            yield dst, src
-            return
-        for start in range(0, n, step):
-            yield dst[start : start + step], src[start : start + step]
-
-    def _copy_bytes(self, dst: Any, src: Any) -> None:
-        """Copy the flat uint8 tensor ``src`` into ``dst`` in chunks (queued, not waited for, on CUDA)."""
-        for d, s in self._chunks(dst, src):
-            d.copy_(s, non_blocking=self._cuda)
-
-    def _allocate(self, storage: Any, nbytes: int) -> None:
-        if self._cuda:
-            with torch.cuda.device(storage.device):
-                storage.resize_(nbytes)
-            return
-        storage.resize_(nbytes)
-        advise_huge_pages(int(storage.data_ptr()), nbytes)
-
-    def _copy_all(self, pairs: list[tuple[Any, Any]]) -> None:
-        """Copy each ``(dst, src)`` pair of flat uint8 tensors, all in one call (chunks of at most
-        ``chunk_bytes``). Each torch call hands the GIL over and takes it back; one call for all the copies,
-        not one per storage, keeps a model of many tensors fast when another thread runs Python."""
-        pieces = [piece for d, s in pairs for piece in self._chunks(d, s)]
-        if not pieces:
-            return
-        dst = [d for d, _ in pieces]
-        src = [s for _, s in pieces]
-        if _FOREACH_COPY is None:  # torch < 2.1
-            for d, s in zip(dst, src, strict=True):
-                d.copy_(s)
-            return
-        _FOREACH_COPY(dst, src)
-
-    def _free_all(self, slots: list[Slot], offload: bool) -> None:
-        """Copy out (if ``offload``) and free every slot; on any failure put back what was freed and raise."""
+    def _free_all(self, slots: list[Slot], offload: bool, copied: set[int] | frozenset[int] = frozenset()) -> None:
+        """Copy out (if ``offload``; not the slots whose ids are in ``copied``, on the host already) and free every
+        slot; on any failure put back what was freed and raise."""
         if self._batched:
-            self._free_all_batched(slots, offload)
+            self._free_all_batched(slots, offload, copied)
             return
         pending: list[tuple[Slot, Any]] = []  # CUDA: copied out once its event has fired
         with self._freeing() as free:
             for slot in slots:
-                if not offload:
+                if not offload or id(slot) in copied:
                     free(slot)
                     continue
                 with self._on_stream(slot.storage):
-                    self._copy_bytes(slot.host, _bytes_of(slot.storage))
+                    self._copy_bytes(slot.host, bytes_of(slot.storage))
                     event = None
                     if self._cuda:
                         new_event: Any = torch.cuda.Event  # untyped in torch's annotations
@@ -483,11 +490,11 @@ class TorchOffloadHandler(TagQueries):
             for done, _ in pending:
                 free(done)
 
-    def _free_all_batched(self, slots: list[Slot], offload: bool) -> None:
+    def _free_all_batched(self, slots: list[Slot], offload: bool, copied: set[int] | frozenset[int]) -> None:
         """``_free_all`` batched (CPU): every copy first, in one call (``_copy_all``), then every free."""
         with self._freeing() as free:
             if offload:
-                self._copy_all([(slot.host, _bytes_of(slot.storage)) for slot in slots])
+                self._copy_all([(slot.host, bytes_of(slot.storage)) for slot in slots if id(slot) not in copied])
             for slot in slots:
                 free(slot)
 
@@ -546,10 +553,10 @@ class TorchOffloadHandler(TagQueries):
             for index in sorted({slot.storage.device.index or 0 for slot in slots}):
                 self._stream(torch.device("cuda", index)).wait_stream(torch.cuda.current_stream(index))
         if self._batched:
-            self._copy_all([(_bytes_of(slot.storage), slot.host) for slot in slots if slot.host is not None])
-            dropped = [_bytes_of(slot.storage) for slot in slots if slot.host is None]
-            if dropped and _FOREACH_ZERO is not None:
-                _FOREACH_ZERO(dropped)
+            self._copy_all([(bytes_of(slot.storage), slot.host) for slot in slots if slot.host is not None])
+            dropped = [bytes_of(slot.storage) for slot in slots if slot.host is None]
+            if dropped and FOREACH_ZERO is not None:
+                FOREACH_ZERO(dropped)
             else:
                 for t in dropped:
                     t.zero_()
@@ -557,7 +564,7 @@ class TorchOffloadHandler(TagQueries):
         for slot in slots:
             with self._on_stream(slot.storage):
                 if slot.host is not None:
-                    self._copy_bytes(_bytes_of(slot.storage), slot.host)
+                    self._copy_bytes(bytes_of(slot.storage), slot.host)
                 else:
-                    _bytes_of(slot.storage).zero_()
+                    bytes_of(slot.storage).zero_()
         self._sync_streams()

@@ -47,9 +47,17 @@ from ._agent_socket import ProofUnavailable, prove
 from ._async_closing import AsyncClosing
 from ._bounds import MAX_TEXT
 from ._channel_thread import Responder
+from ._precopy_calls import PrecopyCalls
 from ._renamed import RenamedAttribute, renamed_keywords
 from ._switch_interval import DEFAULT_SWITCH_INTERVAL, prompt_threads
-from ._workload_options import WORKLOAD_KEYS, ClientWorkloadOptions, WorkloadOptions, check_options
+from ._workload_options import (
+    PRECOPY_CHOICES,
+    WORKLOAD_KEYS,
+    ClientWorkloadOptions,
+    Precopy,
+    WorkloadOptions,
+    check_options,
+)
 from .bus import CredsPath, TlsOption, connect, identity_of, parse_servers
 from .errors import AgentRefused, HandlerError, InvalidRequest, TimeSliceError, Unavailable
 from .handlers import HandlerResult, WorkloadHandler
@@ -114,7 +122,7 @@ def _servers_of(nc: NATS) -> list[str]:
     return [first, *(u for u in (s.geturl() for s in nc.servers) if u != first)]
 
 
-class WorkloadChannel(AsyncClosing):
+class WorkloadChannel(AsyncClosing, PrecopyCalls):
     """One registered workload. ``close()`` unregisters it (idempotent).
 
     ``nc`` carries the registration. The commands come on a connection of the channel's own, made on its
@@ -144,6 +152,7 @@ class WorkloadChannel(AsyncClosing):
         endpoints: Iterable[str] = (),
         switch_interval_s: float | None = DEFAULT_SWITCH_INTERVAL,
         early_suspend: bool = True,
+        precopy: Precopy = "auto",
         nats_url: str | None = None,
         agent_socket: str | None = None,
     ) -> None:
@@ -184,6 +193,13 @@ class WorkloadChannel(AsyncClosing):
         self._answers: dict[tuple[str, str], WorkloadReply] = {}  # by (op id, action): only the latest
         self._closed = False
         self.early_suspend = early_suspend  # begin the suspend at a contended release (see suspend_early())
+        if precopy not in PRECOPY_CHOICES:
+            raise InvalidRequest(f"precopy must be one of {', '.join(PRECOPY_CHOICES)}, not {precopy!r}")
+        self.precopy = precopy  # copy the state out while idle, when a switch is expected (see precopy_idle())
+        self._precopy_stop: threading.Event | None = None  # the running or last precopy's; set at the next grant
+        self._precopying: concurrent.futures.Future[None] | None = None
+        self.switched_out = 0  # suspends this channel ran for a switch (commands, early ones taken)
+        self.precopies = 0  # precopies that ran to the end
         self._early: concurrent.futures.Future[_Early] | None = None  # always awaited: by a command, settle, close
         self.suspended = False
         self.last_result: HandlerResult | None = None
@@ -302,6 +318,7 @@ class WorkloadChannel(AsyncClosing):
                 return
             self._closed = True  # no early suspend begins from now on
         self.disarm()
+        self.cancel_precopy()  # a copy in flight stops at its next chunk
         # Let a suspend/resume in flight finish and answer first: the agent is waiting on it. An early suspend
         # nobody took is waited for too (its call must not outlive the channel), and left as it is.
         if self._responder is not None and self._responder.running:
@@ -495,6 +512,8 @@ class WorkloadChannel(AsyncClosing):
         if early is not None:
             if cmd.action == "suspend" and (cmd.mode, frozenset(cmd.tags)) == (self.mode, frozenset(self.tags)):
                 self.early_taken += 1
+                if early.result is not None:
+                    self.switched_out += 1
                 if early.result is None:
                     return WorkloadReply(
                         op_id=cmd.op_id, ok=False, error=early.error, elapsed_ms=early.elapsed_ms, began_at_release=True
@@ -537,6 +556,7 @@ class WorkloadChannel(AsyncClosing):
             )
         with self._gate:
             self.suspended = cmd.action == "suspend"
+        self.switched_out += cmd.action == "suspend"
         self.last_result = result
         return WorkloadReply(
             op_id=cmd.op_id,
