@@ -1,13 +1,16 @@
 """Pre-copy while idle (issue 27, item 2): what a switch costs the incoming job when the outgoing job's state was
 copied to host memory while it sat idle, against the same switch without that copy, in one run.
 
-The stack as ``timeslice up`` runs it (a private nats-server; the orchestrator with the node agent in its process);
-two jobs in this driver process, each a client with a ``TorchOffloadHandler`` registered through the workload
+A private nats-server, the orchestrator, and a node agent per order as a process of its own: ``in-order`` (the agent
+with ``--no-overlap-restores``: a node without room for both contexts, so the switch runs snapshot, restore, grant)
+and ``room`` (the agent's default where both contexts fit: the incoming restore runs beside the snapshot and the
+grant comes on it, so the snapshot is off B's critical path but still shares the machine with it). Two jobs in this
+driver process, each a client with a ``TorchOffloadHandler`` registered through the workload
 channel: job A holds ``--gib`` GiB of tensors, job B 8 MiB. Per cycle: A acquires (its state comes back when it was
 switched out), holds ``--hold-ms``, releases with nobody waiting (its state stays on the device: the orchestrator
 defers the snapshot), stays idle ``--idle-ms`` (and, pre-copying, until its copy is done), then B acquires: the
 switch moves A's state out and B's in, and B's ``acquire()`` returns. Timed: B's acquire (the switch on B's
-critical path) and A's snapshot as the handler ran it. Two variants of the same cycles, alternating: ``precopy``
+critical path) and A's snapshot as the handler ran it. Per order, two variants of the same cycles: ``precopy``
 (A's channel with ``precopy="always"``: the snapshot only frees memory) and ``copy`` (``"never"``: the baseline,
 today's path). On CPU (no GPU here) the "device" is host memory and both copies are memcpy; the figures that matter
 come from ``--device cuda``.
@@ -31,6 +34,7 @@ import _common as c
 NODE = "precopy-node"
 GROUP = "precopy"
 VARIANTS = ("copy", "precopy")  # the baseline first
+ORDERS = ("in-order", "room")
 
 
 def _tensors(torch: Any, nbytes: int, device: str) -> list[Any]:
@@ -39,7 +43,7 @@ def _tensors(torch: Any, nbytes: int, device: str) -> list[Any]:
     return [torch.randn(per, device=device) for _ in range(n)]
 
 
-async def _cycles(url: str, variant: str, a: argparse.Namespace) -> dict[str, Any]:
+async def _cycles(url: str, node: str, variant: str, a: argparse.Namespace) -> dict[str, Any]:
     import torch
     from timeslice_client import AsyncTimeSliceClient
     from timeslice_client.torch_offload import TorchOffloadHandler
@@ -49,15 +53,15 @@ async def _cycles(url: str, variant: str, a: argparse.Namespace) -> dict[str, An
     hb = TorchOffloadHandler(tensors={"state": _tensors(torch, 8 << 20, a.device)}, device=a.device)
     ha.prepare()
     hb.prepare()
-    group = f"{GROUP}-{variant}"
+    group = f"{GROUP}-{node}-{variant}"
     switch_ms: list[float] = []
     precopy_ms: list[float] = []
     async with (
         AsyncTimeSliceClient(f"a-{variant}", group, url) as ja,
         AsyncTimeSliceClient(f"b-{variant}", group, url) as jb,
     ):
-        cha = await ja.register_workload(ha, node_id=NODE, precopy="always" if variant == "precopy" else "never")
-        await jb.register_workload(hb, node_id=NODE, precopy="never")
+        cha = await ja.register_workload(ha, node_id=node, precopy="always" if variant == "precopy" else "never")
+        await jb.register_workload(hb, node_id=node, precopy="never")
         for cycle in range(a.cycles + 1):  # the first cycle warms up (first allocations, first switch)
             await ja.acquire(timeout=120)
             await asyncio.sleep(a.hold_ms / 1000)
@@ -90,18 +94,18 @@ async def _cycles(url: str, variant: str, a: argparse.Namespace) -> dict[str, An
 
 
 async def _run(url: str, a: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, dict[str, Any]] = {}
-    for variant in VARIANTS:
-        out[variant] = await _cycles(url, variant, a)
-    base = out["copy"]["switch_p50_ms"]
+    orders: dict[str, dict[str, Any]] = {}
+    for order in ORDERS:
+        out = {variant: await _cycles(url, f"{NODE}-{order}", variant, a) for variant in VARIANTS}
+        base = out["copy"]["switch_p50_ms"]
+        orders[order] = {"variants": out, "precopy_vs_copy": out["precopy"]["switch_p50_ms"] / base if base else None}
     return {
         "device": a.device,
         "gib": a.gib,
         "cycles": a.cycles,
         "idle_ms": a.idle_ms,
         "hold_ms": a.hold_ms,
-        "variants": out,
-        "precopy_vs_copy": out["precopy"]["switch_p50_ms"] / base if base else None,
+        "orders": orders,
     }
 
 
@@ -127,34 +131,35 @@ def main() -> None:
 
     tmp = c.scratch_dir("ts-bench-precopy-")
     server = NatsServer(Path(tmp) / "nats")
-    proc: subprocess.Popen[bytes] | None = None
+    procs: list[subprocess.Popen[bytes]] = []
     try:
         url = server.start(timeout=15)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url, "--with-agent", NODE],
-            env=c.child_env(),
-            cwd=c.ROOT,
-        )
-        asyncio.run(c.wait_agent(url, NODE, 60))
+        orchestrator = [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url]
+        procs.append(subprocess.Popen(orchestrator, env=c.child_env(), cwd=c.ROOT))
+        for order in ORDERS:
+            flags = ["--no-overlap-restores"] if order == "in-order" else []
+            procs.append(c.start_agent(url, f"{NODE}-{order}", Path(tmp) / f"agent-{order}.log", *flags))
+        for order in ORDERS:
+            asyncio.run(c.wait_agent(url, f"{NODE}-{order}", 60))
         r = asyncio.run(_run(url, a))
     finally:
-        if proc is not None:
-            c.stop_procs([proc])
+        c.stop_procs(procs)
         server.stop(timeout=10)
         c.remove_dir(tmp)
-    v = r["variants"]
     print(
         f"precopy: {a.gib:g} GiB in job A on {a.device}, {a.cycles} cycles per variant, idle {a.idle_ms:g} ms between "
         f"A's release and B's acquire (load {machine['loadavg_1m']:.2f})"
     )
     print(f"  command: {c.command_line()}")
-    print("  B's acquire (the switch out of A and into B), median:")
-    print(f"    copy at the switch (baseline)   {v['copy']['switch_p50_ms']:8.1f} ms")
-    print(
-        f"    precopied while A was idle      {v['precopy']['switch_p50_ms']:8.1f} ms  "
-        f"({r['precopy_vs_copy']:.2f}x the baseline; A's precopy took {v['precopy']['precopy_p50_ms']:.1f} ms, "
-        f"used by {v['precopy']['precopied_suspends']} snapshots)"
-    )
+    for order, o in r["orders"].items():
+        v = o["variants"]
+        print(f"  {order}: B's acquire (the switch out of A and into B), median:")
+        print(f"    copy at the switch (baseline)   {v['copy']['switch_p50_ms']:8.1f} ms")
+        print(
+            f"    precopied while A was idle      {v['precopy']['switch_p50_ms']:8.1f} ms  "
+            f"({o['precopy_vs_copy']:.2f}x the baseline; A's precopy took {v['precopy']['precopy_p50_ms']:.1f} ms, "
+            f"used by {v['precopy']['precopied_suspends']} snapshots)"
+        )
     c.write_result(a.json_out, "precopy", machine, r)
 
 

@@ -232,14 +232,16 @@ async def test_always_precopies_at_the_first_idle_release_and_never_does_not(nat
 @pytest.mark.xdist_group("wall_clock")
 def test_the_bench_times_the_switch_with_and_without_the_idle_copy(tmp_path: Path) -> None:
     """``bench/precopy.py --quick`` on CPU: every switch of the precopy variant used the copy (the script checks it),
-    and B's acquire is faster than with the copy at the switch (0.32x on the dev machine: the copy of 0.25 GiB
-    leaves the critical path)."""
+    and, with the agent in order, B's acquire is faster than with the copy at the switch (the copy of 0.25 GiB leaves
+    the critical path)."""
     out = tmp_path / "precopy.json"
     r = run_text([sys.executable, str(ROOT / "bench" / "precopy.py"), "--quick", "--json-out", str(out)], timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads(out.read_text())
-    v = data["variants"]
-    assert data["device"] == "cpu" and data["cycles"] == 3
-    assert v["precopy"]["precopied_suspends"] == 4 and v["copy"]["precopied_suspends"] == 0  # (one warm-up cycle)
-    assert data["precopy_vs_copy"] < 1.0, v
+    assert data["device"] == "cpu" and data["cycles"] == 3 and list(data["orders"]) == ["in-order", "room"]
+    for order in data["orders"].values():
+        v = order["variants"]
+        assert v["precopy"]["precopied_suspends"] == 4 and v["copy"]["precopied_suspends"] == 0  # (one warm-up)
+    # In order, the copy is on B's critical path unless it was made while A was idle.
+    assert data["orders"]["in-order"]["precopy_vs_copy"] < 1.0, data["orders"]
     assert "precopied while A was idle" in r.stdout

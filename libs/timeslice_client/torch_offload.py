@@ -299,7 +299,7 @@ class TorchOffloadHandler(TagQueries, ByteCopies):
                                 return HandlerResult(bytes_moved=copied)
                             dst.copy_(src, non_blocking=self._cuda)
                             copied += int(src.numel())
-                self._sync_streams()
+                    self._sync_streams()  # (CUDA) one storage queued at a time: a cancel waits for that one only
                 group.precopied = Precopy(plan, storage_key(found), stop)
             return HandlerResult(bytes_moved=copied)
 
