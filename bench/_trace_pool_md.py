@@ -109,20 +109,22 @@ def pool_markdown(r: dict[str, Any]) -> list[str]:
         return []
     out = [
         "Profiles modelled on the reference project's published veRL runs (issue 27), **modelled on the published "
-        "figures, not recorded**: each says how its phases were derived from the published solo figures. A job holds "
-        "a trainer pool and a sampler pool in turn (one core record per pool, `bench/_trace_pools.py`), taking one "
-        "while it still holds the other in the client's order (`docs/multi-pool.md`). Cost models: *published* (the "
-        "published checkpoint and restore medians) and *pcie* (the state's bytes over 55 GB/s each way; sizes in "
-        "each profile's cost model). Policies: *fifo* (today's default: snapshot, then restore, then grant), "
-        "*room* (grant on restore: the node fits both contexts), *priority* (job 0 at class 1), *quantum* (a holder "
-        "past the quantum while the other waits gives a pool back at its next phase boundary). Times are modelled. "
-        "Duty = time a job holds the pool ÷ makespan; a switch = another job's release (or the incoming acquire, if "
-        "later) → the grant, split into snapshot (the outgoing copy while no restore ran), restore, and lock/bus "
-        "(the rest). *real*: the real stack (an agent per pool, one client per pool per job, `CallbackHandler`s "
-        "taking the modelled time), compressed: its own overhead (a few ms a switch) weighs the compression factor "
-        "more in modelled time, so its lock/bus column is that overhead times the factor. What the figures say, and "
-        'what the profiles cannot reproduce: `docs/scheduling.md` ("Judged on the published runs"). The solo '
-        "figures, the mutual exclusion per pool and the cost models are checked by "
+        "figures, not recorded**: each says how its phases were derived from the published solo figures. A job "
+        "holds a trainer pool and a sampler pool in turn (one core record per pool, `bench/_trace_pools.py`), "
+        "taking one while it still holds the other in the client's order (`docs/multi-pool.md`). Cost models: "
+        "*published* (the published checkpoint and restore medians) and *pcie* (the state's bytes over 55 GB/s each "
+        "way; sizes in each profile's cost model). Policies: *fifo* (today's default: snapshot, then restore, then "
+        "grant), *room* (grant on restore: the node fits both contexts), *precopy* (a job that gives a pool back "
+        "with nobody waiting, its context left loaded, copies it out while idle once it has been switched out "
+        "before; the next switch only frees it: simulated only), *room_precopy* (both), *priority* (job 0 at class "
+        "1), *quantum* (a holder past the quantum while the other waits gives a pool back at its next phase "
+        "boundary). Times are modelled. Duty = time a job holds the pool ÷ makespan; a switch = another job's "
+        "release (or the incoming acquire, if later) → the grant, split into snapshot (the outgoing copy while no "
+        "restore ran), restore, and lock/bus (the rest). *real*: the real stack (an agent per pool, one client per "
+        "pool per job, `CallbackHandler`s taking the modelled time), compressed: its own overhead (a few ms a "
+        "switch) weighs the compression factor more in modelled time, so its lock/bus column is that overhead times "
+        'the factor. What the figures say, and what the profiles cannot reproduce: `docs/scheduling.md` ("Judged on '
+        'the published runs"). The solo figures, the mutual exclusion per pool and the cost models are checked by '
         "`pytest tests/test_trace_profiles.py`.",
         "",
         *_cmd(r),

@@ -37,9 +37,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 from _trace_model import Log, PoolCost, PoolStep, switches_between
 from timeslice_client.protocol import (
     Granted,
+    GroupState,
     InputEvent,
     JobRegistered,
     Release,
@@ -56,11 +58,14 @@ from timeslice_orchestrator.core import Command, Notify, apply, new_record, next
 
 MAX_EVENTS = 2_000_000  # a bound on one simulation
 
-Policy = Literal["fifo", "room", "priority", "quantum", "min_hold"]
-POLICIES: tuple[Policy, ...] = ("fifo", "room", "priority", "quantum", "min_hold")
+Policy = Literal["fifo", "room", "precopy", "room_precopy", "priority", "quantum", "min_hold"]
+POLICIES: tuple[Policy, ...] = ("fifo", "room", "precopy", "room_precopy", "priority", "quantum", "min_hold")
 POLICY_TEXT: dict[str, str] = {
     "fifo": "first come, first served; snapshot, then restore, then grant (today's default)",
     "room": "FIFO with grant on restore: the node fits both contexts, the restore runs beside the snapshot",
+    "precopy": "FIFO with pre-copy: a job that gives a pool back with nobody waiting (its context stays loaded) copies "
+    "its state out while idle, once it has been switched out of that pool before; the next switch only frees it",
+    "room_precopy": "grant on restore and pre-copy together",
     "priority": "priority classes: job j0 asks at class 1, the others at 0 (ageing 1 class a minute)",
     "quantum": "FIFO with a quantum: a holder that held a pool past it while another job waits gives that pool back "
     "at its next phase boundary",
@@ -116,7 +121,11 @@ class _Sim:
         min_hold_s: float = 0.0,
     ) -> None:
         self.hop, self.costs, self.policy, self.staleness = hop_s, costs, policy, staleness
-        self.room = policy == "room"
+        self.room = policy in ("room", "room_precopy")
+        self.precopy = policy in ("precopy", "room_precopy")
+        # (pool, job) -> when the copy made while that job was idle ends; dropped when the job is granted the pool
+        self.copying: dict[tuple[str, str], float] = {}
+        self.switched_out: set[tuple[str, str]] = set()  # (pool, job): switched out of it once (precopy "auto")
         self.jobs = {j: _Job([ph for step in s for ph in step]) for j, s in schedules.items()}
         pools = sorted({p for jb in self.jobs.values() for _, ps, _, _ in jb.phases for p in ps})
         self.group = {p: f"{group}-{p}" for p in pools}
@@ -245,6 +254,7 @@ class _Sim:
             raise AssertionError(f"{pool} granted to {job} while {self.holding[pool]} holds it")
         self.holding[pool] = job
         jb.held[pool] = epoch
+        self.copying.pop((pool, job), None)  # the grant drops a copy made while the job was idle
         self.logs[pool][job].append(("grant", t))
         g = self.group[pool]
         self.push(t + self.hop, self._apply, Renew(group=g, job=job, request_id=self.rid("c"), epoch=epoch))
@@ -260,6 +270,8 @@ class _Sim:
         if self.events > MAX_EVENTS:
             raise RuntimeError(f"the multi-pool simulation applied {MAX_EVENTS} events without finishing")
         self.rec[pool], actions = apply(self.rec[pool], ev, int(t * 1000), self.seq[pool])
+        if self.precopy and isinstance(ev, Release):
+            self._precopy(t, pool, ev.job)
         for a in actions:
             if isinstance(a, Notify) and isinstance(a.notice, Granted):
                 n = a.notice
@@ -277,11 +289,23 @@ class _Sim:
             self.ticks[pool].add(dl)
             self.push(dl / 1000, self._apply, Tick(group=self.group[pool]))
 
+    def _precopy(self, t: float, pool: str, job: str) -> None:
+        """After ``job``'s release of ``pool`` was applied: when nobody waited and its context stays loaded (the core
+        deferred the snapshot), and it has been switched out of the pool before, its channel copies it out while idle
+        (the released notice reaching the job, then the snapshot's own time)."""
+        if self.rec[pool].state is GroupState.IDLE_YIELDED and (pool, job) in self.switched_out:
+            self.copying[(pool, job)] = t + 2 * self.hop + self.costs.get(pool, PoolCost()).snapshot
+
     def _agent(self, t: float, pool: str, cmd: Snapshot | Restore) -> None:
         if cmd.op_id in self.finished_at:  # a command sent again (unanswered for Limits.resend_ms): the agent
             return  # answers it once, when it is done, as the real agent does
         key = (pool, cmd.job)
         cost = self.costs.get(pool, PoolCost())
+        if isinstance(cmd, Snapshot):
+            self.switched_out.add(key)
+            copied = self.copying.pop(key, None)
+            if copied is not None:  # the snapshot only frees: it waits for what is left of the copy
+                cost = msgspec.structs.replace(cost, snapshot_s=max(0.0, copied - (t + self.hop)))
         op = agent_op(
             cmd,
             self.ctx.get(key, "IDLE"),

@@ -28,7 +28,8 @@ per pool (``bench/_trace_pools.py``), in sim mode (``--pool-mode``, default ``si
 an agent per pool, FIFO and grant on restore only, ``--pool-real-steps`` steps at ``--pool-compression``:
 ``bench/_trace_pool_real.py``), per cost model (``--costs``: ``published``, the published
 checkpoint/restore medians; ``pcie``, the state's bytes over 55 GB/s each way) and policy (``--policies``: ``fifo``,
-``room``: grant on restore, ``priority``: classes, ``quantum``: ``--quantum-s``, ``min_hold``: ``--min-hold-s``,
+``room``: grant on restore, ``precopy``: FIFO with pre-copy while idle, ``room_precopy``: both,
+``priority``: classes, ``quantum``: ``--quantum-s``, ``min_hold``: ``--min-hold-s``,
 not run unless named): jobs 0 and 1 alone and the two
 sharing, the makespan, each pool's duty, the switches, and the switch time on the critical path split into snapshot,
 restore and lock/bus, beside the published figures (``bench/_trace_pool_report.py``).
@@ -285,7 +286,11 @@ def main() -> None:
         help="comma-separated multi-pool profiles, sim mode only ('' for none)",
     )
     p.add_argument("--costs", default="published,pcie", help="multi-pool profiles: the cost models to run")
-    p.add_argument("--policies", default="fifo,room,priority,quantum", help="multi-pool profiles: the policies to run")
+    p.add_argument(
+        "--policies",
+        default="fifo,room,precopy,room_precopy,priority,quantum",
+        help="multi-pool profiles: the policies to run",
+    )
     p.add_argument("--quantum-s", type=float, default=120.0, help="multi-pool profiles: the quantum policy's quantum")
     p.add_argument(
         "--min-hold-s", type=float, default=30.0, help="multi-pool profiles: the min_hold policy's minimum hold"

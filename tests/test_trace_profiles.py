@@ -107,7 +107,7 @@ def _order_kept(log_by_pool: dict[str, Log]) -> bool:
 
 @pytest.mark.parametrize("name", NEW)
 @pytest.mark.parametrize("cost", ["published", "pcie"])
-@pytest.mark.parametrize("policy", ["fifo", "room", "priority", "quantum", "min_hold"])
+@pytest.mark.parametrize("policy", ["fifo", "room", "precopy", "room_precopy", "priority", "quantum", "min_hold"])
 def test_two_jobs_sharing_switch_and_never_hold_one_pool_at_once(name: str, cost: str, policy: Any) -> None:
     prof = load_profile(name)
     pub = prof.published
@@ -147,6 +147,25 @@ def test_the_switch_on_the_critical_path_with_and_without_room(name: str) -> Non
     assert room["critical_path_s"]["snapshot"] <= room["switches"] * 3 * HOP_S
     assert room["critical_path_median_s"]["total"] <= restore + 0.010
     assert room["makespan_s"] <= 0.97 * fifo["makespan_s"]
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_a_precopy_shortens_only_the_switches_after_an_idle_release(name: str) -> None:
+    """Pre-copy in the simulation: a switch after a release nobody waited for (the context left loaded) pays what is
+    left of the idle copy instead of the snapshot (never more); every restore takes its full time."""
+    prof = load_profile(name)
+    pub = prof.published
+    assert pub is not None
+    fifo_run, pre_run = _run(prof, 2, "published", "fifo"), _run(prof, 2, "published", "precopy")
+    fifo, pre = run_figures(fifo_run, pub.steps_per_job), run_figures(pre_run, pub.steps_per_job)
+    assert pre["critical_path_s"]["snapshot"] <= fifo["critical_path_s"]["snapshot"] + 1e-6
+    assert pre["makespan_s"] <= fifo["makespan_s"] + 1e-6
+    snapshot = max(c.snapshot for c in prof.costs["published"].pools.values())
+    spans = [o.end - o.start for o in pre_run.ops if o.kind == "snapshot"]
+    assert all(s <= snapshot + 1e-9 for s in spans)
+    # every restore its full time: the copy out is all that moved
+    costs = prof.costs["published"].pools
+    assert all(o.end - o.start == pytest.approx(costs[o.pool].restore) for o in pre_run.ops if o.kind == "restore")
 
 
 def test_the_cost_models_give_the_stated_times() -> None:
