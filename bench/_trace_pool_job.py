@@ -2,15 +2,15 @@
 stack, time-compressed.
 
 One ``AsyncTimeSliceClient`` per pool (the job's id, the pool's group, one NATS connection), each registered with the
-agent of its pool's node (``register_workload``) with a :class:`CallbackHandler` whose suspend/resume take the cost
-model's snapshot/restore time for that pool divided by the compression factor; ``bind_process`` off (nothing here
-touches a process). At each phase boundary the job does what the simulation does (``bench/_trace_pools.py``):
-releases the pools the next phase does not need (and any it holds above the first one it lacks: the order rule of
-``docs/multi-pool.md``, kept here by the job since its pools are separate clients), keeps the rest held, and takes
-what it lacks one at a time in sorted order. A paced phase waits for the producer's next input (made beside the job,
-one per drawn duration, at most the profile's staleness ahead). Phases are ``asyncio.sleep`` of their compressed
-length. The job starts when the driver's go message arrives and writes, as JSON, its log per pool and the handler's
-operations (modelled seconds from the go).
+agent of its pool's node (``register_workload``) with a handler whose suspend/resume (and pre-copy, ``--precopy``)
+take the cost model's snapshot/restore time for that pool divided by the compression factor; ``bind_process`` off
+(nothing here touches a process). At each phase boundary the job does what the simulation does
+(``bench/_trace_pools.py``): releases the pools the next phase does not need (and any it holds above the first one it
+lacks: the order rule of ``docs/multi-pool.md``, kept here by the job since its pools are separate clients), keeps the
+rest held, and takes what it lacks one at a time in sorted order. A paced phase waits for the producer's next input
+(made beside the job, one per drawn duration, at most the profile's staleness ahead). Phases are ``asyncio.sleep`` of
+their compressed length. The job starts when the driver's go message arrives and writes, as JSON, its log per pool and
+the handler's operations (modelled seconds from the go).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +30,58 @@ from _trace_jobs import trace_job_parser
 from _trace_model import load_profile, pool_schedule
 from timeslice_client import AsyncTimeSliceClient
 from timeslice_client.bus import connect
-from timeslice_client.handlers import CallbackHandler, HandlerResult
+from timeslice_client.handlers import HandlerResult
 from timeslice_client.protocol import SuspendMode
+
+
+class _Modelled:
+    """A pool's state as the cost model says it moves: a suspend takes the snapshot's time, a resume the restore's,
+    compressed; ``precopy`` (while the job is idle) takes the snapshot's time too, in slices it can be cancelled
+    between, and a suspend after a precopy nobody cancelled only frees. Each move is logged in ``ops`` (a precopy as
+    ``precopy``: where a switch waits for one, that part counts as the snapshot on its critical path)."""
+
+    def __init__(
+        self,
+        pool: str,
+        snapshot_s: float,
+        restore_s: float,
+        comp: float,
+        now: Callable[[], float],
+        ops: list[tuple[str, str, float, float]],
+        handler_s: dict[str, float],
+        report_bytes: int,
+    ) -> None:
+        self.pool, self.snapshot_s, self.restore_s, self.comp = pool, snapshot_s, restore_s, comp
+        self.now, self.ops, self.handler_s, self.report_bytes = now, ops, handler_s, report_bytes
+        self.copied: threading.Event | None = None  # the cancel event of a precopy that ran to its end
+
+    def _move(self, kind: str, seconds: float, stop: threading.Event | None = None) -> bool:
+        """Sleep the compressed ``seconds`` (in slices of at most 2 ms when ``stop`` may cut it); whether it ended."""
+        t, s = time.perf_counter(), self.now()
+        end = t + seconds / self.comp
+        while (left := end - time.perf_counter()) > 0:
+            if stop is not None and stop.is_set():
+                break
+            time.sleep(min(left, 0.002) if stop is not None else left)
+        self.ops.append((self.pool, kind, s, self.now()))
+        self.handler_s["suspend" if kind in ("snapshot", "precopy") else "resume"] += time.perf_counter() - t
+        return time.perf_counter() >= end
+
+    def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        copied, self.copied = self.copied, None
+        if copied is None or copied.is_set():
+            self._move("snapshot", self.snapshot_s)
+        return HandlerResult(bytes_moved=self.report_bytes, device_bytes_freed=self.report_bytes)
+
+    def resume(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
+        self._move("restore", self.restore_s)
+        return HandlerResult(bytes_moved=self.report_bytes)
+
+    def precopy(self, tags: frozenset[str], cancelled: threading.Event) -> HandlerResult:
+        self.copied = None
+        if self._move("precopy", self.snapshot_s, cancelled) and not cancelled.is_set():
+            self.copied = cancelled
+        return HandlerResult(bytes_moved=self.report_bytes)
 
 
 async def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -45,24 +97,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     ops: list[tuple[str, str, float, float]] = []  # (pool, snapshot/restore, start, end), modelled seconds
     handler_s = {"suspend": 0.0, "resume": 0.0}
 
-    def handler(pool: str) -> CallbackHandler:
-        cost = costs[pool]
-
-        def move(kind: str, seconds: float) -> HandlerResult:
-            t, s = time.perf_counter(), now()
-            time.sleep(seconds / comp)  # the modelled state move, compressed
-            ops.append((pool, kind, s, now()))
-            handler_s["suspend" if kind == "snapshot" else "resume"] += time.perf_counter() - t
-            return HandlerResult(bytes_moved=a.report_bytes, device_bytes_freed=a.report_bytes)
-
-        def suspend(mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
-            return move("snapshot", cost.snapshot)
-
-        def resume(mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
-            r = move("restore", cost.restore)
-            return HandlerResult(bytes_moved=r.bytes_moved)
-
-        return CallbackHandler(suspend, resume)
+    def handler(pool: str) -> _Modelled:
+        return _Modelled(pool, costs[pool].snapshot, costs[pool].restore, comp, now, ops, handler_s, a.report_bytes)
 
     logs: dict[str, list[tuple[str, float]]] = {p: [] for p in prof.pools}
     nc = await connect(a.url, name=f"trace-{a.job}")
@@ -72,7 +108,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         for pool in prof.pools:
             c = AsyncTimeSliceClient(a.job, f"{a.group_prefix}-{pool}", a.url, lease_s=30, nc=nc, bind_process=False)
             clients[pool] = await stack.enter_async_context(c)
-            await c.register_workload(handler(pool), node_id=f"{a.node_prefix}-{pool}")
+            await c.register_workload(handler(pool), node_id=f"{a.node_prefix}-{pool}", precopy=a.precopy)
         t0 = await ready_then_go(nc, go, a.ready, a.go_timeout)
 
         held: set[str] = set()
@@ -121,6 +157,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     p = trace_job_parser(__doc__, "--group-prefix", "--node-prefix", "--cost")
     p.add_argument("--report-bytes", type=int, default=1 << 20, help="the bytes the handler says it moved")
+    p.add_argument("--precopy", choices=("auto", "always", "never"), default="never", help="the channels' pre-copy")
     a = p.parse_args()
     Path(a.out).write_text(json.dumps(loop_run(run(a))))
 

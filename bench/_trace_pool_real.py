@@ -3,7 +3,9 @@
 
 Per policy one stack: ``fifo`` runs the agents with ``--no-overlap-restores`` (snapshot, then restore, then grant);
 ``room`` with the agents' default, where a restore runs beside the snapshot when the node has room for both contexts
-(the handlers report 1 MB moved, so the room rule says yes on any machine) and the orchestrator grants on it. For
+(the handlers report 1 MB moved, so the room rule says yes on any machine) and the orchestrator grants on it;
+``precopy`` and ``room_precopy`` the same with the jobs' channels pre-copying while idle (``precopy="auto"``: the
+handler's ``precopy`` takes the snapshot's time, and a suspend after it only frees). For
 each profile and cost model: jobs 0 and 1 alone, then the two sharing; the jobs' logs and their handlers' operations
 give the same figures as the simulation (``_trace_pools.run_figures``). The stack's own overhead (a few ms per
 message) is not compressed: in modelled time it weighs the compression factor more than it would for real.
@@ -21,8 +23,8 @@ from _trace_model import load_profile, resolve
 from _trace_pools import OpSpan, PoolRun, exclusive, run_figures
 
 JOB_SCRIPT = c.BENCH / "_trace_pool_job.py"
-RealPolicy = Literal["fifo", "room"]
-REAL_POLICIES: tuple[RealPolicy, ...] = ("fifo", "room")
+RealPolicy = Literal["fifo", "room", "precopy", "room_precopy"]
+REAL_POLICIES: tuple[RealPolicy, ...] = ("fifo", "room", "precopy", "room_precopy")
 
 
 def _to_run(results: list[dict[str, Any]]) -> PoolRun:
@@ -49,9 +51,10 @@ async def _one_run(
     jobs: list[int],
     steps: int,
     compression: float,
+    precopy: bool,
 ) -> list[dict[str, Any]]:
     flags = c.flags(url=url, group_prefix=run_id, node_prefix=node_prefix, profile=resolve(prof), cost=cost)
-    flags += c.flags(steps=steps, compression=compression)
+    flags += c.flags(steps=steps, compression=compression, precopy="auto" if precopy else "never")
     timeout = 120 + 4 * 3600 / compression * 2
     return await run_trace_jobs(JOB_SCRIPT, nc, tmp, run_id, jobs, flags, timeout, "trace pool job")
 
@@ -76,7 +79,8 @@ async def run_real_pools(
             nc = await connect(url)
             orch.start()
             await orch.wait_ready(nc.jetstream())
-            fifo = ["--no-overlap-restores"] if policy == "fifo" else []
+            fifo = ["--no-overlap-restores"] if policy in ("fifo", "precopy") else []
+            precopy = policy in ("precopy", "room_precopy")
             for pool in pools:
                 agents.append(c.start_agent(url, f"{node_prefix}-{pool}", tmp / f"agent-{pool}.log", *fifo))
             for pool, agent in zip(pools, agents, strict=True):
@@ -96,10 +100,10 @@ async def run_real_pools(
                     alone = []
                     for i in (0, 1):
                         rid = f"{prof.name[:20]}-{cost}-{policy}-a{i}"
-                        res = await _one_run(url, nc, tmp, rid, node_prefix, name, cost, [i], n, compression)
+                        res = await _one_run(url, nc, tmp, rid, node_prefix, name, cost, [i], n, compression, precopy)
                         alone.append(run_figures(_to_run(res), n))
                     rid = f"{prof.name[:20]}-{cost}-{policy}-s"
-                    res = await _one_run(url, nc, tmp, rid, node_prefix, name, cost, [0, 1], n, compression)
+                    res = await _one_run(url, nc, tmp, rid, node_prefix, name, cost, [0, 1], n, compression, precopy)
                     for r in res:
                         for k in handler:
                             handler[k] += r["handler_s"][k]

@@ -81,7 +81,7 @@ SPLIT = ("total", "snapshot", "restore", "lock_bus")  # the switch time on the c
 class OpSpan:
     pool: str
     job: str
-    kind: Literal["snapshot", "restore"]
+    kind: Literal["snapshot", "restore", "precopy"]
     start: float
     end: float
 
@@ -392,7 +392,8 @@ def switch_parts(run: PoolRun, pool: str) -> dict[str, list[float]]:
     """Each switch of one pool on the critical path (``total``) split into snapshot (the outgoing context's copy while
     no restore ran), restore (the incoming one's, whatever ran beside it) and lock/bus (the rest: the release and the
     grant crossing the bus, the core's decisions, the agent's commands and answers)."""
-    snaps = [(o.start, o.end) for o in run.ops if o.pool == pool and o.kind == "snapshot"]
+    # (a precopy the switch still waited for is the outgoing copy on its critical path too: the real mode logs them)
+    snaps = [(o.start, o.end) for o in run.ops if o.pool == pool and o.kind in ("snapshot", "precopy")]
     rests = [(o.start, o.end) for o in run.ops if o.pool == pool and o.kind == "restore"]
     parts: dict[str, list[float]] = {k: [] for k in SPLIT}
     for w0, w1, _ in switch_windows(run.logs[pool]):

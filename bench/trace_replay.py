@@ -24,13 +24,12 @@ Modes (``--mode``, default ``both``):
 
 Multi-pool profiles (``--pool-profiles``, default ``verl_sync_disagg,verl_async_disagg``: modelled on the reference
 project's published veRL runs, not recorded): jobs holding a trainer pool and a sampler pool in turn, one core record
-per pool (``bench/_trace_pools.py``), in sim mode (``--pool-mode``, default ``sim``; ``real``: the real stack with
-an agent per pool, FIFO and grant on restore only, ``--pool-real-steps`` steps at ``--pool-compression``:
-``bench/_trace_pool_real.py``), per cost model (``--costs``: ``published``, the published
+per pool (``bench/_trace_pools.py``), in sim mode (``--pool-mode``, default ``sim``; ``real``: the real stack with an
+agent per pool, FIFO, grant on restore and pre-copy (not priority, quantum, min_hold), ``--pool-real-steps`` steps at
+``--pool-compression``: ``bench/_trace_pool_real.py``), per cost model (``--costs``: ``published``, the published
 checkpoint/restore medians; ``pcie``, the state's bytes over 55 GB/s each way) and policy (``--policies``: ``fifo``,
-``room``: grant on restore, ``precopy``: FIFO with pre-copy while idle, ``room_precopy``: both,
-``priority``: classes, ``quantum``: ``--quantum-s``, ``min_hold``: ``--min-hold-s``,
-not run unless named): jobs 0 and 1 alone and the two
+``room``: grant on restore, ``precopy``: FIFO with pre-copy while idle, ``room_precopy``: both, ``priority``: classes,
+``quantum``: ``--quantum-s``, ``min_hold``: ``--min-hold-s``, not run unless named): jobs 0 and 1 alone and the two
 sharing, the makespan, each pool's duty, the switches, and the switch time on the critical path split into snapshot,
 restore and lock/bus, beside the published figures (``bench/_trace_pool_report.py``).
 
@@ -243,7 +242,7 @@ def print_report(res: dict[str, Any]) -> None:
 
 
 def pool_block(names: list[str], costs: list[str], policies: list[Policy], a: argparse.Namespace) -> dict[str, Any]:
-    """The multi-pool profiles: sim at their steps; real (fifo and room) and sim at the real run's steps."""
+    """The multi-pool profiles: sim at their steps; real (fifo, room, pre-copies) and sim at the real run's steps."""
     out: dict[str, Any] = {}
     hop_s = a.hop_ms / 1000
     if a.pool_mode != "real":
@@ -302,7 +301,7 @@ def main() -> None:
         "--pool-mode",
         choices=("sim", "real", "both"),
         default="sim",
-        help="multi-pool profiles: sim (default), real (the stack, fifo and room), or both",
+        help="multi-pool profiles: sim (default), real (the stack: fifo, room, precopy, room_precopy), or both",
     )
     p.add_argument("--pool-real-steps", type=int, default=10, help="multi-pool profiles, real mode: steps per job")
     p.add_argument(

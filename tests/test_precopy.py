@@ -33,7 +33,7 @@ def bits(t: torch.Tensor) -> bytes:
     return bytes(t.detach().clone().contiguous().view(torch.uint8).numpy().tobytes())
 
 
-class _StopsAfter(threading.Event):
+class StopsAfter(threading.Event):
     """An event that reads as set from its ``n``-th look on: a cancel that comes in the middle of a copy."""
 
     def __init__(self, n: int) -> None:
@@ -106,7 +106,7 @@ def test_a_precopy_cancelled_midway_stops_and_leaves_no_trace(copies: list[int])
     ts, total = _state()
     handler = TorchOffloadHandler(tensors={"t": ts}, chunk_bytes=4096)
     before = [bits(t) for t in ts]
-    stop = _StopsAfter(5)
+    stop = StopsAfter(5)
     moved = handler.precopy(ALL, stop).bytes_moved
     assert 0 < moved < total, moved
     assert stop.looks == 5, "it stopped at the chunk the cancel came before"

@@ -14,23 +14,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from timeslice_client import SuspendMode
 from timeslice_client.torch_offload import TorchOffloadHandler
 
+from .test_precopy import StopsAfter
+
 ALL: frozenset[str] = frozenset()
 
 
 def _bits(ts: list[torch.Tensor]) -> list[bytes]:
     return [bytes(t.detach().clone().view(torch.uint8).numpy().tobytes()) for t in ts]
-
-
-class _CutAt(threading.Event):
-    """A cancel that comes at the ``n``-th look of the copy (between two chunks)."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.looks, self.n = 0, n
-
-    def is_set(self) -> bool:
-        self.looks += 1
-        return self.looks >= self.n or super().is_set()
 
 
 class PrecopyRules(RuleBasedStateMachine):
@@ -64,7 +54,7 @@ class PrecopyRules(RuleBasedStateMachine):
     @precondition(lambda self: self.loaded)
     @rule(cut=st.one_of(st.none(), st.integers(1, 40)))
     def precopy(self, cut: int | None) -> None:
-        stop = threading.Event() if cut is None else _CutAt(cut)
+        stop = threading.Event() if cut is None else StopsAfter(cut)
         self.stops.append(stop)
         before = _bits(self.ts)
         self.handler.precopy(ALL, stop)
