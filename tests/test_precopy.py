@@ -245,3 +245,39 @@ def test_the_bench_times_the_switch_with_and_without_the_idle_copy(tmp_path: Pat
     # In order, the copy is on B's critical path unless it was made while A was idle.
     assert data["orders"]["in-order"]["precopy_vs_copy"] < 1.0, data["orders"]
     assert "precopied while A was idle" in r.stdout
+
+
+class _SlowCopy:
+    """A handler whose precopy runs until it is cancelled (at most 30 s)."""
+
+    def __init__(self) -> None:
+        self.started, self.stopped = threading.Event(), threading.Event()
+
+    def suspend(self, mode: SuspendMode, tags: frozenset[str]) -> Any:
+        from timeslice_client import HandlerResult
+
+        return HandlerResult()
+
+    resume = suspend
+
+    def precopy(self, tags: frozenset[str], cancelled: threading.Event) -> Any:
+        from timeslice_client import HandlerResult
+
+        self.started.set()
+        if cancelled.wait(30):
+            self.stopped.set()
+        return HandlerResult()
+
+
+async def test_closing_the_client_stops_a_precopy_in_flight_and_waits_for_it(nats_url: str, agent: Agent) -> None:
+    h = _SlowCopy()
+    a = AsyncTimeSliceClient("a", "gc", nats_url)
+    async with a:
+        ch = await a.register_workload(h, node_id=NODE, precopy="always")
+        await a.acquire(timeout=10)
+        await a.release()
+        await eventually(h.started.is_set, what="the precopy began")
+        async with asyncio.timeout(10):
+            await a.close()
+    assert h.stopped.is_set(), "the close cancelled the copy and waited for it to stop"
+    assert ch.precopies == 0

@@ -5,7 +5,9 @@ docs/backends.md, "Pre-copy")."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -74,6 +76,15 @@ class PrecopyCalls:
         if stop is not None:
             stop.set()
 
+    async def _end_precopy(self, timeout_s: float) -> None:
+        """Cancel a pre-copy and wait (on the caller's loop, at most ``timeout_s``) for it to stop: at close."""
+        self.cancel_precopy()
+        future = self._precopying
+        if future is not None and not future.done():
+            with contextlib.suppress(TimeoutError, concurrent.futures.CancelledError):
+                async with asyncio.timeout(timeout_s):
+                    await asyncio.wrap_future(future)
+
     async def _run_precopy(
         self, copy: Callable[[frozenset[str], threading.Event], HandlerResult], stop: threading.Event
     ) -> None:
@@ -87,7 +98,7 @@ class PrecopyCalls:
             self.precopies += 1
             log.debug(
                 "precopied %d bytes in %.1f ms",
-                result.bytes_moved,
+                getattr(result, "bytes_moved", 0),
                 (time.perf_counter() - t0) * 1000,
                 extra={"job": self.job_id, "group": self.group_id},
             )

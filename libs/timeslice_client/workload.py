@@ -318,7 +318,7 @@ class WorkloadChannel(AsyncClosing, PrecopyCalls):
                 return
             self._closed = True  # no early suspend begins from now on
         self.disarm()
-        self.cancel_precopy()  # a copy in flight stops at its next chunk
+        await self._end_precopy(self.op_timeout_s)  # a copy in flight stops at its next chunk
         # Let a suspend/resume in flight finish and answer first: the agent is waiting on it. An early suspend
         # nobody took is waited for too (its call must not outlive the channel), and left as it is.
         if self._responder is not None and self._responder.running:
