@@ -282,7 +282,7 @@ async def test_min_hold_through_the_stack(orchestrator: object, nats_url: str) -
         assert rc == 0 and "min hold: 1m00s (kept for b for " in out, out
         g = await b.acquire(timeout=10)  # taken back at once, ahead of a, without a switch
         assert not g.context_restored and b.holding and not a_waits.done()
-        rc, out = await timeslice(nats_url, "set-policy", "--group", group, "--min-hold-s", "3")
+        rc, out = await timeslice(nats_url, "set-policy", "--group", group, "--min-hold-s", "5")
         assert rc == 0 and "keeps the group until then" in out, out
         await b.release()  # never renewed: passed on at once
         await asyncio.wait_for(a_waits, 10)
@@ -290,10 +290,12 @@ async def test_min_hold_through_the_stack(orchestrator: object, nats_url: str) -
         assert a.holding
         b_waits = asyncio.create_task(b.acquire(timeout=30))
         await eventually(lambda: waiting("b"), what="b waits")
-        await a.release()
-        assert (await a.status()).kept_for == "a"
-        await asyncio.wait_for(b_waits, 10)  # served when a's window ended
-        assert time.monotonic() - a_granted >= 2.5  # (3 s from a's grant in stream time; a little slack for clocks)
+        r = await a.release()
+        # Kept for a, as the orchestrator answered at the release (a status read afterwards can come after the window
+        # on a loaded machine, once b has it: that read failed a CI run).
+        assert r.pending_waiters == 1 and r.snapshot_deferred, r
+        await asyncio.wait_for(b_waits, 15)  # served when a's window ended
+        assert time.monotonic() - a_granted >= 4.5  # (5 s from a's grant in stream time; a little slack for clocks)
         assert (await b.status()).kept_for is None
         await b.release()
 
