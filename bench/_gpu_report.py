@@ -29,6 +29,7 @@ class Report:
     cuda: dict[str, Any] = field(default_factory=dict)
     switch: dict[str, Any] = field(default_factory=dict)
     pinned: dict[str, Any] = field(default_factory=dict)
+    precopy: dict[str, Any] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     wall_s: float = 0.0
@@ -176,6 +177,14 @@ def format_report(rep: Report) -> list[str]:
                     f"{k['release_s']:.2f} s; peak pinned {_gb(k['peak_pinned_bytes'])} GB; held after the "
                     f"last resume {_gb(k['host_bytes_after'])} GB (RSS +{_gb(k['rss_growth_after'])} GB)"
                 )
+    pc = rep.precopy
+    if pc:
+        lines.append(f"pre-copy while idle (`{pc['command']}`; {pc['gib']:g} GiB, {pc['cycles']} cycles, medians):")
+        for order, o in pc["orders"].items():
+            lines.append(
+                f"  {order}: B's acquire {o['copy_ms']:.1f} ms with the copy at the switch, {o['precopied_ms']:.1f} ms "
+                f"after A's idle copy ({o['ratio']:.2f}x; the idle copy took {o['idle_copy_ms']:.1f} ms)"
+            )
     for what, ratio, met in rep.goals():
         lines.append(f"goal {what}: {ratio:.0%} of the pinned copy, {'met' if met else 'NOT met'} (>= {GOAL:.0%})")
     for what, ms, met in rep.switch_goals():

@@ -24,7 +24,10 @@ It measures and prints, and writes as JSON (``--out``):
 6. ``pinned``: the handler's host buffers, exact registered ones (``host_memory="registered"``, the default on
    CUDA) against torch's cached pinned allocator (``"cached"``), on one state of 4.5 GB (a little above a power of
    two GiB, where torch's rounding costs most): GB/s each way, allocation and release time, peak pinned bytes,
-   host bytes and RSS left after the last resume (in ``bench/_gpu_pinned.py``).
+   host bytes and RSS left after the last resume (in ``bench/_gpu_pinned.py``);
+7. ``precopy``: ``bench/precopy.py --device cuda`` (4 GiB, 3 cycles): the switch into another job after job A's state
+   was copied to host memory while A was idle, against the copy at the switch, with the agent in order and with room
+   (in ``bench/_gpu_precopy.py``).
 
 Goals: torch offload >= 80% of the same-run pinned copy bandwidth each way (issue 7); a switch adds at most
 5 ms beyond the handler calls (issue 3).
@@ -91,6 +94,7 @@ from _gpu_offload import (  # noqa: E402
     offload,
 )
 from _gpu_pinned import pinned  # noqa: E402
+from _gpu_precopy import precopy  # noqa: E402
 from _gpu_report import GB, Report, format_report  # noqa: E402
 from _gpu_run import (  # noqa: E402
     CLEANUP_S,  # noqa: F401 - with the budget's bounds, what the check promises to fit in (its tests read it here)
@@ -102,7 +106,7 @@ from _gpu_run import (  # noqa: E402
 )
 from _gpu_switch import switch  # noqa: E402
 
-SECTIONS = ("baseline", "offload", "duplex", "cuda", "switch", "pinned")
+SECTIONS = ("baseline", "offload", "duplex", "cuda", "switch", "pinned", "precopy")
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,8 @@ class Plan:
     switch_cycles: int = 5
     switch_floor: int = 40  # switches of the same-run floor
     pinned_bytes: int = 4_500_000_000  # the pinned section's state (torch's allocator rounds it up to 8 GiB)
+    precopy_gib: float = 4.0  # job A's state in the precopy section (bench/precopy.py --gib)
+    precopy_cycles: int = 3
 
     @staticmethod
     def make(
@@ -139,6 +145,8 @@ class Plan:
                 switch_cycles=3,
                 switch_floor=20,
                 pinned_bytes=1_500_000_000,
+                precopy_gib=1.0,
+                precopy_cycles=2,
             )
         else:
             plan = Plan(
@@ -369,6 +377,9 @@ def run(
         if why := rep.pinned["registered"]["fallback"]:
             rep.errors.append(f"pinned: registration fell back to torch's allocator: {why}")
 
+    def do_precopy() -> None:
+        rep.precopy = precopy(plan.precopy_gib, plan.precopy_cycles, device, timeout_s=budget.left())
+
     steps = {
         "baseline": do_baseline,
         "offload": do_offload,
@@ -376,6 +387,7 @@ def run(
         "cuda": do_cuda,
         "switch": do_switch,
         "pinned": do_pinned,
+        "precopy": do_precopy,
     }
     run_sections(rep, [(name, steps[name]) for name in SECTIONS if name in only], budget, save)
     return rep
@@ -390,6 +402,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--switch-gib",
         default=None,
         help="switch section: bench/offload.py's sizes in GiB, comma-separated (default 1,4; --quick 1)",
+    )
+    p.add_argument(
+        "--precopy-gib", type=float, default=None, help="precopy section: job A's state in GiB (default 4; --quick 1)"
     )
     p.add_argument(
         "--only", default=",".join(SECTIONS), help=f"sections to run, comma-separated ({','.join(SECTIONS)})"
@@ -412,7 +427,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--device",
         choices=("cuda", "cpu"),
         default="cuda",
-        help="cpu: run the offload and switch sections' plumbing on CPU tensors (a test of the script)",
+        help="cpu: run the offload, switch and precopy sections' plumbing on CPU tensors (a test of the script)",
     )
     p.add_argument(
         "--agent-process",
@@ -440,9 +455,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     if not only or only - set(SECTIONS):
         p.error(f"--only takes {', '.join(SECTIONS)}; not {sorted(only)}")
-    if args.device == "cpu" and not only <= {"offload", "switch"} and args.role is None:
-        p.error("--device cpu runs only the offload and switch sections' plumbing: add --only offload,switch")
+    if args.device == "cpu" and not only <= {"offload", "switch", "precopy"} and args.role is None:
+        p.error(
+            "--device cpu runs only the offload, switch and precopy sections' plumbing: add --only "
+            "offload,switch,precopy"
+        )
     args.plan = Plan.make(args.quick, sizes, args.cuda_gb, switch_gib)
+    if args.precopy_gib is not None:
+        if args.precopy_gib <= 0:
+            p.error("--precopy-gib must be a positive number of GiB")
+        args.plan = replace(args.plan, precopy_gib=args.precopy_gib)
     args.sections = only
     return args
 

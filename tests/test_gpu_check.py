@@ -486,3 +486,20 @@ def test_gpu_wheels_install_line_puts_the_carried_nats_server_on_path(tmp_path: 
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.splitlines() == [str(site / "bin" / "nats-server"), "fake-nats-server", str(site)]
+
+
+def test_precopy_plumbing_on_cpu(tmp_path: Path) -> None:
+    """The precopy section end to end on CPU tensors: bench/precopy.py through the stack, per agent order B's acquire
+    with the copy at the switch and after A's idle copy, in the check's report."""
+    pytest.importorskip("torch")
+    out = tmp_path / "pc.json"
+    run = run_text(_on_cpu("precopy", out, "--quick", "--precopy-gib", "0.05"), timeout=300)
+    assert run.returncode in (0, 1), run.stdout + run.stderr
+    res = json.loads(out.read_text())
+    assert res["errors"] == [] and res["skipped"] == [] and res["sections"] == ["precopy"]
+    pc = res["precopy"]
+    assert pc["command"] == "python bench/precopy.py --device cpu --gib 0.05 --cycles 2 --idle-ms 1000"
+    assert list(pc["orders"]) == ["in-order", "room"]
+    for o in pc["orders"].values():
+        assert o["copy_ms"] > 0 and o["precopied_ms"] > 0 and o["idle_copy_ms"] > 0 and o["ratio"] > 0
+    assert "pre-copy while idle" in run.stdout
