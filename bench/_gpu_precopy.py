@@ -10,14 +10,9 @@ Private to ``bench/``; ``gpu_check.py`` puts ``bench/`` on the path before impor
 
 from __future__ import annotations
 
-import json
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
-from _gpu_offload import ROOT, _child_env
-from _gpu_run import run_bounded
+from _gpu_switch import bench_json
 
 __all__ = ["precopy"]
 
@@ -25,19 +20,8 @@ __all__ = ["precopy"]
 def precopy(gib: float, cycles: int, device: str, *, timeout_s: float) -> dict[str, Any]:
     """Run the pre-copy bench on ``device``; its figures per agent order and the command (raises when it fails).
     ``timeout_s``: what is left of the check's budget; past it the bench is stopped with its processes."""
-    with tempfile.TemporaryDirectory(prefix="ts-gpu-precopy-") as tmp:
-        out = Path(tmp) / "precopy.json"
-        args = ["--device", device, "--gib", f"{gib:g}", "--cycles", str(cycles), "--idle-ms", "1000"]
-        rc = run_bounded(
-            [sys.executable, str(ROOT / "bench" / "precopy.py"), *args, "--json-out", str(out)],
-            timeout_s,
-            what="bench/precopy.py",
-            env=_child_env(),
-            cwd=ROOT,
-        )  # its report streams out
-        if rc:
-            raise RuntimeError(f"bench/precopy.py exited with {rc} (its output is above)")
-        res = json.loads(out.read_text())
+    args = ["--device", device, "--gib", f"{gib:g}", "--cycles", str(cycles), "--idle-ms", "1000"]
+    res = bench_json("precopy.py", args, timeout_s)
     return {
         "command": " ".join(["python bench/precopy.py", *args]),
         "device": res["device"],

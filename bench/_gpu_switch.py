@@ -20,7 +20,7 @@ from typing import Any
 from _gpu_offload import ROOT, _child_env
 from _gpu_run import run_bounded
 
-__all__ = ["switch"]
+__all__ = ["bench_json", "switch"]
 
 _KEPT = (
     "gib",
@@ -39,6 +39,24 @@ _KEPT = (
 )
 
 
+def bench_json(script: str, args: list[str], timeout_s: float, raw_out: Path | None = None) -> dict[str, Any]:
+    """Run ``bench/<script> <args> --json-out FILE`` (its report streams out) within ``timeout_s``, and return what it
+    wrote (raises when it fails). ``raw_out``: keep that file there, else in a temporary folder."""
+    with tempfile.TemporaryDirectory(prefix="ts-gpu-bench-") as tmp:
+        out = raw_out or Path(tmp) / "result.json"
+        rc = run_bounded(
+            [sys.executable, str(ROOT / "bench" / script), *args, "--json-out", str(out)],
+            timeout_s,
+            what=f"bench/{script}",
+            env=_child_env(),
+            cwd=ROOT,
+        )
+        if rc:
+            raise RuntimeError(f"bench/{script} exited with {rc} (its output is above)")
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
+
+
 def switch(
     sizes_gib: Sequence[float],
     cycles: int,
@@ -51,29 +69,18 @@ def switch(
 ) -> dict[str, Any]:
     """Run the offload bench on ``device``; its figures per size, the floor and the command (raises when it fails).
     ``timeout_s``: what is left of the check's budget; past it the bench is stopped with its processes."""
-    with tempfile.TemporaryDirectory(prefix="ts-gpu-switch-") as tmp:
-        out = raw_out or Path(tmp) / "offload.json"
-        args = [
-            "--device",
-            device,
-            "--sizes",
-            ",".join(f"{g:g}" for g in sizes_gib),
-            "--cycles",
-            str(cycles),
-            "--floor-switches",
-            str(floor_switches),
-            *(["--agent-process"] if agent_process else []),
-        ]
-        rc = run_bounded(
-            [sys.executable, str(ROOT / "bench" / "offload.py"), *args, "--json-out", str(out)],
-            timeout_s,
-            what="bench/offload.py",
-            env=_child_env(),
-            cwd=ROOT,
-        )  # its report streams out
-        if rc:
-            raise RuntimeError(f"bench/offload.py exited with {rc} (its output is above)")
-        res = json.loads(out.read_text())
+    args = [
+        "--device",
+        device,
+        "--sizes",
+        ",".join(f"{g:g}" for g in sizes_gib),
+        "--cycles",
+        str(cycles),
+        "--floor-switches",
+        str(floor_switches),
+        *(["--agent-process"] if agent_process else []),
+    ]
+    res = bench_json("offload.py", args, timeout_s, raw_out)
     floor = res.get("switch_floor") or {}
     return {
         "command": " ".join(["python bench/offload.py", *args]),

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -132,10 +131,11 @@ def main() -> None:
     tmp = c.scratch_dir("ts-bench-precopy-")
     server = NatsServer(Path(tmp) / "nats")
     procs: list[subprocess.Popen[bytes]] = []
+    orchestrator: c.Orchestrator | None = None
     try:
         url = server.start(timeout=15)
-        orchestrator = [sys.executable, "-m", "timeslice_orchestrator", "orchestrator", "--nats-url", url]
-        procs.append(subprocess.Popen(orchestrator, env=c.child_env(), cwd=c.ROOT))
+        orchestrator = c.Orchestrator(url, Path(tmp) / "orchestrator.log")
+        orchestrator.start()
         for order in ORDERS:
             flags = ["--no-overlap-restores"] if order == "in-order" else []
             procs.append(c.start_agent(url, f"{NODE}-{order}", Path(tmp) / f"agent-{order}.log", *flags))
@@ -144,6 +144,8 @@ def main() -> None:
         r = asyncio.run(_run(url, a))
     finally:
         c.stop_procs(procs)
+        if orchestrator is not None:
+            orchestrator.stop()
         server.stop(timeout=10)
         c.remove_dir(tmp)
     print(
