@@ -4,6 +4,7 @@ moves when."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any, Final
 
@@ -39,10 +40,16 @@ class ByteCopies:
         for start in range(0, n, step):
             yield dst[start : start + step], src[start : start + step]
 
-    def _copy_bytes(self, dst: Any, src: Any) -> None:
-        """Copy the flat uint8 tensor ``src`` into ``dst`` in chunks (queued, not waited for, on CUDA)."""
+    def _copy_bytes(self, dst: Any, src: Any, stop: threading.Event | None = None) -> int:
+        """Copy the flat uint8 tensor ``src`` into ``dst`` in chunks (queued, not waited for, on CUDA); returns the
+        bytes copied, fewer than ``src``'s when ``stop`` was set before a chunk (the copy ends there)."""
+        copied = 0
         for d, s in self._chunks(dst, src):
+            if stop is not None and stop.is_set():
+                break
             d.copy_(s, non_blocking=self._cuda)
+            copied += int(s.numel())
+        return copied
 
     def _allocate(self, storage: Any, nbytes: int) -> None:
         if self._cuda:

@@ -293,13 +293,11 @@ class TorchOffloadHandler(TagQueries, ByteCopies):
             for group, found, plan in plans:
                 for slot in plan:
                     with self._on_stream(slot.storage):
-                        for dst, src in self._chunks(slot.host, bytes_of(slot.storage)):
-                            if stop.is_set():
-                                self._sync_streams()
-                                return HandlerResult(bytes_moved=copied)
-                            dst.copy_(src, non_blocking=self._cuda)
-                            copied += int(src.numel())
+                        done = self._copy_bytes(slot.host, bytes_of(slot.storage), stop)
+                    copied += done
                     self._sync_streams()  # (CUDA) one storage queued at a time: a cancel waits for that one only
+                    if done < slot.nbytes:  # cancelled
+                        return HandlerResult(bytes_moved=copied)
                 group.precopied = Precopy(plan, storage_key(found), stop)
             return HandlerResult(bytes_moved=copied)
 

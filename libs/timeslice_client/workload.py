@@ -556,7 +556,8 @@ class WorkloadChannel(AsyncClosing, PrecopyCalls):
             )
         with self._gate:
             self.suspended = cmd.action == "suspend"
-        self.switched_out += cmd.action == "suspend"
+        if cmd.action == "suspend":
+            self.switched_out += 1
         self.last_result = result
         return WorkloadReply(
             op_id=cmd.op_id,
