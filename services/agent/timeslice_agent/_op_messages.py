@@ -5,31 +5,42 @@ and the verdict of an operation never disagree about which command they are."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
 
 from timeslice_client.protocol import OpKind, OpResult, OpStarted, Restore, Snapshot
 
 from ._backend_api import Outcome
 from ._untrusted import MAX_EPOCH, Refused, answerable, cap
 
-__all__ = ["kind_of", "naming", "op_result", "op_started", "refusal_result"]
+__all__ = ["Naming", "kind_of", "naming", "op_result", "op_started", "refusal_result"]
 
 
 def kind_of(cmd: Snapshot | Restore) -> OpKind:
     return OpKind.SNAPSHOT if isinstance(cmd, Snapshot) else OpKind.RESTORE
 
 
-def naming(cmd: Snapshot | Restore, node: str, *, epoch: int | None = None) -> dict[str, Any]:
+class Naming(TypedDict):
+    """The fields that name an operation's command (typed, so that mypy checks each ``**naming(...)``)."""
+
+    op_id: str
+    group: str
+    job: str
+    node: str
+    kind: OpKind
+    epoch: int
+
+
+def naming(cmd: Snapshot | Restore, node: str, *, epoch: int | None = None) -> Naming:
     """The fields by which the messages and rules of ``cmd``'s operation on ``node`` name it (``epoch``: in place
     of the command's own, where that one cannot be published)."""
-    return {
-        "op_id": cmd.op_id,
-        "group": cmd.group,
-        "job": cmd.job,
-        "node": node,
-        "kind": kind_of(cmd),
-        "epoch": cmd.epoch if epoch is None else epoch,
-    }
+    return Naming(
+        op_id=cmd.op_id,
+        group=cmd.group,
+        job=cmd.job,
+        node=node,
+        kind=kind_of(cmd),
+        epoch=cmd.epoch if epoch is None else epoch,
+    )
 
 
 def op_started(cmd: Snapshot | Restore, node: str, backend: str, *, overlapped: bool) -> OpStarted:
