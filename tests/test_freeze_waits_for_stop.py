@@ -81,8 +81,12 @@ async def test_the_process_group_is_waited_for_too(tmp_path: Path) -> None:
         members = await eventually(
             lambda: m if len(m := group_members(leader.pid)) >= 2 else None, what="the leader's child in its group"
         )
-        for pid in members:
-            await eventually(lambda pid=pid: len(os.listdir(f"/proc/{pid}/task")) >= 1)
+        # The child up (its spin threads started) and the leader back in its sleep: Python's subprocess forks with
+        # vfork, and a leader stopped while it waits in vfork for the child's exec sits in D (uninterruptible),
+        # where a SIGSTOP cannot land until the child runs again (CI froze the group in that window once).
+        (child,) = members - {leader.pid}
+        await _threads_up(child)
+        await eventually(lambda: _proc_state(leader.pid) == "S", what="the leader asleep, past its vfork")
         backend = FreezeBackend()
         await backend.snapshot(_ctx(pgid=leader.pid), _op())
         assert running_threads(members) == {}
