@@ -31,6 +31,7 @@ from timeslice_client.protocol import (
     YieldRequested,
 )
 from timeslice_orchestrator._op_facts import pending_ops
+from timeslice_orchestrator._predict import switch_target
 from timeslice_orchestrator.core import LIMITS, Action, Transition
 from timeslice_orchestrator.invariants import check_record
 
@@ -90,9 +91,9 @@ class ModelChecks:
                 continue
             assert sw is not None and new.trailing is None, "while snapshots trail, no new operation goes out"
             if isinstance(c, Restore):
-                assert sw.to is not None and c.job == sw.to.job and c.node in new.placements[c.job]
+                assert c.job == switch_target(sw) and c.node in new.placements[c.job], (c, sw)
             else:
-                assert (sw.to is None or c.job != sw.to.job) and new.loaded.get(c.node) == c.job
+                assert c.job != switch_target(sw) and new.loaded.get(c.node) == c.job, (c, sw)
             self.ops[c.op_id] = (c, [None])
             self.sent_at[c.op_id] = self.now
             if isinstance(c, Snapshot):  # the agent starts it at once (a restore: when it is answered, below)
@@ -186,7 +187,10 @@ class ModelChecks:
                 assert all(r in ([True], ["dropped"]) for r in restores), (
                     f"granted before every restore succeeded: {restores}"
                 )
-                assert n.context_restored == any(r == [True] for r in restores)
+                # (A grant at once to the job a predictive restore brought back says so too: its restores ran at
+                # the epoch of that switch, which granted nobody; ``PredictChecks`` checks that case.)
+                ahead = old.switch is None and old.holder is None and old.restored_ahead == n.job
+                assert n.context_restored == (ahead or any(r == [True] for r in restores))
                 placed = set(new.placements.get(n.job, ()))
                 loaded_here = {node for node, j in new.loaded.items() if j == n.job}
                 assert placed == loaded_here, f"granted {n.job} with its context on {loaded_here}, not {placed}"
@@ -231,6 +235,11 @@ class ModelChecks:
                     assert n.code in (ErrorCode.INVALID, ErrorCode.JOB_FAULTED), n
                     resolved = True
                     self.departed.add(n.request_id)
+                    if n.code is ErrorCode.JOB_FAULTED and entry is not None:
+                        # A waiter's second acquire took over its place, which was then faulted (e.g. its switch
+                        # found its context stranded on a lost node): the place is gone with it.
+                        self.departed.add(entry[1])
+                        del self.entries[n.job]
                 elif n.code is ErrorCode.JOB_FAULTED:
                     assert entry is not None and entry[1] == n.request_id and n.job == job, n
                     del self.entries[n.job]

@@ -51,6 +51,7 @@ from timeslice_orchestrator.core import Action, apply, new_record, next_deadline
 
 from .core_agents import BesideRules, Message, Step, check_run, op_started, pending_epoch, runs_beside
 from .core_model_checks import ModelChecks
+from .core_predict_checks import PredictChecks
 from .core_sim import JOBS, NODES, SEQ_GAP, T0, G, input_subject, notices, tag
 from .op_messages import AgentOp
 
@@ -62,7 +63,7 @@ PRIORITIES = st.sampled_from([0, 0, 0, 0, 0, 1, 5, 9])
 # --------------------------------------------------------------------------- the state machine
 
 
-class CoreMachine(ModelChecks, BesideRules, RuleBasedStateMachine):
+class CoreMachine(ModelChecks, PredictChecks, BesideRules, RuleBasedStateMachine):
     """A model of what the notices promise, checked against ``apply()`` after every event."""
 
     def __init__(self) -> None:
@@ -114,9 +115,10 @@ class CoreMachine(ModelChecks, BesideRules, RuleBasedStateMachine):
         self.rec = new
         self.failed = True
         self.check_step(old, new, ev, actions)
+        self.check_predict(old, new, ev, actions)
         self.failed = False
         if input_subject(ev).startswith("ts.v1.job."):  # what a claim's sequence check looks at
-            free = [n for n in notices(actions, Released) if n.pending_waiters == 0]
+            free = [n for n in notices(actions, Released) if n.pending_waiters == 0 and n.ahead is None]
             self.claimable = (ev.job, free[0].epoch + 1) if isinstance(ev, Release) and free else None
             self.since_release = []
         else:
@@ -161,6 +163,41 @@ class CoreMachine(ModelChecks, BesideRules, RuleBasedStateMachine):
     @rule(min_hold=st.sampled_from([0, 300, 2_000, 20_000]))
     def set_min_hold(self, min_hold: int) -> None:
         self.step(SetPolicy(group=G, min_hold_ms=min_hold))
+
+    @rule(on=st.sampled_from([True, True, False]))
+    def set_predict(self, on: bool) -> None:
+        self.step(SetPolicy(group=G, predict=on))
+
+    @rule(data=st.data(), rounds=st.integers(1, 3), away=st.sampled_from([100, 1_000, 5_000]))
+    def take_turns(self, data: st.DataObject, rounds: int, away: int) -> None:
+        """Jobs take turns as an RL run's phases do (each asks, is switched in, works, releases and stays away a
+        while), with responsive agents: the cycles the predictive restore learns from."""
+        jobs = data.draw(st.lists(st.sampled_from(JOBS), min_size=2, max_size=3, unique=True))
+        for _ in range(rounds):
+            for job in jobs:
+                self.acquire_patient(job)
+                self.agents_answer_all(False, data.draw(st.booleans()), False)
+                self.now += data.draw(st.sampled_from([away, away * 2, 10]))
+                if self.holder is not None and self.holder[0] == job:
+                    self.release()
+                self.now += data.draw(st.sampled_from([0, 0, away, 3 * away]))  # nobody asks for a while
+                if data.draw(st.integers(0, 3)):  # (else what the release started is left to the other rules)
+                    self.agents_answer_all(False, False, False)
+
+    @precondition(lambda self: self.rec.switch is not None and self.rec.switch.ahead and self.rec.switch.to is None)
+    @rule()
+    def predicted_job_asks(self) -> None:
+        """The job a predictive restore brings back asks while that switch runs."""
+        assert self.rec.switch is not None and self.rec.switch.ahead is not None
+        self.acquire_patient(self.rec.switch.ahead)
+
+    @precondition(lambda self: self.rec.plan is not None)
+    @rule(early=st.booleans())
+    def plan_comes_due(self, early: bool) -> None:
+        """Time runs to a predictive restore's start (or a millisecond short of it) and a tick looks."""
+        assert self.rec.plan is not None
+        self.now = max(self.now, self.rec.plan.at_ms - (1 if early else 0))
+        self.step(Tick(group=G))
 
     @precondition(lambda self: self.rec.reserved is not None)
     @rule()

@@ -33,6 +33,9 @@ class ReleaseResult:
     epoch: int
     pending_waiters: int
     snapshot_deferred: bool
+    # With the group's predictive restore on (``timeslice set-policy --predict``): the job expected to ask next,
+    # whose context the orchestrator brings back while the group is idle (None: none expected).
+    ahead: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,16 @@ import msgspec
 from ._codes import GroupState, OpKind
 from ._policy_msgs import Reservation
 
-__all__ = ["GroupRecord", "HolderRecord", "OpRecord", "SwitchRecord", "TrailRecord", "WaiterRecord"]
+__all__ = [
+    "Cycle",
+    "GroupRecord",
+    "HolderRecord",
+    "OpRecord",
+    "Prediction",
+    "SwitchRecord",
+    "TrailRecord",
+    "WaiterRecord",
+]
 
 
 class _Rec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -67,6 +76,29 @@ class SwitchRecord(_Rec, frozen=True):
     ops: tuple[OpRecord, ...] = ()
     restored: bool = False  # a restore of the incoming job succeeded: its grant says context_restored
     beside: tuple[str, ...] = ()  # nodes where it succeeded beside the snapshots there (OpResult.overlapped)
+    # A predictive restore (``_predict``): no job asked; this one is expected to ask next, so its context is brought
+    # back while the group is idle. Its acquire during the switch makes it ``to``; at the end, with no ``to``, the
+    # group is left idle with its context loaded (``GroupRecord.restored_ahead``).
+    ahead: str | None = None
+
+
+class Cycle(_Rec, frozen=True):
+    """What the group has seen of one job's cycle, for the predictive restore (``_predict``): when it last released,
+    how long it stayed away before it asked again the time before, and how long its last switch in took."""
+
+    released_ms: int = -1  # its last release (stream time; -1: none seen)
+    asked: bool = True  # it asked again since that release (then ``gap_ms`` is that time away)
+    gap_ms: int = -1  # release -> its next ask, the last time it was measured (-1: never)
+    switch_in_ms: int = -1  # its last switch in: the switch's start -> its grant, a restore included (-1: none)
+
+
+class Prediction(_Rec, frozen=True):
+    """A predictive restore planned at an idle release (``_predict``): ``job`` is expected to ask next, before the
+    job that released comes back; at ``at_ms`` its context is brought back (a switch with ``SwitchRecord.ahead``),
+    unless any job asks first, which drops the plan at no cost."""
+
+    job: str
+    at_ms: int
 
 
 class TrailRecord(_Rec, frozen=True):
@@ -101,3 +133,7 @@ class GroupRecord(_Rec, frozen=True):
     yield_asked_epoch: int = 0  # the last hold asked to yield (``YieldRequested``: once per hold)
     min_hold_ms: int = 0  # the group's minimum hold (``SetPolicy``; 0: none)
     reserved: Reservation | None = None  # kept for a job that released within its minimum hold (``_min_hold``)
+    predict: bool = False  # the group's predictive restore (``SetPolicy.predict``; ``_predict``)
+    cycles: dict[str, Cycle] = {}  # each job's recent cycle (``_predict``; ``Limits.max_cycles`` jobs at most)
+    plan: Prediction | None = None  # a predictive restore planned and not started yet
+    restored_ahead: str | None = None  # a predictive restore brought this job's context back and it has not asked

@@ -27,12 +27,15 @@ class SetPolicy(_Msg, frozen=True, tag="set_policy"):
     """An operator sets a group's scheduling policy (``ts.v1.ctl.<group>.set_policy``: the admin identity only).
     ``quantum_ms``: how long a holder holds while others wait before the orchestrator asks it to yield
     (``YieldRequested``); 0: never asked. ``min_hold_ms``: a job granted through a switch that releases sooner than
-    this after its grant while others wait keeps the group reserved until then (``Reservation``); 0: never. None
-    (either): left as it is. The priority classes of the waiters need no setting (``Acquire.priority``)."""
+    this after its grant while others wait keeps the group reserved until then (``Reservation``); 0: never.
+    ``predict``: the predictive restore (``_predict``): at a release nobody waited for, the job expected to ask next
+    has its context brought back while the group is idle. None (any): left as it is. The priority classes of the
+    waiters need no setting (``Acquire.priority``)."""
 
     group: Id
     quantum_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_QUANTUM_MS)] | None = None
     min_hold_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_MIN_HOLD_MS)] | None = None
+    predict: bool | None = None
 
 
 class Reservation(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

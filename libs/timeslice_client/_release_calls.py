@@ -82,9 +82,10 @@ class ReleaseCalls:
                 ch.precopy_idle()  # when a switch is expected, the next one then only frees device memory
         if self._claims is None and r.pending_waiters == 0 and self._js is not None:
             self._claims = await _checks_claims(self._js)  # once: the stream exists now (it stored the release)
-        if self._claims and r.pending_waiters == 0 and self._published == before + 1:
+        # (Not when the group's predictive restore expects another job next: its switch may come before the claim.)
+        if self._claims and r.pending_waiters == 0 and r.ahead is None and self._published == before + 1:
             self._claim = _Claim(after_seq=seq, epoch=r.epoch + 1)  # nothing else was published after it
-        return ReleaseResult(self.group_id, self.job_id, r.epoch, r.pending_waiters, r.snapshot_deferred)
+        return ReleaseResult(self.group_id, self.job_id, r.epoch, r.pending_waiters, r.snapshot_deferred, r.ahead)
 
     def _settle_budget(self) -> float:
         """The longest ``acquire()`` may spend after the grant, resuming what suspended early (seconds)."""

@@ -48,7 +48,16 @@ from ._bounds import (
     Text,
 )
 from ._codes import DequeueCode, ErrorCode, GroupState, JobState, OpKind, RevokeCode, SuspendMode
-from ._group_records import GroupRecord, HolderRecord, OpRecord, SwitchRecord, TrailRecord, WaiterRecord
+from ._group_records import (
+    Cycle,
+    GroupRecord,
+    HolderRecord,
+    OpRecord,
+    Prediction,
+    SwitchRecord,
+    TrailRecord,
+    WaiterRecord,
+)
 from ._names import subjects, validate_id
 from ._policy_msgs import MAX_MIN_HOLD_MS, MAX_QUANTUM_MS, Reservation, SetPolicy, YieldRequested
 
@@ -73,6 +82,7 @@ __all__ = [
     "ClearJobFault",
     "Contended",
     "ControlEvent",
+    "Cycle",
     "DequeueCode",
     "Dequeued",
     "DeviceInfo",
@@ -94,6 +104,7 @@ __all__ = [
     "OpResult",
     "OpStarted",
     "Phase",
+    "Prediction",
     "ProcessOwner",
     "Quarantined",
     "Refused",
@@ -298,13 +309,19 @@ class Granted(_Msg, frozen=True, tag="granted", omit_defaults=True):
     min_hold_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_MIN_HOLD_MS)] = 0
 
 
-class Released(_Msg, frozen=True, tag="released"):
+class Released(_Msg, frozen=True, tag="released", omit_defaults=True):
+    """The holder's release, answered. ``ahead``: with the group's predictive restore on, the job expected to ask
+    next, whose context will be brought back while the group is idle (``SetPolicy.predict``): the releasing job's
+    next acquire is then an ordinary one, never a claim (the prediction may start a switch before it). Left out on
+    the wire when None (``omit_defaults``), so a client that predates it still reads every other release."""
+
     group: str
     job: str
     request_id: str
     epoch: int
     pending_waiters: int
     snapshot_deferred: bool
+    ahead: str | None = None
 
 
 class Refused(_Msg, frozen=True, tag="refused"):

@@ -32,6 +32,7 @@ from timeslice_client.protocol import (
 )
 
 from ._min_hold import grant_reserved, reserve_on_release
+from ._predict import note_ask, note_release
 from ._work import Limits, Work
 
 __all__ = ["HANDLERS"]
@@ -49,6 +50,7 @@ def _on_acquire(w: Work, ev: Acquire) -> None:
     if ev.job in w.faulted:
         w.refuse(ev.job, ev.request_id, ErrorCode.JOB_FAULTED, w.faulted[ev.job])
         return
+    note_ask(w, ev.job)  # (a predictive restore planned and not started yet is dropped: a job asked first)
     now = w.now
     h = w.holder
     if h is not None and h.job == ev.job:
@@ -89,14 +91,19 @@ def _on_acquire(w: Work, ev: Acquire) -> None:
         w.switch = msgspec.structs.replace(sw, to=msgspec.structs.replace(wr, enqueued_at_ms=sw.to.enqueued_at_ms))
         w.touch("waiter re-acquired")
         return
+    if sw is not None and sw.to is None and sw.ahead == ev.job and not w.queue:
+        # The job a predictive restore brings back asks while it runs: the switch is its own now.
+        w.switch = msgspec.structs.replace(sw, to=wr)
+        w.touch("the predicted job asked")
+        return
     i = w.waiter_index(ev.job)
     if i is not None:
         w.queue[i] = msgspec.structs.replace(wr, enqueued_at_ms=w.queue[i].enqueued_at_ms)
         w.touch("waiter re-acquired")
         return
     if h is None and sw is None and not w.queue and w.active_job == ev.job:
-        # Zero cost when alone: the context never left the accelerators.
-        w.grant(wr, w.epoch + 1, restored=False)
+        # Zero cost when alone: the context never left the accelerators (or a predictive restore brought it back).
+        w.grant(wr, w.epoch + 1, restored=w.restored_ahead == ev.job)
         return
     if len(w.queue) >= lim.max_queue:
         w.refuse(
@@ -155,6 +162,7 @@ def _on_claim(w: Work, ev: Acquire) -> None:
     assert ev.claim_epoch is not None
     why = _unclaimable(w, ev)
     if why is None:
+        note_ask(w, ev.job)
         now = w.now
         w.grant(
             WaiterRecord(
@@ -202,6 +210,7 @@ def _released(w: Work, job: str, request_id: str, epoch: int, why: str) -> None:
     wait behind it."""
     w.holder = None
     pending = len(w.queue)
+    ahead = note_release(w, job)  # (with the policy on and nobody waiting: the predictive restore's plan)
     w.notify(
         Released(
             group=w.group,
@@ -210,6 +219,7 @@ def _released(w: Work, job: str, request_id: str, epoch: int, why: str) -> None:
             epoch=epoch,
             pending_waiters=pending,
             snapshot_deferred=pending == 0 or w.reserved is not None,
+            ahead=ahead,
         )
     )
     if w.reserved is None:  # (else the reason says why it was kept)
@@ -294,6 +304,10 @@ def _on_set_policy(w: Work, ev: SetPolicy) -> None:
     if ev.min_hold_ms is not None and ev.min_hold_ms != w.min_hold_ms:
         w.min_hold_ms = ev.min_hold_ms
         w.touch(f"policy set: min hold {ev.min_hold_ms} ms")
+    if ev.predict is not None and ev.predict != w.predict:
+        w.predict = ev.predict
+        w.plan = None  # (on: the next idle release plans; off: a plan not started yet is dropped)
+        w.touch(f"policy set: predictive restore {'on' if ev.predict else 'off'}")
 
 
 def _on_clear_fault(w: Work, ev: ClearFault) -> None:

@@ -33,6 +33,7 @@ class Limits(msgspec.Struct, frozen=True):
     # A waiter's priority class rises by one for each this long it has waited (``_next_waiter``): a waiter of class 0
     # overtakes newer ones of class 9 after 9 of these.
     priority_ageing_ms: int = 60_000
+    max_cycles: int = 64  # jobs whose recent cycle a group keeps for the predictive restore (``_predict``)
 
 
 LIMITS = Limits()

@@ -13,6 +13,7 @@ import msgspec
 from timeslice_client.protocol import (
     DEFAULT_OP_TIMEOUT_MS,
     AgentCommand,
+    Cycle,
     DequeueCode,
     Dequeued,
     ErrorCode,
@@ -23,6 +24,7 @@ from timeslice_client.protocol import (
     Notice,
     OpKind,
     OpRecord,
+    Prediction,
     Refused,
     Reservation,
     Restore,
@@ -37,6 +39,7 @@ from timeslice_client.protocol import (
 
 from ._limits import LIMITS, Limits
 from ._next_waiter import next_waiter
+from ._predict import ended_ahead, note_switched_in, start_ahead_due, switch_target
 
 __all__ = ["LIMITS", "Action", "Command", "Limits", "Notify", "Transition", "Work"]
 
@@ -85,6 +88,10 @@ class Work:
     yield_asked_epoch: int = 0
     min_hold_ms: int = 0  # the group's minimum hold (``SetPolicy``) and the job the group is kept for (``_min_hold``)
     reserved: Reservation | None = None
+    predict: bool = False  # the predictive restore (``SetPolicy``, ``_predict``): its policy, history and plan
+    cycles: dict[str, Cycle] = field(default_factory=dict)
+    plan: Prediction | None = None
+    restored_ahead: str | None = None
     actions: list[Action] = field(default_factory=list)
     changed: bool = False
     reason: str = ""
@@ -189,6 +196,8 @@ class Work:
             switched=switched,
         )
         self.active_job = wr.job
+        self.restored_ahead = None
+        self.plan = None
         self.notify_grant(self.holder)
         self.touch("granted")
 
@@ -316,7 +325,8 @@ class Work:
             if sw is not None:
                 if sw.ops and not self._beside_only(sw):
                     return
-                if sw.phase is OpKind.SNAPSHOT and sw.to is not None and sw.to.job not in self.faulted:
+                target = switch_target(sw)
+                if sw.phase is OpKind.SNAPSHOT and target is not None and target not in self.faulted:
                     self.start_restores(sw)
                     continue
                 self.switch = None
@@ -324,14 +334,21 @@ class Work:
                 if to is not None and to.job not in self.faulted:
                     if sw.ops:  # grant on restore: the outgoing snapshots trail the grant
                         self.trailing = TrailRecord(epoch=sw.epoch, ops=sw.ops)
+                    note_switched_in(self, to.job, sw.started_at_ms)
                     self.grant(to, sw.epoch, sw.restored, switched=True)
                     return
                 if to is not None:
                     self.refuse(to.job, to.request_id, ErrorCode.JOB_FAULTED, self.faulted[to.job])
-                self.touch("switch ended without grant")
+                if to is None and sw.ahead is not None:
+                    ended_ahead(self, sw)
+                else:
+                    self.touch("switch ended without grant")
                 continue
             if self.holder is not None or not self.queue or self.trailing is not None or self.reserved is not None:
-                return  # (no switch while snapshots trail: its restores would make a third context; nor while reserved)
+                # (no switch while snapshots trail: its restores would make a third context; nor while reserved)
+                if start_ahead_due(self):
+                    continue
+                return
             wr = self.queue.pop(next_waiter(self.queue, self.now, self.limits.priority_ageing_ms))
             self.touch("next waiter")
             if wr.job in self.faulted:
@@ -354,27 +371,33 @@ class Work:
             )
         )
 
-    def start_switch(self, wr: WaiterRecord) -> None:
+    def start_switch(self, wr: WaiterRecord | None, ahead: str | None = None) -> None:
         """Snapshot every loaded context that is not the incoming job's and, in the same breath, restore the
         incoming job where it is registered: each restore names the snapshots on its own node that the agent
-        finishes first (``Restore.after``), so the restores wait for no round trip through the orchestrator."""
+        finishes first (``Restore.after``), so the restores wait for no round trip through the orchestrator.
+        ``ahead`` instead of a waiter: a predictive restore of that job (``_predict``), which nobody waits for."""
+        incoming = wr.job if wr is not None else ahead
+        assert incoming is not None
         epoch = self.epoch + 1
         self.epoch = epoch
         ops: list[OpRecord] = []
         for node, job in sorted(self.loaded.items()):
-            if job != wr.job:
+            if job != incoming:
                 ops.append(self.op(OpKind.SNAPSHOT, node, job, epoch))
-        if self.active_job != wr.job:
+        if self.active_job != incoming:
             self.active_job = None
-        self.switch = SwitchRecord(to=wr, epoch=epoch, phase=OpKind.SNAPSHOT, ops=tuple(ops), started_at_ms=self.now)
-        self.touch("switching")
+        self.restored_ahead = None
+        self.switch = SwitchRecord(
+            to=wr, epoch=epoch, phase=OpKind.SNAPSHOT, ops=tuple(ops), started_at_ms=self.now, ahead=ahead
+        )
+        self.touch("switching" if wr is not None else f"restoring {ahead} ahead of its ask")
         self.start_restores(self.switch)
 
     def start_restores(self, sw: SwitchRecord) -> None:
         """Issue the incoming job's restores (``phase`` becomes RESTORE: restores are issued). Snapshots still
         pending stay in the switch; a restore on a node where one runs is ordered after it."""
-        assert sw.to is not None
-        job = sw.to.job
+        job = switch_target(sw)
+        assert job is not None
         stranded = [n for n in self.saved.get(job, ()) if n in self.lost_nodes]
         if stranded:
             # Its state is offloaded on a node whose agent is gone: granting now would hand it freed memory.

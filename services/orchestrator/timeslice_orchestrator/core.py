@@ -69,6 +69,7 @@ from timeslice_client.protocol import GroupRecord, InputEvent
 
 from ._handlers import HANDLERS
 from ._min_hold import reserve_deadline
+from ._predict import ahead_deadline
 from ._quantum import ask_to_yield, yield_deadline
 from ._work import LIMITS, Action, Command, Limits, Notify, Transition, Work
 
@@ -106,6 +107,8 @@ def next_deadline(rec: GroupRecord) -> int | None:
         times.append(ask)
     if (kept := reserve_deadline(rec)) is not None:
         times.append(kept)
+    if (ahead := ahead_deadline(rec)) is not None:
+        times.append(ahead)
     return min(times) if times else None
 
 

@@ -1,0 +1,149 @@
+"""The predictive restore (``SetPolicy.predict``): while a group is idle, bring back the context of the job most
+likely to ask next, so that its acquire finds it loaded.
+
+What the core knows of each job's cycle (``GroupRecord.cycles``, ``Cycle``): when it last released, how long it
+stayed away the last time (its release to its next ask), and how long its last switch in took. At a release that
+nobody waited for (the context stays loaded: ``IDLE_YIELDED``), with the policy on, the core expects each other job
+that is placed on the group's nodes, not faulted, has its context saved and does not wait already, to ask at its last
+release plus its last time away (at once if that time has passed); the releasing job to come back after its own last
+time away (unknown: never expected). The job expected first, if it comes before the releasing job, is predicted
+(ties: the lowest job id, so the decision is deterministic): a ``Prediction`` at the time its switch should start, as
+long before its expected ask as twice its last switch in took (at once when that is unknown), and the release answer
+names it (``Released.ahead``), so the releasing client does not claim its next acquire (a claim assumes no decision
+before it; the prediction's switch may come first).
+
+* **Cancelled at no cost**: any acquire before the plan's time drops it (nothing was moved); so does a policy turned
+  off, or a predicted job found faulted, unplaced or with nothing saved when the time comes.
+* **At the plan's time**, if the group is still idle (nobody holds or waits, no switch, no snapshot trailing, nothing
+  reserved), a switch starts with no waiter (``SwitchRecord.ahead``): every other loaded context is snapshotted, the
+  predicted job's is restored, as in any switch, and the epoch rises. Its acquire during that switch makes it the
+  switch's waiter (when nobody else waits: others keep their order), granted at the switch's end as usual. Ended
+  with nobody to grant, the group is left idle with its context loaded (``active_job``; ``restored_ahead``), and its
+  acquire then is granted at once, with ``context_restored``, as a holder's re-acquire is. Another job's acquire is
+  served as it would be: one more switch (what a wrong prediction costs).
+
+Pure and deterministic (the record, the event's time): ``timeslice replay`` and the checkers fold the same plans.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+from timeslice_client.protocol import Cycle, GroupRecord, Prediction, SwitchRecord
+
+if TYPE_CHECKING:
+    from ._work import Work
+
+__all__ = [
+    "ahead_deadline",
+    "ended_ahead",
+    "note_ask",
+    "note_release",
+    "note_switched_in",
+    "start_ahead_due",
+    "switch_target",
+]
+
+
+def switch_target(sw: SwitchRecord) -> str | None:
+    """The job whose context ``sw`` brings in: its waiter's, else the predicted job's (None: neither is left)."""
+    return sw.to.job if sw.to is not None else sw.ahead
+
+
+def _keep(w: Work, job: str, cycle: Cycle) -> None:
+    """Store ``cycle`` for ``job``; past ``Limits.max_cycles`` jobs, the one that released longest ago is forgotten."""
+    w.cycles[job] = cycle
+    while len(w.cycles) > w.limits.max_cycles:
+        del w.cycles[min(w.cycles, key=lambda j: (w.cycles[j].released_ms, j))]
+
+
+def note_ask(w: Work, job: str) -> None:
+    """``job`` asks for the group (a valid acquire or claim): its time away is measured, and a plan is dropped."""
+    c = w.cycles.get(job)
+    if c is not None and not c.asked:
+        _keep(w, job, msgspec.structs.replace(c, asked=True, gap_ms=max(0, w.now - c.released_ms)))
+        w.changed = True
+    if w.plan is not None:
+        w.touch(f"prediction of {w.plan.job} dropped: {job} asked first")
+        w.plan = None
+
+
+def note_switched_in(w: Work, job: str, started_at_ms: int) -> None:
+    """A switch that started at ``started_at_ms`` grants ``job`` now: how long its switch in took."""
+    c = w.cycles.get(job, Cycle())
+    _keep(w, job, msgspec.structs.replace(c, switch_in_ms=max(0, w.now - started_at_ms)))
+
+
+def note_release(w: Work, job: str) -> str | None:
+    """``job`` released: its cycle notes it; with nobody waiting and the policy on, plan the predictive restore.
+    Returns the job predicted (None: none)."""
+    c = w.cycles.get(job, Cycle())
+    _keep(w, job, msgspec.structs.replace(c, released_ms=w.now, asked=False))
+    w.plan = None
+    if not w.predict or w.queue or w.reserved is not None:
+        return None
+    back = w.now + c.gap_ms if c.gap_ms >= 0 else None  # when the releasing job is expected back
+    best: tuple[int, str] | None = None
+    for other, oc in w.cycles.items():
+        if other == job or oc.asked or oc.gap_ms < 0 or not _restorable(w, other):
+            continue
+        candidate = (max(w.now, oc.released_ms + oc.gap_ms), other)
+        if best is None or candidate < best:
+            best = candidate
+    if best is None or (back is not None and best[0] >= back):
+        return None
+    expected, ahead = best
+    lead = 2 * w.cycles[ahead].switch_in_ms
+    w.plan = Prediction(job=ahead, at_ms=max(w.now, expected - lead) if lead >= 0 else w.now)
+    w.touch(f"predicted: {ahead} asks next")
+    return ahead
+
+
+def _restorable(w: Work, job: str) -> bool:
+    """Whether a predictive restore of ``job`` can bring something back: not faulted, its context saved, and every
+    node where it is saved has its agent (a switch to it would fault it otherwise: that is for its own ask)."""
+    saved = w.saved.get(job, ())
+    return job not in w.faulted and bool(saved) and not any(n in w.lost_nodes for n in saved)
+
+
+def _idle(rec: GroupRecord | Work) -> bool:
+    return (
+        rec.holder is None
+        and rec.switch is None
+        and rec.trailing is None
+        and not rec.queue
+        and rec.reserved is None
+        and rec.plan is not None
+    )
+
+
+def ahead_deadline(rec: GroupRecord) -> int | None:
+    """When a planned predictive restore is due to start (None: no plan, or the group is not idle yet)."""
+    return rec.plan.at_ms if rec.plan is not None and _idle(rec) else None
+
+
+def start_ahead_due(w: Work) -> bool:
+    """Start the planned predictive restore if it is due and the group is idle (or drop it if it can no longer
+    run). Returns whether a switch started."""
+    plan = w.plan
+    if plan is None or not _idle(w) or w.now < plan.at_ms:
+        return False
+    w.plan = None
+    if not w.predict or not _restorable(w, plan.job) or w.active_job == plan.job:
+        w.touch(f"prediction of {plan.job} dropped: it cannot be restored now")
+        return False
+    w.start_switch(None, ahead=plan.job)
+    return True
+
+
+def ended_ahead(w: Work, sw: SwitchRecord) -> None:
+    """A predictive restore's switch ended and its job has not asked: the group stays idle with its context."""
+    job = sw.ahead
+    assert job is not None and sw.to is None
+    if sw.restored and job not in w.faulted and all(w.loaded.get(n) == job for n in w.placements.get(job, ())):
+        w.active_job = job
+        w.restored_ahead = job
+        w.touch(f"restored {job} ahead of its ask")
+    else:
+        w.touch(f"the restore of {job} ahead of its ask did not complete")
