@@ -28,8 +28,6 @@ from timeslice_client.protocol import (
     ClearFault,
     Granted,
     JobUnregistered,
-    OpKind,
-    OpStarted,
     Released,
     Renew,
     Snapshot,
@@ -43,6 +41,7 @@ from timeslice_orchestrator.replay._fold import group_of
 from .agent_harness import queued, start_cli
 from .core_sim import Sim, commands
 from .helpers import eventually, running
+from .op_messages import AgentOp
 from .workers import read_stream
 
 NODE = "n1"
@@ -109,19 +108,7 @@ def seq_of(sim: Sim, subject: str, tag: str, **fields: Any) -> int:
 
 
 def op_started(sim: Sim, cmd: Snapshot) -> int:
-    return inject(
-        sim,
-        subjects.agent_op(cmd.node),
-        OpStarted(
-            op_id=cmd.op_id,
-            group=sim.group,
-            job=cmd.job,
-            node=cmd.node,
-            kind=OpKind.SNAPSHOT,
-            epoch=cmd.epoch,
-            backend="app_channel",
-        ),
-    )
+    return inject(sim, subjects.agent_op(cmd.node), AgentOp.of(cmd).started(backend="app_channel"))
 
 
 def granted(sim: Sim, job: str, rid: str, epoch: int) -> int:

@@ -73,6 +73,12 @@ class SleepHandler(abc.ABC):
     """
 
     engine: ClassVar[str] = "engine"  # the engine's name in messages
+    # The words of the error that asks for a reload hook (``NoWeightReload``): what drops the weights' contents, and
+    # how to give the reload hook this engine needs.
+    _loss_cause: ClassVar[str]
+    _reload_hint: ClassVar[str]
+    # What a sleep call that raised is taken to have left, when the engine cannot say whether it sleeps.
+    _unprobed_failure: ClassVar[str] = "the engine cannot say whether it sleeps; taken as awake"
 
     def __init__(
         self,
@@ -153,7 +159,7 @@ class SleepHandler(abc.ABC):
                 return HandlerResult()
             loses = self._loses_weights(mode, todo)
             if loses and self.reload_weights is None:
-                raise NoWeightReload(self.engine, self._loss_cause(mode), self._reload_hint())
+                raise NoWeightReload(self.engine, self._loss_cause, self._reload_hint)
             steps = self._sleep_steps(mode, todo)
             before = self._measure()
             for step in steps:
@@ -201,14 +207,6 @@ class SleepHandler(abc.ABC):
     @abc.abstractmethod
     def _loses_weights(self, mode: SuspendMode, todo: tuple[str, ...]) -> bool:
         """Whether suspending ``todo`` in ``mode`` drops the weights' contents (a reload is then due)."""
-
-    @abc.abstractmethod
-    def _loss_cause(self, mode: SuspendMode) -> str:
-        """What drops the weights in ``mode``, for the error that asks for a reload hook."""
-
-    @abc.abstractmethod
-    def _reload_hint(self) -> str:
-        """How to give the reload hook this engine needs."""
 
     @abc.abstractmethod
     def _sleep_steps(self, mode: SuspendMode, todo: tuple[str, ...]) -> list[Step]:
@@ -261,7 +259,7 @@ class SleepHandler(abc.ABC):
         reason = describe(exc)
         asleep = self._asks()
         if not asleep:
-            how = "the engine reports it is awake" if asleep is False else self._unprobed_failure()
+            how = "the engine reports it is awake" if asleep is False else self._unprobed_failure
             return EngineCallFailed(self.engine, step.call, reason, f"{how}; nothing changed", rolled_back=True)
         self._asleep.update(todo)
         self._weights_lost = self._weights_lost or loses
@@ -285,9 +283,6 @@ class SleepHandler(abc.ABC):
             return self._probe()
         except Exception:
             return None
-
-    def _unprobed_failure(self) -> str:
-        return "the engine cannot say whether it sleeps; taken as awake"
 
     def _known(self, tags: frozenset[str]) -> frozenset[str]:
         unknown = sorted(t for t in tags if t not in self.memory_tags)

@@ -102,6 +102,14 @@ class SglangEngineHandler(SleepHandler):
     """
 
     engine = "SGLang engine"
+    _loss_cause = "releasing the weights of an engine without enable_weights_cpu_backup"
+    _reload_hint = (
+        "pass reload_weights= (e.g. a call of engine.update_weights_from_tensor with the trainer's weights), "
+        "start the engine with enable_weights_cpu_backup=True, or register tags that leave out 'weights'"
+    )
+    _unprobed_failure = (
+        "SGLang checks that it is idle before it releases anything, so it is taken as still holding its memory"
+    )
 
     @renamed_keywords(lock_timeout="lock_timeout_s")
     def __init__(
@@ -137,15 +145,6 @@ class SglangEngineHandler(SleepHandler):
     def _loses_weights(self, mode: SuspendMode, todo: tuple[str, ...]) -> bool:
         return WEIGHTS in todo and not self.weights_backed_up
 
-    def _loss_cause(self, mode: SuspendMode) -> str:
-        return "releasing the weights of an engine without enable_weights_cpu_backup"
-
-    def _reload_hint(self) -> str:
-        return (
-            "pass reload_weights= (e.g. a call of engine.update_weights_from_tensor with the trainer's weights), "
-            "start the engine with enable_weights_cpu_backup=True, or register tags that leave out 'weights'"
-        )
-
     def _sleep_steps(self, mode: SuspendMode, todo: tuple[str, ...]) -> list[Step]:
         steps = []
         if KV_CACHE in todo and self._flush is not None:
@@ -172,9 +171,6 @@ class SglangEngineHandler(SleepHandler):
             f"Engine.resume_memory_occupation(tags={list(tags)})",
             lambda: self.sgl.resume_memory_occupation(tags=list(tags)),
         )
-
-    def _unprobed_failure(self) -> str:
-        return "SGLang checks that it is idle before it releases anything, so it is taken as still holding its memory"
 
 
 def _checked(tags: Iterable[str]) -> tuple[str, ...]:

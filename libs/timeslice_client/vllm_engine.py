@@ -95,6 +95,11 @@ class VllmEngineHandler(SleepHandler):
     """
 
     engine = "vLLM engine"
+    _loss_cause = "mode discard (LLM.sleep(level=2))"
+    _reload_hint = (
+        "pass reload_weights=lambda: llm.collective_rpc('reload_weights') (or your own weight update), or "
+        "register mode offload (level 1 keeps the weights in host memory)"
+    )
 
     @renamed_keywords(lock_timeout="lock_timeout_s")
     def __init__(
@@ -135,15 +140,6 @@ class VllmEngineHandler(SleepHandler):
 
     def _loses_weights(self, mode: SuspendMode, todo: tuple[str, ...]) -> bool:
         return mode is SuspendMode.DISCARD
-
-    def _loss_cause(self, mode: SuspendMode) -> str:
-        return "mode discard (LLM.sleep(level=2))"
-
-    def _reload_hint(self) -> str:
-        return (
-            "pass reload_weights=lambda: llm.collective_rpc('reload_weights') (or your own weight update), or "
-            "register mode offload (level 1 keeps the weights in host memory)"
-        )
 
     def _sleep_steps(self, mode: SuspendMode, todo: tuple[str, ...]) -> list[Step]:
         if self._asleep:  # a part woke alone (resume of one tag): LLM.sleep would log "already sleeping", do nothing

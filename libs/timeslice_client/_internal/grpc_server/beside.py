@@ -53,16 +53,7 @@ def open_shim(
     reflection.enable_server_reflection(
         (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    return add_port(
-        server,
-        cfg,
-        host=cfg.host,
-        port=cfg.port,
-        tls_cert=cfg.tls_cert,
-        tls_key=cfg.tls_key,
-        tls_client_ca=cfg.tls_client_ca,
-        log=log,
-    )
+    return add_port(server, cfg, log)
 
 
 class Shim(Protocol):

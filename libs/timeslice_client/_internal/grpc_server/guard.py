@@ -9,8 +9,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -28,6 +27,9 @@ from .identity import (
     loopback_peer_uid,
 )
 from .serving import SERVER_OPTIONS, normalize_peer, server_credentials
+
+if TYPE_CHECKING:  # beside.py imports this module: the shims' settings are a type here only
+    from .beside import ShimSettings
 
 __all__ = [
     "Authenticator",
@@ -150,18 +152,10 @@ async def authorize(ctx: Ctx, auth: Authenticator, log: logging.Logger, job: str
     raise exc  # not reached
 
 
-def add_port(
-    server: grpc.aio.Server,
-    settings: GrpcAuthSettings,
-    *,
-    host: str,
-    port: int,
-    tls_cert: Path | None,
-    tls_key: Path | None,
-    tls_client_ca: Path | None,
-    log: logging.Logger,
-) -> int:
-    """Listen at ``host:port`` as the settings allow (the port bound), or raise :class:`GrpcRefusedToStart`."""
+def add_port(server: grpc.aio.Server, settings: ShimSettings, log: logging.Logger) -> int:
+    """Listen where ``settings`` say (``host:port``, their TLS files) as their auth settings allow (the port bound),
+    or raise :class:`GrpcRefusedToStart`."""
+    host, tls_cert, tls_key, tls_client_ca = settings.host, settings.tls_cert, settings.tls_key, settings.tls_client_ca
     flags = "--grpc-tls-cert and --grpc-tls-key"
     if bool(tls_cert) != bool(tls_key):
         raise GrpcRefusedToStart(f"TLS needs both a certificate and its key ({flags})")
@@ -189,7 +183,7 @@ def add_port(
                 "this platform cannot tell which user a loopback gRPC caller runs as (no /proc/net/tcp): "
                 "callers without a token or certificate are refused"
             )
-    address = f"{host}:{port}"
+    address = f"{host}:{settings.port}"
     if tls_cert and tls_key:
         bound = server.add_secure_port(address, server_credentials(tls_cert, tls_key, tls_client_ca))
     else:
