@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from ._codes import GroupState, OpKind
-from ._policy_msgs import Reservation
+from ._policy_msgs import FairPick, Reservation, Usage
 
 __all__ = ["GroupRecord", "HolderRecord", "OpRecord", "SwitchRecord", "TrailRecord", "WaiterRecord"]
 
@@ -101,3 +101,8 @@ class GroupRecord(_Rec, frozen=True):
     yield_asked_epoch: int = 0  # the last hold asked to yield (``YieldRequested``: once per hold)
     min_hold_ms: int = 0  # the group's minimum hold (``SetPolicy``; 0: none)
     reserved: Reservation | None = None  # kept for a job that released within its minimum hold (``_min_hold``)
+    # Weighted fair share (``SetPolicy.shares``; empty: off): each job's weight, each job's recent held time (at most
+    # ``Limits.max_usage_jobs`` of them), and why it last put a waiter first (``_fair_share``).
+    shares: dict[str, int] = {}
+    usage: dict[str, Usage] = {}
+    picked: FairPick | None = None

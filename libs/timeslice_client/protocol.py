@@ -50,7 +50,17 @@ from ._bounds import (
 from ._codes import DequeueCode, ErrorCode, GroupState, JobState, OpKind, RevokeCode, SuspendMode
 from ._group_records import GroupRecord, HolderRecord, OpRecord, SwitchRecord, TrailRecord, WaiterRecord
 from ._names import subjects, validate_id
-from ._policy_msgs import MAX_MIN_HOLD_MS, MAX_QUANTUM_MS, Reservation, SetPolicy, YieldRequested
+from ._policy_msgs import (
+    MAX_MIN_HOLD_MS,
+    MAX_QUANTUM_MS,
+    MAX_SHARE,
+    MAX_SHARES,
+    FairPick,
+    Reservation,
+    SetPolicy,
+    Usage,
+    YieldRequested,
+)
 
 __all__ = [
     "AGENTS_BUCKET",
@@ -61,6 +71,8 @@ __all__ = [
     "MAX_MIN_HOLD_MS",
     "MAX_PRIORITY",
     "MAX_QUANTUM_MS",
+    "MAX_SHARE",
+    "MAX_SHARES",
     "STREAM",
     "STREAM_SUBJECTS",
     "Acquire",
@@ -77,6 +89,7 @@ __all__ = [
     "Dequeued",
     "DeviceInfo",
     "ErrorCode",
+    "FairPick",
     "Granted",
     "GroupRecord",
     "GroupState",
@@ -113,6 +126,7 @@ __all__ = [
     "Tick",
     "TrailRecord",
     "UnregisterJob",
+    "Usage",
     "WaiterRecord",
     "WorkloadCommand",
     "WorkloadReply",

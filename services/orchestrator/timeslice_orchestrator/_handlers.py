@@ -200,7 +200,8 @@ def _on_release(w: Work, ev: Release) -> None:
 def _released(w: Work, job: str, request_id: str, epoch: int, why: str) -> None:
     """The holder lets the group go (its release, or a cancel that its grant crossed): ``Released``, with how many
     wait behind it."""
-    w.holder = None
+    assert w.holder is not None
+    w.ended(w.holder)
     pending = len(w.queue)
     w.notify(
         Released(
@@ -294,6 +295,15 @@ def _on_set_policy(w: Work, ev: SetPolicy) -> None:
     if ev.min_hold_ms is not None and ev.min_hold_ms != w.min_hold_ms:
         w.min_hold_ms = ev.min_hold_ms
         w.touch(f"policy set: min hold {ev.min_hold_ms} ms")
+    shares = dict(sorted(ev.shares.items())) if ev.shares is not None else w.shares
+    if shares != w.shares:  # (replaced by others: the usage stays; turned off: it is forgotten)
+        w.shares = shares
+        if not shares:
+            w.usage.clear()
+            w.picked = None
+        w.touch(
+            f"policy set: fair share, {len(shares)} job(s) with a share" if shares else "policy set: fair share off"
+        )
 
 
 def _on_clear_fault(w: Work, ev: ClearFault) -> None:

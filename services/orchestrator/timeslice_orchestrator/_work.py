@@ -16,6 +16,7 @@ from timeslice_client.protocol import (
     DequeueCode,
     Dequeued,
     ErrorCode,
+    FairPick,
     Granted,
     GroupRecord,
     GroupState,
@@ -32,11 +33,12 @@ from timeslice_client.protocol import (
     StateChanged,
     SwitchRecord,
     TrailRecord,
+    Usage,
     WaiterRecord,
 )
 
+from ._fair_share import charge, choose, describe
 from ._limits import LIMITS, Limits
-from ._next_waiter import next_waiter
 
 __all__ = ["LIMITS", "Action", "Command", "Limits", "Notify", "Transition", "Work"]
 
@@ -85,10 +87,15 @@ class Work:
     yield_asked_epoch: int = 0
     min_hold_ms: int = 0  # the group's minimum hold (``SetPolicy``) and the job the group is kept for (``_min_hold``)
     reserved: Reservation | None = None
+    shares: dict[str, int] = field(default_factory=dict)  # weighted fair share (``SetPolicy``, ``_fair_share``)
+    usage: dict[str, Usage] = field(default_factory=dict)
+    picked: FairPick | None = None
     actions: list[Action] = field(default_factory=list)
     changed: bool = False
     reason: str = ""
-    kept_reason: str = ""  # a minimum hold that ended in this event: said in the StateChanged whatever follows it
+    # Decisions of this event said in its StateChanged whatever follows them (a minimum hold that ended, a waiter put
+    # first by fair share), in order.
+    notes: list[str] = field(default_factory=list)
     seq: int = 0
     limits: Limits = LIMITS
 
@@ -121,9 +128,7 @@ class Work:
                         epoch=self.epoch,
                         holder=self.holder.job if self.holder else None,
                         active_job=self.active_job,
-                        reason=f"{self.kept_reason}; then {self.reason}"
-                        if self.kept_reason and self.kept_reason != self.reason
-                        else self.reason,
+                        reason="; then ".join([*self.notes, *([self.reason] if self.reason not in self.notes else [])]),
                     )
                 )
             )
@@ -164,6 +169,17 @@ class Work:
     def touch(self, reason: str) -> None:
         self.changed = True
         self.reason = reason
+
+    def note(self, decision: str) -> None:
+        """A decision that the StateChanged of this event says, whatever is done after it."""
+        self.notes.append(decision)
+        self.touch(decision)
+
+    def ended(self, h: HolderRecord) -> None:
+        """``h``'s hold ended now (released, or taken back): with fair share on, its time counts to its job's usage."""
+        self.holder = None
+        if self.shares:
+            charge(self.usage, h.job, self.now - h.granted_at_ms, self.now, self.limits)
 
     def waiter_index(self, job: str) -> int | None:
         for i, wr in enumerate(self.queue):
@@ -237,8 +253,7 @@ class Work:
         r = self.reserved
         if r is not None and job in (None, r.job):
             self.reserved = None
-            self.kept_reason = f"min hold of {r.job} ended: {why}"
-            self.touch(self.kept_reason)
+            self.note(f"min hold of {r.job} ended: {why}")
 
     def fault(self, job: str, reason: str) -> None:
         if len(reason) > self.limits.max_reason:
@@ -264,7 +279,7 @@ class Work:
             why = "lease expired" if h.confirmed else "grant not confirmed in time"
             revoke = RevokeCode.LEASE_EXPIRED if h.confirmed else RevokeCode.GRANT_UNCONFIRMED
             self.notify(Revoked(group=self.group, job=h.job, epoch=h.epoch, reason=why, code=revoke))
-            self.holder = None
+            self.ended(h)
             self.touch(why)
         if self.reserved is not None and now >= self.reserved.until_ms:
             self.unreserve(None, "its window passed")
@@ -332,11 +347,15 @@ class Work:
                 continue
             if self.holder is not None or not self.queue or self.trailing is not None or self.reserved is not None:
                 return  # (no switch while snapshots trail: its restores would make a third context; nor while reserved)
-            wr = self.queue.pop(next_waiter(self.queue, self.now, self.limits.priority_ageing_ms))
+            i, pick = choose(self.queue, self.now, self.limits, self.shares, self.usage)
+            wr = self.queue.pop(i)
             self.touch("next waiter")
             if wr.job in self.faulted:
                 self.refuse(wr.job, wr.request_id, ErrorCode.JOB_FAULTED, self.faulted[wr.job])
                 continue
+            if pick is not None:
+                self.picked = pick
+                self.note(describe(pick))
             self.start_switch(wr)
 
     def _beside_only(self, sw: SwitchRecord) -> bool:
