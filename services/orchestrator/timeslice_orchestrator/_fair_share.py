@@ -41,9 +41,9 @@ from ._next_waiter import effective_priority, next_waiter
 __all__ = ["charge", "choose", "decayed", "describe"]
 
 _STEPS: Final = 8  # a half-life is decayed in this many steps
-# 2^(-j/8) for j = 0..7, in 16-bit fixed point (round(65536 * 2 ** (-j / 8))): written out, so that no float
+# 2^(-j/8) for j = 0..7 in 32-bit fixed point (round(2**32 * 2 ** (-j / 8))): written out, so that no float
 # arithmetic of any platform enters the core's numbers.
-_STEP_FACTORS: Final = (65536, 60097, 55109, 50535, 46341, 42495, 38968, 35734)
+_STEP_FACTORS: Final = (4294967296, 3938502376, 3611622603, 3311872529, 3037000500, 2784941738, 2553802834, 2341847524)
 _MOST_MS: Final = 2**53  # a usage is capped here (far beyond any real one; keeps it an exact number in JSON)
 
 
@@ -58,7 +58,7 @@ def decayed(u: Usage, now_ms: int, half_life_ms: int) -> int:
     halves, rest = divmod(k, _STEPS)
     if halves >= 64:
         return 0
-    return ((u.held_ms >> halves) * _STEP_FACTORS[rest]) >> 16
+    return ((u.held_ms >> halves) * _STEP_FACTORS[rest]) >> 32
 
 
 def charge(usage: dict[str, Usage], job: str, held_ms: int, now_ms: int, limits: Limits) -> None:
