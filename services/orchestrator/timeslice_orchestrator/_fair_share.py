@@ -17,11 +17,12 @@ ties go to whoever asked first. A job the shares do not name weighs 1.
   keep it.
 * **No starvation**: fair share orders only waiters whose effective priority is equal, and a waiter's effective
   priority rises with its wait (``Limits.priority_ageing_ms``). A waiter of class ``c`` that asked at ``t`` is ahead
-  of every request made from ``t + (MAX_PRIORITY - c + 1)`` ageing periods on (its effective priority is then above
-  ``MAX_PRIORITY`` plus theirs' ageing), so from that moment on it waits at most for the hold running and one hold
-  (with its switch) of each other job that was waiting then: with ``J`` jobs and holds of at most ``H``, it is
-  granted by ``t + (MAX_PRIORITY - c + 1) * ageing + (J - 1) * H``, whatever the shares and the usage
-  (``tests/test_fair_share_properties.py`` checks that bound).
+  of every request made from ``t + (MAX_PRIORITY - c + 1)`` ageing periods on (it has aged more than
+  ``MAX_PRIORITY - c`` periods longer than such a request, whose class is at most ``MAX_PRIORITY``), so from that
+  moment on it waits at most for the hold running and one hold (with its switch) of each other job that was waiting
+  then: with ``J`` jobs and holds of at most ``H``, it is granted by ``t + (MAX_PRIORITY - c + 1) * ageing +
+  (J - 1) * H``, whatever the shares and the usage (``tests/test_fair_share_properties.py`` checks that bound). The
+  minimum hold adds its window per switch, as it does without fair share.
 
 Pure, like the rest of the core: the choice reads the record and the event's time only. Each choice it made is
 stored (``GroupRecord.picked``, a ``FairPick``), said in the group's ``StateChanged`` reason when the state changes,
