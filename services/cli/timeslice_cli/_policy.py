@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 from ._common import CliError, add_nats_flag, publish_control, until_applied
@@ -65,29 +66,27 @@ def _shares(given: list[str] | None, off: bool) -> dict[str, int] | None:
     return dict(sorted(shares.items()))
 
 
+# What each part of the policy does once set (from its value), and once turned off.
+_ON: dict[str, Callable[[Any], str]] = {
+    "quantum_ms": lambda q: f"a holder is asked to yield after {q / 1000:g} s while another job waits",
+    "min_hold_ms": lambda m: (
+        f"a job switched in that releases within {m / 1000:g} s while others wait keeps the "
+        "group until then (its next acquire is granted without a switch)"
+    ),
+    "shares": lambda shares: (
+        f"fair share {', '.join(f'{j}={n}' for j, n in shares.items())} (others 1): among "
+        "waiters of equal priority, the least recent held time per share goes first"
+    ),
+}
+_OFF: dict[str, str] = {
+    "quantum_ms": "no quantum (a holder is never asked to yield)",
+    "min_hold_ms": "no minimum hold (a release passes the group on at once)",
+    "shares": "no fair share (first come, first served within a priority class)",
+}
+
+
 def _said(group: str, wanted: dict[str, Any]) -> str:
-    lines = []
-    if (q := wanted.get("quantum_ms")) is not None:
-        lines.append(
-            f"group {group}: a holder is asked to yield after {q / 1000:g} s while another job waits"
-            if q
-            else f"group {group}: no quantum (a holder is never asked to yield)"
-        )
-    if (m := wanted.get("min_hold_ms")) is not None:
-        lines.append(
-            f"group {group}: a job switched in that releases within {m / 1000:g} s while others wait keeps the group "
-            "until then (its next acquire is granted without a switch)"
-            if m
-            else f"group {group}: no minimum hold (a release passes the group on at once)"
-        )
-    if (shares := wanted.get("shares")) is not None:
-        lines.append(
-            f"group {group}: fair share {', '.join(f'{j}={n}' for j, n in shares.items())} (others 1): among "
-            "waiters of equal priority, the least recent held time per share goes first"
-            if shares
-            else f"group {group}: no fair share (first come, first served within a priority class)"
-        )
-    return "\n".join(lines)
+    return "\n".join(f"group {group}: {_ON[k](v) if v else _OFF[k]}" for k, v in wanted.items())
 
 
 async def _set_policy(args: argparse.Namespace) -> int:
