@@ -1,11 +1,13 @@
 """What ``test_core_properties.CoreMachine`` checks after every event (a mixin of the state machine, as
 ``core_agents.BesideRules`` holds its agents' rules): the notices and commands against the model of who holds and
-who waits (``check_step``, ``check_notices``), the choice of the next waiter by class with ageing (``check_choice``),
+who waits (``check_step``, ``check_notices``), the choice of the next waiter by class with ageing, then fair share
+(``check_choice``),
 the minimum hold (``check_min_hold``) and the record against the model (``reconcile``). The state they read is the
 machine's (``entries``, ``holder``, ``departed``, ...), set up in ``CoreMachine.__init__``."""
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 from hypothesis import event
@@ -30,6 +32,7 @@ from timeslice_client.protocol import (
     Snapshot,
     YieldRequested,
 )
+from timeslice_orchestrator._fair_share import decayed
 from timeslice_orchestrator._op_facts import pending_ops
 from timeslice_orchestrator._predict import switch_target
 from timeslice_orchestrator.core import LIMITS, Action, Transition
@@ -179,7 +182,7 @@ class ModelChecks:
                     self.taken_back.add(n.epoch)
                     event("taken back within the minimum hold")
                 elif n.job != chosen_before:  # chosen in this event (else when its switch began: checked then)
-                    self.check_choice(n.job, chosen_before)
+                    self.check_choice(n.job, chosen_before, new)
                 del self.entries[n.job]
                 restores = [r for c, r in self.ops.values() if isinstance(c, Restore) and c.epoch == n.epoch]
                 # "dropped": its node's agent was lost while it waited behind a snapshot there, with nothing
@@ -250,7 +253,7 @@ class ModelChecks:
         chosen = new.switch.to.job if new.switch is not None and new.switch.to is not None else None
         if chosen is not None and chosen != chosen_before:
             enqueue_pending()  # (an acquire refused or granted above resolved itself already)
-            self.check_choice(chosen, chosen_before)
+            self.check_choice(chosen, chosen_before, new)
         if not resolved:
             assert pending is not None
             assert self.holder is None or self.holder[0] != pending[0], "holder's acquire went unanswered"
@@ -282,17 +285,30 @@ class ModelChecks:
         elif old.reserved is not None and self.now >= old.reserved.until_ms:
             event("minimum hold ran out")
 
-    def check_choice(self, job: str, excluded: str | None) -> None:
-        """``job`` was the waiter the group passed to: the highest class plus ageing, then the first to ask."""
+    def check_choice(self, job: str, excluded: str | None, rec: GroupRecord) -> None:
+        """``job`` was the waiter the group passed to: the highest class plus ageing, then, with fair shares set, the
+        least recent held time per share (``rec``'s: the usage the choice saw), then the first to ask."""
 
-        def key(j: str) -> tuple[int, int, int]:
+        def key(j: str) -> tuple[int, Fraction, int, int]:
             order, _, prio, enq = self.entries[j]
-            return (prio + (self.now - enq) // LIMITS.priority_ageing_ms, -enq, -order)
+            u = rec.usage.get(j) if rec.shares else None
+            load = Fraction(decayed(u, self.now, LIMITS.usage_half_life_ms) if u else 0, rec.shares.get(j, 1))
+            return (prio + (self.now - enq) // LIMITS.priority_ageing_ms, -load, -enq, -order)
 
         rivals = [j for j in self.entries if j not in (job, excluded)]
         better = [j for j in rivals if key(j) > key(job)]
         assert not better, f"passed to {job} {key(job)} while {[(j, key(j)) for j in better]} came first"
-        event("passed by class" if any(key(j)[1:] > key(job)[1:] for j in rivals) else "passed in order")
+        earlier = [j for j in rivals if key(j)[2:] > key(job)[2:]]
+        tied = [j for j in rivals if key(j)[0] == key(job)[0]]
+        if rec.shares and tied:
+            assert rec.picked is not None and (rec.picked.job, rec.picked.at_ms) == (job, self.now), rec.picked
+        event(
+            "passed by fair share"
+            if any(j in tied for j in earlier)
+            else "passed by class"
+            if earlier
+            else "passed in order"
+        )
 
     def reconcile(self) -> None:
         rec = self.rec

@@ -3,7 +3,8 @@
 It drives ``apply()`` with random job, control and agent events (acquire, release, renew, cancel,
 ticks and time jumps, registrations, operation results both fresh and late, lost agents) and checks
 after every event: the record invariants (``check_record``), mutual exclusion as the notices tell it,
-the waiters served by priority class with ageing (first come, first served within a class: ``_next_waiter``), the
+the waiters served by priority class with ageing, then by fair share when the group has shares (first come, first
+served within a class otherwise: ``_next_waiter``, ``_fair_share``), the
 minimum hold (a group kept only for a job switched in that released early while others waited, until its window
 ends, never renewed, and taken back only by that job: ``_min_hold``),
 rising grant epochs, no grant to a request that left, no
@@ -58,6 +59,8 @@ from .op_messages import AgentOp
 # Most acquires at the default class (first come, first served), some at others, so choices by class and by ageing
 # both come up.
 PRIORITIES = st.sampled_from([0, 0, 0, 0, 0, 1, 5, 9])
+# Fair share off in most runs (the default), on with a few shapes of shares in the others.
+SHARES = st.sampled_from([{}, {}, {"a": 3}, {"a": 1, "b": 5, "c": 2}])
 
 
 # --------------------------------------------------------------------------- the state machine
@@ -136,11 +139,16 @@ class CoreMachine(ModelChecks, PredictChecks, BesideRules, RuleBasedStateMachine
 
     # ------------------------------------------------------------------ rules
 
-    @initialize(regs=st.fixed_dictionaries({j: st.sampled_from([(), ("n1",), ("n2",), NODES, NODES]) for j in JOBS}))
-    def setup(self, regs: dict[str, tuple[str, ...]]) -> None:
+    @initialize(
+        regs=st.fixed_dictionaries({j: st.sampled_from([(), ("n1",), ("n2",), NODES, NODES]) for j in JOBS}),
+        shares=SHARES,
+    )
+    def setup(self, regs: dict[str, tuple[str, ...]], shares: dict[str, int]) -> None:
         for job, nodes in regs.items():
             for node in nodes:
                 self.step(JobRegistered(group=G, job=job, node=node, op_timeout_ms=5_000))
+        if shares:  # fair share from the start in some runs, so that its choices come up often
+            self.step(SetPolicy(group=G, shares=shares))
 
     @rule(dt=st.sampled_from([1, 10, 100, 300, 300, 1_000, 1_000, 3_000, 5_000, 30_000, 400_000, -1, -2]))
     def wait(self, dt: int) -> None:
@@ -159,6 +167,10 @@ class CoreMachine(ModelChecks, PredictChecks, BesideRules, RuleBasedStateMachine
     @rule(quantum=st.sampled_from([0, 500, 5_000, 60_000]))
     def set_policy(self, quantum: int) -> None:
         self.step(SetPolicy(group=G, quantum_ms=quantum))
+
+    @rule(shares=SHARES)
+    def set_shares(self, shares: dict[str, int]) -> None:
+        self.step(SetPolicy(group=G, shares=shares))
 
     @rule(min_hold=st.sampled_from([0, 300, 2_000, 20_000]))
     def set_min_hold(self, min_hold: int) -> None:

@@ -16,12 +16,16 @@ from timeslice_client import AsyncTimeSliceClient, GroupFull, GroupQuarantined
 from timeslice_client.bus import connect
 from timeslice_client.protocol import (
     GROUPS_BUCKET,
+    MAX_SHARE,
+    MAX_SHARES,
     Acquire,
+    FairPick,
     GroupRecord,
     HolderRecord,
     OpKind,
     OpRecord,
     SwitchRecord,
+    Usage,
     WaiterRecord,
     decode_notice,
     encode,
@@ -51,7 +55,7 @@ def _at_limits(cls: type[R], **fields: Any) -> R:
 def test_a_record_at_every_limit_at_once_stays_far_below_the_payload_limit() -> None:
     """The worst record inputs can build: ``max_queue`` waiters with the longest ids, ``max_placements`` (job, node)
     pairs all saved, loaded and faulted with the longest reasons, ``max_lost_nodes`` lost nodes, a switch with a
-    restore beside a snapshot on every node."""
+    restore beside a snapshot on every node, ``MAX_SHARES`` fair shares and the usage of ``max_usage_jobs`` jobs."""
     rid = "r" * 128
     waiter = _at_limits(
         WaiterRecord,
@@ -89,6 +93,9 @@ def test_a_record_at_every_limit_at_once_stays_far_below_the_payload_limit() -> 
         saved={job: nodes for job, nodes in placements.items()},
         lost_nodes=tuple(_id("l", i) for i in range(LIMITS.max_lost_nodes)),
         last_seq=BIG_MS,
+        shares={_id("s", i): MAX_SHARE for i in range(MAX_SHARES)},
+        usage={_id("u", i): Usage(held_ms=BIG_MS, at_ms=BIG_MS) for i in range(LIMITS.max_usage_jobs)},
+        picked=_at_limits(FairPick, job=_id("p", 0), over=_id("o", 0)),
     )
     size = len(encode(rec))
     print(f"\nworst-case record: {size} bytes ({size / 2**20:.2f} MiB)")

@@ -11,10 +11,12 @@ import msgspec
 
 __all__ = [
     "DEFAULT_OP_TIMEOUT_MS",
+    "ID_PATTERN",
     "MAX_PRIORITY",
     "Count",
     "Elapsed",
     "Id",
+    "JobId",
     "Ms",
     "Name",
     "OpId",
@@ -25,6 +27,11 @@ __all__ = [
 ]
 
 Id = Annotated[str, msgspec.Meta(max_length=64)]
+# What ``validate_id`` accepts, as a pattern msgspec checks at decoding (and JSON Schema states): for an id that no
+# subject carries, so that the bus did not check it (a job named in ``SetPolicy.shares``). ``(?!\n)``: Python's ``$``
+# also matches before a final newline.
+ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$(?!\n)"
+JobId = Annotated[str, msgspec.Meta(pattern=ID_PATTERN)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 OpId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Name = Annotated[str, msgspec.Meta(max_length=64)]  # phase and backend names, tags

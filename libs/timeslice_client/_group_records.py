@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from ._codes import GroupState, OpKind
-from ._policy_msgs import Reservation
+from ._policy_msgs import FairPick, Reservation, Usage
 
 __all__ = [
     "Cycle",
@@ -137,3 +137,8 @@ class GroupRecord(_Rec, frozen=True):
     cycles: dict[str, Cycle] = {}  # each job's recent cycle (``_predict``; ``Limits.max_cycles`` jobs at most)
     plan: Prediction | None = None  # a predictive restore planned and not started yet
     restored_ahead: str | None = None  # a predictive restore brought this job's context back and it has not asked
+    # Weighted fair share (``SetPolicy.shares``; empty: off): each job's weight, each job's recent held time (at most
+    # ``Limits.max_usage_jobs`` of them), and why it last put a waiter first (``_fair_share``).
+    shares: dict[str, int] = {}
+    usage: dict[str, Usage] = {}
+    picked: FairPick | None = None

@@ -76,6 +76,9 @@ class GroupStatus(msgspec.Struct, frozen=True, kw_only=True):
     """The job the group is kept for now (its minimum hold): its next acquire is granted without a switch."""
     kept_until_ms: int | None = None
     """When the group stops being kept for ``kept_for`` (wall clock, ms since the Unix epoch)."""
+    shares: dict[str, int] = {}
+    """Weighted fair share: each named job's weight (the others weigh 1); empty: off, first come, first served within
+    a priority class (docs/scheduling.md)."""
 
 
 def _holder(h: HolderRecord) -> HolderStatus:
@@ -111,4 +114,5 @@ def group_status(rec: GroupRecord) -> GroupStatus:
         min_hold_ms=rec.min_hold_ms,
         kept_for=rec.reserved.job if rec.reserved else None,
         kept_until_ms=rec.reserved.until_ms if rec.reserved else None,
+        shares=dict(rec.shares),
     )

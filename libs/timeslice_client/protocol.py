@@ -59,7 +59,17 @@ from ._group_records import (
     WaiterRecord,
 )
 from ._names import subjects, validate_id
-from ._policy_msgs import MAX_MIN_HOLD_MS, MAX_QUANTUM_MS, Reservation, SetPolicy, YieldRequested
+from ._policy_msgs import (
+    MAX_MIN_HOLD_MS,
+    MAX_QUANTUM_MS,
+    MAX_SHARE,
+    MAX_SHARES,
+    FairPick,
+    Reservation,
+    SetPolicy,
+    Usage,
+    YieldRequested,
+)
 
 __all__ = [
     "AGENTS_BUCKET",
@@ -70,6 +80,8 @@ __all__ = [
     "MAX_MIN_HOLD_MS",
     "MAX_PRIORITY",
     "MAX_QUANTUM_MS",
+    "MAX_SHARE",
+    "MAX_SHARES",
     "STREAM",
     "STREAM_SUBJECTS",
     "Acquire",
@@ -87,6 +99,7 @@ __all__ = [
     "Dequeued",
     "DeviceInfo",
     "ErrorCode",
+    "FairPick",
     "Granted",
     "GroupRecord",
     "GroupState",
@@ -124,6 +137,7 @@ __all__ = [
     "Tick",
     "TrailRecord",
     "UnregisterJob",
+    "Usage",
     "WaiterRecord",
     "WorkloadCommand",
     "WorkloadReply",

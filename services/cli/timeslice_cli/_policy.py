@@ -1,5 +1,5 @@
-"""``timeslice set-policy``: set a group's scheduling policy (its quantum, its minimum hold), and say once the
-orchestrator applied it. What is not given stays as it is.
+"""``timeslice set-policy``: set a group's scheduling policy (its quantum, its minimum hold, its jobs' fair shares),
+and say once the orchestrator applied it. What is not given stays as it is.
 
 The request is an event in the stream (``SetPolicy`` on ``ts.v1.ctl.<group>.set_policy``, which only the operator's
 identity may publish), applied by the orchestrator like any other, so ``timeslice replay`` folds the same decisions;
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 from ._common import CliError, add_nats_flag, publish_control, until_applied
@@ -18,12 +19,12 @@ from ._common import CliError, add_nats_flag, publish_control, until_applied
 __all__ = ["register"]
 
 
-async def _policy(nc: Any, group: str) -> dict[str, int] | None:
+async def _policy(nc: Any, group: str) -> dict[str, Any] | None:
     """The group's policy as its record says (None: no such group)."""
     from ._status import read_view
 
     rec = (await read_view(nc, group)).groups.get(group)
-    return None if rec is None else {"quantum_ms": rec.quantum_ms, "min_hold_ms": rec.min_hold_ms}
+    return None if rec is None else {"quantum_ms": rec.quantum_ms, "min_hold_ms": rec.min_hold_ms, "shares": rec.shares}
 
 
 def _ms(seconds: float | None, flag: str, most: int) -> int | None:
@@ -35,22 +36,57 @@ def _ms(seconds: float | None, flag: str, most: int) -> int | None:
     return ms
 
 
-def _said(group: str, wanted: dict[str, int]) -> str:
-    lines = []
-    if (q := wanted.get("quantum_ms")) is not None:
-        lines.append(
-            f"group {group}: a holder is asked to yield after {q / 1000:g} s while another job waits"
-            if q
-            else f"group {group}: no quantum (a holder is never asked to yield)"
-        )
-    if (m := wanted.get("min_hold_ms")) is not None:
-        lines.append(
-            f"group {group}: a job switched in that releases within {m / 1000:g} s while others wait keeps the group "
-            "until then (its next acquire is granted without a switch)"
-            if m
-            else f"group {group}: no minimum hold (a release passes the group on at once)"
-        )
-    return "\n".join(lines)
+def _shares(given: list[str] | None, off: bool) -> dict[str, int] | None:
+    """The shares ``--share JOB=WEIGHT`` (repeated) give, ``{}`` for ``--no-shares``, None for neither."""
+    from timeslice_client.errors import InvalidId
+    from timeslice_client.protocol import MAX_SHARE, MAX_SHARES, validate_id
+
+    if off:
+        if given:
+            raise CliError("give --share or --no-shares, not both")
+        return {}
+    if not given:
+        return None
+    shares: dict[str, int] = {}
+    for item in given:
+        job, eq, weight = item.partition("=")
+        if not eq:
+            raise CliError(f"--share wants JOB=WEIGHT, not {item!r}")
+        try:
+            validate_id("job", job)
+        except InvalidId as e:
+            raise CliError(f"--share {item!r}: {e}") from e
+        if not weight.isdigit() or not 1 <= int(weight) <= MAX_SHARE:
+            raise CliError(f"--share {item!r}: the weight must be a whole number from 1 to {MAX_SHARE}")
+        if job in shares:
+            raise CliError(f"--share names job {job!r} twice")
+        shares[job] = int(weight)
+    if len(shares) > MAX_SHARES:
+        raise CliError(f"at most {MAX_SHARES} jobs may have a share, not {len(shares)} (the others weigh 1)")
+    return dict(sorted(shares.items()))
+
+
+# What each part of the policy does once set (from its value), and once turned off.
+_ON: dict[str, Callable[[Any], str]] = {
+    "quantum_ms": lambda q: f"a holder is asked to yield after {q / 1000:g} s while another job waits",
+    "min_hold_ms": lambda m: (
+        f"a job switched in that releases within {m / 1000:g} s while others wait keeps the "
+        "group until then (its next acquire is granted without a switch)"
+    ),
+    "shares": lambda shares: (
+        f"fair share {', '.join(f'{j}={n}' for j, n in shares.items())} (others 1): among "
+        "waiters of equal priority, the least recent held time per share goes first"
+    ),
+}
+_OFF: dict[str, str] = {
+    "quantum_ms": "no quantum (a holder is never asked to yield)",
+    "min_hold_ms": "no minimum hold (a release passes the group on at once)",
+    "shares": "no fair share (first come, first served within a priority class)",
+}
+
+
+def _said(group: str, wanted: dict[str, Any]) -> str:
+    return "\n".join(f"group {group}: {_ON[k](v) if v else _OFF[k]}" for k, v in wanted.items())
 
 
 async def _set_policy(args: argparse.Namespace) -> int:
@@ -60,9 +96,11 @@ async def _set_policy(args: argparse.Namespace) -> int:
     group = validate_id("group", args.group)
     quantum_ms = _ms(args.quantum_s, "--quantum-s", MAX_QUANTUM_MS)
     min_hold_ms = _ms(args.min_hold_s, "--min-hold-s", MAX_MIN_HOLD_MS)
-    if quantum_ms is None and min_hold_ms is None:
-        raise CliError("give --quantum-s, --min-hold-s or both")
-    wanted = {k: v for k, v in (("quantum_ms", quantum_ms), ("min_hold_ms", min_hold_ms)) if v is not None}
+    shares = _shares(args.share, args.no_shares)
+    if quantum_ms is None and min_hold_ms is None and shares is None:
+        raise CliError("give --quantum-s, --min-hold-s, --share or --no-shares (or several)")
+    given = (("quantum_ms", quantum_ms), ("min_hold_ms", min_hold_ms), ("shares", shares))
+    wanted: dict[str, Any] = {k: v for k, v in given if v is not None}
     nc = await connect(args.nats_url)
     try:
         if await _policy(nc, group) is None:
@@ -70,7 +108,7 @@ async def _set_policy(args: argparse.Namespace) -> int:
                 f"no group {group!r} on this bus (`timeslice status` lists them); a group exists once a "
                 "job asked for it"
             )
-        policy = encode(SetPolicy(group=group, quantum_ms=quantum_ms, min_hold_ms=min_hold_ms))
+        policy = encode(SetPolicy(group=group, quantum_ms=quantum_ms, min_hold_ms=min_hold_ms, shares=shares))
         what = f"the policy for group {group!r}"
         await publish_control(nc, subjects.ctl(group, "set_policy"), policy, timeout=args.timeout, what=what)
 
@@ -88,13 +126,15 @@ async def _set_policy(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "set-policy",
-        help="set a group's quantum (when a holder is asked to yield) and minimum hold (operator)",
+        help="set a group's quantum (when a holder is asked to yield), minimum hold and fair shares (operator)",
         description="Set a group's scheduling policy; what is not given stays as it is. --quantum-s S: a job "
         "that has held the group for S seconds while another waits is asked, once per hold, to release at its next "
         "phase boundary (the client's yield_requested). --min-hold-s S: a job switched in that releases sooner "
         "than S seconds after its grant while others wait keeps the group until then, and its next acquire "
-        "within that window is granted without a switch. 0 turns either off. Priority classes need no setting: "
-        "each job asks at its own (docs/scheduling.md).",
+        "within that window is granted without a switch. 0 turns either off. --share JOB=WEIGHT (repeated): "
+        "weighted fair share, among waiters of equal priority the one with the least recent held time per share "
+        "goes first (a job not named weighs 1; the shares given replace the group's); --no-shares turns it off. "
+        "Priority classes need no setting: each job asks at its own (docs/scheduling.md).",
     )
     p.add_argument("--group", required=True, help="the group")
     p.add_argument(
@@ -109,6 +149,15 @@ def register(sub: Any) -> None:
         metavar="S",
         help="seconds after a switch's grant that the group stays kept for its job if it releases sooner "
         "while others wait (0: never; at most an hour)",
+    )
+    p.add_argument(
+        "--share",
+        action="append",
+        metavar="JOB=WEIGHT",
+        help="a job's fair share, a whole number from 1 to 1000 (repeat for each job; the others weigh 1)",
+    )
+    p.add_argument(
+        "--no-shares", action="store_true", help="turn fair share off (first come, first served within a class)"
     )
     add_nats_flag(p)
     p.add_argument("--json", action="store_true", help="the outcome as JSON on stdout")

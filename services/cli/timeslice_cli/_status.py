@@ -37,6 +37,7 @@ from timeslice_client.protocol import (
     is_group_key,
     validate_id,
 )
+from timeslice_orchestrator._fair_share import decayed, describe
 from timeslice_orchestrator._leadership import LeaderRecord, read_leader
 from timeslice_orchestrator._quarantine import read_quarantined
 
@@ -163,6 +164,23 @@ def _queue(rec: GroupRecord, now_ms: int) -> str:
     return ", ".join(parts) or "-"
 
 
+_FAIR_JOBS = 8  # jobs named on the fair-share line of a group, at most
+
+
+def _fair(rec: GroupRecord, now_ms: int) -> str:
+    """Each job's share and recent held time (decayed to ``now_ms`` as the core decays it), by job name."""
+    from timeslice_orchestrator.core import LIMITS
+
+    jobs = sorted(set(rec.shares) | set(rec.usage))
+    parts = [
+        f"{j}={rec.shares.get(j, 1)} held "
+        + (_dur(decayed(rec.usage[j], now_ms, LIMITS.usage_half_life_ms)) if j in rec.usage else "-")
+        for j in jobs[:_FAIR_JOBS]
+    ]
+    more = f", and {len(jobs) - _FAIR_JOBS} more" if len(jobs) > _FAIR_JOBS else ""
+    return f"fair share: {', '.join(parts)}{more} (the others 1)"
+
+
 def _nodes(rec: GroupRecord) -> list[str]:
     nodes = set(rec.loaded)
     for ns in rec.placements.values():
@@ -219,6 +237,10 @@ def render_table(
                 + f"min hold: {_dur(r.min_hold_ms)}"
                 + (f" (kept for {kept.job} for {_dur(max(0, kept.until_ms - now_ms))} more)" if kept else "")
             )
+        if r.shares:
+            lines.append(pad + _fair(r, now_ms))
+            if r.picked is not None:
+                lines.append(pad + f"last {describe(r.picked)}")
     if view is not None:
         for g, why in sorted(view.quarantined.items()):
             lines.append(f"QUARANTINED {g}: {why} (not served; every other group is)")

@@ -208,7 +208,8 @@ def _on_release(w: Work, ev: Release) -> None:
 def _released(w: Work, job: str, request_id: str, epoch: int, why: str) -> None:
     """The holder lets the group go (its release, or a cancel that its grant crossed): ``Released``, with how many
     wait behind it."""
-    w.holder = None
+    assert w.holder is not None
+    w.ended(w.holder)
     pending = len(w.queue)
     ahead = note_release(w, job)  # (with the policy on and nobody waiting: the predictive restore's plan)
     w.notify(
@@ -308,6 +309,15 @@ def _on_set_policy(w: Work, ev: SetPolicy) -> None:
         w.predict = ev.predict
         w.plan = None  # (on: the next idle release plans; off: a plan not started yet is dropped)
         w.touch(f"policy set: predictive restore {'on' if ev.predict else 'off'}")
+    shares = dict(sorted(ev.shares.items())) if ev.shares is not None else w.shares
+    if shares != w.shares:  # (replaced by others: the usage stays; turned off: it is forgotten)
+        w.shares = shares
+        if not shares:
+            w.usage.clear()
+            w.picked = None
+        w.touch(
+            f"policy set: fair share, {len(shares)} job(s) with a share" if shares else "policy set: fair share off"
+        )
 
 
 def _on_clear_fault(w: Work, ev: ClearFault) -> None:

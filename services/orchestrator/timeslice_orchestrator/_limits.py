@@ -34,6 +34,10 @@ class Limits(msgspec.Struct, frozen=True):
     # overtakes newer ones of class 9 after 9 of these.
     priority_ageing_ms: int = 60_000
     max_cycles: int = 64  # jobs whose recent cycle a group keeps for the predictive restore (``_predict``)
+    # Fair share (``_fair_share``): a job's recent held time halves every this long (in eighths of it), and a group
+    # keeps it for this many jobs at most (past that, the one with the least is forgotten: it counts as none).
+    usage_half_life_ms: int = 600_000
+    max_usage_jobs: int = 128
 
 
 LIMITS = Limits()

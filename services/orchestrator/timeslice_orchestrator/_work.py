@@ -17,6 +17,7 @@ from timeslice_client.protocol import (
     DequeueCode,
     Dequeued,
     ErrorCode,
+    FairPick,
     Granted,
     GroupRecord,
     GroupState,
@@ -34,11 +35,12 @@ from timeslice_client.protocol import (
     StateChanged,
     SwitchRecord,
     TrailRecord,
+    Usage,
     WaiterRecord,
 )
 
+from ._fair_share import charge, choose, describe
 from ._limits import LIMITS, Limits
-from ._next_waiter import next_waiter
 from ._predict import ended_ahead, note_switched_in, start_ahead_due, switch_target
 
 __all__ = ["LIMITS", "Action", "Command", "Limits", "Notify", "Transition", "Work"]
@@ -92,10 +94,15 @@ class Work:
     cycles: dict[str, Cycle] = field(default_factory=dict)
     plan: Prediction | None = None
     restored_ahead: str | None = None
+    shares: dict[str, int] = field(default_factory=dict)  # weighted fair share (``SetPolicy``, ``_fair_share``)
+    usage: dict[str, Usage] = field(default_factory=dict)
+    picked: FairPick | None = None
     actions: list[Action] = field(default_factory=list)
     changed: bool = False
     reason: str = ""
-    kept_reason: str = ""  # a minimum hold that ended in this event: said in the StateChanged whatever follows it
+    # Decisions of this event said in its StateChanged whatever follows them (a minimum hold that ended, a waiter put
+    # first by fair share), in order.
+    notes: list[str] = field(default_factory=list)
     seq: int = 0
     limits: Limits = LIMITS
 
@@ -128,9 +135,7 @@ class Work:
                         epoch=self.epoch,
                         holder=self.holder.job if self.holder else None,
                         active_job=self.active_job,
-                        reason=f"{self.kept_reason}; then {self.reason}"
-                        if self.kept_reason and self.kept_reason != self.reason
-                        else self.reason,
+                        reason="; then ".join([*self.notes, *([self.reason] if self.reason not in self.notes else [])]),
                     )
                 )
             )
@@ -171,6 +176,17 @@ class Work:
     def touch(self, reason: str) -> None:
         self.changed = True
         self.reason = reason
+
+    def note(self, decision: str) -> None:
+        """A decision that the StateChanged of this event says, whatever is done after it."""
+        self.notes.append(decision)
+        self.touch(decision)
+
+    def ended(self, h: HolderRecord) -> None:
+        """``h``'s hold ended now (released, or taken back): with fair share on, its time counts to its job's usage."""
+        self.holder = None
+        if self.shares:
+            charge(self.usage, h.job, self.now - h.granted_at_ms, self.now, self.limits)
 
     def waiter_index(self, job: str) -> int | None:
         for i, wr in enumerate(self.queue):
@@ -246,8 +262,7 @@ class Work:
         r = self.reserved
         if r is not None and job in (None, r.job):
             self.reserved = None
-            self.kept_reason = f"min hold of {r.job} ended: {why}"
-            self.touch(self.kept_reason)
+            self.note(f"min hold of {r.job} ended: {why}")
 
     def fault(self, job: str, reason: str) -> None:
         if len(reason) > self.limits.max_reason:
@@ -273,7 +288,7 @@ class Work:
             why = "lease expired" if h.confirmed else "grant not confirmed in time"
             revoke = RevokeCode.LEASE_EXPIRED if h.confirmed else RevokeCode.GRANT_UNCONFIRMED
             self.notify(Revoked(group=self.group, job=h.job, epoch=h.epoch, reason=why, code=revoke))
-            self.holder = None
+            self.ended(h)
             self.touch(why)
         if self.reserved is not None and now >= self.reserved.until_ms:
             self.unreserve(None, "its window passed")
@@ -349,11 +364,15 @@ class Work:
                 if start_ahead_due(self):
                     continue
                 return
-            wr = self.queue.pop(next_waiter(self.queue, self.now, self.limits.priority_ageing_ms))
+            i, pick = choose(self.queue, self.now, self.limits, self.shares, self.usage)
+            wr = self.queue.pop(i)
             self.touch("next waiter")
             if wr.job in self.faulted:
                 self.refuse(wr.job, wr.request_id, ErrorCode.JOB_FAULTED, self.faulted[wr.job])
                 continue
+            if pick is not None:
+                self.picked = pick
+                self.note(describe(pick))
             self.start_switch(wr)
 
     def _beside_only(self, sw: SwitchRecord) -> bool:

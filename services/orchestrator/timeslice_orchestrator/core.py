@@ -54,7 +54,9 @@ Semantics, per group:
   sent again, unchanged, until the grantee confirms it; a renewal of a wait the core does not know is answered
   with ``Dequeued(lost=True)``, and the client waits again;
 * **who is next, and when a holder is asked to yield**: the waiter with the highest priority class plus its ageing
-  goes first (``_next_waiter``; one class: first come, first served); a holder that held past the group's quantum
+  goes first (``_next_waiter``; one class: first come, first served), and among equals, with the group's fair shares
+  set (``SetPolicy.shares``), the least recent held time per share (``_fair_share``: each hold's time is charged to its
+  job's usage when it ends, decayed by a half-life); a holder that held past the group's quantum
   (``SetPolicy``) while a job waits is asked once to yield (``YieldRequested``, ``_quantum``), never revoked for it;
 * **a minimum hold** (``SetPolicy.min_hold_ms``, ``_min_hold``): a job granted through a switch that releases sooner
   than that after its grant while others wait keeps the group (``GroupRecord.reserved``) until its grant time plus

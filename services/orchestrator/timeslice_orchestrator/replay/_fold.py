@@ -33,11 +33,13 @@ from timeslice_client.protocol import (
     subjects,
 )
 
+from .._fair_share import describe
 from .._min_hold import reservation_change
 from .._op_facts import pending_ops
 from ..core import Action, Command, Notify
 from ..invariants import InvariantViolation, StreamChecker, subject_matches
 from ._model import (
+    FairShareChoice,
     Fault,
     GroupTimeline,
     Handoff,
@@ -227,6 +229,9 @@ class _Folder:
             if isinstance(n, YieldRequested) and w.hold is not None and w.hold.epoch == n.epoch:
                 w.hold.yield_requested_ms = ts
         tl = w.timeline
+        pick = after.picked
+        if pick is not None and pick != (before.picked if before is not None else None):
+            tl.fair_shares.append(FairShareChoice(job=pick.job, over=pick.over, ts_ms=ts, why=describe(pick)))
         kept = reservation_change(before, after, ts)
         if kept not in (None, "kept") and tl.min_holds and tl.min_holds[-1].end_ms is None:
             tl.min_holds[-1].end_ms, tl.min_holds[-1].outcome = ts, kept
@@ -438,6 +443,7 @@ def _clip_timeline(tl: GroupTimeline, since: int) -> GroupTimeline:
         handoffs=[h for h in tl.handoffs if h.granted_ms >= since],
         faults=[f for f in tl.faults if f.ts_ms >= since],
         min_holds=[m for m in tl.min_holds if _overlaps(m.start_ms, m.end_ms, since)],
+        fair_shares=[c for c in tl.fair_shares if c.ts_ms >= since],
         lease_expiries=sum(1 for h in tl.holds if h.end_ms is not None and h.end_ms >= since and h.end != "released"),
         events=tl.events,
     )

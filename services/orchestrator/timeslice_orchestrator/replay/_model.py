@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
+    "FairShareChoice",
     "Fault",
     "GroupSummary",
     "GroupTimeline",
@@ -101,6 +102,17 @@ class Fault:
 
 
 @dataclass
+class FairShareChoice:
+    """Fair share put ``job`` first at ``ts_ms``, ahead of ``over`` (a waiter of the same effective priority):
+    ``why`` says each one's recent held time and share (``GroupRecord.picked``)."""
+
+    job: str
+    over: str
+    ts_ms: int
+    why: str
+
+
+@dataclass
 class MinHold:
     """The group was kept for ``job`` (its hold at ``epoch`` came through a switch and ended before the group's
     minimum hold while others waited) from ``start_ms`` until ``end_ms``: ``outcome`` says how it ended
@@ -124,6 +136,7 @@ class GroupTimeline:
     handoffs: list[Handoff] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     min_holds: list[MinHold] = field(default_factory=list)
+    fair_shares: list[FairShareChoice] = field(default_factory=list)
     lease_expiries: int = 0
     events: int = 0  # input events folded
 
@@ -209,6 +222,7 @@ class GroupSummary:
     yield_requests: int = 0  # holders asked to yield (the group's quantum)
     min_holds_kept: int = 0  # short releases that kept the group for their job (the group's minimum hold)
     min_holds_reacquired: int = 0  # of those, taken back by their job without a switch
+    fair_share_choices: int = 0  # waiters put first by fair share (ahead of one of the same effective priority)
 
 
 @dataclass

@@ -71,6 +71,7 @@ def _group_summary(tl: GroupTimeline, ops: Sequence[OpBar], since: int, until: i
         ),
         min_holds_kept=sum(1 for m in tl.min_holds if since <= m.start_ms <= until),
         min_holds_reacquired=sum(1 for m in tl.min_holds if since <= m.start_ms <= until and m.outcome == "reacquired"),
+        fair_share_choices=sum(1 for c in tl.fair_shares if since <= c.ts_ms <= until),
     )
 
 

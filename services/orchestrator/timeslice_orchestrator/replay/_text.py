@@ -131,6 +131,10 @@ def render_summary(replay: Replay) -> str:
             )
             for g, m in kept
         ]
+    chosen = [(g, c) for g, tl in sorted(replay.groups.items()) for c in tl.fair_shares]
+    if chosen:
+        lines += ["", "put first by fair share (least recent held time per share, among equal priorities):"]
+        lines += [f"  {_when(c.ts_ms)} {g}: {c.why}" for g, c in chosen]
     faults = [(g, f) for g, tl in sorted(replay.groups.items()) for f in tl.faults]
     if faults:
         lines += ["", "faults:"] + [f"  {_when(f.ts_ms)} {g}/{f.job}: {f.reason}" for g, f in faults]
