@@ -315,7 +315,7 @@ async def test_set_policy_refuses_a_min_hold_out_of_range_and_needs_a_policy(nat
     rc, out = await timeslice(nats_url, "set-policy", "--group", "g", "--min-hold-s", "3601")
     assert rc != 0 and "--min-hold-s must lie between 0 (none) and 3600 s" in out
     rc, out = await timeslice(nats_url, "set-policy", "--group", "g")
-    assert rc != 0 and "give --quantum-s, --min-hold-s, --share or --no-shares" in out
+    assert rc != 0 and "give --quantum-s, --min-hold-s, --share, --no-shares, --predict or --no-predict" in out
 
 
 def test_a_grant_without_a_minimum_hold_reads_as_before_it_existed() -> None:

@@ -1,5 +1,5 @@
-"""``timeslice set-policy``: set a group's scheduling policy (its quantum, its minimum hold, its jobs' fair shares),
-and say once the orchestrator applied it. What is not given stays as it is.
+"""``timeslice set-policy``: set a group's scheduling policy (its quantum, its minimum hold, its jobs' fair shares,
+the predictive restore), and say once the orchestrator applied it. What is not given stays as it is.
 
 The request is an event in the stream (``SetPolicy`` on ``ts.v1.ctl.<group>.set_policy``, which only the operator's
 identity may publish), applied by the orchestrator like any other, so ``timeslice replay`` folds the same decisions;
@@ -24,7 +24,9 @@ async def _policy(nc: Any, group: str) -> dict[str, Any] | None:
     from ._status import read_view
 
     rec = (await read_view(nc, group)).groups.get(group)
-    return None if rec is None else {"quantum_ms": rec.quantum_ms, "min_hold_ms": rec.min_hold_ms, "shares": rec.shares}
+    if rec is None:
+        return None
+    return {"quantum_ms": rec.quantum_ms, "min_hold_ms": rec.min_hold_ms, "shares": rec.shares, "predict": rec.predict}
 
 
 def _ms(seconds: float | None, flag: str, most: int) -> int | None:
@@ -77,11 +79,16 @@ _ON: dict[str, Callable[[Any], str]] = {
         f"fair share {', '.join(f'{j}={n}' for j, n in shares.items())} (others 1): among "
         "waiters of equal priority, the least recent held time per share goes first"
     ),
+    "predict": lambda _: (
+        "predictive restore: at a release nobody waits for, the job expected to ask next (from each job's recent "
+        "cycle) has its context brought back while the group is idle"
+    ),
 }
 _OFF: dict[str, str] = {
     "quantum_ms": "no quantum (a holder is never asked to yield)",
     "min_hold_ms": "no minimum hold (a release passes the group on at once)",
     "shares": "no fair share (first come, first served within a priority class)",
+    "predict": "no predictive restore (a context comes back when its job asks)",
 }
 
 
@@ -97,9 +104,10 @@ async def _set_policy(args: argparse.Namespace) -> int:
     quantum_ms = _ms(args.quantum_s, "--quantum-s", MAX_QUANTUM_MS)
     min_hold_ms = _ms(args.min_hold_s, "--min-hold-s", MAX_MIN_HOLD_MS)
     shares = _shares(args.share, args.no_shares)
-    if quantum_ms is None and min_hold_ms is None and shares is None:
-        raise CliError("give --quantum-s, --min-hold-s, --share or --no-shares (or several)")
-    given = (("quantum_ms", quantum_ms), ("min_hold_ms", min_hold_ms), ("shares", shares))
+    predict: bool | None = args.predict
+    if quantum_ms is None and min_hold_ms is None and shares is None and predict is None:
+        raise CliError("give --quantum-s, --min-hold-s, --share, --no-shares, --predict or --no-predict (or several)")
+    given = (("quantum_ms", quantum_ms), ("min_hold_ms", min_hold_ms), ("shares", shares), ("predict", predict))
     wanted: dict[str, Any] = {k: v for k, v in given if v is not None}
     nc = await connect(args.nats_url)
     try:
@@ -108,7 +116,9 @@ async def _set_policy(args: argparse.Namespace) -> int:
                 f"no group {group!r} on this bus (`timeslice status` lists them); a group exists once a "
                 "job asked for it"
             )
-        policy = encode(SetPolicy(group=group, quantum_ms=quantum_ms, min_hold_ms=min_hold_ms, shares=shares))
+        policy = encode(
+            SetPolicy(group=group, quantum_ms=quantum_ms, min_hold_ms=min_hold_ms, shares=shares, predict=predict)
+        )
         what = f"the policy for group {group!r}"
         await publish_control(nc, subjects.ctl(group, "set_policy"), policy, timeout=args.timeout, what=what)
 
@@ -126,7 +136,7 @@ async def _set_policy(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "set-policy",
-        help="set a group's quantum (when a holder is asked to yield), minimum hold and fair shares (operator)",
+        help="set a group's quantum, minimum hold, fair shares and predictive restore (operator)",
         description="Set a group's scheduling policy; what is not given stays as it is. --quantum-s S: a job "
         "that has held the group for S seconds while another waits is asked, once per hold, to release at its next "
         "phase boundary (the client's yield_requested). --min-hold-s S: a job switched in that releases sooner "
@@ -134,6 +144,8 @@ def register(sub: Any) -> None:
         "within that window is granted without a switch. 0 turns either off. --share JOB=WEIGHT (repeated): "
         "weighted fair share, among waiters of equal priority the one with the least recent held time per share "
         "goes first (a job not named weighs 1; the shares given replace the group's); --no-shares turns it off. "
+        "--predict: the predictive restore, at a release nobody waits for the job expected to ask next has its "
+        "context brought back while the group is idle (--no-predict turns it off). "
         "Priority classes need no setting: each job asks at its own (docs/scheduling.md).",
     )
     p.add_argument("--group", required=True, help="the group")
@@ -158,6 +170,13 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--no-shares", action="store_true", help="turn fair share off (first come, first served within a class)"
+    )
+    p.add_argument(
+        "--predict",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the predictive restore: bring back, while the group is idle, the context of the job expected to ask "
+        "next (--no-predict: off)",
     )
     add_nats_flag(p)
     p.add_argument("--json", action="store_true", help="the outcome as JSON on stdout")

@@ -1,0 +1,97 @@
+"""The predictive restore through the real stack: nats-server, the orchestrator, node-1's agent (beside it and
+apart), two jobs taking turns as an RL run's phases do, the policy set with ``timeslice set-policy --predict``. The
+pure core's rules are pinned in ``test_predict.py`` and the state machine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from timeslice_agent import Agent
+from timeslice_client import AsyncTimeSliceClient
+
+from .agent_harness import Recorder, timeslice
+from .helpers import eventually, group_record
+from .test_agent_flow import stack
+
+NODE = "node-1"
+GROUP = "gpred"
+
+
+@pytest.fixture(params=["beside", "apart"])
+async def agent(nats_url: str, request: pytest.FixtureRequest) -> AsyncIterator[Agent]:
+    async with stack(nats_url, request.param) as a:
+        yield a
+
+
+async def _turn(job: AsyncTimeSliceClient) -> str | None:
+    """``job`` takes the group, works a moment and releases it; the job its release expects next (None: none)."""
+    await job.acquire(timeout=30)
+    await asyncio.sleep(0.05)  # (its training phase: time passes, nothing is waited for)
+    return (await job.release()).ahead
+
+
+async def test_the_job_expected_next_finds_its_context_back_and_a_wrong_guess_costs_one_switch(
+    nats_url: str, agent: Agent
+) -> None:
+    log: list[str] = []
+    async with AsyncTimeSliceClient("a", GROUP, nats_url) as a, AsyncTimeSliceClient("b", GROUP, nats_url) as b:
+        await a.register_workload(Recorder("a", log), node_id=NODE)
+        await b.register_workload(Recorder("b", log), node_id=NODE)
+        assert await _turn(a) is None  # the group exists now
+        rc, out = await timeslice(nats_url, "set-policy", "--group", GROUP, "--predict", "--json")
+        assert rc == 0 and json.loads(out) == {"group": GROUP, "predict": True}, out
+        # Two rounds of turns: the core learns how long each stays away (nothing to predict from yet).
+        for job in (b, a, b):
+            assert await _turn(job) is None
+        ahead = await _turn(a)  # b was away as long as a is: b asks first
+        assert ahead == "b"
+        rec = await eventually(
+            lambda: _restored_ahead(a, "b"), timeout=30, what="b's context brought back while the group is idle"
+        )
+        assert rec.holder is None and rec.active_job == "b"
+        assert sorted(log[-2:]) == ["a:suspend", "b:resume"], log  # (beside each other where the node has room)
+        before = len(log)
+        g = await b.acquire(timeout=30)
+        assert g.context_restored and len(log) == before, "granted at once: its context was already back"
+        await asyncio.sleep(0.05)
+        assert (await b.release()).ahead == "a"
+        await eventually(lambda: _restored_ahead(a, "a"), timeout=30, what="a's context back ahead of its ask")
+        # A wrong guess: b comes back before a. It waits for one switch back, and nothing is lost or doubled.
+        before = len(log)
+        g = await b.acquire(timeout=30)
+        assert g.context_restored and sorted(log[before:]) == ["a:suspend", "b:resume"], log
+        await b.release()
+    rc, out = await timeslice(nats_url, "check", "--group", GROUP, "--json")
+    assert rc == 0, out
+
+
+async def _restored_ahead(client: AsyncTimeSliceClient, job: str) -> object | None:
+    rec = await group_record(client)
+    return rec if rec.restored_ahead == job and rec.switch is None else None
+
+
+async def test_a_release_that_names_a_job_next_is_never_followed_by_a_claim(nats_url: str, agent: Agent) -> None:
+    """The releasing client's next acquire goes through the orchestrator (no claim) when the release names a job
+    expected next: the prediction's switch may come first, and a claim assumes no decision before it."""
+    log: list[str] = []
+    async with (
+        AsyncTimeSliceClient("a", "gclaim", nats_url) as a,
+        AsyncTimeSliceClient("b", "gclaim", nats_url) as b,
+    ):
+        await a.register_workload(Recorder("a", log), node_id=NODE)
+        await b.register_workload(Recorder("b", log), node_id=NODE)
+        await _turn(a)
+        rc, out = await timeslice(nats_url, "set-policy", "--group", "gclaim", "--predict")
+        assert rc == 0, out
+        for job in (b, a, b):
+            await _turn(job)
+        assert await _turn(a) == "b"
+        assert a._claim is None, "a claim offered after a release that named b"
+        g = await a.acquire(timeout=30)  # the prediction's switch (if it started) is undone: a is served
+        assert g.epoch > 0 and a.holding
+        await a.release()
+    rc, out = await timeslice(nats_url, "check", "--group", "gclaim", "--json")
+    assert rc == 0, out
