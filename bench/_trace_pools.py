@@ -58,14 +58,29 @@ from timeslice_orchestrator.core import Command, Notify, apply, new_record, next
 
 MAX_EVENTS = 2_000_000  # a bound on one simulation
 
-Policy = Literal["fifo", "room", "precopy", "room_precopy", "priority", "quantum", "min_hold"]
-POLICIES: tuple[Policy, ...] = ("fifo", "room", "precopy", "room_precopy", "priority", "quantum", "min_hold")
+Policy = Literal[
+    "fifo", "room", "precopy", "room_precopy", "predict", "room_predict", "priority", "quantum", "min_hold"
+]
+POLICIES: tuple[Policy, ...] = (
+    "fifo",
+    "room",
+    "precopy",
+    "room_precopy",
+    "predict",
+    "room_predict",
+    "priority",
+    "quantum",
+    "min_hold",
+)
 POLICY_TEXT: dict[str, str] = {
     "fifo": "first come, first served; snapshot, then restore, then grant (today's default)",
     "room": "FIFO with grant on restore: the node fits both contexts, the restore runs beside the snapshot",
     "precopy": "FIFO with pre-copy: a job that gives a pool back with nobody waiting (its context stays loaded) copies "
     "its state out while idle, once it has been switched out of that pool before; the next switch only frees it",
     "room_precopy": "grant on restore and pre-copy together",
+    "predict": "FIFO with the predictive restore: at a release nobody waits for, the job expected to ask next (from "
+    "each job's recent cycle, in the core) has its context brought back while the pool is idle",
+    "room_predict": "grant on restore, pre-copy and the predictive restore together",
     "priority": "priority classes: job j0 asks at class 1, the others at 0 (ageing 1 class a minute)",
     "quantum": "FIFO with a quantum: a holder that held a pool past it while another job waits gives that pool back "
     "at its next phase boundary",
@@ -121,8 +136,9 @@ class _Sim:
         min_hold_s: float = 0.0,
     ) -> None:
         self.hop, self.costs, self.policy, self.staleness = hop_s, costs, policy, staleness
-        self.room = policy in ("room", "room_precopy")
-        self.precopy = policy in ("precopy", "room_precopy")
+        self.room = policy in ("room", "room_precopy", "room_predict")
+        self.precopy = policy in ("precopy", "room_precopy", "room_predict")
+        self.predict = policy in ("predict", "room_predict")
         # (pool, job) -> when the copy made while that job was idle ends; dropped when the job is granted the pool
         self.copying: dict[tuple[str, str], float] = {}
         self.switched_out: set[tuple[str, str]] = set()  # (pool, job): switched out of it once (precopy "auto")
@@ -161,6 +177,8 @@ class _Sim:
                 self.push(0.0, self._apply, SetPolicy(group=g, quantum_ms=self.quantum_ms))
             if self.min_hold_ms:
                 self.push(0.0, self._apply, SetPolicy(group=g, min_hold_ms=self.min_hold_ms))
+            if self.predict:
+                self.push(0.0, self._apply, SetPolicy(group=g, predict=True))
             for j in self.jobs:
                 self.push(0.0, self._apply, JobRegistered(group=g, job=j, node=f"node-{p}", backend="app_channel"))
         for j in self.jobs:
