@@ -61,6 +61,7 @@ __all__ = [
     "MAX_MIN_HOLD_MS",
     "MAX_PRIORITY",
     "MAX_QUANTUM_MS",
+    "NOTICE_SEQ_HEADER",
     "STREAM",
     "STREAM_SUBJECTS",
     "Acquire",
@@ -131,6 +132,11 @@ STREAM_SUBJECTS: Final = ("ts.v1.>",)
 GROUPS_BUCKET: Final = "groups"
 AGENTS_BUCKET: Final = "agents"
 JOBS_BUCKET: Final = "jobs"
+# A notice's header: the stream sequence of the input whose ``apply`` decided it. The group's record reflects that
+# input once its ``last_seq`` reaches it (every input that decides a notice is stored, with its sequence), which is
+# what a client's ``status()`` waits for to read its own writes. A header, not a field: clients that predate it
+# decode notices strictly and would refuse a new field; a notice without it (an older orchestrator) promises nothing.
+NOTICE_SEQ_HEADER: Final = "Ts-Seq"
 
 
 def is_group_key(key: str) -> bool:

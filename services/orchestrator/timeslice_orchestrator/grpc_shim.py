@@ -62,6 +62,7 @@ from nats.js.kv import KeyValue
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 from timeslice_client import AsyncTimeSliceClient, Grant
+from timeslice_client._group_reads import read_after
 from timeslice_client._grpc import accelerator_orchestrator_pb2 as legacy_pb2
 from timeslice_client._grpc import timeslice_orchestrator_pb2 as pb
 from timeslice_client._internal.grpc_server.auth_config import auth_settings_from_args
@@ -96,7 +97,16 @@ from ._tasks import cancel_and_wait
 if TYPE_CHECKING:
     from .service import Orchestrator
 
-__all__ = ["LEGACY_SERVICE", "SERVICE", "GrpcConfig", "OrchestratorGrpcShim", "from_args", "ready", "run_beside"]
+__all__ = [
+    "LEGACY_SERVICE",
+    "SERVICE",
+    "STALE_METADATA",
+    "GrpcConfig",
+    "OrchestratorGrpcShim",
+    "from_args",
+    "ready",
+    "run_beside",
+]
 
 log = logging.getLogger("timeslice.orchestrator.grpc")
 
@@ -104,6 +114,15 @@ SERVICE = pb.DESCRIPTOR.services_by_name["TimeSliceOrchestratorService"].full_na
 LEGACY_SERVICE = legacy_pb2.DESCRIPTOR.services_by_name["AcceleratorOrchestratorService"].full_name
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
+
+# GetGroupStatus answered with a record that does not yet reflect the calls made through this shim says so in its
+# trailing metadata under this key; it waits for them for at most this share of the time its caller's deadline leaves.
+STALE_METADATA = "timeslice-stale"
+_WAIT_SHARE = 0.8
+
+
+def _last_seq(rec: GroupRecord | None) -> int:
+    return rec.last_seq if rec is not None else 0
 
 
 class GrpcConfig(ShimSettings):
@@ -329,7 +348,7 @@ class OrchestratorGrpcShim:
         try:
             group = validate_id("group", req.group_id)
             await self._bus_up(ctx)
-            rec = await self._record(group)
+            rec = await self._record_after_calls(group, ctx)
             if rec is None:
                 await ctx.abort(grpc.StatusCode.NOT_FOUND, f"group {group!r} not found (no job ever acquired it)")
             return pb.GetGroupStatusResponse(
@@ -337,6 +356,30 @@ class OrchestratorGrpcShim:
             )
         except TimeSliceError as exc:
             await self._abort(ctx, exc)
+
+    async def _record_after_calls(self, group: str, ctx: Ctx) -> GroupRecord | None:
+        """The group's record once it reflects every call made through this shim to the group (its jobs' clients'
+        read floors: ``AsyncTimeSliceClient.status``), so that a caller's GetGroupStatus after its Acquire or Yield
+        shows that call. Waited for at most ``request_timeout_s`` (and within the call's deadline); past that the
+        freshest record is answered, with the trailing metadata ``timeslice-stale: true`` (the published API has no
+        field for it)."""
+        floor = max((j.client._read_floor for (g, _), j in list(self._jobs.items()) if g == group), default=0)
+        within = self.config.request_timeout_s
+        if (left := ctx.time_remaining()) is not None:
+            within = min(within, left * _WAIT_SHARE)
+        rec, caught_up = await read_after(lambda: self._record(group), _last_seq, floor, within)
+        if not caught_up:
+            log.warning(
+                "group %s: its stored record does not reflect the calls made through this shim yet (stream sequence "
+                "%d of %d) after %.3g s; answering it",
+                group,
+                _last_seq(rec),
+                floor,
+                within,
+                extra={"group": group},
+            )
+            ctx.set_trailing_metadata(((STALE_METADATA, "true"),))
+        return rec
 
     # ------------------------------------------------------------------ plumbing
 
