@@ -22,7 +22,7 @@ from timeslice_orchestrator.embedded import NatsServer
 from timeslice_orchestrator.grpc_shim import GrpcConfig, OrchestratorGrpcShim
 from timeslice_orchestrator.service import Orchestrator
 
-from .grpc_helpers import call, orchestrator_command, rpc_error
+from .grpc_helpers import call, orchestrator_command, orchestrator_shim, rpc_error
 from .grpc_proto_client import OrchestratorClient
 from .helpers import eventually
 
@@ -33,14 +33,8 @@ LEASE_S = 1.5
 
 @pytest.fixture
 async def shim(nats_url: str, orchestrator: Orchestrator) -> AsyncIterator[OrchestratorGrpcShim]:
-    s = OrchestratorGrpcShim(
-        GrpcConfig(host="127.0.0.1", port=0, lease_s=LEASE_S, liveness_interval_s=0.05), nats_url=nats_url
-    )
-    await s.start()
-    try:
+    async with orchestrator_shim(nats_url, lease_s=LEASE_S, liveness_interval_s=0.05) as s:
         yield s
-    finally:
-        await s.stop()
 
 
 @pytest.fixture

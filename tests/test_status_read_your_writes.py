@@ -16,11 +16,11 @@ from timeslice_client import AcquireTimeout, AsyncTimeSliceClient, GroupState, T
 from timeslice_client.protocol import NOTICE_SEQ_HEADER, Cancel, Granted, decode_notice, subjects
 from timeslice_orchestrator._records import RecordStore
 from timeslice_orchestrator.core import apply
-from timeslice_orchestrator.grpc_shim import STALE_METADATA, GrpcConfig, OrchestratorGrpcShim
+from timeslice_orchestrator.grpc_shim import STALE_METADATA, OrchestratorGrpcShim
 from timeslice_orchestrator.service import Orchestrator
 
 from .core_sim import G, Sim
-from .grpc_helpers import call
+from .grpc_helpers import call, orchestrator_shim
 from .grpc_proto_client import OrchestratorClient
 
 ROUNDS = 5
@@ -126,12 +126,8 @@ async def test_the_blocking_facade_reads_its_writes(slow_orchestrator: Orchestra
 
 @pytest.fixture
 async def shim(nats_url: str, slow_orchestrator: Orchestrator) -> AsyncIterator[OrchestratorGrpcShim]:
-    s = OrchestratorGrpcShim(GrpcConfig(host="127.0.0.1", port=0), nats_url=nats_url)
-    await s.start()
-    try:
+    async with orchestrator_shim(nats_url) as s:
         yield s
-    finally:
-        await s.stop()
 
 
 @pytest.fixture
@@ -178,18 +174,16 @@ async def test_a_record_that_never_catches_up_is_returned_stale_within_the_wait(
 async def test_get_group_status_says_stale_in_its_trailing_metadata(
     slow_writes: asyncio.Event, slow_orchestrator: Orchestrator, nats_url: str
 ) -> None:
-    shim = OrchestratorGrpcShim(GrpcConfig(host="127.0.0.1", port=0, request_timeout_s=0.3), nats_url=nats_url)
-    await shim.start()
-    try:
+    async with orchestrator_shim(nats_url, request_timeout_s=0.3) as shim:
         with OrchestratorClient(f"127.0.0.1:{shim.port}", group_id="g-ryw-grpc-stale") as c:
             assert (await call(c.acquire, "job-a", timeout=10)).success
             assert (await call(c.release, "job-a")).success
-            _, done = await call(c.stub.GetGroupStatus.with_call, c.pb.GetGroupStatusRequest(group_id=c.group_id))
+            req = c.pb.GetGroupStatusRequest(group_id=c.group_id)
+            _, done = await call(c.stub.GetGroupStatus.with_call, req, timeout=10)
             assert STALE_METADATA not in dict(done.trailing_metadata())
             slow_writes.clear()
             try:
                 assert (await call(c.acquire, "job-a", timeout=10)).success  # answered; its record held back
-                req = c.pb.GetGroupStatusRequest(group_id=c.group_id)
                 reply, done = await call(c.stub.GetGroupStatus.with_call, req, timeout=10)
                 assert dict(done.trailing_metadata()).get(STALE_METADATA) == "true"
                 assert reply.group.locking_job == "", reply  # the freshest record: from before the acquire
@@ -197,8 +191,6 @@ async def test_get_group_status_says_stale_in_its_trailing_metadata(
                 slow_writes.set()
             assert (await call(c.get_status)).group.locking_job == "job-a"
             assert (await call(c.release, "job-a")).success
-    finally:
-        await shim.stop()
 
 
 async def test_a_notice_carries_the_sequence_of_the_input_that_decided_it(

@@ -26,7 +26,6 @@ from ._publish_rules import publish_stored, request_id
 from ._refusals import refusal_error
 from ._release_calls import ReleaseCalls
 from ._renamed import RenamedAttribute, renamed_keywords
-from ._status_calls import StatusCalls
 from ._workload_options import CLIENT_WORKLOAD_KEYS, ClientWorkloadOptions, check_options
 from .bus import CredsPath, TlsOption, connect, default_nats_url, resolve_nats_url
 from .errors import (
@@ -77,7 +76,7 @@ RENAMED_OPTIONS = {
 _KEPT_MARGIN_S = 0.05
 
 
-class AsyncTimeSliceClient(StatusCalls, ReleaseCalls, MultiGroupCalls):
+class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
     """One job's handle on one group.
 
     ``acquire()`` waits (without polling: the grant arrives by subscription) until the orchestrator

@@ -1,4 +1,4 @@
-"""The reads of ``AsyncTimeSliceClient`` (a base class of it, as ``ReleaseCalls`` is): ``status()``, ``list_groups()``,
+"""The reads of ``AsyncTimeSliceClient`` (a base class of it, under ``ReleaseCalls``): ``status()``, ``list_groups()``,
 and the bookkeeping that lets ``status()`` read this client's own writes.
 
 Read-your-writes. The orchestrator answers a job first and stores the group's record after (docs/architecture.md),
