@@ -19,9 +19,11 @@ from timeslice_orchestrator.core import apply
 from timeslice_orchestrator.grpc_shim import STALE_METADATA, OrchestratorGrpcShim
 from timeslice_orchestrator.service import Orchestrator
 
+from .agent_harness import queued
 from .core_sim import G, Sim
 from .grpc_helpers import call, orchestrator_shim
 from .grpc_proto_client import OrchestratorClient
+from .helpers import eventually
 
 ROUNDS = 5
 WRITE_DELAY_S = 0.05  # each record write waits this long first: far longer than a status read takes
@@ -67,8 +69,7 @@ async def test_status_after_release_and_grant_reflects_the_call(slow_orchestrato
         for _ in range(ROUNDS):
             await a.acquire(timeout=10)
             b_waits = asyncio.create_task(b.acquire(timeout=10))
-            while not (await a.status(wait_s=0)).waiters:  # (b's wait is b's write: a reads it when it is stored)
-                await asyncio.sleep(0.005)
+            await eventually(queued(a, "g-ryw", "b"), what="b waits")  # b's write: a reads it once it is stored
             await a.release()
             st = await a.status()
             assert st.holder is None or st.holder.job != "a", st

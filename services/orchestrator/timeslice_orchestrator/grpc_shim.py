@@ -32,6 +32,10 @@ callers and bus clients wait in the same FIFO queue of the same group.
   for a hold taken over the bus); ListGroups and GetGroupStatus take any identity. No identity: UNAUTHENTICATED.
   ``insecure`` (``--grpc-insecure``) serves anyone, and says so when it starts. docs/security.md, "Identities on the
   gRPC APIs".
+* **GetGroupStatus** reads the group's stored record once it reflects every Acquire and Yield made through this shim
+  to the group (read-your-writes, as ``AsyncTimeSliceClient.status``; the orchestrator stores records just after it
+  answers), waiting at most ``request_timeout_s``; past that it answers the freshest record with the trailing
+  metadata ``timeslice-stale: true``.
 * **Errors.** Bad ids → INVALID_ARGUMENT; Yield by a job that does not hold the group →
   PERMISSION_DENIED naming the holder; a faulted job → FAILED_PRECONDITION; the bus unreachable →
   UNAVAILABLE; an unknown group in GetGroupStatus → NOT_FOUND.
