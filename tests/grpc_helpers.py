@@ -13,6 +13,7 @@ import grpc
 import pytest
 from timeslice_agent import Agent
 from timeslice_agent.grpc_shim import AgentGrpcConfig, AgentGrpcShim
+from timeslice_orchestrator.grpc_shim import GrpcConfig, OrchestratorGrpcShim
 
 
 def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -37,6 +38,18 @@ async def shim_target(agent: Agent) -> AsyncIterator[str]:
         yield f"127.0.0.1:{port}"
     finally:
         await shim.stop()
+
+
+@contextlib.asynccontextmanager
+async def orchestrator_shim(nats_url: str, **settings: Any) -> AsyncIterator[OrchestratorGrpcShim]:
+    """The orchestrator's gRPC shim (``GrpcConfig`` of ``settings``) on 127.0.0.1 at a port the system chose, serving
+    while the block runs."""
+    s = OrchestratorGrpcShim(GrpcConfig(host="127.0.0.1", port=0, **settings), nats_url=nats_url)
+    await s.start()
+    try:
+        yield s
+    finally:
+        await s.stop()
 
 
 def orchestrator_command(nats_url: str, *flags: str) -> list[str]:

@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 from timeslice_client import AsyncTimeSliceClient, NotHolder, TimeSliceClient, Unavailable, bus, errors
 
-from .helpers import eventually
-
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -158,7 +156,8 @@ def test_a_malformed_default_is_refused_naming_where_it_came_from(
 
 
 async def _record_is(c: AsyncTimeSliceClient, holder: str | None, epoch: int) -> bool:
-    """The group's record (written once the orchestrator's answer is out, or after a claim) says so."""
+    """The group's status says so: read by the job that made the calls, it reflects them (``status()`` waits for the
+    record, which the orchestrator writes behind its answers), and once it does, the record is stored for others."""
     rec = await c.status()
     return (rec.holder.job if rec.holder else None, rec.epoch) == (holder, epoch)
 
@@ -169,19 +168,19 @@ async def test_not_holder_names_the_groups_epoch_and_holder(nats_url: str) -> No
         for _ in range(3):
             await a.acquire(timeout=10)
             await a.release()
-        await eventually(lambda: _record_is(a, None, 3), what="the record: nobody holds it, epoch 3")
+        assert await _record_is(a, None, 3), "the record: nobody holds it, epoch 3"
         with pytest.raises(NotHolder) as idle:
             await b.release()
         assert (idle.value.holder, idle.value.epoch) == (None, 3) and "epoch 3" in str(idle.value)
         g = await a.acquire(timeout=10)
         assert g.epoch == 4
-        await eventually(lambda: _record_is(a, "a", 4), what="the record: a holds it at epoch 4")
+        assert await _record_is(a, "a", 4), "the record: a holds it at epoch 4"
         with pytest.raises(NotHolder) as held:
             await b.release()
         assert (held.value.holder, held.value.epoch) == ("a", 4)
         assert "job 'a' holds it at epoch 4" in str(held.value)
         await a.release()
-        await eventually(lambda: _record_is(a, None, 4), what="the record: nobody holds it, epoch 4")
+        assert await _record_is(a, None, 4), "the record: nobody holds it, epoch 4"
         with pytest.raises(NotHolder) as again:  # a second release of the same job
             await a.release()
         assert (again.value.holder, again.value.epoch) == (None, 4)

@@ -8,21 +8,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from timeslice_client import AsyncTimeSliceClient, GroupRecord, GroupState, TimeSliceClient
+from timeslice_client import AsyncTimeSliceClient, GroupState, TimeSliceClient
 
-from .helpers import eventually, eventually_sync, group_record
+from .helpers import eventually
 
 pytestmark = pytest.mark.usefixtures("orchestrator")
 
 
-async def _held_by(c: AsyncTimeSliceClient, job: str) -> GroupRecord | None:
-    rec = await group_record(c)
-    return rec if rec.holder is not None and rec.holder.job == job else None
-
-
 async def _released(c: AsyncTimeSliceClient) -> bool:
-    rec = await group_record(c)
-    return rec.state == GroupState.IDLE_YIELDED and rec.holder is None
+    st = await c.status()
+    return st.state == GroupState.IDLE_YIELDED and st.holder is None
 
 
 async def test_async_decorated_step_inside_a_block_keeps_the_hold(nats_url: str) -> None:
@@ -40,12 +35,12 @@ async def test_async_decorated_step_inside_a_block_keeps_the_hold(nats_url: str)
             async with a.on_accelerators(timeout=10) as inner:
                 assert inner == outer
             assert a.holding
-            # the group's record (written once the grant is out) names a, at the outer scope's epoch
-            rec = await eventually(lambda: _held_by(a, "a"), what="the record names a as the holder")
-            assert rec.epoch == outer.epoch
+            # the group's status (read after the grant: it reflects it) names a, at the outer scope's epoch
+            st = await a.status()
+            assert st.holder is not None and st.holder.job == "a" and st.epoch == outer.epoch, st
         # the outer exit released (and did not raise NotHolder)
         assert not a.holding
-        await eventually(lambda: _released(a), what="the group released once, by the outermost scope")
+        assert await _released(a), "the group released once, by the outermost scope"
         assert (await a.status()).epoch == outer.epoch, "an inner scope took a grant of its own"
         # a decorated step alone still acquires and releases
         assert await train_step(3) == 4
@@ -92,7 +87,7 @@ async def test_async_scopes_of_two_tasks_share_one_hold(nats_url: str) -> None:
             e1 = await asyncio.wait_for(t, 10)
             assert a.holding and e1 == g2.epoch, "the first task's exit released the second task's hold"
         assert not a.holding
-        await eventually(lambda: _released(a))
+        assert await _released(a)
 
 
 def _sync_nested(nats_url: str) -> tuple[int, int, bool, bool]:
@@ -107,11 +102,9 @@ def _sync_nested(nats_url: str) -> tuple[int, int, bool, bool]:
             still = s.holding
             with s.on_accelerators(timeout=10) as inner:
                 assert inner == outer
-            # the group's record (written once the grant is out) names s, at the outer scope's epoch
-            held_epoch = eventually_sync(
-                lambda: (r := s.status()).holder is not None and r.holder.job == "s" and r.epoch,
-                what="the record names s as the holder",
-            )
+            # the group's status (read after the grant: it reflects it) names s, at the outer scope's epoch
+            r = s.status()
+            held_epoch = r.epoch if r.holder is not None and r.holder.job == "s" else None
         assert not s.holding
         return outer.epoch, held_epoch, inside, still
 

@@ -95,7 +95,7 @@ def test_the_public_names_of_modules_that_need_an_extra_are_the_pinned_ones(modu
 
 
 #: The client's private modules a service may import, and why (``timeslice_client._internal``'s docstring): the wire
-#: pieces both ends of an exchange need, and two rules the client owns that the services follow. Everything else the
+#: pieces both ends of an exchange need, and three rules the client owns that the services follow. Everything else the
 #: services share lives in ``timeslice_client._internal``; any other ``_`` module is the client's own.
 SHARED_PRIVATE = {
     "timeslice_client._grpc": "the generated stubs: the job's SnapshotAgentClient and the shims speak one proto",
@@ -104,6 +104,7 @@ SHARED_PRIVATE = {
     "timeslice_client._agent_socket": "the agent socket's exchange: the job proves, the agent answers",
     "timeslice_client._bus_auth": "how a connection's identity is found, and the --creds/--tls-* flags that feed it",
     "timeslice_client._publish_rules": "which bus errors are transient: the agent retries by the client's rule",
+    "timeslice_client._group_reads": "read-your-writes: GetGroupStatus waits for a record as status() does",
 }
 
 

@@ -19,8 +19,6 @@ from nats.js.kv import KeyValue
 
 from ._bind import Binding, bind_process
 from ._grants import Grant, ReleaseResult, _Claim, _Hold, _Superseded, _WaitLost
-from ._group_reads import groups_kv, read_record
-from ._group_status import GroupStatus, group_status
 from ._hold_scope import AsyncHold, AsyncScopes
 from ._keeper import keep
 from ._multi_group import AsyncMultiHold, JobGroups, MultiGroupCalls, sibling
@@ -29,7 +27,7 @@ from ._refusals import refusal_error
 from ._release_calls import ReleaseCalls
 from ._renamed import RenamedAttribute, renamed_keywords
 from ._workload_options import CLIENT_WORKLOAD_KEYS, ClientWorkloadOptions, check_options
-from .bus import CredsPath, TlsOption, connect, default_nats_url, kv_keys, resolve_nats_url
+from .bus import CredsPath, TlsOption, connect, default_nats_url, resolve_nats_url
 from .errors import (
     AcquireCancelled,
     AcquireTimeout,
@@ -38,7 +36,6 @@ from .errors import (
 )
 from .handlers import WorkloadHandler
 from .protocol import (
-    GROUPS_BUCKET,
     MAX_PRIORITY,
     Acquire,
     Cancel,
@@ -53,7 +50,6 @@ from .protocol import (
     YieldRequested,
     decode_notice,
     encode,
-    is_group_key,
     subjects,
     validate_id,
 )
@@ -167,6 +163,7 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
         self._claim: _Claim | None = None
         self._claims: bool | None = fast_reacquire  # and the stream checks a claim exactly (None: ask it once)
         self._published = 0  # job inputs published (a claim is only offered when none came after the release)
+        self._read_floor = 0  # the stream sequence status() waits for the record to reflect (_status_calls)
         self._claim_filter = subjects.job_inputs(self.group_id)
         self._contended_epoch = 0  # the latest epoch of this job's at which another job was seen waiting
         self._yield_epoch = 0  # the latest epoch of this job's it was asked to yield at (YieldRequested)
@@ -469,39 +466,6 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
                     Phase(group=self.group_id, job=self.job_id, name=name, edge="end", epoch=self.epoch, error=error)
                 )
 
-    # ------------------------------------------------------------------ status
-
-    async def status(self, group_id: str | None = None) -> GroupStatus:
-        """What the group's lock record says now: its state, epoch, holder and lease, the jobs waiting, faults (a
-        read-only view with units in its names, :class:`~timeslice_client.GroupStatus`; a fresh group reads as IDLE
-        at epoch 0)."""
-        group = validate_id("group", group_id or self.group_id)
-        return group_status(await read_record(await self._groups_kv(), group, self.nats_url))
-
-    async def list_groups(self) -> list[str]:
-        await self._groups_kv()  # Unavailable, with what to do, when the bucket is missing
-        assert self._nc is not None
-        keys = await kv_keys(self._nc, GROUPS_BUCKET, timeout=self.request_timeout_s)  # not kv.keys(): it can miss keys
-        return [k for k in keys if is_group_key(k)]
-
-    async def _groups_kv(self) -> KeyValue:
-        await self.connect()
-        if self._kv is None:
-            assert self._js is not None
-            self._kv = await groups_kv(self._js, self.nats_url)
-        return self._kv
-
-    async def _holder_or_none(self) -> str | None:
-        rec = await self._record_or_none()
-        return rec.holder.job if rec and rec.holder else None
-
-    async def _record_or_none(self) -> GroupStatus | None:
-        """The group's status, for an error message (None: not readable within a second)."""
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(1):
-                return await self.status()
-        return None
-
     # ------------------------------------------------------------------ plumbing
 
     async def _publish(
@@ -517,9 +481,11 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
             headers = {**(headers or {}), "Nats-Msg-Id": msg_id}
         self._claim = None  # a job input after the release: the stream would refuse the claim
         self._published += 1
-        return await publish_stored(
+        seq = await publish_stored(
             self._js, subject, data, headers=headers, timeout=self.request_timeout_s, nats_url=self.nats_url
         )
+        self._stored_input(msg, seq)
+        return seq
 
     def _subject(self, msg: msgspec.Struct) -> str:
         tag: str = msg.__struct_config__.tag  # type: ignore[assignment]
@@ -542,6 +508,7 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.warning("undecodable notice on %s", msg.subject)
             return
+        self._heard(msg)  # before the answer wakes its caller: a status() read after the call waits for its record
         if isinstance(n, Contended | YieldRequested):
             self._contended_epoch = max(self._contended_epoch, n.epoch)
             if isinstance(n, YieldRequested):

@@ -79,6 +79,10 @@ class GroupStatus(msgspec.Struct, frozen=True, kw_only=True):
     shares: dict[str, int] = {}
     """Weighted fair share: each named job's weight (the others weigh 1); empty: off, first come, first served within
     a priority class (docs/scheduling.md)."""
+    stale: bool = False
+    """The record did not yet reflect this client's own latest call (an acquire, release or withdrawn wait) when
+    ``status()`` stopped waiting for it (``wait_s``): this is the freshest record stored by then, from before that
+    call. Never set for a group this client made no calls to."""
 
 
 def _holder(h: HolderRecord) -> HolderStatus:
@@ -97,8 +101,8 @@ def _waiter(w: WaiterRecord) -> WaiterStatus:
     return WaiterStatus(job=w.job, priority=w.priority, enqueued_at_ms=w.enqueued_at_ms, gives_up_at_ms=w.deadline_ms)
 
 
-def group_status(rec: GroupRecord) -> GroupStatus:
-    """The user's view of ``rec``."""
+def group_status(rec: GroupRecord, *, stale: bool = False) -> GroupStatus:
+    """The user's view of ``rec`` (``stale``: see ``GroupStatus.stale``)."""
     return GroupStatus(
         group=rec.group,
         epoch=rec.epoch,
@@ -115,4 +119,5 @@ def group_status(rec: GroupRecord) -> GroupStatus:
         kept_for=rec.reserved.job if rec.reserved else None,
         kept_until_ms=rec.reserved.until_ms if rec.reserved else None,
         shares=dict(rec.shares),
+        stale=stale,
     )

@@ -10,12 +10,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
-
 from ._grants import ReleaseResult, _checks_claims, _Claim, _Hold
-from ._group_status import GroupStatus
 from ._publish_rules import request_id
+from ._status_calls import StatusCalls
 from .errors import LeaseExpired, NotHolder, Unavailable
 from .protocol import Release, Released
 from .workload import WorkloadChannel
@@ -27,15 +24,10 @@ __all__ = ["ReleaseCalls"]
 _WRITE_TURNS = 4
 
 
-class ReleaseCalls:
-    """``release()`` and what it needs of the client (declared here, set by ``AsyncTimeSliceClient``)."""
+class ReleaseCalls(StatusCalls):
+    """``release()`` and what it needs of the client (declared here and by ``StatusCalls``, whose read of the record
+    names the holder in ``NotHolder``; set by ``AsyncTimeSliceClient``)."""
 
-    group_id: str
-    job_id: str
-    nats_url: str
-    request_timeout_s: float
-    _nc: NATS | None
-    _js: JetStreamContext | None
     _hold: _Hold | None
     _pending: dict[str, asyncio.Future[Any]]
     _channels: list[WorkloadChannel]
@@ -44,7 +36,6 @@ class ReleaseCalls:
     _claims: bool | None
     _claim: _Claim | None
     _publish: Callable[..., Awaitable[int]]
-    _record_or_none: Callable[[], Awaitable[GroupStatus | None]]
 
     async def release(self) -> ReleaseResult:
         """Give the group back. Raises NotHolder, StaleEpoch or LeaseExpired when you no longer hold it.

@@ -161,10 +161,13 @@ class TimeSliceClient:
         n = len(self._client.held_groups) + 1
         return self._run(self._client.release_all(), self._margin(n * self._client.request_timeout_s))
 
-    def status(self, group_id: str | None = None) -> GroupStatus:
-        """What the lock record of ``group_id`` says now (default: this client's group; a fresh group reads as IDLE at
-        epoch 0); see :meth:`AsyncTimeSliceClient.status`."""
-        return self._run(self._client.status(group_id), self._margin(self._client.request_timeout_s))
+    def status(self, group_id: str | None = None, *, wait_s: float | None = None) -> GroupStatus:
+        """What the lock record of ``group_id`` says (default: this client's group; a fresh group reads as IDLE at
+        epoch 0), reflecting this client's own calls: it waits for the stored record to catch up with them, at most
+        ``wait_s`` (default ``request_timeout_s``), else returns the freshest with ``stale`` set; see
+        :meth:`AsyncTimeSliceClient.status`."""
+        rt = self._client.request_timeout_s
+        return self._run(self._client.status(group_id, wait_s=wait_s), self._margin(rt + (wait_s or 0)))
 
     def list_groups(self) -> list[str]:
         """The ids of the groups the orchestrator has records of."""

@@ -82,6 +82,7 @@ __all__ = [
     "MAX_QUANTUM_MS",
     "MAX_SHARE",
     "MAX_SHARES",
+    "NOTICE_SEQ_HEADER",
     "STREAM",
     "STREAM_SUBJECTS",
     "Acquire",
@@ -156,6 +157,11 @@ STREAM_SUBJECTS: Final = ("ts.v1.>",)
 GROUPS_BUCKET: Final = "groups"
 AGENTS_BUCKET: Final = "agents"
 JOBS_BUCKET: Final = "jobs"
+# A notice's header: the stream sequence of the input whose ``apply`` decided it. The group's record reflects that
+# input once its ``last_seq`` reaches it (every input that decides a notice is stored, with its sequence), which is
+# what a client's ``status()`` waits for to read its own writes. A header, not a field: clients that predate it
+# decode notices strictly and would refuse a new field; a notice without it (an older orchestrator) promises nothing.
+NOTICE_SEQ_HEADER: Final = "Ts-Seq"
 
 
 def is_group_key(key: str) -> bool:

@@ -10,9 +10,11 @@ lives in the one distribution both install, ``timeslice-client``. Before, it lay
 modules, and a reader could not tell ``_async_client`` (the job's lock, private to the library) from the metrics
 server (shared by the services). The rule now: a service imports from ``timeslice_client`` its public modules
 (``protocol``, ``bus``, ``errors``, ...), the wire pieces both ends of an exchange need (``_grpc``'s stubs,
-``_names``, ``_bounds``, ``_agent_socket``), two rules the client owns and the services follow (``_bus_auth``: how a
-connection's identity is found, with the ``--creds``/``--tls-*`` flags that feed it; ``_publish_rules.transient``:
-which bus errors are worth a retry), and this package; the library's other ``_`` modules are its own.
+``_names``, ``_bounds``, ``_agent_socket``), three rules the client owns and the services follow (``_bus_auth``: how
+a connection's identity is found, with the ``--creds``/``--tls-*`` flags that feed it; ``_publish_rules.transient``:
+which bus errors are worth a retry; ``_group_reads.read_after``: how a read waits for a group's record to reflect a
+caller's calls, for the gRPC shim's GetGroupStatus as for ``status()``), and this package; the library's other
+``_`` modules are its own.
 ``tests/test_public_api.py`` holds the services to that list.
 
 Modules (the names carry no underscore: the package's already says private):

@@ -12,7 +12,7 @@ import asyncio
 import functools
 
 from nats.aio.client import Client as NATS
-from timeslice_client.protocol import encode, subjects
+from timeslice_client.protocol import NOTICE_SEQ_HEADER, encode, subjects
 
 from ._in_process_agent import LocalAgent
 from .core import Action, Command, Notify, Transition
@@ -23,8 +23,10 @@ __all__ = ["publish_decisions"]
 _notice_subject = functools.lru_cache(maxsize=16_384)(subjects.notice)
 
 
-async def publish_decisions(nc: NATS, local: LocalAgent | None, group: str, actions: list[Action]) -> None:
-    """Publish ``group``'s ``actions`` in the core's order; a command for ``local``'s node is handed to it first."""
+async def publish_decisions(nc: NATS, local: LocalAgent | None, group: str, actions: list[Action], seq: int) -> None:
+    """Publish ``group``'s ``actions`` in the core's order; a command for ``local``'s node is handed to it first.
+    ``seq``: the stream sequence of the input that decided them, carried by each notice (``NOTICE_SEQ_HEADER``): its
+    record is stored with that ``last_seq`` (or a later one), so its job's ``status()`` knows what to wait for."""
     published: asyncio.Event | None = None  # only with an agent beside: nothing more per batch without one
     if local is not None:
         published = asyncio.Event()
@@ -38,10 +40,12 @@ async def publish_decisions(nc: NATS, local: LocalAgent | None, group: str, acti
                 local.take(a.command, published)
     # In the core's order: a Released/Revoked always precedes the next Granted, so the stream alone
     # shows that holds never overlap (invariants.StreamChecker checks it).
+    headers: dict[str, str] | None = None
     try:
         for a in actions:
             if isinstance(a, Notify):
-                await nc.publish(_notice_subject(group, a.notice.job), encode(a.notice))
+                headers = headers or {NOTICE_SEQ_HEADER: str(seq)}
+                await nc.publish(_notice_subject(group, a.notice.job), encode(a.notice), headers=headers)
             elif isinstance(a, Command):
                 await nc.publish(subjects.agent_cmd(a.command.node), encode(a.command))
             elif isinstance(a, Transition):

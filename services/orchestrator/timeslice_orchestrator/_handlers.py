@@ -286,6 +286,11 @@ def _on_cancel(w: Work, ev: Cancel) -> None:
     if h is not None and h.request_id == ev.request_id and h.job == ev.job:
         # The grant crossed the cancel: the caller will never use it, so it is released.
         _released(w, ev.job, ev.request_id, h.epoch, f"grant {ev.reason}")
+        return
+    # A wait that had ended already (its deadline, a grant released since): nothing changes, but the record is
+    # stored at this input all the same, so that its job's status() can read it (it waits for the record's last_seq to
+    # reach its cancel's; an input that changes nothing would leave it behind). Rare: a cancel races a wait's end.
+    w.touch(f"{ev.reason}: the wait had ended")
 
 
 def _on_phase(w: Work, ev: Phase) -> None:

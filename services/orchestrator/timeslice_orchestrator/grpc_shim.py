@@ -32,6 +32,10 @@ callers and bus clients wait in the same FIFO queue of the same group.
   for a hold taken over the bus); ListGroups and GetGroupStatus take any identity. No identity: UNAUTHENTICATED.
   ``insecure`` (``--grpc-insecure``) serves anyone, and says so when it starts. docs/security.md, "Identities on the
   gRPC APIs".
+* **GetGroupStatus** reads the group's stored record once it reflects every Acquire and Yield made through this shim
+  to the group (read-your-writes, as ``AsyncTimeSliceClient.status``; the orchestrator stores records just after it
+  answers), waiting at most ``request_timeout_s``; past that it answers the freshest record with the trailing
+  metadata ``timeslice-stale: true``.
 * **Errors.** Bad ids → INVALID_ARGUMENT; Yield by a job that does not hold the group →
   PERMISSION_DENIED naming the holder; a faulted job → FAILED_PRECONDITION; the bus unreachable →
   UNAVAILABLE; an unknown group in GetGroupStatus → NOT_FOUND.
@@ -62,6 +66,7 @@ from nats.js.kv import KeyValue
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 from timeslice_client import AsyncTimeSliceClient, Grant
+from timeslice_client._group_reads import read_after
 from timeslice_client._grpc import accelerator_orchestrator_pb2 as legacy_pb2
 from timeslice_client._grpc import timeslice_orchestrator_pb2 as pb
 from timeslice_client._internal.grpc_server.auth_config import auth_settings_from_args
@@ -96,7 +101,16 @@ from ._tasks import cancel_and_wait
 if TYPE_CHECKING:
     from .service import Orchestrator
 
-__all__ = ["LEGACY_SERVICE", "SERVICE", "GrpcConfig", "OrchestratorGrpcShim", "from_args", "ready", "run_beside"]
+__all__ = [
+    "LEGACY_SERVICE",
+    "SERVICE",
+    "STALE_METADATA",
+    "GrpcConfig",
+    "OrchestratorGrpcShim",
+    "from_args",
+    "ready",
+    "run_beside",
+]
 
 log = logging.getLogger("timeslice.orchestrator.grpc")
 
@@ -104,6 +118,15 @@ SERVICE = pb.DESCRIPTOR.services_by_name["TimeSliceOrchestratorService"].full_na
 LEGACY_SERVICE = legacy_pb2.DESCRIPTOR.services_by_name["AcceleratorOrchestratorService"].full_name
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
+
+# GetGroupStatus answered with a record that does not yet reflect the calls made through this shim says so in its
+# trailing metadata under this key; it waits for them for at most this share of the time its caller's deadline leaves.
+STALE_METADATA = "timeslice-stale"
+_WAIT_SHARE = 0.8
+
+
+def _last_seq(rec: GroupRecord | None) -> int:
+    return rec.last_seq if rec is not None else 0
 
 
 class GrpcConfig(ShimSettings):
@@ -329,7 +352,7 @@ class OrchestratorGrpcShim:
         try:
             group = validate_id("group", req.group_id)
             await self._bus_up(ctx)
-            rec = await self._record(group)
+            rec = await self._record_after_calls(group, ctx)
             if rec is None:
                 await ctx.abort(grpc.StatusCode.NOT_FOUND, f"group {group!r} not found (no job ever acquired it)")
             return pb.GetGroupStatusResponse(
@@ -337,6 +360,30 @@ class OrchestratorGrpcShim:
             )
         except TimeSliceError as exc:
             await self._abort(ctx, exc)
+
+    async def _record_after_calls(self, group: str, ctx: Ctx) -> GroupRecord | None:
+        """The group's record once it reflects every call made through this shim to the group (its jobs' clients'
+        read floors: ``AsyncTimeSliceClient.status``), so that a caller's GetGroupStatus after its Acquire or Yield
+        shows that call. Waited for at most ``request_timeout_s`` (and within the call's deadline); past that the
+        freshest record is answered, with the trailing metadata ``timeslice-stale: true`` (the published API has no
+        field for it)."""
+        floor = max((j.client._read_floor for (g, _), j in list(self._jobs.items()) if g == group), default=0)
+        within = self.config.request_timeout_s
+        if (left := ctx.time_remaining()) is not None:
+            within = min(within, left * _WAIT_SHARE)
+        rec, caught_up = await read_after(lambda: self._record(group), _last_seq, floor, within)
+        if not caught_up:
+            log.warning(
+                "group %s: its stored record does not reflect the calls made through this shim yet (stream sequence "
+                "%d of %d) after %.3g s; answering it",
+                group,
+                _last_seq(rec),
+                floor,
+                within,
+                extra={"group": group},
+            )
+            ctx.set_trailing_metadata(((STALE_METADATA, "true"),))
+        return rec
 
     # ------------------------------------------------------------------ plumbing
 

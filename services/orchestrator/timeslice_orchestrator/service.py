@@ -455,7 +455,7 @@ class Orchestrator:
             if not (leader is not None and leader.is_leader()) and not await self._still_leading():
                 return  # deposed: decides nothing more (the next leader applies this event again)
             assert self._nc is not None
-            await publish_decisions(self._nc, self.local_agent, group, actions)
+            await publish_decisions(self._nc, self.local_agent, group, actions, seq)
             if live and not backlog:
                 # nats-py's publish only buffers; its flusher task writes. Yield once so it writes the decisions
                 # now, not after the bookkeeping below. Not when more inputs wait behind this one (nor in a
