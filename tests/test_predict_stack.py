@@ -18,6 +18,7 @@ from .test_agent_flow import stack
 
 NODE = "node-1"
 GROUP = "gpred"
+AWAY_S = 0.3  # a's generation phase between its turns, beside b's turn: b is away for less
 
 
 @pytest.fixture(params=["beside", "apart"])
@@ -43,11 +44,16 @@ async def test_the_job_expected_next_finds_its_context_back_and_a_wrong_guess_co
         assert await _turn(a) is None  # the group exists now
         rc, out = await timeslice(nats_url, "set-policy", "--group", GROUP, "--predict", "--json")
         assert rc == 0 and json.loads(out) == {"group": GROUP, "predict": True}, out
-        # Two rounds of turns: the core learns how long each stays away (nothing to predict from yet).
-        for job in (b, a, b):
-            assert await _turn(job) is None
-        ahead = await _turn(a)  # b was away as long as a is: b asks first
-        assert ahead == "b"
+        # Rounds of turns: b is away only while a works, a also while it generates after b's turn. The core learns
+        # how long each stays away (nothing to predict from yet).
+        for _ in range(2):
+            assert await _turn(b) is None
+            await asyncio.sleep(AWAY_S)  # (a's generation phase: nobody holds the group)
+            await _turn(a)
+        # a's release: b (away a moment) asks before a (away for longer) comes back.
+        assert await _turn(b) is None
+        await asyncio.sleep(AWAY_S)
+        assert await _turn(a) == "b"
         rec = await eventually(
             lambda: _restored_ahead(a, "b"), timeout=30, what="b's context brought back while the group is idle"
         )
@@ -57,13 +63,15 @@ async def test_the_job_expected_next_finds_its_context_back_and_a_wrong_guess_co
         g = await b.acquire(timeout=30)
         assert g.context_restored and len(log) == before, "granted at once: its context was already back"
         await asyncio.sleep(0.05)
-        assert (await b.release()).ahead == "a"
-        await eventually(lambda: _restored_ahead(a, "a"), timeout=30, what="a's context back ahead of its ask")
-        # A wrong guess: b comes back before a. It waits for one switch back, and nothing is lost or doubled.
-        before = len(log)
-        g = await b.acquire(timeout=30)
-        assert g.context_restored and sorted(log[before:]) == ["a:suspend", "b:resume"], log
         await b.release()
+        await asyncio.sleep(AWAY_S)
+        assert await _turn(a) == "b"
+        await eventually(lambda: _restored_ahead(a, "b"), timeout=30, what="b's context back ahead of its ask")
+        # A wrong guess: a comes back before b. It waits for one switch back, and nothing is lost or doubled.
+        before = len(log)
+        g = await a.acquire(timeout=30)
+        assert g.context_restored and sorted(log[before:]) == ["a:resume", "b:suspend"], log
+        await a.release()
     rc, out = await timeslice(nats_url, "check", "--group", GROUP, "--json")
     assert rc == 0, out
 
@@ -86,8 +94,12 @@ async def test_a_release_that_names_a_job_next_is_never_followed_by_a_claim(nats
         await _turn(a)
         rc, out = await timeslice(nats_url, "set-policy", "--group", "gclaim", "--predict")
         assert rc == 0, out
-        for job in (b, a, b):
-            await _turn(job)
+        for _ in range(2):
+            await _turn(b)
+            await asyncio.sleep(AWAY_S)
+            await _turn(a)
+        await _turn(b)
+        await asyncio.sleep(AWAY_S)
         assert await _turn(a) == "b"
         assert a._claim is None, "a claim offered after a release that named b"
         g = await a.acquire(timeout=30)  # the prediction's switch (if it started) is undone: a is served

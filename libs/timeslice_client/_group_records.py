@@ -84,11 +84,12 @@ class SwitchRecord(_Rec, frozen=True):
 
 class Cycle(_Rec, frozen=True):
     """What the group has seen of one job's cycle, for the predictive restore (``_predict``): when it last released,
-    how long it stayed away before it asked again the time before, and how long its last switch in took."""
+    how long it stayed away before it asked again the last two times, and how long its last switch in took."""
 
     released_ms: int = -1  # its last release (stream time; -1: none seen)
     asked: bool = True  # it asked again since that release (then ``gap_ms`` is that time away)
     gap_ms: int = -1  # release -> its next ask, the last time it was measured (-1: never)
+    prev_gap_ms: int = -1  # the same, the time before (-1: measured once at most)
     switch_in_ms: int = -1  # its last switch in: the switch's start -> its grant, a restore included (-1: none)
 
 
