@@ -39,6 +39,14 @@ def _turns(sim: Sim, rounds: int) -> None:
                 sim.result(c)
 
 
+def _a_turn(sim: Sim) -> Released:
+    """a's next turn (it asks AWAY_MS after its last release, holds HOLD_MS, releases): the release's answer."""
+    sim.settle(sim.acquire("a", dt=AWAY_MS - HOLD_MS))
+    sim.renew("a")
+    (rel,) = notices(sim.release("a", dt=HOLD_MS), Released)
+    return rel  # type: ignore[no-any-return]
+
+
 def _predicting() -> Sim:
     sim = Sim()
     sim.register("a", "n1")
@@ -50,9 +58,7 @@ def _predicting() -> Sim:
 
 def test_a_release_with_nobody_waiting_predicts_the_job_whose_turn_comes() -> None:
     sim = _predicting()
-    sim.settle(sim.acquire("a", dt=AWAY_MS - HOLD_MS))
-    sim.renew("a")
-    (rel,) = notices(sim.release("a", dt=HOLD_MS), Released)
+    rel = _a_turn(sim)
     # b released HOLD_MS ago and stays away AWAY_MS; a comes back after AWAY_MS: b first.
     assert rel.pending_waiters == 0 and rel.snapshot_deferred and rel.ahead == "b"
     plan = sim.rec.plan
@@ -62,9 +68,7 @@ def test_a_release_with_nobody_waiting_predicts_the_job_whose_turn_comes() -> No
 
 def test_the_plan_starts_a_switch_nobody_waits_for_and_the_predicted_ask_is_granted_at_once() -> None:
     sim = _predicting()
-    sim.settle(sim.acquire("a", dt=AWAY_MS - HOLD_MS))
-    sim.renew("a")
-    sim.release("a", dt=HOLD_MS)
+    _a_turn(sim)
     plan = sim.rec.plan
     assert plan is not None
     snap, restore = commands(sim.tick(dt=plan.at_ms - sim.now))
@@ -81,9 +85,7 @@ def test_the_plan_starts_a_switch_nobody_waits_for_and_the_predicted_ask_is_gran
 
 def test_the_predicted_job_asking_during_its_restore_takes_that_switch() -> None:
     sim = _predicting()
-    sim.settle(sim.acquire("a", dt=AWAY_MS - HOLD_MS))
-    sim.renew("a")
-    sim.release("a", dt=HOLD_MS)
+    _a_turn(sim)
     assert sim.rec.plan is not None
     snap, restore = commands(sim.tick(dt=sim.rec.plan.at_ms - sim.now))
     assert commands(sim.acquire("b", dt=10)) == [] and sim.rec.switch is not None
@@ -95,9 +97,7 @@ def test_the_predicted_job_asking_during_its_restore_takes_that_switch() -> None
 
 def test_any_ask_before_the_plan_starts_drops_it_at_no_cost() -> None:
     sim = _predicting()
-    sim.settle(sim.acquire("a", dt=AWAY_MS - HOLD_MS))
-    sim.renew("a")
-    sim.release("a", dt=HOLD_MS)
+    _a_turn(sim)
     plan = sim.rec.plan
     assert plan is not None and plan.at_ms > sim.now, "the plan waits for b's time"
     actions = sim.acquire("a", dt=plan.at_ms - sim.now - 1)  # a comes back first
@@ -109,9 +109,7 @@ def test_any_ask_before_the_plan_starts_drops_it_at_no_cost() -> None:
 
 def test_a_wrong_prediction_costs_one_switch_back() -> None:
     sim = _predicting()
-    sim.settle(sim.acquire("a", dt=AWAY_MS - HOLD_MS))
-    sim.renew("a")
-    sim.release("a", dt=HOLD_MS)
+    _a_turn(sim)
     assert sim.rec.plan is not None
     for c in commands(sim.tick(dt=sim.rec.plan.at_ms - sim.now)):
         sim.result(c)
@@ -128,9 +126,7 @@ def test_no_prediction_without_the_policy_or_history() -> None:
     sim.register("a", "n1")
     sim.register("b", "n1")
     _turns(sim, 2)  # policy off
-    sim.settle(sim.acquire("a", dt=AWAY_MS - HOLD_MS))
-    sim.renew("a")
-    (rel,) = notices(sim.release("a", dt=HOLD_MS), Released)
+    rel = _a_turn(sim)
     assert rel.ahead is None and sim.rec.plan is None
     fresh = Sim()
     fresh.register("a", "n1")
@@ -143,9 +139,7 @@ def test_no_prediction_without_the_policy_or_history() -> None:
 
 def test_turning_the_policy_off_drops_a_plan() -> None:
     sim = _predicting()
-    sim.settle(sim.acquire("a", dt=AWAY_MS - HOLD_MS))
-    sim.renew("a")
-    sim.release("a", dt=HOLD_MS)
+    _a_turn(sim)
     assert sim.rec.plan is not None
     sim(SetPolicy(group=G, predict=False))
     assert sim.rec.plan is None and commands(sim.tick(dt=10 * AWAY_MS)) == []
