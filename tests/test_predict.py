@@ -156,6 +156,45 @@ def test_a_job_whose_context_is_saved_on_a_lost_node_is_never_predicted() -> Non
     assert rel.ahead is None and "b" not in sim.rec.faulted
 
 
+def _replayed(sim: Sim) -> tuple[list[tuple[str, str]], str]:
+    """The stream ``sim`` wrote, through ``timeslice replay``'s fold: each prediction's (job, outcome), the summary."""
+    from timeslice_orchestrator.replay import StreamEvent, fold_events, render_summary
+
+    r = fold_events([StreamEvent(seq, ts, subject, data) for seq, ts, subject, data in sim.stream])
+    assert r.violations == []
+    outcomes = [(p.job, p.outcome) for p in r.groups[G].predictions]
+    assert r.summary.groups[G].predictions == len(outcomes)
+    assert r.summary.groups[G].predictions_hit == outcomes.count(("b", "hit"))
+    return outcomes, render_summary(r)
+
+
+def test_replay_shows_each_prediction_and_how_it_ended() -> None:
+    hit = _predicting()
+    _a_turn(hit)
+    assert hit.rec.plan is not None
+    for c in commands(hit.tick(dt=hit.rec.plan.at_ms - hit.now)):
+        hit.result(c)
+    hit.acquire("b", dt=10)
+    outcomes, text = _replayed(hit)
+    assert outcomes[-1] == ("b", "hit") and "g/b: started, its job granted next" in text, text
+
+    dropped = _predicting()
+    _a_turn(dropped)
+    assert dropped.rec.plan is not None
+    dropped.acquire("a", dt=1)
+    outcomes, text = _replayed(dropped)
+    assert outcomes[-1] == ("b", "dropped") and "g/b: planned, dropped: a job asked" in text, text
+
+    missed = _predicting()
+    _a_turn(missed)
+    assert missed.rec.plan is not None
+    for c in commands(missed.tick(dt=missed.rec.plan.at_ms - missed.now)):
+        missed.result(c)
+    missed.settle(missed.acquire("a", dt=10))
+    outcomes, text = _replayed(missed)
+    assert outcomes[-1] == ("b", "missed") and "g/b: started, another job granted next" in text, text
+
+
 # --------------------------------------------------------------------------- no trace
 
 

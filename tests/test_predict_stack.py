@@ -74,6 +74,16 @@ async def test_the_job_expected_next_finds_its_context_back_and_a_wrong_guess_co
         await a.release()
     rc, out = await timeslice(nats_url, "check", "--group", GROUP, "--json")
     assert rc == 0, out
+    rc, out = await timeslice(nats_url, "replay", "--group", GROUP)
+    assert rc == 0, out
+    shown = out.split("predictive restores", 1)[1]
+    assert f"{GROUP}/b: started, its job granted next" in shown, out
+    assert f"{GROUP}/b: started, another job granted next" in shown, out
+    rc, out = await timeslice(nats_url, "replay", "--group", GROUP, "--json")
+    assert rc == 0
+    (tl,) = json.loads(out)["groups"].values()
+    ended = [p["outcome"] for p in tl["predictions"] if p["outcome"]]  # (a's last release predicts b once more)
+    assert "hit" in ended and ended[-1] == "missed", tl["predictions"]
 
 
 async def _restored_ahead(client: AsyncTimeSliceClient, job: str) -> object | None:

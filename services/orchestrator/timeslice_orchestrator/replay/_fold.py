@@ -54,6 +54,7 @@ from ._model import (
     SwitchInterval,
     WaitInterval,
 )
+from ._predictions import observe_predictions
 from ._summary import summarize
 
 __all__ = ["fold_events", "group_of"]
@@ -229,6 +230,7 @@ class _Folder:
             if isinstance(n, YieldRequested) and w.hold is not None and w.hold.epoch == n.epoch:
                 w.hold.yield_requested_ms = ts
         tl = w.timeline
+        observe_predictions(tl.predictions, ts, before, after, notices)
         pick = after.picked
         if pick is not None and pick != (before.picked if before is not None else None):
             tl.fair_shares.append(FairShareChoice(job=pick.job, over=pick.over, ts_ms=ts, why=describe(pick)))
@@ -444,6 +446,7 @@ def _clip_timeline(tl: GroupTimeline, since: int) -> GroupTimeline:
         faults=[f for f in tl.faults if f.ts_ms >= since],
         min_holds=[m for m in tl.min_holds if _overlaps(m.start_ms, m.end_ms, since)],
         fair_shares=[c for c in tl.fair_shares if c.ts_ms >= since],
+        predictions=[p for p in tl.predictions if _overlaps(p.ts_ms, p.end_ms, since)],
         lease_expiries=sum(1 for h in tl.holds if h.end_ms is not None and h.end_ms >= since and h.end != "released"),
         events=tl.events,
     )

@@ -20,6 +20,7 @@ __all__ = [
     "JobSummary",
     "OpBar",
     "PhaseSpan",
+    "PredictedRestore",
     "Replay",
     "StateInterval",
     "StreamEvent",
@@ -113,6 +114,20 @@ class FairShareChoice:
 
 
 @dataclass
+class PredictedRestore:
+    """A predictive restore of ``job``'s context planned at ``ts_ms`` (``GroupRecord.plan``; the group's ``predict``
+    policy), started at ``started_ms`` (a switch with ``SwitchRecord.ahead``; None: never), and how it ended at
+    ``end_ms``: ``dropped`` (a job asked before it started), ``hit`` (it started and ``job`` was the next job granted),
+    ``missed`` (it started and another job was granted next), ``""`` (still open where the stream read ends)."""
+
+    job: str
+    ts_ms: int
+    started_ms: int | None = None
+    end_ms: int | None = None
+    outcome: str = ""
+
+
+@dataclass
 class MinHold:
     """The group was kept for ``job`` (its hold at ``epoch`` came through a switch and ended before the group's
     minimum hold while others waited) from ``start_ms`` until ``end_ms``: ``outcome`` says how it ended
@@ -137,6 +152,7 @@ class GroupTimeline:
     faults: list[Fault] = field(default_factory=list)
     min_holds: list[MinHold] = field(default_factory=list)
     fair_shares: list[FairShareChoice] = field(default_factory=list)
+    predictions: list[PredictedRestore] = field(default_factory=list)
     lease_expiries: int = 0
     events: int = 0  # input events folded
 
@@ -223,6 +239,8 @@ class GroupSummary:
     min_holds_kept: int = 0  # short releases that kept the group for their job (the group's minimum hold)
     min_holds_reacquired: int = 0  # of those, taken back by their job without a switch
     fair_share_choices: int = 0  # waiters put first by fair share (ahead of one of the same effective priority)
+    predictions: int = 0  # predictive restores planned (the group's predict policy)
+    predictions_hit: int = 0  # of those, started and their job granted next (its context back before it asked)
 
 
 @dataclass

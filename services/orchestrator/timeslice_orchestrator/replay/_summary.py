@@ -72,6 +72,8 @@ def _group_summary(tl: GroupTimeline, ops: Sequence[OpBar], since: int, until: i
         min_holds_kept=sum(1 for m in tl.min_holds if since <= m.start_ms <= until),
         min_holds_reacquired=sum(1 for m in tl.min_holds if since <= m.start_ms <= until and m.outcome == "reacquired"),
         fair_share_choices=sum(1 for c in tl.fair_shares if since <= c.ts_ms <= until),
+        predictions=sum(1 for p in tl.predictions if since <= p.ts_ms <= until),
+        predictions_hit=sum(1 for p in tl.predictions if since <= p.ts_ms <= until and p.outcome == "hit"),
     )
 
 

@@ -135,6 +135,20 @@ def render_summary(replay: Replay) -> str:
     if chosen:
         lines += ["", "put first by fair share (least recent held time per share, among equal priorities):"]
         lines += [f"  {_when(c.ts_ms)} {g}: {c.why}" for g, c in chosen]
+    predicted = [(g, p) for g, tl in sorted(replay.groups.items()) for p in tl.predictions]
+    if predicted:
+        said = {
+            "hit": "its job granted next",
+            "missed": "another job granted next",
+            "dropped": "dropped: a job asked",
+        }
+        lines += ["", "predictive restores (the job expected to ask next, its context brought back while idle):"]
+        lines += [
+            f"  {_when(p.ts_ms)} {g}/{p.job}: "
+            + ("started" if p.started_ms is not None else "planned")
+            + (f", {said[p.outcome]}" if p.outcome else ", still open")
+            for g, p in predicted
+        ]
     faults = [(g, f) for g, tl in sorted(replay.groups.items()) for f in tl.faults]
     if faults:
         lines += ["", "faults:"] + [f"  {_when(f.ts_ms)} {g}/{f.job}: {f.reason}" for g, f in faults]
