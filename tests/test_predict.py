@@ -95,6 +95,23 @@ def test_the_predicted_job_asking_during_its_restore_takes_that_switch() -> None
     assert g.job == "b" and g.context_restored
 
 
+def test_status_says_what_the_prediction_plans_runs_or_brought_back() -> None:
+    from timeslice_cli._status import render_table
+
+    sim = _predicting()
+    _a_turn(sim)
+    plan = sim.rec.plan
+    assert plan is not None
+    assert "predictive restore: b expected next, its restore starts in" in render_table([sim.rec], [], sim.now)
+    cmds = commands(sim.tick(dt=plan.at_ms - sim.now))
+    assert "predictive restore: bringing b's context back ahead of its ask" in render_table([sim.rec], [], sim.now)
+    for c in cmds:
+        sim.result(c)
+    assert "predictive restore: b's context is back, ahead of its ask" in render_table([sim.rec], [], sim.now)
+    sim.acquire("b", dt=10)
+    assert "predictive restore: on" in render_table([sim.rec], [], sim.now)
+
+
 def test_any_ask_before_the_plan_starts_drops_it_at_no_cost() -> None:
     sim = _predicting()
     _a_turn(sim)

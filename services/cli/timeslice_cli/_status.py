@@ -241,12 +241,29 @@ def render_table(
             lines.append(pad + _fair(r, now_ms))
             if r.picked is not None:
                 lines.append(pad + f"last {describe(r.picked)}")
+        if r.predict:
+            lines.append(pad + _predicting(r, now_ms))
     if view is not None:
         for g, why in sorted(view.quarantined.items()):
             lines.append(f"QUARANTINED {g}: {why} (not served; every other group is)")
         for g, why in sorted(view.unreadable.items()):
             lines.append(f"UNREADABLE record {g}: {why}")
     return "\n".join(lines)
+
+
+def _predicting(r: GroupRecord, now_ms: int) -> str:
+    """The predictive restore's line: what it plans or runs now, else that it is on."""
+    sw = r.switch
+    if sw is not None and sw.ahead is not None:
+        return f"predictive restore: bringing {sw.ahead}'s context back" + (
+            f" ({sw.to.job} asked meanwhile)" if sw.to is not None else " ahead of its ask"
+        )
+    if r.plan is not None:
+        starts = _dur(max(0, r.plan.at_ms - now_ms))
+        return f"predictive restore: {r.plan.job} expected next, its restore starts in {starts}"
+    if r.restored_ahead is not None:
+        return f"predictive restore: {r.restored_ahead}'s context is back, ahead of its ask"
+    return "predictive restore: on"
 
 
 def render_json(
