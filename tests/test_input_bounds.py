@@ -19,11 +19,13 @@ from timeslice_client.protocol import (
     MAX_SHARE,
     MAX_SHARES,
     Acquire,
+    Cycle,
     FairPick,
     GroupRecord,
     HolderRecord,
     OpKind,
     OpRecord,
+    Prediction,
     SwitchRecord,
     Usage,
     WaiterRecord,
@@ -55,7 +57,8 @@ def _at_limits(cls: type[R], **fields: Any) -> R:
 def test_a_record_at_every_limit_at_once_stays_far_below_the_payload_limit() -> None:
     """The worst record inputs can build: ``max_queue`` waiters with the longest ids, ``max_placements`` (job, node)
     pairs all saved, loaded and faulted with the longest reasons, ``max_lost_nodes`` lost nodes, a switch with a
-    restore beside a snapshot on every node, ``MAX_SHARES`` fair shares and the usage of ``max_usage_jobs`` jobs."""
+    restore beside a snapshot on every node, ``MAX_SHARES`` fair shares and the usage of ``max_usage_jobs`` jobs, the
+    cycles of ``max_cycles`` jobs and a predictive restore's plan."""
     rid = "r" * 128
     waiter = _at_limits(
         WaiterRecord,
@@ -96,6 +99,13 @@ def test_a_record_at_every_limit_at_once_stays_far_below_the_payload_limit() -> 
         shares={_id("s", i): MAX_SHARE for i in range(MAX_SHARES)},
         usage={_id("u", i): Usage(held_ms=BIG_MS, at_ms=BIG_MS) for i in range(LIMITS.max_usage_jobs)},
         picked=_at_limits(FairPick, job=_id("p", 0), over=_id("o", 0)),
+        predict=True,
+        cycles={
+            _id("c", i): Cycle(released_ms=BIG_MS, asked=False, gap_ms=BIG_MS, prev_gap_ms=BIG_MS, switch_in_ms=BIG_MS)
+            for i in range(LIMITS.max_cycles)
+        },
+        plan=_at_limits(Prediction, job=_id("c", 0)),
+        restored_ahead=_id("c", 1),
     )
     size = len(encode(rec))
     print(f"\nworst-case record: {size} bytes ({size / 2**20:.2f} MiB)")
