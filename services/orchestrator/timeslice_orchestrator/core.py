@@ -62,7 +62,12 @@ Semantics, per group:
   than that after its grant while others wait keeps the group (``GroupRecord.reserved``) until its grant time plus
   the minimum hold; its acquire within that window is granted at once, without a switch; at the window's end (or
   at once if it faults or leaves a node) the next waiter is served. Never renewed: the hold taken back is not a
-  switch's.
+  switch's;
+* **the predictive restore** (``SetPolicy.predict``, ``_predict``): at a release nobody waits for, the job expected
+  to ask next (from each job's recent cycle, ``GroupRecord.cycles``) is planned (``GroupRecord.plan``, named in
+  ``Released.ahead``: no claim follows such a release); any ask drops the plan; at its time, on a group still idle, a
+  switch with no waiter (``SwitchRecord.ahead``) brings that job's context back, which its ask takes over or, ended,
+  leaves loaded (``restored_ahead``: its next acquire is granted at once, ``context_restored``).
 """
 
 from __future__ import annotations
