@@ -451,8 +451,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--device",
         choices=("cuda", "cpu"),
         default="cuda",
-        help=f"cpu: run the {', '.join(sorted(CPU_SECTIONS))} sections' plumbing on CPU tensors (a test of the "
-        "script)",
+        help=f"cpu: run the {', '.join(sorted(CPU_SECTIONS))} sections' plumbing on CPU tensors (a test)",
     )
     p.add_argument(
         "--agent-process",
