@@ -210,8 +210,8 @@ def duplex_jobs(nbytes: int, reps: int, device: str, budget: Budget) -> dict[str
     if budget.left() < need_s(nbytes):
         return {
             "bytes": nbytes,
-            "skipped": f"it needs about {need_s(nbytes):.0f} s for 2 x {nbytes / GB:g} GB and {budget.left():.0f} s "
-            "of the budget are left: run it on its own (--only duplex_jobs)",
+            "skipped": f"it needs about {need_s(nbytes):.0f} s for 2 x {nbytes / GB:.3g} GB and {budget.left():.0f} "
+            "s of the budget are left: run it on its own (--only duplex_jobs), or raise --budget-s",
         }
     if why := _no_room(nbytes, device):
         return {"bytes": nbytes, "skipped": why}
