@@ -6,6 +6,7 @@ the same rules against random runs; ``test_predict_stack.py`` runs it through th
 from __future__ import annotations
 
 import msgspec
+import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from timeslice_client.protocol import (
@@ -185,31 +186,25 @@ def _replayed(sim: Sim) -> tuple[list[tuple[str, str]], str]:
     return outcomes, render_summary(r)
 
 
-def test_replay_shows_each_prediction_and_how_it_ended() -> None:
-    hit = _predicting()
-    _a_turn(hit)
-    assert hit.rec.plan is not None
-    for c in commands(hit.tick(dt=hit.rec.plan.at_ms - hit.now)):
-        hit.result(c)
-    hit.acquire("b", dt=10)
-    outcomes, text = _replayed(hit)
-    assert outcomes[-1] == ("b", "hit") and "g/b: started, its job granted next" in text, text
-
-    dropped = _predicting()
-    _a_turn(dropped)
-    assert dropped.rec.plan is not None
-    dropped.acquire("a", dt=1)
-    outcomes, text = _replayed(dropped)
-    assert outcomes[-1] == ("b", "dropped") and "g/b: planned, dropped: a job asked" in text, text
-
-    missed = _predicting()
-    _a_turn(missed)
-    assert missed.rec.plan is not None
-    for c in commands(missed.tick(dt=missed.rec.plan.at_ms - missed.now)):
-        missed.result(c)
-    missed.settle(missed.acquire("a", dt=10))
-    outcomes, text = _replayed(missed)
-    assert outcomes[-1] == ("b", "missed") and "g/b: started, another job granted next" in text, text
+@pytest.mark.parametrize(
+    ("started", "asker", "outcome", "said"),
+    [
+        (True, "b", "hit", "started, its job granted next"),
+        (False, "a", "dropped", "planned, dropped: a job asked"),
+        (True, "a", "missed", "started, another job granted next"),
+    ],
+)
+def test_replay_shows_each_prediction_and_how_it_ended(started: bool, asker: str, outcome: str, said: str) -> None:
+    sim = _predicting()
+    _a_turn(sim)
+    plan = sim.rec.plan
+    assert plan is not None and plan.at_ms > sim.now + 1
+    if started:
+        for c in commands(sim.tick(dt=plan.at_ms - sim.now)):
+            sim.result(c)
+    sim.settle(sim.acquire(asker, dt=1))
+    outcomes, text = _replayed(sim)
+    assert outcomes[-1] == ("b", outcome) and f"g/b: {said}" in text, text
 
 
 # --------------------------------------------------------------------------- no trace
