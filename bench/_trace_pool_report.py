@@ -144,7 +144,7 @@ def real_notes(by_pol: dict[str, Any], compression: float) -> list[str]:
     """A real run's lines below its table: each policy's median switch beyond the incoming restore (real ms), and how
     many of the shared run's releases named the job expected next (the predictive restore's plans)."""
     beyond = ", ".join(f"{pol} {beyond_restore_ms(b, compression):.1f}" for pol, b in by_pol.items())
-    out = [f"Median switch beyond the incoming restore, real ms: {beyond}."]
+    out = [f"Median switch beyond the incoming restore (a snapshot before it included), real ms: {beyond}."]
     planned = {pol: sum(b["ahead"].values()) for pol, b in by_pol.items() if pol.endswith("predict") and "ahead" in b}
     if planned:
         said = ", ".join(f"{pol} {n}" for pol, n in planned.items())

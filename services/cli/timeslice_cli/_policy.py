@@ -101,10 +101,10 @@ def _said(group: str, wanted: dict[str, Any]) -> str:
 
 
 async def apply_policy(nc: Any, ev: SetPolicy, *, timeout: float) -> dict[str, Any]:
-    """Publish ``ev`` on its group's control subject, as the operator, and wait until the group's
-    record shows every part it sets; those parts (what ``ev`` leaves out stays as it is). A CliError when the bus does
-    not take it or the record does not show it within ``timeout`` seconds. The group need not exist: the orchestrator
-    creates its record on the event (the command checks first, so that a mistyped group is not created)."""
+    """Publish ``ev`` on its group's control subject, as the operator, and wait until the group's record shows every
+    part it sets; those parts (what ``ev`` leaves out stays as it is). A CliError when the bus does not take it or the
+    record does not show it within ``timeout`` seconds. The group need not exist: the orchestrator creates its record
+    on the event (the command checks first, so that a mistyped group is not created)."""
     from timeslice_client.protocol import encode, subjects
 
     wanted: dict[str, Any] = {k: v for k in _ON if (v := getattr(ev, k)) is not None}
