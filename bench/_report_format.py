@@ -4,6 +4,7 @@ met or not, the command of a run, tables."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,9 @@ __all__ = ["NA", "ROOT", "X", "_cmd", "_met", "_n", "_table"]
 
 ROOT = Path(__file__).resolve().parents[1]
 X, NA = "\u00d7", "\u2013"  # the times sign and the dash for "no value", in the document
+# A result file's path as the run named it: absolute, under whichever checkout of the repository ran it (another
+# worktree's root, not this one's), as typed from the root.
+_RESULT_PATH = re.compile(r"(?<!\S)/\S*/(?=bench/results/)")
 
 
 def _n(x: Any, digits: int = 2, unit: str = "") -> str:
@@ -31,7 +35,7 @@ def _cmd(r: dict[str, Any]) -> list[str]:
     m = r.get("machine", {})
     when = m.get("utc") or r.get("date", "?")
     load = m.get("loadavg_1m")
-    command = str(r.get("command", "?")).replace(f"{ROOT}/", "")  # as typed from the repository root
+    command = _RESULT_PATH.sub("", str(r.get("command", "?")).replace(f"{ROOT}/", ""))  # as typed from the root
     return [
         "```",
         command,

@@ -9,8 +9,9 @@ take the cost model's snapshot/restore time for that pool divided by the compres
 lacks: the order rule of ``docs/multi-pool.md``, kept here by the job since its pools are separate clients), keeps the
 rest held, and takes what it lacks one at a time in sorted order. A paced phase waits for the producer's next input
 (made beside the job, one per drawn duration, at most the profile's staleness ahead). Phases are ``asyncio.sleep`` of
-their compressed length. The job starts when the driver's go message arrives and writes, as JSON, its log per pool and
-the handler's operations (modelled seconds from the go).
+their compressed length. The job starts when the driver's go message arrives and writes, as JSON, its log per pool,
+the handler's operations (modelled seconds from the go) and, per pool, how many of its releases named the job expected
+next (``Released.ahead``: the group's predictive restore planned to bring that job's context back).
 """
 
 from __future__ import annotations
@@ -112,11 +113,13 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         t0 = await ready_then_go(nc, go, a.ready, a.go_timeout)
 
         held: set[str] = set()
+        ahead = dict.fromkeys(prof.pools, 0)  # releases answered with the job expected next (the predictive restore)
 
         async def release(pool: str) -> None:
             logs[pool].append(("release", now()))
             held.discard(pool)
-            await clients[pool].release()
+            if (await clients[pool].release()).ahead is not None:
+                ahead[pool] += 1
 
         ready: list[float] = []
         taken: list[float] = []
@@ -151,7 +154,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         for log in logs.values():
             log.append(("end", end))
     await nc.drain()
-    return {"job": a.job, "logs": logs, "ops": ops, "handler_s": handler_s}
+    return {"job": a.job, "logs": logs, "ops": ops, "handler_s": handler_s, "ahead": ahead}
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from _report_format import NA, X, _cmd, _n, _table
-from _trace_pool_report import beyond_restore_ms
+from _trace_pool_report import beyond_restore_ms, real_notes
 
 TITLE = "Trace replay: the published veRL runs, modelled (bench/trace_replay.py)"
 
@@ -116,12 +116,16 @@ def pool_markdown(r: dict[str, Any]) -> list[str]:
         "way; sizes in each profile's cost model). Policies: *fifo* (today's default: snapshot, then restore, then "
         "grant), *room* (grant on restore: the node fits both contexts), *precopy* (a job that gives a pool back "
         "with nobody waiting, its context left loaded, copies it out while idle once it has been switched out "
-        "before; the next switch only frees it: simulated only), *room_precopy* (both), *priority* (job 0 at class "
-        "1), *quantum* (a holder past the quantum while the other waits gives a pool back at its next phase "
-        "boundary). Times are modelled. Duty = time a job holds the pool ÷ makespan; a switch = another job's "
-        "release (or the incoming acquire, if later) → the grant, split into snapshot (the outgoing copy while no "
-        "restore ran), restore, and lock/bus (the rest). *real*: the real stack (an agent per pool, one client per "
-        "pool per job, `CallbackHandler`s taking the modelled time), compressed: its own overhead (a few ms a "
+        "before; the next switch only frees it), *room_precopy* (both), *predict* (FIFO with the predictive "
+        "restore, `timeslice set-policy --predict`: at a release nobody waits for, the job expected to ask next has "
+        "its context brought back while the pool is idle; `docs/scheduling.md`), *room_predict* (grant on restore, "
+        "pre-copy and the predictive restore), *priority* (job 0 at class 1), *quantum* (a holder past the quantum "
+        "while the other waits gives a pool back at its next phase boundary). Times are modelled. Duty = time a job "
+        "holds the pool ÷ makespan; a switch = another job's release (or the incoming acquire, if later) → the "
+        "grant, split into snapshot (the outgoing copy while no restore ran), restore, and lock/bus (the rest). "
+        "*real*: the real stack (an agent per pool, one client per pool per job, `CallbackHandler`s taking the "
+        "modelled time; the predictive restore set on each pool's group as `timeslice set-policy` sets it), "
+        "compressed: its own overhead (a few ms a "
         "switch) weighs the compression factor more in modelled time, so its lock/bus column is that overhead times "
         'the factor. What the figures say, and what the profiles cannot reproduce: `docs/scheduling.md` ("Judged on '
         'the published runs"). The solo figures, the mutual exclusion per pool and the cost models are checked by '
@@ -142,6 +146,8 @@ def pool_markdown(r: dict[str, Any]) -> list[str]:
                 fifo = by_pol.get("fifo") or next(iter(by_pol.values()))
                 if mode == "sim" and fifo.get("vs_published"):
                     out += [_published(fifo["vs_published"]), ""]
+                if mode == "real":
+                    out += [" ".join(real_notes(by_pol, p[mode]["compression"])), ""]
                 if mode == "real" and "room" in by_pol:
                     ms = beyond_restore_ms(by_pol["room"], p[mode]["compression"])
                     out += [

@@ -5,7 +5,11 @@ Per policy one stack: ``fifo`` runs the agents with ``--no-overlap-restores`` (s
 ``room`` with the agents' default, where a restore runs beside the snapshot when the node has room for both contexts
 (the handlers report 1 MB moved, so the room rule says yes on any machine) and the orchestrator grants on it;
 ``precopy`` and ``room_precopy`` the same with the jobs' channels pre-copying while idle (``precopy="auto"``: the
-handler's ``precopy`` takes the snapshot's time, and a suspend after it only frees). For
+handler's ``precopy`` takes the snapshot's time, and a suspend after it only frees); ``predict`` as ``fifo`` and
+``room_predict`` as ``room_precopy``, with the predictive restore: before a run's jobs start, each of its groups gets
+``SetPolicy(predict=True)`` as an operator sets it (``timeslice set-policy``'s ``apply_policy``: on the group's control
+subject, then the group's record read until it shows it; the orchestrator creates the record on that event, as the
+simulation applies the policy at time 0). For
 each profile and cost model: jobs 0 and 1 alone, then the two sharing; the jobs' logs and their handlers' operations
 give the same figures as the simulation (``_trace_pools.run_figures``). The stack's own overhead (a few ms per
 message) is not compressed: in modelled time it weighs the compression factor more than it would for real.
@@ -23,8 +27,11 @@ from _trace_model import load_profile, resolve
 from _trace_pools import OpSpan, PoolRun, exclusive, run_figures
 
 JOB_SCRIPT = c.BENCH / "_trace_pool_job.py"
-RealPolicy = Literal["fifo", "room", "precopy", "room_precopy"]
-REAL_POLICIES: tuple[RealPolicy, ...] = ("fifo", "room", "precopy", "room_precopy")
+RealPolicy = Literal["fifo", "room", "precopy", "room_precopy", "predict", "room_predict"]
+REAL_POLICIES: tuple[RealPolicy, ...] = ("fifo", "room", "precopy", "room_precopy", "predict", "room_predict")
+SERIAL: frozenset[RealPolicy] = frozenset({"fifo", "precopy", "predict"})  # the agents restore after the snapshot
+PRECOPY: frozenset[RealPolicy] = frozenset({"precopy", "room_precopy", "room_predict"})
+PREDICT: frozenset[RealPolicy] = frozenset({"predict", "room_predict"})
 
 
 def _to_run(results: list[dict[str, Any]]) -> PoolRun:
@@ -51,12 +58,24 @@ async def _one_run(
     jobs: list[int],
     steps: int,
     compression: float,
-    precopy: bool,
+    policy: RealPolicy,
 ) -> list[dict[str, Any]]:
+    if policy in PREDICT:
+        await _predict(nc, [f"{run_id}-{pool}" for pool in load_profile(prof).pools])
+    precopy = policy in PRECOPY
     flags = c.flags(url=url, group_prefix=run_id, node_prefix=node_prefix, profile=resolve(prof), cost=cost)
     flags += c.flags(steps=steps, compression=compression, precopy="auto" if precopy else "never")
     timeout = 120 + 4 * 3600 / compression * 2
     return await run_trace_jobs(JOB_SCRIPT, nc, tmp, run_id, jobs, flags, timeout, "trace pool job")
+
+
+async def _predict(nc: Any, groups: list[str]) -> None:
+    """Turn the predictive restore on for ``groups``, as ``timeslice set-policy --group G --predict`` does."""
+    from timeslice_cli._policy import apply_policy
+    from timeslice_client.protocol import SetPolicy
+
+    for group in groups:
+        await apply_policy(nc, SetPolicy(group=group, predict=True), timeout=30.0)
 
 
 async def run_real_pools(
@@ -79,8 +98,7 @@ async def run_real_pools(
             nc = await connect(url)
             orch.start()
             await orch.wait_ready(nc.jetstream())
-            fifo = ["--no-overlap-restores"] if policy in ("fifo", "precopy") else []
-            precopy = policy in ("precopy", "room_precopy")
+            fifo = ["--no-overlap-restores"] if policy in SERIAL else []
             for pool in pools:
                 agents.append(c.start_agent(url, f"{node_prefix}-{pool}", tmp / f"agent-{pool}.log", *fifo))
             for pool, agent in zip(pools, agents, strict=True):
@@ -97,16 +115,19 @@ async def run_real_pools(
                     if cost not in prof.costs:
                         continue
                     handler = {"suspend": 0.0, "resume": 0.0}
+                    ahead = dict.fromkeys(prof.pools, 0)
                     alone = []
                     for i in (0, 1):
                         rid = f"{prof.name[:20]}-{cost}-{policy}-a{i}"
-                        res = await _one_run(url, nc, tmp, rid, node_prefix, name, cost, [i], n, compression, precopy)
+                        res = await _one_run(url, nc, tmp, rid, node_prefix, name, cost, [i], n, compression, policy)
                         alone.append(run_figures(_to_run(res), n))
                     rid = f"{prof.name[:20]}-{cost}-{policy}-s"
-                    res = await _one_run(url, nc, tmp, rid, node_prefix, name, cost, [0, 1], n, compression, precopy)
+                    res = await _one_run(url, nc, tmp, rid, node_prefix, name, cost, [0, 1], n, compression, policy)
                     for r in res:
                         for k in handler:
                             handler[k] += r["handler_s"][k]
+                        for pool, k in r["ahead"].items():
+                            ahead[pool] += k
                     run = _to_run(res)
                     shared = run_figures(run, n)
                     back_to_back = sum(a["makespan_s"] for a in alone)
@@ -117,6 +138,7 @@ async def run_real_pools(
                         "alone": alone,
                         "shared": shared,
                         "handler_s": handler,
+                        "ahead": ahead,  # the shared run's releases that named the job expected next, per pool
                         "steps": n,
                         "exclusive": exclusive(run),  # by the jobs' logs: no two held one pool at once
                     }

@@ -140,6 +140,18 @@ def beyond_restore_ms(block: dict[str, Any], compression: float) -> float:
     return float(block["shared"].get("beyond_restore_median_s", 0.0)) / compression * 1000
 
 
+def real_notes(by_pol: dict[str, Any], compression: float) -> list[str]:
+    """A real run's lines below its table: each policy's median switch beyond the incoming restore (real ms), and how
+    many of the shared run's releases named the job expected next (the predictive restore's plans)."""
+    beyond = ", ".join(f"{pol} {beyond_restore_ms(b, compression):.1f}" for pol, b in by_pol.items())
+    out = [f"Median switch beyond the incoming restore (a snapshot before it included), real ms: {beyond}."]
+    planned = {pol: sum(b["ahead"].values()) for pol, b in by_pol.items() if pol.endswith("predict") and "ahead" in b}
+    if planned:
+        said = ", ".join(f"{pol} {n}" for pol, n in planned.items())
+        out.append(f"Releases of the shared run that named the job expected next (`Released.ahead`): {said}.")
+    return out
+
+
 def _print_runs(
     p: dict[str, Any], runs: dict[str, dict[str, Any]], mode: str, published: bool = True, compression: float = 0.0
 ) -> None:
@@ -171,6 +183,8 @@ def _print_runs(
                 f"{duties} {_pct(f['mean_duty'])} {f['switches']:>8} {f['critical_path_s']['total']:>8.1f} s   "
                 f"{med['total']:.3f} = {med['snapshot']:.3f} + {med['restore']:.3f} + {med['lock_bus']:.3f}"
             )
+        if compression:
+            print("".join(f"    {line}\n" for line in real_notes(by_pol, compression)), end="")
         if compression and "room" in by_pol:
             ms = beyond_restore_ms(by_pol["room"], compression)
             print(

@@ -25,10 +25,12 @@ Modes (``--mode``, default ``both``):
 Multi-pool profiles (``--pool-profiles``, default ``verl_sync_disagg,verl_async_disagg``: modelled on the reference
 project's published veRL runs, not recorded): jobs holding a trainer pool and a sampler pool in turn, one core record
 per pool (``bench/_trace_pools.py``), in sim mode (``--pool-mode``, default ``sim``; ``real``: the real stack with an
-agent per pool, FIFO, grant on restore and pre-copy (not priority, quantum, min_hold), ``--pool-real-steps`` steps at
-``--pool-compression``: ``bench/_trace_pool_real.py``), per cost model (``--costs``: ``published``, the published
-checkpoint/restore medians; ``pcie``, the state's bytes over 55 GB/s each way) and policy (``--policies``: ``fifo``,
-``room``: grant on restore, ``precopy``: FIFO with pre-copy while idle, ``room_precopy``: both, ``priority``: classes,
+agent per pool, FIFO, grant on restore, pre-copy and the predictive restore (not priority, quantum, min_hold),
+``--pool-real-steps`` steps at ``--pool-compression``: ``bench/_trace_pool_real.py``), per cost model (``--costs``:
+``published``, the published checkpoint/restore medians; ``pcie``, the state's bytes over 55 GB/s each way) and policy
+(``--policies``: ``fifo``, ``room``: grant on restore, ``precopy``: FIFO with pre-copy while idle, ``room_precopy``:
+both, ``predict``: FIFO with the predictive restore (``SetPolicy.predict``, set as ``timeslice set-policy --predict``
+sets it), ``room_predict``: grant on restore, pre-copy and the predictive restore, ``priority``: classes,
 ``quantum``: ``--quantum-s``, ``min_hold``: ``--min-hold-s``, not run unless named): jobs 0 and 1 alone and the two
 sharing, the makespan, each pool's duty, the switches, and the switch time on the critical path split into snapshot,
 restore and lock/bus, beside the published figures (``bench/_trace_pool_report.py``).
@@ -38,7 +40,7 @@ For 1 job alone (each of jobs 0..2: the baseline), 2 and 3 jobs sharing: wall ti
 share of wall time lost to switching (another job's release → the next grant), and the shared run's
 speedup over the same jobs run back to back. Run:
 ``python bench/trace_replay.py [--mode both] [--steps 8] [--compression 100] [--quick] [--json-out FILE]
-[--pool-profiles verl_sync_disagg,verl_async_disagg] [--costs published,pcie] [--policies fifo,room,priority,quantum]``.
+[--pool-profiles verl_sync_disagg,verl_async_disagg] [--costs published,pcie] [--policies fifo,room,predict]``.
 """
 
 from __future__ import annotations
@@ -242,7 +244,8 @@ def print_report(res: dict[str, Any]) -> None:
 
 
 def pool_block(names: list[str], costs: list[str], policies: list[Policy], a: argparse.Namespace) -> dict[str, Any]:
-    """The multi-pool profiles: sim at their steps; real (fifo, room, pre-copies) and sim at the real run's steps."""
+    """The multi-pool profiles: sim at their steps; real (fifo, room, pre-copies, predictive restores) and sim at the
+    real run's steps."""
     out: dict[str, Any] = {}
     hop_s = a.hop_ms / 1000
     if a.pool_mode != "real":
@@ -287,7 +290,7 @@ def main() -> None:
     p.add_argument("--costs", default="published,pcie", help="multi-pool profiles: the cost models to run")
     p.add_argument(
         "--policies",
-        default="fifo,room,precopy,room_precopy,priority,quantum",
+        default="fifo,room,precopy,room_precopy,predict,room_predict,priority,quantum",
         help="multi-pool profiles: the policies to run",
     )
     p.add_argument("--quantum-s", type=float, default=120.0, help="multi-pool profiles: the quantum policy's quantum")
@@ -301,7 +304,8 @@ def main() -> None:
         "--pool-mode",
         choices=("sim", "real", "both"),
         default="sim",
-        help="multi-pool profiles: sim (default), real (the stack: fifo, room, precopy, room_precopy), or both",
+        help="multi-pool profiles: sim (default), real (the stack: fifo, room, precopy, room_precopy, predict, "
+        "room_predict), or both",
     )
     p.add_argument("--pool-real-steps", type=int, default=10, help="multi-pool profiles, real mode: steps per job")
     p.add_argument(

@@ -2,7 +2,7 @@
 multi-pool simulation that replays them (``bench/_trace_pools.py``): they load, a job alone reproduces the published
 solo figures, two jobs sharing switch and never hold one pool at once, and the cost models give the stated times.
 
-All in simulated time: the whole module takes about a second.
+All in simulated time but the last two, through the real stack (2 steps at time / 2000: a few seconds each).
 """
 
 from __future__ import annotations
@@ -233,3 +233,15 @@ async def test_the_real_stack_replays_a_multi_pool_profile() -> None:
     assert block["exclusive"]  # by the jobs' own logs, no two held one pool at once
     for pool in ("sampler", "trainer"):
         assert 0 < shared["pools"][pool]["duty_cycle"] <= 1
+    assert sum(block["ahead"].values()) == 0  # no predictive restore: no release names a job expected next
+
+
+async def test_the_real_stack_replays_with_the_predictive_restore_set_as_an_operator_sets_it() -> None:
+    """``predict`` through the stack: each pool's group gets ``SetPolicy(predict=True)`` on its control subject before
+    the jobs start (``timeslice set-policy``'s request), so the orchestrator plans restores: releases of the shared
+    run name the job expected next (``Released.ahead``), which they never do with the policy off."""
+    out = await run_real_pools(["verl_sync_disagg"], ["published"], ["predict"], 2, 2000.0)
+    block = out["verl_sync_disagg"]["published"]["predict"]
+    assert block["shared"]["jobs"] == 2 and block["shared"]["switches"] > 0
+    assert sum(block["ahead"].values()) > 0, block["ahead"]
+    assert block["exclusive"]

@@ -4,7 +4,8 @@ the predictive restore), and say once the orchestrator applied it. What is not g
 The request is an event in the stream (``SetPolicy`` on ``ts.v1.ctl.<group>.set_policy``, which only the operator's
 identity may publish), applied by the orchestrator like any other, so ``timeslice replay`` folds the same decisions;
 the command then reads the group's record until it shows the policy. An unknown group, a request the bus refuses, or a
-record that does not show it when ``--timeout`` ends: one line on stderr and exit code 1.
+record that does not show it when ``--timeout`` ends: one line on stderr and exit code 1. :func:`apply_policy` is that
+request and wait, for a program that sets a policy the same way (``bench/_trace_pool_real.py``).
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._common import CliError, add_nats_flag, publish_control, until_applied
 
-__all__ = ["register"]
+if TYPE_CHECKING:
+    from timeslice_client.protocol import SetPolicy
+
+__all__ = ["apply_policy", "register"]
 
 
 async def _policy(nc: Any, group: str) -> dict[str, Any] | None:
@@ -96,9 +100,28 @@ def _said(group: str, wanted: dict[str, Any]) -> str:
     return "\n".join(f"group {group}: {_ON[k](v) if v else _OFF[k]}" for k, v in wanted.items())
 
 
+async def apply_policy(nc: Any, ev: SetPolicy, *, timeout: float) -> dict[str, Any]:
+    """Publish ``ev`` on its group's control subject, as the operator, and wait until the group's record shows every
+    part it sets; those parts (what ``ev`` leaves out stays as it is). A CliError when the bus does not take it or the
+    record does not show it within ``timeout`` seconds. The group need not exist: the orchestrator creates its record
+    on the event (the command checks first, so that a mistyped group is not created)."""
+    from timeslice_client.protocol import encode, subjects
+
+    wanted: dict[str, Any] = {k: v for k in _ON if (v := getattr(ev, k)) is not None}
+    what = f"the policy for group {ev.group!r}"
+    await publish_control(nc, subjects.ctl(ev.group, "set_policy"), encode(ev), timeout=timeout, what=what)
+
+    async def applied() -> bool:
+        now = await _policy(nc, ev.group)
+        return now is not None and all(now[k] == v for k, v in wanted.items())
+
+    await until_applied(applied, timeout=timeout, what=f"apply the policy of group {ev.group!r}")
+    return wanted
+
+
 async def _set_policy(args: argparse.Namespace) -> int:
     from timeslice_client.bus import connect
-    from timeslice_client.protocol import MAX_MIN_HOLD_MS, MAX_QUANTUM_MS, SetPolicy, encode, subjects, validate_id
+    from timeslice_client.protocol import MAX_MIN_HOLD_MS, MAX_QUANTUM_MS, SetPolicy, validate_id
 
     group = validate_id("group", args.group)
     quantum_ms = _ms(args.quantum_s, "--quantum-s", MAX_QUANTUM_MS)
@@ -107,8 +130,7 @@ async def _set_policy(args: argparse.Namespace) -> int:
     predict: bool | None = args.predict
     if quantum_ms is None and min_hold_ms is None and shares is None and predict is None:
         raise CliError("give --quantum-s, --min-hold-s, --share, --no-shares, --predict or --no-predict (or several)")
-    given = (("quantum_ms", quantum_ms), ("min_hold_ms", min_hold_ms), ("shares", shares), ("predict", predict))
-    wanted: dict[str, Any] = {k: v for k, v in given if v is not None}
+    ev = SetPolicy(group=group, quantum_ms=quantum_ms, min_hold_ms=min_hold_ms, shares=shares, predict=predict)
     nc = await connect(args.nats_url)
     try:
         if await _policy(nc, group) is None:
@@ -116,17 +138,7 @@ async def _set_policy(args: argparse.Namespace) -> int:
                 f"no group {group!r} on this bus (`timeslice status` lists them); a group exists once a "
                 "job asked for it"
             )
-        policy = encode(
-            SetPolicy(group=group, quantum_ms=quantum_ms, min_hold_ms=min_hold_ms, shares=shares, predict=predict)
-        )
-        what = f"the policy for group {group!r}"
-        await publish_control(nc, subjects.ctl(group, "set_policy"), policy, timeout=args.timeout, what=what)
-
-        async def applied() -> bool:
-            now = await _policy(nc, group)
-            return now is not None and all(now[k] == v for k, v in wanted.items())
-
-        await until_applied(applied, timeout=args.timeout, what=f"apply the policy of group {group!r}")
+        wanted = await apply_policy(nc, ev, timeout=args.timeout)
     finally:
         await nc.close()
     print(json.dumps({"group": group, **wanted}) if args.json else _said(group, wanted), flush=True)
