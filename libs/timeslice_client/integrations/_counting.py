@@ -75,6 +75,25 @@ class CountingHandler:
             self._suspended = True
             return result
 
+    @property
+    def precopy(self) -> Callable[[frozenset[str], threading.Event | None], HandlerResult]:
+        """The inner handler's pre-copy while idle (``TorchOffloadHandler.precopy``; docs/backends.md, "Pre-copy"),
+        holding this handler as a suspend does, so that a suspend or a :meth:`replace` that comes meanwhile waits for
+        it. Absent (``AttributeError``, so ``getattr(h, "precopy", None)`` is None) when the inner handler has none:
+        the workload channel then makes no copy."""
+        copy = getattr(self._inner, "precopy", None)
+        if copy is None:
+            raise AttributeError(f"{type(self._inner).__name__} has no precopy")
+
+        def counted(tags: frozenset[str], cancelled: threading.Event | None = None) -> HandlerResult:
+            with self._lock:
+                if self._inner is None or getattr(self._inner, "precopy", None) != copy:
+                    return HandlerResult()  # replaced since: the copy would be of objects no longer registered
+                result: HandlerResult = copy(tags, cancelled)
+                return result
+
+        return counted
+
     def resume(self, mode: SuspendMode, tags: frozenset[str]) -> HandlerResult:
         with self._lock:
             result, ms = _timed(self._target().resume, mode, tags)
