@@ -120,7 +120,9 @@ class StatusCalls:
     def _heard(self, msg: Msg) -> None:
         """A notice came: the read floor rises to the sequence of the input that decided it."""
         raw = msg.headers.get(NOTICE_SEQ_HEADER) if msg.headers else None
-        if raw is not None and raw.isdigit() and int(raw) > self._read_floor:
+        # (a stream sequence is a uint64: at most 20 digits; a longer one is no sequence, and int() of thousands of
+        # digits raises)
+        if raw is not None and len(raw) <= 20 and raw.isdigit() and int(raw) > self._read_floor:
             self._read_floor = int(raw)
 
 

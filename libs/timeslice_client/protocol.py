@@ -341,7 +341,7 @@ class Released(_Msg, frozen=True, tag="released", omit_defaults=True):
     epoch: int
     pending_waiters: int
     snapshot_deferred: bool
-    ahead: str | None = None
+    ahead: Id | None = None
 
 
 class Refused(_Msg, frozen=True, tag="refused"):
