@@ -294,8 +294,36 @@ def _same(on: Sim, off: Sim, got_on: list[Action], got_off: list[Action]) -> boo
     if on.rec.switch is not None and on.rec.switch.ahead is not None:
         return False
     assert _plain(got_on) == _plain(got_off), (got_on, got_off)
-    fields = ("predict", "plan", "restored_ahead", "last_seq", "since_ms")
+    fields = ("predict", "cycles", "plan", "restored_ahead", "last_seq", "since_ms")
     a = {k: v for k, v in msgspec.structs.asdict(on.rec).items() if k not in fields}
     b = {k: v for k, v in msgspec.structs.asdict(off.rec).items() if k not in fields}
     assert a == b, (on.rec, off.rec)
     return True
+
+
+def test_a_hostile_release_notice_is_refused_by_its_bounds() -> None:
+    """``Released.ahead`` from the bus is an id: a longer one is refused at decoding (the client logs an undecodable
+    notice and goes on), never acted on."""
+    from timeslice_client.protocol import decode_notice, encode
+
+    ok = Released(group=G, job="a", request_id="r", epoch=1, pending_waiters=0, snapshot_deferred=True, ahead="b")
+    assert decode_notice(encode(ok)) == ok
+    forged = encode(ok).replace(b'"ahead":"b"', b'"ahead":"' + b"x" * 10_000 + b'"')
+    with pytest.raises(msgspec.ValidationError):
+        decode_notice(forged)
+
+
+def test_a_hostile_sequence_header_moves_no_read_floor() -> None:
+    """The ``Ts-Seq`` header of a notice is a stream sequence (at most 20 digits): a longer or non-numeric one is
+    ignored (``int()`` of thousands of digits would raise in the notice callback)."""
+    from types import SimpleNamespace
+
+    from timeslice_client import AsyncTimeSliceClient
+    from timeslice_client.protocol import NOTICE_SEQ_HEADER
+
+    client = AsyncTimeSliceClient("a", G, "nats://127.0.0.1:1")
+    for raw in ("9" * 5000, "-3", "12a", ""):
+        client._heard(SimpleNamespace(headers={NOTICE_SEQ_HEADER: raw}))  # type: ignore[arg-type]
+        assert client._read_floor == 0
+    client._heard(SimpleNamespace(headers={NOTICE_SEQ_HEADER: "41"}))  # type: ignore[arg-type]
+    assert client._read_floor == 41

@@ -45,13 +45,14 @@ async def test_the_job_expected_next_finds_its_context_back_and_a_wrong_guess_co
         rc, out = await timeslice(nats_url, "set-policy", "--group", GROUP, "--predict", "--json")
         assert rc == 0 and json.loads(out) == {"group": GROUP, "predict": True}, out
         # Rounds of turns: b is away only while a works, a also while it generates after b's turn. The core learns
-        # how long each stays away (nothing to predict from yet).
+        # how long each stays away (from the policy on: no history is kept without it). b's releases may already
+        # expect a next, rightly (a asks after its generation phase, before b comes back).
         for _ in range(2):
-            assert await _turn(b) is None
+            assert await _turn(b) in (None, "a")
             await asyncio.sleep(AWAY_S)  # (a's generation phase: nobody holds the group)
             await _turn(a)
         # a's release: b (away a moment) asks before a (away for longer) comes back.
-        assert await _turn(b) is None
+        assert await _turn(b) in (None, "a")
         await asyncio.sleep(AWAY_S)
         assert await _turn(a) == "b"
         rec = await eventually(

@@ -313,6 +313,8 @@ def _on_set_policy(w: Work, ev: SetPolicy) -> None:
     if ev.predict is not None and ev.predict != w.predict:
         w.predict = ev.predict
         w.plan = None  # (on: the next idle release plans; off: a plan not started yet is dropped)
+        if not ev.predict:
+            w.cycles.clear()  # the history is kept only while the policy is on
         w.touch(f"policy set: predictive restore {'on' if ev.predict else 'off'}")
     shares = dict(sorted(ev.shares.items())) if ev.shares is not None else w.shares
     if shares != w.shares:  # (replaced by others: the usage stays; turned off: it is forgotten)

@@ -1,8 +1,9 @@
 """The predictive restore (``SetPolicy.predict``): while a group is idle, bring back the context of the job most
 likely to ask next, so that its acquire finds it loaded.
 
-What the core knows of each job's cycle (``GroupRecord.cycles``, ``Cycle``): when it last released, how long it
-stayed away the last two times (its release to its next ask), and how long its last switch in took. At a release that
+What the core knows of each job's cycle (``GroupRecord.cycles``, ``Cycle``; kept only while the policy is on, so the
+default path does no work for it and its records carry none): when it last released, how long it stayed away the last
+two times (its release to its next ask), and how long its last switch in took. At a release that
 nobody waited for (the context stays loaded: ``IDLE_YIELDED``), with the policy on, the core expects each other job
 that is not faulted, has its context saved and does not wait already, to ask at its last release plus the longer of
 its last two times away (at once if that time has passed); the releasing job to come back after the shorter of its own
@@ -62,6 +63,8 @@ def _keep(w: Work, job: str, cycle: Cycle) -> None:
 
 def note_ask(w: Work, job: str) -> None:
     """``job`` asks for the group (a valid acquire or claim): its time away is measured, and a plan is dropped."""
+    if not w.predict:
+        return  # (no history is kept with the policy off: nothing on the default path)
     c = w.cycles.get(job)
     if c is not None and not c.asked:
         gap = max(0, w.now - c.released_ms)
@@ -74,6 +77,8 @@ def note_ask(w: Work, job: str) -> None:
 
 def note_switched_in(w: Work, job: str, started_at_ms: int) -> None:
     """A switch that started at ``started_at_ms`` grants ``job`` now: how long its switch in took."""
+    if not w.predict:
+        return
     c = w.cycles.get(job, Cycle())
     _keep(w, job, msgspec.structs.replace(c, switch_in_ms=max(0, w.now - started_at_ms)))
 
@@ -81,10 +86,12 @@ def note_switched_in(w: Work, job: str, started_at_ms: int) -> None:
 def note_release(w: Work, job: str) -> str | None:
     """``job`` released: its cycle notes it; with nobody waiting and the policy on, plan the predictive restore.
     Returns the job predicted (None: none)."""
+    if not w.predict:
+        return None
     c = w.cycles.get(job, Cycle())
     _keep(w, job, msgspec.structs.replace(c, released_ms=w.now, asked=False))
     w.plan = None
-    if not w.predict or w.queue or w.reserved is not None:
+    if w.queue or w.reserved is not None:
         return None
     # Cautious both ways: the releasing job back after the shorter of its last two times away, each other job asking
     # after the longer of its own (one measured: that one).
