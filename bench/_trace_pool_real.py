@@ -17,16 +17,21 @@ message) is not compressed: in modelled time it weighs the compression factor mo
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 import subprocess
+from pathlib import Path
 from typing import Any, Literal
 
 import _common as c
 from _trace_jobs import run_trace_jobs
 from _trace_model import load_profile, resolve
-from _trace_pools import OpSpan, PoolRun, exclusive, run_figures
+from _trace_pools import OpSpan, PoolRun, exclusive, holds, run_figures
 
 JOB_SCRIPT = c.BENCH / "_trace_pool_job.py"
+HANDOFF_SCRIPT = c.BENCH / "handoff.py"  # its responder and requester roles: the bare bus round trip
+IDLE_RTT_N = 30  # bare round trips measured after each shared run's idle gap
 RealPolicy = Literal["fifo", "room", "precopy", "room_precopy", "predict", "room_predict"]
 REAL_POLICIES: tuple[RealPolicy, ...] = ("fifo", "room", "precopy", "room_precopy", "predict", "room_predict")
 SERIAL: frozenset[RealPolicy] = frozenset({"fifo", "precopy", "predict"})  # the agents restore after the snapshot
@@ -67,6 +72,34 @@ async def _one_run(
     flags += c.flags(steps=steps, compression=compression, precopy="auto" if precopy else "never")
     timeout = 120 + 4 * 3600 / compression * 2
     return await run_trace_jobs(JOB_SCRIPT, nc, tmp, run_id, jobs, flags, timeout, "trace pool job")
+
+
+def _median_hold_s(run: PoolRun, compression: float) -> float:
+    """The shared run's median hold (grant to release, any pool), in real seconds: how long the stack sits idle, but
+    for lease renewals, before a switch's release."""
+    spans = [g1 - g0 for log in run.logs.values() for hs in holds(log).values() for g0, g1 in hs]
+    return statistics.median(spans) / compression if spans else 0.0
+
+
+def idle_round_trip(url: str, tmp: Path, gap_s: float, n: int = IDLE_RTT_N) -> dict[str, float]:
+    """The baseline of a switch's stack overhead, measured on the same server in the same run: a bare NATS
+    request-reply between two processes (``bench/handoff.py``'s requester and responder roles), each after ``gap_s``
+    of idle. On a VM whose idle CPUs wake slowly, each message after a long idle costs far more than in a tight loop
+    (on the development VM 5 ms a round trip after 300 ms idle against 0.6 ms after 2 ms), and a switch's messages all
+    come after such an idle."""
+    ready, out = tmp / "idle-responder.ready", tmp / "idle-requester.json"
+    resp = c.spawn(HANDOFF_SCRIPT, "--role", "responder", "--url", url, "--out", str(ready))
+    try:
+        c.wait_file(ready, resp, 30, "bare round-trip responder")
+        req = c.spawn(
+            HANDOFF_SCRIPT, "--role", "requester", "--url", url, "--n", str(n), "--gap", str(gap_s), "--out", str(out)
+        )
+        if req.wait(timeout=60 + n * (gap_s + 5)):
+            raise RuntimeError(f"the bare round-trip requester exited with {req.returncode}")
+        rtts = [x / 1e6 for x in json.loads(out.read_text())[max(1, n // 10) :]]
+    finally:
+        c.stop_procs([resp])
+    return {"gap_ms": gap_s * 1000, "p50_ms": statistics.median(rtts), "n": len(rtts)}
 
 
 async def _predict(nc: Any, groups: list[str]) -> None:
@@ -141,6 +174,8 @@ async def run_real_pools(
                         "ahead": ahead,  # the shared run's releases that named the job expected next, per pool
                         "steps": n,
                         "exclusive": exclusive(run),  # by the jobs' logs: no two held one pool at once
+                        # the bare bus round trip after the shared run's median hold of idle (same server)
+                        "idle_rtt": idle_round_trip(url, tmp, _median_hold_s(run, compression)),
                     }
                     out.setdefault(prof.name, {}).setdefault(cost, {})[policy] = block
             await nc.close()

@@ -140,11 +140,30 @@ def beyond_restore_ms(block: dict[str, Any], compression: float) -> float:
     return float(block["shared"].get("beyond_restore_median_s", 0.0)) / compression * 1000
 
 
+def _in_rtts(block: dict[str, Any], compression: float) -> str:
+    """`` (N round trips)``: a policy's median switch beyond its restore in bare bus round trips after the same idle
+    (its run's ``idle_rtt``), or nothing when the run has none."""
+    rtt = block.get("idle_rtt")
+    if not rtt or not rtt.get("p50_ms"):
+        return ""
+    return f" ({beyond_restore_ms(block, compression) / rtt['p50_ms']:.1f} round trips)"
+
+
 def real_notes(by_pol: dict[str, Any], compression: float) -> list[str]:
     """A real run's lines below its table: each policy's median switch beyond the incoming restore (real ms), and how
     many of the shared run's releases named the job expected next (the predictive restore's plans)."""
-    beyond = ", ".join(f"{pol} {beyond_restore_ms(b, compression):.1f}" for pol, b in by_pol.items())
+    beyond = ", ".join(
+        f"{pol} {beyond_restore_ms(b, compression):.1f}{_in_rtts(b, compression)}" for pol, b in by_pol.items()
+    )
     out = [f"Median switch beyond the incoming restore (a snapshot before it included), real ms: {beyond}."]
+    rtts = [b["idle_rtt"] for b in by_pol.values() if "idle_rtt" in b]
+    if rtts:
+        said = ", ".join(f"{r['p50_ms']:.2f} ms after {r['gap_ms']:.0f} ms" for r in rtts)
+        out.append(
+            f"Baseline, same run: the bare bus round trip (NATS request-reply, two processes) after the shared run's "
+            f"median hold of idle, p50 per policy: {said}. A grant on restore sends six messages on its critical path "
+            "(release, command, the restore's request and answer, result, grant): three such round trips."
+        )
     planned = {pol: sum(b["ahead"].values()) for pol, b in by_pol.items() if pol.endswith("predict") and "ahead" in b}
     if planned:
         said = ", ".join(f"{pol} {n}" for pol, n in planned.items())

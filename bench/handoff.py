@@ -8,8 +8,10 @@ them), then:
 * P2 re-acquire: one job alone releases and re-acquires (IDLE_YIELDED, no switch): a claim, which
   returns at the stream's PubAck (``Acquire.claim_epoch``); P2 through the orchestrator: the same with
   ``fast_reacquire=False``, which waits for the orchestrator's grant notice;
-* P1 sync, P2 sync: P1 and P2 (a claim) through the blocking ``TimeSliceClient``, right after the async rows of
-  the same run, and their ratio to those (issue 25: within 1.25x);
+* P1 sync, P2 sync: P1 and P2 (a claim) through the blocking ``TimeSliceClient``, and their ratio to the async
+  client's (issue 25: within 1.25x); the two clients run in alternating rounds (``--rounds``, default 4: async then
+  sync, then sync then async, ...), so that the machine's drift during the run (on the development VM the same
+  figure moves by 20-40% between minutes) weighs on both alike;
 * baseline: a raw core NATS request-reply to a responder in another process, same server;
 * floor: the lock's own path without the lock: a JetStream publish (awaiting its PubAck) that a push
   consumer in another process receives and answers with a core publish, both subjects stored in a
@@ -128,7 +130,30 @@ def _pingpong_run(
     return hand[len(hand) // 10 :]  # skip the warm-up tenth
 
 
-def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
+def _sync_async_rounds(
+    tmp: Path, url: str, n: int, gap: str, procs: list[subprocess.Popen[bytes]], rounds: int
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """P1 and P2 through each client in ``rounds`` alternating rounds of ``n / rounds`` each (fresh processes and
+    groups per round, each less its warm-up tenth): the handoffs and re-acquires (ms) of the async and the sync
+    client."""
+    per = max(20, n // rounds)
+    hand: list[float] = []
+    hand_sync: list[float] = []
+    re_lat: list[float] = []
+    re_sync: list[float] = []
+    for r in range(rounds):
+        for sync in (False, True) if r % 2 == 0 else (True, False):
+            sfx = "-sync" if sync else ""
+            (hand_sync if sync else hand).extend(
+                _pingpong_run(tmp, url, f"bench{sfx}-{r}", per, gap, procs, f"pingpong{sfx}")
+            )
+            (re_sync if sync else re_lat).extend(
+                x / 1e6 for x in _worker(tmp, f"reacquire{sfx}", url, per, gap, "--group", f"bench-solo{sfx}-{r}")
+            )
+    return hand, hand_sync, re_lat, re_sync
+
+
+def run(n: int, gap_ms: float, grpc: bool = False, rounds: int = 4) -> dict[str, Any]:
     from timeslice_orchestrator.embedded import NatsServer
 
     tmp = Path(tempfile.mkdtemp(prefix="ts-bench-"))
@@ -164,20 +189,11 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         floor = [x / 1e6 for _, x in floor_rows]
         pub_ack = [x / 1e6 for x, _ in floor_rows]
 
-        # P1: two jobs ping-pong, through AsyncTimeSliceClient, then through TimeSliceClient (the blocking facade).
-        hand = _pingpong_run(tmp, url, "bench", n, gap, procs, "pingpong")
-        hand_sync = _pingpong_run(tmp, url, "bench-sync", n, gap, procs, "pingpong-sync")
-
-        # P2: same job re-acquires an IDLE_YIELDED group (async, then sync); then through the orchestrator: claims
-        # turned off.
-        re_lat, re_sync, re_plain = (
-            [x / 1e6 for x in _worker(tmp, role, url, n, gap, "--group", group)]
-            for role, group in (
-                ("reacquire", "bench-solo"),
-                ("reacquire-sync", "bench-solo-sync"),
-                ("reacquire-plain", "bench-solo-plain"),
-            )
-        )
+        # P1 and P2 (a claim), through AsyncTimeSliceClient and through TimeSliceClient (the blocking facade), in
+        # alternating rounds (async first in even rounds, sync first in odd ones), so that a drift of the machine's
+        # speed during the run weighs on both clients alike; then P2 through the orchestrator (claims turned off).
+        hand, hand_sync, re_lat, re_sync = _sync_async_rounds(tmp, url, n, gap, procs, rounds)
+        re_plain = [x / 1e6 for x in _worker(tmp, "reacquire-plain", url, n, gap, "--group", "bench-solo-plain")]
 
         # P3: the P1 ping-pong through the gRPC API, and a plain gRPC call as its baseline.
         g_base = [x / 1e6 for x in _worker(tmp, "grpc-requester", grpc_target, n, gap)]
@@ -220,6 +236,7 @@ def run(n: int, gap_ms: float, grpc: bool = False) -> dict[str, Any]:
         "reacquire_sync_p99_ms": _pct(re_sync, 99),
         "reacquire_sync_vs_async": _pct(re_sync, 50) / _pct(re_lat, 50),
         "sync_samples": len(hand_sync),
+        "sync_async_rounds": rounds,
         "grpc_handoff_p50_ms": _pct(g_hand, 50),
         "grpc_handoff_p99_ms": _pct(g_hand, 99),
         "grpc_baseline_unary_p50_ms": _pct(g_base, 50),
@@ -274,6 +291,12 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--json-out", help="also write the figures, command and machine facts as JSON here")
     p.add_argument("--quick", action="store_true", help="a short run (--n 300)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="alternating rounds of the async and the sync client for P1 and P2 (each n / rounds; default 4)",
+    )
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--group", help=argparse.SUPPRESS)
@@ -287,7 +310,7 @@ def main() -> None:
     if a.quick:
         a.n = min(a.n, 300)
     machine = _common.machine_facts()  # when the run starts: its time and load are those of the start
-    res = run(a.n, a.gap_ms)
+    res = run(a.n, a.gap_ms, rounds=max(1, a.rounds))
     _common.write_result(a.json_out, "handoff", machine, res)
     if a.json:
         print(json.dumps(res))
