@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -109,6 +109,34 @@ class _Knobs:
             raise self._fail.pop(name)[0]
 
 
+@dataclass(eq=False)
+class _FakeEngine(_Knobs):
+    """What both fakes are made with: ``name`` owns their bytes on ``device``, where they start awake with the
+    ``weights`` and ``kv_bytes`` of KV cache allocated."""
+
+    device: FakeDevice
+    name: str
+    weights: InitVar[bytes]
+    _: KW_ONLY
+    kv_bytes: int
+
+    def __post_init__(self, weights: bytes) -> None:
+        _Knobs.__init__(self)
+        self.device.alloc(self.name, WEIGHTS, len(weights))
+        self.device.alloc(self.name, KV, self.kv_bytes)
+        self._weights: bytearray | None = bytearray(weights)
+        self._backup: bytes | None = None  # the weights' host copy while they are off the device
+
+    def _weights_back(self, nbytes: int) -> bytearray:
+        """The weights as a wake maps them again: the host copy, else ``nbytes`` of memory never written."""
+        return bytearray(self._backup) if self._backup is not None else bytearray([_EMPTY] * nbytes)
+
+    @property
+    def weights_checksum(self) -> str | None:
+        """Of the weights on the device (None: not on the device)."""
+        return checksum(self._weights)
+
+
 # --------------------------------------------------------------------------- vLLM
 
 
@@ -121,32 +149,21 @@ class _FakeLLMEngine:
         return bool(self._llm._sleeping)
 
 
-class FakeLLM(_Knobs):
+@dataclass(eq=False, kw_only=True)
+class FakeLLM(_FakeEngine):
     """``vllm.LLM``'s sleep-mode surface: ``sleep``, ``wake_up``, ``collective_rpc`` (``reload_weights`` from the
     checkpoint it was made from; ``update_weights`` with ``kwargs={"update_info": {"weights": bytes}}``),
     ``reset_prefix_cache``, ``generate``, and ``llm_engine.is_sleeping()``. ``reload_staging``: a reload allocates
     a staging buffer the size of the weights while it runs (a loader reading the checkpoint)."""
 
-    def __init__(
-        self,
-        device: FakeDevice,
-        name: str,
-        weights: bytes,
-        *,
-        kv_bytes: int,
-        enable_sleep_mode: bool = True,
-        reload_staging: bool = False,
-    ) -> None:
-        super().__init__()
-        self.device, self.name, self.kv_bytes = device, name, kv_bytes
-        self.llm_engine = _FakeLLMEngine(self, enable_sleep_mode)
-        self.reload_staging = reload_staging
+    enable_sleep_mode: bool = True
+    reload_staging: bool = False
+
+    def __post_init__(self, weights: bytes) -> None:
+        super().__post_init__(weights)
+        self.llm_engine = _FakeLLMEngine(self, self.enable_sleep_mode)
         self._checkpoint = bytes(weights)
-        device.alloc(name, WEIGHTS, len(weights))
-        device.alloc(name, KV, kv_bytes)
-        self._weights: bytearray | None = bytearray(weights)
-        self._kv: bytearray | None = bytearray(kv_bytes)
-        self._backup: bytes | None = None
+        self._kv: bytearray | None = bytearray(self.kv_bytes)
         self._sleeping: set[str] = set()
         self.prefix_cache_resets = 0
 
@@ -192,9 +209,7 @@ class FakeLLM(_Knobs):
             raise
         for tag in todo:
             if tag == WEIGHTS:
-                self._weights = (
-                    bytearray(self._backup) if self._backup is not None else bytearray([_EMPTY] * len(self._checkpoint))
-                )
+                self._weights = self._weights_back(len(self._checkpoint))
                 self._backup = None
             else:
                 self._kv = bytearray(self.kv_bytes)
@@ -239,11 +254,6 @@ class FakeLLM(_Knobs):
 
     # ------------------------------------------------------------------ the test's view
 
-    @property
-    def weights_checksum(self) -> str | None:
-        """Of the weights on the device (None: not on the device)."""
-        return checksum(self._weights)
-
     def where(self) -> dict[str, str]:
         weights = "device" if self._weights is not None else "host" if self._backup is not None else "dropped"
         return {WEIGHTS: weights, KV: "device" if self._kv is not None else "dropped"}
@@ -257,36 +267,27 @@ class FlushCacheReqOutput:
     success: bool
 
 
-class FakeSglangEngine(_Knobs):
+@dataclass(eq=False, kw_only=True)
+class FakeSglangEngine(_FakeEngine):
     """``sglang.Engine``'s memory surface: ``release_memory_occupation``, ``resume_memory_occupation``,
     ``flush_cache``, ``update_weights_from_tensor``, ``generate``, and ``server_args``. ``inflight`` (test-side):
     requests queued or running."""
 
     ALL = (KV, WEIGHTS, GRAPH)  # GPU_MEMORY_ALL_TYPES
 
-    def __init__(
-        self,
-        device: FakeDevice,
-        name: str,
-        weights: bytes,
-        *,
-        kv_bytes: int,
-        graph_bytes: int,
-        enable_memory_saver: bool = True,
-        enable_weights_cpu_backup: bool = False,
-    ) -> None:
-        super().__init__()
-        self.device, self.name = device, name
+    graph_bytes: int
+    enable_memory_saver: bool = True
+    enable_weights_cpu_backup: bool = False
+
+    def __post_init__(self, weights: bytes) -> None:
+        super().__post_init__(weights)
         self.server_args = SimpleNamespace(
-            enable_memory_saver=enable_memory_saver, enable_weights_cpu_backup=enable_weights_cpu_backup
+            enable_memory_saver=self.enable_memory_saver, enable_weights_cpu_backup=self.enable_weights_cpu_backup
         )
-        self.sizes = {WEIGHTS: len(weights), KV: kv_bytes, GRAPH: graph_bytes}
-        for tag, n in self.sizes.items():
-            device.alloc(name, tag, n)
+        self.sizes = {WEIGHTS: len(weights), KV: self.kv_bytes, GRAPH: self.graph_bytes}
+        self.device.alloc(self.name, GRAPH, self.graph_bytes)
         self.paused: set[str] = set()
         self.offload_tags: set[str] = set()
-        self._weights: bytearray | None = bytearray(weights)
-        self._backup: bytes | None = None
         self.cache_entries = 1  # the radix cache holds something until flushed
         self.inflight = 0
         self.exited: str | None = None
@@ -370,16 +371,10 @@ class FakeSglangEngine(_Knobs):
         except FakeCudaOOM as exc:
             self._exit(f"cudaError error: 2 (out of memory) [{exc}]")
         if tag == WEIGHTS:
-            self._weights = (
-                bytearray(self._backup) if self._backup is not None else bytearray([_EMPTY] * self.sizes[WEIGHTS])
-            )
+            self._weights = self._weights_back(self.sizes[WEIGHTS])
         self.paused.discard(tag)
 
     # ------------------------------------------------------------------ the test's view
-
-    @property
-    def weights_checksum(self) -> str | None:
-        return checksum(self._weights)
 
     def where(self) -> dict[str, str]:
         weights = "device" if WEIGHTS not in self.paused else "host" if self._backup is not None else "dropped"
