@@ -41,6 +41,10 @@ async def main() -> None:
     p.add_argument("--switch-ms", type=float, default=5.0)
     p.add_argument("--lease", type=float, default=5.0)
     p.add_argument("--stop-file", required=True, help="the loop ends once this file exists")
+    p.add_argument(
+        "--away-ms", type=float, default=0.0, help="off the accelerators between a release and the next acquire"
+    )
+    p.add_argument("--priority", type=int, default=0, help="this job's priority class among the group's waiters")
     a = p.parse_args()
     log = Log(Path(a.out))
     stop = Path(a.stop_file)
@@ -50,7 +54,7 @@ async def main() -> None:
         return HandlerResult(bytes_moved=1)
 
     client = AsyncTimeSliceClient(
-        a.job, a.group, a.nats_url, lease_s=a.lease, acquire_timeout_s=300, request_timeout_s=10
+        a.job, a.group, a.nats_url, lease_s=a.lease, acquire_timeout_s=300, request_timeout_s=10, priority=a.priority
     )
     async with client:
         if a.node:
@@ -76,6 +80,8 @@ async def main() -> None:
                 log("released", epoch=g.epoch)
             except TimeSliceError as exc:
                 log("error", where="release", type=exc.__class__.__name__, msg=str(exc)[:300], epoch=g.epoch)
+            if a.away_ms:
+                await asyncio.sleep(a.away_ms / 1000)  # the job's phase off the accelerators (reward, generation)
     log("done")
 
 

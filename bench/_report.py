@@ -15,7 +15,7 @@ from typing import Any
 
 from _report_format import NA, X, _cmd, _met, _n, _table
 from _report_offload import _busy_suspend, _gpu, _offload
-from _report_robust import _chaos, _failover, _handoff_auth, _stream_leader
+from _report_robust import _chaos, _chaos_policies, _failover, _handoff_auth, _stream_leader
 from _report_switch import _grant_on_restore, _precopy
 from _trace_pool_md import TITLE as POOL_TITLE
 from _trace_pool_md import pool_markdown
@@ -35,6 +35,7 @@ ORDER = (
     "failover",
     "stream_leader",
     "chaos",
+    "chaos_policies",
     "trace_replay",
 )
 
@@ -402,6 +403,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]]]] = {
     "failover": ("Failover (bench/failover.py)", _failover),
     "stream_leader": ("NATS stream leader loss (bench/stream_leader.py)", _stream_leader),
     "chaos": ("Chaos (bench/chaos.py)", _chaos),
+    "chaos_policies": ("Chaos with the scheduling policies on (bench/chaos.py)", _chaos_policies),
     "trace_replay": ("Trace replay (bench/trace_replay.py)", _trace),
 }
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from _report_format import NA, _cmd, _met, _n, _table
 
-__all__ = ["_chaos", "_failover", "_handoff_auth", "_stream_leader"]
+__all__ = ["_chaos", "_chaos_policies", "_failover", "_handoff_auth", "_stream_leader"]
 
 
 def _failover(r: dict[str, Any]) -> list[str]:
@@ -194,5 +194,33 @@ def _chaos(r: dict[str, Any]) -> list[str]:
         f"Against issue 23: >= 10 minutes — {_met((r.get('minutes') or 0) >= 10)}; >= 5,000 handoffs — "
         f"{_met((r.get('handoffs') or 0) >= 5000)}; 0 violations — {_met(not viol)}; longest stall <= lease + 2 s "
         f"(7 s) — {_met(stall is not None and stall <= 7.0)}.",
+        *_policy_lines(r),
         "",
+    ]
+
+
+def _policy_lines(r: dict[str, Any]) -> list[str]:
+    """A run with scheduling policies: the policy every group had, and what the policies did (``timeslice replay``)."""
+    if "policy" not in r:
+        return []
+    pol = {k: v for k, v in r["policy"].items() if k not in ("type", "group")}
+    if "shares" in pol:
+        pol["shares"] = "job j of each group weighs j + 1"
+    said = "; ".join(f"{k} {v}" for k, v in pol.items())
+    act = r.get("policy_activity")
+    did = ", ".join(f"{k.replace('_', ' ')} {n}" for k, n in act.items()) if isinstance(act, dict) else str(act)
+    return [
+        f"Policy of groups {', '.join(r.get('policy_groups') or ['all'])}, set before the jobs started: {said}. "
+        f"What the policies did over the run (`timeslice replay`, all groups): {did}."
+    ]
+
+
+def _chaos_policies(r: dict[str, Any]) -> list[str]:
+    """The chaos run with the scheduling policies on: the same table, and the policy lines."""
+    return [
+        "The same harness with the scheduling policies on every group (the predictive restore, weighted fair share, a "
+        "quantum and a minimum hold), each job away from the accelerators between its release and its next acquire "
+        "(`--away-ms`), so that groups go idle and the predictive restore plans.",
+        "",
+        *_chaos(r)[2:],
     ]

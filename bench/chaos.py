@@ -15,6 +15,14 @@ cuts. Faults, one every ``--every`` seconds (random kind, each bounded in time):
 * ``nats-restart``: a NATS node (the stream's leader every other time) stopped and started again;
 * ``garbage``: 200 malformed, oversized and out-of-range messages on the input subjects.
 
+Scheduling policies under the same faults (off by default): ``--predict`` (the predictive restore), ``--shares``
+(weighted fair share, job j of each group weighing j + 1), ``--quantum-ms`` and ``--min-hold-ms``, each set on every
+group (or the last ``--policy-groups`` groups, the others staying FIFO) as ``timeslice set-policy`` sets it before the
+jobs start; ``--priorities`` gives job j of each group the
+priority class j; ``--away-ms`` makes each job stay off the accelerators between a release and its next acquire (job
+j for ``away-ms * (1 + j / 2)``, so each has a cycle of its own and the groups are often idle: what the predictive
+restore plans on).
+
 Reported: handoffs, faults by kind, the longest time any group had a live waiter but no grant (from the jobs'
 logs: the longest gap between grants of a group inside one job's wait), and ``timeslice check``'s verdict over
 the whole stream (folded through the core). Fails (exit 1) on any violation. Goals (issue 23): >= 10 minutes
@@ -45,7 +53,7 @@ import msgspec
 
 sys.path.insert(0, str(c.ROOT))  # the loopback cluster and the TCP proxy the tests use
 from timeslice_client.bus import connect
-from timeslice_client.protocol import GROUPS_BUCKET, STREAM, GroupRecord, subjects
+from timeslice_client.protocol import GROUPS_BUCKET, STREAM, GroupRecord, SetPolicy, subjects
 from timeslice_orchestrator._leadership import holder_pid, read_leader
 
 from tests.tcp_proxy import TcpProxy
@@ -216,6 +224,10 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                 str(LEASE_S),
                 "--stop-file",
                 str(stop_file),
+                "--away-ms",
+                str(a.away_ms * (1 + j / 2)),
+                "--priority",
+                str(j % 10 if a.priorities else 0),
             ],
             tmp / f"{name}.log",
         )
@@ -231,6 +243,14 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         for p in orch:
             p.start()
         await _wait_leading(js, orch)  # the leader creates the stream and buckets at 3 replicas (an agent would not)
+        if (policy := _policy(a)) is not None:
+            from timeslice_cli._policy import apply_policy
+
+            ruled = groups[len(groups) - a.policy_groups :] if a.policy_groups else groups
+            for g in ruled:
+                await apply_policy(nc, msgspec.structs.replace(policy, group=g), timeout=60.0)
+            result["policy"] = msgspec.to_builtins(policy)
+            result["policy_groups"] = ruled
         agent.start()
         await c.wait_agent(url, NODE, timeout=60)  # the jobs register with it
         for g in groups:
@@ -371,6 +391,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             check=False,
         )
         result["check_exit"] = check.returncode
+        if "policy" in result:
+            result["policy_activity"] = _policy_activity(py, url)
         try:
             verdict = json.loads(check.stdout)
             result["check"] = {
@@ -429,6 +451,9 @@ def _kinds(text: str) -> tuple[str, ...]:
 def print_report(r: dict[str, Any]) -> bool:
     ok = r.get("check_exit") == 0 and bool(r.get("check", {}).get("ok"))
     print(f"chaos: {r['minutes']} min, {r['handoffs']} handoffs, faults {r['faults']}")
+    if "policy" in r:
+        print(f"policy of groups {r.get('policy_groups')} (set before the jobs started): {r['policy']}")
+        print(f"what the policies did (timeslice replay, all groups): {r.get('policy_activity')}")
     print(f"job errors (logged, the loops went on): {r['job_errors']}")
     print(
         f"longest live waiter without a grant: {r['longest_stall_s']:.2f} s ({r['longest_stall_where']}); "
@@ -439,6 +464,53 @@ def print_report(r: dict[str, Any]) -> bool:
         print(f"  VIOLATION {v}")
     print(f"orchestrators alive at the end: {r['orchestrators_alive']} of 2; verdict: {'ok' if ok else 'FAILED'}")
     return ok
+
+
+_ACTIVITY = ("yield_requests", "min_holds_kept", "fair_share_choices", "predictions", "predictions_hit")
+
+
+def _policy_activity(py: str, url: str) -> dict[str, int] | str:
+    """What the policies did over the whole stream, summed over the groups (``timeslice replay``'s summary; FIFO
+    groups count none): that a run with a policy really exercised it. A string (the reason) when replay failed."""
+    out = subprocess.run(
+        [
+            py,
+            "-m",
+            "timeslice_cli",
+            "--log-level",
+            "warning",
+            "replay",
+            "--json",
+            "--nats-url",
+            url,
+            "--timeout",
+            "300",
+        ],
+        cwd=c.ROOT,
+        env=c.child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    try:
+        groups = json.loads(out.stdout)["summary"]["groups"].values()
+    except (ValueError, KeyError, AttributeError):
+        return f"timeslice replay exited {out.returncode}: {(out.stdout + out.stderr)[-300:]}"
+    return {k: sum(int(g.get(k, 0)) for g in groups) for k in _ACTIVITY}
+
+
+def _policy(a: argparse.Namespace) -> SetPolicy | None:
+    """The policy every group gets before its jobs start (its ``group`` filled in per group), or None: FIFO."""
+    shares = {f"chaos-{g}-j{j}": j + 1 for g in range(a.groups) for j in range(a.jobs)} if a.shares else None
+    policy = SetPolicy(
+        group="chaos",
+        quantum_ms=a.quantum_ms or None,
+        min_hold_ms=a.min_hold_ms or None,
+        predict=True if a.predict else None,
+        shares=shares,
+    )
+    return None if policy == SetPolicy(group="chaos") else policy
 
 
 def main() -> None:
@@ -455,6 +527,23 @@ def main() -> None:
         type=_kinds,
         default=KINDS,
         help=f"comma-separated fault kinds to run (default: all of {','.join(KINDS)})",
+    )
+    p.add_argument("--predict", action="store_true", help="every group with the predictive restore on")
+    p.add_argument("--shares", action="store_true", help="weighted fair share: job j of each group weighs j + 1")
+    p.add_argument("--quantum-ms", type=int, default=0, help="every group's quantum (0: none)")
+    p.add_argument("--min-hold-ms", type=int, default=0, help="every group's minimum hold (0: none)")
+    p.add_argument(
+        "--policy-groups",
+        type=int,
+        default=0,
+        help="set the policy on the last N groups only, the others staying FIFO (default 0: every group)",
+    )
+    p.add_argument("--priorities", action="store_true", help="job j of each group asks in priority class j")
+    p.add_argument(
+        "--away-ms",
+        type=float,
+        default=0.0,
+        help="each job's time off the accelerators between its release and its next acquire",
     )
     p.add_argument("--json-out", default=None)
     p.add_argument("--quick", action="store_true", help="one minute, a fault every 5 s (every kind once)")

@@ -1,7 +1,9 @@
 """The chaos harness, short: every fault kind once against the real stack (a 3-node NATS cluster, two
 orchestrators, an agent, job processes, a TCP proxy in front of some jobs) while groups hand off. Asserted: every
 kind ran, the groups kept handing off, no orchestrator died, and ``timeslice check`` finds no violation of any kind
-in the stream. Printed, not asserted: the longest live waiter without a grant (it depends on the machine's load;
+in the stream. One group stays FIFO; the other has every scheduling policy on (the predictive restore, weighted fair
+share, a quantum, a minimum hold), its jobs away from the accelerators between holds so that it goes idle, and
+``timeslice replay`` must show each policy at work there. Printed, not asserted: the longest live waiter without a grant (it depends on the machine's load;
 ``python bench/chaos.py`` measures it over ten minutes, docs/benchmarks.md "Chaos")."""
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_every_fault_kind_once_leaves_no_violation_and_no_long_stall(tmp_path: Path) -> None:
+def test_every_fault_kind_once_leaves_no_violation_with_and_without_the_policies(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
     proc = run_text(
         [
@@ -33,6 +35,16 @@ def test_every_fault_kind_once_leaves_no_violation_and_no_long_stall(tmp_path: P
             "2",
             "--jobs",
             "3",
+            "--policy-groups",
+            "1",
+            "--predict",
+            "--shares",
+            "--quantum-ms",
+            "40",
+            "--min-hold-ms",
+            "10",
+            "--away-ms",
+            "30",
             "--json-out",
             str(out),
         ],
@@ -47,3 +59,8 @@ def test_every_fault_kind_once_leaves_no_violation_and_no_long_stall(tmp_path: P
     print(f"longest live waiter without a grant: {r['longest_stall_s']} s ({r['longest_stall_where']})")
     assert r["handoffs"] >= 100, r["handoffs"]
     assert r["orchestrators_alive"] == 2
+    assert r["policy_groups"] == ["chaos-1"], r
+    act = r["policy_activity"]
+    print(f"what the policies did: {act}")
+    assert isinstance(act, dict), act
+    assert act["predictions"] >= 1 and act["min_holds_kept"] >= 1 and act["fair_share_choices"] >= 1, act
