@@ -119,6 +119,22 @@ def test_a_phase_start_without_a_measure_or_on_a_busy_group_plans_nothing() -> N
     assert sim.rec.plan == by_cycle, "a phase never measured plans nothing"
 
 
+@pytest.mark.parametrize("late", [False, True])
+def test_no_phase_plan_when_the_loaded_job_is_expected_back_first(late: bool) -> None:
+    """Cautious as the cycle rule: a, whose context is loaded, comes back (by its cycle) before b's phase says b asks;
+    late (its time has passed), it is still expected at any moment."""
+    sim = _learned()
+    _a_turn(sim)
+    a = sim.rec.cycles["a"]
+    assert a.released_ms == sim.now and not a.asked
+    away = 500 if late else 1_000 + PHASE_MS - 1  # b's phase starts 1 s after a's release: a back before b asks
+    sim.rec = msgspec.structs.replace(
+        sim.rec, plan=None, cycles={**sim.rec.cycles, "a": msgspec.structs.replace(a, gap_ms=away, prev_gap_ms=away)}
+    )
+    _phase(sim, "b", dt=1_000)
+    assert sim.rec.plan is None
+
+
 @pytest.mark.parametrize("who", ["a", "b"])
 def test_any_ask_drops_a_phase_plan(who: str) -> None:
     sim = _learned()

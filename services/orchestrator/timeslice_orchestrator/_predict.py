@@ -115,7 +115,7 @@ def note_phase(w: Work, job: str, name: str, start: bool) -> None:
     # context is loaded is expected back before that (by its own cycle).
     expected = w.now + max(cue.gap_ms, cue.prev_gap_ms)
     back = _back(w)
-    if back is not None and w.now <= back <= expected:
+    if back is not None and back <= expected:
         return
     lead = 2 * w.cycles[job].switch_in_ms
     at = max(w.now, expected - lead) if lead >= 0 else w.now
@@ -141,13 +141,15 @@ def _quiet(w: Work) -> bool:
 
 def _back(w: Work) -> int | None:
     """When the job whose context is loaded (``active_job``) is expected back by its cycle: its last release plus the
-    shorter of its last two times away (None: no loaded job, it asked since, or nothing measured). A time already
-    passed does not hold a phase's plan back (that guess was wrong; the phase start is fresher)."""
+    shorter of its last two times away, at once if that time has passed (None: no loaded job, it asked since, or
+    nothing measured). Late, it is still expected at any moment: in the simulated sync run, a loaded job late on the
+    trainer pool (it waited for the sampler pool) took it back from most restores the other job's phase start had
+    planned there."""
     job = w.active_job
     c = w.cycles.get(job) if job is not None else None
     if c is None or c.asked or c.gap_ms < 0:
         return None
-    return c.released_ms + min(_gaps(c))
+    return max(w.now, c.released_ms + min(_gaps(c)))
 
 
 def note_switched_in(w: Work, job: str, started_at_ms: int) -> None:
