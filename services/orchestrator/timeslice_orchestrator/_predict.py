@@ -25,6 +25,19 @@ not claim its next acquire (a claim assumes no decision before it; the predictio
   acquire then is granted at once, with ``context_restored``, as a holder's re-acquire is. Another job's acquire is
   served as it would be: one more switch (what a wrong prediction costs).
 
+**Phase cues** (``note_phase``): jobs may publish phase events (``timeslice_client``'s ``phase(name)``: a ``Phase``
+at the block's start and end). With the policy on, a phase *start* made while the job is away (it neither holds nor
+waits for the group, and is registered in it) starts a measure of that phase's start -> the job's next ask, kept per
+job and phase name (``Cycle.phases``, ``PhaseCue``: the last two measures; at most ``MAX_PHASE_CUES`` names a job, the
+ones started last; within the ``Limits.max_cycles`` jobs, the one seen longest ago forgotten first). Such a start, of a
+phase measured before, on a group idle as above, for a job that could be restored (as above) and is not the one
+loaded, plans its restore at the start plus the longer of the phase's last two measures, less the same lead: a
+``Prediction`` with ``phase`` set, replacing a plan only with an earlier one. Not while the loaded job is expected back
+first by its cycle (its last release plus the shorter of its last two times away; late, at any moment). The cycle rule
+is unchanged; the plan is dropped, started or refused as any. A phase *end* does nothing (the start said when it began;
+the ask ends the measure); a phase published while holding or waiting teaches nothing (not away); with the policy off,
+a phase event leaves no trace.
+
 Pure and deterministic (the record, the event's time): ``timeslice replay`` and the checkers fold the same plans.
 """
 
