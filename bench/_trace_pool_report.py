@@ -183,14 +183,14 @@ def _print_runs(
         print(f"  {mode}, cost model {cm}: {costs}")
         head = " ".join(f"{pool + ' duty':>13}" for pool in pools)
         print(
-            f"    {'run':<20} {'makespan':>9} {'vs fifo':>7} {head} {'mean':>6} {'switches':>8} "
+            f"    {'run':<26} {'makespan':>9} {'vs fifo':>7} {head} {'mean':>6} {'switches':>8} "
             f"{'crit. path':>10}   median (s): switch = snapshot + restore + lock/bus"
         )
         fifo = by_pol.get("fifo") or next(iter(by_pol.values()))
         for i, a in enumerate(fifo["alone"]):
             duties = " ".join(f"{_pct(a['pools'][pool]['duty_cycle']):>13}" for pool in pools)
             print(
-                f"    {'alone j' + str(i):<20} {a['makespan_s'] / 60:>7.1f} m {'':>7} {duties} {_pct(a['mean_duty'])} "
+                f"    {'alone j' + str(i):<26} {a['makespan_s'] / 60:>7.1f} m {'':>7} {duties} {_pct(a['mean_duty'])} "
                 f"{a['switches']:>8}"
             )
         for pol, block in by_pol.items():
@@ -198,7 +198,7 @@ def _print_runs(
             duties = " ".join(f"{_pct(f['pools'][pool]['duty_cycle']):>13}" for pool in pools)
             med = f["critical_path_median_s"]
             print(
-                f"    {'shared, ' + pol:<20} {f['makespan_s'] / 60:>7.1f} m {f.get('makespan_vs_fifo', 1.0):>6.2f}x "
+                f"    {'shared, ' + pol:<26} {f['makespan_s'] / 60:>7.1f} m {f.get('makespan_vs_fifo', 1.0):>6.2f}x "
                 f"{duties} {_pct(f['mean_duty'])} {f['switches']:>8} {f['critical_path_s']['total']:>8.1f} s   "
                 f"{med['total']:.3f} = {med['snapshot']:.3f} + {med['restore']:.3f} + {med['lock_bus']:.3f}"
             )

@@ -21,7 +21,10 @@ module runs the same world with one record per pool:
 * policies: FIFO (the core's default), priority classes (``Acquire.priority``), a quantum (``SetPolicy``: a holder
   asked to yield gives back at its next phase boundary a pool it would have kept), grant on restore (``room``), a
   minimum hold (``SetPolicy.min_hold_ms``: a job switched into a pool that gives it back early while another waits
-  keeps it for the window, and takes it back without a switch if it needs it again within it).
+  keeps it for the window, and takes it back without a switch if it needs it again within it), the predictive
+  restore (``SetPolicy.predict``), from the jobs' cycles alone or with their phase starts published too
+  (``predict_phase``: each job publishes ``Phase(edge="start")`` at each phase's start on every pool it uses, as
+  ``timeslice_client.phase`` does; the ends, which teach the core nothing, are left out).
 
 The run's log is kept per pool (each job's acquire, grant, release and end, as ``_trace_model.Log``), with every
 operation the simulated agents ran (:class:`OpSpan`), so that the switch time on the critical path can be split into
@@ -44,6 +47,7 @@ from timeslice_client.protocol import (
     GroupState,
     InputEvent,
     JobRegistered,
+    Phase,
     Release,
     Renew,
     Restore,
@@ -59,7 +63,17 @@ from timeslice_orchestrator.core import Command, Notify, apply, new_record, next
 MAX_EVENTS = 2_000_000  # a bound on one simulation
 
 Policy = Literal[
-    "fifo", "room", "precopy", "room_precopy", "predict", "room_predict", "priority", "quantum", "min_hold"
+    "fifo",
+    "room",
+    "precopy",
+    "room_precopy",
+    "predict",
+    "room_predict",
+    "predict_phase",
+    "room_predict_phase",
+    "priority",
+    "quantum",
+    "min_hold",
 ]
 POLICIES: tuple[Policy, ...] = (
     "fifo",
@@ -68,6 +82,8 @@ POLICIES: tuple[Policy, ...] = (
     "room_precopy",
     "predict",
     "room_predict",
+    "predict_phase",
+    "room_predict_phase",
     "priority",
     "quantum",
     "min_hold",
@@ -81,6 +97,9 @@ POLICY_TEXT: dict[str, str] = {
     "predict": "FIFO with the predictive restore: at a release nobody waits for, the job expected to ask next (from "
     "each job's recent cycle, in the core) has its context brought back while the pool is idle",
     "room_predict": "grant on restore, pre-copy and the predictive restore together",
+    "predict_phase": "predict, and each job publishes its phase starts (``timeslice_client.phase``) on every pool it "
+    "uses: a start made while away from a pool is a cue for the job's next ask there (``_predict.note_phase``)",
+    "room_predict_phase": "room_predict with the phase starts published",
     "priority": "priority classes: job j0 asks at class 1, the others at 0 (ageing 1 class a minute)",
     "quantum": "FIFO with a quantum: a holder that held a pool past it while another job waits gives that pool back "
     "at its next phase boundary",
@@ -136,13 +155,15 @@ class _Sim:
         min_hold_s: float = 0.0,
     ) -> None:
         self.hop, self.costs, self.policy, self.staleness = hop_s, costs, policy, staleness
-        self.room = policy in ("room", "room_precopy", "room_predict")
-        self.precopy = policy in ("precopy", "room_precopy", "room_predict")
-        self.predict = policy in ("predict", "room_predict")
+        self.room = policy in ("room", "room_precopy", "room_predict", "room_predict_phase")
+        self.precopy = policy in ("precopy", "room_precopy", "room_predict", "room_predict_phase")
+        self.predict = policy in ("predict", "room_predict", "predict_phase", "room_predict_phase")
+        self.phase_events = policy in ("predict_phase", "room_predict_phase")
         # (pool, job) -> when the copy made while that job was idle ends; dropped when the job is granted the pool
         self.copying: dict[tuple[str, str], float] = {}
         self.switched_out: set[tuple[str, str]] = set()  # (pool, job): switched out of it once (precopy "auto")
         self.jobs = {j: _Job([ph for step in s for ph in step]) for j, s in schedules.items()}
+        self.pools_of = {j: sorted({p for _, ps, _, _ in jb.phases for p in ps}) for j, jb in self.jobs.items()}
         pools = sorted({p for jb in self.jobs.values() for _, ps, _, _ in jb.phases for p in ps})
         self.group = {p: f"{group}-{p}" for p in pools}
         self.pool_of = {g: p for p, g in self.group.items()}
@@ -224,7 +245,7 @@ class _Sim:
             for log in self.logs.values():
                 log[job].append(("end", t))
             return
-        _, pools, seconds, paced = jb.phases[jb.cursor]
+        name, pools, seconds, paced = jb.phases[jb.cursor]
         jb.cursor += 1
         if paced:  # wait for the producer's next input: made after the previous one, and once the job took the
             # input ``staleness`` before it (the producer runs at most that far ahead)
@@ -245,6 +266,10 @@ class _Sim:
                 if p > missing[0]:
                     self._release(t, job, p)
             missing = sorted(need - set(jb.held))
+        if self.phase_events:  # the phase's start, as the job's client publishes it on each pool it uses (after the
+            # releases above; the core ignores it where the job holds or waits, and learns from it where it is away)
+            for p in self.pools_of[job]:
+                self.push(t + self.hop, self._apply, Phase(group=self.group[p], job=job, name=name, edge="start"))
         jb.missing, jb.seconds = missing, seconds
         if not pools:
             self.push(t + seconds, self._next, job)

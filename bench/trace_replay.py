@@ -30,7 +30,9 @@ agent per pool, FIFO, grant on restore, pre-copy and the predictive restore (not
 ``published``, the published checkpoint/restore medians; ``pcie``, the state's bytes over 55 GB/s each way) and policy
 (``--policies``: ``fifo``, ``room``: grant on restore, ``precopy``: FIFO with pre-copy while idle, ``room_precopy``:
 both, ``predict``: FIFO with the predictive restore (``SetPolicy.predict``, set as ``timeslice set-policy --predict``
-sets it), ``room_predict``: grant on restore, pre-copy and the predictive restore, ``priority``: classes,
+sets it), ``room_predict``: grant on restore, pre-copy and the predictive restore, ``predict_phase`` and
+``room_predict_phase``: the same two with each job's phase starts published too (sim mode only; not run unless
+named), ``priority``: classes,
 ``quantum``: ``--quantum-s``, ``min_hold``: ``--min-hold-s``, not run unless named): jobs 0 and 1 alone and the two
 sharing, the makespan, each pool's duty, the switches, and the switch time on the critical path split into snapshot,
 restore and lock/bus, beside the published figures (``bench/_trace_pool_report.py``).

@@ -1,22 +1,26 @@
 """The predictive restore's checks for the core's state machine (``test_core_properties``): what each step may do
-with a plan (``GroupRecord.plan``) and a switch that brings a job back ahead of its ask (``SwitchRecord.ahead``)."""
+with a plan (``GroupRecord.plan``), made at a release or at a phase start, the phase cues it learns from
+(``Cycle.phases``), and a switch that brings a job back ahead of its ask (``SwitchRecord.ahead``)."""
 
 from __future__ import annotations
 
 from hypothesis import event
 from timeslice_client.protocol import (
+    MAX_PHASE_CUES,
     Acquire,
     Cancel,
+    Cycle,
     Granted,
     GroupRecord,
     InputEvent,
+    Phase,
     Prediction,
     Refused,
     Release,
     Released,
     SetPolicy,
 )
-from timeslice_orchestrator.core import Action
+from timeslice_orchestrator.core import LIMITS, Action
 
 from .core_sim import notices
 
@@ -36,6 +40,9 @@ class PredictChecks:
         sw = new.switch
         started = sw is not None and sw.ahead is not None and (old.switch is None or old.switch.epoch != sw.epoch)
         planned = old.plan
+        by_phase = self._check_phase(old, new, ev)
+        if by_phase is not None and started and sw is not None and sw.ahead == by_phase.job:
+            planned = by_phase  # (planned at the phase start and due at once)
         if ahead:
             # Planned only with the policy on, at a release nobody waited for, and the plan names that job (which
             # may have started at once: its time had come).
@@ -48,7 +55,7 @@ class PredictChecks:
             event("predictive restore planned")
         if new.plan is not None:
             assert new.predict, "a plan with the policy off"
-            if new.plan != old.plan:
+            if new.plan != old.plan and not isinstance(ev, Phase):
                 assert isinstance(ev, (Release, Cancel)) and ahead == [new.plan.job], ev
         if old.plan is not None and isinstance(ev, Acquire) and new.plan is not None:
             refused = [r for r in notices(actions, Refused) if r.request_id == ev.request_id]
@@ -78,3 +85,42 @@ class PredictChecks:
                 assert g.context_restored == (old.restored_ahead == g.job and old.active_job == g.job), (g, old)
         if isinstance(ev, SetPolicy) and ev.predict is False:
             assert new.plan is None
+        assert len(new.cycles) <= LIMITS.max_cycles
+        assert all(len(c.phases) <= MAX_PHASE_CUES for c in new.cycles.values())
+        assert new.predict or not new.cycles, "a history with the policy off"
+
+    def _check_phase(self, old: GroupRecord, new: GroupRecord, ev: InputEvent) -> Prediction | None:
+        """A phase event: what it may learn and plan. Returns the plan it made (None: none)."""
+        if not isinstance(ev, Phase):
+            return None
+        was, now = old.cycles.get(ev.job, Cycle()).phases, new.cycles.get(ev.job, Cycle()).phases
+        present = (
+            (old.holder is not None and old.holder.job == ev.job)
+            or any(w.job == ev.job for w in old.queue)
+            or (old.switch is not None and old.switch.to is not None and old.switch.to.job == ev.job)
+        )
+        if not old.predict or ev.edge == "end" or present or ev.job not in old.placements:
+            # Nothing learned: the policy is off, an end, a job holding or waiting (not away), or not registered.
+            assert now == was, (ev, old, new)
+            assert new.plan == old.plan or new.plan is None, "only a plan that came due may go"
+            return None
+        cue = now[ev.name]
+        assert cue.started_ms == self.now and not cue.asked, cue
+        event("a phase start learned while away")
+        plan = new.plan
+        if plan is None or plan == old.plan:
+            # (or a plan it made started at once: then the switch is the plan's, checked by the caller)
+            sw = new.switch
+            started = sw is not None and sw.ahead == ev.job and (old.switch is None or old.switch.epoch != sw.epoch)
+            if started and (old.plan is None or old.plan.job != ev.job or old.plan.at_ms > self.now):
+                return Prediction(job=ev.job, at_ms=self.now, phase=ev.name)
+            return None
+        # Planned (or moved earlier) only from a measured cue, on an idle group, for a job whose context is saved, is
+        # not faulted and not loaded.
+        before = was.get(ev.name)
+        assert plan.job == ev.job and plan.phase == ev.name and before is not None and before.gap_ms >= 0, (plan, was)
+        assert _idle(old) and ev.job not in old.faulted and old.saved.get(ev.job) and old.active_job != ev.job, old
+        assert old.plan is None or plan.at_ms < old.plan.at_ms, (old.plan, plan)
+        assert self.now <= plan.at_ms <= self.now + max(before.gap_ms, before.prev_gap_ms), plan
+        event("predictive restore planned at a phase start")
+        return plan

@@ -22,7 +22,7 @@ Unit tests: ``test_core_semantics.py``, ``test_invariant_checkers.py``, ``test_g
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, Literal
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -194,6 +194,38 @@ class CoreMachine(ModelChecks, PredictChecks, BesideRules, RuleBasedStateMachine
                     self.release()
                 self.now += data.draw(st.sampled_from([0, 0, away, 3 * away]))  # nobody asks for a while
                 if data.draw(st.integers(0, 3)):  # (else what the release started is left to the other rules)
+                    self.agents_answer_all(False, False, False)
+
+    @rule(
+        data=st.data(),
+        rounds=st.integers(1, 3),
+        name=st.sampled_from(["rollout", "rollout", "reward"]),
+        to_ask=st.sampled_from([10, 1_000, 5_000]),
+    )
+    def phase_turns(self, data: st.DataObject, rounds: int, name: str, to_ask: int) -> None:
+        """Jobs take turns as in ``take_turns``, each publishing phase events (as ``timeslice_client.phase`` does) while
+        away, a while before it asks (or not): the cues the predictive restore learns from at a phase start, and the
+        plans they make. With the policy off, a phase event changes nothing beyond what time changes."""
+        jobs = data.draw(st.lists(st.sampled_from(JOBS), min_size=1, max_size=3, unique=True))
+        for _ in range(rounds):
+            for job in jobs:
+                edge: Literal["start", "end"] = data.draw(st.sampled_from(["start", "start", "start", "end"]))
+                ev = Phase(group=G, job=job, name=name, edge=edge)
+                if self.rec.predict:
+                    self.step(ev)
+                else:
+                    self.step_inert(ev)
+                self.now += data.draw(st.sampled_from([to_ask, to_ask, to_ask, 0, 2 * to_ask]))
+                if data.draw(st.booleans()):
+                    self.step(Tick(group=G))  # (a plan may come due before the ask)
+                if not data.draw(st.integers(0, 5)):
+                    continue  # (no ask this time)
+                self.acquire_patient(job)
+                self.agents_answer_all(False, data.draw(st.booleans()), False)
+                self.now += data.draw(st.sampled_from([10, 1_000]))
+                if self.holder is not None and self.holder[0] == job:
+                    self.release()
+                if data.draw(st.integers(0, 3)):
                     self.agents_answer_all(False, False, False)
 
     @precondition(lambda self: self.rec.switch is not None and self.rec.switch.ahead and self.rec.switch.to is None)
@@ -477,7 +509,7 @@ class CoreMachine(ModelChecks, PredictChecks, BesideRules, RuleBasedStateMachine
     @rule(data=st.data(), kind=st.sampled_from(["late", "forged", "phase", "duplicate"]), ok=st.booleans())
     def noise(self, data: st.DataObject, kind: str, ok: bool) -> None:
         """Events that must change nothing (beyond what time changes)."""
-        if kind == "phase":
+        if kind == "phase" and not self.rec.predict:  # (with the policy on, a phase start may plan: phase_then_asks)
             self.step_inert(Phase(group=G, job=data.draw(st.sampled_from(JOBS)), name="train", edge="start"))
         elif kind == "forged" and pending_ops(self.rec):
             # A pending operation's id with an older epoch: fenced off.

@@ -16,6 +16,7 @@ from timeslice_client import AsyncTimeSliceClient, GroupFull, GroupQuarantined
 from timeslice_client.bus import connect
 from timeslice_client.protocol import (
     GROUPS_BUCKET,
+    MAX_PHASE_CUES,
     MAX_SHARE,
     MAX_SHARES,
     Acquire,
@@ -25,6 +26,7 @@ from timeslice_client.protocol import (
     HolderRecord,
     OpKind,
     OpRecord,
+    PhaseCue,
     Prediction,
     SwitchRecord,
     Usage,
@@ -58,7 +60,7 @@ def test_a_record_at_every_limit_at_once_stays_far_below_the_payload_limit() -> 
     """The worst record inputs can build: ``max_queue`` waiters with the longest ids, ``max_placements`` (job, node)
     pairs all saved, loaded and faulted with the longest reasons, ``max_lost_nodes`` lost nodes, a switch with a
     restore beside a snapshot on every node, ``MAX_SHARES`` fair shares and the usage of ``max_usage_jobs`` jobs, the
-    cycles of ``max_cycles`` jobs and a predictive restore's plan."""
+    cycles of ``max_cycles`` jobs with ``MAX_PHASE_CUES`` phase cues each and a predictive restore's plan."""
     rid = "r" * 128
     waiter = _at_limits(
         WaiterRecord,
@@ -101,10 +103,20 @@ def test_a_record_at_every_limit_at_once_stays_far_below_the_payload_limit() -> 
         picked=_at_limits(FairPick, job=_id("p", 0), over=_id("o", 0)),
         predict=True,
         cycles={
-            _id("c", i): Cycle(released_ms=BIG_MS, asked=False, gap_ms=BIG_MS, prev_gap_ms=BIG_MS, switch_in_ms=BIG_MS)
+            _id("c", i): Cycle(
+                released_ms=BIG_MS,
+                asked=False,
+                gap_ms=BIG_MS,
+                prev_gap_ms=BIG_MS,
+                switch_in_ms=BIG_MS,
+                phases={
+                    _id("p", k): PhaseCue(started_ms=BIG_MS, asked=False, gap_ms=BIG_MS, prev_gap_ms=BIG_MS)
+                    for k in range(MAX_PHASE_CUES)
+                },
+            )
             for i in range(LIMITS.max_cycles)
         },
-        plan=_at_limits(Prediction, job=_id("c", 0)),
+        plan=_at_limits(Prediction, job=_id("c", 0), phase=_id("p", 0)),
         restored_ahead=_id("c", 1),
     )
     size = len(encode(rec))

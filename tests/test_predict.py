@@ -5,6 +5,8 @@ the same rules against random runs; ``test_predict_stack.py`` runs it through th
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 import pytest
 from hypothesis import event, given, settings
@@ -14,6 +16,7 @@ from timeslice_client.protocol import (
     Granted,
     GroupState,
     InputEvent,
+    Phase,
     Release,
     Released,
     Restore,
@@ -21,7 +24,7 @@ from timeslice_client.protocol import (
     Snapshot,
     Tick,
 )
-from timeslice_orchestrator.core import Action, Notify, Transition
+from timeslice_orchestrator.core import Action, Notify, Transition, apply
 
 from .core_sim import G, Sim, commands, notices
 
@@ -228,11 +231,12 @@ _JOB = st.sampled_from(["a", "b", "c"])
 
 @st.composite
 def _events(draw: st.DrawFn) -> list[tuple[int, InputEvent]]:
-    """A run of acquires, releases (of the holder, as clients make them), ticks and agents' answers, with time."""
+    """A run of acquires, releases (of the holder, as clients make them), ticks, agents' answers and phase events,
+    with time."""
     steps: list[tuple[int, InputEvent]] = []
     for i in range(draw(st.integers(5, 40))):
         dt = draw(st.sampled_from([0, 10, 500, 2_000, 5_000, 20_000]))
-        kind = draw(st.sampled_from(["turn", "turn", "turn", "acquire", "release", "tick", "answer"]))
+        kind = draw(st.sampled_from(["turn", "turn", "turn", "acquire", "release", "tick", "answer", "phase"]))
         if kind == "turn":  # a job's turn, as an RL phase: it asks, is switched in, holds a while and releases
             steps.append((dt, Acquire(group=G, job=draw(_JOB), request_id=f"r{i}", lease_ms=60_000)))
             steps.append((0, Tick(group="answer")))
@@ -246,6 +250,10 @@ def _events(draw: st.DrawFn) -> list[tuple[int, InputEvent]]:
             steps.append((dt, Release(group=G, job="?", request_id="?", epoch=0)))  # the holder's, at run time
         elif kind == "tick":
             steps.append((dt, Tick(group=G)))
+        elif kind == "phase":  # what timeslice_client.phase publishes, from any job (away, waiting or holding)
+            name = draw(st.sampled_from(["rollout", "reward"]))
+            edge: Literal["start", "end"] = draw(st.sampled_from(["start", "start", "end"]))
+            steps.append((dt, Phase(group=G, job=draw(_JOB), name=name, edge=edge)))
         else:
             steps.append((dt, Tick(group="answer")))  # every pending operation answered, at run time
     return steps
@@ -255,7 +263,8 @@ def _events(draw: st.DrawFn) -> list[tuple[int, InputEvent]]:
 @given(_events())
 def test_until_a_prediction_starts_the_policy_changes_no_decision(steps: list[tuple[int, InputEvent]]) -> None:
     """The same run with the policy on and off: every action is the same (but for ``Released.ahead`` and reasons)
-    until a predictive restore starts; plans dropped before they started left no trace."""
+    until a predictive restore starts; plans dropped before they started left no trace. With the policy off, a phase
+    event does what a tick at its time does (nothing but expiries): no trace in the record."""
     on, off = Sim(), Sim()
     for sim in (on, off):
         for job in ("a", "b", "c"):
@@ -278,7 +287,12 @@ def test_until_a_prediction_starts_the_policy_changes_no_decision(steps: list[tu
                     return
                 sent.update((c.op_id, c) for c in commands(got_off))
         elif ev is not None:
+            before_off = off.rec
             got_on, got_off = on(ev, dt=dt), off(ev, dt=dt)
+            if isinstance(ev, Phase):  # with the policy off, a phase event changes nothing but what time does
+                quiet = apply(before_off, Tick(group=G), off.now, off.seq)
+                assert (off.rec, got_off) == quiet, "a phase event left a trace with the policy off"
+                event("a phase event" + (" planned" if on.rec.plan is not None and on.rec.plan.phase else ""))
             planned = planned or on.rec.plan is not None
             if not _same(on, off, got_on, got_off):
                 event("a prediction started")

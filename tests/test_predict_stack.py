@@ -118,3 +118,43 @@ async def test_a_release_that_names_a_job_next_is_never_followed_by_a_claim(nats
         await a.release()
     rc, out = await timeslice(nats_url, "check", "--group", "gclaim", "--json")
     assert rc == 0, out
+
+
+LONG_S = 1.0  # b's time away in the learning rounds (its release -> its next ask)
+ROLLOUT_S = 0.3  # b's phase "rollout" (published with the real client) -> its next ask
+
+
+async def test_a_phase_start_brings_the_jobs_context_back_before_its_ask(nats_url: str, agent: Agent) -> None:
+    """b publishes its phase ``rollout`` with ``AsyncTimeSliceClient.phase`` while away; the core learns how long after
+    its start b asks, and at the next start (this time right after a's release, far earlier than b's time away says)
+    plans b's restore from it: b's acquire is granted at once, ``context_restored``, and replay names the phase."""
+    log: list[str] = []
+    async with AsyncTimeSliceClient("a", "gphase", nats_url) as a, AsyncTimeSliceClient("b", "gphase", nats_url) as b:
+        await a.register_workload(Recorder("a", log), node_id=NODE)
+        await b.register_workload(Recorder("b", log), node_id=NODE)
+        await _turn(b)  # the group exists now
+        rc, out = await timeslice(nats_url, "set-policy", "--group", "gphase", "--predict")
+        assert rc == 0, out
+        for _ in range(2):  # learning: b stays away LONG_S, its rollout starts ROLLOUT_S before it asks
+            await _turn(a)
+            await asyncio.sleep(LONG_S - ROLLOUT_S)  # (b's other work: the group is idle, a's context loaded)
+            async with b.phase("rollout"):
+                await asyncio.sleep(ROLLOUT_S)
+            await _turn(b)
+        cue = (await group_record(a)).cycles["b"].phases["rollout"]
+        assert cue.gap_ms >= 0 and cue.prev_gap_ms >= 0, cue
+        await _turn(a)
+        async with b.phase("rollout"):  # at once, this time
+            await asyncio.sleep(ROLLOUT_S)
+        # (the restore was planned ROLLOUT_S less twice b's switch in after the start: on a loaded machine it may
+        # still run; wait for it rather than for a time)
+        await eventually(lambda: _restored_ahead(a, "b"), timeout=30, what="b's context back from its phase's cue")
+        before = len(log)
+        g = await b.acquire(timeout=30)
+        assert g.context_restored and len(log) == before, "granted at once: its context was already back"
+        await b.release()
+    rc, out = await timeslice(nats_url, "check", "--group", "gphase", "--json")
+    assert rc == 0, out
+    rc, out = await timeslice(nats_url, "replay", "--group", "gphase")
+    assert rc == 0, out
+    assert "gphase/b: started, its job granted next (planned at its phase rollout's start)" in out, out

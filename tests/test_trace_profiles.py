@@ -130,6 +130,18 @@ def test_two_jobs_sharing_switch_and_never_hold_one_pool_at_once(name: str, cost
 
 
 @pytest.mark.parametrize("name", NEW)
+def test_the_phase_policies_publish_the_jobs_phase_starts_and_keep_every_rule(name: str) -> None:
+    """``predict_phase``: the jobs' phase starts reach each pool's core (more events than ``predict``'s run), which
+    keeps one holder per pool and the order rule, and every job ends."""
+    prof = load_profile(name)
+    plain, phased = _run(prof, 2, policy="predict"), _run(prof, 2, policy="predict_phase")
+    both = _run(prof, 2, policy="room_predict_phase")
+    assert phased.events > plain.events
+    for run in (phased, both):
+        assert exclusive(run) and _order_kept(run.logs) and set(run.ends) == {"j0", "j1"}
+
+
+@pytest.mark.parametrize("name", NEW)
 def test_the_switch_on_the_critical_path_with_and_without_room(name: str) -> None:
     prof = load_profile(name)
     pub = prof.published

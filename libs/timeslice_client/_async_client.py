@@ -451,7 +451,8 @@ class AsyncTimeSliceClient(ReleaseCalls, MultiGroupCalls):
 
     @contextlib.asynccontextmanager
     async def phase(self, name: str) -> AsyncIterator[None]:
-        """Publish phase start/end events around a block (for ``timeslice replay``)."""
+        """Publish phase start/end events around a block (for ``timeslice replay``; with the group's predictive
+        restore on, a start made while the job is away is the core's cue for its next ask: docs/scheduling.md)."""
         await self.connect()
         await self._publish_fast(Phase(group=self.group_id, job=self.job_id, name=name, edge="start", epoch=self.epoch))
         error: str | None = None

@@ -5,16 +5,21 @@ strictly (unknown fields refused); users read :class:`~timeslice_client.GroupSta
 
 from __future__ import annotations
 
+from typing import Annotated, Final
+
 import msgspec
 
+from ._bounds import Name
 from ._codes import GroupState, OpKind
 from ._policy_msgs import FairPick, Reservation, Usage
 
 __all__ = [
+    "MAX_PHASE_CUES",
     "Cycle",
     "GroupRecord",
     "HolderRecord",
     "OpRecord",
+    "PhaseCue",
     "Prediction",
     "SwitchRecord",
     "TrailRecord",
@@ -82,24 +87,46 @@ class SwitchRecord(_Rec, frozen=True):
     ahead: str | None = None
 
 
-class Cycle(_Rec, frozen=True):
+# Phase names whose cue a job's cycle keeps (``Cycle.phases``): the core keeps the ones started last; a record with
+# more is refused at decoding.
+MAX_PHASE_CUES: Final = 8
+
+
+class PhaseCue(_Rec, frozen=True, omit_defaults=True):
+    """What a phase of one job says of its next ask, for the predictive restore (``_predict``): when the job last
+    started that phase while it held nothing in the group (nor waited for it), whether it asked since, and how long
+    after that start its next ask came the last two times."""
+
+    started_ms: int = -1  # its last start while away (stream time; -1: none seen)
+    asked: bool = True  # the job asked since that start (then ``gap_ms`` is that start -> the ask)
+    gap_ms: int = -1  # the phase's start -> the job's next ask, the last time it was measured (-1: never)
+    prev_gap_ms: int = -1  # the same, the time before (-1: measured once at most)
+
+
+class Cycle(_Rec, frozen=True, omit_defaults=True):
     """What the group has seen of one job's cycle, for the predictive restore (``_predict``): when it last released,
-    how long it stayed away before it asked again the last two times, and how long its last switch in took."""
+    how long it stayed away before it asked again the last two times, how long its last switch in took, and what its
+    phase starts said of its next ask (``phases``, at most ``MAX_PHASE_CUES`` names). Fields at their defaults are
+    left out (``omit_defaults``): a record without phase cues is what an orchestrator older than them wrote and reads.
+    """
 
     released_ms: int = -1  # its last release (stream time; -1: none seen)
     asked: bool = True  # it asked again since that release (then ``gap_ms`` is that time away)
     gap_ms: int = -1  # release -> its next ask, the last time it was measured (-1: never)
     prev_gap_ms: int = -1  # the same, the time before (-1: measured once at most)
     switch_in_ms: int = -1  # its last switch in: the switch's start -> its grant, a restore included (-1: none)
+    phases: Annotated[dict[Name, PhaseCue], msgspec.Meta(max_length=MAX_PHASE_CUES)] = {}
 
 
-class Prediction(_Rec, frozen=True):
-    """A predictive restore planned at an idle release (``_predict``): ``job`` is expected to ask next, before the
-    job that released comes back; at ``at_ms`` its context is brought back (a switch with ``SwitchRecord.ahead``),
-    unless any job asks first, which drops the plan at no cost."""
+class Prediction(_Rec, frozen=True, omit_defaults=True):
+    """A predictive restore planned at an idle release, or at a phase start of ``job`` while the group was idle
+    (``_predict``): ``job`` is expected to ask next; at ``at_ms`` its context is brought back (a switch with
+    ``SwitchRecord.ahead``), unless any job asks first, which drops the plan at no cost. ``phase``: the phase whose
+    start planned it (None: the cycle rule, at a release; left out then, so older readers decode it)."""
 
     job: str
     at_ms: int
+    phase: Name | None = None
 
 
 class TrailRecord(_Rec, frozen=True):

@@ -196,7 +196,8 @@ class TimeSliceClient:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Publish phase start/end events around a block (for ``timeslice replay``)."""
+        """Publish phase start/end events around a block (for ``timeslice replay``; with the group's predictive
+        restore on, a start made while the job is away is the core's cue for its next ask: docs/scheduling.md)."""
         cm = self._client.phase(name)
         self._run(cm.__aenter__(), self._margin(self._client.request_timeout_s))
         try:

@@ -49,10 +49,12 @@ from ._bounds import (
 )
 from ._codes import DequeueCode, ErrorCode, GroupState, JobState, OpKind, RevokeCode, SuspendMode
 from ._group_records import (
+    MAX_PHASE_CUES,
     Cycle,
     GroupRecord,
     HolderRecord,
     OpRecord,
+    PhaseCue,
     Prediction,
     SwitchRecord,
     TrailRecord,
@@ -78,6 +80,7 @@ __all__ = [
     "JOBS_BUCKET",
     "MAX_JOB_PARTS",
     "MAX_MIN_HOLD_MS",
+    "MAX_PHASE_CUES",
     "MAX_PRIORITY",
     "MAX_QUANTUM_MS",
     "MAX_SHARE",
@@ -118,6 +121,7 @@ __all__ = [
     "OpResult",
     "OpStarted",
     "Phase",
+    "PhaseCue",
     "Prediction",
     "ProcessOwner",
     "Quarantined",

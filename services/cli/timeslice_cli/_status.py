@@ -260,7 +260,8 @@ def _predicting(r: GroupRecord, now_ms: int) -> str:
         )
     if r.plan is not None:
         starts = _dur(max(0, r.plan.at_ms - now_ms))
-        return f"predictive restore: {r.plan.job} expected next, its restore starts in {starts}"
+        cue = f" (its phase {r.plan.phase} started)" if r.plan.phase is not None else ""
+        return f"predictive restore: {r.plan.job} expected next{cue}, its restore starts in {starts}"
     if r.restored_ahead is not None:
         return f"predictive restore: {r.restored_ahead}'s context is back, ahead of its ask"
     return "predictive restore: on"

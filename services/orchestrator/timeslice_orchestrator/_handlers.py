@@ -32,7 +32,7 @@ from timeslice_client.protocol import (
 )
 
 from ._min_hold import grant_reserved, reserve_on_release
-from ._predict import note_ask, note_release
+from ._predict import note_ask, note_phase, note_release
 from ._work import Limits, Work
 
 __all__ = ["HANDLERS"]
@@ -294,7 +294,10 @@ def _on_cancel(w: Work, ev: Cancel) -> None:
 
 
 def _on_phase(w: Work, ev: Phase) -> None:
-    """Phase events are facts for people and replay; they do not change the lock."""
+    """Phase events are facts for people and replay; they never change the lock. With the predictive restore on, a
+    phase start of a job away from the group is a cue for when it asks next (``_predict.note_phase``): learned, and
+    it may plan the job's restore ahead of its ask, as a release may. With the policy off: nothing."""
+    note_phase(w, ev.job, ev.name, start=ev.edge == "start")
 
 
 def _on_tick(w: Work, ev: Tick) -> None:

@@ -25,6 +25,19 @@ not claim its next acquire (a claim assumes no decision before it; the predictio
   acquire then is granted at once, with ``context_restored``, as a holder's re-acquire is. Another job's acquire is
   served as it would be: one more switch (what a wrong prediction costs).
 
+**Phase cues** (``note_phase``): jobs may publish phase events (``timeslice_client``'s ``phase(name)``: a ``Phase``
+at the block's start and end). With the policy on, a phase *start* made while the job is away (it neither holds nor
+waits for the group, and is registered in it) starts a measure of that phase's start -> the job's next ask, kept per
+job and phase name (``Cycle.phases``, ``PhaseCue``: the last two measures; at most ``MAX_PHASE_CUES`` names a job, the
+ones started last; within the ``Limits.max_cycles`` jobs, the one seen longest ago forgotten first). Such a start, of a
+phase measured before, on a group idle as above, for a job that could be restored (as above) and is not the one
+loaded, plans its restore at the start plus the longer of the phase's last two measures, less the same lead: a
+``Prediction`` with ``phase`` set, replacing a plan only with an earlier one. Not while the loaded job is expected back
+first by its cycle (its last release plus the shorter of its last two times away; late, at any moment). The cycle rule
+is unchanged; the plan is dropped, started or refused as any. A phase *end* does nothing (the start said when it began;
+the ask ends the measure); a phase published while holding or waiting teaches nothing (not away); with the policy off,
+a phase event leaves no trace.
+
 Pure and deterministic (the record, the event's time): ``timeslice replay`` and the checkers fold the same plans.
 """
 
@@ -33,7 +46,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import msgspec
-from timeslice_client.protocol import Cycle, GroupRecord, Prediction, SwitchRecord
+from timeslice_client.protocol import MAX_PHASE_CUES, Cycle, GroupRecord, PhaseCue, Prediction, SwitchRecord
 
 if TYPE_CHECKING:
     from ._work import Work
@@ -42,6 +55,7 @@ __all__ = [
     "ahead_deadline",
     "ended_ahead",
     "note_ask",
+    "note_phase",
     "note_release",
     "note_switched_in",
     "start_ahead_due",
@@ -55,24 +69,100 @@ def switch_target(sw: SwitchRecord) -> str | None:
 
 
 def _keep(w: Work, job: str, cycle: Cycle) -> None:
-    """Store ``cycle`` for ``job``; past ``Limits.max_cycles`` jobs, the one that released longest ago is forgotten."""
+    """Store ``cycle`` for ``job``; past ``Limits.max_cycles`` jobs, the one seen longest ago (its last release or
+    phase start) is forgotten."""
     w.cycles[job] = cycle
     while len(w.cycles) > w.limits.max_cycles:
-        del w.cycles[min(w.cycles, key=lambda j: (w.cycles[j].released_ms, j))]
+        del w.cycles[min(w.cycles, key=lambda j: (_last_seen(w.cycles[j]), j))]
+
+
+def _last_seen(c: Cycle) -> int:
+    return max([c.released_ms, *(p.started_ms for p in c.phases.values())])
 
 
 def note_ask(w: Work, job: str) -> None:
-    """``job`` asks for the group (a valid acquire or claim): its time away is measured, and a plan is dropped."""
+    """``job`` asks for the group (a valid acquire or claim): its time away is measured, and the time since each
+    phase it started while away; a plan is dropped."""
     if not w.predict:
         return  # (no history is kept with the policy off: nothing on the default path)
     c = w.cycles.get(job)
-    if c is not None and not c.asked:
-        gap = max(0, w.now - c.released_ms)
-        _keep(w, job, msgspec.structs.replace(c, asked=True, gap_ms=gap, prev_gap_ms=c.gap_ms))
+    if c is not None and (not c.asked or any(not p.asked for p in c.phases.values())):
+        if not c.asked:
+            gap = max(0, w.now - c.released_ms)
+            c = msgspec.structs.replace(c, asked=True, gap_ms=gap, prev_gap_ms=c.gap_ms)
+        phases = {name: _asked(p, w.now) for name, p in c.phases.items()}
+        _keep(w, job, msgspec.structs.replace(c, phases=phases))
         w.changed = True
     if w.plan is not None:
         w.touch(f"prediction of {w.plan.job} dropped: {job} asked first")
         w.plan = None
+
+
+def _asked(p: PhaseCue, now: int) -> PhaseCue:
+    """The cue of a phase whose job asks now: the time since its start, if it started while away."""
+    if p.asked:
+        return p
+    return PhaseCue(started_ms=p.started_ms, asked=True, gap_ms=max(0, now - p.started_ms), prev_gap_ms=p.gap_ms)
+
+
+def note_phase(w: Work, job: str, name: str, start: bool) -> None:
+    """``job`` published a phase event (``Phase``): a start made while it holds nothing here and does not wait (away)
+    starts the measure of that phase's start -> its next ask, and, when a measure of it is known and the group is
+    idle, may plan (or move earlier) the predictive restore of ``job``. Ignored: an end (the start said when the
+    phase began; its end adds nothing the ask does not), a start while the job holds or waits for the group (it is not
+    away: its next ask is no answer to that phase), a job not registered in the group (nothing of it to restore), and
+    everything with the policy off."""
+    if not w.predict or not start or job not in w.placements or _present(w, job):
+        return
+    c = w.cycles.get(job, Cycle())
+    cue = c.phases.get(name, PhaseCue())
+    phases = {n: p for n, p in c.phases.items() if n != name}
+    while len(phases) >= MAX_PHASE_CUES:  # the names started longest ago are forgotten first
+        del phases[min(phases, key=lambda n: (phases[n].started_ms, n))]
+    phases[name] = msgspec.structs.replace(cue, started_ms=w.now, asked=False)
+    _keep(w, job, msgspec.structs.replace(c, phases=phases))
+    w.changed = True
+    if cue.gap_ms < 0 or not _quiet(w) or w.active_job == job or not _restorable(w, job):
+        return
+    # Cautious as the cycle rule: expected after the longer of the phase's last two measures; not when the job whose
+    # context is loaded is expected back before that (by its own cycle).
+    expected = w.now + max(cue.gap_ms, cue.prev_gap_ms)
+    back = _back(w)
+    if back is not None and back <= expected:
+        return
+    lead = 2 * w.cycles[job].switch_in_ms
+    at = max(w.now, expected - lead) if lead >= 0 else w.now
+    if w.plan is not None and w.plan.at_ms <= at:
+        return  # (a plan that starts no later stays: a phase start only moves a plan earlier)
+    w.plan = Prediction(job=job, at_ms=at, phase=name)
+    w.touch(f"predicted: {job} asks next (its phase {name} started)")
+
+
+def _present(w: Work, job: str) -> bool:
+    """Whether ``job`` holds the group or waits for it (a switch's waiter included): not away."""
+    return (
+        (w.holder is not None and w.holder.job == job)
+        or any(wr.job == job for wr in w.queue)
+        or (w.switch is not None and w.switch.to is not None and w.switch.to.job == job)
+    )
+
+
+def _quiet(w: Work) -> bool:
+    """Nobody holds or waits, no switch runs, no snapshot trails, nothing is reserved."""
+    return w.holder is None and w.switch is None and w.trailing is None and not w.queue and w.reserved is None
+
+
+def _back(w: Work) -> int | None:
+    """When the job whose context is loaded (``active_job``) is expected back by its cycle: its last release plus the
+    shorter of its last two times away, at once if that time has passed (None: no loaded job, it asked since, or
+    nothing measured). Late, it is still expected at any moment: in the simulated sync run, a loaded job late on the
+    trainer pool (it waited for the sampler pool) took it back from most restores the other job's phase start had
+    planned there."""
+    job = w.active_job
+    c = w.cycles.get(job) if job is not None else None
+    if c is None or c.asked or c.gap_ms < 0:
+        return None
+    return max(w.now, c.released_ms + min(_gaps(c)))
 
 
 def note_switched_in(w: Work, job: str, started_at_ms: int) -> None:

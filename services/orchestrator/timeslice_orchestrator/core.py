@@ -65,7 +65,9 @@ Semantics, per group:
   switch's;
 * **the predictive restore** (``SetPolicy.predict``, ``_predict``): at a release nobody waits for, the job expected
   to ask next (from each job's recent cycle, ``GroupRecord.cycles``) is planned (``GroupRecord.plan``, named in
-  ``Released.ahead``: no claim follows such a release); any ask drops the plan; at its time, on a group still idle, a
+  ``Released.ahead``: no claim follows such a release), or at a phase start (``Phase``) of a job away from an idle
+  group, from how long after that phase's start the job asked before (``Cycle.phases``; phase events change nothing
+  with the policy off); any ask drops the plan; at its time, on a group still idle, a
   switch with no waiter (``SwitchRecord.ahead``) brings that job's context back, which its ask takes over or, ended,
   leaves loaded (``restored_ahead``: its next acquire is granted at once, ``context_restored``).
 """

@@ -118,13 +118,16 @@ class PredictedRestore:
     """A predictive restore of ``job``'s context planned at ``ts_ms`` (``GroupRecord.plan``; the group's ``predict``
     policy), started at ``started_ms`` (a switch with ``SwitchRecord.ahead``; None: never), and how it ended at
     ``end_ms``: ``dropped`` (a job asked before it started), ``hit`` (it started and ``job`` was the next job granted),
-    ``missed`` (it started and another job was granted next), ``""`` (still open where the stream read ends)."""
+    ``missed`` (it started and another job was granted next), ``replaced`` (a phase start planned an earlier restore
+    before it started), ``""`` (still open where the stream read ends). ``phase``: the phase whose start planned it
+    (``Prediction.phase``; None: the cycle rule, at a release)."""
 
     job: str
     ts_ms: int
     started_ms: int | None = None
     end_ms: int | None = None
     outcome: str = ""
+    phase: str | None = None
 
 
 @dataclass

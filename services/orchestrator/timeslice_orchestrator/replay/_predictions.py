@@ -1,5 +1,6 @@
-"""What ``timeslice replay`` shows of the predictive restore (``SetPolicy.predict``, ``_predict``): each plan, whether
-it started, and whether the job it brought back was the next one granted."""
+"""What ``timeslice replay`` shows of the predictive restore (``SetPolicy.predict``, ``_predict``): each plan (and the
+phase whose start planned it, if one did), whether it started, and whether the job it brought back was the next one
+granted."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ def observe_predictions(
         and (before is None or before.switch is None or before.switch.epoch != sw.epoch)
     )
     if after.plan is not None and after.plan != old_plan:
-        out.append(PredictedRestore(job=after.plan.job, ts_ms=ts))
+        last = out[-1] if out else None
+        if old_plan is not None and last is not None and not last.outcome and last.started_ms is None:
+            last.end_ms, last.outcome = ts, "replaced"  # (a phase start moved the plan earlier)
+        out.append(PredictedRestore(job=after.plan.job, ts_ms=ts, phase=after.plan.phase))
     elif started and sw is not None and (old_plan is None or old_plan.job != sw.ahead):
         out.append(PredictedRestore(job=str(sw.ahead), ts_ms=ts))  # planned and started in the same event
     last = out[-1] if out else None

@@ -141,12 +141,14 @@ def render_summary(replay: Replay) -> str:
             "hit": "its job granted next",
             "missed": "another job granted next",
             "dropped": "dropped: a job asked",
+            "replaced": "replaced by an earlier plan",
         }
         lines += ["", "predictive restores (the job expected to ask next, its context brought back while idle):"]
         lines += [
             f"  {_when(p.ts_ms)} {g}/{p.job}: "
             + ("started" if p.started_ms is not None else "planned")
             + (f", {said[p.outcome]}" if p.outcome else ", still open")
+            + (f" (planned at its phase {p.phase}'s start)" if p.phase is not None else "")
             for g, p in predicted
         ]
     faults = [(g, f) for g, tl in sorted(replay.groups.items()) for f in tl.faults]
