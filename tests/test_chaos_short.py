@@ -3,8 +3,10 @@ orchestrators, an agent, job processes, a TCP proxy in front of some jobs) while
 kind ran, the groups kept handing off, no orchestrator died, and ``timeslice check`` finds no violation of any kind
 in the stream. One group stays FIFO; the other has every scheduling policy on (the predictive restore, weighted fair
 share, a quantum, a minimum hold), its jobs away from the accelerators between holds so that it goes idle, and
-``timeslice replay`` must show each policy at work there. Printed, not asserted: the longest live waiter without a grant (it depends on the machine's load;
-``python bench/chaos.py`` measures it over ten minutes, docs/benchmarks.md "Chaos")."""
+``timeslice replay`` must show predictions, fair-share choices and kept minimum holds there (the quantum's requests
+need a hold past 40 ms, which only a fault makes: printed, not asserted). Printed, not asserted either: the longest
+live waiter without a grant (it depends on the machine's load; ``python bench/chaos.py`` measures it over ten
+minutes, docs/benchmarks.md "Chaos")."""
 
 from __future__ import annotations
 
