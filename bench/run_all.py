@@ -21,10 +21,18 @@ from pathlib import Path
 import _common as c
 import _report
 
-SCRIPTS = {name: c.BENCH / f"{name}.py" for name in _report.ORDER}
+# A result that another script's run writes (the name of the result file, then the script that makes it).
+SCRIPT_OF = {"chaos_policies": "chaos"}
+SCRIPTS = {name: c.BENCH / f"{SCRIPT_OF.get(name, name)}.py" for name in _report.ORDER}
 # Flags a script gets here beyond its defaults: the recorded trace replay also takes the multi-pool profiles through
-# the real stack (minutes; by default they are only simulated).
-EXTRA_ARGS = {"trace_replay": ["--pool-mode", "both"]}
+# the real stack (minutes; by default they are only simulated); the chaos run with the scheduling policies on every
+# group, its jobs away between holds (so that groups go idle and the predictive restore plans).
+EXTRA_ARGS = {
+    "trace_replay": ["--pool-mode", "both"],
+    "chaos_policies": [
+        *("--seed", "3", "--predict", "--shares", "--quantum-ms", "40", "--min-hold-ms", "10", "--away-ms", "30"),
+    ],
+}
 DOC = c.ROOT / "docs" / "benchmarks.md"
 
 

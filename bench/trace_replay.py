@@ -292,7 +292,7 @@ def main() -> None:
     p.add_argument("--costs", default="published,pcie", help="multi-pool profiles: the cost models to run")
     p.add_argument(
         "--policies",
-        default="fifo,room,precopy,room_precopy,predict,room_predict,priority,quantum",
+        default="fifo,room,precopy,room_precopy,predict,room_predict,predict_phase,room_predict_phase,priority,quantum",
         help="multi-pool profiles: the policies to run",
     )
     p.add_argument("--quantum-s", type=float, default=120.0, help="multi-pool profiles: the quantum policy's quantum")
