@@ -38,7 +38,7 @@ import itertools
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 from _trace_model import Log, PoolCost, PoolStep, switches_between
@@ -75,19 +75,7 @@ Policy = Literal[
     "quantum",
     "min_hold",
 ]
-POLICIES: tuple[Policy, ...] = (
-    "fifo",
-    "room",
-    "precopy",
-    "room_precopy",
-    "predict",
-    "room_predict",
-    "predict_phase",
-    "room_predict_phase",
-    "priority",
-    "quantum",
-    "min_hold",
-)
+POLICIES: tuple[Policy, ...] = get_args(Policy)
 POLICY_TEXT: dict[str, str] = {
     "fifo": "first come, first served; snapshot, then restore, then grant (today's default)",
     "room": "FIFO with grant on restore: the node fits both contexts, the restore runs beside the snapshot",

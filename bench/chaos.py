@@ -369,27 +369,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         stall, where = _stalls(logs)
         result["longest_stall_s"] = round(stall, 3)
         result["longest_stall_where"] = where
-        check = subprocess.run(
-            [
-                py,
-                "-m",
-                "timeslice_cli",
-                "--log-level",
-                "warning",
-                "check",
-                "--nats-url",
-                url,
-                "--json",
-                "--timeout",
-                "300",
-            ],
-            cwd=c.ROOT,
-            env=c.child_env(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
+        check = _read_stream(py, url, "check")
         result["check_exit"] = check.returncode
         if "policy" in result:
             result["policy_activity"] = _policy_activity(py, url)
@@ -466,26 +446,10 @@ def print_report(r: dict[str, Any]) -> bool:
     return ok
 
 
-_ACTIVITY = ("yield_requests", "min_holds_kept", "fair_share_choices", "predictions", "predictions_hit")
-
-
-def _policy_activity(py: str, url: str) -> dict[str, int] | str:
-    """What the policies did over the whole stream, summed over the groups (``timeslice replay``'s summary; FIFO
-    groups count none): that a run with a policy really exercised it. A string (the reason) when replay failed."""
-    out = subprocess.run(
-        [
-            py,
-            "-m",
-            "timeslice_cli",
-            "--log-level",
-            "warning",
-            "replay",
-            "--json",
-            "--nats-url",
-            url,
-            "--timeout",
-            "300",
-        ],
+def _read_stream(py: str, url: str, command: str) -> subprocess.CompletedProcess[str]:
+    """``timeslice <command> --json`` over the whole stream (``check`` or ``replay``), its output captured."""
+    return subprocess.run(
+        [py, "-m", "timeslice_cli", "--log-level", "warning", command, "--nats-url", url, "--json", "--timeout", "300"],
         cwd=c.ROOT,
         env=c.child_env(),
         capture_output=True,
@@ -493,6 +457,15 @@ def _policy_activity(py: str, url: str) -> dict[str, int] | str:
         timeout=600,
         check=False,
     )
+
+
+_ACTIVITY = ("yield_requests", "min_holds_kept", "fair_share_choices", "predictions", "predictions_hit")
+
+
+def _policy_activity(py: str, url: str) -> dict[str, int] | str:
+    """What the policies did over the whole stream, summed over the groups (``timeslice replay``'s summary; FIFO
+    groups count none): that a run with a policy really exercised it. A string (the reason) when replay failed."""
+    out = _read_stream(py, url, "replay")
     try:
         groups = json.loads(out.stdout)["summary"]["groups"].values()
     except (ValueError, KeyError, AttributeError):
