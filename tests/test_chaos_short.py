@@ -20,6 +20,12 @@ from .helpers import run_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The heaviest load of the suite (a 3-node cluster, two orchestrators, an agent, six jobs and the faults, for a
+# minute): it runs in the group of the modules that compare wall-clock runs (one worker, one after another:
+# scripts/test), so that it never loads the machine under them (beside it, the Ray example's shared run took 1.04x
+# and 1.23x its back-to-back run in two CI runs, against 0.52x alone).
+pytestmark = pytest.mark.xdist_group("wall_clock")
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
