@@ -14,7 +14,8 @@ name)::
     python examples/ray_timeslice.py --jobs ray-a,ray-b --steps 6
 
 runs both jobs at once in one local Ray instance (one driver thread each), then prints one JSON line: each job's
-final weights digest, suspends and resumes per actor, and the wall time. ``--plain`` runs them one after the other
+final weights digest, suspends and resumes per actor, the wall time, and when it held the accelerators and when it
+scored (``perf_counter`` seconds, one clock for both jobs). ``--plain`` runs them one after the other
 without timeslice: the same digests, bit for bit (a fixed seed per job; torch on one thread per actor).
 """
 
@@ -163,14 +164,23 @@ def run_job(job: str, seed: int, steps: int, share: _Shared | None, reward_s: fl
     def held() -> contextlib.AbstractContextManager[Any]:
         return client.on_accelerators() if client is not None else contextlib.nullcontext()  # timeslice
 
-    t0 = time.perf_counter()
     ray.get([trainer.weights.remote(), rollout.counts.remote()])  # both actors up before the clock runs
+    holds: list[tuple[float, float]] = []  # when the job had the accelerators (perf_counter: one clock per process)
+    scores: list[tuple[float, float]] = []  # when it scored, off them
+
+    @contextlib.contextmanager
+    def timed(into: list[tuple[float, float]]) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        into.append((start, time.perf_counter()))
+
     t0 = time.perf_counter()
     for _ in range(steps):
-        with held():
+        with held(), timed(holds):
             batch = ray.get(rollout.generate.remote())
-        rewards = _score(batch, reward_s)
-        with held():
+        with timed(scores):
+            rewards = _score(batch, reward_s)
+        with held(), timed(holds):
             ray.get(trainer.train.remote(batch, rewards))
             ray.get(rollout.load.remote(ray.get(trainer.weights.remote())))
     wall = time.perf_counter() - t0
@@ -181,7 +191,7 @@ def run_job(job: str, seed: int, steps: int, share: _Shared | None, reward_s: fl
     ray.get([rollout.close.remote(), trainer.close.remote()])
     if client is not None:
         client.close()
-    return {"job": job, "digest": digest, "wall_s": wall, "suspends_resumes": counts}
+    return {"job": job, "digest": digest, "wall_s": wall, "suspends_resumes": counts, "holds": holds, "scores": scores}
 
 
 @contextlib.contextmanager
