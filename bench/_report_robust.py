@@ -190,7 +190,13 @@ def _chaos(r: dict[str, Any]) -> list[str]:
             ],
         ),
         "Violations by kind: " + (", ".join(f"{k} {n}" for k, n in by_kind.items()) or "none") + ". Job errors "
-        f"(logged, the loops went on): {r.get('job_errors', {})}.",
+        f"(logged, the loops went on): {r.get('job_errors', {})}."
+        + (
+            f" Stale commands the agent answered without running (delivered again after its restarts): "
+            f"{r['stale_commands']}."
+            if "stale_commands" in r
+            else ""
+        ),
         f"Against issue 23: >= 10 minutes — {_met((r.get('minutes') or 0) >= 10)}; >= 5,000 handoffs — "
         f"{_met((r.get('handoffs') or 0) >= 5000)}; 0 violations — {_met(not viol)}; longest stall <= lease + 2 s "
         f"(7 s) — {_met(stall is not None and stall <= 7.0)}.",

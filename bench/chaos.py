@@ -366,6 +366,10 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                         key = f"{e['where']}:{e['type']}"
                         errors[key] = errors.get(key, 0) + 1
         result["job_errors"] = errors
+        # Commands the agent's durable consumer delivered again after a restart (its ack floor lags), refused as stale
+        agent_log = tmp / "agent.log"
+        text = agent_log.read_text(errors="replace") if agent_log.exists() else ""
+        result["stale_commands"] = text.count("stale command answered without running")
         stall, where = _stalls(logs)
         result["longest_stall_s"] = round(stall, 3)
         result["longest_stall_where"] = where
@@ -435,6 +439,10 @@ def print_report(r: dict[str, Any]) -> bool:
         print(f"policy of groups {r.get('policy_groups')} (set before the jobs started): {r['policy']}")
         print(f"what the policies did (timeslice replay, all groups): {r.get('policy_activity')}")
     print(f"job errors (logged, the loops went on): {r['job_errors']}")
+    print(
+        "stale commands the agent answered without running (delivered again after its restarts): "
+        f"{r.get('stale_commands', 'not counted')}"
+    )
     print(
         f"longest live waiter without a grant: {r['longest_stall_s']:.2f} s ({r['longest_stall_where']}); "
         f"goal <= lease {LEASE_S:.0f} s + 2 s: {'met' if r['longest_stall_s'] <= LEASE_S + 2 else 'MISSED'}"

@@ -18,7 +18,9 @@ What each test checks:
   FAULTED with a reason, and once cleared it comes back bit-exact;
 * jobs registered but never run do not block the first acquire, and nothing is moved for them;
 * a job whose state is offloaded on a node whose agent dies before its restore is not granted with its
-  state missing (it is faulted until the agent is back and the fault is cleared).
+  state missing (it is faulted until the agent is back and the fault is cleared);
+* an agent whose key in KV ``agents`` goes away while it still answers is not lost (its next switches move state
+  as ever); if it dies before its key is back, the orchestrator's next probe finds it lost.
 """
 
 from __future__ import annotations
@@ -32,8 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.js.errors import KeyNotFoundError
+from prometheus_client import generate_latest
 from timeslice_client import AsyncTimeSliceClient, GroupRecord
-from timeslice_client.protocol import OpKind
+from timeslice_client.bus import connect
+from timeslice_client.protocol import AGENTS_BUCKET, OpKind, OpResult, Restore, Snapshot, encode, subjects
+from timeslice_orchestrator.service import Orchestrator
 
 from .agent_harness import (
     AGENT_TTL,
@@ -430,6 +436,60 @@ async def test_agent_killed_during_snapshot_for_good_grants_at_the_snapshot_dead
     await agent.wait_ready()
 
 
+async def test_a_restarted_agent_does_not_run_again_a_command_from_before_its_restart(
+    spawn: Spawn, agent: AgentProcess, observer: AsyncTimeSliceClient, nats_url: str
+) -> None:
+    """The agent's durable consumer starts again from its ack floor, which can lag the acknowledgements: in a chaos
+    run a killed agent, started again, got about 30 s of commands delivered again and ran snapshots and restores of
+    epochs hundreds behind, while grants went out for the current ones. A restarted agent knows each job's last
+    epoch from KV: a command older than it is stale, answered without moving anything. Here a's first restore
+    (before a was switched out) comes again after the restart: a's state stays on the host while b holds."""
+    g = "replayed"
+    a = spawn(g, "a", handler="numpy", mb=2)
+    b = spawn(g, "b", handler="numpy", mb=1)
+    await a.wait("ready", timeout=START)
+    await b.wait("ready", timeout=START)
+    worked_a = await hold_then_queue(a, b, observer, g)
+    a.send("release")
+    await b.wait("worked")
+    await agent.wait_states({"a": "SAVED", "b": "RUNNING"})
+    agent.kill()
+    agent.start()
+    await agent.wait_ready()
+    await agent.wait_states({"a": "SAVED", "b": "RUNNING"})
+
+    ea = worked_a["epoch"]
+    deadline = int(time.time() * 1000) + 30_000
+    replayed = Restore(
+        op_id=f"{g}:{ea}:{OpKind.RESTORE}:{NODE}", group=g, job="a", node=NODE, epoch=ea, deadline_ms=deadline
+    )
+    # Then a command of the same epoch for a, which the agent takes after the first (one job's operations run in
+    # their order): its answer is in the stream once the first was decided.
+    marker = Snapshot(
+        op_id=f"{g}:{ea}:{OpKind.SNAPSHOT}:{NODE}", group=g, job="a", node=NODE, epoch=ea, deadline_ms=deadline
+    )
+    nc = await connect(nats_url)
+    try:
+        js = nc.jetstream()
+        for cmd in (replayed, marker):
+            await js.publish(subjects.agent_cmd(NODE), encode(cmd), timeout=5)
+    finally:
+        await nc.close()
+
+    async def marker_answered() -> OpResult | None:
+        results, _, _ = await op_events(nats_url, g)
+        return next((r for r in results if r.op_id == marker.op_id), None)
+
+    answer = await eventually(marker_answered, what="the agent answered the command after the replayed one")
+    assert not answer.ok and "stale epoch" in (answer.error or ""), answer
+    _, started, _ = await op_events(nats_url, g)
+    assert [s.op_id for s in started if s.op_id in (replayed.op_id, marker.op_id)] == [], "a stale command ran"
+    assert a.events("resume_start") == [], "a's state came back to the device while b holds"
+    jobs = await agent.jobs()
+    assert (jobs["a"]["state"], jobs["b"]["state"]) == ("SAVED", "RUNNING"), jobs
+    assert "stale command answered without running" in agent.log_path.read_text(), agent.describe()
+
+
 async def _held_by(obs: AsyncTimeSliceClient, group: str, job: str) -> GroupRecord | None:
     rec = await group_record(obs, group)
     return rec if rec.holder is not None and rec.holder.job == job else None
@@ -526,3 +586,92 @@ async def test_job_saved_on_a_lost_agent_is_not_granted_without_its_state(
 
 async def _faulted(obs: AsyncTimeSliceClient, group: str, job: str) -> bool:
     return job in (await group_record(obs, group)).faulted
+
+
+# --------------------------------------------------------------------------- the agent's key goes, the agent stays
+
+
+async def _delete_agent_key(nats_url: str) -> None:
+    """What a TTL expiry does to the key (a NATS election slower than the TTL lets it lapse while the agent runs)."""
+    nc = await connect(nats_url)
+    try:
+        kv = await nc.jetstream().key_value(AGENTS_BUCKET)
+        await kv.delete(NODE)
+    finally:
+        await nc.close()
+
+
+async def _agent_key(nats_url: str) -> bool:
+    """Whether the agent's key has a value (a deleted key keeps its marker)."""
+    nc = await connect(nats_url)
+    try:
+        kv = await nc.jetstream().key_value(AGENTS_BUCKET)
+        with contextlib.suppress(KeyNotFoundError):
+            return bool((await kv.get(NODE)).value)
+        return False
+    finally:
+        await nc.close()
+
+
+async def test_an_agent_that_answers_after_its_key_went_away_is_not_lost(
+    spawn: Spawn, agent: AgentProcess, observer: AsyncTimeSliceClient, orchestrator: Orchestrator, nats_url: str
+) -> None:
+    """The agent's key goes (as its TTL would let it during a NATS election slower than the TTL) while the agent
+    runs: the orchestrator asks the agent, which answers, so nothing is lost, and the next switches move a's state
+    out and back. (Before, the key's going alone was the loss: one CI run, its election slow, faulted a job so.)"""
+    g = "key-gone"
+    a = spawn(g, "a", handler="numpy", mb=2)
+    b = spawn(g, "b", handler="numpy", mb=1)
+    await a.wait("ready", timeout=START)
+    await b.wait("ready", timeout=START)
+    worked_a = await hold_then_queue(a, b, observer, g)
+    await _delete_agent_key(nats_url)
+    assert not await _agent_key(nats_url)
+    await eventually(lambda: _agent_key(nats_url), what="the agent's next heartbeat writes its key again")
+    rec = await group_record(observer, g)
+    assert NODE not in rec.lost_nodes and not rec.faulted, rec
+    counts = orchestrator.metrics.agents
+    assert (counts.answered_without_key, counts.lost) == (1, 0)
+    scraped = generate_latest(orchestrator.metrics.registry).decode()
+    assert "timeslice_agent_keys_gone_while_answering_total 1.0" in scraped, scraped
+    assert "timeslice_agents_lost_total 0.0" in scraped
+    a.send("release")
+    await b.wait("worked")
+    granted_a = await switch_back(a, b, observer, g)
+    assert granted_a["context_restored"] is True and granted_a["checksum"] == worked_a["checksum"], granted_a
+
+
+async def test_an_agent_that_stops_answering_without_its_key_is_lost_at_the_next_probe(
+    spawn: Spawn,
+    agent: AgentProcess,
+    observer: AsyncTimeSliceClient,
+    orchestrator: Orchestrator,
+    nats_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The key goes while the agent answers, and the agent dies before it writes the key again (a heartbeat of 10
+    minutes here): no key event tells of the death, the orchestrator's next probe does (it asks every
+    ``agent_probe_s`` while the key is missing)."""
+    monkeypatch.setenv("TIMESLICE_AGENT_HEARTBEAT_S", "600")
+    agent.stop()
+    agent.start()
+    await agent.wait_ready()
+    g = "key-gone-then-agent"
+    a = spawn(g, "a", handler="numpy", mb=1)
+    await a.wait("ready", timeout=START)
+    a.send("acquire")
+    await a.wait("worked")
+    await _delete_agent_key(nats_url)
+    counts = orchestrator.metrics.agents
+    await eventually(lambda: counts.answered_without_key == 1, what="the orchestrator asked the agent")
+    assert NODE not in (await group_record(observer, g)).lost_nodes
+    agent.kill()
+    killed = time.monotonic()
+
+    async def lost() -> bool:
+        return NODE in (await group_record(observer, g)).lost_nodes
+
+    probe_s = orchestrator.config.agent_probe_s
+    await eventually(lost, timeout=2 * probe_s + 5, what="the agent's loss, at the next probe")
+    assert time.monotonic() - killed < AGENT_TTL, "not found by the probe: the key's TTL cannot tell any more"
+    assert counts.lost == 1

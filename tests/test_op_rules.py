@@ -59,7 +59,16 @@ def test_what_each_command_does() -> None:
     other, fence = _decide(_job(JobState.RUNNING), OpKind.SNAPSHOT, group="h")
     assert isinstance(other, Answer) and not other.remember and fence is None  # the other group's fence stays
     stale, fence = _decide(_job(JobState.RUNNING), OpKind.SNAPSHOT, epoch=3, newest=4)
-    assert isinstance(stale, Answer) and "stale epoch 3" in (stale.error or "") and fence is None
+    assert isinstance(stale, Answer) and stale.stale and "stale epoch 3" in (stale.error or "") and fence is None
+    # Older than the job's own last operation, with the group's fence lost (a restarted agent, before any command):
+    # a command delivered again from before the restart moves nothing.
+    saved = msgspec.structs.replace(_job(JobState.SAVED), epoch=7)
+    replayed, fence = _decide(saved, OpKind.RESTORE, epoch=5, newest=0)
+    assert isinstance(replayed, Answer) and replayed.stale and not replayed.ok and not replayed.remember
+    assert fence is None
+    assert replayed.error == "stale epoch 5 (group 'g' is at 7 on node 'n')", replayed.error
+    again, fence = _decide(saved, OpKind.RESTORE, epoch=7, newest=0)  # the same epoch: its own operation, sent again
+    assert isinstance(again, Begin) and fence == 7
     first, fence = _decide(_job(JobState.IDLE), OpKind.RESTORE, epoch=4, newest=4)
     assert isinstance(first, Answer) and first.ok and first.save is not None and fence == 4
     assert first.save.state is JobState.RUNNING and first.save.epoch == 4

@@ -29,12 +29,14 @@ __all__ = ["Answer", "Begin", "decide", "settle"]
 class Answer:
     """Answer the command without running a backend: ``ok`` or ``error``. ``remember``: the same op id gets this
     answer again (a verdict about the job, not about a stale or misaddressed command). ``save``: the job's context
-    to store first (a never-run job becomes RUNNING at its first restore), None: unchanged."""
+    to store first (a never-run job becomes RUNNING at its first restore), None: unchanged. ``stale``: refused for its
+    epoch (older than the group's newest here or the job's last operation)."""
 
     ok: bool
     error: str | None = None
     remember: bool = True
     save: JobContext | None = None
+    stale: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +70,14 @@ def decide(
             remember=False,
             error=f"job {job!r} is registered in group {ctx.group!r} on node {node!r}, not {group!r}",
         ), None
-    if epoch < newest_epoch:
+    if epoch < newest_epoch or epoch < ctx.epoch:
+        # Older than the group's newest command here, or than the job's own last operation (stored: it outlives a
+        # restart of this agent, after which the durable consumer may deliver commands from before it again).
         return Answer(
-            ok=False, remember=False, error=f"stale epoch {epoch} (group {group!r} is at {newest_epoch})"
+            ok=False,
+            remember=False,
+            error=f"stale epoch {epoch} (group {group!r} is at {max(newest_epoch, ctx.epoch)} on node {node!r})",
+            stale=True,
         ), None
     if ctx.state is JobState.FAULTED:
         return Answer(ok=False, error=f"job is faulted: {ctx.reason}"), epoch

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +104,14 @@ class Operations:
         """The group's newest epoch this agent has seen (0: none): a standalone operation runs at it."""
         return self._epochs.get(group, 0)
 
+    def seed_epochs(self, contexts: Iterable[JobContext]) -> None:
+        """After a restart, each group's fence from its jobs' last operations (their stored contexts), so that the
+        commands the durable consumer delivers again from before the restart (its ack floor can lag the acks by
+        seconds, across a NATS restart by more) are stale, not run a second time."""
+        for ctx in contexts:
+            if ctx.epoch > self._epochs.get(ctx.group, 0):
+                self._epochs[ctx.group] = ctx.epoch
+
     def begin_standalone(self, cmd: Snapshot | Restore, kind: OpKind, asked: OpSettings) -> Coroutine[Any, Any, None]:
         """Count a standalone operation as running (``status``) and return what runs it (``asked``: its own
         settings)."""
@@ -185,6 +193,12 @@ class Operations:
             if fence is not None:
                 self._epochs[cmd.group] = fence
             if isinstance(verdict, Answer):
+                if verdict.stale:  # e.g. delivered again after a restart of this agent: nothing moves
+                    log.warning(
+                        "stale command answered without running: %s",
+                        verdict.error,
+                        extra={"node": self.node, "group": cmd.group, "job": cmd.job, "op_id": cmd.op_id},
+                    )
                 if verdict.save is not None:
                     await self._book.save(verdict.save)
                 answer = op_result(cmd, self.node, backend, ok=verdict.ok, error=verdict.error)

@@ -182,6 +182,7 @@ class Agent:
                 self._requests.serve_in(tg.create_task)
                 await heartbeat.once()
                 await self._book.recover()
+                self._ops.seed_epochs(self._book.jobs.values())
                 r, node = self._requests, self.node
                 for subject, cb in (
                     (subjects.agent_rpc_jobs(node, "register"), r.on_register),

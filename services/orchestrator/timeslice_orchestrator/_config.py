@@ -37,6 +37,9 @@ class OrchestratorConfig(BaseSettings):
     max_record_bytes: int = Field(default=768 * 1024, ge=64 * 1024)  # and at most 3/4 of the server's max_payload
     catch_up_idle_s: float = Field(default=10.0, gt=0)  # the catch-up fails when the bus is silent this long
     local_agent_ready_s: float = Field(default=60.0, gt=0)  # the agent run beside this one must be ready by then
+    # An agent whose key in KV ``agents`` went away is asked (its status RPC) for this long before it is declared
+    # lost, and asked again this often while it answers without a key (heartbeats failing through a NATS election).
+    agent_probe_s: float = Field(default=2.0, gt=0, le=60)
     # Leader election (hot standby): every orchestrator campaigns; one leads, the others stand by.
     instance_id: str | None = Field(default=None, max_length=128)  # default: host/pid/random
     leader_ttl_s: int = Field(default=1, ge=1, le=60)  # the lease key's TTL: a dead leader is replaced after it

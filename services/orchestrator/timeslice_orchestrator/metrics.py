@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Final, NamedTuple
 
 import msgspec
@@ -37,6 +38,7 @@ from timeslice_client.protocol import (
     YieldRequested,
 )
 
+from ._agents_watch import AgentLiveness
 from ._min_hold import OUTCOMES, reservation_change
 from ._work import Action, Notify
 
@@ -62,7 +64,7 @@ class _InstanceFamily(NamedTuple):
 
     kind: type[CounterMetricFamily | GaugeMetricFamily]
     name: str
-    attr: str
+    attr: str  # dotted: an attribute of an attribute
     doc: str
 
 
@@ -104,6 +106,19 @@ _INSTANCE_FAMILIES: Final = (
         "timeslice_orchestrator_leadership_losses",
         "leader_losses",
         "Times this instance lost or gave up the leadership.",
+    ),
+    _InstanceFamily(
+        CounterMetricFamily,
+        "timeslice_agent_keys_gone_while_answering",
+        "agents.answered_without_key",
+        "Agents whose key in KV agents expired or was deleted while the agent still answered (not declared lost; "
+        "its heartbeats failed, e.g. through a NATS election).",
+    ),
+    _InstanceFamily(
+        CounterMetricFamily,
+        "timeslice_agents_lost",
+        "agents.lost",
+        "Agents declared lost: their key gone and no answer to the orchestrator's probe.",
     ),
 )
 
@@ -170,6 +185,7 @@ class OrchestratorMetrics(Collector):
         self.term = 0  # the term of this instance's latest election
         self.elections = 0
         self.leader_losses = 0
+        self.agents = AgentLiveness()  # what the agents' watch counts (_agents_watch)
         self.takeover_s: float | None = None  # the latest takeover: from the old lease gone to this one's election
         self.apply_latency = _Hist(APPLY_BUCKETS)
         self.registry.register(self)
@@ -343,7 +359,7 @@ class OrchestratorMetrics(Collector):
             cancelled,
             faults,
             applied,
-            *(f.kind(f.name, f.doc, value=getattr(self, f.attr)) for f in _INSTANCE_FAMILIES),
+            *(f.kind(f.name, f.doc, value=attrgetter(f.attr)(self)) for f in _INSTANCE_FAMILIES),
             latency,
         )
 

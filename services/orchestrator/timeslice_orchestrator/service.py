@@ -548,11 +548,19 @@ class Orchestrator:
     # ------------------------------------------------------------------ agents
 
     async def _watch_agents(self, known: asyncio.Event) -> None:
-        """An agent whose key expired (TTL) or was deleted is lost: its pending operations are resolved
-        and its placements dropped, through ``AgentLost`` events in the stream (``_agents_watch``)."""
-        assert self._agents_kv is not None and self._js is not None
+        """An agent whose key expired (TTL) or was deleted and that does not answer is lost: its pending operations
+        are resolved and its placements dropped, through ``AgentLost`` events in the stream (``_agents_watch``)."""
+        assert self._agents_kv is not None and self._js is not None and self._nc is not None
         await watch_agents(
-            self._agents_kv, self._js, lambda: {g: e.rec for g, e in self._groups.items()}, self._halt, known
+            self._agents_kv,
+            self._js,
+            self._nc,
+            lambda: {g: e.rec for g, e in self._groups.items()},
+            self._halt,
+            known,
+            probe_s=self.config.agent_probe_s,
+            recheck_s=self.config.agent_probe_s,
+            counts=self.metrics.agents,
         )
 
 
