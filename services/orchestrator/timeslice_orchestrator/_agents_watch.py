@@ -8,7 +8,8 @@ failed for a while, e.g. through a NATS election slower than the key's TTL): it 
 answer is lost: the orchestrator publishes ``AgentLost`` into each group that still refers to that node (a pending
 operation there, a context loaded there, a job placed there), and the core resolves those groups' operations and
 placements like any other input. At start, the nodes that the stored records name but that have no key once the
-watcher has delivered the bucket's current keys are suspect the same way.
+watcher has delivered the bucket's current keys (or in an empty bucket) are suspect the same way, asked a little
+later (an agent that starts beside this orchestrator writes its key first).
 """
 
 from __future__ import annotations
@@ -61,14 +62,22 @@ async def watch_agents(
     *,
     probe_s: float = 2.0,
     recheck_s: float = 2.0,
+    start_grace_s: float = 2.0,
     counts: AgentLiveness | None = None,
 ) -> None:
     """Until ``stop``: publish ``AgentLost`` for each node whose key goes away and whose agent does not answer within
-    ``probe_s``. ``known`` is set once the bucket's current keys were read (and the nodes the records name without a
-    key were asked, and reported lost when they did not answer)."""
+    ``probe_s``. ``known`` is set once the bucket's current keys were read; the nodes the records name without a key
+    then are asked ``start_grace_s`` later."""
     alive: set[str] = set()
     suspects: dict[str, float] = {}  # node → when to ask it (again): its key is gone
+    answering: set[str] = set()  # suspects that answered (counted and logged once each)
     counts = counts if counts is not None else AgentLiveness()
+
+    def suspect_named(now: float) -> None:
+        """At start: the nodes the records name without a key, asked after ``start_grace_s`` (an agent starting
+        beside this orchestrator writes its key first, then subscribes)."""
+        for node in referenced_nodes(records().values()) - alive:
+            suspects.setdefault(node, now + start_grace_s)
 
     async def ask_due() -> None:
         now = time.monotonic()
@@ -80,7 +89,8 @@ async def watch_agents(
             if node not in suspects:  # its key came back meanwhile
                 continue
             if answered:
-                if suspects[node] == 0.0:
+                if node not in answering:
+                    answering.add(node)
                     counts.answered_without_key += 1
                     log.warning(
                         "agent key gone, the agent answers: not lost; asked again every %.1f s until its key is back",
@@ -90,6 +100,7 @@ async def watch_agents(
                 suspects[node] = time.monotonic() + recheck_s
             else:
                 del suspects[node]
+                answering.discard(node)
                 counts.lost += 1
                 await publish_agent_lost(js, records(), node)
 
@@ -98,8 +109,7 @@ async def watch_agents(
     initial = status.values > 0
     try:
         if not initial:  # no key at all: every node the records name is suspect
-            suspects.update(dict.fromkeys(referenced_nodes(records().values()), 0.0))
-            await ask_due()
+            suspect_named(time.monotonic())
             known.set()
         while not stop.is_set():
             try:
@@ -114,11 +124,10 @@ async def watch_agents(
                 else:
                     alive.add(entry.key)
                     suspects.pop(entry.key, None)
+                    answering.discard(entry.key)
                 if initial and entry.delta == 0:
                     initial = False
-                    for node in referenced_nodes(records().values()) - alive:
-                        suspects.setdefault(node, 0.0)
-                    await ask_due()
+                    suspect_named(time.monotonic())
                     known.set()
             await ask_due()
     finally:

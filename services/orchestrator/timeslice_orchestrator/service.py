@@ -560,6 +560,7 @@ class Orchestrator:
             known,
             probe_s=self.config.agent_probe_s,
             recheck_s=self.config.agent_probe_s,
+            start_grace_s=self.config.agent_probe_s,
             counts=self.metrics.agents,
         )
 
