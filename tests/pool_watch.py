@@ -1,12 +1,14 @@
 """Who works on which group now, across jobs, for the framework integrations' tests (slime, veRL): a call of a
 job's worker must run in that job's hold of the group and never beside another job's call there. Violations are
-collected, not raised (raising would stop a worker's thread); ``calls`` counts each job's calls by name."""
+collected, not raised (raising would stop a worker's thread); ``calls`` counts each job's calls by name, and
+``beside_s`` tells how long two jobs worked at once on different groups (what two pools are for)."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,6 +19,7 @@ class PoolWatch:
         self._inside: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.violations: list[str] = []
         self.calls: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.spans: list[tuple[str, str, float, float]] = []  # (job, group, start, end) of every call, monotonic s
 
     def watched(
         self, job: str, group_of: Callable[[str], str] | None, holds: Any | None
@@ -44,8 +47,20 @@ class PoolWatch:
                 self.violations.append(f"{job}: {call} on {group} while {others} worked there")
             self._inside[group][job] += 1
             self.calls[job, call] += 1
+        start = time.monotonic()
         try:
             yield
         finally:
             with self._lock:
                 self._inside[group][job] -= 1
+                self.spans.append((job, group, start, time.monotonic()))
+
+    def beside_s(self) -> float:
+        """Seconds during which calls of two jobs ran at once on different groups (summed over pairs of calls)."""
+        spans = list(self.spans)
+        return sum(
+            max(0.0, min(e1, e2) - max(s1, s2))
+            for i, (j1, g1, s1, e1) in enumerate(spans)
+            for j2, g2, s2, e2 in spans[i + 1 :]
+            if j1 != j2 and g1 != g2
+        )

@@ -33,12 +33,24 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from nats.js.errors import KeyNotFoundError
 from prometheus_client import generate_latest
 from timeslice_client import AsyncTimeSliceClient, GroupRecord
 from timeslice_client.bus import connect
-from timeslice_client.protocol import AGENTS_BUCKET, OpKind, OpResult, Restore, Snapshot, encode, subjects
+from timeslice_client.protocol import (
+    AGENTS_BUCKET,
+    JOBS_BUCKET,
+    JobContext,
+    JobState,
+    OpKind,
+    OpResult,
+    Restore,
+    Snapshot,
+    encode,
+    subjects,
+)
 from timeslice_orchestrator.service import Orchestrator
 
 from .agent_harness import (
@@ -484,6 +496,57 @@ async def test_a_restarted_agent_does_not_run_again_a_command_from_before_its_re
     jobs = await agent.jobs()
     assert (jobs["a"]["state"], jobs["b"]["state"]) == ("SAVED", "RUNNING"), jobs
     assert "stale command answered without running" in agent.log_path.read_text(), agent.describe()
+
+
+async def test_an_operation_run_again_after_a_restart_answers_it_again_in_the_stream(
+    spawn: Spawn, agent: AgentProcess, observer: AsyncTimeSliceClient, nats_url: str
+) -> None:
+    """The agent is killed after it answered a's snapshot but before it stored a's state (its KV write follows the
+    answer): a's stored state is still TRANSITIONING, and the snapshot's command, delivered again to the restarted
+    agent, runs again (the workload answers the repeated op id with the outcome it gave). Its second start is in the
+    stream, so its second answer must be too (before, the stream dropped it as a duplicate of the first: a snapshot
+    started and never ended, and every grant after it broke ``timeslice check``: 3 ``grant-while-loaded`` in a chaos
+    run)."""
+    g = "run-again"
+    a, b, worked_a = await _a_holds_b_waits(spawn, observer, g)
+    a.send("release")
+    worked_b = await b.wait("worked")
+    await agent.wait_states({"a": "SAVED", "b": "RUNNING"})
+    agent.kill()
+    eb = worked_b["epoch"]
+    snap_id = f"{g}:{eb}:{OpKind.SNAPSHOT}:{NODE}"
+    nc = await connect(nats_url)
+    try:
+        kv = await nc.jetstream().key_value(JOBS_BUCKET)
+        stored = msgspec.json.decode((await kv.get(f"{NODE}.a")).value, type=JobContext)
+        assert (stored.state, stored.last_op_id, stored.epoch) == (JobState.SAVED, snap_id, eb), stored
+        await kv.put(
+            f"{NODE}.a", encode(msgspec.structs.replace(stored, state=JobState.TRANSITIONING, last_op_ok=None))
+        )
+        agent.start()
+        await agent.wait_ready()
+        deadline = int(time.time() * 1000) + 30_000
+        again = Snapshot(op_id=snap_id, group=g, job="a", node=NODE, epoch=eb, deadline_ms=deadline)
+        # then a stale command for a, answered once the one before it ended (one job's operations run in order)
+        ea = worked_a["epoch"]
+        marker = Restore(
+            op_id=f"{g}:{ea}:{OpKind.RESTORE}:{NODE}-m", group=g, job="a", node=NODE, epoch=ea, deadline_ms=deadline
+        )
+        for cmd in (again, marker):
+            await nc.jetstream().publish(subjects.agent_cmd(NODE), encode(cmd), timeout=5)
+    finally:
+        await nc.close()
+
+    async def marker_answered() -> bool:
+        results, _, _ = await op_events(nats_url, g)
+        return any(r.op_id == marker.op_id for r in results)
+
+    await eventually(marker_answered, what="the command after the one run again answered")
+    results, started, _ = await op_events(nats_url, g)
+    starts, answers = [s.op_id for s in started].count(snap_id), [r.op_id for r in results].count(snap_id)
+    assert (starts, answers) == (2, 2), (starts, answers)
+    assert all(r.ok for r in results if r.op_id == snap_id), results
+    assert (await agent.jobs())["a"]["state"] == "SAVED"
 
 
 async def _a_holds_b_waits(

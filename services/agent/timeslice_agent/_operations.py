@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import secrets
 import time
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ class Operations:
         self._js: JetStreamContext | None = None
         self._epochs: dict[str, int] = {}
         self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()
+        self._incarnation = secrets.token_hex(4)  # in the results' message ids: this agent's life, not the last one's
         self.running = RunningOps()  # a restore waits for the snapshots it follows (Restore.after)…
         self._order = RestoreOrder(  # …unless the node has room for both
             self.running,
@@ -308,13 +310,16 @@ class Operations:
         return result
 
     async def _publish_result(self, result: OpResult) -> None:
-        """The outcome, to the orchestrator: retried through an election (``_stored``), deduplicated by op id."""
+        """The outcome, to the orchestrator: retried through an election (``_stored``), deduplicated by op id within
+        this agent's life. An operation run again after a restart (its stored state still TRANSITIONING, its command
+        delivered again) publishes its start again, so its answer must reach the stream again too: a start without an
+        end reads as a context that may still be on the device. The orchestrator takes the first answer only."""
         assert self._js is not None
         await stored.publish(
             self._js,
             subjects.agent_event(self.node, result.group),
             encode(result),
-            headers={"Nats-Msg-Id": f"{result.op_id}:result"},
+            headers={"Nats-Msg-Id": f"{result.op_id}:result:{self._incarnation}"},
         )
 
     async def _standalone_op(self, cmd: Snapshot | Restore, kind: OpKind, asked: OpSettings) -> None:
