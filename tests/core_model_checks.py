@@ -186,7 +186,8 @@ class ModelChecks:
                 del self.entries[n.job]
                 restores = [r for c, r in self.ops.values() if isinstance(c, Restore) and c.epoch == n.epoch]
                 # "dropped": its node's agent was lost while it waited behind a snapshot there, with nothing
-                # of its job saved on that node (so nothing to bring back, and that placement is gone).
+                # of its job saved on that node (so nothing to bring back, and that placement is gone), or the job
+                # left that node (unregistered there) while it ran.
                 assert all(r in ([True], ["dropped"]) for r in restores), (
                     f"granted before every restore succeeded: {restores}"
                 )

@@ -20,7 +20,7 @@ from timeslice_client.protocol import (
     Released,
     SetPolicy,
 )
-from timeslice_orchestrator.core import LIMITS, Action
+from timeslice_orchestrator.core import LIMITS, Action, Work
 
 from .core_sim import notices
 
@@ -33,6 +33,14 @@ class PredictChecks:
     """A mixin: ``check_predict`` after every step; ``now`` is the machine's clock."""
 
     now: int
+
+    def _met(self, old: GroupRecord, new: GroupRecord) -> GroupRecord:
+        """The record an event's handler met: ``old`` after this instant's expiries, which ``core.apply`` runs first
+        (a waiter whose deadline is now has left the queue; one whose wait lapsed has left the switch)."""
+        w = Work.of(old, self.now, LIMITS)
+        w.seq = new.last_seq
+        w.expire()
+        return w.finish(old, new.last_seq)[0]
 
     def check_predict(self, old: GroupRecord, new: GroupRecord, ev: InputEvent, actions: list[Action]) -> None:
         released = notices(actions, Released)
@@ -63,8 +71,9 @@ class PredictChecks:
         if started:
             # A predictive restore starts only from its plan, at its time, on an idle group, never at a job's ask.
             assert sw is not None and planned is not None and planned.job == sw.ahead, (planned, sw)
-            # (a snapshot that trailed may have ended in this very event)
-            assert self.now >= planned.at_ms and not old.queue and old.reserved is None, old
+            # (a snapshot that trailed may have ended in this very event; a waiter whose deadline is now has left)
+            met = self._met(old, new)
+            assert self.now >= planned.at_ms and not met.queue and met.reserved is None, (old, met)
             assert ahead or old.holder is None, old
             if isinstance(ev, Acquire):  # an acquire refused (out of range, faulted) is no ask: it carries time only
                 assert [r for r in notices(actions, Refused) if r.request_id == ev.request_id], ev
@@ -94,10 +103,11 @@ class PredictChecks:
         if not isinstance(ev, Phase):
             return None
         was, now = old.cycles.get(ev.job, Cycle()).phases, new.cycles.get(ev.job, Cycle()).phases
+        met = self._met(old, new)  # (a wait that lapsed at this instant: the job is away when its phase starts)
         present = (
-            (old.holder is not None and old.holder.job == ev.job)
-            or any(w.job == ev.job for w in old.queue)
-            or (old.switch is not None and old.switch.to is not None and old.switch.to.job == ev.job)
+            (met.holder is not None and met.holder.job == ev.job)
+            or any(w.job == ev.job for w in met.queue)
+            or (met.switch is not None and met.switch.to is not None and met.switch.to.job == ev.job)
         )
         if not old.predict or ev.edge == "end" or present or ev.job not in old.placements:
             # Nothing learned: the policy is off, an end, a job holding or waiting (not away), or not registered.
@@ -119,7 +129,7 @@ class PredictChecks:
         # not faulted and not loaded.
         before = was.get(ev.name)
         assert plan.job == ev.job and plan.phase == ev.name and before is not None and before.gap_ms >= 0, (plan, was)
-        assert _idle(old) and ev.job not in old.faulted and old.saved.get(ev.job) and old.active_job != ev.job, old
+        assert _idle(met) and ev.job not in old.faulted and old.saved.get(ev.job) and old.active_job != ev.job, met
         assert old.plan is None or plan.at_ms < old.plan.at_ms, (old.plan, plan)
         assert self.now <= plan.at_ms <= self.now + max(before.gap_ms, before.prev_gap_ms), plan
         event("predictive restore planned at a phase start")

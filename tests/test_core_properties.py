@@ -438,7 +438,14 @@ class CoreMachine(ModelChecks, PredictChecks, BesideRules, RuleBasedStateMachine
         if kind == "register":
             self.step(JobRegistered(group=G, job=self.some_job(data), node=node, op_timeout_ms=timeout))
         elif kind == "unregister":
-            self.step(JobUnregistered(group=G, job=self.some_job(data), node=node))
+            job = self.some_job(data)
+            sw = self.rec.switch
+            for op in sw.ops if sw is not None else ():
+                # The job left that node: its restore there ends with nothing to bring back (no fault), so a grant
+                # may follow without it ("dropped"; seen with a predictive restore the job then asked into).
+                if op.kind is OpKind.RESTORE and op.job == job and op.node == node and op.op_id in self.ops:
+                    self.ops[op.op_id][1][0] = "dropped"
+            self.step(JobUnregistered(group=G, job=job, node=node))
         else:
             sw = self.rec.switch
             if sw is not None:
