@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
@@ -18,7 +18,7 @@ from timeslice_client.bus import connect
 from timeslice_client.protocol import OpResult, OpStarted, decode_input, subjects
 from timeslice_orchestrator.invariants import StreamChecker
 
-from .helpers import eventually, group_record, stop_process
+from .helpers import all_closed, eventually, group_record, stop_process
 from .workers import log_events, read_stream, worker_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,6 +201,25 @@ class Workload:
 
 
 Spawn = Callable[..., Workload]
+
+
+@pytest.fixture(name="spawn")
+def node_workloads(agent: AgentProcess, tmp_path: Path, nats_url: str) -> Iterator[Spawn]:
+    """Workload processes of ``NODE`` beside the ``agent`` fixture's agent, all closed at the test's end (a module
+    may define its own ``spawn``)."""
+
+    def workload(group: str, job: str, **opts: Any) -> Workload:
+        return Workload(tmp_path, nats_url, group, job, NODE, **opts)
+
+    with all_closed(workload) as made:
+        yield made
+
+
+@pytest.fixture(name="observer")
+async def records_observer(nats_url: str) -> AsyncIterator[AsyncTimeSliceClient]:
+    """A client that only reads group records (a module may define its own ``observer``)."""
+    async with AsyncTimeSliceClient("observer", "observer", nats_url) as c:
+        yield c
 
 
 def up_command(tmp_path: Path, *extra: str) -> tuple[list[str], dict[str, str]]:

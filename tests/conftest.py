@@ -21,7 +21,7 @@ from timeslice_client.bus import connect
 from timeslice_orchestrator.embedded import NatsServer
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
-from .agent_harness import node_agent  # noqa: F401 - the fixture agent: NODE's agent process
+from .agent_harness import node_agent, node_workloads, records_observer  # noqa: F401 - the fixtures agent, spawn, observer
 from .cluster import cluster  # noqa: F401 - the fixture: a 3-node loopback NATS cluster
 from .helpers import stop_process
 

@@ -8,11 +8,14 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
     from timeslice_client import AsyncTimeSliceClient, TimeSliceClient
     from timeslice_client.protocol import GroupRecord
 
@@ -205,3 +208,20 @@ def run_text(
     stderr captured as text: how the tests run a command or a script and read what it said. ``check``: a nonzero
     exit raises ``CalledProcessError``; else the caller asserts on ``returncode`` with the output in the message."""
     return subprocess.run(list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=check)
+
+
+def overlap_s(a: Iterable[Sequence[float]], b: Iterable[Sequence[float]]) -> float:
+    """Seconds that the intervals of ``a`` and of ``b`` (each ``(start, end)``, one clock) have in common, summed over
+    every pair."""
+    bs = list(b)
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in bs)
+
+
+async def subscribed(nc: NATS, subject: str, cb: Callable[[Msg], Awaitable[None]]) -> Subscription:
+    """``nc.subscribe(subject, cb=cb)`` that the server has seen on return: a yield lets nats-py put the SUB on the
+    socket first, else ``flush()`` after ``subscribe()`` is no barrier (1-2% of requests found no responders;
+    docs/nats.md)."""
+    sub = await nc.subscribe(subject, cb=cb)
+    await asyncio.sleep(0)
+    await nc.flush()
+    return sub

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .helpers import overlap_s
+
 
 class PoolWatch:
     def __init__(self) -> None:
@@ -57,10 +59,13 @@ class PoolWatch:
 
     def beside_s(self) -> float:
         """Seconds during which calls of two jobs ran at once on different groups (summed over pairs of calls)."""
-        spans = list(self.spans)
+        by: dict[tuple[str, str], list[tuple[float, float]]] = collections.defaultdict(list)
+        for job, group, start, end in list(self.spans):
+            by[job, group].append((start, end))
+        keys = sorted(by)
         return sum(
-            max(0.0, min(e1, e2) - max(s1, s2))
-            for i, (j1, g1, s1, e1) in enumerate(spans)
-            for j2, g2, s2, e2 in spans[i + 1 :]
-            if j1 != j2 and g1 != g2
+            overlap_s(by[k1], by[k2])
+            for i, k1 in enumerate(keys)
+            for k2 in keys[i + 1 :]
+            if k1[0] != k2[0] and k1[1] != k2[1]
         )

@@ -20,7 +20,7 @@ from timeslice_client.protocol import AgentLost, GroupRecord, subjects
 from timeslice_orchestrator._agents_watch import AgentLiveness, watch_agents
 from timeslice_orchestrator.core import new_record
 
-from .helpers import eventually
+from .helpers import eventually, subscribed
 
 PROBE_S = 0.3
 
@@ -65,10 +65,7 @@ async def _answering(nc: NATS, node: str) -> tuple[Subscription, list[str]]:
         asked.append(msg.subject)
         await msg.respond(b"[]")
 
-    sub = await nc.subscribe(subjects.agent_rpc(node, "status"), cb=answer)
-    await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (docs/nats.md)
-    await nc.flush()
-    return sub, asked
+    return await subscribed(nc, subjects.agent_rpc(node, "status"), answer), asked
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .agent_harness import queue_behind, recorded_switch
 from .auth_stack import SecureBus, Violations, start_secure_bus
-from .helpers import eventually, group_record, running
+from .helpers import eventually, group_record, running, subscribed
 
 G = "g"
 
@@ -312,9 +312,7 @@ async def test_workload_commands_reach_a_job_only_from_its_nodes_agent(bus: Secu
         await msg.respond(b"ok")  # type: ignore[attr-defined]
 
     try:
-        await victim.subscribe(subjects.workload_rpc("n1", "a"), cb=answer)
-        await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
-        await victim.flush()
+        await subscribed(victim, subjects.workload_rpc("n1", "a"), answer)
         async with _mallory(bus) as (nc, v):
             discard = encode(WorkloadCommand(op_id="forged", action="suspend", mode=SuspendMode.DISCARD))
             await _refused(nc, v, subjects.workload_rpc("n1", "a"), discard)

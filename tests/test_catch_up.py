@@ -7,8 +7,6 @@ it sits after the ack floor the first orchestrator left, exactly where a killed 
 
 from __future__ import annotations
 
-import asyncio
-
 from nats.aio.msg import Msg
 from timeslice_client._internal.bus_layout import ensure_bus
 from timeslice_client.bus import connect
@@ -26,7 +24,7 @@ from timeslice_client.protocol import (
 from timeslice_orchestrator.invariants import StreamChecker
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
-from .helpers import eventually, running
+from .helpers import eventually, running, subscribed
 from .workers import read_stream
 
 GROUPS = 40
@@ -57,9 +55,7 @@ async def test_restart_catches_up_the_backlog_then_binds_the_durable_after_it(na
             if isinstance(n, Granted):
                 grants.append(n)
 
-        await nc.subscribe("ts.v1.notice.>", cb=on_notice)
-        await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
-        await nc.flush()
+        await subscribed(nc, "ts.v1.notice.>", on_notice)
 
         # A first orchestrator decides one grant and stops cleanly: its ack floor is the stream's end.
         async with running(Orchestrator(OrchestratorConfig(nats_url=nats_url))):

@@ -13,6 +13,8 @@ from timeslice_client import AsyncTimeSliceClient
 from timeslice_client.bus import connect
 from timeslice_client.protocol import Renew, decode_input, subjects
 
+from .helpers import subscribed
+
 pytestmark = pytest.mark.usefixtures("orchestrator")
 
 
@@ -46,9 +48,7 @@ async def _renewals(nats_url: str, group: str, job: str) -> AsyncIterator[_Renew
     nc = await connect(nats_url)
     try:
         renewals = _Renewals()
-        await nc.subscribe(subjects.job(group, job, "renew"), cb=renewals.on_msg)
-        await asyncio.sleep(0)  # else flush() after subscribe() is no barrier (1-2% of requests got no responders)
-        await nc.flush()
+        await subscribed(nc, subjects.job(group, job, "renew"), renewals.on_msg)
         yield renewals
     finally:
         await nc.close()

@@ -4,7 +4,6 @@ garbage, deleted or forged is quarantined or rebuilt while every other group kee
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
@@ -39,7 +38,7 @@ from timeslice_orchestrator.core import LIMITS
 from timeslice_orchestrator.service import Orchestrator, OrchestratorConfig
 
 from .agent_harness import timeslice
-from .helpers import eventually, group_record, running
+from .helpers import eventually, group_record, running, subscribed
 
 BIG_MS = 2**53
 R = TypeVar("R", bound=msgspec.Struct)
@@ -140,9 +139,7 @@ async def _notices(nc: NATS, group: str) -> list[object]:
     async def cb(msg: object) -> None:
         got.append(decode_notice(msg.data))  # type: ignore[attr-defined]
 
-    await nc.subscribe(f"ts.v1.notice.{group}.>", cb=cb)
-    await asyncio.sleep(0)  # let the SUB reach the socket before the flush (a known nats-py ordering trap)
-    await nc.flush()
+    await subscribed(nc, f"ts.v1.notice.{group}.>", cb)
     return got
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from .agent_harness import NODE, ROOT, AgentProcess
-from .helpers import run_text
+from .helpers import overlap_s, run_text
 
 # Compares wall-clock runs (shared against solo or predicted): one CI worker runs these modules one after another
 # (``--dist loadgroup``), so they never load the 2 cores against each other.
@@ -59,18 +59,13 @@ def _run(env: dict[str, str], *args: str) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def _overlap(a: list[list[float]], b: list[list[float]]) -> float:
-    """Seconds that intervals of ``a`` and of ``b`` (each a list of [start, end], one clock) have in common."""
-    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
-
-
 async def test_two_ray_jobs_share_a_group_with_every_actor_moved(agent: AgentProcess, nats_url: str) -> None:
     plain = await asyncio.to_thread(_example, nats_url, "--plain")
     shared = await asyncio.to_thread(_example, nats_url)
     back_to_back, together = plain["jobs_wall_s"], shared["jobs_wall_s"]
     (a, run_a), (b, run_b) = shared["jobs"].items()
     # What sharing is for: while one job scores off the accelerators, the other has them.
-    hidden = {a: _overlap(run_a["scores"], run_b["holds"]), b: _overlap(run_b["scores"], run_a["holds"])}
+    hidden = {a: overlap_s(run_a["scores"], run_b["holds"]), b: overlap_s(run_b["scores"], run_a["holds"])}
     print(
         f"ray x2, {STEPS} steps: back to back {back_to_back:.2f} s, shared {together:.2f} s "
         f"= {together / back_to_back:.2f}x; suspends/resumes {[r['suspends_resumes'] for r in shared['jobs'].values()]}"
@@ -85,5 +80,5 @@ async def test_two_ray_jobs_share_a_group_with_every_actor_moved(agent: AgentPro
         assert len(run["holds"]) == 2 * STEPS and len(run["scores"]) == STEPS, run
     assert all(r["suspends_resumes"] == {"rollout": [0, 0], "trainer": [0, 0]} for r in plain["jobs"].values())
     # Never both on the accelerators at once: the two jobs' holds are disjoint.
-    assert _overlap(run_a["holds"], run_b["holds"]) == 0.0, (run_a["holds"], run_b["holds"])
+    assert overlap_s(run_a["holds"], run_b["holds"]) == 0.0, (run_a["holds"], run_b["holds"])
     assert all(s > 0.0 for s in hidden.values()), hidden
