@@ -156,6 +156,61 @@ async def test_an_operation_run_again_after_a_restart_answers_it_again_in_the_st
     assert (await agent.jobs())["a"]["state"] == "SAVED"
 
 
+async def test_a_job_registered_afresh_gets_no_command_of_its_earlier_life(
+    spawn: Spawn, agent: AgentProcess, observer: AsyncTimeSliceClient, nats_url: str
+) -> None:
+    """The fence a restarted agent seeds from its stored jobs is gone for a group whose jobs all left the node, and a
+    job that registers afresh stored epoch 0: a command from the job's earlier life, delivered again (the durable
+    consumer's ack floor lags), moved the new process's state. A fresh registration stores the group's epoch from its
+    record (KV ``groups``), so such a command is stale. Here a's snapshot of the switch to b comes again after a and
+    b left, the agent restarted and a new process registered as a: its state stays where it is."""
+    g = "afresh"
+    a, b, _ = await _a_holds_b_waits(spawn, observer, g)
+    a.send("release")
+    eb = (await b.wait("worked"))["epoch"]
+    await switch_back(a, b, observer, g)  # a holds again: the group's record moves past eb
+    for w in (a, b):
+        w.send("exit")
+        await w.wait("exited")
+        w.close()  # reaped: a zombie would pass for alive, and the agent would keep its job
+
+    async def no_jobs() -> bool:
+        return not await agent.jobs()
+
+    await eventually(no_jobs, what="a and b unregistered")
+    agent.kill()
+    agent.start()
+    await agent.wait_ready()
+    a2 = spawn(g, "a", handler="numpy", mb=2)  # the same event log as a's first process
+    await a2.wait("ready", n=2, timeout=START)
+    suspends = len(a2.events("suspend_start"))
+    fence = (await group_record(observer, g)).epoch
+    assert fence > eb, (fence, eb)
+    assert (await agent.jobs())["a"]["epoch"] == fence
+
+    snap_id = f"{g}:{eb}:{OpKind.SNAPSHOT}:{NODE}"
+    deadline = int(time.time() * 1000) + 30_000
+    replayed = Snapshot(op_id=snap_id, group=g, job="a", node=NODE, epoch=eb, deadline_ms=deadline)
+    marker = Restore(op_id=f"{snap_id}-m", group=g, job="a", node=NODE, epoch=eb, deadline_ms=deadline)
+    nc = await connect(nats_url)
+    try:
+        for cmd in (replayed, marker):
+            await nc.jetstream().publish(subjects.agent_cmd(NODE), encode(cmd), timeout=5)
+    finally:
+        await nc.close()
+
+    async def marker_answered() -> OpResult | None:
+        results, _, _ = await op_events(nats_url, g)
+        return next((r for r in results if r.op_id == marker.op_id), None)
+
+    answer = await eventually(marker_answered, what="the agent answered the command after the replayed one")
+    assert not answer.ok and "stale epoch" in (answer.error or ""), answer
+    _, started, _ = await op_events(nats_url, g)
+    assert [s.op_id for s in started].count(snap_id) == 1, "the snapshot of a's first life ran again"
+    assert len(a2.events("suspend_start")) == suspends, "the new process's state moved"
+    assert (await agent.jobs())["a"]["state"] == "IDLE"
+
+
 async def _a_holds_b_waits(
     spawn: Spawn, observer: AsyncTimeSliceClient, group: str
 ) -> tuple[Workload, Workload, dict[str, Any]]:

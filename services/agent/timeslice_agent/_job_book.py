@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -50,8 +50,15 @@ def now_ms() -> int:
 class JobBook:
     """The job contexts of one node (``jobs``, by job id); usable once ``bind`` gave it the agent's connection."""
 
-    def __init__(self, node: str, *, refused: Callable[[Refusal], None] = lambda code: None) -> None:
+    def __init__(
+        self,
+        node: str,
+        *,
+        fence: Callable[[str], Awaitable[int]],
+        refused: Callable[[Refusal], None] = lambda code: None,
+    ) -> None:
         self.node = node
+        self._fence = fence  # the epoch a job registering afresh in a group starts at (Operations.fence_for_new_job)
         self._refused = refused  # counts a context read back from KV that is not used (see ``recover``)
         self.jobs: dict[str, JobContext] = {}
         self._nc: NATS | None = None
@@ -110,6 +117,8 @@ class JobBook:
                 )
                 old = living
         ctx, _ = put_part(old, new)  # Refused: too many parts, or a process another part's backend acts on
+        if old is None:  # afresh: the commands of the job's earlier lives here are stale, after a restart too
+            ctx = msgspec.structs.replace(ctx, epoch=await self._fence(req.group))
         ctx = await self.save(ctx)
         await self.announce(ctx)
         log.info(

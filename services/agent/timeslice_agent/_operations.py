@@ -24,6 +24,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 from timeslice_client.protocol import (
     JobContext,
     JobState,
@@ -38,6 +39,7 @@ from timeslice_client.protocol import (
 from . import _stored as stored
 from ._backend_chain import Step, perform_parts
 from ._config import AgentConfig
+from ._group_fence import record_epoch
 from ._job_book import JobBook, now_ms
 from ._job_locks import JobLocks
 from ._job_parts import all_backends, views
@@ -86,6 +88,7 @@ class Operations:
         self._guard = guard
         self._nc: NATS | None = None  # once bound
         self._js: JetStreamContext | None = None
+        self._groups: KeyValue | None = None  # KV ``groups``: a group's epoch for a job registering afresh
         self._epochs: dict[str, int] = {}
         self._results: collections.OrderedDict[str, OpResult] = collections.OrderedDict()
         self._incarnation = secrets.token_hex(4)  # in the results' message ids: this agent's life, not the last one's
@@ -99,12 +102,25 @@ class Operations:
         )
         self.standalone: dict[str, tuple[str, float]] = {}  # running standalone op id -> job, start (monotonic s)
 
-    def bind(self, nc: NATS, js: JetStreamContext) -> None:
-        self._nc, self._js = nc, js
+    def bind(self, nc: NATS, js: JetStreamContext, groups: KeyValue) -> None:
+        self._nc, self._js, self._groups = nc, js, groups
 
     def epoch(self, group: str) -> int:
         """The group's newest epoch this agent has seen (0: none): a standalone operation runs at it."""
         return self._epochs.get(group, 0)
+
+    async def fence_for_new_job(self, group: str) -> int:
+        """The epoch a job registering afresh in ``group`` starts at (its context's, stored): the group's newest epoch,
+        from its record (KV ``groups``) or from this agent's commands, whichever is newer. A command older than it was
+        decided before the job registered, for an earlier life of a job of that id; the job's stored epoch is what
+        keeps it stale after a restart of this agent, when the group's fence in memory is gone (``seed_epochs`` finds
+        nothing for a group whose jobs all left). The group's fence here rises to it too."""
+        assert self._groups is not None
+        epoch = record_epoch(await stored.kv_get(self._groups, group), group, self.node)
+        fence = max(self._epochs.get(group, 0), epoch)
+        if fence:
+            self._epochs[group] = fence
+        return fence
 
     def seed_epochs(self, contexts: Iterable[JobContext]) -> None:
         """After a restart, each group's fence from its jobs' last operations (their stored contexts), so that the

@@ -1,4 +1,5 @@
-"""The agent's writes to the stream and its ``jobs`` bucket, ridden through a NATS election.
+"""The agent's writes to the stream and its ``jobs`` bucket (and its read of a group's record), ridden through a NATS
+election.
 
 While a NATS cluster elects the leader of a stream (4-9 s on a 3-node loopback cluster, docs/nats.md), a write gets no
 answer or "no responders". An operation's outcome must still reach the orchestrator: a snapshot that ran, reported
@@ -16,11 +17,12 @@ from collections.abc import Awaitable, Callable
 from typing import Final, TypeVar
 
 from nats.js import JetStreamContext
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 from timeslice_client._publish_rules import transient
 
-__all__ = ["RETRY_S", "kv_put", "publish"]
+__all__ = ["RETRY_S", "kv_get", "kv_put", "publish"]
 
 RETRY_S: Final = 30.0  # beyond the longest election seen (9 s) with room; an operation's deadline is longer still
 _ATTEMPT_S: Final = 1.0  # one attempt's wait for the stream's answer (the next one reaches a new leader)
@@ -57,5 +59,18 @@ async def kv_put(kv: KeyValue, key: str, value: bytes, *, within_s: float = RETR
 
     async def once() -> int:
         return int(await kv.put(key, value))
+
+    return await _retrying(once, within_s)
+
+
+async def kv_get(kv: KeyValue, key: str, *, within_s: float = RETRY_S) -> bytes | None:
+    """``kv.get`` until the bucket answers (transient errors retried for ``within_s``); the value, None when the key
+    has none (never written, deleted or purged)."""
+
+    async def once() -> bytes | None:
+        try:
+            return (await kv.get(key)).value or None
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
 
     return await _retrying(once, within_s)

@@ -100,7 +100,11 @@ class Agent:
         self._own_nc = nc is None
         self._js: JetStreamContext | None = None
         self._heartbeat: Heartbeat | None = None  # once connected
-        self._book = JobBook(self.node, refused=lambda code: self.metrics.refusal("kv", code))  # KV ``jobs``
+        self._book = JobBook(  # KV ``jobs``
+            self.node,
+            fence=lambda group: self._ops.fence_for_new_job(group),  # noqa: PLW0108 - _ops is made below
+            refused=lambda code: self.metrics.refusal("kv", code),
+        )
         self._locks = JobLocks()  # one per job id, while in use
         self._guard = ProcessGuard(
             proc=ProcFS(self.config.proc_root),
@@ -173,7 +177,7 @@ class Agent:
         buckets = await ensure_bus(self._js, self.config.bus)
         self._book.bind(nc, self._js, buckets.jobs)
         self._requests.bind(self._js)
-        self._ops.bind(nc, self._js)
+        self._ops.bind(nc, self._js, buckets.groups)
         heartbeat = self._heartbeat = Heartbeat(self.node, buckets.agents, self._started_ms)
         try:
             await self._serve_socket()
