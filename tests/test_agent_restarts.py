@@ -12,8 +12,11 @@ What each test checks:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import re
 import time
+import urllib.request
 from typing import Any
 
 import msgspec
@@ -179,6 +182,7 @@ async def test_a_job_registered_afresh_gets_no_command_of_its_earlier_life(
 
     await eventually(no_jobs, what="a and b unregistered")
     agent.kill()
+    agent.args = ("--metrics-port", "0")
     agent.start()
     await agent.wait_ready()
     a2 = spawn(g, "a", handler="numpy", mb=2)  # the same event log as a's first process
@@ -209,6 +213,9 @@ async def test_a_job_registered_afresh_gets_no_command_of_its_earlier_life(
     assert [s.op_id for s in started].count(snap_id) == 1, "the snapshot of a's first life ran again"
     assert len(a2.events("suspend_start")) == suspends, "the new process's state moved"
     assert (await agent.jobs())["a"]["state"] == "IDLE"
+    url = re.findall(r"metrics at (\S+)", agent.log_path.read_text())[-1]
+    scraped = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+    assert "timeslice_agent_stale_commands_total 2.0" in scraped.splitlines(), agent.describe()
 
 
 async def _a_holds_b_waits(

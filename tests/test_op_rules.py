@@ -9,8 +9,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from timeslice_agent._backend_api import Outcome
+from timeslice_agent._config import AgentConfig
+from timeslice_agent._job_book import JobBook
+from timeslice_agent._job_locks import JobLocks
 from timeslice_agent._op_rules import Answer, Begin, decide, settle
+from timeslice_agent._operations import Operations
+from timeslice_agent._ownership import ProcessGuard
 from timeslice_agent._standalone import OpSettings, run_context
+from timeslice_agent.metrics import AgentMetrics
 from timeslice_client.protocol import JobContext, JobState, OpKind, SuspendMode
 
 REGISTERED = (SuspendMode.OFFLOAD, ("weights",))
@@ -76,6 +82,29 @@ def test_what_each_command_does() -> None:
     assert isinstance(late, Answer) and late.error == "deadline passed before start"
     cut, _ = _decide(msgspec.structs.replace(_job(), state=JobState.TRANSITIONING), OpKind.RESTORE)
     assert isinstance(cut, Begin) and cut.before is JobState.SAVED and cut.marked.state is JobState.TRANSITIONING
+
+
+def test_a_job_registered_afresh_refuses_its_earlier_lives_commands_and_moves_no_group_fence() -> None:
+    """A job that registered afresh stores its group's epoch then (``Operations.fence_for_new_job``) and stays IDLE
+    until its first operation: a command older than that is stale for it, and a restarted agent seeds its groups'
+    fences from the jobs that ran operations only, so another job's older operation, sent again, still runs."""
+    fresh = msgspec.structs.replace(_job(JobState.IDLE), epoch=9)
+    old, fence = _decide(fresh, OpKind.SNAPSHOT, epoch=6, newest=0)
+    assert isinstance(old, Answer) and old.stale and not old.ok and fence is None
+    first, fence = _decide(fresh, OpKind.RESTORE, epoch=9, newest=0)
+    assert isinstance(first, Answer) and first.ok and first.save is not None and first.save.epoch == 9 and fence == 9
+
+    book = JobBook("n", fence=_no_fence)
+    ops = Operations(AgentConfig(node_id="n"), book, JobLocks(), ProcessGuard(), AgentMetrics())
+    trailing = msgspec.structs.replace(_job(JobState.RUNNING), job="k", epoch=6)
+    ops.seed_epochs([fresh, trailing])
+    assert ops.epoch("g") == 6  # not 9: k's snapshot of epoch 6, sent again, is not refused for the newcomer
+    ops.seed_epochs([msgspec.structs.replace(fresh, state=JobState.RUNNING)])
+    assert ops.epoch("g") == 9  # once it ran an operation at 9, its epoch is a command's
+
+
+async def _no_fence(group: str) -> int:
+    return 0
 
 
 class OperationRules(RuleBasedStateMachine):

@@ -111,23 +111,23 @@ class Operations:
 
     async def fence_for_new_job(self, group: str) -> int:
         """The epoch a job registering afresh in ``group`` starts at (its context's, stored): the group's newest epoch,
-        from its record (KV ``groups``) or from this agent's commands, whichever is newer. A command older than it was
-        decided before the job registered, for an earlier life of a job of that id; the job's stored epoch is what
-        keeps it stale after a restart of this agent, when the group's fence in memory is gone (``seed_epochs`` finds
-        nothing for a group whose jobs all left). The group's fence here rises to it too."""
+        from its record (KV ``groups``) or from this agent's commands, whichever is newer. A command for the job older
+        than that was decided before it registered, for an earlier life of a job of that id; the job's stored epoch
+        keeps it stale after a restart of this agent too, when the group's fence in memory is gone (``seed_epochs``
+        finds nothing for a group whose jobs all left). The group's own fence stays the newest command's: the record's
+        epoch does not refuse another job's older operation still pending, which the orchestrator sends again
+        unchanged to a restarted agent (a snapshot trailing a grant on restore)."""
         assert self._groups is not None
         epoch = record_epoch(await stored.kv_get(self._groups, group), group, self.node)
-        fence = max(self._epochs.get(group, 0), epoch)
-        if fence:
-            self._epochs[group] = fence
-        return fence
+        return max(self._epochs.get(group, 0), epoch)
 
     def seed_epochs(self, contexts: Iterable[JobContext]) -> None:
         """After a restart, each group's fence from its jobs' last operations (their stored contexts), so that the
         commands the durable consumer delivers again from before the restart (its ack floor can lag the acks by
-        seconds, across a NATS restart by more) are stale, not run a second time."""
+        seconds, across a NATS restart by more) are stale, not run a second time. A job that never ran an operation
+        here (IDLE) adds nothing: its epoch is where it registered (``fence_for_new_job``), not a command's."""
         for ctx in contexts:
-            if ctx.epoch > self._epochs.get(ctx.group, 0):
+            if ctx.state is not JobState.IDLE and ctx.epoch > self._epochs.get(ctx.group, 0):
                 self._epochs[ctx.group] = ctx.epoch
 
     def begin_standalone(self, cmd: Snapshot | Restore, kind: OpKind, asked: OpSettings) -> Coroutine[Any, Any, None]:
@@ -212,6 +212,7 @@ class Operations:
                 self._epochs[cmd.group] = fence
             if isinstance(verdict, Answer):
                 if verdict.stale:  # e.g. delivered again after a restart of this agent: nothing moves
+                    self.metrics.stale_commands.inc()
                     log.warning(
                         "stale command answered without running: %s",
                         verdict.error,

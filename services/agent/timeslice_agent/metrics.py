@@ -94,6 +94,13 @@ class AgentMetrics:
             ["via"],
             registry=r,
         )
+        self.stale_commands = Counter(
+            "timeslice_agent_stale_commands",
+            "Commands answered without running, their epoch older than their group's newest here or their job's "
+            "(delivered again after a restart of this agent, whose durable consumer resumes at its ack floor; or of an "
+            "earlier life of a job registered afresh). Counted in timeslice_agent_operations as refused too.",
+            registry=r,
+        )
         self.refused = Counter(
             "timeslice_agent_refused",
             "Messages refused as malformed (and acknowledged, for a command), by where "
