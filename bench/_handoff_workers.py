@@ -19,12 +19,14 @@ async def _pingpong(url: str, group: str, job: str, n: int, gap: float, out: str
 
     rows: list[tuple[str, int, int]] = []
     async with AsyncTimeSliceClient(job, group, url, lease_s=30) as c:
+        rows.append(("c", 0, time.process_time_ns()))  # this process's CPU, connected: its start left out
         for _ in range(n):
             g = await c.acquire(timeout=60)
             rows.append(("g", g.epoch, time.monotonic_ns()))
             await asyncio.sleep(gap)  # the idle gap before the release
             rows.append(("r", g.epoch, time.monotonic_ns()))
             await c.release()
+        rows.append(("c", 1, time.process_time_ns()))
     Path(out).write_text(json.dumps(rows))
 
 

@@ -7,9 +7,15 @@ each, two job processes ping-pong a group (``bench/handoff.py``'s P1: job A call
 acquire() returns); the rounds alternate the stacks' order so that all see the same machine. Every handoff is
 preceded by the same idle gap (``--gap-ms``; on the development VM latency grows with the idle time before a
 message: CPU wake-ups). Prints p50/p99 of each and their ratio, and the CPU each kind of process (nats-server, the
-orchestrator, the two jobs) spent per handoff on each stack: where what auth and TLS add goes.
+orchestrator, the two jobs, each from connected to done) spent per handoff on each stack: where what auth and TLS add
+goes.
 
-Run: ``python bench/handoff_auth.py [--n 1000] [--rounds 2] [--gap-ms 2]`` (``--quick``: n 200, 1 round).
+Each round runs the three stacks one after the other, in an order that turns from round to round; besides the p50
+over all rounds, each round's ratio to the plain stack of the same round is printed and their median. Auth adds no
+work per message (the server checks a subject against the user's permissions, cached), so the spread of its ratios
+around 1 shows how far this run's noise reaches.
+
+Run: ``python bench/handoff_auth.py [--n 350] [--rounds 6] [--gap-ms 2]`` (``--quick``: n 200, 1 round).
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,8 +84,15 @@ def _start_orchestrator(s: _Stack) -> None:
     )
 
 
-def _round(s: _Stack, tmp: Path, k: int, n: int, gap_ms: float) -> list[float]:
-    """One ping-pong of ``n`` handoffs on group ``bench-<k>``: the handoff latencies (ms), warm-up tenth skipped."""
+@dataclass
+class _Round:
+    handoffs_ms: list[float]  # the warm-up tenth left out
+    count: int  # every handoff of the round
+    jobs_cpu_s: float  # the two jobs' CPU from connected to done (their interpreters' start left out)
+
+
+def _round(s: _Stack, tmp: Path, k: int, n: int, gap_ms: float) -> _Round:
+    """One ping-pong of ``n`` cycles a job on group ``bench-<k>``."""
     outs, procs = [], []
     for job in ("job-a", "job-b"):
         env = dict(s.env)
@@ -114,11 +127,16 @@ def _round(s: _Stack, tmp: Path, k: int, n: int, gap_ms: float) -> list[float]:
     for p in procs:
         if p.wait(timeout=600):
             raise RuntimeError(f"a ping-pong worker on the {s.name} stack failed ({p.returncode})")
-    rows = [r for out in outs for r in json.loads(out.read_text())]
+    per_job = [json.loads(out.read_text()) for out in outs]
+    rows = [r for job_rows in per_job for r in job_rows]
     grants = {e: t for kind, e, t in rows if kind == "g"}
     releases = {e: t for kind, e, t in rows if kind == "r"}
     hand = [(grants[e + 1] - releases[e]) / 1e6 for e in sorted(releases) if e + 1 in grants]
-    return hand[len(hand) // 10 :]
+    cpu_ns = 0
+    for job_rows in per_job:
+        marks = {e: t for kind, e, t in job_rows if kind == "c"}
+        cpu_ns += marks[1] - marks[0]
+    return _Round(hand[len(hand) // 10 :], len(hand), cpu_ns / 1e9)
 
 
 def _cpu_s(pid: int) -> float:
@@ -127,10 +145,11 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _children_cpu_s() -> float:
-    """CPU seconds of this process's children that ended (the job processes of the rounds so far)."""
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
+def _order(stacks: list[_Stack], k: int) -> list[_Stack]:
+    """Round ``k``'s order of the stacks: each round starts with the next one, and odd rounds go backwards, so that
+    over six rounds each stack runs first, second and last alike (after a fresh start, or after another stack)."""
+    turned = stacks[k % len(stacks) :] + stacks[: k % len(stacks)]
+    return turned if (k // len(stacks)) % 2 == 0 else turned[::-1]
 
 
 def run(n: int, rounds: int, gap_ms: float) -> dict[str, Any]:
@@ -140,18 +159,31 @@ def run(n: int, rounds: int, gap_ms: float) -> dict[str, Any]:
         stacks = [_plain(tmp), _secure(tmp, tls=False), _secure(tmp, tls=True)]
         for s in stacks:
             _start_orchestrator(s)
+        for s in stacks:  # a short round, not counted: each orchestrator started (its own start's CPU left out)
+            _round(s, tmp, rounds, 20, gap_ms)
         samples: dict[str, list[float]] = {s.name: [] for s in stacks}
         # Where the time goes: CPU seconds per process kind, per stack (on a machine with few cores, CPU spent
-        # anywhere on the path is latency). The jobs' share includes their interpreter's start, the same on each.
+        # anywhere on the path is latency). The jobs' own from connected to done; the server's and the orchestrator's
+        # over the round, the jobs' connections included (a few ms a round).
         cpu: dict[str, dict[str, float]] = {s.name: {"server": 0.0, "orchestrator": 0.0, "jobs": 0.0} for s in stacks}
+        handoffs = dict.fromkeys(samples, 0)
+        # Each stack's p50 per round, beside the others' of the same round: the ratio of a round is measured over
+        # minutes in which the three met the same machine, and their median does not follow one noisy round.
+        per_round: list[dict[str, float]] = []
         for k in range(rounds):
-            for s in stacks if k % 2 == 0 else reversed(stacks):
+            this: dict[str, float] = {}
+            for s in _order(stacks, k):
                 assert s.orch is not None
-                before = (_cpu_s(s.server_pid), _cpu_s(s.orch.pid), _children_cpu_s())
-                samples[s.name] += _round(s, tmp, k, n, gap_ms)
-                after = (_cpu_s(s.server_pid), _cpu_s(s.orch.pid), _children_cpu_s())
-                for kind, b, e in zip(("server", "orchestrator", "jobs"), before, after, strict=True):
+                before = (_cpu_s(s.server_pid), _cpu_s(s.orch.pid))
+                got = _round(s, tmp, k, n, gap_ms)
+                after = (_cpu_s(s.server_pid), _cpu_s(s.orch.pid))
+                samples[s.name] += got.handoffs_ms
+                this[s.name] = _common.pct(got.handoffs_ms, 50)
+                handoffs[s.name] += got.count
+                for kind, b, e in zip(("server", "orchestrator"), before, after, strict=True):
                     cpu[s.name][kind] += e - b
+                cpu[s.name]["jobs"] += got.jobs_cpu_s
+            per_round.append(this)
     finally:
         for s in stacks:
             if s.orch is not None:
@@ -163,18 +195,21 @@ def run(n: int, rounds: int, gap_ms: float) -> dict[str, Any]:
     for name, key in (("plain", "plain"), ("auth", "auth"), ("auth+tls", "secure")):
         out[f"{key}_p50_ms"] = _common.pct(samples[name], 50)
         out[f"{key}_p99_ms"] = _common.pct(samples[name], 99)
-    for key in ("auth", "secure"):
+    for name, key in (("auth", "auth"), ("auth+tls", "secure")):
         out[f"{key}_ratio_p50"] = out[f"{key}_p50_ms"] / out["plain_p50_ms"]
         out[f"{key}_ratio_p99"] = out[f"{key}_p99_ms"] / out["plain_p99_ms"]
+        ratios = [r[name] / r["plain"] for r in per_round]
+        out[f"{key}_round_ratios_p50"] = [round(x, 3) for x in ratios]
+        out[f"{key}_ratio_p50_median_of_rounds"] = statistics.median(ratios)
     for name, key in (("plain", "plain"), ("auth", "auth"), ("auth+tls", "secure")):
-        out[f"{key}_cpu_us_per_handoff"] = {kind: round(1e6 * v / (n * rounds)) for kind, v in cpu[name].items()}
+        out[f"{key}_cpu_us_per_handoff"] = {kind: round(1e6 * v / handoffs[name]) for kind, v in cpu[name].items()}
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", type=int, default=1000, help="handoffs per round and stack")
-    p.add_argument("--rounds", type=int, default=2, help="rounds, alternating the stacks' order")
+    p.add_argument("--n", type=int, default=350, help="handoffs per job, round and stack (a ping-pong: 2n handoffs)")
+    p.add_argument("--rounds", type=int, default=6, help="rounds, each in another order of the stacks")
     p.add_argument("--gap-ms", type=float, default=2.0)
     p.add_argument("--quick", action="store_true", help="a short run (--n 200, one round)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
@@ -198,7 +233,15 @@ def main() -> None:
             f"  {label:<15} p50 {res[f'{key}_p50_ms']:.3f} ms   p99 {res[f'{key}_p99_ms']:.3f} ms   "
             f"(x{res[f'{key}_ratio_p50']:.3f} p50, x{res[f'{key}_ratio_p99']:.3f} p99 of plain)"
         )
-    print("CPU per handoff (µs; the jobs' share includes their start, the same on each stack):")
+    print("p50 ratio to plain, round by round (each round's stacks one after the other), and their median:")
+    for key, label in (("auth", "auth"), ("secure", "auth + TLS")):
+        rounds = " ".join(f"{x:.3f}" for x in res[f"{key}_round_ratios_p50"])
+        print(f"  {label:<15} {rounds}   median x{res[f'{key}_ratio_p50_median_of_rounds']:.3f}")
+    print(
+        "  (auth adds no work per message: how far its ratios stray from 1 is this run's noise, which the TLS "
+        "figure carries too)"
+    )
+    print("CPU per handoff (µs; the two jobs' from connected to done, nats-server's and the orchestrator's per round):")
     for key, label in (("plain", "plain"), ("auth", "auth"), ("secure", "auth + TLS")):
         c = res[f"{key}_cpu_us_per_handoff"]
         print(
