@@ -28,6 +28,8 @@ from timeslice_client.protocol import (
     ClearFault,
     Granted,
     JobUnregistered,
+    OpKind,
+    OpResult,
     Released,
     Renew,
     Snapshot,
@@ -367,6 +369,38 @@ def test_a_snapshot_failed_after_its_job_left_the_node_is_no_context_left_loaded
     assert sim.settle(sim.result(restore)).job == "b"
     events = [StreamEvent(q, ms, subj, data) for q, ms, subj, data in sim.stream]
     assert not check_events(events).violations
+
+
+def test_a_late_refusal_of_a_snapshot_that_ended_ok_is_no_context_left_loaded() -> None:
+    """A restarted agent gets the commands after its ack floor delivered again and answers the old ones stale
+    (``ok=False``, never started): the snapshot had ended ``ok`` the first time, so the job's context is off the
+    device and a later grant to another job is fine (bench/chaos.py, seed 3: three false ``grant-while-loaded``). A
+    refusal of a snapshot that never ended ``ok`` still counts as a context that may be loaded."""
+
+    def stream(answered_first: bool) -> list[StreamEvent]:
+        sim = Sim("g")
+        for job in ("a", "b", "c"):
+            sim.register(job, NODE)
+        sim.hold("a")
+        sim.acquire("b", "b-w")
+        snap, restore = commands(sim.release("a"))
+        assert isinstance(snap, Snapshot)
+        op_started(sim, snap)
+        if answered_first:
+            sim.result(snap)
+        refusal = OpResult(
+            group="g", op_id=snap.op_id, node=NODE, job="a", kind=OpKind.SNAPSHOT, epoch=snap.epoch, ok=False
+        )
+        inject(sim, subjects.agent_event(NODE, "g"), refusal)  # delivered again after a restart: stale
+        if not answered_first:
+            sim.result(snap, ok=False)  # the answer the core takes: a faults, and an operator clears it
+            sim(ClearFault(group="g", job="a"))
+        sim.result(restore)
+        return [StreamEvent(q, ms, subj, data) for q, ms, subj, data in sim.stream]
+
+    assert not check_events(stream(answered_first=True)).violations
+    kinds = [v.kind.value for v in check_events(stream(answered_first=False)).violations]
+    assert kinds == ["grant-while-loaded"], kinds
 
 
 # ---------------------------------------------------------------------- a real run

@@ -273,6 +273,32 @@ def test_stream_checker_catches_a_restore_started_beside_a_running_snapshot_on_i
     ]
 
 
+def test_stream_checker_admits_a_restore_beside_a_snapshot_run_again_after_it_ended() -> None:
+    """A restarted agent runs again a snapshot whose answer it had published but whose settled state it had not
+    stored (its command delivered again): the second start moves nothing, the context left the device at the first
+    end, and a restore of the switch may start beside it (bench/chaos.py, seed 3: the restore re-sent by the
+    orchestrator started 5 events after the snapshot's second start and was reported). A snapshot that never ended
+    still holds the restore back."""
+    again = _op_events(
+        [
+            ("n1", "snapshot", "start"),
+            ("n1", "snapshot", "end"),
+            ("n1", "snapshot", "start"),  # run again after a restart of the agent
+            ("n1", "restore", "start"),
+            ("n1", "snapshot", "end"),
+            ("n1", "restore", "end"),
+            ("n2", "restore", "start"),
+            ("n2", "restore", "end"),
+        ]
+    )
+    checker = StreamChecker()
+    checker.feed_all(again)
+    holder = checker.records[G].holder
+    assert holder is not None and holder.job == "b"
+    with pytest.raises(InvariantViolation, match="restore starts only after"):
+        StreamChecker().feed_all(_op_events([("n1", "snapshot", "start"), ("n1", "restore", "start")]))
+
+
 def test_stream_checker_admits_a_restore_that_says_it_overlapped_and_still_grants_after_all() -> None:
     """An agent with room starts the restore beside the snapshot (``OpStarted.overlapped``); the grant
     still comes only once both ended, whichever ends first."""

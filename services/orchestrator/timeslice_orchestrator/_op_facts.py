@@ -13,10 +13,16 @@ which operations the fold's records show the core waiting for) this checks, per 
   succeeded (``OpResult.overlapped``).
 
 A snapshot counts until its answer, its node's ``AgentLost`` or a ``JobUnregistered`` there, or until the core
-stops waiting for it (its deadline passed: its job is faulted, its state unknown; the core's rule).
+stops waiting for it (its deadline passed: its job is faulted, its state unknown; the core's rule). A snapshot that
+starts again after it ended ``ok`` (a restarted agent runs again an operation whose settled state it had not stored
+yet; the workload answers the repeated op id with its first outcome) does not count: its context left the device at
+the first end.
 """
 
 from __future__ import annotations
+
+import collections
+from typing import Final
 
 from timeslice_client.protocol import (
     AgentLost,
@@ -35,6 +41,7 @@ from ._errors import InvariantViolation
 __all__ = ["OpFacts", "pending_ops"]
 
 _Key = tuple[str, str, int]  # (node, group, epoch)
+MAX_ENDED_OK: Final = 65_536  # snapshot op ids remembered as ended ok (a restarted agent's run again of one)
 
 
 def pending_ops(rec: GroupRecord | None) -> tuple[OpRecord, ...]:
@@ -54,11 +61,14 @@ class OpFacts:
         # Kept apart from the running snapshots: the agent may publish a snapshot's OpStarted after the OpResult of
         # the restore beside it (it starts both at once), and a restarted agent begins the same snapshot again.
         self._beside: dict[tuple[str, str], tuple[int, str]] = {}
+        self._ended_ok: collections.OrderedDict[str, None] = collections.OrderedDict()  # snapshots, newest last
 
     def started(self, op: OpStarted, seq: int, rec: GroupRecord | None) -> None:
         """An ``OpStarted``; ``rec`` is the fold's record of its group at that point of the stream."""
         key = (op.node, op.group, op.epoch)
         if op.kind is OpKind.SNAPSHOT:
+            if op.op_id in self._ended_ok:
+                return  # run again after an agent restart: its context left the device when it first ended ok
             self._snapshots.setdefault(key, set()).add(op.op_id)
             if any(o.op_id == op.op_id for o in pending_ops(rec)):
                 self._issued[op.op_id] = op.job
@@ -96,6 +106,11 @@ class OpFacts:
         if isinstance(ev, OpResult):
             key = (ev.node, ev.group, ev.epoch)
             self._end(key, ev.op_id)
+            if ev.kind is OpKind.SNAPSHOT and ev.ok:
+                self._ended_ok[ev.op_id] = None
+                self._ended_ok.move_to_end(ev.op_id)
+                while len(self._ended_ok) > MAX_ENDED_OK:
+                    self._ended_ok.popitem(last=False)
             if ev.kind is OpKind.RESTORE and ev.ok and ev.overlapped:
                 self._beside[(ev.node, ev.group)] = (ev.epoch, ev.job)
         elif isinstance(ev, AgentLost | JobUnregistered):  # its context is gone, or nobody can say any more

@@ -16,7 +16,9 @@ operation events, and reports, per group:
 * ``grant-while-loaded``: a new grant to job B while the stream shows job A's context possibly still on a
   node of the group: A's snapshot there started (``OpStarted``) with no ``OpResult`` yet, or ended
   ``ok=False`` while A was neither unregistered from that node nor faulted (the fold's record says whether
-  it is). The one exception is a grant on restore: B's restore of the same switch on that node ended ``ok`` saying
+  it is); a second answer ``ok=False`` to a snapshot that had ended ``ok``, with no start of it open (a restarted
+  agent refusing the command delivered again as stale), moved nothing and does not count. The one exception is a
+  grant on restore: B's restore of the same switch on that node ended ``ok`` saying
   it ran beside A's snapshot (``OpResult.overlapped``, the agent's room rule) while that snapshot still ran; B
   (and only B) may then be granted before it ends.
 
@@ -27,6 +29,7 @@ Every rule is keyed on message types, enums and ids, never on message text.
 
 from __future__ import annotations
 
+import collections
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -64,6 +67,7 @@ __all__ = ["DEFAULT_LEASE_MS", "STUCK_MARGIN_MS", "Kind", "StreamChecks", "Viola
 
 DEFAULT_LEASE_MS: Final = 30_000  # Acquire.lease_ms's default: the threshold's base before any acquire
 STUCK_MARGIN_MS: Final = 10_000  # added to the lease (and to an operation's timeout) before a group is stuck
+MAX_ANSWERED: Final = 65_536  # snapshot op ids remembered as answered ok, per group (a late refusal of one)
 _LEAVING_CODES: Final = frozenset({ErrorCode.INVALID, ErrorCode.JOB_FAULTED})  # a refused acquire never waited
 
 _op_started: Final = msgspec.json.Decoder(OpStarted)
@@ -144,6 +148,8 @@ class _Group:
     # restore). Kept apart from the snapshots: the agent may publish a snapshot's OpStarted after that restore's
     # OpResult (it starts both at once), and a restarted agent begins the same snapshot again.
     beside: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # Snapshot op ids answered ok, newest last (bounded): a later refusal of the same command moved nothing.
+    snapshots_ok: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
 
 
 class StreamChecks:
@@ -250,7 +256,7 @@ class StreamChecks:
                 g.holder = None
                 self._progress(g, ev)
         elif isinstance(inp, OpResult):
-            g.ops.pop(inp.op_id, None)
+            ends_a_start = g.ops.pop(inp.op_id, None) is not None
             self._progress(g, ev)
             key = (inp.node, inp.job)
             left = inp.op_id in g.left
@@ -258,7 +264,17 @@ class StreamChecks:
             if inp.kind is OpKind.RESTORE and inp.ok and inp.overlapped:
                 g.beside[inp.node] = (inp.epoch, inp.job)
             if inp.kind is OpKind.SNAPSHOT:
-                if inp.ok or key in g.gone or left:
+                if inp.ok:
+                    g.snapshots_ok[inp.op_id] = None
+                    g.snapshots_ok.move_to_end(inp.op_id)
+                    while len(g.snapshots_ok) > MAX_ANSWERED:
+                        g.snapshots_ok.popitem(last=False)
+                if not inp.ok and not ends_a_start and inp.op_id in g.snapshots_ok:
+                    # A second answer to a snapshot that ended ok, with no start of it open: a restarted agent
+                    # refused the command delivered again (its epoch older than the job's), moving nothing. The
+                    # orchestrator takes the first answer only; so does this check.
+                    pass
+                elif inp.ok or key in g.gone or left:
                     # A job whose processes ended mid-snapshot is unregistered first, then its snapshot answered as
                     # failed (the agent's order): its context went with its processes. So did that of a snapshot
                     # started before its job left, answered after other processes registered as the job.
