@@ -32,6 +32,7 @@ from timeslice_client.protocol import (
     JobState,
     OpKind,
     OpResult,
+    OpStarted,
     Restore,
     Snapshot,
     encode,
@@ -86,26 +87,35 @@ async def test_a_restarted_agent_does_not_run_again_a_command_from_before_its_re
     marker = Snapshot(
         op_id=f"{g}:{ea}:{OpKind.SNAPSHOT}:{NODE}", group=g, job="a", node=NODE, epoch=ea, deadline_ms=deadline
     )
-    nc = await connect(nats_url)
-    try:
-        js = nc.jetstream()
-        for cmd in (replayed, marker):
-            await js.publish(subjects.agent_cmd(NODE), encode(cmd), timeout=5)
-    finally:
-        await nc.close()
-
-    async def marker_answered() -> OpResult | None:
-        results, _, _ = await op_events(nats_url, g)
-        return next((r for r in results if r.op_id == marker.op_id), None)
-
-    answer = await eventually(marker_answered, what="the agent answered the command after the replayed one")
-    assert not answer.ok and "stale epoch" in (answer.error or ""), answer
-    _, started, _ = await op_events(nats_url, g)
+    started = await _replayed_then_marker(nats_url, g, replayed, marker)
     assert [s.op_id for s in started if s.op_id in (replayed.op_id, marker.op_id)] == [], "a stale command ran"
     assert a.events("resume_start") == [], "a's state came back to the device while b holds"
     jobs = await agent.jobs()
     assert (jobs["a"]["state"], jobs["b"]["state"]) == ("SAVED", "RUNNING"), jobs
     assert "stale command answered without running" in agent.log_path.read_text(), agent.describe()
+
+
+async def _replayed_then_marker(
+    nats_url: str, group: str, replayed: Snapshot | Restore, marker: Snapshot | Restore
+) -> list[OpStarted]:
+    """Publish ``replayed`` (a command delivered again) and then ``marker`` (a command for the same job, which the
+    agent takes after it: one job's operations run in their order); once ``marker`` is answered, check that it was
+    answered stale and return the operations the stream shows started in ``group``."""
+    nc = await connect(nats_url)
+    try:
+        for cmd in (replayed, marker):
+            await nc.jetstream().publish(subjects.agent_cmd(NODE), encode(cmd), timeout=5)
+    finally:
+        await nc.close()
+
+    async def marker_answered() -> OpResult | None:
+        results, _, _ = await op_events(nats_url, group)
+        return next((r for r in results if r.op_id == marker.op_id), None)
+
+    answer = await eventually(marker_answered, what="the agent answered the command after the replayed one")
+    assert not answer.ok and "stale epoch" in (answer.error or ""), answer
+    _, started, _ = await op_events(nats_url, group)
+    return started
 
 
 async def test_an_operation_run_again_after_a_restart_answers_it_again_in_the_stream(
@@ -196,20 +206,7 @@ async def test_a_job_registered_afresh_gets_no_command_of_its_earlier_life(
     deadline = int(time.time() * 1000) + 30_000
     replayed = Snapshot(op_id=snap_id, group=g, job="a", node=NODE, epoch=eb, deadline_ms=deadline)
     marker = Restore(op_id=f"{snap_id}-m", group=g, job="a", node=NODE, epoch=eb, deadline_ms=deadline)
-    nc = await connect(nats_url)
-    try:
-        for cmd in (replayed, marker):
-            await nc.jetstream().publish(subjects.agent_cmd(NODE), encode(cmd), timeout=5)
-    finally:
-        await nc.close()
-
-    async def marker_answered() -> OpResult | None:
-        results, _, _ = await op_events(nats_url, g)
-        return next((r for r in results if r.op_id == marker.op_id), None)
-
-    answer = await eventually(marker_answered, what="the agent answered the command after the replayed one")
-    assert not answer.ok and "stale epoch" in (answer.error or ""), answer
-    _, started, _ = await op_events(nats_url, g)
+    started = await _replayed_then_marker(nats_url, g, replayed, marker)
     assert [s.op_id for s in started].count(snap_id) == 1, "the snapshot of a's first life ran again"
     assert len(a2.events("suspend_start")) == suspends, "the new process's state moved"
     assert (await agent.jobs())["a"]["state"] == "IDLE"
