@@ -103,7 +103,7 @@ def _stream_leader(r: dict[str, Any]) -> list[str]:
 
 
 def _handoff_auth(r: dict[str, Any]) -> list[str]:
-    rounds = "round_ratios_p50" in str(list(r))  # results from before the per-round ratios have none
+    rounds = "secure_round_ratios_p50" in r  # results from before the per-round ratios have none
     head = ["stack", "p50", "p99", "p50 vs plain", "p99 vs plain"] + (
         ["p50 ratio per round", "median of rounds"] if rounds else []
     )
