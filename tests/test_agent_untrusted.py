@@ -32,6 +32,7 @@ from timeslice_client._names import AGENT_JOB_VERBS
 from timeslice_client.protocol import (
     STREAM,
     AgentReply,
+    GroupRecord,
     JobContext,
     JobState,
     OpResult,
@@ -420,6 +421,29 @@ async def test_registration_naming_a_process_the_agent_must_not_touch_is_refused
 def _value(agent: Agent, name: str, **labels: str) -> float:
     got = agent.metrics.registry.get_sample_value(name, labels)
     return 0.0 if got is None else got
+
+
+async def test_a_group_record_the_agent_cannot_use_is_counted_and_the_registration_goes_on(
+    nats_url: str, nc: NATS
+) -> None:
+    """A job registering afresh starts at its group's epoch from KV ``groups``. A record there that is not JSON, that
+    names another group or whose epoch is out of bounds is refused as a job context read back is: logged, counted,
+    and the job starts at the epoch this agent saw (none here: 0). A usable record gives its epoch."""
+    node = "node-g"
+    cfg = AgentConfig(node_id=node, nats_url=nats_url)
+    buckets = await ensure_bus(nc.jetstream(), cfg.bus)
+    await buckets.groups.put("g-garbage", b"{not json")
+    await buckets.groups.put("g-other", encode(GroupRecord(group="g-else", epoch=7)))
+    await buckets.groups.put("g-huge", encode(GroupRecord(group="g-huge", epoch=2**60)))
+    await buckets.groups.put("g-ok", encode(GroupRecord(group="g-ok", epoch=12)))
+    async with running(Agent(cfg)) as agent:
+        for i, group in enumerate(("g-garbage", "g-other", "g-huge", "g-ok")):
+            req = RegisterJob(group=group, job=f"j{i}", backends=("noop",), pids=(os.getpid(),))
+            assert (await agent.register(req)).ok
+        epochs = {c.group: c.epoch for c in agent.jobs().values()}
+        assert epochs == {"g-garbage": 0, "g-other": 0, "g-huge": 0, "g-ok": 12}, epochs
+        for reason in ("undecodable", "wrong_subject", "out_of_range"):
+            assert _value(agent, "timeslice_agent_refused_total", source="kv", reason=reason) == 1, reason
 
 
 async def test_refusals_are_answered_where_they_can_be_and_counted(nats_url: str, nc: NATS) -> None:

@@ -118,7 +118,8 @@ class Operations:
         epoch does not refuse another job's older operation still pending, which the orchestrator sends again
         unchanged to a restarted agent (a snapshot trailing a grant on restore)."""
         assert self._groups is not None
-        epoch = record_epoch(await stored.kv_get(self._groups, group), group, self.node)
+        data = await stored.kv_get(self._groups, group)
+        epoch = record_epoch(data, group, self.node, lambda code: self.metrics.refusal("kv", code))
         return max(self._epochs.get(group, 0), epoch)
 
     def seed_epochs(self, contexts: Iterable[JobContext]) -> None:
